@@ -1,0 +1,37 @@
+# Every target creates .venv itself: two commands on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test test-unit demo bench soak lint typecheck clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/outbox-relay demo $(DEMO_ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/outbox-relay bench $(BENCH_ARGS)
+
+soak: $(STAMP)
+	$(PY) -m tests.soak $(SOAK_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache build dist *.egg-info

@@ -1,0 +1,138 @@
+"""The short-lived commands: migrate, status, cleanup, dead-letters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime
+from typing import Any
+
+from psycopg.rows import dict_row
+
+from relay import migrate, store
+from relay.config import Settings
+from relay.errors import ConfigError, SchemaMissing
+from relay.queries import query
+
+
+def dispatch(command: str, args: argparse.Namespace, settings: Settings) -> int:
+    from relay import logs
+
+    log = logs.get()
+    if command == "migrate":
+        applied = migrate.apply(settings.dsn, shards=settings.shards, log=log)
+        print(f"migrations applied: {', '.join(applied) if applied else 'none (schema up to date)'}")
+        return 0
+    if command == "status":
+        return status(settings, as_json=args.json)
+    if command == "cleanup":
+        if settings.cleanup_retention_s is None:
+            raise ConfigError("cleanup needs --cleanup-retention-s (or OUTBOX_RELAY_CLEANUP_RETENTION_S)")
+        return cleanup(settings, retention_s=settings.cleanup_retention_s, batch=args.batch_size)
+    if command == "dead-letters":
+        return dead_letters(settings, args)
+    raise ConfigError(f"unknown command {command!r}")
+
+
+def _rows(conn: Any, group: str, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    with store.translated():
+        cur = conn.cursor(row_factory=dict_row)
+        cur.execute(query(group, name), params)
+        return cur.fetchall() if cur.description else []
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def status(settings: Settings, *, as_json: bool) -> int:
+    conn = store.connect(settings.dsn, application_name="outbox-relay-status")
+    try:
+        (schema,) = _rows(conn, "relay", "schema_check", {})
+        if not all(schema.values()):
+            raise SchemaMissing()
+        (backlog,) = _rows(conn, "admin", "status_backlog", {})
+        (dead,) = _rows(conn, "admin", "status_dead_letters", {})
+        shards = _rows(conn, "leases", "shard_table", {"now": None})
+    finally:
+        conn.close()
+    report = {
+        "pending": int(backlog["pending"]),
+        "oldest_pending_age_s": round(float(backlog["oldest_pending_age_s"]), 3),
+        "retrying": int(backlog["retrying"]),
+        "dead_letters": int(dead["dead_letters"]),
+        "shards": [
+            {"shard": r["shard"], "owner": r["owner"], "lease_until": _iso(r["lease_until"]),
+             "token": r["token"], "live": bool(r["live"])}
+            for r in shards
+        ],
+    }
+    if as_json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"pending rows:        {report['pending']}")
+    print(f"oldest pending age:  {report['oldest_pending_age_s']:.1f} s")
+    print(f"retrying rows:       {report['retrying']}")
+    print(f"dead letters:        {report['dead_letters']}")
+    print()
+    print(f"{'shard':>5}  {'owner':<32}  {'lease until':<32}  {'token':>6}  state")
+    for r in report["shards"]:
+        state = "live" if r["live"] else ("expired" if r["owner"] else "free")
+        print(f"{r['shard']:>5}  {(r['owner'] or '-'):<32}  {(r['lease_until'] or '-'):<32}  "
+              f"{r['token']:>6}  {state}")
+    return 0
+
+
+def cleanup(settings: Settings, *, retention_s: float, batch: int) -> int:
+    from relay.janitor import Janitor
+
+    st = store.Store(settings.dsn)
+    try:
+        janitor = Janitor(st, retention_s=retention_s, batch=batch, interval_s=0, clock=lambda: 0.0,
+                          max_batches=1_000_000)
+        deleted = janitor.run_once()
+    finally:
+        st.close()
+    print(f"deleted {deleted} published rows older than {retention_s:g} s")
+    return 0
+
+
+def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
+    conn = store.connect(settings.dsn, application_name="outbox-relay-dead-letters")
+    try:
+        action = args.action
+        if action == "list":
+            rows = _rows(conn, "admin", "dead_letters_list", {"limit": args.limit})
+            items = [{**r, "created_at": _iso(r["created_at"]), "dead_at": _iso(r["dead_at"])}
+                     for r in rows]
+            if args.json:
+                json.dump(items, sys.stdout, indent=2)
+                sys.stdout.write("\n")
+            else:
+                for r in items:
+                    print(f"{r['event_id']}  {r['topic']:<24} {r['reason']:<20} attempts={r['attempts']}  {r['error'][:80]}")
+                print(f"{len(items)} dead letter(s)")
+            return 0
+        if action == "show":
+            if len(args.event_ids) != 1:
+                raise ConfigError("dead-letters show takes exactly one EVENT_ID")
+            rows = _rows(conn, "admin", "dead_letter_show", {"event_id": args.event_ids[0]})
+            if not rows:
+                raise ConfigError(f"no dead letter with event_id {args.event_ids[0]}")
+            r = rows[0]
+            json.dump({**r, "created_at": _iso(r["created_at"]), "dead_at": _iso(r["dead_at"])},
+                      sys.stdout, indent=2)
+            sys.stdout.write("\n")
+            return 0
+        if not args.event_ids and not args.all:
+            raise ConfigError(f"dead-letters {action} needs EVENT_ID arguments or --all")
+        name = "dead_letter_requeue" if action == "requeue" else "dead_letter_purge"
+        with conn.transaction():
+            rows = _rows(conn, "admin", name, {"all": bool(args.all), "event_ids": args.event_ids})
+        verb = "requeued" if action == "requeue" else "purged"
+        print(f"{verb} {len(rows)} dead letter(s)")
+        return 0
+    finally:
+        conn.close()

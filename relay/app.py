@@ -1,0 +1,283 @@
+"""Composition root: builds the adapters from settings, runs the loop, handles signals.
+
+The loop only ticks: heartbeat the leases when due, refresh the backlog gauges
+when due, run the pump once, then wait (on a notification, a delivery report or
+the next due time).  Failures of the database are waited out with capped
+exponential back-off and jitter, logged once per state change.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tenacity import wait_exponential_jitter
+
+from relay import __version__
+from relay.config import Settings, mask_dsn, masked_properties, producer_config
+from relay.errors import DatabaseUnavailable, FatalError, RelayError
+from relay.http import HealthServer
+from relay.janitor import Janitor
+from relay.leases import LeaseManager
+from relay.metrics import RelayMetrics
+from relay.publisher import Publisher
+from relay.pump import Pump
+from relay.store import Store
+
+
+class Relay:
+    """One relay replica.  ``start()`` validates and connects; ``run()`` loops until ``stop()``."""
+
+    def __init__(self, settings: Settings, *, metrics: RelayMetrics | None = None,
+                 log: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
+        from relay import logs
+
+        self.settings = settings
+        self.metrics = metrics or RelayMetrics()
+        self.log = log or logs.get(owner=settings.owner)
+        self.clock = clock
+        self._stop = threading.Event()
+        self.stopped = threading.Event()
+        self.store = Store(settings.dsn)
+        self.publisher: Publisher | None = None
+        self.pump: Pump | None = None
+        self.leases: LeaseManager | None = None
+        self.http: HealthServer | None = None
+        self.janitor: Janitor | None = None
+        self.fatal: RelayError | None = None
+        self.pending = 0
+        self.db_up = False
+        self.broker_up = True
+        self.schema_ok = False
+        self.last_tick = clock()
+        self._next_backlog = 0.0
+        self._db_failures = 0
+        self._wait = wait_exponential_jitter(initial=settings.backoff_initial_s,
+                                             max=settings.backoff_max_s, jitter=settings.backoff_initial_s)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to drain and exit.  Idempotent; safe from signal handlers."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self) -> None:
+        """Validate configuration, wait for the database, check the schema, build the producer."""
+        s = self.settings
+        self.metrics.build_info.info({"version": __version__})
+        self.log.info("relay_starting", version=__version__, dsn=mask_dsn(s.dsn),
+                      bootstrap_servers=s.bootstrap_servers,
+                      kafka=masked_properties(s.kafka_properties), batch_size=s.batch_size,
+                      pipeline_depth=s.pipeline_depth, lease_duration_s=s.lease_duration_s)
+        self.publisher = Publisher(producer_config(s), on_client_error=self._client_error)
+        if s.metrics_port:
+            self.http = HealthServer(host=s.metrics_host, port=s.metrics_port,
+                                     registry=self.metrics.registry, health=self.health,
+                                     ready=self.ready)
+            self.http.start()
+            self.log.info("http_listening", host=s.metrics_host, port=self.http.port)
+        nshards = self._retry_db(self.store.check_schema)
+        if nshards is None:
+            return  # stopped while waiting
+        if s.shards is not None and s.shards != nshards:
+            raise FatalError(
+                f"--shards {s.shards} does not match the database's {nshards} shards; "
+                f"stop every relay and run `outbox-relay migrate --shards {s.shards}` to change it"
+            )
+        self.schema_ok = True
+        self.leases = LeaseManager(self.store, owner=s.owner, shards=nshards,
+                                   lease_s=s.lease_duration_s, heartbeat_s=s.heartbeat_interval_s,
+                                   clock=self.clock, on_lost=self._lease_lost)
+        self.pump = Pump(store=self.store, publisher=self.publisher, leases=self.leases,
+                         nshards=nshards, batch_size=s.batch_size, pipeline_depth=s.pipeline_depth,
+                         max_attempts=s.max_attempts, backoff_initial_s=s.backoff_initial_s,
+                         backoff_max_s=s.backoff_max_s, metrics=self.metrics, log=self.log,
+                         clock=self.clock)
+        if s.cleanup_retention_s:
+            self.janitor = Janitor(self.store, retention_s=s.cleanup_retention_s,
+                                   batch=s.cleanup_batch, interval_s=s.cleanup_interval_s,
+                                   clock=self.clock, metrics=self.metrics)
+        self.log.info("relay_started", shards=nshards, owner=s.owner)
+
+    def _retry_db(self, call: Callable[[], Any]) -> Any:
+        """Run ``call`` until the database answers; fatal errors propagate."""
+        while not self.stopping:
+            try:
+                value = call()
+                self._db_ok()
+                return value
+            except DatabaseUnavailable as exc:
+                self._db_down(exc)
+                self._stop.wait(self._next_wait())
+        return None
+
+    def _next_wait(self) -> float:
+        self._db_failures += 1
+        return float(self._wait(_RetryState(self._db_failures)))
+
+    def _db_ok(self) -> None:
+        if not self.db_up:
+            if self._db_failures:
+                self.log.info("database_recovered", after_attempts=self._db_failures)
+            self.db_up = True
+            self._db_failures = 0
+            self.metrics.database_up.set(1)
+
+    def _db_down(self, exc: Exception) -> None:
+        if self.db_up or self._db_failures == 0:
+            self.log.warning("database_unavailable", error=str(exc))
+        self.db_up = False
+        self.metrics.database_up.set(0)
+        self.store.reset()
+
+    def _client_error(self, state: str, message: str, fatal: bool) -> None:
+        if fatal:
+            self.fatal = FatalError(message)
+            self.stop()
+            return
+        if state == "unreachable":
+            if self.broker_up:
+                self.log.warning("broker_unavailable", error=message)
+            self.broker_up = False
+            self.metrics.broker_up.set(0)
+        elif state == "fatal":
+            self.log.error("producer_fatal", error=message)
+        else:
+            self.log.debug("kafka_client_error", error=message)
+
+    def _lease_lost(self, shard: int, why: str) -> None:
+        self.metrics.leases_lost.inc()
+        self.log.warning("lease_lost", shard=shard, reason=why)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Loop until stopped, then drain.  Returns the process exit code."""
+        try:
+            if self.pump is None and not self.stopping:
+                self.start()
+            while not self.stopping and self.pump is not None:
+                try:
+                    self._tick()
+                    self._db_ok()
+                except DatabaseUnavailable as exc:
+                    self._db_down(exc)
+                    assert self.pump is not None
+                    self.pump.request_rewind()
+                    self._wait_serving(self._next_wait())
+            if self.fatal is not None:
+                raise self.fatal
+            self._shutdown()
+            return 0
+        finally:
+            self.store.close()
+            if self.http is not None:
+                self.http.stop()
+            self.stopped.set()
+
+    def _tick(self) -> None:
+        assert self.pump is not None and self.leases is not None
+        now = self.clock()
+        self.last_tick = now
+        if self.leases.due(now):
+            change = self.leases.run_once(self.pump.busy_shards())
+            if change.acquired or change.released or change.lost:
+                self.log.info("leases_changed", acquired=change.acquired, released=change.released,
+                              lost=change.lost, held=sorted(self.leases.leases),
+                              live_replicas=change.live_replicas)
+            if change.acquired:
+                self.metrics.leases_acquired.inc(len(change.acquired))
+                self.pump.request_rewind()
+            self.metrics.leases_held.set(len(self.leases.leases))
+        if now >= self._next_backlog:
+            self._next_backlog = now + self.settings.backlog_interval_s
+            self.pending, oldest = self.store.backlog()
+            self.metrics.pending_rows.set(self.pending)
+            self.metrics.oldest_pending_age.set(oldest)
+        if self.janitor is not None:
+            self.janitor.run_if_due(now)
+        result = self.pump.run_once()
+        if result.acked and not self.broker_up:
+            self.broker_up = True
+            self.metrics.broker_up.set(1)
+            self.log.info("broker_recovered")
+        if result.marked or result.failed:
+            self.log.debug("batch_settled", marked=result.marked, failed=result.failed,
+                           fenced=result.fenced, in_flight=self.pump.rows_in_flight())
+        if result.claimed == 0:
+            self._idle_wait(now)
+
+    def _idle_wait(self, now: float) -> None:
+        assert self.pump is not None and self.leases is not None
+        until = min(now + self.settings.poll_interval_s, self.leases.next_due(), self._next_backlog)
+        if self.pump.claim_not_before > now:
+            until = min(until, self.pump.claim_not_before)
+        timeout = max(0.0, until - self.clock())
+        if self.pump.in_flight:
+            self.pump.wait(min(timeout, 0.05))
+        elif not self.pump.rewind_requested or not self.pump.idle():
+            if self.store.wait_for_notification(timeout):
+                self.pump.caught_up = False
+
+    def _wait_serving(self, seconds: float) -> None:
+        """Sleep ``seconds`` (stop-aware) while still serving delivery reports."""
+        deadline = self.clock() + seconds
+        while not self.stopping and self.clock() < deadline:
+            if self.publisher is not None:
+                self.publisher.poll(min(0.1, max(0.0, deadline - self.clock())))
+            else:
+                self._stop.wait(min(0.1, max(0.0, deadline - self.clock())))
+
+    def _shutdown(self) -> None:
+        if self.pump is None or self.leases is None:
+            return
+        in_flight = self.pump.rows_in_flight()
+        self.log.info("relay_draining", in_flight=in_flight, timeout_s=self.settings.drain_timeout_s)
+        try:
+            result = self.pump.drain(self.settings.drain_timeout_s)
+            released = self.leases.release_all()
+            self.log.info("relay_stopped", marked_while_draining=result.marked,
+                          left_pending=in_flight - result.acked, released=released,
+                          published_total=self.pump.totals.marked)
+        except DatabaseUnavailable as exc:
+            self.log.warning("relay_stopped_without_marking", error=str(exc),
+                             note="unmarked rows stay pending and will be published again")
+
+    # -- probes ---------------------------------------------------------------------------
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        now = self.clock()
+        loop_age = now - self.last_tick
+        since_publish = now - (self.pump.last_marked_at if self.pump else self.last_tick)
+        stuck = self.pending > 0 and since_publish > self.settings.stuck_after_s
+        loop_dead = loop_age > max(30.0, self.settings.poll_interval_s * 10) and not self.stopping
+        ok = not stuck and not loop_dead
+        return ok, {"pending": self.pending, "seconds_since_publish": round(since_publish, 1),
+                    "loop_age_s": round(loop_age, 1)}
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        ok = self.db_up and self.broker_up and self.schema_ok
+        return ok, {"database": self.db_up, "broker": self.broker_up, "schema": self.schema_ok}
+
+
+class _RetryState:
+    """The little of tenacity's RetryCallState that its wait strategies read."""
+
+    def __init__(self, attempt: int) -> None:
+        self.attempt_number = attempt
+
+
+def install_signal_handlers(relay: Relay) -> None:
+    def handler(signum: int, frame: Any) -> None:
+        relay.log.info("signal_received", signal=signal.Signals(signum).name)
+        relay.stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

@@ -1,0 +1,337 @@
+"""Settings: one frozen, keyword-only object, validated once at start.
+
+Every option is a flag and an environment variable ``OUTBOX_RELAY_<NAME>``;
+the table :data:`OPTIONS` is the single source of both, and of ``--help``.
+librdkafka properties pass through as ``OUTBOX_RELAY_KAFKA_<PROPERTY>``
+(``OUTBOX_RELAY_KAFKA_SECURITY_PROTOCOL`` becomes ``security.protocol``) or as
+repeated ``--kafka-property NAME=VALUE`` flags.  A secret can be read from a
+file named by ``<VARIABLE>_FILE``, as Kubernetes mounts secrets.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg.conninfo
+
+from relay.errors import ConfigError
+
+ENV_PREFIX = "OUTBOX_RELAY_"
+KAFKA_ENV_PREFIX = ENV_PREFIX + "KAFKA_"
+
+DEFAULT_BATCH_SIZE = 1000
+DEFAULT_POLL_INTERVAL_S = 1.0
+DEFAULT_METRICS_PORT = 9464
+DEFAULT_METRICS_HOST = "0.0.0.0"  # noqa: S104 - a sidecar's probes come from the kubelet
+DEFAULT_LEASE_DURATION_S = 10.0
+DEFAULT_PIPELINE_DEPTH = 4
+DEFAULT_DRAIN_TIMEOUT_S = 15.0
+DEFAULT_BACKOFF_INITIAL_S = 0.2
+DEFAULT_BACKOFF_MAX_S = 30.0
+DEFAULT_MAX_ATTEMPTS = 5
+DEFAULT_STUCK_AFTER_S = 120.0
+DEFAULT_BACKLOG_INTERVAL_S = 5.0
+DEFAULT_CLEANUP_INTERVAL_S = 60.0
+DEFAULT_CLEANUP_BATCH = 1000
+
+#: librdkafka settings the relay needs for its guarantees; a user may override
+#: the tuning ones but not these (see :func:`producer_config`).
+REQUIRED_PRODUCER = {"enable.idempotence": "true", "acks": "all"}
+DEFAULT_PRODUCER = {
+    "partitioner": "murmur2_random",  # keys land on the same partitions as with Java clients
+    "linger.ms": "5",
+    "compression.type": "none",
+}
+
+#: Substrings that mark a librdkafka property or DSN field as secret.
+SECRET_MARKERS = ("password", "secret", "passphrase", "sasl.oauthbearer.config", "key.pem")
+
+_KAFKA_PROPERTY = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Option:
+    """One setting: its flag, environment variable, parser and help."""
+
+    name: str  # attribute of Settings, e.g. "poll_interval_s"
+    help: str
+    parse: Callable[[str], Any] = str
+    default: Any = None
+    secret: bool = False
+    commands: tuple[str, ...] = ("run",)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError("must be a positive number of seconds")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a TCP port between 0 and 65535 (0 disables the server)")
+    return value
+
+
+def _log_format(text: str) -> str:
+    if text not in ("auto", "json", "console"):
+        raise ValueError("must be one of auto, json, console")
+    return text
+
+
+def _log_level(text: str) -> str:
+    level = text.lower()
+    if level not in ("debug", "info", "warning", "error"):
+        raise ValueError("must be one of debug, info, warning, error")
+    return level
+
+
+DB_COMMANDS = ("run", "migrate", "status", "cleanup", "dead-letters", "reshard")
+
+OPTIONS: tuple[Option, ...] = (
+    Option(name="dsn", help="PostgreSQL connection string (libpq URI or key=value)",
+           secret=True, commands=DB_COMMANDS),
+    Option(name="bootstrap_servers", help="Kafka bootstrap servers, host:port[,host:port]"),
+    Option(name="batch_size", parse=_positive_int, default=DEFAULT_BATCH_SIZE,
+           help="rows claimed per batch"),
+    Option(name="poll_interval_s", parse=_positive_float, default=DEFAULT_POLL_INTERVAL_S,
+           help="fallback poll interval when no notification arrives, seconds"),
+    Option(name="pipeline_depth", parse=_positive_int, default=DEFAULT_PIPELINE_DEPTH,
+           help="batches in flight to the broker at once"),
+    Option(name="metrics_port", parse=_port, default=DEFAULT_METRICS_PORT,
+           help="port of /metrics, /healthz and /readyz (0 disables)"),
+    Option(name="metrics_host", default=DEFAULT_METRICS_HOST,
+           help="address the metrics/health server binds to"),
+    Option(name="log_format", parse=_log_format, default="auto",
+           help="auto (JSON unless stdout is a terminal), json or console",
+           commands=("run", "migrate", "status", "cleanup", "dead-letters", "reshard", "demo")),
+    Option(name="log_level", parse=_log_level, default="info", help="debug, info, warning or error",
+           commands=("run", "migrate", "status", "cleanup", "dead-letters", "reshard", "demo")),
+    Option(name="owner", default=None,
+           help="this replica's name in leases and status (default: host name and pid)"),
+    Option(name="shards", parse=_positive_int, default=None,
+           help="shard count; must match the database's (set by migrate --shards)",
+           commands=("run", "migrate", "reshard")),
+    Option(name="lease_duration_s", parse=_positive_float, default=DEFAULT_LEASE_DURATION_S,
+           help="how long a shard lease lasts without renewal, seconds"),
+    Option(name="heartbeat_interval_s", parse=_positive_float, default=None,
+           help="lease renewal interval, seconds (default: a third of the lease)"),
+    Option(name="drain_timeout_s", parse=_positive_float, default=DEFAULT_DRAIN_TIMEOUT_S,
+           help="on SIGTERM, how long to wait for in-flight acknowledgements, seconds"),
+    Option(name="max_attempts", parse=_positive_int, default=DEFAULT_MAX_ATTEMPTS,
+           help="permanent publish failures of a row before it is dead-lettered"),
+    Option(name="backoff_max_s", parse=_positive_float, default=DEFAULT_BACKOFF_MAX_S,
+           help="cap of the exponential back-off for retries, seconds"),
+    Option(name="stuck_after_s", parse=_positive_float, default=DEFAULT_STUCK_AFTER_S,
+           help="/healthz fails when rows are pending and nothing was published for this long"),
+    Option(name="cleanup_retention_s", parse=_positive_float, default=None,
+           help="when set, run deletes published rows older than this, seconds",
+           commands=("run", "cleanup")),
+)
+
+OPTIONS_BY_NAME = {option.name: option for option in OPTIONS}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Validated relay settings.  Units are in the names."""
+
+    dsn: str
+    bootstrap_servers: str = ""
+    kafka_properties: Mapping[str, str] = field(default_factory=dict)
+    batch_size: int = DEFAULT_BATCH_SIZE
+    poll_interval_s: float = DEFAULT_POLL_INTERVAL_S
+    pipeline_depth: int = DEFAULT_PIPELINE_DEPTH
+    metrics_port: int = DEFAULT_METRICS_PORT
+    metrics_host: str = DEFAULT_METRICS_HOST
+    log_format: str = "auto"
+    log_level: str = "info"
+    owner: str = ""
+    shards: int | None = None
+    lease_duration_s: float = DEFAULT_LEASE_DURATION_S
+    heartbeat_interval_s: float = DEFAULT_LEASE_DURATION_S / 3
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    backoff_initial_s: float = DEFAULT_BACKOFF_INITIAL_S
+    backoff_max_s: float = DEFAULT_BACKOFF_MAX_S
+    stuck_after_s: float = DEFAULT_STUCK_AFTER_S
+    backlog_interval_s: float = DEFAULT_BACKLOG_INTERVAL_S
+    cleanup_retention_s: float | None = None
+    cleanup_interval_s: float = DEFAULT_CLEANUP_INTERVAL_S
+    cleanup_batch: int = DEFAULT_CLEANUP_BATCH
+
+    def __repr__(self) -> str:  # never print secrets, whatever prints this object
+        return f"Settings(dsn={mask_dsn(self.dsn)!r}, bootstrap_servers={self.bootstrap_servers!r}, owner={self.owner!r})"
+
+
+def default_owner() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def read_secret_file(env: Mapping[str, str], name: str) -> str | None:
+    """``NAME_FILE`` names a file whose content (stripped of one trailing newline) is the value."""
+    path = env.get(name + "_FILE")
+    if not path:
+        return None
+    try:
+        return Path(path).read_text().rstrip("\n")
+    except OSError as exc:
+        raise ConfigError(f"{name}_FILE: cannot read {path}: {exc.strerror}") from None
+
+
+def env_values(env: Mapping[str, str], command: str) -> dict[str, str]:
+    """The raw option values found in the environment: the ONE env mapping."""
+    found: dict[str, str] = {}
+    for option in OPTIONS:
+        if command not in option.commands:
+            continue
+        value = env.get(option.env)
+        if value is None and option.secret:
+            value = read_secret_file(env, option.env)
+        if value is not None and value != "":
+            found[option.name] = value
+    return found
+
+
+def kafka_env_properties(env: Mapping[str, str]) -> dict[str, str]:
+    """``OUTBOX_RELAY_KAFKA_SASL_PASSWORD`` -> ``{"sasl.password": ...}`` (``_FILE`` too)."""
+    props: dict[str, str] = {}
+    for name, value in env.items():
+        if not name.startswith(KAFKA_ENV_PREFIX):
+            continue
+        prop = name[len(KAFKA_ENV_PREFIX) :].lower()
+        if prop.endswith("_file"):
+            content = read_secret_file(env, name[: -len("_FILE")])
+            if content is not None:
+                props[prop[: -len("_file")].replace("_", ".")] = content
+            continue
+        props[prop.replace("_", ".")] = value
+    return props
+
+
+def parse_kafka_property(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    name = name.strip()
+    if not sep or not _KAFKA_PROPERTY.match(name):
+        raise ConfigError(
+            f"--kafka-property expects NAME=VALUE with a librdkafka property name, got {mask_text(text)!r}"
+        )
+    return name, value
+
+
+def validate_dsn(dsn: str) -> None:
+    try:
+        psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigError(
+            f"--dsn / {ENV_PREFIX}DSN is not a valid PostgreSQL connection string: "
+            f"{mask_text(str(exc).strip())}"
+        ) from None
+
+
+def build_settings(
+    values: Mapping[str, Any],
+    *,
+    kafka_properties: Mapping[str, str] | None = None,
+    require_broker: bool = True,
+) -> Settings:
+    """Parse and validate raw option values (strings from env or flags) into Settings."""
+    parsed: dict[str, Any] = {}
+    for name, raw in values.items():
+        option = OPTIONS_BY_NAME[name]
+        if raw is None:
+            continue
+        if isinstance(raw, str) and option.parse is not str:
+            try:
+                parsed[name] = option.parse(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{option.flag} / {option.env}: {raw!r} {exc}") from None
+        else:
+            parsed[name] = raw
+    dsn = parsed.get("dsn")
+    if not dsn:
+        raise ConfigError(f"no database given: set --dsn or {ENV_PREFIX}DSN")
+    validate_dsn(dsn)
+    if require_broker and not parsed.get("bootstrap_servers"):
+        props = kafka_properties or {}
+        if "bootstrap.servers" in props:
+            parsed["bootstrap_servers"] = props["bootstrap.servers"]
+        else:
+            raise ConfigError(
+                f"no Kafka cluster given: set --bootstrap-servers or {ENV_PREFIX}BOOTSTRAP_SERVERS"
+            )
+    lease = parsed.get("lease_duration_s", DEFAULT_LEASE_DURATION_S)
+    heartbeat = parsed.get("heartbeat_interval_s") or lease / 3
+    if heartbeat >= lease:
+        raise ConfigError(
+            f"--heartbeat-interval-s ({heartbeat}) must be shorter than --lease-duration-s ({lease})"
+        )
+    parsed["heartbeat_interval_s"] = heartbeat
+    parsed["owner"] = parsed.get("owner") or default_owner()
+    if kafka_properties:
+        parsed["kafka_properties"] = dict(kafka_properties)
+    return Settings(**parsed)
+
+
+def producer_config(settings: Settings) -> dict[str, str]:
+    """librdkafka configuration: defaults, then the user's properties, then the guarantees."""
+    config = dict(DEFAULT_PRODUCER)
+    config.update(settings.kafka_properties)
+    for name, value in REQUIRED_PRODUCER.items():
+        given = config.get(name)
+        if given is not None and given.lower() != value:
+            raise ConfigError(
+                f"kafka property {name}={given} would break the relay's delivery guarantee; "
+                f"it must be {value}"
+            )
+        config[name] = value
+    config["bootstrap.servers"] = settings.bootstrap_servers
+    return config
+
+
+def is_secret(name: str) -> bool:
+    lowered = name.lower()
+    return any(marker in lowered for marker in SECRET_MARKERS)
+
+
+_DSN_URI_PASSWORD = re.compile(r"(://[^:/@\s]+:)([^@\s]*)(@)")
+_DSN_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+
+
+def mask_dsn(dsn: str) -> str:
+    """The DSN with its password replaced by ``***`` (URI or key=value form)."""
+    masked = _DSN_URI_PASSWORD.sub(r"\1***\3", dsn)
+    masked = _DSN_KV_PASSWORD.sub(r"\1***", masked)
+    return re.sub(r"(password=)[^&\s]*", r"\1***", masked, flags=re.IGNORECASE)
+
+
+def mask_text(text: str) -> str:
+    """Masks anything that looks like a DSN password inside free text."""
+    return mask_dsn(text)
+
+
+def masked_properties(props: Mapping[str, str]) -> dict[str, str]:
+    return {name: ("***" if is_secret(name) else value) for name, value in props.items()}

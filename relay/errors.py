@@ -1,0 +1,57 @@
+"""The relay's exception hierarchy.
+
+Retryability lives in the type, never in a string match: the loop retries
+:class:`RetriableError` with back-off and turns :class:`FatalError` into one
+clear line on stderr and a non-zero exit code.  Each class's docstring is its
+default message.
+"""
+
+from __future__ import annotations
+
+
+class RelayError(Exception):
+    """The outbox relay failed."""
+
+    #: Process exit code when this error ends the process.
+    exit_code = 1
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip().splitlines()[0])
+
+
+class FatalError(RelayError):
+    """A problem a person has to fix; retrying will not help."""
+
+
+class ConfigError(FatalError):
+    """Invalid configuration."""
+
+    exit_code = 2
+
+
+class SchemaMissing(FatalError):
+    """The outbox schema is missing: run `outbox-relay migrate` first."""
+
+    exit_code = 3
+
+
+class AuthenticationFailed(FatalError):
+    """The database rejected the credentials."""
+
+    exit_code = 4
+
+
+class RetriableError(RelayError):
+    """A passing problem; the operation is retried with back-off."""
+
+
+class DatabaseUnavailable(RetriableError):
+    """The database cannot be reached right now."""
+
+
+class BrokerUnavailable(RetriableError):
+    """The Kafka cluster cannot be reached right now."""
+
+
+class LeaseLost(RelayError):
+    """This replica no longer holds the lease it wrote under (its token is stale)."""

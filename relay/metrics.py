@@ -1,0 +1,43 @@
+"""Every metric of the relay, declared once, on an injected registry.
+
+Names follow Prometheus conventions with the prefix ``outbox_relay_``; label
+values are bounded (topics, error classes, reasons): never keys, payloads or ids.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+BATCH_BUCKETS = (1, 5, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
+
+
+class RelayMetrics:
+    """The relay's metrics on ``registry`` (a fresh one per relay in tests)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.published = Counter("outbox_relay_events_published", "Rows acknowledged by the broker and marked published.", ["topic"], registry=r)
+        self.publish_errors = Counter("outbox_relay_publish_errors", "Failed publish attempts by error class.", ["error_class"], registry=r)
+        self.pending_rows = Gauge("outbox_relay_pending_rows", "Rows not yet published (whole outbox).", registry=r)
+        self.oldest_pending_age = Gauge("outbox_relay_oldest_pending_age_seconds", "Age of the oldest unpublished row.", registry=r)
+        self.commit_to_ack = Histogram("outbox_relay_commit_to_ack_seconds", "From the row's created_at to the broker's acknowledgement.", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.batch_size = Histogram("outbox_relay_batch_size_rows", "Rows per claimed batch.", buckets=BATCH_BUCKETS, registry=r)
+        self.claim_duration = Histogram("outbox_relay_claim_duration_seconds", "Duration of one claim query.", buckets=DURATION_BUCKETS_S, registry=r)
+        self.mark_duration = Histogram("outbox_relay_mark_duration_seconds", "Duration of one fenced mark statement.", buckets=DURATION_BUCKETS_S, registry=r)
+        self.leases_held = Gauge("outbox_relay_leases_held", "Shard leases this replica holds.", registry=r)
+        self.leases_lost = Counter("outbox_relay_leases_lost", "Leases found taken over by another replica.", registry=r)
+        self.leases_acquired = Counter("outbox_relay_leases_acquired", "Shard leases claimed.", registry=r)
+        self.fenced_writes = Counter("outbox_relay_fenced_writes", "Relay writes rejected because the fencing token was stale.", registry=r)
+        self.dead_lettered = Counter("outbox_relay_dead_lettered", "Rows moved to the dead letters.", ["reason"], registry=r)
+        self.attempts = Counter("outbox_relay_failed_attempts", "Permanent-class failures recorded on rows.", ["reason"], registry=r)
+        self.retrying_rows = Gauge("outbox_relay_retrying_rows", "Rows currently in back-off after a failure.", registry=r)
+        self.order_violations = Counter("outbox_relay_order_violations", "Rows acknowledged after an earlier row of their key failed (should stay 0).", registry=r)
+        self.database_up = Gauge("outbox_relay_database_up", "1 when the last database call succeeded.", registry=r)
+        self.broker_up = Gauge("outbox_relay_broker_up", "0 while the client reports every broker down.", registry=r)
+        self.in_flight = Gauge("outbox_relay_in_flight_rows", "Rows produced and not yet acknowledged.", registry=r)
+        self.last_publish = Gauge("outbox_relay_last_publish_timestamp_seconds", "Unix time of the last marked batch.", registry=r)
+        self.cleanup_deleted = Counter("outbox_relay_cleanup_deleted_rows", "Published rows deleted by retention.", registry=r)
+        self.build_info = Info("outbox_relay_build", "Build information.", registry=r)

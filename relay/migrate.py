@@ -1,0 +1,120 @@
+"""Apply (or print) the ordered migrations in ``sql/migrations``.
+
+Each file is idempotent and applied in its own transaction under an advisory
+lock; applied versions are recorded in ``outbox_schema_migrations`` with a
+checksum, so an edited released file is reported instead of silently skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from relay import store as store_mod
+from relay.errors import ConfigError, FatalError
+from relay.queries import query, sql_dir
+
+_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+DEFAULT_SHARDS = 16
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    path: Path
+
+    @property
+    def sql(self) -> str:
+        return self.path.read_text()
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()[:16]
+
+
+def migrations() -> list[Migration]:
+    found = []
+    for path in sorted((sql_dir() / "migrations").glob("*.sql")):
+        match = _FILE.match(path.name)
+        if match:
+            found.append(Migration(int(match.group(1)), match.group(2), path))
+    return found
+
+
+def render(shards: int = DEFAULT_SHARDS) -> str:
+    """Everything ``migrate`` would run, as one script for other migration tools."""
+    parts = [f"-- outbox-relay schema, {len(migrations())} migrations\n"]
+    for m in migrations():
+        parts.append(f"\n-- ==== {m.path.name} ====\n{m.sql}")
+    parts.append(
+        "\n-- ==== shards ====\n"
+        f"INSERT INTO outbox_relay_settings (singleton, shards) VALUES (true, {int(shards)})\n"
+        "    ON CONFLICT (singleton) DO NOTHING;\n"
+        "INSERT INTO outbox_relay_shards (shard)\n"
+        "    SELECT g FROM generate_series(0, (SELECT shards FROM outbox_relay_settings) - 1) AS g\n"
+        "    ON CONFLICT (shard) DO NOTHING;\n"
+    )
+    return "".join(parts)
+
+
+def apply(dsn: str, *, shards: int | None = None, log: Any = None) -> list[str]:
+    """Apply pending migrations and make sure the shard rows exist; returns what was applied."""
+    applied_now: list[str] = []
+    conn = store_mod.connect(dsn, application_name="outbox-relay-migrate", autocommit=False)
+    try:
+        with store_mod.translated():
+            with conn.transaction():
+                conn.execute(query("admin", "migration_lock"))
+                conn.execute(query("admin", "migrations_table"))
+                done = {r[0]: r[2] for r in conn.execute(query("admin", "applied_migrations"))}
+            for m in migrations():
+                if m.version in done:
+                    if done[m.version] != m.checksum and log is not None:
+                        log.warning("migration_changed", version=m.version, name=m.name)
+                    continue
+                with conn.transaction():
+                    conn.execute(query("admin", "migration_lock"))
+                    conn.execute(m.sql.encode())  # a whole file: no parameters
+                    conn.execute(query("admin", "record_migration"),
+                                 {"version": m.version, "name": m.name, "checksum": m.checksum})
+                applied_now.append(m.path.name)
+                if log is not None:
+                    log.info("migration_applied", version=m.version, name=m.name)
+            with conn.transaction():
+                conn.execute(query("admin", "migration_lock"))
+                current = conn.execute(query("relay", "read_settings")).fetchone()
+                if current is None:
+                    conn.execute(query("leases", "set_shards"), {"shards": shards or DEFAULT_SHARDS})
+                    conn.execute(query("leases", "create_shards"), {"shards": shards or DEFAULT_SHARDS})
+                elif shards is not None and shards != current[0]:
+                    _reshard(conn, current[0], shards)
+                else:
+                    conn.execute(query("leases", "create_shards"), {"shards": current[0]})
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise FatalError(f"migrate needs a role that may create tables: {exc.diag.message_primary}") from None
+    finally:
+        conn.close()
+    return applied_now
+
+
+def _reshard(conn: psycopg.Connection[Any], old: int, new: int) -> None:
+    """Change the shard count; refused while any relay holds a live lease.
+
+    Rows carry no shard (it is computed from the key at claim time), so with
+    every relay stopped there is nothing in flight and nothing to move.
+    """
+    (live,) = conn.execute(query("leases", "live_leases"), {"now": None}).fetchone() or (0,)
+    if live:
+        raise ConfigError(
+            f"cannot change the shard count from {old} to {new} while {live} shard lease(s) are live: "
+            "stop every relay (or wait one lease duration after they stopped), then run migrate --shards again"
+        )
+    conn.execute(query("leases", "set_shards"), {"shards": new})
+    conn.execute(query("leases", "drop_extra_shards"), {"shards": new})
+    conn.execute(query("leases", "create_shards"), {"shards": new})

@@ -1,0 +1,182 @@
+"""The Kafka side: produce rows, turn delivery reports into outcomes.
+
+Only this module imports confluent_kafka for producing.  The producer is
+idempotent with ``acks=all`` (see :func:`relay.config.producer_config`), so
+messages of one partition are written in the order they were produced, without
+duplicates from the producer's own retries.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from relay.errors import ConfigError
+from relay.model import OutboxRow
+
+#: Broker or client errors that no retry can fix for this row.
+PERMANENT_CODES: dict[int, str] = {
+    KafkaError.MSG_SIZE_TOO_LARGE: "message_too_large",
+    KafkaError.RECORD_LIST_TOO_LARGE: "message_too_large",
+    KafkaError.INVALID_RECORD: "record_rejected",
+    KafkaError.INVALID_MSG: "record_rejected",
+    KafkaError.POLICY_VIOLATION: "record_rejected",
+    KafkaError.TOPIC_EXCEPTION: "invalid_topic",
+    KafkaError.UNKNOWN_TOPIC_OR_PART: "unknown_topic",
+    KafkaError._UNKNOWN_TOPIC: "unknown_topic",
+    KafkaError._UNKNOWN_PARTITION: "unknown_topic",
+    KafkaError.TOPIC_AUTHORIZATION_FAILED: "topic_not_authorized",
+    KafkaError.INVALID_MSG_SIZE: "message_too_large",
+}
+
+#: Client errors that mean the configuration is wrong: the process stops with a clear line.
+FATAL_CLIENT_CODES = {
+    KafkaError._AUTHENTICATION: "the Kafka cluster rejected the credentials (SASL)",
+    KafkaError._SSL: "the TLS handshake with the Kafka cluster failed",
+    KafkaError.SASL_AUTHENTICATION_FAILED: "the Kafka cluster rejected the credentials (SASL)",
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED: "this principal may not produce (cluster authorization)",
+}
+
+#: Client errors that mean every broker is gone right now.
+UNREACHABLE_CODES = {KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The fate of one produced row."""
+
+    ok: bool
+    error_class: str = ""  # e.g. "message_too_large", "timeout", "transient"
+    message: str = ""
+    permanent: bool = False
+    fatal: bool = False  # the producer itself is unusable (idempotence fatal error)
+    partition: int = -1
+    offset: int = -1
+
+
+class BadRow(ValueError):
+    """The row cannot be encoded as a Kafka message."""
+
+
+def encode_headers(row: OutboxRow) -> list[tuple[str, bytes | None]]:
+    """The row's JSON headers as Kafka headers, plus ``event_id`` always.
+
+    Header values must be strings (or null); anything else is a bad row, since
+    guessing an encoding would hand consumers bytes nobody agreed on.
+    """
+    try:
+        headers = json.loads(row.headers_json) if row.headers_json else {}
+    except ValueError as exc:
+        raise BadRow(f"headers are not valid JSON: {exc}") from None
+    if not isinstance(headers, dict):
+        raise BadRow("headers must be a JSON object of strings")
+    encoded: list[tuple[str, bytes | None]] = []
+    for name, value in headers.items():
+        if name == "event_id":
+            continue
+        if value is None:
+            encoded.append((name, None))
+        elif isinstance(value, str):
+            encoded.append((name, value.encode()))
+        else:
+            raise BadRow(f"header {name!r} must be a string, not {type(value).__name__}")
+    encoded.append(("event_id", row.event_id.encode()))
+    return encoded
+
+
+def classify(error: KafkaError) -> Outcome:
+    code = error.code()
+    message = error.str()
+    if error.fatal():
+        return Outcome(ok=False, error_class="producer_fatal", message=message, fatal=True)
+    if code in PERMANENT_CODES:
+        return Outcome(ok=False, error_class=PERMANENT_CODES[code], message=message, permanent=True)
+    if code == KafkaError._MSG_TIMED_OUT:
+        return Outcome(ok=False, error_class="timeout", message=message)
+    return Outcome(ok=False, error_class="transient", message=message)
+
+
+DeliveryCallback = Callable[[OutboxRow, Outcome], None]
+ErrorCallback = Callable[[str, str, bool], None]  # (state, message, fatal)
+
+
+class Publisher:
+    """Owns one confluent-kafka Producer.  Not thread-safe: the pump's thread calls it."""
+
+    def __init__(self, config: dict[str, str], *, on_client_error: ErrorCallback) -> None:
+        self._config = dict(config)
+        self._on_client_error = on_client_error
+        self._producer = self._new_producer()
+
+    def _new_producer(self) -> Producer:
+        config: dict[str, Any] = dict(self._config)
+        config["error_cb"] = self._error_cb
+        try:
+            return Producer(config)
+        except KafkaException as exc:
+            raise ConfigError(f"invalid Kafka configuration: {exc.args[0].str()}") from None
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"invalid Kafka configuration: {exc}") from None
+
+    def _error_cb(self, error: KafkaError) -> None:
+        code = error.code()
+        if code in FATAL_CLIENT_CODES:
+            self._on_client_error("config", f"{FATAL_CLIENT_CODES[code]}: {error.str()}", True)
+        elif error.fatal():
+            self._on_client_error("fatal", error.str(), False)
+        elif code in UNREACHABLE_CODES:
+            self._on_client_error("unreachable", error.str(), False)
+        else:
+            self._on_client_error("error", error.str(), False)
+
+    def send(self, row: OutboxRow, on_delivery: DeliveryCallback) -> Outcome | None:
+        """Queue one row.  Returns an Outcome at once when it cannot be queued, else None."""
+        try:
+            headers = encode_headers(row)
+        except BadRow as exc:
+            return Outcome(ok=False, error_class="bad_headers", message=str(exc), permanent=True)
+
+        def report(err: KafkaError | None, msg: Message) -> None:
+            if err is None:
+                on_delivery(row, Outcome(ok=True, partition=msg.partition() or 0,
+                                         offset=msg.offset() or 0))
+            else:
+                on_delivery(row, classify(err))
+
+        key = row.key.encode() if row.key is not None else None
+        while True:
+            try:
+                self._producer.produce(row.topic, value=row.value, key=key, headers=headers,
+                                       on_delivery=report)
+                return None
+            except BufferError:
+                self._producer.poll(0.05)  # local queue full: serve reports, then retry
+            except KafkaException as exc:
+                return classify(exc.args[0])
+
+    def poll(self, timeout_s: float) -> int:
+        """Serve delivery reports and client errors; returns the number served."""
+        return int(self._producer.poll(timeout_s))
+
+    def in_flight(self) -> int:
+        return len(self._producer)
+
+    def flush(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for every report; returns how many are still outstanding."""
+        return int(self._producer.flush(timeout_s))
+
+    def recreate(self) -> None:
+        """Replace a producer that hit a fatal (idempotence) error; unacked rows stay pending."""
+        try:
+            self._producer.purge()
+            self._producer.flush(0)
+        except Exception:  # noqa: BLE001 - best effort on a dead producer
+            pass
+        self._producer = self._new_producer()
+
+    def close(self, timeout_s: float = 0.0) -> int:
+        return self.flush(timeout_s)

@@ -1,0 +1,328 @@
+"""The loop body: claim a batch, produce it, mark what the broker acknowledged.
+
+Pipelining: up to ``pipeline_depth`` batches are in flight; the next claim starts
+after a cursor in (xid, id) order, so in-flight rows are not claimed twice.  The
+cursor is gapless because claims only see rows of transactions older than every
+transaction still running: nothing that commits later can sort before it.
+
+Per-key order: the producer is idempotent, so rows of one partition reach the
+broker in produce order.  When a row fails, no later row of its key is produced
+in that batch, the pump stops claiming, waits for what is in flight, and rewinds
+the cursor to the oldest unpublished row; a row in back-off holds its key's later
+rows back in the claim query itself.  A later row of the key acknowledged in spite
+of that (an earlier in-flight batch failing behind it) is counted in
+``outbox_relay_order_violations_total``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from relay.leases import LeaseManager
+from relay.metrics import RelayMetrics
+from relay.model import START, BatchResult, Cursor, Lease, OutboxRow, RowId, ShardId, Token
+from relay.publisher import DeliveryCallback, Outcome
+
+
+class PumpStore(Protocol):
+    def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int) -> list[OutboxRow]: ...
+    def mark_published(self, *, owner: str, leases: Any, rows: Any) -> tuple[set[ShardId], set[RowId]]: ...
+    def record_failure(self, *, owner: str, lease: Lease, row: OutboxRow, error: str, backoff_s: float) -> int | None: ...
+    def dead_letter(self, *, owner: str, lease: Lease, row: OutboxRow, reason: str, error: str) -> bool: ...
+
+
+class PumpPublisher(Protocol):
+    def send(self, row: OutboxRow, on_delivery: DeliveryCallback) -> Outcome | None: ...
+    def poll(self, timeout_s: float) -> int: ...
+    def recreate(self) -> None: ...
+
+
+def backoff_s(attempt: int, *, initial_s: float, max_s: float, rand: Callable[[], float] = random.random) -> float:
+    """Capped exponential back-off with full jitter over the upper half (attempt >= 1)."""
+    ceiling = min(max_s, initial_s * (2 ** max(0, attempt - 1)))
+    return ceiling / 2 + rand() * ceiling / 2
+
+
+@dataclass(slots=True)
+class InFlight:
+    """One produced batch waiting for its delivery reports."""
+
+    tokens: dict[ShardId, Token]
+    rows: list[OutboxRow] = field(default_factory=list)
+    outcomes: dict[RowId, Outcome] = field(default_factory=dict)
+    waiting: int = 0
+
+    def report(self, row: OutboxRow, outcome: Outcome) -> None:
+        self.outcomes[row.id] = outcome
+        self.waiting -= 1
+
+    @property
+    def done(self) -> bool:
+        return self.waiting <= 0
+
+    def shards(self) -> set[ShardId]:
+        return {row.shard for row in self.rows}
+
+
+class Pump:
+    """Claims, produces and marks.  ``run_once`` never blocks for long; the caller waits."""
+
+    def __init__(
+        self,
+        *,
+        store: PumpStore,
+        publisher: PumpPublisher,
+        leases: LeaseManager,
+        nshards: int,
+        batch_size: int,
+        pipeline_depth: int,
+        max_attempts: int,
+        backoff_initial_s: float,
+        backoff_max_s: float,
+        metrics: RelayMetrics,
+        log: Any,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.publisher = publisher
+        self.leases = leases
+        self.nshards = nshards
+        self.batch_size = batch_size
+        self.pipeline_depth = pipeline_depth
+        self.max_attempts = max_attempts
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.metrics = metrics
+        self.log = log
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.cursor: Cursor = START
+        self.in_flight: deque[InFlight] = deque()
+        self.rewind_requested = False
+        self.caught_up = False
+        self.claim_not_before = 0.0
+        self.retry_wakeup: float | None = None
+        self.transient_streak = 0
+        self.failed_keys: set[str] = set()
+        self.draining = False
+        self.last_marked_at = clock()
+        self.totals = BatchResult()
+
+    # -- state ----------------------------------------------------------------------------
+
+    def busy_shards(self) -> set[ShardId]:
+        busy: set[ShardId] = set()
+        for batch in self.in_flight:
+            busy |= batch.shards()
+        return busy
+
+    def rows_in_flight(self) -> int:
+        return sum(batch.waiting for batch in self.in_flight)
+
+    def request_rewind(self) -> None:
+        self.rewind_requested = True
+
+    def idle(self) -> bool:
+        """Nothing in flight and the last claim found the backlog drained."""
+        return not self.in_flight and (self.caught_up or not self.leases.leases)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def run_once(self) -> BatchResult:
+        result = BatchResult()
+        self.publisher.poll(0)
+        self._settle_done(result)
+        now = self.clock()
+        if not self.in_flight:
+            due_retry = self.retry_wakeup is not None and now >= self.retry_wakeup
+            if self.rewind_requested or due_retry or self.caught_up:
+                self.cursor = START
+                self.rewind_requested = False
+                self.failed_keys.clear()
+                if due_retry:
+                    self.retry_wakeup = None
+        if not self.draining and self._may_claim(now):
+            self._claim_and_send(result, now)
+        self.metrics.in_flight.set(self.rows_in_flight())
+        self.totals.add(result)
+        return result
+
+    def wait(self, timeout_s: float) -> None:
+        """Serve delivery reports while rows are in flight (returns early on one)."""
+        self.publisher.poll(max(0.0, timeout_s))
+
+    def _may_claim(self, now: float) -> bool:
+        return (len(self.in_flight) < self.pipeline_depth
+                and not self.rewind_requested
+                and now >= self.claim_not_before)
+
+    def _claim_and_send(self, result: BatchResult, now: float) -> None:
+        usable = self.leases.usable(now)
+        if not usable:
+            return
+        started = time.perf_counter()
+        rows = self.store.claim(shards=sorted(lease.shard for lease in usable),
+                                nshards=self.nshards, after=self.cursor, limit=self.batch_size)
+        self.metrics.claim_duration.observe(time.perf_counter() - started)
+        self.caught_up = len(rows) < self.batch_size
+        if not rows:
+            return
+        self.metrics.batch_size.observe(len(rows))
+        result.claimed += len(rows)
+        self.cursor = Cursor.after(rows[-1])
+        batch = InFlight(tokens={lease.shard: lease.token for lease in usable})
+        blocked: set[str] = set()
+        deferred = 0
+        for row in rows:
+            if not self.leases.trusted(row.shard, self.clock()):
+                deferred += 1  # lease may be gone: produce nothing more from this shard
+                continue
+            if row.key is not None and row.key in blocked:
+                deferred += 1  # an earlier row of this key failed in this batch
+                continue
+            batch.rows.append(row)
+            batch.waiting += 1
+            immediate = self.publisher.send(row, batch.report)
+            if immediate is not None:
+                batch.report(row, immediate)
+                if row.key is not None:
+                    blocked.add(row.key)
+            else:
+                result.produced += 1
+        if deferred:
+            self.caught_up = False
+            self.request_rewind()
+        if batch.rows:
+            self.in_flight.append(batch)
+
+    # -- settling -------------------------------------------------------------------------
+
+    def _settle_done(self, result: BatchResult) -> None:
+        while self.in_flight and self.in_flight[0].done:
+            self._settle(self.in_flight.popleft(), result)
+
+    def _settle(self, batch: InFlight, result: BatchResult) -> None:
+        acked: list[OutboxRow] = []
+        failed: list[OutboxRow] = []
+        for row in batch.rows:
+            outcome = batch.outcomes[row.id]
+            if outcome.ok:
+                if row.key is not None and row.key in self.failed_keys:
+                    result.order_violations += 1
+                    self.metrics.order_violations.inc()
+                    self.log.error("order_violation", shard=row.shard, row_id=row.id)
+                acked.append(row)
+            else:
+                failed.append(row)
+                if row.key is not None:
+                    self.failed_keys.add(row.key)
+        result.acked += len(acked)
+        if acked:
+            self._mark(batch, acked, result)
+        if failed:
+            self._handle_failures(batch, failed, result)
+        else:
+            self.transient_streak = 0
+
+    def _mark(self, batch: InFlight, acked: list[OutboxRow], result: BatchResult) -> None:
+        leases = [Lease(shard, token, 0.0) for shard, token in batch.tokens.items()]
+        started = time.perf_counter()
+        held, marked = self.store.mark_published(owner=self.leases.owner, leases=leases, rows=acked)
+        self.metrics.mark_duration.observe(time.perf_counter() - started)
+        lost = {row.shard for row in acked} - held
+        if lost:
+            fenced = sum(1 for row in acked if row.shard in lost)
+            result.fenced += fenced
+            self.metrics.fenced_writes.inc(fenced)
+            self.leases.lose(lost, "mark_fenced")
+        result.marked += len(marked)
+        if marked:
+            self.last_marked_at = self.clock()
+            self.metrics.last_publish.set(self.wall_clock())
+        now_wall = self.wall_clock()
+        for row in acked:
+            if row.id in marked:
+                self.metrics.published.labels(row.topic).inc()
+                self.metrics.commit_to_ack.observe(max(0.0, now_wall - row.created_epoch))
+
+    def _handle_failures(self, batch: InFlight, failed: list[OutboxRow], result: BatchResult) -> None:
+        result.failed += len(failed)
+        self.request_rewind()
+        transient = False
+        recreate = False
+        for row in failed:
+            outcome = batch.outcomes[row.id]
+            self.metrics.publish_errors.labels(outcome.error_class).inc()
+            recreate = recreate or outcome.fatal
+            if not outcome.permanent:
+                transient = True
+                continue
+            result.errors.append(f"{outcome.error_class}: {outcome.message}")
+            self._permanent_failure(batch, row, outcome, result)
+        if transient:
+            self.transient_streak += 1
+            wait = backoff_s(self.transient_streak, initial_s=self.backoff_initial_s,
+                             max_s=self.backoff_max_s)
+            self.claim_not_before = self.clock() + wait
+            self.log.warning("publish_failed", rows=len(failed), retry_in_s=round(wait, 3),
+                             error=batch.outcomes[failed[0].id].message)
+        if recreate:
+            self.log.error("producer_recreated", reason="fatal idempotent-producer error")
+            self.publisher.recreate()
+
+    def _permanent_failure(self, batch: InFlight, row: OutboxRow, outcome: Outcome,
+                           result: BatchResult) -> None:
+        lease = Lease(row.shard, batch.tokens[row.shard], 0.0)
+        attempts = row.attempts + 1
+        if attempts >= self.max_attempts:
+            if self.store.dead_letter(owner=self.leases.owner, lease=lease, row=row,
+                                      reason=outcome.error_class, error=outcome.message):
+                result.dead_lettered += 1
+                self.metrics.dead_lettered.labels(outcome.error_class).inc()
+                self.log.error("row_dead_lettered", row_id=row.id, event_id=row.event_id,
+                               topic=row.topic, reason=outcome.error_class,
+                               error=outcome.message, attempts=attempts)
+            else:
+                result.fenced += 1
+                self.metrics.fenced_writes.inc()
+                self.leases.lose([row.shard], "dead_letter_fenced")
+            return
+        wait = backoff_s(attempts, initial_s=self.backoff_initial_s, max_s=self.backoff_max_s)
+        recorded = self.store.record_failure(owner=self.leases.owner, lease=lease, row=row,
+                                             error=f"{outcome.error_class}: {outcome.message}",
+                                             backoff_s=wait)
+        if recorded is None:
+            result.fenced += 1
+            self.metrics.fenced_writes.inc()
+            self.leases.lose([row.shard], "record_failure_fenced")
+            return
+        self.metrics.attempts.labels(outcome.error_class).inc()
+        wakeup = self.clock() + wait
+        self.retry_wakeup = wakeup if self.retry_wakeup is None else min(self.retry_wakeup, wakeup)
+        self.log.warning("row_failed", row_id=row.id, topic=row.topic, reason=outcome.error_class,
+                         error=outcome.message, attempts=recorded, retry_in_s=round(wait, 3))
+
+    # -- shutdown -------------------------------------------------------------------------
+
+    def drain(self, timeout_s: float) -> BatchResult:
+        """Stop claiming; wait up to ``timeout_s`` for in-flight reports; mark what was acked."""
+        self.draining = True
+        result = BatchResult()
+        deadline = self.clock() + timeout_s
+        while self.in_flight and self.clock() < deadline:
+            self.publisher.poll(min(0.1, max(0.0, deadline - self.clock())))
+            self._settle_done(result)
+        # Whatever is still unreported stays pending and will be published again.
+        while self.in_flight:
+            batch = self.in_flight.popleft()
+            acked = [row for row in batch.rows if batch.outcomes.get(row.id, Outcome(ok=False)).ok]
+            if acked:
+                self._mark(batch, acked, result)
+        self.totals.add(result)
+        return result

@@ -1,0 +1,308 @@
+"""The PostgreSQL side: claim, mark, leases, listen.
+
+Only this module (and the migration runner) talks to psycopg.  Driver errors are
+translated at this seam into :mod:`relay.errors` types: a server that cannot be
+reached is :class:`DatabaseUnavailable` (waited for), a server that refuses us
+for good (bad credentials, no such database or role) is fatal.
+"""
+
+from __future__ import annotations
+
+import re
+import select
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import psycopg
+import psycopg.errors
+from psycopg.rows import dict_row
+
+from relay.config import mask_text
+from relay.errors import (
+    AuthenticationFailed,
+    DatabaseUnavailable,
+    FatalError,
+    SchemaMissing,
+)
+from relay.model import Cursor, Lease, OutboxRow, RowId, ShardId, Token
+from relay.queries import query
+
+NOTIFY_CHANNEL = "outbox_relay"
+
+# Connection-time refusals that are still worth waiting for.
+_TRANSIENT_FATAL = re.compile(
+    r"starting up|shutting down|in recovery|too many (connections|clients)|"
+    r"terminating connection|administrator command",
+    re.IGNORECASE,
+)
+_AUTH = re.compile(r"password authentication failed|authentication failed|no pg_hba.conf entry",
+                   re.IGNORECASE)
+
+
+def translate_connect_error(exc: psycopg.OperationalError) -> Exception:
+    """Classify a failed connection attempt.
+
+    libpq gives no SQLSTATE for connection failures, so the classification
+    reads the server's FATAL message here, once, at the seam.
+    """
+    message = mask_text(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+    if "FATAL:" in str(exc) and not _TRANSIENT_FATAL.search(str(exc)):
+        detail = str(exc).split("FATAL:", 1)[1].strip().splitlines()[0]
+        if _AUTH.search(detail):
+            return AuthenticationFailed(f"the database rejected the credentials: {mask_text(detail)}")
+        return FatalError(f"the database refused the connection: {mask_text(detail)}")
+    return DatabaseUnavailable(f"database unreachable: {message}")
+
+
+def connect(dsn: str, *, application_name: str = "outbox-relay", autocommit: bool = True,
+            connect_timeout_s: int = 5) -> psycopg.Connection[Any]:
+    """A new connection, errors translated."""
+    try:
+        return psycopg.connect(
+            dsn,
+            autocommit=autocommit,
+            application_name=application_name,
+            connect_timeout=connect_timeout_s,
+        )
+    except psycopg.OperationalError as exc:
+        raise translate_connect_error(exc) from None
+
+
+@contextmanager
+def translated() -> Iterator[None]:
+    """Translate driver errors raised inside the block."""
+    try:
+        yield
+    except psycopg.errors.UndefinedTable as exc:
+        raise SchemaMissing(
+            f"the outbox schema is missing ({exc.diag.message_primary}): run `outbox-relay migrate`"
+        ) from None
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise FatalError(f"permission denied: {exc.diag.message_primary}") from None
+    except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+        raise DatabaseUnavailable(f"database connection lost: {mask_text(str(exc).strip())}") from exc
+
+
+def _encode_value(payload_text: str | None, payload_bytes: bytes | None) -> bytes | None:
+    if payload_bytes is not None:
+        return bytes(payload_bytes)
+    if payload_text is not None:
+        return payload_text.encode()
+    return None
+
+
+class Store:
+    """One autocommit connection for claims, marks and leases, plus one that LISTENs.
+
+    Owned by the pump's thread; not thread-safe.  ``now`` overrides the database
+    clock in lease and retry arithmetic (tests); None means ``now()`` in SQL.
+    """
+
+    def __init__(self, dsn: str, *, now: datetime | None = None) -> None:
+        self._dsn = dsn
+        self._conn: psycopg.Connection[Any] | None = None
+        self._listen: psycopg.Connection[Any] | None = None
+        self.now = now
+        self.queries = 0  # statements sent, for the idle-cost figures
+
+    # -- connections -----------------------------------------------------------------------
+
+    @property
+    def conn(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect(self._dsn)
+        return self._conn
+
+    def close(self) -> None:
+        for conn in (self._conn, self._listen):
+            if conn is not None and not conn.closed:
+                try:
+                    conn.close()
+                except psycopg.Error:
+                    pass
+        self._conn = None
+        self._listen = None
+
+    def reset(self) -> None:
+        """Drop connections after an error; the next call reconnects."""
+        self.close()
+
+    def _fetch(self, group: str, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        with translated():
+            try:
+                cur = self.conn.cursor(row_factory=dict_row)
+                self.queries += 1
+                cur.execute(query(group, name), params)  # type: ignore[arg-type]
+                return cur.fetchall() if cur.description else []
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                self.reset()
+                raise
+
+    # -- schema ---------------------------------------------------------------------------
+
+    def check_schema(self) -> int:
+        """Raise SchemaMissing unless migrated; return the configured shard count."""
+        (row,) = self._fetch("relay", "schema_check", {})
+        if not all(row.values()):
+            raise SchemaMissing()
+        settings = self._fetch("relay", "read_settings", {})
+        if not settings:
+            raise SchemaMissing("the relay settings row is missing: run `outbox-relay migrate`")
+        return int(settings[0]["shards"])
+
+    # -- outbox ---------------------------------------------------------------------------
+
+    def claim(self, *, shards: Sequence[ShardId], nshards: int, after: Cursor,
+              limit: int) -> list[OutboxRow]:
+        all_shards = len(shards) == nshards
+        rows = self._fetch("relay", "claim_batch", {
+            "nshards": nshards,
+            "shards": list(shards),
+            "all_shards": all_shards,
+            "after_xid": str(after.xid),
+            "after_id": after.id,
+            "limit": limit,
+            "now": self.now,
+        })
+        return [
+            OutboxRow(
+                id=RowId(r["id"]),
+                event_id=str(r["event_id"]),
+                topic=r["topic"],
+                key=r["key"],
+                value=_encode_value(r["payload_text"], r["payload_bytes"]),
+                headers_json=r["headers_text"],
+                xid=int(r["xid"]),
+                shard=ShardId(r["shard"]),
+                attempts=r["attempts"],
+                created_epoch=r["created_epoch"],
+            )
+            for r in rows
+        ]
+
+    def mark_published(self, *, owner: str, leases: Sequence[Lease],
+                       rows: Sequence[OutboxRow]) -> tuple[set[ShardId], set[RowId]]:
+        """Mark acknowledged rows; returns (shards still held, ids marked)."""
+        if not rows:
+            return {lease.shard for lease in leases}, set()
+        (result,) = self._fetch("relay", "mark_published", {
+            "owner": owner,
+            "held_shards": [lease.shard for lease in leases],
+            "held_tokens": [lease.token for lease in leases],
+            "ids": [row.id for row in rows],
+            "row_shards": [row.shard for row in rows],
+            "now": self.now,
+        })
+        return ({ShardId(s) for s in result["held"]}, {RowId(i) for i in result["marked"]})
+
+    def record_failure(self, *, owner: str, lease: Lease, row: OutboxRow, error: str,
+                       backoff_s: float) -> int | None:
+        """Count a failed attempt (fenced); None when the lease was lost."""
+        rows = self._fetch("relay", "record_failure", {
+            "owner": owner, "shard": lease.shard, "token": lease.token, "id": row.id,
+            "error": error[:2000], "backoff_s": backoff_s, "now": self.now,
+        })
+        return int(rows[0]["attempts"]) if rows else None
+
+    def dead_letter(self, *, owner: str, lease: Lease, row: OutboxRow, reason: str,
+                    error: str) -> bool:
+        """Move a row to the dead letters (fenced, one statement); False when fenced out."""
+        rows = self._fetch("relay", "dead_letter", {
+            "owner": owner, "shard": lease.shard, "token": lease.token, "id": row.id,
+            "reason": reason, "error": error[:2000],
+        })
+        return bool(rows)
+
+    def cleanup_batch(self, *, retention_s: float, limit: int) -> int:
+        """Delete one batch of published rows past retention; returns how many."""
+        with translated():
+            try:
+                cur = self.conn.cursor()
+                self.queries += 1
+                cur.execute(query("admin", "cleanup_batch"),
+                            {"retention_s": retention_s, "limit": limit})
+                return int(cur.rowcount)
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                self.reset()
+                raise
+
+    def backlog(self) -> tuple[int, float]:
+        (row,) = self._fetch("relay", "backlog", {"now": self.now})
+        return int(row["pending"]), float(row["oldest_age_s"])
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def heartbeat_replica(self, *, owner: str, ttl_s: float) -> int:
+        """Announce this replica; returns the number of live replicas (itself included)."""
+        (row,) = self._fetch("leases", "heartbeat_replica",
+                             {"owner": owner, "ttl_s": ttl_s, "now": self.now})
+        return max(1, int(row["live"]))
+
+    def forget_replica(self, *, owner: str) -> None:
+        self._fetch("leases", "forget_replica", {"owner": owner})
+
+    def renew(self, *, owner: str, leases: Sequence[Lease],
+              lease_s: float) -> dict[ShardId, Token]:
+        if not leases:
+            return {}
+        rows = self._fetch("leases", "renew_leases", {
+            "owner": owner, "shards": [lease.shard for lease in leases],
+            "tokens": [lease.token for lease in leases], "lease_s": lease_s, "now": self.now,
+        })
+        return {ShardId(r["shard"]): Token(r["token"]) for r in rows}
+
+    def claim_shards(self, *, owner: str, limit: int, lease_s: float) -> dict[ShardId, Token]:
+        if limit <= 0:
+            return {}
+        rows = self._fetch("leases", "claim_shards", {
+            "owner": owner, "limit": limit, "lease_s": lease_s, "now": self.now,
+        })
+        return {ShardId(r["shard"]): Token(r["token"]) for r in rows}
+
+    def release(self, *, owner: str, leases: Sequence[Lease]) -> set[ShardId]:
+        if not leases:
+            return set()
+        rows = self._fetch("leases", "release_shards", {
+            "owner": owner, "shards": [lease.shard for lease in leases],
+            "tokens": [lease.token for lease in leases],
+        })
+        return {ShardId(r["shard"]) for r in rows}
+
+    def shard_table(self) -> list[dict[str, Any]]:
+        return self._fetch("leases", "shard_table", {"now": self.now})
+
+    # -- notifications --------------------------------------------------------------------
+
+    def wait_for_notification(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` for a NOTIFY on the outbox channel.
+
+        Returns True when one arrived.  A broken listening connection is reopened
+        on the next call; meanwhile the caller's poll keeps working.
+        """
+        with translated():
+            try:
+                if self._listen is None or self._listen.closed:
+                    self._listen = connect(self._dsn, application_name="outbox-relay-listen")
+                    self.queries += 1
+                    self._listen.execute(query("relay", "listen"))
+                listen = self._listen
+                # Anything already buffered counts; then wait on the socket.
+                if any(True for _ in listen.notifies(timeout=0)):
+                    return True
+                ready, _, _ = select.select([listen.fileno()], [], [], max(0.0, timeout_s))
+                if not ready:
+                    return False
+                return any(True for _ in listen.notifies(timeout=0))
+            except (psycopg.OperationalError, psycopg.InterfaceError, OSError):
+                if self._listen is not None:
+                    try:
+                        self._listen.close()
+                    except psycopg.Error:
+                        pass
+                self._listen = None
+                time.sleep(min(timeout_s, 0.5))
+                return False
+

@@ -1,0 +1,75 @@
+-- Named queries of the admin commands: migrate, status, cleanup, dead-letters.
+
+-- name: migrations_table
+CREATE TABLE IF NOT EXISTS outbox_schema_migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    checksum   text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)
+
+-- name: migration_lock
+-- Two replicas starting `migrate` at once take turns.
+SELECT pg_advisory_xact_lock(hashtext('outbox-relay-migrate'))
+
+-- name: applied_migrations
+SELECT version, name, checksum FROM outbox_schema_migrations ORDER BY version
+
+-- name: record_migration
+INSERT INTO outbox_schema_migrations (version, name, checksum)
+VALUES (%(version)s, %(name)s, %(checksum)s)
+ON CONFLICT (version) DO NOTHING
+
+-- name: status_backlog
+SELECT count(*) AS pending,
+       coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_pending_age_s,
+       count(*) FILTER (WHERE retry_at IS NOT NULL) AS retrying
+FROM outbox
+WHERE published_at IS NULL
+
+-- name: status_dead_letters
+SELECT count(*) AS dead_letters FROM outbox_dead_letters
+
+-- name: cleanup_batch
+-- Published rows past retention, a small batch at a time; SKIP LOCKED so the
+-- relay is never blocked and never waits; unpublished rows are never touched.
+DELETE FROM outbox
+WHERE id IN (
+    SELECT id FROM outbox
+    WHERE published_at IS NOT NULL
+      AND published_at < now() - make_interval(secs => %(retention_s)s)
+    ORDER BY published_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED)
+  AND published_at IS NOT NULL
+
+-- name: dead_letters_list
+SELECT id, event_id::text AS event_id, topic, key, reason, error, attempts,
+       created_at, dead_at
+FROM outbox_dead_letters
+ORDER BY dead_at, id
+LIMIT %(limit)s
+
+-- name: dead_letter_show
+SELECT id, event_id::text AS event_id, topic, key, payload::text AS payload,
+       encode(payload_bytes, 'base64') AS payload_bytes_base64, headers::text AS headers,
+       reason, error, attempts, created_at, dead_at, owner
+FROM outbox_dead_letters
+WHERE event_id::text = %(event_id)s
+
+-- name: dead_letter_requeue
+-- Back into the outbox with the same event_id, as a new row (a new id and xid,
+-- so it is ordered after what was written meanwhile), in one statement.
+WITH moved AS (
+    DELETE FROM outbox_dead_letters
+    WHERE (%(all)s OR event_id::text = ANY(%(event_ids)s::text[]))
+    RETURNING event_id, topic, key, payload, payload_bytes, headers, created_at
+)
+INSERT INTO outbox (event_id, topic, key, payload, payload_bytes, headers)
+SELECT event_id, topic, key, payload, payload_bytes, headers FROM moved
+RETURNING event_id::text AS event_id
+
+-- name: dead_letter_purge
+DELETE FROM outbox_dead_letters
+WHERE (%(all)s OR event_id::text = ANY(%(event_ids)s::text[]))
+RETURNING event_id::text AS event_id

@@ -1,0 +1,111 @@
+-- Named queries of the relay.  Each block starts with "-- name: <name>" and is
+-- loaded once by relay/queries.py.  Parameters are psycopg named placeholders.
+-- %(now)s is NULL in production (the database clock is the reference for leases)
+-- and a fixed timestamp in tests that control time.
+
+-- name: claim_batch
+-- Pending rows of the shards this replica holds, in (xid, id) order, only from
+-- transactions older than every transaction still in flight (so nothing that
+-- commits later can sort before them), after the pipelining cursor.
+-- A row in back-off, and every later row of its key, waits.
+-- No row locks: shard leases give exclusivity, and SKIP LOCKED would let a
+-- replica step over a row that a stale owner had locked and publish the key's
+-- next row first.
+SELECT o.id, o.event_id, o.topic, o.key,
+       o.payload::text AS payload_text, o.payload_bytes, o.headers::text AS headers_text,
+       o.xid::text AS xid, o.attempts,
+       (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s AS shard,
+       extract(epoch FROM o.created_at)::float8 AS created_epoch
+FROM outbox AS o
+WHERE o.published_at IS NULL
+  AND o.xid < pg_snapshot_xmin(pg_current_snapshot())
+  AND (o.xid, o.id) > (%(after_xid)s::xid8, %(after_id)s::bigint)
+  AND (%(all_shards)s OR (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s = ANY(%(shards)s::int[]))
+  AND (o.retry_at IS NULL OR o.retry_at <= coalesce(%(now)s::timestamptz, now()))
+  AND (o.key IS NULL OR NOT EXISTS (
+      SELECT 1 FROM outbox AS b
+      WHERE b.published_at IS NULL AND b.retry_at IS NOT NULL
+        AND b.retry_at > coalesce(%(now)s::timestamptz, now())
+        AND b.key = o.key
+        AND (b.xid, b.id) < (o.xid, o.id)))
+ORDER BY o.xid, o.id
+LIMIT %(limit)s
+
+-- name: mark_published
+-- Fenced: rows are marked only in shards whose lease this owner still holds with
+-- the same token.  FOR SHARE on the lease rows makes a concurrent takeover wait
+-- for this transaction (or makes this one see the new token and mark nothing).
+WITH held AS (
+    SELECT s.shard
+    FROM outbox_relay_shards AS s
+    JOIN unnest(%(held_shards)s::int[], %(held_tokens)s::bigint[]) AS h(shard, token)
+      ON h.shard = s.shard AND h.token = s.token
+    WHERE s.owner = %(owner)s
+    FOR SHARE OF s
+), marked AS (
+    UPDATE outbox AS o
+    SET published_at = coalesce(%(now)s::timestamptz, now()), retry_at = NULL
+    FROM unnest(%(ids)s::bigint[], %(row_shards)s::int[]) AS r(id, shard)
+    WHERE o.id = r.id
+      AND o.published_at IS NULL
+      AND r.shard IN (SELECT shard FROM held)
+    RETURNING o.id
+)
+SELECT (SELECT coalesce(array_agg(shard), '{}') FROM held) AS held,
+       (SELECT coalesce(array_agg(id), '{}') FROM marked) AS marked
+
+-- name: record_failure
+-- Fenced like mark_published: counts an attempt, keeps the broker's message and
+-- schedules the retry.
+WITH held AS (
+    SELECT s.shard
+    FROM outbox_relay_shards AS s
+    WHERE s.shard = %(shard)s AND s.token = %(token)s AND s.owner = %(owner)s
+    FOR SHARE OF s
+)
+UPDATE outbox AS o
+SET attempts = o.attempts + 1,
+    last_error = %(error)s,
+    retry_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(backoff_s)s)
+WHERE o.id = %(id)s AND o.published_at IS NULL AND EXISTS (SELECT 1 FROM held)
+RETURNING o.attempts
+
+-- name: dead_letter
+-- Fenced move of one row to the dead letters, in one statement: never in both
+-- places, never in neither.
+WITH held AS (
+    SELECT s.shard
+    FROM outbox_relay_shards AS s
+    WHERE s.shard = %(shard)s AND s.token = %(token)s AND s.owner = %(owner)s
+    FOR SHARE OF s
+), moved AS (
+    DELETE FROM outbox AS o
+    WHERE o.id = %(id)s AND o.published_at IS NULL AND EXISTS (SELECT 1 FROM held)
+    RETURNING o.*
+)
+INSERT INTO outbox_dead_letters
+    (id, event_id, topic, key, payload, payload_bytes, headers, created_at,
+     reason, error, attempts, owner)
+SELECT id, event_id, topic, key, payload, payload_bytes, headers, created_at,
+       %(reason)s, %(error)s, attempts + 1, %(owner)s
+FROM moved
+RETURNING id
+
+-- name: backlog
+-- One cheap query for the pending gauges (run on a timer, not per batch).
+SELECT count(*) AS pending,
+       coalesce(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - min(created_at)), 0)::float8
+           AS oldest_age_s
+FROM outbox
+WHERE published_at IS NULL
+
+-- name: schema_check
+SELECT to_regclass('outbox') IS NOT NULL AS has_outbox,
+       to_regclass('outbox_relay_shards') IS NOT NULL AS has_shards,
+       to_regclass('outbox_relay_settings') IS NOT NULL AS has_settings
+
+-- name: read_settings
+SELECT shards FROM outbox_relay_settings
+
+-- name: listen
+LISTEN outbox_relay
