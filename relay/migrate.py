@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from relay import store as store_mod
 from relay.errors import ConfigError, FatalError
@@ -52,14 +53,8 @@ def render(shards: int = DEFAULT_SHARDS) -> str:
     parts = [f"-- outbox-relay schema, {len(migrations())} migrations\n"]
     for m in migrations():
         parts.append(f"\n-- ==== {m.path.name} ====\n{m.sql}")
-    parts.append(
-        "\n-- ==== shards ====\n"
-        f"INSERT INTO outbox_relay_settings (singleton, shards) VALUES (true, {int(shards)})\n"
-        "    ON CONFLICT (singleton) DO NOTHING;\n"
-        "INSERT INTO outbox_relay_shards (shard)\n"
-        "    SELECT g FROM generate_series(0, (SELECT shards FROM outbox_relay_settings) - 1) AS g\n"
-        "    ON CONFLICT (shard) DO NOTHING;\n"
-    )
+    shard_rows = sql.SQL(query("admin", "print_shards")).format(shards=sql.Literal(int(shards)))
+    parts.append(f"\n-- ==== shards ====\n{shard_rows.as_string(None)}\n")
     return "".join(parts)
 
 

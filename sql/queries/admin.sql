@@ -73,3 +73,12 @@ RETURNING event_id::text AS event_id
 DELETE FROM outbox_dead_letters
 WHERE (%(all)s OR event_id::text = ANY(%(event_ids)s::text[]))
 RETURNING event_id::text AS event_id
+
+-- name: print_shards
+-- For `migrate --print`: the shard rows that `migrate` creates; the count is
+-- filled in with psycopg.sql.Literal.
+INSERT INTO outbox_relay_settings (singleton, shards) VALUES (true, {shards})
+    ON CONFLICT (singleton) DO NOTHING;
+INSERT INTO outbox_relay_shards (shard)
+    SELECT g FROM generate_series(0, (SELECT shards FROM outbox_relay_settings) - 1) AS g
+    ON CONFLICT (shard) DO NOTHING;
