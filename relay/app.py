@@ -55,7 +55,7 @@ class Relay:
         self.last_tick = clock()
         self._next_backlog = 0.0
         self._db_failures = 0
-        self._wait = wait_exponential_jitter(initial=settings.backoff_initial_s,
+        self._wait = wait_exponential_jitter(multiplier=settings.backoff_initial_s,
                                              max=settings.backoff_max_s, jitter=settings.backoff_initial_s)
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -242,14 +242,22 @@ def parse_kafka_property(text: str) -> tuple[str, str]:
     return name, value
 
 
+_SSLMODES = {"disable", "allow", "prefer", "require", "verify-ca", "verify-full"}
+
+
 def validate_dsn(dsn: str) -> None:
+    """Reject what libpq would only reject at connect time, with the option named."""
+    where = f"--dsn / {ENV_PREFIX}DSN is not a valid PostgreSQL connection string"
     try:
-        psycopg.conninfo.conninfo_to_dict(dsn)
+        fields = psycopg.conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
-        raise ConfigError(
-            f"--dsn / {ENV_PREFIX}DSN is not a valid PostgreSQL connection string: "
-            f"{mask_text(str(exc).strip())}"
-        ) from None
+        raise ConfigError(f"{where}: {mask_text(str(exc).strip())}") from None
+    port = str(fields.get("port", "5432") or "")
+    if not all(part.isdigit() and 0 < int(part) < 65536 for part in port.split(",")):
+        raise ConfigError(f"{where}: port {port!r} is not a TCP port number")
+    sslmode = fields.get("sslmode")
+    if sslmode is not None and sslmode not in _SSLMODES:
+        raise ConfigError(f"{where}: sslmode {sslmode!r} is not one of {', '.join(sorted(_SSLMODES))}")
 
 
 def build_settings(

@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import pytest
+
+from relay.config import (
+    OPTIONS,
+    build_settings,
+    env_values,
+    kafka_env_properties,
+    mask_dsn,
+    parse_kafka_property,
+    producer_config,
+)
+from relay.errors import ConfigError
+
+DSN = "postgresql://relay:s3cret@db:5432/app"
+
+
+def test_every_option_has_a_flag_and_an_env_var() -> None:
+    for option in OPTIONS:
+        assert option.flag.startswith("--") and "_" not in option.flag
+        assert option.env == "OUTBOX_RELAY_" + option.name.upper()
+
+
+def test_env_values_read_options_and_secret_files(tmp_path) -> None:
+    secret = tmp_path / "dsn"
+    secret.write_text(DSN + "\n")
+    env = {"OUTBOX_RELAY_DSN_FILE": str(secret), "OUTBOX_RELAY_BATCH_SIZE": "50"}
+    values = env_values(env, "run")
+    assert values == {"dsn": DSN, "batch_size": "50"}
+
+
+def test_kafka_properties_pass_through_from_env(tmp_path) -> None:
+    pw = tmp_path / "pw"
+    pw.write_text("hunter2")
+    env = {
+        "OUTBOX_RELAY_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "OUTBOX_RELAY_KAFKA_SSL_CA_LOCATION": "/ca.pem",
+        "OUTBOX_RELAY_KAFKA_SASL_PASSWORD_FILE": str(pw),
+        "UNRELATED": "x",
+    }
+    assert kafka_env_properties(env) == {
+        "security.protocol": "SASL_SSL",
+        "ssl.ca.location": "/ca.pem",
+        "sasl.password": "hunter2",
+    }
+
+
+def test_build_settings_parses_units_and_defaults() -> None:
+    s = build_settings({"dsn": DSN, "bootstrap_servers": "k:9092", "poll_interval_s": "0.5",
+                        "lease_duration_s": "9"})
+    assert s.poll_interval_s == 0.5
+    assert s.heartbeat_interval_s == 3.0
+    assert s.owner  # host name and pid by default
+
+
+@pytest.mark.parametrize(
+    ("values", "fragment"),
+    [
+        ({"bootstrap_servers": "k:9092"}, "no database given"),
+        ({"dsn": DSN}, "no Kafka cluster given"),
+        ({"dsn": "host=db port=", "bootstrap_servers": "k"}, "not a valid PostgreSQL connection string"),
+        ({"dsn": DSN, "bootstrap_servers": "k", "batch_size": "0"}, "--batch-size"),
+        ({"dsn": DSN, "bootstrap_servers": "k", "batch_size": "ten"}, "OUTBOX_RELAY_BATCH_SIZE"),
+        ({"dsn": DSN, "bootstrap_servers": "k", "poll_interval_s": "-1"}, "--poll-interval-s"),
+        ({"dsn": DSN, "bootstrap_servers": "k", "metrics_port": "70000"}, "--metrics-port"),
+        ({"dsn": DSN, "bootstrap_servers": "k", "lease_duration_s": "3",
+          "heartbeat_interval_s": "5"}, "must be shorter"),
+    ],
+)
+def test_bad_options_name_the_option(values, fragment) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_settings(values)
+    assert fragment in str(info.value)
+    assert "s3cret" not in str(info.value)
+
+
+def test_malformed_dsn_error_does_not_echo_the_password() -> None:
+    with pytest.raises(ConfigError) as info:
+        build_settings({"dsn": "postgresql://u:s3cret@h:notaport/db", "bootstrap_servers": "k"})
+    assert "s3cret" not in str(info.value)
+
+
+def test_producer_config_keeps_the_delivery_guarantees() -> None:
+    s = build_settings({"dsn": DSN, "bootstrap_servers": "k:9092"},
+                       kafka_properties={"linger.ms": "20"})
+    config = producer_config(s)
+    assert config["enable.idempotence"] == "true" and config["acks"] == "all"
+    assert config["partitioner"] == "murmur2_random" and config["linger.ms"] == "20"
+    weak = build_settings({"dsn": DSN, "bootstrap_servers": "k:9092"}, kafka_properties={"acks": "1"})
+    with pytest.raises(ConfigError, match="acks"):
+        producer_config(weak)
+
+
+def test_kafka_property_flag_parsing() -> None:
+    assert parse_kafka_property("ssl.ca.location=/x=y") == ("ssl.ca.location", "/x=y")
+    with pytest.raises(ConfigError):
+        parse_kafka_property("novalue")
+    with pytest.raises(ConfigError):
+        parse_kafka_property("Bad Name=1")
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://relay:s3cret@db:5432/app",
+        "host=db user=relay password=s3cret dbname=app",
+        "host=db password='s3 cret' dbname=app",
+        "postgresql://db/app?user=relay&password=s3cret",
+    ],
+)
+def test_mask_dsn_hides_passwords(dsn) -> None:
+    masked = mask_dsn(dsn)
+    assert "s3cret" not in masked and "s3 cret" not in masked
+    assert "***" in masked
+
+
+def test_settings_repr_hides_the_dsn_password() -> None:
+    s = build_settings({"dsn": DSN, "bootstrap_servers": "k"})
+    assert "s3cret" not in repr(s)

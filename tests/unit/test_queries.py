@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from relay.migrate import migrations, render
+from relay.queries import load, parse_blocks, query
+
+
+def test_parse_blocks_splits_named_queries() -> None:
+    text = "-- header\n-- name: one\nSELECT 1\n\n-- name: two\n-- why\nSELECT 2\n"
+    assert parse_blocks(text) == {"one": "SELECT 1", "two": "-- why\nSELECT 2"}
+
+
+def test_duplicate_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="duplicate"):
+        parse_blocks("-- name: a\nSELECT 1\n-- name: a\nSELECT 2\n")
+
+
+@pytest.mark.parametrize("group", ["relay", "leases", "admin"])
+def test_every_query_uses_named_parameters_only(group) -> None:
+    for name, sql in load(group).items():
+        body = re.sub(r"%%", "", sql)
+        stray = re.findall(r"%(?!\([a-z_]+\)s)", body)
+        assert not stray, f"{group}.{name} has a % that is not a named placeholder"
+
+
+def test_missing_query_is_named() -> None:
+    with pytest.raises(KeyError, match="no query 'nope'"):
+        query("relay", "nope")
+
+
+def test_migrations_are_numbered_without_gaps_and_print() -> None:
+    found = migrations()
+    assert [m.version for m in found] == list(range(1, len(found) + 1))
+    script = render(8)
+    for m in found:
+        assert m.path.name in script
+    assert "VALUES (true, 8)" in script
