@@ -1,0 +1,152 @@
+"""The real CLI as a process: bad input gets one clear line and an exit code, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.fixtures.outbox import relay_cmd, relay_env
+from tests.fixtures.procs import free_port
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run(relay_cmd(*args), env=full_env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def one_clear_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("outbox-relay")
+    return lines[0]
+
+
+def test_unknown_option():
+    result = run_cli("run", "--bogus-flag", "1")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --bogus-flag" in one_clear_line(result)
+
+
+def test_missing_dsn():
+    result = run_cli("run", env={"OUTBOX_RELAY_DSN": "", "OUTBOX_RELAY_BOOTSTRAP_SERVERS": "x:1"})
+    assert result.returncode == 2
+    assert "OUTBOX_RELAY_DSN" in one_clear_line(result)
+
+
+@pytest.mark.parametrize("dsn", ["host=db port=notaport password=hunter2", "nonsense-dsn",
+                                 "postgresql://u:hunter2@db/app?sslmode=sometimes"])
+def test_malformed_dsn(dsn):
+    result = run_cli("run", "--dsn", dsn, "--bootstrap-servers", "127.0.0.1:1")
+    assert result.returncode == 2
+    line = one_clear_line(result)
+    assert "not a valid PostgreSQL connection string" in line
+    assert "hunter2" not in result.stderr + result.stdout
+
+
+def test_bad_number_names_the_option():
+    result = run_cli("run", "--dsn", "postgresql://x/y", "--bootstrap-servers", "k:1",
+                     "--batch-size", "lots")
+    assert result.returncode == 2
+    assert "--batch-size" in one_clear_line(result)
+
+
+def test_missing_schema(db_dsn, broker):
+    result = run_cli("run", env=relay_env(db_dsn, broker.bootstrap))
+    assert result.returncode == 3
+    assert "outbox-relay migrate" in one_clear_line(result)
+
+
+@pytest.mark.parametrize(
+    ("prop", "value", "fragment"),
+    [
+        ("NO_SUCH_PROPERTY", "1", "invalid Kafka configuration"),
+        ("LINGER_MS", "soon", "invalid Kafka configuration"),
+        ("ACKS", "1", "would break the relay's delivery guarantee"),
+    ],
+)
+def test_malformed_librdkafka_property(outbox_db, broker, prop, value, fragment):
+    env = relay_env(outbox_db, broker.bootstrap)
+    env[f"OUTBOX_RELAY_KAFKA_{prop}"] = value
+    result = run_cli("run", env=env)
+    assert result.returncode == 2
+    assert fragment in one_clear_line(result)
+
+
+@pytest.fixture
+def password_role(own_pg_running):
+    """A role that must log in with a password on the restartable embedded server."""
+    hba = Path(own_pg_running.data_dir) / "pg_hba.conf"
+    original = hba.read_text()
+    hba.write_text("host all pw_relay 127.0.0.1/32 scram-sha-256\n" + original)
+    with psycopg.connect(own_pg_running.admin_dsn, autocommit=True) as conn:
+        conn.execute("DROP ROLE IF EXISTS pw_relay")
+        conn.execute("CREATE ROLE pw_relay LOGIN PASSWORD 'right-password'")
+        conn.execute("SELECT pg_reload_conf()")
+    try:
+        yield own_pg_running
+    finally:
+        hba.write_text(original)
+        with psycopg.connect(own_pg_running.admin_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_reload_conf()")
+            conn.execute("DROP ROLE IF EXISTS pw_relay")
+
+
+def test_rejected_credentials(password_role, broker):
+    dsn = f"postgresql://pw_relay:wrong-s3cret@127.0.0.1:{password_role.port}/postgres"
+    result = run_cli("run", env=relay_env(dsn, broker.bootstrap))
+    assert result.returncode == 4
+    line = one_clear_line(result)
+    assert "rejected the credentials" in line
+    assert "wrong-s3cret" not in result.stderr + result.stdout
+
+
+def test_unreachable_database_is_waited_for_not_fatal(broker, spawn):
+    port = free_port()
+    relay = spawn(relay_cmd("run"), env=relay_env(f"postgresql://postgres:pw-s3cret@127.0.0.1:{port}/x",
+                                                  broker.bootstrap), name="relay")
+    relay.wait_for_log("database_unavailable", timeout_s=30)
+    assert relay.alive
+    relay.sigterm()
+    assert relay.wait(30) == 0
+    assert "pw-s3cret" not in relay.log_text()
+    assert "Traceback" not in relay.log_text()
+
+
+def test_migrate_print_and_status_json(outbox_db):
+    printed = run_cli("migrate", "--print")
+    assert printed.returncode == 0
+    assert "CREATE TABLE IF NOT EXISTS outbox" in printed.stdout
+    status = run_cli("status", "--json", "--dsn", outbox_db)
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert report["pending"] == 0 and report["oldest_pending_age_s"] == 0
+    assert len(report["shards"]) == 16
+    assert set(report["shards"][0]) >= {"shard", "owner", "lease_until", "token"}
+
+
+def test_python_dash_m_and_console_script_agree():
+    module = subprocess.run([sys.executable, "-m", "relay", "--version"], capture_output=True, text=True)
+    script = Path(sys.executable).with_name("outbox-relay")
+    assert module.returncode == 0 and "outbox-relay" in module.stdout
+    assert script.exists()
+    console = subprocess.run([str(script), "--version"], capture_output=True, text=True)
+    assert console.stdout == module.stdout
+
+
+def test_help_documents_every_env_var():
+    from relay.config import OPTIONS
+
+    text = run_cli("run", "--help").stdout
+    for option in OPTIONS:
+        if "run" in option.commands:
+            assert option.env in text, option.env
+    assert "OUTBOX_RELAY_KAFKA_" in text
