@@ -57,7 +57,7 @@ def status(settings: Settings, *, as_json: bool) -> int:
         shards = _rows(conn, "leases", "shard_table", {"now": None})
     finally:
         conn.close()
-    report = {
+    report: dict[str, Any] = {
         "pending": int(backlog["pending"]),
         "oldest_pending_age_s": round(float(backlog["oldest_pending_age_s"]), 3),
         "retrying": int(backlog["retrying"]),

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tenacity import wait_exponential_jitter
+from tenacity import RetryCallState, wait_exponential_jitter
 
 from relay import __version__
 from relay.config import Settings, mask_dsn, masked_properties, producer_config
@@ -41,7 +41,7 @@ class Relay:
         self.clock = clock
         self._stop = threading.Event()
         self.stopped = threading.Event()
-        self.store = Store(settings.dsn)
+        self.store = Store(settings.dsn, application_name=f"outbox-relay:{settings.owner}")
         self.publisher: Publisher | None = None
         self.pump: Pump | None = None
         self.leases: LeaseManager | None = None
@@ -120,7 +120,9 @@ class Relay:
 
     def _next_wait(self) -> float:
         self._db_failures += 1
-        return float(self._wait(_RetryState(self._db_failures)))
+        state = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
+        state.attempt_number = self._db_failures
+        return float(self._wait(state))
 
     def _db_ok(self) -> None:
         if not self.db_up:
@@ -265,13 +267,6 @@ class Relay:
     def ready(self) -> tuple[bool, dict[str, Any]]:
         ok = self.db_up and self.broker_up and self.schema_ok
         return ok, {"database": self.db_up, "broker": self.broker_up, "schema": self.schema_ok}
-
-
-class _RetryState:
-    """The little of tenacity's RetryCallState that its wait strategies read."""
-
-    def __init__(self, attempt: int) -> None:
-        self.attempt_number = attempt
 
 
 def install_signal_handlers(relay: Relay) -> None:

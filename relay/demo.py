@@ -96,18 +96,22 @@ def checker(bootstrap: str, tally: Tally, stop: threading.Event) -> None:
     from confluent_kafka import Consumer, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "outbox-demo-checker",
-                         "enable.auto.commit": False})
+                         "enable.auto.commit": False, "fetch.wait.max.ms": 10})
     try:
         meta = consumer.list_topics(TOPIC, timeout=10)
         consumer.assign([TopicPartition(TOPIC, p, 0) for p in meta.topics[TOPIC].partitions])
         while not stop.is_set():
-            for msg in consumer.consume(500, 0.2):
+            first = consumer.poll(0.1)  # returns as soon as a message is there
+            if first is None:
+                continue
+            for msg in [first, *consumer.consume(1000, 0)]:
                 if msg.error():
                     continue
                 received = time.time()
-                headers = dict(msg.headers() or [])
+                raw: Any = msg.headers() or []
+                headers = {k: v for k, v in raw if isinstance(v, bytes)}
                 event_id = headers.get("event_id", b"").decode()
-                body = json.loads(msg.value())
+                body = json.loads(msg.value() or b"{}")
                 with tally.lock:
                     if event_id in tally.received:
                         tally.duplicates += 1
@@ -161,26 +165,34 @@ def main(args: argparse.Namespace) -> int:
                 t.start()
             print(f"writing {args.rate:g} events/s over {args.keys} keys for {args.duration_s:g} s "
                   f"(Ctrl-C stops early)", flush=True)
-            _progress(tally, dsn, until=time.monotonic() + args.duration_s, relay=relay)
-            stop_writer.set()
-            threads[2].join()
-            _wait_all_received(tally, timeout_s=30.0)
-            return _summary(tally, dsn)
+            try:
+                _progress(tally, dsn, until=time.monotonic() + args.duration_s, relay=relay)
+                stop_writer.set()
+                threads[2].join()
+                _wait_all_received(tally, timeout_s=30.0)
+                return _summary(tally, dsn)
+            finally:
+                _stop_all(relay, threads, stop_writer, stop_checker)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping and cleaning up", flush=True)
         return 130
     finally:
-        stop_writer.set()
-        stop_checker.set()
-        if relay is not None:
-            relay.stop()
-            relay.stopped.wait(20)
-        for t in threads:
-            t.join(timeout=5)
+        _stop_all(relay, threads, stop_writer, stop_checker)
+
+
+def _stop_all(relay: Any, threads: list[threading.Thread], *events: threading.Event) -> None:
+    """Stop the writer, the checker and the relay (draining) before the services go away."""
+    for event in events:
+        event.set()
+    if relay is not None:
+        relay.stop()
+        relay.stopped.wait(20)
+    for t in threads:
+        t.join(timeout=5)
 
 
 def _create_topic(bootstrap: str) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
     for future in admin.create_topics([NewTopic(TOPIC, 3, 1)]).values():

@@ -9,6 +9,7 @@ duplicates from the producer's own retries.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +63,7 @@ class BadRow(ValueError):
     """The row cannot be encoded as a Kafka message."""
 
 
-def encode_headers(row: OutboxRow) -> list[tuple[str, bytes | None]]:
+def encode_headers(row: OutboxRow) -> list[tuple[str, str | bytes | None]]:
     """The row's JSON headers as Kafka headers, plus ``event_id`` always.
 
     Header values must be strings (or null); anything else is a bad row, since
@@ -74,7 +75,7 @@ def encode_headers(row: OutboxRow) -> list[tuple[str, bytes | None]]:
         raise BadRow(f"headers are not valid JSON: {exc}") from None
     if not isinstance(headers, dict):
         raise BadRow("headers must be a JSON object of strings")
-    encoded: list[tuple[str, bytes | None]] = []
+    encoded: list[tuple[str, str | bytes | None]] = []
     for name, value in headers.items():
         if name == "event_id":
             continue
@@ -100,6 +101,10 @@ def classify(error: KafkaError) -> Outcome:
     return Outcome(ok=False, error_class="transient", message=message)
 
 
+_KAFKA_LOG = logging.getLogger("outbox_relay.librdkafka")
+_KAFKA_LOG.addHandler(logging.NullHandler())  # state changes are reported through error_cb
+_KAFKA_LOG.propagate = False
+
 DeliveryCallback = Callable[[OutboxRow, Outcome], None]
 ErrorCallback = Callable[[str, str, bool], None]  # (state, message, fatal)
 
@@ -115,6 +120,8 @@ class Publisher:
     def _new_producer(self) -> Producer:
         config: dict[str, Any] = dict(self._config)
         config["error_cb"] = self._error_cb
+        config["logger"] = _KAFKA_LOG  # librdkafka's own lines go through logging, not raw stderr
+        config.setdefault("log.connection.close", "false")
         try:
             return Producer(config)
         except KafkaException as exc:

@@ -45,7 +45,7 @@ class PumpPublisher(Protocol):
 def backoff_s(attempt: int, *, initial_s: float, max_s: float, rand: Callable[[], float] = random.random) -> float:
     """Capped exponential back-off with full jitter over the upper half (attempt >= 1)."""
     ceiling = min(max_s, initial_s * (2 ** max(0, attempt - 1)))
-    return ceiling / 2 + rand() * ceiling / 2
+    return float(ceiling / 2 + rand() * ceiling / 2)
 
 
 @dataclass(slots=True)

@@ -101,8 +101,10 @@ class Store:
     clock in lease and retry arithmetic (tests); None means ``now()`` in SQL.
     """
 
-    def __init__(self, dsn: str, *, now: datetime | None = None) -> None:
+    def __init__(self, dsn: str, *, now: datetime | None = None,
+                 application_name: str = "outbox-relay") -> None:
         self._dsn = dsn
+        self._application_name = application_name[:63]
         self._conn: psycopg.Connection[Any] | None = None
         self._listen: psycopg.Connection[Any] | None = None
         self.now = now
@@ -113,7 +115,7 @@ class Store:
     @property
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
-            self._conn = connect(self._dsn)
+            self._conn = connect(self._dsn, application_name=self._application_name)
         return self._conn
 
     def close(self) -> None:
@@ -135,7 +137,7 @@ class Store:
             try:
                 cur = self.conn.cursor(row_factory=dict_row)
                 self.queries += 1
-                cur.execute(query(group, name), params)  # type: ignore[arg-type]
+                cur.execute(query(group, name), params)
                 return cur.fetchall() if cur.description else []
             except (psycopg.OperationalError, psycopg.InterfaceError):
                 self.reset()

@@ -22,7 +22,7 @@ def test_ten_thousand_rows_over_several_topics_and_keys_arrive_in_key_order(
     for t in topics:
         create_topic(broker.bootstrap, t, partitions=3)
     sizes = [3334, 3334, 3332]
-    for t, n in zip(topics, sizes):
+    for t, n in zip(topics, sizes, strict=True):
         insert_rows(outbox_db, t, n, keys=97, per_tx=500)
     assert pending(outbox_db) == 10_000
     expected = all_event_ids(outbox_db)
@@ -33,7 +33,7 @@ def test_ten_thousand_rows_over_several_topics_and_keys_arrive_in_key_order(
         total = sum(published("outbox_relay_events_published_total", {"topic": t}) or 0 for t in topics)
     assert total == 10_000
 
-    records = [r for t, n in zip(topics, sizes) for r in read_all(broker.bootstrap, t, expected=n,
+    records = [r for t, n in zip(topics, sizes, strict=True) for r in read_all(broker.bootstrap, t, expected=n,
                                                                   timeout_s=60)]
     delivery = check_delivery(records, expected)
     assert delivery.missing == set()

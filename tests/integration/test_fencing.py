@@ -1,0 +1,84 @@
+"""The fencing rule, step by step with controlled time, on the real SQL (issue 3)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+
+from relay.model import Cursor, Lease, ShardId, Token
+from relay.store import Store
+from tests.fixtures.outbox import insert_rows, migrated, scalar
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def at(store: Store, seconds: float) -> Store:
+    store.now = T0 + timedelta(seconds=seconds)
+    return store
+
+
+def test_a_late_writer_is_rejected_and_the_new_owner_is_accepted(db_dsn):
+    dsn = migrated(db_dsn, shards=1)
+    insert_rows(dsn, "orders", 4, keys=1)
+    a, b = Store(dsn), Store(dsn)
+    try:
+        # t=0: A claims the only shard until t=10, token 1.
+        assert at(a, 0).claim_shards(owner="A", limit=1, lease_s=10) == {ShardId(0): Token(1)}
+        rows = a.claim(shards=[ShardId(0)], nshards=1, after=Cursor(), limit=10)
+        assert len(rows) == 4
+        # t=5: B's claim is refused, the lease is live.
+        assert at(b, 5).claim_shards(owner="B", limit=1, lease_s=10) == {}
+        # t=11: A's lease expired; B claims with token 2.
+        assert at(b, 11).claim_shards(owner="B", limit=1, lease_s=10) == {ShardId(0): Token(2)}
+        # t=12: A's late mark is rejected: nothing changes, and A learns it lost the shard.
+        held, marked = at(a, 12).mark_published(owner="A", leases=[Lease(ShardId(0), Token(1), 0)],
+                                                rows=rows[:2])
+        assert held == set() and marked == set()
+        assert scalar(dsn, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") == 0
+        # A's renewal and release are rejected too.
+        assert at(a, 12).renew(owner="A", leases=[Lease(ShardId(0), Token(1), 0)], lease_s=10) == {}
+        assert a.release(owner="A", leases=[Lease(ShardId(0), Token(1), 0)]) == set()
+        # A's dead-letter move and failure record are fenced as well.
+        assert not a.dead_letter(owner="A", lease=Lease(ShardId(0), Token(1), 0), row=rows[0],
+                                 reason="x", error="y")
+        assert a.record_failure(owner="A", lease=Lease(ShardId(0), Token(1), 0), row=rows[0],
+                                error="y", backoff_s=1) is None
+        # B's mark with token 2 is accepted.
+        held, marked = at(b, 12).mark_published(owner="B", leases=[Lease(ShardId(0), Token(2), 0)],
+                                                rows=rows[:2])
+        assert held == {ShardId(0)} and marked == {rows[0].id, rows[1].id}
+        owner, token = scalar(dsn, "SELECT array[owner, token::text] FROM outbox_relay_shards")
+        assert (owner, token) == ("B", "2")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_takeover_waits_for_an_in_progress_mark(db_dsn):
+    """The mark takes FOR SHARE on the lease row: a takeover cannot slip in between the
+    mark's check and its commit."""
+    dsn = migrated(db_dsn, shards=1)
+    insert_rows(dsn, "orders", 1, keys=1)
+    a = Store(dsn)
+    try:
+        at(a, 0).claim_shards(owner="A", limit=1, lease_s=10)
+        rows = a.claim(shards=[ShardId(0)], nshards=1, after=Cursor(), limit=10)
+        with psycopg.connect(dsn) as blocker:  # A's mark, held open in a transaction
+            from relay.queries import query
+
+            blocker.execute(query("relay", "mark_published"), {
+                "owner": "A", "held_shards": [0], "held_tokens": [1], "ids": [rows[0].id],
+                "row_shards": [0], "now": T0 + timedelta(seconds=1)})
+            with psycopg.connect(dsn, autocommit=True) as b:
+                b.execute("SET lock_timeout = '300ms'")
+                try:
+                    b.execute(query("leases", "claim_shards"), {
+                        "owner": "B", "limit": 1, "lease_s": 10, "now": T0 + timedelta(seconds=11)})
+                    claimed = b.execute("SELECT owner FROM outbox_relay_shards").fetchone()
+                except psycopg.errors.LockNotAvailable:
+                    claimed = None
+            # The takeover skipped the locked lease row (SKIP LOCKED) instead of stealing it.
+            assert claimed == ("A",) or claimed is None
+    finally:
+        a.close()
