@@ -150,3 +150,20 @@ def test_help_documents_every_env_var():
         if "run" in option.commands:
             assert option.env in text, option.env
     assert "OUTBOX_RELAY_KAFKA_" in text
+
+
+def test_shard_count_change_is_refused_while_relays_hold_leases(outbox_db, broker, spawn):
+    relay = spawn(relay_cmd("run"), env=relay_env(outbox_db, broker.bootstrap), name="relay")
+    relay.wait_for_log("leases_changed", timeout_s=30)
+    refused = run_cli("migrate", "--dsn", outbox_db, "--shards", "8")
+    assert refused.returncode == 2
+    assert "while 16 shard lease(s) are live" in one_clear_line(refused)
+    mismatched = run_cli("run", env=relay_env(outbox_db, broker.bootstrap, shards=8))
+    assert mismatched.returncode == 1
+    assert "does not match the database's 16 shards" in one_clear_line(mismatched)
+    relay.sigterm()
+    assert relay.wait(30) == 0  # a clean stop releases every lease at once
+    changed = run_cli("migrate", "--dsn", outbox_db, "--shards", "8")
+    assert changed.returncode == 0, changed.stderr
+    status = json.loads(run_cli("status", "--json", "--dsn", outbox_db).stdout)
+    assert [s["shard"] for s in status["shards"]] == list(range(8))

@@ -1,0 +1,212 @@
+"""Several relay replicas on one outbox, as real processes (issue 3): shared work, per-key
+order, and no write by a replica that lost its lease."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+
+import psycopg
+
+from tests.fixtures.broker import create_topic, read_all
+from tests.fixtures.outbox import (
+    all_event_ids,
+    check_delivery,
+    insert_rows,
+    relay_cmd,
+    relay_env,
+    wait_drained,
+)
+from tests.fixtures.procs import Proc, wait_until
+
+LEASE_S, HEARTBEAT_S, SHARDS = 3.0, 1.0, 16
+BATCH, DEPTH = 200, 4
+
+AUDIT = """
+CREATE TABLE mark_audit (id bigint, shard int, app text, at timestamptz DEFAULT clock_timestamp());
+CREATE FUNCTION audit_mark() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  INSERT INTO mark_audit (id, shard, app)
+  VALUES (NEW.id, (hashtext(coalesce(NEW.key, NEW.event_id::text)) & 2147483647) % 16,
+          current_setting('application_name'));
+  RETURN NULL;
+END $$;
+CREATE TRIGGER audit_mark AFTER UPDATE OF published_at ON outbox FOR EACH ROW
+  WHEN (OLD.published_at IS NULL AND NEW.published_at IS NOT NULL) EXECUTE FUNCTION audit_mark();
+CREATE TABLE lease_audit (shard int, owner text, token bigint, at timestamptz DEFAULT clock_timestamp());
+CREATE FUNCTION audit_lease() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  INSERT INTO lease_audit (shard, owner, token) VALUES (NEW.shard, NEW.owner, NEW.token);
+  RETURN NULL;
+END $$;
+CREATE TRIGGER audit_lease AFTER UPDATE ON outbox_relay_shards FOR EACH ROW
+  WHEN (NEW.token <> OLD.token) EXECUTE FUNCTION audit_lease();
+"""
+
+
+def start_relay(spawn: Callable[..., Proc], dsn: str, bootstrap: str, owner: str) -> Proc:
+    env = relay_env(dsn, bootstrap, owner=owner, lease_duration_s=LEASE_S,
+                    heartbeat_interval_s=HEARTBEAT_S, batch_size=BATCH, pipeline_depth=DEPTH)
+    return spawn(relay_cmd("run"), env=env, name=owner)
+
+
+def owners(dsn: str) -> dict[str, int]:
+    """Live lease counts per owner."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT owner, count(*) FROM outbox_relay_shards WHERE owner IS NOT NULL "
+                            "AND lease_until > now() GROUP BY owner").fetchall()
+    return {owner: n for owner, n in rows}
+
+
+def wait_owners(dsn: str, expected: set[str], timeout_s: float = 30.0) -> dict[str, int]:
+    def balanced() -> dict[str, int] | None:
+        held = owners(dsn)
+        if set(held) == expected and sum(held.values()) == SHARDS:
+            return held
+        return None
+
+    return wait_until(balanced, timeout_s=timeout_s,
+                      message=lambda: f"leases not settled on {sorted(expected)}: {owners(dsn)}")
+
+
+class Writer:
+    """Commits rows continuously (20 keys' worth per transaction) until stopped."""
+
+    def __init__(self, dsn: str, topic: str, keys: int = 100) -> None:
+        self.dsn, self.topic, self.keys = dsn, topic, keys
+        self.written = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            insert_rows(self.dsn, self.topic, self.keys, keys=self.keys, start=self.written)
+            self.written += self.keys
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> Writer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _marks_by(dsn: str, owner: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return int(conn.execute("SELECT count(*) FROM mark_audit WHERE app = %s",
+                                (f"outbox-relay:{owner}",)).fetchone()[0])
+
+
+def published_total(proc: Proc) -> int:
+    match = re.search(r'\{[^\n]*"relay_stopped"[^\n]*\}', proc.log_text())
+    assert match, proc.log_tail()
+    return int(json.loads(match.group(0))["published_total"])
+
+
+def verify(dsn: str, bootstrap: str, topic: str, *, max_duplicates: int) -> None:
+    expected = all_event_ids(dsn)
+    records = read_all(bootstrap, topic, expected=len(expected), timeout_s=90, extra_wait_s=1)
+    delivery = check_delivery(records, expected)
+    assert delivery.missing == set()
+    assert delivery.order_violations == []
+    assert delivery.duplicates <= max_duplicates, delivery.duplicates
+
+
+def test_three_replicas_share_fifty_thousand_rows_in_key_order(outbox_db, broker, topic, spawn):
+    relays = [start_relay(spawn, outbox_db, broker.bootstrap, f"r{i}") for i in (1, 2, 3)]
+    held = wait_owners(outbox_db, {"r1", "r2", "r3"})
+    assert max(held.values()) <= 6
+    insert_rows(outbox_db, topic, 50_000, keys=1000, per_tx=5000)
+    wait_drained(outbox_db, timeout_s=180)
+    for relay in relays:
+        relay.sigterm()
+    for relay in relays:
+        assert relay.wait(30) == 0
+    shares = [published_total(r) for r in relays]
+    assert sum(shares) >= 50_000
+    assert min(shares) >= 50_000 * 0.15, shares  # each replica did a real part of the work
+    verify(outbox_db, broker.bootstrap, topic, max_duplicates=0)
+
+
+def test_a_paused_replica_writes_nothing_after_the_takeover(outbox_db, proxied_broker, topic_name, spawn):
+    tansu, proxy = proxied_broker
+    topic = topic_name("pause")
+    create_topic(tansu.bootstrap, topic, partitions=3)
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute(AUDIT)
+    proxy.set_delay(100)  # acknowledgements take a while, so batches are in flight at the pause
+    with Writer(outbox_db, topic):
+        r1 = start_relay(spawn, outbox_db, tansu.bootstrap, "r1")
+        r2 = start_relay(spawn, outbox_db, tansu.bootstrap, "r2")
+        wait_owners(outbox_db, {"r1", "r2"})
+        wait_until(lambda: _marks_by(outbox_db, 'r1') > 0, timeout_s=30)
+        since = r1.log_size()
+        r1.sigstop()
+        wait_owners(outbox_db, {"r2"}, timeout_s=LEASE_S * 4)
+        r1.sigcont()
+        r1.wait_for_log("lease_lost", timeout_s=LEASE_S * 3, since=since)
+        wait_owners(outbox_db, {"r1", "r2"}, timeout_s=30)  # it rejoins with new tokens
+    proxy.set_delay(0)
+    wait_drained(outbox_db, timeout_s=120)
+    r1.sigterm(), r2.sigterm()
+    assert r1.wait(30) == 0 and r2.wait(30) == 0
+
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        # Every mark was made by the shard's current owner: the last claim of that shard
+        # before the mark belongs to the marking replica.
+        stale = conn.execute("""
+            SELECT m.id, m.shard, m.app, m.at, l.owner
+            FROM mark_audit m
+            JOIN LATERAL (SELECT owner FROM lease_audit la WHERE la.shard = m.shard AND la.at <= m.at
+                          ORDER BY la.at DESC LIMIT 1) l ON true
+            WHERE m.app <> 'outbox-relay:' || l.owner""").fetchall()
+        r1_marks = conn.execute(
+            "SELECT count(*) FROM mark_audit WHERE app = 'outbox-relay:r1'").fetchone()[0]
+        taken_over = conn.execute("""
+            SELECT count(DISTINCT b.shard) FROM lease_audit a JOIN lease_audit b
+              ON a.shard = b.shard AND a.owner = 'r1' AND b.owner = 'r2' AND b.at > a.at
+             AND b.token = a.token + 1""").fetchone()[0]
+        tokens = conn.execute("SELECT shard, array_agg(token ORDER BY at) FROM lease_audit GROUP BY shard").fetchall()
+    assert stale == []
+    assert r1_marks > 0  # r1 really published before (and after) its pause
+    assert taken_over >= SHARDS // 2  # r2 claimed r1's shards, each with the next token
+    for shard, seq in tokens:
+        assert seq == list(range(seq[0], seq[0] + len(seq))), (shard, seq)  # +1 at every claim
+    verify(outbox_db, tansu.bootstrap, topic, max_duplicates=2 * BATCH * DEPTH)
+
+
+def test_a_killed_replica_is_taken_over_within_about_one_lease(outbox_db, broker, topic, spawn):
+    with Writer(outbox_db, topic):
+        r1 = start_relay(spawn, outbox_db, broker.bootstrap, "r1")
+        r2 = start_relay(spawn, outbox_db, broker.bootstrap, "r2")
+        wait_owners(outbox_db, {"r1", "r2"})
+        r1.sigkill()
+        killed_at = time.monotonic()
+        wait_owners(outbox_db, {"r2"}, timeout_s=LEASE_S * 4)
+        takeover_s = time.monotonic() - killed_at
+    wait_drained(outbox_db, timeout_s=120)
+    r2.sigterm()
+    assert r2.wait(30) == 0
+    assert takeover_s <= LEASE_S + 2 * HEARTBEAT_S + 1.0, takeover_s
+    verify(outbox_db, broker.bootstrap, topic, max_duplicates=BATCH * DEPTH)
+
+
+def test_replicas_join_and_leave_while_traffic_flows(outbox_db, broker, topic, spawn):
+    with Writer(outbox_db, topic):
+        r1 = start_relay(spawn, outbox_db, broker.bootstrap, "r1")
+        r2 = start_relay(spawn, outbox_db, broker.bootstrap, "r2")
+        wait_owners(outbox_db, {"r1", "r2"})
+        r3 = start_relay(spawn, outbox_db, broker.bootstrap, "r3")
+        wait_owners(outbox_db, {"r1", "r2", "r3"})
+        r1.sigterm()
+        assert r1.wait(30) == 0
+        wait_owners(outbox_db, {"r2", "r3"})
+    wait_drained(outbox_db, timeout_s=120)
+    r2.sigterm(), r3.sigterm()
+    assert r2.wait(30) == 0 and r3.wait(30) == 0
+    verify(outbox_db, broker.bootstrap, topic, max_duplicates=0)
