@@ -72,6 +72,7 @@ class Relay:
         """Validate configuration, wait for the database, check the schema, build the producer."""
         s = self.settings
         self.metrics.build_info.info({"version": __version__})
+        self.metrics.broker_up.set(1)  # until the client reports every broker down
         self.log.info("relay_starting", version=__version__, dsn=mask_dsn(s.dsn),
                       bootstrap_servers=s.bootstrap_servers,
                       kafka=masked_properties(s.kafka_properties), batch_size=s.batch_size,
@@ -200,9 +201,10 @@ class Relay:
             self.metrics.leases_held.set(len(self.leases.leases))
         if now >= self._next_backlog:
             self._next_backlog = now + self.settings.backlog_interval_s
-            self.pending, oldest = self.store.backlog()
+            self.pending, oldest, retrying = self.store.backlog()
             self.metrics.pending_rows.set(self.pending)
             self.metrics.oldest_pending_age.set(oldest)
+            self.metrics.retrying_rows.set(retrying)
         if self.janitor is not None:
             self.janitor.run_if_due(now)
         result = self.pump.run_once()
@@ -258,7 +260,9 @@ class Relay:
         now = self.clock()
         loop_age = now - self.last_tick
         since_publish = now - (self.pump.last_marked_at if self.pump else self.last_tick)
-        stuck = self.pending > 0 and since_publish > self.settings.stuck_after_s
+        # An outage of a dependency is readiness's business: a restart would not fix it.
+        stuck = (self.pending > 0 and since_publish > self.settings.stuck_after_s
+                 and self.db_up and self.broker_up)
         loop_dead = loop_age > max(30.0, self.settings.poll_interval_s * 10) and not self.stopping
         ok = not stuck and not loop_dead
         return ok, {"pending": self.pending, "seconds_since_publish": round(since_publish, 1),

@@ -10,6 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+#: Permanent failure classes of relay.publisher (bounded label values).
+KNOWN_FAILURE_CLASSES = ("message_too_large", "record_rejected", "invalid_topic", "unknown_topic",
+                         "topic_not_authorized", "bad_headers")
 BATCH_BUCKETS = (1, 5, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 
 
@@ -41,3 +44,10 @@ class RelayMetrics:
         self.last_publish = Gauge("outbox_relay_last_publish_timestamp_seconds", "Unix time of the last marked batch.", registry=r)
         self.cleanup_deleted = Counter("outbox_relay_cleanup_deleted_rows", "Published rows deleted by retention.", registry=r)
         self.build_info = Info("outbox_relay_build", "Build information.", registry=r)
+        # Known label values start at 0, so increase() sees the first event of each.
+        for reason in KNOWN_FAILURE_CLASSES:
+            self.dead_lettered.labels(reason)
+            self.attempts.labels(reason)
+            self.publish_errors.labels(reason)
+        for transient in ("transient", "timeout", "producer_fatal"):
+            self.publish_errors.labels(transient)

@@ -231,9 +231,10 @@ class Store:
                 self.reset()
                 raise
 
-    def backlog(self) -> tuple[int, float]:
+    def backlog(self) -> tuple[int, float, int]:
+        """(pending rows, age of the oldest pending row in seconds, rows in back-off)."""
         (row,) = self._fetch("relay", "backlog", {"now": self.now})
-        return int(row["pending"]), float(row["oldest_age_s"])
+        return int(row["pending"]), float(row["oldest_age_s"]), int(row["retrying"])
 
     # -- leases ---------------------------------------------------------------------------
 

@@ -95,7 +95,8 @@ RETURNING id
 -- One cheap query for the pending gauges (run on a timer, not per batch).
 SELECT count(*) AS pending,
        coalesce(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - min(created_at)), 0)::float8
-           AS oldest_age_s
+           AS oldest_age_s,
+       count(*) FILTER (WHERE retry_at IS NOT NULL) AS retrying
 FROM outbox
 WHERE published_at IS NULL
 

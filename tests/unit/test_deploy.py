@@ -1,0 +1,583 @@
+"""The deployment files in deploy/ agree with the code they deploy.
+
+Metric names come from a live ``RelayMetrics()`` registry and option names from
+``relay.config.OPTIONS``, so renaming a metric or an option fails here instead of
+silently breaking an alert, a panel or a manifest.  The promtool tests skip
+(with the install command) when promtool is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from relay import config
+from relay.metrics import RelayMetrics
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+ALERTS_TEST = DEPLOY / "prometheus" / "alerts_test.yml"
+PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+DASHBOARD = DEPLOY / "grafana" / "outbox-relay.json"
+COMPOSE = DEPLOY / "docker-compose.yml"
+K8S = DEPLOY / "k8s"
+DOCKERFILE = DEPLOY / "Dockerfile"
+RUNBOOKS = DEPLOY / "runbooks"
+
+METRIC_NAME = re.compile(r"\boutbox_relay_[a-z0-9_]+")
+ENV_NAME = re.compile(r"\bOUTBOX_RELAY_[A-Z0-9_]*")
+RELAY_IMAGE = "outbox-relay"
+PROMTOOL_MISSING = "promtool not installed: apt-get install prometheus"
+
+#: Sample names each metric type exposes (prometheus_client's text format).
+_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("", "_sum", "_count", "_created"),
+    "gauge": ("",),
+    "info": ("_info",),
+    "stateset": ("",),
+    "enum": ("",),
+}
+
+#: What the dashboard must show (the panels the SRE asked for).
+DASHBOARD_REQUIRED = {
+    "outbox_relay_oldest_pending_age_seconds",
+    "outbox_relay_pending_rows",
+    "outbox_relay_events_published_total",
+    "outbox_relay_publish_errors_total",
+    "outbox_relay_commit_to_ack_seconds_bucket",
+    "outbox_relay_batch_size_rows_bucket",
+    "outbox_relay_claim_duration_seconds_bucket",
+    "outbox_relay_mark_duration_seconds_bucket",
+    "outbox_relay_leases_held",
+    "outbox_relay_leases_lost_total",
+    "outbox_relay_fenced_writes_total",
+    "outbox_relay_dead_lettered_total",
+    "outbox_relay_retrying_rows",
+    "outbox_relay_database_up",
+    "outbox_relay_broker_up",
+    "outbox_relay_in_flight_rows",
+    "outbox_relay_build_info",
+}
+
+
+# --- helpers -------------------------------------------------------------------------
+
+
+def exported_metric_names() -> set[str]:
+    """Every sample name the relay can expose, labelled metrics included (no samples yet)."""
+    names: set[str] = set()
+    for family in RelayMetrics().registry.collect():
+        names.update(sample.name for sample in family.samples)
+        names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",)))
+    return names
+
+
+def metric_names_in(text: str) -> set[str]:
+    return set(METRIC_NAME.findall(text))
+
+
+def known_env_names() -> set[str]:
+    names = {option.env for option in config.OPTIONS}
+    names |= {option.env + "_FILE" for option in config.OPTIONS if option.secret}
+    return names
+
+
+def is_relay_env(name: str) -> bool:
+    """An option, a secret option's _FILE, or a librdkafka pass-through property."""
+    if name in known_env_names():
+        return True
+    if name.startswith(config.KAFKA_ENV_PREFIX) and len(name) > len(config.KAFKA_ENV_PREFIX):
+        prop = name[len(config.KAFKA_ENV_PREFIX):].lower()
+        prop = prop.removesuffix("_file")
+        return bool(re.fullmatch(r"[a-z0-9]+(_[a-z0-9]+)*", prop))
+    return False
+
+
+def deploy_files() -> list[Path]:
+    return sorted(p for p in DEPLOY.rglob("*") if p.is_file())
+
+
+def load_yaml(path: Path) -> list[Any]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def k8s_objects() -> Iterator[tuple[Path, dict[str, Any]]]:
+    for path in sorted(K8S.glob("*.y*ml")):
+        for doc in load_yaml(path):
+            yield path, doc
+
+
+def k8s_object(kind: str, path: Path | None = None) -> dict[str, Any]:
+    found = [doc for p, doc in k8s_objects() if doc["kind"] == kind and (path is None or p == path)]
+    assert len(found) == 1, f"expected one {kind} in {K8S}, found {len(found)}"
+    return found[0]
+
+
+def relay_containers() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(pod spec, container) of every container running the relay image, init or not."""
+    found = []
+    for _, doc in k8s_objects():
+        pod = doc.get("spec", {}).get("template", {}).get("spec")
+        if not pod:
+            continue
+        for container in pod.get("containers", []) + pod.get("initContainers", []):
+            if RELAY_IMAGE in container["image"]:
+                found.append((pod, container))
+    assert found, "no container runs the outbox-relay image in deploy/k8s"
+    return found
+
+
+def sidecar() -> tuple[dict[str, Any], dict[str, Any]]:
+    deployment = k8s_object("Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    relays = [c for c in pod["containers"] if RELAY_IMAGE in c["image"]]
+    assert len(relays) == 1, "the Deployment's pod must have exactly one relay container"
+    assert len(pod["containers"]) >= 2, "the relay must be a sidecar next to the app container"
+    return pod, relays[0]
+
+
+def configmap_env() -> dict[str, str]:
+    return {str(k): str(v) for k, v in k8s_object("ConfigMap")["data"].items()}
+
+
+def container_env(container: dict[str, Any]) -> dict[str, str]:
+    """The container's literal env on top of its ConfigMap envFrom (valueFrom ones skipped)."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        name = source["configMapRef"]["name"]
+        cm = k8s_object("ConfigMap")
+        assert cm["metadata"]["name"] == name, f"envFrom names an unknown ConfigMap {name!r}"
+        env.update(configmap_env())
+    env.update({e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e})
+    return env
+
+
+def compose() -> dict[str, Any]:
+    (doc,) = load_yaml(COMPOSE)
+    return doc
+
+
+def compose_env(service: str) -> dict[str, str]:
+    env = compose()["services"][service]["environment"]
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def configured(env: dict[str, str], option: str) -> Any:
+    """The value the relay would use for ``option`` given ``env`` (parsed, default applied)."""
+    opt = config.OPTIONS_BY_NAME[option]
+    return opt.parse(env[opt.env]) if opt.env in env else opt.default
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def dashboard_queries(node: Any) -> Iterator[str]:
+    """Every PromQL string of the dashboard: panel targets and template variable queries."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("expr", "definition") and isinstance(value, str):
+                yield value
+            elif key == "query" and isinstance(value, str) and node.get("type") != "datasource":
+                yield value
+            else:
+                yield from dashboard_queries(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from dashboard_queries(item)
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    (doc,) = load_yaml(ALERTS)
+    return [rule for group in doc["groups"] for rule in group["rules"] if "alert" in rule]
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def run_promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip(PROMTOOL_MISSING)
+    return subprocess.run([promtool, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+# --- every file parses ---------------------------------------------------------------
+
+
+def test_every_yaml_and_json_file_in_deploy_parses() -> None:
+    parsed = 0
+    for path in deploy_files():
+        if path.suffix in (".yml", ".yaml"):
+            assert load_yaml(path), f"{path} is empty"
+            parsed += 1
+        elif path.suffix == ".json":
+            json.loads(path.read_text())
+            parsed += 1
+    assert parsed >= 10
+
+
+def test_the_expected_files_exist() -> None:
+    for rel in ("Dockerfile", "docker-compose.yml", "k8s/deployment.yaml", "k8s/configmap.yaml",
+                "k8s/secret.example.yaml", "k8s/podmonitor.yaml", "prometheus/alerts.yml",
+                "prometheus/alerts_test.yml", "prometheus/prometheus.yml",
+                "grafana/outbox-relay.json"):
+        assert (DEPLOY / rel).is_file(), f"deploy/{rel} is missing"
+
+
+# --- metric names --------------------------------------------------------------------
+
+
+def test_exported_names_include_labelled_and_derived_series() -> None:
+    names = exported_metric_names()
+    for expected in ("outbox_relay_events_published_total", "outbox_relay_dead_lettered_created",
+                     "outbox_relay_commit_to_ack_seconds_bucket", "outbox_relay_build_info",
+                     "outbox_relay_pending_rows"):
+        assert expected in names
+    assert "outbox_relay_events_published" not in names  # a counter is only scraped as _total
+
+
+@pytest.mark.parametrize("path", [ALERTS, ALERTS_TEST, DASHBOARD], ids=lambda p: p.name)
+def test_metric_names_exist_in_the_relay(path: Path) -> None:
+    used = metric_names_in(path.read_text())
+    assert used, f"{path} uses no relay metric"
+    unknown = used - exported_metric_names()
+    assert not unknown, f"{path.name} uses metrics the relay does not export: {sorted(unknown)}"
+
+
+def test_dashboard_covers_the_required_signals() -> None:
+    used = set().union(*(metric_names_in(q) for q in dashboard_queries(dashboard())))
+    missing = DASHBOARD_REQUIRED - used
+    assert not missing, f"no dashboard panel queries {sorted(missing)}"
+
+
+def test_dashboard_structure() -> None:
+    board = dashboard()
+    assert board["schemaVersion"] >= 36 and board["uid"] and board["title"]
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+    # The SLO panel comes first and is big.
+    first = min(panels, key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
+    assert "outbox_relay_oldest_pending_age_seconds" in first["targets"][0]["expr"]
+    # No two panels overlap on the grid.
+    cells: dict[tuple[int, int], str] = {}
+    for panel in board["panels"]:
+        g = panel["gridPos"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{panel['title']!r} overlaps {cells[(x, y)]!r}"
+                cells[(x, y)] = panel["title"]
+        assert g["x"] + g["w"] <= 24
+
+
+# --- alerts and runbooks -------------------------------------------------------------
+
+
+def test_alerts_have_severity_annotations_and_runbooks() -> None:
+    rules = alert_rules()
+    assert len({r["alert"] for r in rules}) >= 7
+    for rule in rules:
+        name = rule["alert"]
+        assert rule["labels"]["severity"] in ("warning", "critical"), name
+        for key in ("summary", "description", "runbook_url"):
+            assert rule["annotations"].get(key), f"{name} has no {key}"
+        url = rule["annotations"]["runbook_url"]
+        assert url.endswith(f"/deploy/runbooks/{name}.md"), f"{name}: runbook_url {url}"
+        assert (RUNBOOKS / f"{name}.md").is_file(), f"deploy/runbooks/{name}.md is missing"
+        assert "outbox-relay status" in (RUNBOOKS / f"{name}.md").read_text(), (
+            f"the {name} runbook does not say how to check with `outbox-relay status`")
+
+
+def test_required_alerts_exist() -> None:
+    exprs = {r["alert"]: r["expr"] for r in alert_rules()}
+    joined = "\n".join(exprs.values())
+    for needle in ("outbox_relay_oldest_pending_age_seconds", "outbox_relay_events_published_total",
+                   "outbox_relay_pending_rows", "outbox_relay_dead_lettered_total",
+                   "outbox_relay_leases_lost_total", 'up{job=~".*outbox-relay.*"}',
+                   "absent(", "outbox_relay_publish_errors_total", "outbox_relay_database_up"):
+        assert needle in joined, f"no alert uses {needle}"
+
+
+def test_every_runbook_belongs_to_an_alert() -> None:
+    alerts = {r["alert"] for r in alert_rules()}
+    for path in RUNBOOKS.glob("*.md"):
+        if path.name != "README.md":
+            assert path.stem in alerts, f"{path.name} documents no alert of alerts.yml"
+
+
+def test_every_alert_has_a_firing_and_a_quiet_unit_test() -> None:
+    (doc,) = load_yaml(ALERTS_TEST)
+    assert doc["rule_files"] == ["alerts.yml"]
+    firing: set[str] = set()
+    quiet: set[str] = set()
+    for case in doc["tests"]:
+        for check in case.get("alert_rule_test", []):
+            (firing if check.get("exp_alerts") else quiet).add(check["alertname"])
+    alerts = {r["alert"] for r in alert_rules()}
+    assert alerts - firing == set(), f"alerts never tested firing: {sorted(alerts - firing)}"
+    assert alerts - quiet == set(), f"alerts never tested quiet: {sorted(alerts - quiet)}"
+    severities = {(c["alertname"], a["exp_labels"]["severity"])
+                  for case in doc["tests"] for c in case.get("alert_rule_test", [])
+                  for a in c.get("exp_alerts") or []}
+    for rule in alert_rules():
+        assert (rule["alert"], rule["labels"]["severity"]) in severities, rule["alert"]
+
+
+def test_promtool_check_rules() -> None:
+    result = run_promtool("check", "rules", str(ALERTS), cwd=ALERTS.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_test_rules() -> None:
+    result = run_promtool("test", "rules", ALERTS_TEST.name, cwd=ALERTS_TEST.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_check_compose_prometheus_config(tmp_path: Path) -> None:
+    """prometheus.yml is valid once its container path for the rules points at the real file."""
+    cfg = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    assert cfg["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    shutil.copy(ALERTS, tmp_path / "alerts.yml")
+    cfg["rule_files"] = [str(tmp_path / "alerts.yml")]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    result = run_promtool("check", "config", "prometheus.yml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
+    """Each panel's PromQL, with Grafana's variables filled in, is valid PromQL."""
+    grafana_vars = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h",
+                    "$job": ".*", "$instance": ".*"}
+    rules = []
+    for i, query in enumerate(q for q in dashboard_queries(dashboard())
+                              if not q.startswith("label_values(")):
+        for var, value in grafana_vars.items():
+            query = query.replace(var, value)
+        assert "$" not in query, f"unknown Grafana variable in {query}"
+        rules.append({"record": f"dashboard:query_{i}", "expr": query})
+    groups = {"groups": [{"name": "dashboard", "rules": rules}]}
+    (tmp_path / "queries.yml").write_text(yaml.safe_dump(groups))
+    result = run_promtool("check", "rules", "queries.yml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- environment variables -----------------------------------------------------------
+
+
+def test_every_outbox_relay_variable_in_deploy_is_real() -> None:
+    families = {config.ENV_PREFIX, config.KAFKA_ENV_PREFIX}  # prose: OUTBOX_RELAY_KAFKA_<PROPERTY>
+    problems = []
+    for path in deploy_files():
+        for name in set(ENV_NAME.findall(path.read_text())):
+            if name not in families and not is_relay_env(name):
+                problems.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not problems, "unknown relay variables:\n" + "\n".join(sorted(problems))
+
+
+def _check_env(env: dict[str, str], where: str) -> None:
+    relay_vars = {k: v for k, v in env.items() if k.startswith(config.ENV_PREFIX)}
+    unknown = sorted(k for k in relay_vars if not is_relay_env(k))
+    assert not unknown, f"{where}: unknown relay variables {unknown}"
+    # The values parse, and the librdkafka pass-through keeps the delivery guarantees.
+    plain = {k: v for k, v in relay_vars.items() if not k.endswith("_FILE")}
+    plain.setdefault(config.ENV_PREFIX + "DSN", "postgresql://relay@db/app")
+    settings = config.build_settings(config.env_values(plain, "run"),
+                                     kafka_properties=config.kafka_env_properties(plain))
+    producer = config.producer_config(settings)
+    assert producer["acks"] == "all" and producer["enable.idempotence"] == "true"
+
+
+def test_k8s_env_is_valid() -> None:
+    for name in configmap_env():
+        assert is_relay_env(name), f"ConfigMap key {name} is no relay variable"
+    for _, container in relay_containers():
+        env = container_env(container)
+        if container.get("args", ["run"])[0] == "run":
+            _check_env(env, container["name"])
+        else:
+            unknown = sorted(k for k in env
+                             if k.startswith(config.ENV_PREFIX) and not is_relay_env(k))
+            assert not unknown, f"{container['name']}: unknown relay variables {unknown}"
+
+
+def test_compose_env_is_valid() -> None:
+    _check_env(compose_env("relay"), "compose relay")
+    for name in compose_env("migrate"):
+        assert is_relay_env(name), f"compose migrate: {name}"
+
+
+def test_k8s_secrets_come_from_mounted_files() -> None:
+    secret = k8s_object("Secret")
+    keys = set(secret.get("stringData", {})) | set(secret.get("data", {}))
+    for pod, container in relay_containers():
+        names = {e["name"] for e in container.get("env", [])}
+        assert config.ENV_PREFIX + "DSN" not in names, "the DSN must come from a file (_FILE)"
+        assert config.ENV_PREFIX + "DSN_FILE" in names
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for entry in container["env"]:
+            if not entry["name"].endswith("_FILE"):
+                continue
+            path = Path(entry["value"])
+            mounts = [m for m in container["volumeMounts"] if path.parent == Path(m["mountPath"])]
+            assert mounts, f"{entry['name']}={path} is not inside a mounted volume"
+            source = volumes[mounts[0]["name"]]["secret"]
+            assert source["secretName"] == secret["metadata"]["name"]
+            items = {i["path"]: i["key"] for i in source.get("items", [])}
+            key = items.get(path.name, path.name)
+            assert key in keys, f"{entry['name']} reads secret key {key!r}, absent from the Secret"
+    _, relay = sidecar()
+    names = {e["name"] for e in relay["env"]}
+    assert config.KAFKA_ENV_PREFIX + "SASL_PASSWORD_FILE" in names
+
+
+# --- ports, probes, shutdown, security -----------------------------------------------
+
+
+def test_sidecar_ports_and_probes() -> None:
+    _, relay = sidecar()
+    port = configured(container_env(relay), "metrics_port")
+    named = {p["name"]: p["containerPort"] for p in relay["ports"]}
+    assert named.get("metrics") == port, "the relay's port named `metrics` must be its metrics port"
+    assert relay["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    for kind in ("startupProbe", "readinessProbe"):
+        if kind in relay:
+            assert relay[kind]["httpGet"]["path"] == "/readyz", kind
+    assert "startupProbe" in relay or "readinessProbe" in relay, "nothing probes /readyz"
+    for kind in ("livenessProbe", "startupProbe", "readinessProbe"):
+        if kind in relay:
+            probe_port = relay[kind]["httpGet"]["port"]
+            assert probe_port in ("metrics", port), f"{kind} probes port {probe_port}"
+
+
+def test_podmonitor_scrapes_the_metrics_port() -> None:
+    monitor = k8s_object("PodMonitor")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint.get("path", "/metrics") == "/metrics"
+    pod_labels = k8s_object("Deployment")["spec"]["template"]["metadata"]["labels"]
+    for key, value in monitor["spec"]["selector"]["matchLabels"].items():
+        assert pod_labels.get(key) == value, f"the PodMonitor's selector {key} misses the pods"
+    # The job label it builds must match the alerts' job=~".*outbox-relay.*".
+    job = [r for r in endpoint.get("relabelings", []) if r.get("targetLabel") == "job"]
+    assert not job or "outbox-relay" in job[0]["replacement"]
+
+
+def test_termination_grace_outlasts_the_drain() -> None:
+    pod, relay = sidecar()
+    drain = configured(container_env(relay), "drain_timeout_s")
+    assert pod["terminationGracePeriodSeconds"] > drain
+    grace = compose()["services"]["relay"]["stop_grace_period"]
+    assert float(grace.rstrip("s")) > configured(compose_env("relay"), "drain_timeout_s")
+
+
+def test_relay_containers_are_locked_down() -> None:
+    for pod, container in relay_containers():
+        ctx = container.get("securityContext", {})
+        pod_ctx = pod.get("securityContext", {})
+        name = container["name"]
+        assert ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")) is True, name
+        assert ctx.get("runAsUser", pod_ctx.get("runAsUser", 1)) != 0, name
+        assert ctx.get("readOnlyRootFilesystem") is True, name
+        assert ctx.get("allowPrivilegeEscalation") is False, name
+        assert ctx.get("capabilities", {}).get("drop") == ["ALL"], name
+        assert pod.get("enableServiceLinks") is False, f"{name}: Service env vars may collide"
+
+
+def test_sidecar_resources() -> None:
+    _, relay = sidecar()
+    requests, limits = relay["resources"]["requests"], relay["resources"]["limits"]
+    assert requests["cpu"] and requests["memory"] and limits["memory"]
+
+
+def test_migration_runs_once_before_the_relay() -> None:
+    pod, _ = sidecar()
+    migrate_steps = [c for _, c in relay_containers() if c.get("args", [None])[0] == "migrate"]
+    init_migrate = [c for c in pod.get("initContainers", [])
+                    if c.get("args", [None])[0] == "migrate"]
+    assert migrate_steps, "no `outbox-relay migrate` Job or initContainer"
+    if not init_migrate:
+        job = k8s_object("Job")
+        assert job["spec"]["template"]["spec"]["containers"][0]["args"] == ["migrate"]
+
+
+# --- compose -------------------------------------------------------------------------
+
+
+def test_compose_services() -> None:
+    services = compose()["services"]
+    assert services["postgres"]["image"].startswith("postgres:16")
+    assert services["kafka"]["image"].startswith("apache/kafka:3.8")
+    assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"
+    assert services["migrate"]["command"] == ["migrate"]
+    assert services["relay"]["command"] == ["run"]
+    deps = services["relay"]["depends_on"]
+    assert deps["migrate"]["condition"] == "service_completed_successfully"
+    port = configured(compose_env("relay"), "metrics_port")
+    assert any(str(p).endswith(f":{port}") for p in services["relay"]["ports"])
+    assert f":{port}/healthz" in " ".join(services["relay"]["healthcheck"]["test"])
+    jobs = yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]
+    targets = [t for job in jobs if "outbox-relay" in job["job_name"]
+               for sc in job["static_configs"] for t in sc["targets"]]
+    assert targets == [f"relay:{port}"]
+
+
+def test_compose_bind_mounts_exist() -> None:
+    for name, service in compose()["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), f"{name} mounts missing {source}"
+
+
+# --- Dockerfile ----------------------------------------------------------------------
+
+
+def test_dockerfile() -> None:
+    instructions = dockerfile_instructions()
+    stages = [args for word, args in instructions if word == "FROM"]
+    assert len(stages) >= 2, "multi-stage build expected"
+    assert all(s.split()[0].startswith("python:3.11-slim") for s in stages), stages
+    final = instructions[max(i for i, (w, _) in enumerate(instructions) if w == "FROM"):]
+    users = [args for word, args in final if word == "USER"]
+    assert users, "the runtime stage must set USER"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, f"USER must be a numeric non-root uid, got {users[-1]}"
+    last = {word: args for word, args in final}
+    assert json.loads(last["ENTRYPOINT"]) == ["outbox-relay"]
+    assert json.loads(last["CMD"]) == ["run"]
+    exposed = {p.split("/")[0] for word, args in final if word == "EXPOSE"
+               for p in shlex.split(args)}
+    assert str(config.DEFAULT_METRICS_PORT) in exposed
+    runs = " ".join(args for word, args in instructions if word == "RUN")
+    assert "pip wheel" in runs or "pip install ." in runs
