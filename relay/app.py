@@ -41,7 +41,8 @@ class Relay:
         self.clock = clock
         self._stop = threading.Event()
         self.stopped = threading.Event()
-        self.store = Store(settings.dsn, application_name=f"outbox-relay:{settings.owner}")
+        self.store = Store(settings.dsn, application_name=f"outbox-relay:{settings.owner}",
+                           on_statement=self.metrics.db_statements.inc)
         self.publisher: Publisher | None = None
         self.pump: Pump | None = None
         self.leases: LeaseManager | None = None

@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rate", type=float, default=500.0, help="events per second written")
     demo.add_argument("--keys", type=int, default=50, help="distinct keys")
 
+    bench = sub.add_parser("bench", help="measure the relay against the database and producer floors")
+    from relay import bench as bench_mod
+
+    bench_mod.add_arguments(bench)
+    for flag in ("--log-format", "--log-level"):
+        option = OPTIONS[[o.flag for o in OPTIONS].index(flag)]
+        bench.add_argument(flag, dest=option.name, default=None, help=option.help)
     return parser
 
 
@@ -139,6 +146,10 @@ def _dispatch(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         from relay import demo
 
         return demo.main(args)
+    if command == "bench":
+        from relay import bench
+
+        return bench.main(args, env)
     if command == "migrate" and args.print_sql:
         from relay import migrate
 

@@ -42,6 +42,7 @@ class RelayMetrics:
         self.broker_up = Gauge("outbox_relay_broker_up", "0 while the client reports every broker down.", registry=r)
         self.in_flight = Gauge("outbox_relay_in_flight_rows", "Rows produced and not yet acknowledged.", registry=r)
         self.last_publish = Gauge("outbox_relay_last_publish_timestamp_seconds", "Unix time of the last marked batch.", registry=r)
+        self.db_statements = Counter("outbox_relay_db_statements", "SQL statements the relay sent (idle cost).", registry=r)
         self.cleanup_deleted = Counter("outbox_relay_cleanup_deleted_rows", "Published rows deleted by retention.", registry=r)
         self.build_info = Info("outbox_relay_build", "Build information.", registry=r)
         # Known label values start at 0, so increase() sees the first event of each.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import select
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
@@ -102,8 +102,10 @@ class Store:
     """
 
     def __init__(self, dsn: str, *, now: datetime | None = None,
-                 application_name: str = "outbox-relay") -> None:
+                 application_name: str = "outbox-relay",
+                 on_statement: Callable[[], None] = lambda: None) -> None:
         self._dsn = dsn
+        self._on_statement = on_statement
         self._application_name = application_name[:63]
         self._conn: psycopg.Connection[Any] | None = None
         self._listen: psycopg.Connection[Any] | None = None
@@ -137,6 +139,7 @@ class Store:
             try:
                 cur = self.conn.cursor(row_factory=dict_row)
                 self.queries += 1
+                self._on_statement()
                 cur.execute(query(group, name), params)
                 return cur.fetchall() if cur.description else []
             except (psycopg.OperationalError, psycopg.InterfaceError):
@@ -224,6 +227,7 @@ class Store:
             try:
                 cur = self.conn.cursor()
                 self.queries += 1
+                self._on_statement()
                 cur.execute(query("admin", "cleanup_batch"),
                             {"retention_s": retention_s, "limit": limit})
                 return int(cur.rowcount)
@@ -290,6 +294,7 @@ class Store:
                 if self._listen is None or self._listen.closed:
                     self._listen = connect(self._dsn, application_name="outbox-relay-listen")
                     self.queries += 1
+                    self._on_statement()
                     self._listen.execute(query("relay", "listen"))
                 listen = self._listen
                 # Anything already buffered counts; then wait on the socket.

@@ -8,3 +8,27 @@ VALUES (%(event_id)s, %(topic)s, %(key)s, %(payload)s::jsonb)
 
 -- name: count_published
 SELECT count(*) FROM outbox WHERE published_at IS NOT NULL
+
+-- name: bench_load_pending
+-- %(count)s pending rows of about %(payload_bytes)s bytes over %(keys)s keys.
+INSERT INTO outbox (topic, key, payload)
+SELECT %(topic)s, 'k' || (g %% %(keys)s),
+       jsonb_build_object('n', g, 'pad', repeat('x', greatest(0, %(payload_bytes)s - 24)))
+FROM generate_series(1, %(count)s) AS g
+
+-- name: bench_load_published
+-- Rows already published, as a long-lived outbox without retention has them.
+INSERT INTO outbox (topic, key, payload, published_at)
+SELECT %(topic)s, 'k' || (g %% %(keys)s),
+       jsonb_build_object('n', g, 'pad', repeat('x', greatest(0, %(payload_bytes)s - 24))), now()
+FROM generate_series(1, %(count)s) AS g
+
+-- name: bench_latency
+-- Commit-to-mark latency of the rows written by the latency run (published_at is
+-- set right after the broker's acknowledgement).
+SELECT event_id::text AS event_id, extract(epoch FROM published_at)::float8 AS published_epoch
+FROM outbox
+WHERE published_at IS NOT NULL AND event_id = ANY(%(event_ids)s::uuid[])
+
+-- name: bench_reset
+TRUNCATE outbox

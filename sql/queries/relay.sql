@@ -7,10 +7,23 @@
 -- Pending rows of the shards this replica holds, in (xid, id) order, only from
 -- transactions older than every transaction still in flight (so nothing that
 -- commits later can sort before them), after the pipelining cursor.
+-- Autovacuum workers are left out of "in flight": their ANALYZE holds an xid for
+-- a while but never writes the outbox.  A role that may not see them in
+-- pg_stat_activity (no pg_read_all_stats) simply waits for them: safe, slower.
 -- A row in back-off, and every later row of its key, waits.
 -- No row locks: shard leases give exclusivity, and SKIP LOCKED would let a
 -- replica step over a row that a stale owner had locked and publish the key's
 -- next row first.
+WITH snap AS (
+    SELECT pg_current_snapshot() AS s
+), horizon AS (
+    SELECT coalesce(
+        (SELECT min(x) FROM snap, pg_snapshot_xip(snap.s) AS x
+         WHERE x::xid NOT IN (SELECT a.backend_xid FROM pg_stat_activity AS a
+                              WHERE a.backend_type = 'autovacuum worker'
+                                AND a.backend_xid IS NOT NULL)),
+        (SELECT pg_snapshot_xmax(s) FROM snap)) AS h
+)
 SELECT o.id, o.event_id, o.topic, o.key,
        o.payload::text AS payload_text, o.payload_bytes, o.headers::text AS headers_text,
        o.xid::text AS xid, o.attempts,
@@ -18,7 +31,7 @@ SELECT o.id, o.event_id, o.topic, o.key,
        extract(epoch FROM o.created_at)::float8 AS created_epoch
 FROM outbox AS o
 WHERE o.published_at IS NULL
-  AND o.xid < pg_snapshot_xmin(pg_current_snapshot())
+  AND o.xid < (SELECT h FROM horizon)
   AND (o.xid, o.id) > (%(after_xid)s::xid8, %(after_id)s::bigint)
   AND (%(all_shards)s OR (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s = ANY(%(shards)s::int[]))
   AND (o.retry_at IS NULL OR o.retry_at <= coalesce(%(now)s::timestamptz, now()))

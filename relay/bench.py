@@ -1,0 +1,393 @@
+"""``outbox-relay bench``: the relay measured against the floors of this machine, in one run.
+
+Figures (each the median of ``--runs`` runs):
+
+1. database floor: claim + mark batches with the relay's own queries, no Kafka;
+2. producer floor: confluent-kafka producing the same payloads with the relay's settings;
+3. relay drain: a real ``outbox-relay run`` process draining the backlog, and its ratio to
+   min(1, 2);
+4. latency at a steady write rate: commit -> acknowledged-and-marked (``published_at``) and
+   commit -> a consumer's receipt, p50/p95/p99;
+5. the relay process's peak RSS while draining, and its CPU and SQL statements per second idle;
+6. drain throughput with ``--published-rows`` already-published rows in the table, over an
+   empty table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+
+from relay import migrate
+from relay.config import build_settings, producer_config
+from relay.model import Cursor, ShardId
+from relay.queries import query
+from relay.store import Store
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dsn", default=None, help="PostgreSQL to use (default: an embedded one)")
+    p.add_argument("--bootstrap-servers", default=None, help="Kafka to use (default: a local tansu)")
+    p.add_argument("--rows", type=int, default=200_000, help="backlog rows per drain run")
+    p.add_argument("--payload-bytes", type=int, default=512)
+    p.add_argument("--keys", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=1000)
+    p.add_argument("--runs", type=int, default=3, help="repetitions of each figure (median shown)")
+    p.add_argument("--rate", type=float, default=1000.0, help="events/s written in the latency run")
+    p.add_argument("--latency-s", type=float, default=10.0, help="duration of the latency run")
+    p.add_argument("--idle-s", type=float, default=10.0, help="idle window for CPU and queries")
+    p.add_argument("--published-rows", type=int, default=1_000_000,
+                   help="already-published rows for the slowdown figure (0 skips it)")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the figures here")
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan")}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+    return {"p50": at(0.50), "p95": at(0.95), "p99": at(0.99)}
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, dsn: str, bootstrap: str) -> None:
+        self.args = args
+        self.admin_dsn = dsn
+        self.bootstrap = bootstrap
+        self.topic = f"bench.{uuid.uuid4().hex[:8]}"
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    @contextmanager
+    def fresh_db(self) -> Iterator[str]:
+        """A new database with the schema; dropped afterwards."""
+        name = f"outbox_bench_{uuid.uuid4().hex[:10]}"
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
+        dsn = psycopg.conninfo.make_conninfo(self.admin_dsn, dbname=name)
+        try:
+            migrate.apply(dsn)
+            yield dsn
+        finally:
+            with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+                conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    psycopg.sql.Identifier(name)))
+
+    def load(self, dsn: str, count: int, *, published: bool = False) -> None:
+        name = "bench_load_published" if published else "bench_load_pending"
+        step = 200_000
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for done in range(0, count, step):
+                conn.execute(query("demo", name), {"topic": self.topic, "keys": self.args.keys,
+                                                   "payload_bytes": self.args.payload_bytes,
+                                                   "count": min(step, count - done)})
+            conn.execute("VACUUM ANALYZE outbox")
+
+    # -- 1. database floor -----------------------------------------------------------------
+
+    def db_floor(self) -> float:
+        with self.fresh_db() as dsn:
+            self.load(dsn, self.args.rows)
+            store = Store(dsn)
+            try:
+                leases = store.claim_shards(owner="bench", limit=4096, lease_s=600)
+                from relay.model import Lease, Token
+
+                held = [Lease(ShardId(s), Token(t), 0.0) for s, t in leases.items()]
+                shards = sorted(leases)
+                started = time.perf_counter()
+                moved = 0
+                while True:
+                    rows = store.claim(shards=shards, nshards=len(shards), after=Cursor(),
+                                       limit=self.args.batch_size)
+                    if not rows:
+                        break
+                    _, marked = store.mark_published(owner="bench", leases=held, rows=rows)
+                    moved += len(marked)
+                elapsed = time.perf_counter() - started
+            finally:
+                store.close()
+        return moved / elapsed
+
+    # -- 2. producer floor -----------------------------------------------------------------
+
+    def producer_floor(self) -> float:
+        from confluent_kafka import Producer
+
+        settings = build_settings({"dsn": "postgresql://unused/x", "bootstrap_servers": self.bootstrap})
+        producer = Producer(producer_config(settings))
+        value = json.dumps({"n": 0, "pad": "x" * max(0, self.args.payload_bytes - 24)}).encode()
+        acked = [0]
+
+        def report(err: Any, msg: Any) -> None:
+            if err is None:
+                acked[0] += 1
+
+        topic = self.topic + ".floor"
+        started = time.perf_counter()
+        for n in range(self.args.rows):
+            headers: list[tuple[str, str | bytes | None]] = [("event_id", str(uuid.uuid4()).encode())]
+            while True:
+                try:
+                    producer.produce(topic, value=value, key=f"k{n % self.args.keys}".encode(),
+                                     headers=headers, on_delivery=report)
+                    break
+                except BufferError:
+                    producer.poll(0.01)
+            producer.poll(0)
+        producer.flush(120)
+        return acked[0] / (time.perf_counter() - started)
+
+    # -- 3, 5, 6. a real relay process ------------------------------------------------------
+
+    def relay_drain(self, *, published_rows: int = 0, idle_s: float = 0.0) -> dict[str, float]:
+        from relay.embedded.procs import Proc, free_port
+
+        with self.fresh_db() as dsn:
+            if published_rows:
+                self.load(dsn, published_rows, published=True)
+            self.load(dsn, self.args.rows)
+            port = free_port()
+            env = dict(os.environ, OUTBOX_RELAY_DSN=dsn, OUTBOX_RELAY_BOOTSTRAP_SERVERS=self.bootstrap,
+                       OUTBOX_RELAY_METRICS_PORT=str(port), OUTBOX_RELAY_METRICS_HOST="127.0.0.1",
+                       OUTBOX_RELAY_BATCH_SIZE=str(self.args.batch_size), OUTBOX_RELAY_LOG_FORMAT="json")
+            proc = Proc([os.environ.get("OUTBOX_RELAY_BENCH_PYTHON", _python()), "-m", "relay", "run"],
+                        env=env, name="bench-relay")
+            try:
+                scrape = _scraper(port)
+                first = _wait(lambda: scrape("outbox_relay_events_published_total") > 0, 60, proc)
+                started_count, started = scrape("outbox_relay_events_published_total"), first
+                _wait(lambda: scrape("outbox_relay_events_published_total") >= self.args.rows, 600, proc)
+                elapsed = time.monotonic() - started
+                result = {"events_per_s": (self.args.rows - started_count) / elapsed,
+                          "peak_rss_mb": _peak_rss_mb(proc.pid)}
+                if idle_s:
+                    result.update(_idle(proc.pid, scrape, idle_s))
+            finally:
+                proc.sigterm()
+                try:
+                    proc.wait(30)
+                finally:
+                    proc.close()
+        return result
+
+    # -- 4. latency ---------------------------------------------------------------------------
+
+    def latency(self) -> dict[str, dict[str, float]]:
+        from relay.app import Relay
+        from relay.metrics import RelayMetrics
+
+        with self.fresh_db() as dsn:
+            settings = build_settings({"dsn": dsn, "bootstrap_servers": self.bootstrap,
+                                       "metrics_port": "0", "batch_size": str(self.args.batch_size)})
+            relay = Relay(settings, metrics=RelayMetrics())
+            relay.start()
+            runner = threading.Thread(target=relay.run, daemon=True)
+            runner.start()
+            received: dict[str, float] = {}
+            stop = threading.Event()
+            reader = threading.Thread(target=_consume, args=(self.bootstrap, self.topic, received, stop),
+                                      daemon=True)
+            reader.start()
+            try:
+                committed = _write_steadily(dsn, self.topic, self.args.rate, self.args.latency_s,
+                                            self.args.payload_bytes, self.args.keys)
+                _wait(lambda: len(received) >= len(committed), 60, None)
+            finally:
+                stop.set()
+                relay.stop()
+                runner.join(30)
+                reader.join(10)
+            with psycopg.connect(dsn) as conn:
+                marked: dict[str, float] = dict(conn.execute(query("demo", "bench_latency"),
+                                           {"event_ids": list(committed)}).fetchall())
+        warm = sorted(committed, key=committed.__getitem__)[len(committed) // 10:]  # skip warm-up
+        ack = [(marked[e] - committed[e]) * 1000 for e in warm if e in marked]
+        got = [(received[e] - committed[e]) * 1000 for e in warm if e in received]
+        return {"latency_ack_ms": percentiles(ack), "latency_consumer_ms": percentiles(got)}
+
+
+def _python() -> str:
+    import sys
+
+    return sys.executable
+
+
+def _scraper(port: int) -> Callable[[str], float]:
+    def scrape(name: str) -> float:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:  # noqa: S310
+                text = resp.read().decode()
+        except OSError:
+            return 0.0
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    return scrape
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float, proc: Any) -> float:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return time.monotonic()
+        if proc is not None and not proc.alive:
+            raise RuntimeError(f"the relay exited early:\n{proc.log_tail()}")
+        time.sleep(0.02)
+    raise TimeoutError(f"bench step did not finish within {timeout_s} s")
+
+
+def _peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _idle(pid: int, scrape: Callable[[str], float], window_s: float) -> dict[str, float]:
+    time.sleep(2.0)  # let the last batch settle before measuring idleness
+    cpu0, q0, t0 = _cpu_s(pid), scrape("outbox_relay_db_statements_total"), time.monotonic()
+    time.sleep(window_s)
+    cpu1, q1, t1 = _cpu_s(pid), scrape("outbox_relay_db_statements_total"), time.monotonic()
+    return {"idle_cpu_percent": 100 * (cpu1 - cpu0) / (t1 - t0), "idle_queries_per_s": (q1 - q0) / (t1 - t0)}
+
+
+def _write_steadily(dsn: str, topic: str, rate: float, duration_s: float, payload_bytes: int,
+                    keys: int) -> dict[str, float]:
+    """One event per transaction at ``rate`` per second; returns event_id -> commit time."""
+    committed: dict[str, float] = {}
+    pad = "x" * max(0, payload_bytes - 24)
+    with psycopg.connect(dsn) as conn:
+        started = time.monotonic()
+        n = 0
+        while time.monotonic() - started < duration_s:
+            delay = started + n / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            event_id = str(uuid.uuid4())
+            with conn.transaction():
+                conn.execute(query("demo", "write_event"), {
+                    "event_id": event_id, "topic": topic, "key": f"k{n % keys}",
+                    "payload": json.dumps({"n": n, "pad": pad})})
+            committed[event_id] = time.time()
+            n += 1
+    return committed
+
+
+def _consume(bootstrap: str, topic: str, received: dict[str, float], stop: threading.Event) -> None:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "fetch.wait.max.ms": 5})
+    try:
+        parts: list[int] = []
+        while not parts and not stop.is_set():
+            meta = consumer.list_topics(topic, timeout=5).topics.get(topic)
+            parts = sorted(meta.partitions) if meta is not None and not meta.error else []
+            if not parts:
+                time.sleep(0.05)
+        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+        while not stop.is_set():
+            msg = consumer.poll(0.05)
+            if msg is None or msg.error():
+                continue
+            now = time.time()
+            raw: Any = msg.headers() or []
+            for name, value in raw:
+                if name == "event_id" and isinstance(value, bytes):
+                    received[value.decode()] = now
+    finally:
+        consumer.close()
+
+
+def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
+    bench = Bench(args, dsn, bootstrap)
+    runs = max(1, args.runs)
+    say = _say
+    say(f"bench: {args.rows} rows of {args.payload_bytes} B over {args.keys} keys, {runs} runs each")
+    db = [bench.db_floor() for _ in range(runs)]
+    say(f"  database floor      {median(db):10.0f} events/s")
+    prod = [bench.producer_floor() for _ in range(runs)]
+    say(f"  producer floor      {median(prod):10.0f} events/s")
+    drains = [bench.relay_drain(idle_s=args.idle_s if i == 0 else 0.0) for i in range(runs)]
+    relay_rate = median([d["events_per_s"] for d in drains])
+    floor = min(median(db), median(prod))
+    say(f"  relay drain         {relay_rate:10.0f} events/s  = {relay_rate / floor:.2f} x min(floors)")
+    lat = bench.latency()
+    say(f"  commit->ack (marked) p50 {lat['latency_ack_ms']['p50']} ms  p95 {lat['latency_ack_ms']['p95']} ms  "
+        f"p99 {lat['latency_ack_ms']['p99']} ms at {args.rate:g} events/s")
+    say(f"  commit->consumer     p50 {lat['latency_consumer_ms']['p50']} ms  p95 "
+        f"{lat['latency_consumer_ms']['p95']} ms  p99 {lat['latency_consumer_ms']['p99']} ms")
+    result: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "rows": args.rows, "payload_bytes": args.payload_bytes,
+                    "keys": args.keys, "runs": runs},
+        "db_floor_events_per_s": round(median(db), 1),
+        "producer_floor_events_per_s": round(median(prod), 1),
+        "relay_events_per_s": round(relay_rate, 1),
+        "ratio_to_floor": round(relay_rate / floor, 3),
+        **lat,
+        "peak_rss_mb": round(max(d["peak_rss_mb"] for d in drains), 1),
+        "idle_queries_per_s": round(drains[0].get("idle_queries_per_s", float("nan")), 2),
+        "idle_cpu_percent": round(drains[0].get("idle_cpu_percent", float("nan")), 2),
+    }
+    say(f"  peak RSS            {result['peak_rss_mb']:10.1f} MB")
+    say(f"  idle                {result['idle_queries_per_s']:10.2f} statements/s, "
+        f"{result['idle_cpu_percent']:.2f} % of a core")
+    if args.published_rows:
+        loaded = [bench.relay_drain(published_rows=args.published_rows)["events_per_s"]
+                  for _ in range(runs)]
+        result["published_rows_slowdown"] = round(median(loaded) / relay_rate, 3)
+        result["relay_events_per_s_with_published_rows"] = round(median(loaded), 1)
+        say(f"  with {args.published_rows} published rows: {median(loaded):.0f} events/s "
+            f"= {result['published_rows_slowdown']:.2f} x the empty table")
+    return result
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from relay.demo import services
+
+    with services(args) as (dsn, bootstrap):
+        admin = _admin_dsn(dsn)
+        result = run(args, admin, bootstrap)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def _admin_dsn(dsn: str) -> str:
+    """The same server, database ``postgres``: the bench creates one database per run."""
+    return psycopg.conninfo.make_conninfo(dsn, dbname="postgres")

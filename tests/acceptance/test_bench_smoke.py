@@ -1,0 +1,32 @@
+"""A tiny `outbox-relay bench`, so the benchmark cannot rot.  Its figures are not asserted
+against targets here: benchmarks are not tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.fixtures.outbox import relay_cmd
+
+KEYS = ["relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_per_s",
+        "ratio_to_floor", "latency_ack_ms", "latency_consumer_ms", "peak_rss_mb",
+        "idle_queries_per_s", "idle_cpu_percent", "published_rows_slowdown"]
+
+
+def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        relay_cmd("bench", "--dsn", pg_server.admin_dsn, "--bootstrap-servers", broker.bootstrap,
+                  "--rows", "2000", "--runs", "1", "--rate", "200", "--latency-s", "2",
+                  "--idle-s", "1", "--published-rows", "5000", "--json", str(out)),
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(KEYS) <= set(figures)
+    for name in ("relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_per_s",
+                 "peak_rss_mb", "published_rows_slowdown"):
+        assert figures[name] > 0, name
+    for name in ("latency_ack_ms", "latency_consumer_ms"):
+        assert set(figures[name]) == {"p50", "p95", "p99"}
+        assert 0 < figures[name]["p50"] <= figures[name]["p99"]
+    assert "relay drain" in result.stdout and "x min(floors)" in result.stdout
