@@ -1,0 +1,99 @@
+"""Rows that can never be published (issue 5): forced against the real broker, dead-lettered
+with a readable reason, other keys flowing, the poison key's later rows after it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import psycopg
+
+from tests.fixtures.broker import create_topic, read_all
+from tests.fixtures.outbox import RelayThread, relay_cmd, scalar, wait_drained
+from tests.fixtures.procs import wait_until
+
+MAX_BYTES = 100_000  # the producer's message.max.bytes in these tests
+
+
+def relay(dsn: str, bootstrap: str) -> RelayThread:
+    thread = RelayThread(dsn, bootstrap, max_attempts=2, backoff_max_s=0.5, batch_size=50)
+    s = thread.relay.settings
+    props = dict(s.kafka_properties, **{"message.max.bytes": str(MAX_BYTES),
+                                        "allow.auto.create.topics": "false",
+                                        "topic.metadata.propagation.max.ms": "1000"})
+    object.__setattr__(s, "kafka_properties", props)
+    return thread
+
+
+def write(conn: psycopg.Connection, topic: str, key: str, seq: int, *, pad: int = 0,
+          headers: str = "{}") -> None:
+    conn.execute("INSERT INTO outbox (topic, key, payload, headers) VALUES (%s, %s, %s, %s)",
+                 (topic, key, json.dumps({"key": key, "seq": seq, "pad": "x" * pad}), headers))
+
+
+def dead_letters(dsn: str) -> list[dict]:
+    out = subprocess.run(relay_cmd("dead-letters", "list", "--json", "--dsn", dsn),
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_poison_rows_are_dead_lettered_and_nothing_else_waits(outbox_db, broker, topic, topic_name):
+    missing_topic = topic_name("not-created")
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        write(conn, topic, "big", 0, pad=MAX_BYTES * 2)                  # too large
+        write(conn, topic, "big", 1)                                     # the same key, fine
+        write(conn, topic, "hdr", 0, headers='{"retries": 3}')           # a header that is not a string
+        write(conn, topic, "hdr", 1)
+        write(conn, missing_topic, "lost", 0)                            # unknown topic, no auto-create
+        conn.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, 'huge', %s)",
+                     (topic, json.dumps({"pad": "y" * 20_000_000})))     # 20 MB
+        for seq in range(200):
+            write(conn, topic, f"ok{seq % 10}", seq // 10)
+    with relay(outbox_db, broker.bootstrap) as r:
+        wait_drained(outbox_db, timeout_s=90)
+        dead = wait_until(lambda: (d := dead_letters(outbox_db)) and len(d) == 4 and d, timeout_s=30)
+        registry = r.metrics.registry
+        assert registry.get_sample_value("outbox_relay_dead_lettered_total",
+                                         {"reason": "message_too_large"}) == 2
+    reasons = {d["key"]: d["reason"] for d in dead}
+    assert reasons == {"big": "message_too_large", "huge": "message_too_large",
+                       "hdr": "bad_headers", "lost": "unknown_topic"}
+    for d in dead:
+        assert d["attempts"] == 2 and d["error"] and d["event_id"] and d["topic"]
+    # Everything else arrived, and each poison key's later row came after it was dead-lettered.
+    records = read_all(broker.bootstrap, topic, expected=202, timeout_s=60)
+    keys = [json.loads(r.value)["key"] for r in records]
+    assert len(records) == 202 and keys.count("big") == 1 and keys.count("hdr") == 1
+    later = {json.loads(r.value)["key"]: json.loads(r.value)["seq"] for r in records
+             if json.loads(r.value)["key"] in ("big", "hdr")}
+    assert later == {"big": 1, "hdr": 1}
+    assert scalar(outbox_db, "SELECT count(*) FROM outbox WHERE key IN ('big','hdr','lost','huge')") == 2
+    # The key's later row waited for the poison row: published only once it was dead-lettered.
+    waited = scalar(outbox_db, "SELECT bool_and(o.published_at >= d.dead_at) FROM outbox o "
+                               "JOIN outbox_dead_letters d USING (key) WHERE o.key IN ('big', 'hdr')")
+    assert waited is True
+
+
+def test_requeue_republishes_with_the_same_event_id_after_the_cause_is_fixed(
+        outbox_db, broker, topic_name):
+    missing_topic = topic_name("created-later")
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        write(conn, missing_topic, "k", 0)
+    with relay(outbox_db, broker.bootstrap):
+        wait_drained(outbox_db, timeout_s=60)
+        (dead,) = wait_until(lambda: dead_letters(outbox_db), timeout_s=30)
+        create_topic(broker.bootstrap, missing_topic, partitions=1)
+        shown = json.loads(subprocess.run(relay_cmd("dead-letters", "show", dead["event_id"], "--dsn",
+                                                    outbox_db), capture_output=True, text=True,
+                                          check=True).stdout)
+        assert shown["reason"] == "unknown_topic" and json.loads(shown["payload"])["key"] == "k"
+        out = subprocess.run(relay_cmd("dead-letters", "requeue", dead["event_id"], "--dsn", outbox_db),
+                             capture_output=True, text=True, check=True)
+        assert "requeued 1" in out.stdout
+        wait_drained(outbox_db, timeout_s=60)
+    (record,) = read_all(broker.bootstrap, missing_topic, expected=1, timeout_s=30)
+    assert record.headers["event_id"].decode() == dead["event_id"]
+    assert dead_letters(outbox_db) == []
+    purge = subprocess.run(relay_cmd("dead-letters", "purge", "--dsn", outbox_db),
+                           capture_output=True, text=True)
+    assert purge.returncode == 2 and "needs EVENT_ID arguments or --all" in purge.stderr
