@@ -155,6 +155,7 @@ class Publisher:
                 on_delivery(row, classify(err))
 
         key = row.key.encode() if row.key is not None else None
+        refreshed = False
         while True:
             try:
                 self._producer.produce(row.topic, value=row.value, key=key, headers=headers,
@@ -163,7 +164,19 @@ class Publisher:
             except BufferError:
                 self._producer.poll(0.05)  # local queue full: serve reports, then retry
             except KafkaException as exc:
+                if exc.args[0].code() == KafkaError._UNKNOWN_TOPIC and not refreshed:
+                    # The client caches "unknown": ask the cluster again once, so a topic
+                    # created since (and a requeued row) goes through.
+                    refreshed = True
+                    self._refresh_metadata(row.topic)
+                    continue
                 return classify(exc.args[0])
+
+    def _refresh_metadata(self, topic: str) -> None:
+        try:
+            self._producer.list_topics(topic=topic, timeout=2.0)
+        except KafkaException:
+            pass  # still unknown or unreachable: the produce below reports it
 
     def poll(self, timeout_s: float) -> int:
         """Serve delivery reports and client errors; returns the number served."""
