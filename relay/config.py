@@ -197,9 +197,11 @@ def read_secret_file(env: Mapping[str, str], name: str) -> str | None:
     if not path:
         return None
     try:
-        return Path(path).read_text().rstrip("\n")
+        return Path(path).read_text(encoding="utf-8").rstrip("\n")
     except OSError as exc:
         raise ConfigError(f"{name}_FILE: cannot read {path}: {exc.strerror}") from None
+    except ValueError:  # not UTF-8, or a NUL in the path; the content is never echoed
+        raise ConfigError(f"{name}_FILE: {path!r} is not a readable UTF-8 text file") from None
 
 
 def env_values(env: Mapping[str, str], command: str) -> dict[str, str]:
@@ -233,11 +235,14 @@ def kafka_env_properties(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def parse_kafka_property(text: str) -> tuple[str, str]:
+    """``NAME=VALUE`` -> (name, value).  An error names the property, never the value."""
     name, sep, value = text.partition("=")
     name = name.strip()
     if not sep or not _KAFKA_PROPERTY.match(name):
+        # Without "=" the whole text may be a secret pasted in the wrong place.
+        got = f"the name {mask_text(name)!r}" if sep else "no '='"
         raise ConfigError(
-            f"--kafka-property expects NAME=VALUE with a librdkafka property name, got {mask_text(text)!r}"
+            f"--kafka-property expects NAME=VALUE with a librdkafka property name, got {got}"
         )
     return name, value
 
@@ -248,16 +253,21 @@ _SSLMODES = {"disable", "allow", "prefer", "require", "verify-ca", "verify-full"
 def validate_dsn(dsn: str) -> None:
     """Reject what libpq would only reject at connect time, with the option named."""
     where = f"--dsn / {ENV_PREFIX}DSN is not a valid PostgreSQL connection string"
+    if "\x00" in dsn:  # libpq would silently cut the string there
+        raise ConfigError(f"{where}: it contains a NUL character")
     try:
         fields = psycopg.conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
-        raise ConfigError(f"{where}: {mask_text(str(exc).strip())}") from None
+        raise ConfigError(f"{where}: {_scrub(str(exc).strip(), dsn)}") from None
+    except UnicodeError:  # surrogates from undecodable bytes in the environment
+        raise ConfigError(f"{where}: it is not valid UTF-8 text") from None
     port = str(fields.get("port", "5432") or "")
     if not all(part.isdigit() and 0 < int(part) < 65536 for part in port.split(",")):
-        raise ConfigError(f"{where}: port {port!r} is not a TCP port number")
+        raise ConfigError(_scrub(f"{where}: port {port!r} is not a TCP port number", dsn))
     sslmode = fields.get("sslmode")
     if sslmode is not None and sslmode not in _SSLMODES:
-        raise ConfigError(f"{where}: sslmode {sslmode!r} is not one of {', '.join(sorted(_SSLMODES))}")
+        raise ConfigError(_scrub(
+            f"{where}: sslmode {sslmode!r} is not one of {', '.join(sorted(_SSLMODES))}", dsn))
 
 
 def build_settings(
@@ -325,20 +335,58 @@ def is_secret(name: str) -> bool:
     return any(marker in lowered for marker in SECRET_MARKERS)
 
 
-_DSN_URI_PASSWORD = re.compile(r"(://[^:/@\s]+:)([^@\s]*)(@)")
-_DSN_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+_URI_SCHEME = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")
+# In free text a URI ends at white space; \S* backtracks to the token's last "@".
+_TEXT_URI_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*:)(\S*)(@)")
+_TEXT_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.?)*'?|\S+)", re.IGNORECASE)
+_TEXT_QUERY_PASSWORD = re.compile(r"(password=)[^&\s]*", re.IGNORECASE)
+# A whole key=value DSN: a quoted value may be unterminated; an unquoted one runs to
+# the next "key=" (libpq would stop at a space, but the rest is still the password's).
+_DSN_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.?)*'?|.*?(?=\s+\w+\s*=|\s*$))",
+                              re.IGNORECASE | re.DOTALL)
+_DSN_QUERY_PASSWORD = re.compile(r"(password=)[^&]*", re.IGNORECASE)
 
 
 def mask_dsn(dsn: str) -> str:
-    """The DSN with its password replaced by ``***`` (URI or key=value form)."""
-    masked = _DSN_URI_PASSWORD.sub(r"\1***\3", dsn)
-    masked = _DSN_KV_PASSWORD.sub(r"\1***", masked)
-    return re.sub(r"(password=)[^&\s]*", r"\1***", masked, flags=re.IGNORECASE)
+    """The DSN with its password replaced by ``***`` (URI or key=value form).
+
+    Errs on the side of hiding: in a URI everything from the first ":" of the
+    user info to the LAST "@" goes, so an unencoded "@", "/" or ":" in a password
+    cannot leave a piece of it visible.
+    """
+    scheme = _URI_SCHEME.match(dsn)
+    if scheme is None:
+        return _DSN_KV_PASSWORD.sub(r"\1***", dsn)
+    rest = dsn[scheme.end():]
+    userinfo, at, host = rest.rpartition("@")
+    if at and ":" in userinfo:
+        rest = f"{userinfo.split(':', 1)[0]}:***@{host}"
+    return dsn[: scheme.end()] + _DSN_QUERY_PASSWORD.sub(r"\1***", rest)
 
 
 def mask_text(text: str) -> str:
     """Masks anything that looks like a DSN password inside free text."""
-    return mask_dsn(text)
+    masked = _TEXT_URI_PASSWORD.sub(r"\1***\3", text)
+    masked = _TEXT_KV_PASSWORD.sub(r"\1***", masked)
+    return _TEXT_QUERY_PASSWORD.sub(r"\1***", masked)
+
+
+_QUOTED = re.compile(r"""(["'])(.*?)\1""", re.DOTALL)
+_LIBPQ_LITERALS = frozenset({"=", "]", ":", "/"})  # quoted by libpq's own message texts
+
+
+def _scrub(message: str, dsn: str) -> str:
+    """A parser message about ``dsn`` with every quoted fragment that the masked DSN
+    does not show replaced by ``***`` (libpq quotes the token it choked on, and that
+    token may be a piece of the password)."""
+    visible = mask_dsn(dsn)
+
+    def hide(match: re.Match[str]) -> str:
+        quote, token = match.group(1), match.group(2)
+        shown = token in visible or token in _LIBPQ_LITERALS
+        return match.group(0) if shown else f"{quote}***{quote}"
+
+    return _QUOTED.sub(hide, mask_text(message))
 
 
 def masked_properties(props: Mapping[str, str]) -> dict[str, str]:

@@ -134,7 +134,8 @@ class Pump:
 
     # -- one step -------------------------------------------------------------------------
 
-    def run_once(self) -> BatchResult:
+    def run_once(self, *, claim: bool = True) -> BatchResult:
+        """Settle finished batches, then (when ``claim``) claim and produce one more."""
         result = BatchResult()
         self.publisher.poll(0)
         self._settle_done(result)
@@ -147,7 +148,7 @@ class Pump:
                 self.failed_keys.clear()
                 if due_retry:
                     self.retry_wakeup = None
-        if not self.draining and self._may_claim(now):
+        if claim and not self.draining and self._may_claim(now):
             self._claim_and_send(result, now)
         self.metrics.in_flight.set(self.rows_in_flight())
         self.totals.add(result)

@@ -111,6 +111,7 @@ class Store:
         self._listen: psycopg.Connection[Any] | None = None
         self.now = now
         self.queries = 0  # statements sent, for the idle-cost figures
+        self.sleeping = False  # holds the wake-up lock on the LISTEN connection
 
     # -- connections -----------------------------------------------------------------------
 
@@ -121,6 +122,7 @@ class Store:
         return self._conn
 
     def close(self) -> None:
+        self.sleeping = False
         for conn in (self._conn, self._listen):
             if conn is not None and not conn.closed:
                 try:
@@ -283,6 +285,45 @@ class Store:
 
     # -- notifications --------------------------------------------------------------------
 
+    def set_sleeping(self, sleeping: bool) -> bool:
+        """Take (True) or release (False) the wake-up lock on the LISTEN connection.
+
+        While a relay holds it, writers NOTIFY (sql/migrations/0003_notify.sql).
+        Returns whether this relay now holds it.  A broken connection loses it.
+        """
+        with translated():
+            try:
+                listen = self._listening()
+                self.queries += 1
+                self._on_statement()
+                if sleeping:
+                    row = listen.execute(query("relay", "go_to_sleep")).fetchone()
+                    self.sleeping = bool(row and row[0])
+                else:
+                    listen.execute(query("relay", "wake_up"))
+                    self.sleeping = False
+                return self.sleeping
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                self._drop_listen()
+                raise
+
+    def _listening(self) -> psycopg.Connection[Any]:
+        if self._listen is None or self._listen.closed:
+            self._listen = connect(self._dsn, application_name="outbox-relay-listen")
+            self.queries += 1
+            self._on_statement()
+            self._listen.execute(query("relay", "listen"))
+        return self._listen
+
+    def _drop_listen(self) -> None:
+        self.sleeping = False  # the session lock goes with the connection
+        if self._listen is not None:
+            try:
+                self._listen.close()
+            except psycopg.Error:
+                pass
+        self._listen = None
+
     def wait_for_notification(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` for a NOTIFY on the outbox channel.
 
@@ -291,12 +332,7 @@ class Store:
         """
         with translated():
             try:
-                if self._listen is None or self._listen.closed:
-                    self._listen = connect(self._dsn, application_name="outbox-relay-listen")
-                    self.queries += 1
-                    self._on_statement()
-                    self._listen.execute(query("relay", "listen"))
-                listen = self._listen
+                listen = self._listening()
                 # Anything already buffered counts; then wait on the socket.
                 if any(True for _ in listen.notifies(timeout=0)):
                     return True
@@ -305,12 +341,6 @@ class Store:
                     return False
                 return any(True for _ in listen.notifies(timeout=0))
             except (psycopg.OperationalError, psycopg.InterfaceError, OSError):
-                if self._listen is not None:
-                    try:
-                        self._listen.close()
-                    except psycopg.Error:
-                        pass
-                self._listen = None
+                self._drop_listen()
                 time.sleep(min(timeout_s, 0.5))
                 return False
-

@@ -32,3 +32,13 @@ WHERE published_at IS NOT NULL AND event_id = ANY(%(event_ids)s::uuid[])
 
 -- name: bench_reset
 TRUNCATE outbox
+
+-- name: bench_notify_trigger_off
+ALTER TABLE outbox DISABLE TRIGGER outbox_notify_insert
+
+-- name: bench_notify_trigger_on
+ALTER TABLE outbox ENABLE TRIGGER outbox_notify_insert
+
+-- name: bench_pgbench_insert
+-- One small writer transaction, as pgbench runs it (its own variable syntax).
+INSERT INTO outbox (topic, key, payload) VALUES ('bench.notify', 'k' || (random() * 1000)::int, '{"n": 1}')

@@ -75,3 +75,4 @@ DELETE FROM outbox_relay_shards WHERE shard >= %(shards)s
 -- name: live_leases
 SELECT count(*) AS live FROM outbox_relay_shards
 WHERE owner IS NOT NULL AND lease_until > coalesce(%(now)s::timestamptz, now())
+

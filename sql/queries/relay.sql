@@ -123,3 +123,11 @@ SELECT shards FROM outbox_relay_settings
 
 -- name: listen
 LISTEN outbox_relay
+
+-- name: go_to_sleep
+-- On the LISTEN connection: false when writers are mid-transaction or another
+-- relay already sleeps (see sql/migrations/0003_notify.sql).
+SELECT pg_try_advisory_lock(7263740001) AS sleeping
+
+-- name: wake_up
+SELECT pg_advisory_unlock(7263740001) AS released
