@@ -1,0 +1,49 @@
+"""asyncio twins of :mod:`consumer_sdk.outbox`, for ``psycopg.AsyncConnection``.
+
+Same guarantee and rules: the insert runs in the caller's transaction and never
+commits.  Validation and encoding are shared (:func:`consumer_sdk.outbox.prepare`);
+only the await differs.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import psycopg
+import psycopg.errors
+
+from consumer_sdk._sql import query
+from consumer_sdk.errors import SchemaMissing
+from consumer_sdk.outbox import OutboxEvent, prepare, require_transaction
+
+
+async def write_events(conn: psycopg.AsyncConnection[Any], events: Sequence[OutboxEvent]) -> list[uuid.UUID]:
+    """Insert ``events`` in one statement, in the caller's transaction; returns their ids in order."""
+    prepared = prepare(events)
+    if not prepared.event_ids:
+        return []
+    require_transaction(conn.autocommit, conn.info.transaction_status)
+    try:
+        await conn.execute(query("sdk_outbox", "insert_events"), prepared.params)
+    except psycopg.errors.UndefinedTable as exc:
+        raise SchemaMissing() from exc
+    return prepared.event_ids
+
+
+async def write_event(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    topic: str,
+    key: str | None,
+    payload: Any,
+    headers: Mapping[str, str | None] | None = None,
+    traceparent: str | None = None,
+    tracestate: str | None = None,
+    event_id: uuid.UUID | None = None,
+) -> uuid.UUID:
+    """Insert one event in the caller's transaction; returns its ``event_id``. Never commits."""
+    event = OutboxEvent(topic=topic, key=key, payload=payload, headers=headers,
+                        traceparent=traceparent, tracestate=tracestate, event_id=event_id)
+    return (await write_events(conn, [event]))[0]

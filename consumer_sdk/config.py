@@ -1,0 +1,123 @@
+"""The dedup consumer's settings: one frozen, keyword-only object, validated at construction.
+
+Units are in the names.  librdkafka properties pass through ``kafka_properties``
+(security, tuning), except those the guarantees depend on: offsets are committed
+by the SDK only, after the database commit (:data:`REQUIRED_CONSUMER`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from consumer_sdk.errors import ConfigError
+from consumer_sdk.model import Action, RetryPolicy
+
+DEFAULT_BATCH_SIZE = 1
+DEFAULT_POLL_TIMEOUT_S = 1.0
+DEFAULT_DEAD_LETTER_TOPIC = "{topic}.dlq"
+DEFAULT_DEAD_LETTER_TIMEOUT_S = 30.0
+DEFAULT_INBOX_RETENTION_S = 14 * 24 * 3600.0  # twice Kafka's default topic retention
+DEFAULT_CLEANUP_INTERVAL_S = 600.0
+DEFAULT_CLEANUP_BATCH = 1000
+DEFAULT_DB_BACKOFF_INITIAL_S = 0.2
+DEFAULT_DB_BACKOFF_MAX_S = 10.0
+
+#: Set by the SDK whatever ``kafka_properties`` say: no offset moves on its own.
+REQUIRED_CONSUMER: dict[str, Any] = {"enable.auto.commit": False, "enable.auto.offset.store": False}
+DEFAULT_CONSUMER: dict[str, Any] = {"auto.offset.reset": "earliest", "enable.partition.eof": False}
+
+#: Properties the admin client and the dead-letter producer inherit (connection and security).
+_SHARED_PREFIXES = ("bootstrap.", "security.", "sasl.", "ssl.", "client.", "socket.", "broker.",
+                    "reconnect.", "api.", "metadata.", "enable.ssl", "debug", "log")
+_ACTIONS = ("dead_letter", "skip", "stop")
+_NAME = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InboxConfig:
+    """Settings of one :class:`~consumer_sdk.inbox.InboxConsumer`.
+
+    ``name`` is the inbox key (``outbox_inbox.consumer``) and, by default, the
+    Kafka group id: every member of a group must share it.  ``assignment="assign"``
+    reads every partition of ``topics`` without group membership (one instance
+    only; offsets are still committed under the group id; partitions added later
+    are not picked up).  ``batch_size > 1`` is the throughput mode: one transaction
+    and one offset commit per batch, same guarantees.  ``dsn`` is a libpq
+    connection string (or pass ``connect=`` to the consumer).  ``dead_letter_topic``
+    may contain ``{topic}``, the source topic's name.  ``inbox_retention_s`` None
+    keeps inbox rows forever; otherwise it must exceed the topics' retention
+    (checked at start when ``check_retention``).
+    """
+
+    name: str
+    dsn: str = ""
+    bootstrap_servers: str
+    topics: Sequence[str]
+    group_id: str | None = None
+    kafka_properties: Mapping[str, Any] = field(default_factory=dict)
+    assignment: Literal["subscribe", "assign"] = "subscribe"
+    batch_size: int = DEFAULT_BATCH_SIZE
+    poll_timeout_s: float = DEFAULT_POLL_TIMEOUT_S
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    on_invalid_event_id: Action = "dead_letter"
+    on_payload_mismatch: Action = "dead_letter"
+    dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC
+    dead_letter_timeout_s: float = DEFAULT_DEAD_LETTER_TIMEOUT_S
+    inbox_retention_s: float | None = DEFAULT_INBOX_RETENTION_S
+    cleanup_interval_s: float = DEFAULT_CLEANUP_INTERVAL_S
+    cleanup_batch: int = DEFAULT_CLEANUP_BATCH
+    check_retention: bool = True
+    db_backoff_initial_s: float = DEFAULT_DB_BACKOFF_INITIAL_S
+    db_backoff_max_s: float = DEFAULT_DB_BACKOFF_MAX_S
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ConfigError(f"name must be 1-200 of [A-Za-z0-9._:-], got {self.name!r}")
+        if isinstance(self.topics, str) or not self.topics:
+            raise ConfigError("topics must be a non-empty list of topic names")
+        if not self.bootstrap_servers and "bootstrap.servers" not in self.kafka_properties:
+            raise ConfigError("no Kafka cluster given: set bootstrap_servers")
+        if self.assignment not in ("subscribe", "assign"):
+            raise ConfigError("assignment must be 'subscribe' or 'assign'")
+        for name in ("on_invalid_event_id", "on_payload_mismatch"):
+            if getattr(self, name) not in _ACTIONS:
+                raise ConfigError(f"{name} must be one of {', '.join(_ACTIONS)}")
+        self._check_numbers()
+        if "{topic}" not in self.dead_letter_topic and self.dead_letter_topic in self.topics:
+            raise ConfigError("dead_letter_topic must differ from the consumed topics")
+        strategy = str(self.kafka_properties.get("partition.assignment.strategy", ""))
+        if "cooperative" in strategy:
+            raise ConfigError("cooperative rebalancing is not supported: use range or roundrobin")
+
+    def _check_numbers(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError("batch_size must be at least 1")
+        if self.poll_timeout_s <= 0 or self.dead_letter_timeout_s <= 0 or self.cleanup_interval_s <= 0:
+            raise ConfigError("poll_timeout_s, dead_letter_timeout_s and cleanup_interval_s must be positive")
+        if self.inbox_retention_s is not None and self.inbox_retention_s <= 0:
+            raise ConfigError("inbox_retention_s must be positive (or None: keep the inbox forever)")
+        if self.cleanup_batch < 1:
+            raise ConfigError("cleanup_batch must be at least 1")
+        if not 0 < self.db_backoff_initial_s <= self.db_backoff_max_s:
+            raise ConfigError("need 0 < db_backoff_initial_s <= db_backoff_max_s")
+
+    @property
+    def group(self) -> str:
+        return self.group_id or self.name
+
+    def shared_kafka(self) -> dict[str, Any]:
+        """Connection and security properties, for the admin client and the dead-letter producer."""
+        shared = {k: v for k, v in self.kafka_properties.items() if k.startswith(_SHARED_PREFIXES)}
+        if self.bootstrap_servers:
+            shared["bootstrap.servers"] = self.bootstrap_servers
+        return shared
+
+    def consumer_kafka(self) -> dict[str, Any]:
+        """The consumer's librdkafka configuration."""
+        config: dict[str, Any] = {**DEFAULT_CONSUMER, **self.kafka_properties, **self.shared_kafka()}
+        config["group.id"] = self.group
+        config.update(REQUIRED_CONSUMER)
+        return config

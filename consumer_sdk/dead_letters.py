@@ -1,0 +1,80 @@
+"""The dead-letter topic: the :class:`~consumer_sdk.processor.DeadLetterSink` adapter for Kafka.
+
+A dead letter keeps the original key, value and headers (``event_id`` included,
+so a replay is deduplicated by the inbox) and adds ``dlq_*`` headers saying why
+it is there.  :meth:`KafkaDeadLetters.send` returns only once the broker
+acknowledged the letter (idempotent producer, ``acks=all``); only then may the
+consumer commit the original's offset.  A crash in between sends the letter
+again: the dead-letter topic is at-least-once, like the relay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from consumer_sdk.errors import ConfigError, DeadLetterFailed
+from consumer_sdk.model import DeadLetter
+
+REQUIRED_PRODUCER = {"enable.idempotence": True, "acks": "all"}
+DLQ_HEADER_PREFIX = "dlq_"
+
+
+def dead_letter_headers(letter: DeadLetter) -> list[tuple[str, str | bytes | None]]:
+    """The original headers, then the ``dlq_*`` ones (original ``dlq_*`` headers are dropped)."""
+    record = letter.record
+    headers: list[tuple[str, str | bytes | None]] = [
+        (name, value) for name, value in record.headers if not name.startswith(DLQ_HEADER_PREFIX)]
+    extra = {
+        "dlq_reason": letter.reason,
+        "dlq_error": letter.error,
+        "dlq_error_type": letter.error_type,
+        "dlq_attempts": str(letter.attempts),
+        "dlq_consumer": letter.consumer,
+        "dlq_source_topic": record.topic,
+        "dlq_source_partition": str(record.partition),
+        "dlq_source_offset": str(record.offset),
+    }
+    headers.extend((name, value.encode()) for name, value in extra.items())
+    return headers
+
+
+def dead_letter_topic(template: str, source_topic: str) -> str:
+    """The dead-letter topic of ``source_topic``: ``template`` with ``{topic}`` filled in."""
+    return template.replace("{topic}", source_topic)
+
+
+class KafkaDeadLetters:
+    """Sends dead letters synchronously (they are rare); owns one producer."""
+
+    def __init__(self, config: Mapping[str, Any], *, topic_template: str, timeout_s: float) -> None:
+        self._template = topic_template
+        self._timeout_s = timeout_s
+        try:
+            self._producer = Producer({**config, **REQUIRED_PRODUCER})
+        except (KafkaException, TypeError, ValueError) as exc:
+            raise ConfigError(f"invalid Kafka configuration for the dead-letter producer: {exc}") from None
+
+    def send(self, letter: DeadLetter) -> None:
+        """Produce ``letter`` and wait for its acknowledgement; :class:`DeadLetterFailed` otherwise."""
+        outcome: list[KafkaError | None] = []
+
+        def report(err: KafkaError | None, _msg: Message) -> None:
+            outcome.append(err)
+
+        topic = dead_letter_topic(self._template, letter.record.topic)
+        try:
+            self._producer.produce(topic, key=letter.record.key, value=letter.record.value,
+                                   headers=dead_letter_headers(letter), on_delivery=report)
+        except (KafkaException, BufferError) as exc:
+            raise DeadLetterFailed(f"cannot queue a dead letter for {topic}: {exc}") from exc
+        self._producer.flush(self._timeout_s)
+        if not outcome:
+            raise DeadLetterFailed(f"no acknowledgement for a dead letter to {topic} within {self._timeout_s}s")
+        if outcome[0] is not None:
+            raise DeadLetterFailed(f"dead letter to {topic} failed: {outcome[0].str()}")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._producer.flush(timeout_s)

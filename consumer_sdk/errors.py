@@ -1,0 +1,88 @@
+"""The SDK's exception hierarchy: every error it raises is an :class:`OutboxSdkError`.
+
+Retryability lives in the type: the consumer waits out a :class:`RetriableError`
+with back-off and stops on a :class:`FatalError`.  Each class's docstring is its
+default message.  Driver errors are wrapped at the seam with ``raise ... from``.
+
+:class:`PermanentError` is the one a *handler* raises: the message can never
+succeed, so it is dead-lettered at once instead of retried.
+"""
+
+from __future__ import annotations
+
+
+class OutboxSdkError(Exception):
+    """The outbox SDK failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip().splitlines()[0])
+
+
+# -- producing side --------------------------------------------------------------------
+
+
+class TransactionRequired(OutboxSdkError):
+    """Writing an event needs a transaction: use `with conn.transaction():` or a non-autocommit connection."""
+
+
+class InvalidEvent(OutboxSdkError, ValueError):
+    """The event cannot be written to the outbox (topic, key, payload or headers)."""
+
+
+class SchemaMissing(OutboxSdkError):
+    """The outbox schema is missing: run `outbox-relay migrate` first."""
+
+
+# -- consuming side --------------------------------------------------------------------
+
+
+class ConfigError(OutboxSdkError, ValueError):
+    """Invalid consumer configuration."""
+
+
+class PermanentError(OutboxSdkError):
+    """Raised by a handler: this message can never succeed; dead-letter it without retrying."""
+
+
+class HandlerTransactionFailed(OutboxSdkError):
+    """The handler swallowed a database error: its transaction is aborted, so its writes were rolled back."""
+
+
+class RetriableError(OutboxSdkError):
+    """A passing problem; the consumer retries the unsettled messages with back-off."""
+
+
+class DatabaseUnavailable(RetriableError):
+    """The database cannot be reached right now."""
+
+
+class TransactionConflict(RetriableError):
+    """The database aborted the transaction (serialization failure or deadlock); it is retried."""
+
+
+class DeadLetterFailed(RetriableError):
+    """A dead letter was not acknowledged by Kafka; the message stays unsettled."""
+
+
+class FatalError(OutboxSdkError):
+    """A problem a person has to fix; retrying will not help."""
+
+
+class KafkaFatal(FatalError):
+    """The Kafka client reported a fatal error."""
+
+
+class ConsumerStopped(FatalError):
+    """A policy chose to stop the consumer; the offending message's offset was not committed.
+
+    ``reason`` is the policy's reason (``invalid_event_id``, ``payload_mismatch``,
+    ``retries_exhausted``, ``permanent_error``); ``topic``, ``partition`` and
+    ``offset`` locate the message, which the next start receives again.
+    """
+
+    def __init__(self, message: str, *, reason: str, topic: str, partition: int, offset: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset

@@ -1,0 +1,394 @@
+"""The dedup consumer: each event's effect happens once, however often Kafka delivers it.
+
+For every batch of messages (one message unless ``batch_size > 1``), the
+:class:`~consumer_sdk.processor.Processor` opens one database transaction,
+inserts each ``event_id`` into the inbox and calls the handler with the same
+connection only when the insert happened, then commits.  Only then does this
+loop commit the Kafka offsets (``commit(asynchronous=False)``; auto commit and
+auto offset store are off).  The guarantees:
+
+* A crash before the database commit leaves neither the effect nor the offset:
+  the message comes again and is applied.  A crash between the database commit
+  and the offset commit leaves the effect without the offset: the message comes
+  again and is dropped as a duplicate.  Either way, the effect exists once.
+* Offsets never pass a message that is not settled (applied, dropped, dead-lettered
+  or skipped by policy), and a partition's messages are settled in order.
+* When partitions are revoked, their applied offsets are committed first; the
+  rest of an interrupted batch is left to the next owner, which starts from those
+  offsets.  A member that lost its partitions without knowing (paused, evicted)
+  cannot apply twice: the inbox's primary key serializes it with the new owner.
+* Back-off (handler retries, database outages) keeps the group membership alive:
+  the partitions are paused and the consumer keeps polling.
+
+Lifecycle: :meth:`InboxConsumer.start`, :meth:`~InboxConsumer.run_once` (one
+batch, returns its :class:`~consumer_sdk.model.BatchResult`), :meth:`~InboxConsumer.run`
+(loop until :meth:`~InboxConsumer.stop`), :meth:`~InboxConsumer.close`
+(idempotent).  The SDK logs through structlog and never configures logging.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+import structlog
+from confluent_kafka import (
+    OFFSET_STORED,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
+
+from consumer_sdk import kafka
+from consumer_sdk.config import InboxConfig
+from consumer_sdk.dead_letters import KafkaDeadLetters
+from consumer_sdk.errors import DatabaseUnavailable, KafkaFatal, RetriableError
+from consumer_sdk.metrics import ConsumerMetrics
+from consumer_sdk.model import BatchResult, InboxMessage, KafkaRecord
+from consumer_sdk.offsets import OffsetBook, TopicPart
+from consumer_sdk.processor import DeadLetterSink, Policies, Processor
+from consumer_sdk.retention import RetentionFinding, check_retention, report_retention
+from consumer_sdk.store import ConnectionFactory, PgInboxStore, cleanup_inbox, connect_factory
+
+#: The handler: apply one message with ``conn``, inside the consumer's transaction.
+#: Never commit.  Raise to roll back and retry; raise PermanentError to dead-letter now.
+Handler = Callable[[psycopg.Connection[Any], InboxMessage], None]
+
+_KEEPALIVE_POLL_S = 0.2
+
+
+class _Abandon(Exception):
+    """The rest of the batch is left unsettled (a rebalance moved partitions, or stop())."""
+
+
+class InboxConsumer:
+    """One member of a consumer group (or a lone assign() reader) applying events exactly once.
+
+    Not thread-safe, except :meth:`stop`, which any thread or signal handler may call.
+    """
+
+    def __init__(self, config: InboxConfig, handler: Handler, *, metrics: ConsumerMetrics | None = None,
+                 log: Any = None, connect: ConnectionFactory | None = None,
+                 dead_letters: DeadLetterSink | None = None, sleep: Callable[[float], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.metrics = metrics if metrics is not None else ConsumerMetrics()
+        self.log = (log if log is not None else structlog.get_logger("consumer_sdk.inbox")).bind(
+            consumer=config.name)
+        self.store = PgInboxStore(connect or connect_factory(
+            config.dsn, application_name=f"outbox-consumer:{config.name}"[:63]))
+        self._handler = handler
+        self._dead_letters = dead_letters
+        self._own_dead_letters: KafkaDeadLetters | None = None
+        self._sleep = sleep or self._keepalive_sleep
+        self._clock = clock
+        self._stop = threading.Event()
+        self._consumer: Consumer | None = None
+        self._processor: Processor | None = None
+        self.offsets = OffsetBook()
+        self._unsettled: list[KafkaRecord] = []
+        self._stash: list[KafkaRecord] = []  # messages a keep-alive poll returned, processed next
+        self._rebalances = 0
+        self._fatal: str | None = None
+        self._last_client_error: int | None = None
+        self._next_cleanup = 0.0
+        self._closed = False
+        self.assigned: set[TopicPart] = set()
+        self.retention: list[RetentionFinding] = []
+        self.totals = BatchResult()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to finish the current batch and return.  Idempotent, thread-safe."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self) -> None:
+        """Wait for the database, check the schema, join the group (or assign), check retention."""
+        if self._closed:
+            raise RuntimeError("this consumer was closed; build a new one")
+        if self._consumer is not None:
+            return
+        if self._retry_db(self.store.check_schema) is None and self.stopping:
+            return
+        sink = self._dead_letters
+        if sink is None:
+            sink = self._own_dead_letters = KafkaDeadLetters(
+                self.config.shared_kafka(), topic_template=self.config.dead_letter_topic,
+                timeout_s=self.config.dead_letter_timeout_s)
+        self._processor = Processor(
+            consumer=self.config.name, store=self.store, handler=self._handler, dead_letters=sink,
+            policies=Policies(retry=self.config.retry, on_invalid_event_id=self.config.on_invalid_event_id,
+                              on_payload_mismatch=self.config.on_payload_mismatch),
+            metrics=self.metrics, log=self.log, sleep=self._sleep, on_settled=self._settled)
+        self._consumer = self._new_consumer()
+        if self.config.check_retention and self.config.inbox_retention_s is not None:
+            self._check_retention()
+        self.log.info("consumer_started", group=self.config.group, topics=list(self.config.topics),
+                      assignment=self.config.assignment, batch_size=self.config.batch_size)
+
+    def run(self) -> None:
+        """Start, then settle batches until :meth:`stop`; always closes.  Fatal errors propagate."""
+        try:
+            self.start()
+            while not self.stopping:
+                self.run_once()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Commit what was applied, leave the group, close the clients.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        consumer, self._consumer = self._consumer, None
+        try:
+            if consumer is not None:
+                self._commit_pending(consumer, None)
+                consumer.close()
+        except (KafkaException, RuntimeError) as exc:
+            self.log.warning("consumer_close_failed", error=str(exc))
+        finally:
+            if self._own_dead_letters is not None:
+                self._own_dead_letters.close()
+            self.store.close()
+            self.log.info("consumer_stopped", applied=self.totals.applied, duplicates=self.totals.duplicates)
+
+    # -- one batch ------------------------------------------------------------------------
+
+    def run_once(self) -> BatchResult:
+        """Poll one batch and settle it; run the inbox cleanup when due.  Returns what happened."""
+        self.start()
+        records = self._poll()
+        result = self._process(records) if records else BatchResult()
+        self._maybe_cleanup()
+        return result
+
+    def _poll(self) -> list[KafkaRecord]:
+        consumer = self._live()
+        records, self._stash = self._stash, []
+        wanted = self.config.batch_size - len(records)
+        if wanted > 0:
+            timeout_s = 0 if records else self.config.poll_timeout_s
+            for msg in consumer.consume(num_messages=wanted, timeout=timeout_s):
+                record = self._accept(msg)
+                if record is not None:
+                    records.append(record)
+        if self._fatal is not None:
+            raise KafkaFatal(self._fatal)
+        return records
+
+    def _accept(self, msg: Message) -> KafkaRecord | None:
+        err = msg.error()
+        if err is None:
+            return kafka.record_of(msg)
+        if err.fatal():
+            self._fatal = err.str()
+        elif err.code() != KafkaError._PARTITION_EOF:
+            self.log.warning("kafka_consume_error", error=err.str(), topic=msg.topic(),
+                             partition=msg.partition())
+        return None
+
+    def _process(self, records: Sequence[KafkaRecord]) -> BatchResult:
+        """Settle ``records``, waiting out retriable failures; offsets follow each commit."""
+        assert self._processor is not None
+        started = self._clock()
+        self._unsettled = list(records)
+        total = BatchResult()
+        failures = 0
+        while self._unsettled and not self.stopping:
+            try:
+                if failures:
+                    self._sleep(self._db_backoff_s(failures))
+                self._processor.process(list(self._unsettled), total)
+            except RetriableError as exc:
+                failures += 1
+                self._batch_failed(exc, failures)
+            except _Abandon:
+                break
+        if self._unsettled:
+            self.log.info("batch_abandoned", unsettled=len(self._unsettled), stopping=self.stopping)
+            self._unsettled = []
+        self.metrics.batch_duration.labels(self.config.name).observe(self._clock() - started)
+        self.metrics.batch_size.labels(self.config.name).observe(len(records))
+        self.totals.add(total)
+        self.log.debug("inbox_batch", messages=len(records), applied=total.applied,
+                       duplicates=total.duplicates, dead_lettered=total.dead_lettered)
+        return total
+
+    def _batch_failed(self, exc: RetriableError, failures: int) -> None:
+        self.metrics.database_errors.labels(self.config.name).inc()
+        if isinstance(exc, DatabaseUnavailable):
+            self.store.reset()
+        log = self.log.warning if failures == 1 else self.log.debug
+        log("batch_retrying", error=str(exc), error_type=type(exc).__name__, failures=failures,
+            unsettled=len(self._unsettled))
+
+    def _db_backoff_s(self, failures: int) -> float:
+        c = self.config
+        return float(min(c.db_backoff_max_s, c.db_backoff_initial_s * 2 ** min(failures - 1, 30)))
+
+    # -- offsets --------------------------------------------------------------------------
+
+    def _settled(self, records: Sequence[KafkaRecord]) -> None:
+        """Called by the processor after each database commit: commit the offsets now."""
+        parts = self.offsets.settle(records)
+        del self._unsettled[: len(records)]
+        consumer = self._live()
+        self._commit_pending(consumer, None)
+        self._update_lag(consumer, parts)
+
+    def _commit_pending(self, consumer: Consumer, only: set[TopicPart] | None) -> None:
+        due = self.offsets.due(only)
+        if not due:
+            return
+        done, errors = kafka.commit_offsets(consumer, due)
+        for key, offset in done.items():
+            self.offsets.confirm(key, offset)
+        if errors:  # harmless for the effects: the inbox drops what comes again
+            self.metrics.offset_commit_failures.labels(self.config.name).inc()
+            self.log.warning("offset_commit_failed", errors=errors)
+
+    def _update_lag(self, consumer: Consumer, parts: set[TopicPart]) -> None:
+        for key in parts:
+            high = kafka.high_watermark(consumer, key)
+            if high is not None:
+                lag = self.offsets.lag(key, high)
+                self.metrics.lag.labels(self.config.name, key[0], str(key[1])).set(lag)
+
+    # -- the Kafka consumer, rebalances and keep-alive --------------------------------------
+
+    def _live(self) -> Consumer:
+        if self._consumer is None:
+            raise RuntimeError("the consumer is not started (or already closed)")
+        return self._consumer
+
+    def _new_consumer(self) -> Consumer:
+        consumer = kafka.build_consumer({**self.config.consumer_kafka(), "error_cb": self._client_error})
+        if self.config.assignment == "subscribe":
+            consumer.subscribe(list(self.config.topics), on_assign=self._on_assign,
+                               on_revoke=self._on_revoke, on_lost=self._on_lost)
+        else:
+            parts = [TopicPartition(t, p, OFFSET_STORED) for t in self.config.topics
+                     for p in kafka.wait_partitions(consumer, t, stop=self._stop, log=self.log)]
+            consumer.assign(parts)
+            self.assigned = {(tp.topic, tp.partition) for tp in parts}
+        return consumer
+
+    def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._rebalances += 1
+        self.metrics.rebalances.labels(self.config.name, "assign").inc()
+        self.assigned |= {(tp.topic, tp.partition) for tp in partitions}
+        self.log.info("partitions_assigned", partitions=kafka.names(partitions))
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Commit what was applied on the revoked partitions, then forget them."""
+        revoked = {(tp.topic, tp.partition) for tp in partitions}
+        self._commit_pending(consumer, revoked)
+        self._forget(revoked, "revoke")
+        self.log.info("partitions_revoked", partitions=kafka.names(partitions))
+
+    def _on_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._forget({(tp.topic, tp.partition) for tp in partitions}, "lost")
+        self.log.warning("partitions_lost", partitions=kafka.names(partitions))
+
+    def _forget(self, parts: set[TopicPart], kind: str) -> None:
+        # A stale applied offset must never be committed later over the next owner's progress.
+        self._rebalances += 1
+        self.metrics.rebalances.labels(self.config.name, kind).inc()
+        self.offsets.forget(parts)
+        for key in parts:
+            try:
+                self.metrics.lag.remove(self.config.name, key[0], str(key[1]))
+            except KeyError:
+                pass
+        self._stash = [r for r in self._stash if (r.topic, r.partition) not in parts]
+        self.assigned -= parts
+
+    def _client_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self._fatal = err.str()
+            self.log.error("kafka_fatal", error=err.str())
+        elif err.code() != self._last_client_error:
+            self.log.warning("kafka_client_error", error=err.str())
+        self._last_client_error = err.code()
+
+    def _keepalive_sleep(self, duration_s: float) -> None:
+        """Wait with the partitions paused, polling so the group keeps this member.
+
+        Raises :class:`_Abandon` on :meth:`stop` or when a rebalance happened meanwhile.
+        """
+        consumer = self._live()
+        generation = self._rebalances
+        paused = consumer.assignment()
+        if paused:
+            consumer.pause(paused)
+        try:
+            deadline = self._clock() + duration_s
+            while (left := deadline - self._clock()) > 0:
+                if self.stopping:
+                    raise _Abandon()
+                msg = consumer.poll(min(left, _KEEPALIVE_POLL_S))
+                if msg is not None:
+                    record = self._accept(msg)
+                    if record is not None:  # fetched before the pause took effect: keep it for later
+                        self._stash.append(record)
+                if self._rebalances != generation or self.stopping:
+                    raise _Abandon()
+        finally:
+            current = consumer.assignment()
+            if current:
+                consumer.resume(current)
+
+    # -- database waits, retention ----------------------------------------------------------
+
+    def _retry_db(self, call: Callable[[], Any]) -> Any:
+        """Run ``call`` until the database answers (or stop()); returns its value or None."""
+        failures = 0
+        while not self.stopping:
+            try:
+                value = call()
+                return True if value is None else value
+            except DatabaseUnavailable as exc:
+                failures += 1
+                if failures == 1:
+                    self.log.warning("database_unavailable", error=str(exc))
+                self.store.reset()
+                self._stop.wait(self._db_backoff_s(failures))
+        return None
+
+    def _check_retention(self) -> None:
+        try:
+            self.retention = check_retention(self.config.shared_kafka(), list(self.config.topics),
+                                             self.config.inbox_retention_s)
+        except Exception as exc:  # noqa: BLE001 - a missing check must not stop the consumer
+            self.log.warning("inbox_retention_unchecked", error=str(exc))
+            return
+        report_retention(self.retention, consumer=self.config.name, metrics=self.metrics, log=self.log)
+
+    def _maybe_cleanup(self) -> int:
+        retention_s = self.config.inbox_retention_s
+        now = self._clock()
+        if retention_s is None or now < self._next_cleanup:
+            return 0
+        self._next_cleanup = now + self.config.cleanup_interval_s
+        try:
+            deleted = cleanup_inbox(self.store, consumer=self.config.name, retention_s=retention_s,
+                                    batch=self.config.cleanup_batch)
+        except RetriableError as exc:
+            self.log.warning("inbox_cleanup_failed", error=str(exc))
+            return 0
+        if deleted:
+            self.metrics.inbox_cleanup_deleted.labels(self.config.name).inc(deleted)
+            self.log.info("inbox_cleaned", deleted=deleted, retention_s=retention_s)
+        return deleted
+

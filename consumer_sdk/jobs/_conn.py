@@ -1,0 +1,81 @@
+"""One lazily (re)connected autocommit connection, owned by one thread of the pool."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from consumer_sdk.errors import DatabaseUnavailable
+from consumer_sdk.jobs._db import ConnectionT, first_line, q, translated
+
+ConnectionFactory = Callable[[], ConnectionT]
+
+
+def connect_factory(dsn: str, *, application_name: str, connect_timeout_s: int = 5) -> ConnectionFactory:
+    """A factory of autocommit connections to ``dsn``."""
+
+    def connect() -> ConnectionT:
+        return psycopg.connect(dsn, autocommit=True, application_name=application_name[:63],
+                               connect_timeout=connect_timeout_s)
+
+    return connect
+
+
+class ConnSlot:
+    """A connection that reconnects on demand and is tidied between jobs.
+
+    ``idle_ms`` sets ``idle_in_transaction_session_timeout`` on every new
+    connection: a thread frozen inside a transaction (SIGSTOP) is disconnected by
+    the server instead of holding its row locks forever.
+    """
+
+    def __init__(self, connect: ConnectionFactory, *, idle_ms: int | None = None) -> None:
+        self._connect = connect
+        self._idle_ms = idle_ms
+        self._conn: ConnectionT | None = None
+
+    def get(self) -> ConnectionT:
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            self.close()
+            try:
+                conn = self._connect()
+            except psycopg.OperationalError as exc:
+                raise DatabaseUnavailable(f"database unreachable: {first_line(exc)}") from exc
+            conn.autocommit = True
+            if self._idle_ms is not None:
+                with translated():
+                    conn.execute(q("session_setup"), {"idle_ms": self._idle_ms})
+            self._conn = conn
+        return conn
+
+    def tidy(self) -> None:
+        """After a job: roll back whatever the handler left open; drop a broken connection."""
+        conn = self._conn
+        if conn is None:
+            return
+        if conn.closed or conn.broken:
+            self.close()
+            return
+        if conn.info.transaction_status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
+            try:
+                conn.rollback()
+            except psycopg.Error:
+                self.close()
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except psycopg.Error:
+                pass
+
+    def __enter__(self) -> ConnSlot:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

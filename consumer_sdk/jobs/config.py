@@ -1,0 +1,97 @@
+"""The worker pool's settings: one frozen, keyword-only object with units in the names."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from consumer_sdk.jobs.errors import InvalidJob
+from consumer_sdk.jobs.fairness import Limits
+from consumer_sdk.jobs.model import BULK, INTERACTIVE
+from consumer_sdk.jobs.retry import Backoff
+
+DEFAULT_LEASE_S = 30.0
+DEFAULT_POLL_INTERVAL_S = 5.0
+DEFAULT_RECONCILE_INTERVAL_S = 10.0
+DEFAULT_DRAIN_TIMEOUT_S = 10.0
+_QUEUE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """How one worker pool (one process, usually) claims and runs jobs.
+
+    * ``queues``: the queues served, in priority order (interactive first).
+    * ``max_concurrency``: jobs this pool runs at once (one thread and one
+      connection each); ``queue_limits`` caps a queue within it, e.g.
+      ``{"bulk": max_concurrency - 1}`` keeps a slot for interactive work.
+    * ``owner_limit`` / ``owner_limits``: jobs of one owner running at once across
+      every worker of the database (enforced in the claim's SQL).
+    * ``lease_s``: how long a claim or heartbeat holds a job; ``heartbeat_s``
+      (default a third of it) how often leases are renewed.
+    * ``poll_interval_s``: the safety net; losing every wake-up (NOTIFY, Kafka)
+      delays work by at most this much.
+    * ``reconcile_interval_s``: how often parked jobs whose wake-up was lost are
+      resumed, and the queue gauges refreshed.
+    * ``events_topic``: when set, terminal transitions write an event to the outbox.
+    * ``drain_timeout_s``: on stop, how long running handlers may finish before
+      they are asked to stop and their jobs are given back.
+    """
+
+    dsn: str
+    queues: Sequence[str] = (INTERACTIVE, BULK)
+    max_concurrency: int = 8
+    queue_limits: Mapping[str, int] = field(default_factory=dict)
+    owner_limit: int = 1_000_000
+    owner_limits: Mapping[str, int] = field(default_factory=dict)
+    lease_s: float = DEFAULT_LEASE_S
+    heartbeat_s: float | None = None
+    poll_interval_s: float = DEFAULT_POLL_INTERVAL_S
+    reconcile_interval_s: float = DEFAULT_RECONCILE_INTERVAL_S
+    backoff: Backoff = field(default_factory=Backoff)
+    events_topic: str | None = None
+    listen: bool = True
+    worker_id: str | None = None
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    max_owners_per_round: int = 500
+    application_name: str = "outbox-jobs-worker"
+
+    def __post_init__(self) -> None:
+        if not self.queues or any(not isinstance(q, str) or not _QUEUE.match(q) for q in self.queues):
+            raise InvalidJob("queues must be a non-empty list of names of 1-64 [A-Za-z0-9_.:-]")
+        if len(set(self.queues)) != len(self.queues):
+            raise InvalidJob("queues must not repeat")
+        if not self.lease_s > 0 or not self.poll_interval_s > 0 or not self.reconcile_interval_s > 0:
+            raise InvalidJob("lease_s, poll_interval_s and reconcile_interval_s must be positive")
+        if self.heartbeat_s is not None and not 0 < self.heartbeat_s <= self.lease_s / 2:
+            raise InvalidJob("heartbeat_s must be positive and at most half of lease_s")
+        if self.drain_timeout_s < 0:
+            raise InvalidJob("drain_timeout_s must be >= 0")
+        self.limits  # validates the limits  # noqa: B018
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.heartbeat_s if self.heartbeat_s is not None else self.lease_s / 3
+
+    @property
+    def limits(self) -> Limits:
+        try:
+            return Limits(max_concurrency=self.max_concurrency, queue_limits=self.queue_limits,
+                          owner_limit=self.owner_limit, owner_limits=self.owner_limits)
+        except ValueError as exc:
+            raise InvalidJob(str(exc)) from None
+
+    @property
+    def idle_in_transaction_ms(self) -> int:
+        """A frozen worker's open transaction is ended by PostgreSQL after one lease."""
+        return max(1000, int(self.lease_s * 1000))
+
+
+def local_deadline(sent_at: float, lease_s: float) -> float:
+    """Monotonic time until which a lease renewed by a call sent at ``sent_at`` is trusted.
+
+    The database computed ``lease_until`` after the call was sent, so counting
+    from ``sent_at`` errs on the safe side; the margin covers clock-rate drift.
+    """
+    return sent_at + lease_s - min(1.0, lease_s * 0.1)

@@ -1,0 +1,153 @@
+"""What a handler gets: the job, its connection, cooperative cancellation and fenced writes.
+
+Ownership: the worker pool creates one :class:`JobContext` per attempt and owns
+the connection (``ctx.conn``, autocommit); the handler may read with it freely
+and must write through :meth:`JobContext.fenced_transaction` (or
+:meth:`JobContext.put_result`), which commits only while the worker still holds
+the job's lease.  Writes made outside a fenced transaction are not fenced.
+
+Cancellation is cooperative: when the heartbeat finds the lease lost (or the
+run cancelled, or the pool stopping), ``ctx.cancelled`` becomes True and
+:meth:`check`, :meth:`sleep` and :meth:`fenced_transaction` raise
+:class:`~consumer_sdk.jobs.errors.LeaseLost`.  A handler that calls nothing of
+these is not interrupted, but its fenced writes are still refused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from consumer_sdk.jobs import queue
+from consumer_sdk.jobs._db import ConnectionT, first_line
+from consumer_sdk.jobs.errors import LeaseLost
+from consumer_sdk.jobs.model import ClaimedJob, Lease
+
+_MESSAGES = {
+    "lease_lost": "the job's lease was lost (expired and taken over, or finished elsewhere)",
+    "lease_unconfirmed": "the lease could not be renewed before it ran out",
+    "cancelled": "the run was cancelled by its owner",
+    "shutdown": "the worker pool is stopping; the job is given back",
+}
+
+
+class JobContext:
+    """One attempt of one job, as its handler sees it.  Thread-safe: the heartbeat cancels it."""
+
+    def __init__(self, job: ClaimedJob, conn: ConnectionT | None = None, *, deadline: float,
+                 db_now: Callable[[], datetime | None] = lambda: None) -> None:
+        self.job = job
+        self._conn = conn
+        self.deadline = deadline  # monotonic seconds until which the lease is trusted locally
+        self._db_now = db_now
+        self._cancel = threading.Event()
+        self._reason: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def conn(self) -> ConnectionT:
+        """The connection this attempt runs on (autocommit); owned by the pool."""
+        if self._conn is None:
+            raise RuntimeError("this JobContext has no connection yet")
+        return self._conn
+
+    def bind(self, conn: ConnectionT) -> None:
+        """Give the context its connection (the executor that runs it does, before the handler)."""
+        self._conn = conn
+
+    # -- identity -----------------------------------------------------------------------
+
+    @property
+    def lease(self) -> Lease:
+        return self.job.lease
+
+    @property
+    def payload(self) -> Any:
+        """The job's payload (a run's goal, as accepted)."""
+        return self.job.payload
+
+    @property
+    def activation(self) -> Any:
+        """The recorded activation's payload when the job resumed after waiting, else None."""
+        return self.job.activation
+
+    @property
+    def idempotency_key(self) -> str:
+        """Unique to this attempt (job id and lease token): pass it to external calls.
+
+        A stale attempt and its successor never share it, so a receiver that keeps
+        keys can tell them apart; for an effect that must happen once across all
+        attempts, use :meth:`effect_key`.
+        """
+        return f"job-{self.job.id}-attempt-{self.job.token}"
+
+    def effect_key(self, name: str) -> str:
+        """Stable across attempts: the same for every retry or takeover of this job."""
+        return f"job-{self.job.id}-{name}"
+
+    # -- cancellation -------------------------------------------------------------------
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def cancel_reason(self) -> str | None:
+        return self._reason
+
+    def cancel(self, reason: str) -> bool:
+        """Ask the handler to stop (first reason wins); True when this call cancelled it."""
+        with self._lock:
+            if self._cancel.is_set():
+                return False
+            self._reason = reason
+            self._cancel.set()
+            return True
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` when the attempt was cancelled; call it between steps."""
+        if self._cancel.is_set():
+            reason = self._reason or "lease_lost"
+            raise LeaseLost(f"job {self.job.id}: {_MESSAGES.get(reason, reason)}", reason=reason)
+
+    def sleep(self, seconds: float) -> None:
+        """Wait up to ``seconds``, waking at once on cancellation (then raise LeaseLost)."""
+        self._cancel.wait(max(0.0, seconds))
+        self.check()
+
+    # -- fenced writes ------------------------------------------------------------------
+
+    @contextmanager
+    def fenced_transaction(self) -> Iterator[ConnectionT]:
+        """A transaction on ``ctx.conn`` that commits only while this attempt holds the lease.
+
+        Its first statement locks the job row with owner, token, status and lease in
+        the WHERE clause (FOR KEY SHARE: no takeover or cancellation can slip in
+        before the commit).  No row: rolls back and raises LeaseLost.  An exception
+        in the block rolls back and propagates.  A broken connection raises
+        LeaseLost too: authority cannot be proven any more (if it broke during the
+        commit, the outcome is unknown, which writes by key make harmless).
+        """
+        self.check()
+        try:
+            with self.conn.transaction():
+                if not queue.holds(self.conn, self.lease, now=self._db_now()):
+                    self.cancel("lease_lost")
+                    self.check()
+                yield self.conn
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            if not (self.conn.broken or self.conn.closed):
+                raise
+            self.cancel("lease_lost")
+            raise LeaseLost(f"job {self.job.id}: the connection broke in a fenced transaction: "
+                            f"{first_line(exc)}", reason="lease_lost") from exc
+
+    def put_result(self, key: str, value: Any) -> None:
+        """Write one result by key (an idempotent upsert) in its own fenced transaction."""
+        with self.fenced_transaction() as conn:
+            queue.put_result(conn, self.lease, key, value, now=self._db_now())

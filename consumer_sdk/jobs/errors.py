@@ -1,0 +1,77 @@
+"""Errors of runs and jobs; all subclass the SDK root :class:`~consumer_sdk.errors.OutboxSdkError`.
+
+Each class's docstring is its default message.  Retryability lives in the type:
+
+* a handler raises :class:`PermanentJobError` (or the SDK's
+  :class:`~consumer_sdk.errors.PermanentError`) for a job that can never succeed:
+  it is failed and dead-lettered at once; :class:`TransientJobError` (or any
+  other exception) is retried with back-off until the attempts run out;
+* :class:`LeaseLost` means the worker no longer owns the job: it must stop and
+  write nothing more (the fenced writes would update zero rows anyway);
+* :class:`AdmissionRefused` carries ``retry_after_s`` for an HTTP ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+from consumer_sdk.errors import OutboxSdkError, PermanentError, RetriableError
+
+
+class JobsError(OutboxSdkError):
+    """A runs-and-jobs operation failed."""
+
+
+class LeaseLost(JobsError):
+    """The worker lost its lease on the job (expired, taken over or cancelled): it writes nothing more.
+
+    ``reason`` is one of ``lease_lost`` (a fenced write or heartbeat matched no
+    row), ``lease_unconfirmed`` (heartbeats failed until the local deadline),
+    ``cancelled`` (the run's owner cancelled it), ``shutdown`` (the pool is
+    stopping and gives the job back).
+    """
+
+    def __init__(self, message: str | None = None, *, reason: str = "lease_lost") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class AdmissionRefused(JobsError):
+    """The queue already holds more work than can be done within its horizon; retry later.
+
+    ``retry_after_s`` (whole seconds, at least 1) estimates when the backlog will
+    be back under the bound; ``pending`` is the backlog counted (a lower bound).
+    """
+
+    def __init__(self, message: str | None = None, *, queue: str, retry_after_s: int,
+                 pending: int) -> None:
+        super().__init__(message)
+        self.queue = queue
+        self.retry_after_s = retry_after_s
+        self.pending = pending
+
+
+class RequestKeyConflict(JobsError, ValueError):
+    """This request key was already used by this owner with a different body; it is never reinterpreted."""
+
+    def __init__(self, message: str | None = None, *, run_id: object = None) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+
+
+class RunNotFound(JobsError, LookupError):
+    """No such run for this owner."""
+
+
+class TransactionActive(JobsError):
+    """accept() commits its own transaction: call it on a connection that is not inside one."""
+
+
+class InvalidJob(JobsError, ValueError):
+    """The run or job cannot be stored (owner, key, queue, body, or wait condition)."""
+
+
+class PermanentJobError(JobsError, PermanentError):
+    """Raised by a handler: this job can never succeed; fail it and dead-letter it without retrying."""
+
+
+class TransientJobError(JobsError, RetriableError):
+    """Raised by a handler: this attempt failed for a passing reason; retry it with back-off."""

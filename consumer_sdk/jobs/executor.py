@@ -1,0 +1,174 @@
+"""Run one attempt of one job and write its outcome, fenced.
+
+The handler returns a JSON-encodable result (the job succeeds), or a
+:class:`~consumer_sdk.jobs.model.WaitFor` (the job parks), or raises: see
+:mod:`consumer_sdk.jobs.retry` for which exception does what.  When the attempt
+was cancelled because its lease was lost (or the run cancelled), nothing is
+written at all; every write is fenced anyway, and a write that matches no row
+is reported as ``lost``.  Database errors while writing are logged and left to
+the lease: the job is reaped and retried after it expires.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from consumer_sdk.errors import OutboxSdkError
+from consumer_sdk.jobs import queue, waits
+from consumer_sdk.jobs.context import JobContext
+from consumer_sdk.jobs.errors import InvalidJob
+from consumer_sdk.jobs.metrics import JobsMetrics
+from consumer_sdk.jobs.model import DeadReason, Outcome, WaitFor
+from consumer_sdk.jobs.retry import Backoff, describe, verdict
+
+#: A handler: do the job's work for ``ctx``; return its result or a WaitFor, or raise.
+Handler = Callable[[JobContext], Any]
+
+#: Reasons for which the worker no longer has the right to write anything.
+NO_AUTHORITY = frozenset({"lease_lost", "lease_unconfirmed", "cancelled"})
+
+
+class Executor:
+    """Shared by the pool's threads; holds no per-job state."""
+
+    def __init__(self, *, handlers: Mapping[str, Handler], backoff: Backoff, metrics: JobsMetrics,
+                 log: Any, events_topic: str | None, db_now: Callable[[], datetime | None],
+                 on_retry: Callable[[float], None] = lambda delay_s: None,
+                 rand: Callable[[], float] = random.random) -> None:
+        self.handlers = handlers
+        self.backoff = backoff
+        self.metrics = metrics
+        self.log = log
+        self.events_topic = events_topic
+        self.db_now = db_now
+        self.on_retry = on_retry
+        self.rand = rand
+
+    def run(self, ctx: JobContext) -> Outcome:
+        """Call the handler and write what it came to; returns what was written."""
+        job = ctx.job
+        log = self.log.bind(job_id=job.id, queue=job.queue, kind=job.kind, attempt=job.attempts,
+                            token=job.token)
+        handler = self.handlers.get(job.kind)
+        started = time.monotonic()
+        try:
+            if handler is None:
+                raise InvalidJob(f"no handler is registered for kind {job.kind!r}")
+            value = handler(ctx)
+        except Exception as exc:  # noqa: BLE001 - every handler failure is classified
+            _tidy(ctx)
+            outcome = self._after_error(ctx, exc, log)
+        else:
+            _tidy(ctx)
+            outcome = self._after_return(ctx, value, log)
+        finally:
+            elapsed = time.monotonic() - started
+            self.metrics.handler_duration.labels(job.queue).observe(elapsed)
+        log.info("job_attempt_finished", outcome=outcome, duration_s=round(elapsed, 4),
+                 reason=ctx.cancel_reason)
+        return outcome
+
+    # -- outcomes -----------------------------------------------------------------------
+
+    def _after_return(self, ctx: JobContext, value: Any, log: Any) -> Outcome:
+        if ctx.cancel_reason in NO_AUTHORITY:
+            return "lost"
+        try:
+            if isinstance(value, WaitFor):
+                return self._write(ctx, log, lambda: self._park(ctx, value))
+            return self._write(ctx, log, lambda: self._complete(ctx, value))
+        except InvalidJob as exc:  # the result or wait cannot be stored: it never will be
+            return self._fail(ctx, "permanent_error", exc, log)
+
+    def _after_error(self, ctx: JobContext, exc: Exception, log: Any) -> Outcome:
+        job = ctx.job
+        if ctx.cancel_reason in NO_AUTHORITY:
+            return "lost"
+        if ctx.cancel_reason == "shutdown":
+            return self._write(ctx, log, lambda: self._release(ctx))
+        decision = verdict(exc, attempts=job.attempts, max_attempts=job.max_attempts)
+        if decision == "lost":
+            return "lost"
+        if decision == "retry":
+            log.info("job_attempt_failed", error=describe(exc, limit=300))
+            return self._write(ctx, log, lambda: self._retry(ctx, exc))
+        reason: DeadReason = "permanent_error" if decision == "fail_permanent" else "attempts_exhausted"
+        return self._fail(ctx, reason, exc, log)
+
+    def _fail(self, ctx: JobContext, reason: DeadReason, exc: BaseException, log: Any) -> Outcome:
+        log.warning("job_failed", reason=reason, error=describe(exc, limit=300),
+                    traceparent=ctx.job.traceparent)
+        return self._write(ctx, log, lambda: self._dead(ctx, reason, exc))
+
+    def _write(self, ctx: JobContext, log: Any, write: Callable[[], Outcome]) -> Outcome:
+        """Run one fenced write; a database failure leaves the job to its lease."""
+        try:
+            outcome = write()
+        except InvalidJob:
+            raise
+        except OutboxSdkError as exc:
+            log.warning("job_write_failed", error=str(exc))
+            return "lost"
+        if outcome == "lost":
+            self.metrics.leases_lost.labels(ctx.job.queue, "write_refused").inc()
+            log.warning("lease_lost", detail="a fenced write matched no row")
+        return outcome
+
+    def _complete(self, ctx: JobContext, value: Any) -> Outcome:
+        facts = queue.complete(ctx.conn, ctx.lease, result=value, now=self.db_now(),
+                               events_topic=self.events_topic)
+        if facts is None:
+            return "lost"
+        self.metrics.observe_terminal(facts.queue, "succeeded", age_s=facts.age_s, attempts=facts.attempts)
+        return "succeeded"
+
+    def _park(self, ctx: JobContext, wait: WaitFor) -> Outcome:
+        status = waits.park(ctx.conn, ctx.lease, wait, now=self.db_now())
+        if status is None:
+            return "lost"
+        self.metrics.parked.labels(ctx.job.queue).inc()
+        return "waiting" if status == "waiting" else "requeued"
+
+    def _retry(self, ctx: JobContext, exc: Exception) -> Outcome:
+        delay_s = self.backoff.delay_s(ctx.job.attempts, self.rand)
+        due = queue.retry(ctx.conn, ctx.lease, error=describe(exc), error_type=type(exc).__name__,
+                          backoff_s=delay_s, now=self.db_now())
+        if due is None:
+            return "lost"
+        self.metrics.retries.labels(ctx.job.queue).inc()
+        self.on_retry(delay_s)
+        return "retried"
+
+    def _dead(self, ctx: JobContext, reason: DeadReason, exc: BaseException) -> Outcome:
+        facts = queue.fail(ctx.conn, ctx.lease, reason=reason, error=describe(exc),
+                           error_type=type(exc).__name__, now=self.db_now(),
+                           events_topic=self.events_topic)
+        if facts is None:
+            return "lost"
+        self.metrics.dead_lettered.labels(facts.queue, reason).inc()
+        self.metrics.observe_terminal(facts.queue, "failed", age_s=facts.age_s, attempts=facts.attempts)
+        return "failed"
+
+    def _release(self, ctx: JobContext) -> Outcome:
+        return "released" if queue.release(ctx.conn, ctx.lease, now=self.db_now()) else "lost"
+
+
+def _tidy(ctx: JobContext) -> None:
+    """Roll back a transaction the handler left open, so the outcome commits on its own."""
+    conn = ctx.conn
+    if conn.closed or conn.broken:
+        return
+    if conn.info.transaction_status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
+        try:
+            conn.rollback()
+        except psycopg.Error:
+            return
+    if not conn.autocommit:
+        conn.autocommit = True

@@ -1,0 +1,112 @@
+"""Who gets the free worker slots: pure logic, no I/O; time is passed in.
+
+The pool has ``max_concurrency`` slots.  Queues are served in priority order
+(the order the pool lists them, interactive first), each within its own limit,
+so bulk work can never take the slots kept for interactive work.  Within a
+queue, free slots go round-robin, one at a time, to the owners with ready work,
+least recently served first: an owner with 10,000 jobs gets one slot per turn,
+the same as an owner with one.  The per-owner limit (jobs of one owner running
+at once across every worker) is applied here with the counts the database
+reported, and again in the claim's SQL, which is what makes it hold across
+processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from consumer_sdk.jobs.model import Lane, Take
+
+LaneKey = tuple[str, str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Concurrency limits.  ``max_concurrency`` and ``queue_limits`` are per pool (process);
+    ``owner_limit``/``owner_limits`` hold across every worker sharing the database."""
+
+    max_concurrency: int
+    queue_limits: Mapping[str, int] = field(default_factory=dict)
+    owner_limit: int = 1_000_000
+    owner_limits: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+        if self.owner_limit < 1 or any(v < 0 for v in self.owner_limits.values()):
+            raise ValueError("owner limits must be positive")
+        if any(v < 0 for v in self.queue_limits.values()):
+            raise ValueError("queue limits must be >= 0")
+
+    def for_queue(self, queue: str) -> int:
+        return min(self.max_concurrency, self.queue_limits.get(queue, self.max_concurrency))
+
+    def for_owner(self, owner_id: str) -> int:
+        return self.owner_limits.get(owner_id, self.owner_limit)
+
+
+def plan(lanes: Sequence[Lane], *, queues: Sequence[str], busy: Mapping[str, int],
+         limits: Limits, last_served: Mapping[LaneKey, float]) -> list[Take]:
+    """The claims to make now, in the order to make them.
+
+    ``busy`` is this pool's running jobs per queue; ``lanes`` the ready work the
+    database reported (with each owner's running jobs in every queue);
+    ``last_served`` the monotonic time each lane last got a job (absent: never).
+    """
+    free_total = limits.max_concurrency - sum(busy.values())
+    owner_room: dict[str, int] = {}
+    takes: dict[LaneKey, int] = {}
+    for queue in queues:
+        if free_total <= 0:
+            break
+        room = min(free_total, limits.for_queue(queue) - busy.get(queue, 0))
+        ordered = sorted((lane for lane in lanes if lane.queue == queue),
+                         key=lambda lane: (last_served.get((queue, lane.owner_id), float("-inf")),
+                                           lane.owner_id))
+        given = _round_robin(ordered, room, limits, owner_room, takes)
+        free_total -= given
+    return [Take(q, o, n, limits.for_owner(o)) for (q, o), n in takes.items() if n > 0]
+
+
+def _round_robin(ordered: Sequence[Lane], room: int, limits: Limits,
+                 owner_room: dict[str, int], takes: dict[LaneKey, int]) -> int:
+    """Deal ``room`` slots one per lane per turn; returns how many were dealt."""
+    given = 0
+    progress = True
+    while given < room and progress:
+        progress = False
+        for lane in ordered:
+            if given >= room:
+                break
+            key = (lane.queue, lane.owner_id)
+            left = owner_room.setdefault(lane.owner_id,
+                                         limits.for_owner(lane.owner_id) - lane.running)
+            if left <= 0 or takes.get(key, 0) >= lane.ready:
+                continue
+            takes[key] = takes.get(key, 0) + 1
+            owner_room[lane.owner_id] = left - 1
+            given += 1
+            progress = True
+    return given
+
+
+class RoundRobin:
+    """This pool's memory of when each lane was last served (monotonic seconds).
+
+    Bounded: beyond ``max_lanes`` entries the oldest are forgotten, which only
+    moves those lanes to the front of the line.
+    """
+
+    def __init__(self, *, max_lanes: int = 10_000) -> None:
+        self.max_lanes = max_lanes
+        self.last_served: dict[LaneKey, float] = {}
+
+    def record(self, served: Iterable[LaneKey], now: float) -> None:
+        for key in served:
+            self.last_served.pop(key, None)  # re-insert: dict order stays oldest-first
+            self.last_served[key] = now
+        excess = len(self.last_served) - self.max_lanes
+        if excess > 0:
+            for key in list(self.last_served)[:excess]:
+                del self.last_served[key]

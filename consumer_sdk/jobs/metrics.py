@@ -1,0 +1,74 @@
+"""Every metric of runs and jobs, declared once, on an injected registry.
+
+Names carry the prefix ``outbox_jobs_``.  Labels are bounded: the queue (a
+handful of names the service chooses), a terminal status, a dead-letter reason,
+a resume cause.  Never an owner id, a run id or a kind a client could invent.
+Counters count what a database commit made true (a claim, a transition) or what
+a worker really saw (a lost lease).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+AGE_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600)
+DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+ATTEMPT_BUCKETS = (1, 2, 3, 4, 5, 7, 10, 15, 25)
+
+
+class JobsMetrics:
+    """The jobs metrics on ``registry`` (a fresh private one when not given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.accepted = Counter("outbox_jobs_runs_accepted", "Runs accepted (new runs only).",
+                                ["queue"], registry=r)
+        self.admission_refused = Counter(
+            "outbox_jobs_admission_refused", "Accepts refused because the queue's backlog exceeds its horizon.",
+            ["queue"], registry=r)
+        self.claimed = Counter("outbox_jobs_claimed", "Jobs claimed (each attempt counts).", ["queue"],
+                               registry=r)
+        self.finished = Counter("outbox_jobs_finished", "Jobs that reached a terminal status.",
+                                ["queue", "status"], registry=r)
+        self.accept_to_terminal = Histogram(
+            "outbox_jobs_accept_to_terminal_seconds", "From accepting a job to its terminal status.",
+            ["queue", "status"], buckets=AGE_BUCKETS_S, registry=r)
+        self.attempts = Histogram(
+            "outbox_jobs_attempts", "Attempts a job took, observed when it reached a terminal status.",
+            ["queue"], buckets=ATTEMPT_BUCKETS, registry=r)
+        self.retries = Counter("outbox_jobs_retries", "Failed attempts scheduled for a retry.", ["queue"],
+                               registry=r)
+        self.lease_expirations = Counter(
+            "outbox_jobs_lease_expirations", "Running jobs whose lease expired and that were reaped.",
+            ["queue"], registry=r)
+        self.leases_lost = Counter(
+            "outbox_jobs_leases_lost", "Jobs a worker stopped because it found its lease lost (or cancelled).",
+            ["queue", "reason"], registry=r)
+        self.dead_lettered = Counter("outbox_jobs_dead_lettered", "Jobs failed and dead-lettered.",
+                                     ["queue", "reason"], registry=r)
+        self.resumed = Counter("outbox_jobs_resumed", "Parked jobs resumed by the reconciler, by cause.",
+                               ["queue", "cause"], registry=r)
+        self.parked = Counter("outbox_jobs_parked", "Jobs parked in 'waiting'.", ["queue"], registry=r)
+        self.handler_duration = Histogram(
+            "outbox_jobs_handler_duration_seconds", "Time a handler ran, per attempt.", ["queue"],
+            buckets=DURATION_BUCKETS_S, registry=r)
+        self.workers_busy = Gauge("outbox_jobs_workers_busy", "Jobs this pool is running now.", ["queue"],
+                                  registry=r)
+        self.workers_capacity = Gauge("outbox_jobs_workers_capacity", "Jobs this pool may run at once.",
+                                      registry=r)
+        self.oldest_pending_age = Gauge(
+            "outbox_jobs_oldest_pending_age_seconds", "Age of the oldest ready job (since it became claimable).",
+            ["queue"], registry=r)
+        self.pending = Gauge("outbox_jobs_pending", "Jobs ready to run and not claimed.", ["queue"], registry=r)
+        self.running = Gauge("outbox_jobs_running", "Jobs running in every worker.", ["queue"], registry=r)
+        self.waiting = Gauge("outbox_jobs_waiting", "Jobs parked in 'waiting'.", ["queue"], registry=r)
+        self.heartbeat_failures = Counter(
+            "outbox_jobs_heartbeat_failures", "Heartbeats that failed to reach the database.", registry=r)
+
+    def observe_terminal(self, queue: str, status: str, *, age_s: float | None, attempts: int) -> None:
+        """A job reached ``status`` (succeeded, failed, cancelled) ``age_s`` after it was accepted."""
+        self.finished.labels(queue, status).inc()
+        if age_s is not None:
+            self.accept_to_terminal.labels(queue, status).observe(max(0.0, age_s))
+        self.attempts.labels(queue).observe(attempts)

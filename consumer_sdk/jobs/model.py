@@ -1,0 +1,249 @@
+"""Plain data of runs and jobs (no I/O): ids, statuses, claimed jobs, leases, policies.
+
+Ids are ``NewType``s so a job id is never passed where a token is expected.
+Times from the database are timezone-aware ``datetime``s; durations are
+seconds in ``float`` with ``_s`` in their names.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, NewType
+
+JobId = NewType("JobId", int)
+RunId = NewType("RunId", uuid.UUID)
+Token = NewType("Token", int)
+
+JobStatus = Literal["queued", "running", "waiting", "succeeded", "failed", "cancelled"]
+TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+
+#: Why a job was dead-lettered (the CHECK constraint of job_dead_letters.reason).
+DeadReason = Literal["permanent_error", "attempts_exhausted", "lease_expired"]
+
+#: What a worker did with one claimed job.
+Outcome = Literal["succeeded", "retried", "failed", "waiting", "requeued", "released", "lost"]
+
+#: Well-known queues; any name matching ``[A-Za-z0-9_.:-]{1,64}`` works.
+INTERACTIVE = "interactive"
+BULK = "bulk"
+
+#: Outbox header naming the queue of the job an event is about (the wake-up hint).
+QUEUE_HEADER = "jobs_queue"
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A worker's authority over one job: every write it makes carries all three fields."""
+
+    job_id: JobId
+    worker: str
+    token: Token
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimedJob:
+    """A job as a claim returned it.  ``attempts`` counts this attempt (1 for the first).
+
+    ``wait_key``/``activation`` are set when the job resumes after waiting: the
+    key it waited for and the recorded activation's payload (None when it was
+    woken by its timeout).
+    """
+
+    id: JobId
+    run_id: RunId | None
+    owner_id: str
+    queue: str
+    kind: str
+    worker: str
+    token: Token
+    attempts: int
+    max_attempts: int
+    payload: Any
+    traceparent: str | None
+    tracestate: str | None
+    wait_key: str | None
+    activation: Any
+    created_epoch: float
+
+    @property
+    def lease(self) -> Lease:
+        return Lease(self.id, self.worker, self.token)
+
+    @property
+    def last_attempt(self) -> bool:
+        return self.attempts >= self.max_attempts
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewJob:
+    """A standalone job to enqueue (a run's job is created by ``accept``)."""
+
+    owner_id: str
+    queue: str
+    kind: str
+    payload: Any
+    max_attempts: int = 5
+    delay_s: float = 0.0
+    traceparent: str | None = None
+    tracestate: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WaitFor:
+    """Returned by a handler to park its job: the worker is freed until an activation arrives.
+
+    ``key`` names the awaited fact (an approval, a callback); :func:`activate`
+    with the same key resumes the job, also when it arrives before the job
+    parked.  ``timeout_s`` resumes it anyway after that many seconds (the
+    handler then sees ``ctx.activation is None``).  At least one of the two is
+    required.  A key stays recorded: waiting again on a key already activated
+    resumes at once, so use one key per awaited fact.
+    """
+
+    key: str | None
+    cause: str
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.key is None and self.timeout_s is None:
+            raise ValueError("WaitFor needs an activation key, a timeout_s, or both")
+        if self.timeout_s is not None and not self.timeout_s >= 0:
+            raise ValueError("timeout_s must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """What ``accept`` returns, after its transaction committed.
+
+    ``created`` is False when the same owner, key and body had been accepted
+    before: the existing run is returned and nothing new was written.
+    """
+
+    run_id: RunId
+    job_id: JobId
+    created: bool
+    status: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunState:
+    """A run as its owner sees it.  ``status`` is its job's status."""
+
+    run_id: RunId
+    job_id: JobId
+    owner_id: str
+    request_key: str
+    kind: str
+    queue: str
+    goal: Any
+    status: str
+    attempts: int
+    max_attempts: int
+    result: Any
+    last_error: str | None
+    last_error_type: str | None
+    wait_cause: str | None
+    wait_key: str | None
+    dead_reason: str | None
+    traceparent: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    available_in_s: float
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeadLetterRecord:
+    """A job that ended in ``failed``: why, its last error, its attempts and trace."""
+
+    job_id: JobId
+    run_id: RunId | None
+    owner_id: str
+    queue: str
+    kind: str
+    reason: str
+    error: str
+    error_type: str | None
+    attempts: int
+    traceparent: str | None
+    trace_id: str | None
+    dead_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Activation:
+    """What ``activate`` did: whether the key was new, and which parked jobs it resumed."""
+
+    recorded: bool
+    resumed: tuple[JobId, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """One owner's ready work in one queue: ``ready`` counted up to a cap, ``running`` in all queues."""
+
+    queue: str
+    owner_id: str
+    ready: int
+    running: int
+
+
+@dataclass(frozen=True, slots=True)
+class Take:
+    """Claim up to ``n`` jobs of one lane; ``owner_limit`` is checked again in SQL."""
+
+    queue: str
+    owner_id: str
+    n: int
+    owner_limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    queue: str
+    ready: int
+    oldest_age_s: float
+    running: int
+    waiting: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionPolicy:
+    """Admission control of one queue: refuse when the backlog exceeds ``horizon_s`` of work.
+
+    ``capacity_per_s`` is how many jobs per second the queue's workers finish
+    (configured from measurement); the bound is ``capacity_per_s * horizon_s``
+    pending (queued or running) jobs.  The check is soft: concurrent accepts may
+    pass it together by a few jobs.
+    """
+
+    capacity_per_s: float
+    horizon_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.capacity_per_s > 0 and self.horizon_s > 0):
+            raise ValueError("capacity_per_s and horizon_s must be positive")
+
+    @property
+    def max_pending(self) -> int:
+        return max(1, math.floor(self.capacity_per_s * self.horizon_s))
+
+    @property
+    def count_cap(self) -> int:
+        """How far the backlog is counted: far enough to estimate a Retry-After."""
+        return self.max_pending * 2 + 1
+
+    def refuses(self, pending: int) -> bool:
+        return pending >= self.max_pending
+
+    def retry_after_s(self, pending: int) -> int:
+        """Whole seconds until ``pending`` drains below the bound, between 1 and the horizon."""
+        excess = pending - self.max_pending + 1
+        seconds = math.ceil(excess / self.capacity_per_s)
+        return int(min(max(1, seconds), max(1, math.ceil(self.horizon_s))))

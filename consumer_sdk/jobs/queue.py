@@ -1,0 +1,211 @@
+"""The job queue in PostgreSQL: enqueue, claim, heartbeat, complete, retry, fail, release.
+
+Every function takes a connection and ``now`` (None in production: the
+database clock decides; a fixed time in tests).  Pass connections in autocommit
+mode: functions that need several statements open their own short transaction
+with ``conn.transaction()``; single statements commit on their own.
+
+Fencing: the writes of a running job take its :class:`~consumer_sdk.jobs.model.Lease`
+and match on owner, token, status ``running`` and an unexpired lease.  They
+return None (or False) when no row matched: the caller lost its authority and
+must write nothing more.  Terminal transitions can write an event about the job
+to the outbox in the same transaction (``events_topic``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
+from consumer_sdk.jobs.events import EventType, JobFacts, write_job_event
+from consumer_sdk.jobs.model import (
+    ClaimedJob,
+    DeadReason,
+    JobId,
+    Lane,
+    Lease,
+    NewJob,
+    RunId,
+    Take,
+    Token,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Reaped:
+    """A job whose lease expired: ``requeued`` (claimable again) or ``failed`` (dead-lettered)."""
+
+    outcome: str
+    facts: JobFacts
+
+
+# -- enqueue and claim -----------------------------------------------------------------
+
+
+def enqueue(conn: ConnectionT, jobs: Sequence[NewJob], *, now: datetime | None = None) -> list[JobId]:
+    """Insert standalone jobs in one statement (the caller's transaction, if one is open)."""
+    if not jobs:
+        return []
+    params: dict[str, Any] = {
+        "owners": [j.owner_id for j in jobs], "queues": [j.queue for j in jobs],
+        "kinds": [j.kind for j in jobs],
+        "payloads": [to_json(j.payload, what="job payload") for j in jobs],
+        "max_attempts": [j.max_attempts for j in jobs], "delays_s": [j.delay_s for j in jobs],
+        "traceparents": [j.traceparent for j in jobs], "tracestates": [j.tracestate for j in jobs],
+        "now": now,
+    }
+    with translated():
+        return [JobId(r[0]) for r in conn.execute(q("enqueue"), params).fetchall()]
+
+
+def ready_lanes(conn: ConnectionT, *, queues: Sequence[str], max_owners: int = 500,
+                count_cap: int = 64, now: datetime | None = None) -> list[Lane]:
+    """The (queue, owner) lanes with ready work, with each owner's running jobs."""
+    params = {"queues": list(queues), "max_owners": max_owners, "count_cap": count_cap, "now": now}
+    with translated():
+        rows = conn.execute(q("ready_lanes"), params).fetchall()
+    return [Lane(queue=r[0], owner_id=r[1], ready=r[2], running=r[3]) for r in rows]
+
+
+def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: float,
+          now: datetime | None = None) -> list[ClaimedJob]:
+    """Claim per ``takes`` in one short transaction; never waits for another claimer.
+
+    Owners whose advisory lock another claimer holds are skipped this time.
+    """
+    if not takes:
+        return []
+    with translated(), conn.transaction():
+        owners = sorted({t.owner_id for t in takes})
+        locked = {r[0] for r in conn.execute(q("lock_owners"), {"owners": owners}).fetchall()}
+        mine = [t for t in takes if t.owner_id in locked and t.n > 0]
+        if not mine:
+            return []
+        params = {
+            "queues": [t.queue for t in mine], "owners": [t.owner_id for t in mine],
+            "wants": [t.n for t in mine], "limits": [t.owner_limit for t in mine],
+            "worker": worker, "lease_s": lease_s, "now": now,
+        }
+        rows = conn.execute(q("claim"), params).fetchall()
+    return [_claimed(row, worker) for row in rows]
+
+
+def _claimed(r: Sequence[Any], worker: str) -> ClaimedJob:
+    return ClaimedJob(
+        id=JobId(r[0]), run_id=None if r[1] is None else RunId(r[1]), owner_id=r[2], queue=r[3],
+        kind=r[4], worker=worker, token=Token(r[5]), attempts=r[6], max_attempts=r[7],
+        payload=from_json(r[8]), traceparent=r[9], tracestate=r[10], wait_key=r[11],
+        activation=from_json(r[12]), created_epoch=r[13])
+
+
+def reap_expired(conn: ConnectionT, *, limit: int = 500, now: datetime | None = None,
+                 events_topic: str | None = None) -> list[Reaped]:
+    """Requeue (or, attempts used up, fail and dead-letter) jobs whose lease expired."""
+    with translated(), conn.transaction():
+        rows = conn.execute(q("reap_expired"), {"limit": limit, "now": now}).fetchall()
+        reaped = [Reaped(r[0], JobFacts(job_id=JobId(r[1]), queue=r[2], run_id=r[3], kind=r[4] or "",
+                                        attempts=r[5] or 0, traceparent=r[6], tracestate=r[7],
+                                        age_s=r[8]))
+                  for r in rows]
+        if events_topic:
+            for item in reaped:
+                if item.outcome == "failed":
+                    write_job_event(conn, events_topic, "job.failed", item.facts)
+    return reaped
+
+
+# -- a running job's writes (fenced) ---------------------------------------------------
+
+
+def heartbeat(conn: ConnectionT, *, worker: str, leases: Sequence[Lease], lease_s: float,
+              now: datetime | None = None) -> dict[JobId, str | None]:
+    """Renew these leases in one statement.
+
+    Returns, for each lease NOT renewed, the job's status (``cancelled``, ``queued``
+    after a takeover... or None when the row is gone); renewed ones are absent.
+    """
+    if not leases:
+        return {}
+    params = {"ids": [lease.job_id for lease in leases], "tokens": [lease.token for lease in leases],
+              "worker": worker, "lease_s": lease_s, "now": now}
+    with translated():
+        rows = conn.execute(q("heartbeat"), params).fetchall()
+    return {JobId(r[0]): r[2] for r in rows if not r[1]}
+
+
+def holds(conn: ConnectionT, lease: Lease, *, now: datetime | None = None) -> bool:
+    """In an open transaction: lock the job row FOR KEY SHARE if ``lease`` still holds it.
+
+    The first statement of a fenced transaction (see ``fenced_lock`` in jobs.sql).
+    """
+    params = {"id": lease.job_id, "worker": lease.worker, "token": lease.token, "now": now}
+    return conn.execute(q("fenced_lock"), params).fetchone() is not None
+
+
+def put_result(conn: ConnectionT, lease: Lease, key: str, value: Any, *,
+               now: datetime | None = None) -> None:
+    """Upsert one result by key; call it inside a fenced transaction."""
+    conn.execute(q("put_result"), {"id": lease.job_id, "key": key, "token": lease.token,
+                                   "value": to_json(value, what="result"), "now": now})
+
+
+def results(conn: ConnectionT, job_id: JobId) -> dict[str, Any]:
+    """A job's results by key."""
+    with translated():
+        rows = conn.execute(q("results"), {"id": job_id}).fetchall()
+    return {r[0]: from_json(r[1]) for r in rows}
+
+
+def complete(conn: ConnectionT, lease: Lease, *, result: Any = None, now: datetime | None = None,
+             events_topic: str | None = None) -> JobFacts | None:
+    """Mark the job succeeded with ``result``; None when the lease was lost."""
+    params = {**_fence(lease, now), "result": to_json(result, what="result")}
+    return _terminal(conn, "complete", params, lease.job_id, "job.succeeded", events_topic)
+
+
+def fail(conn: ConnectionT, lease: Lease, *, reason: DeadReason, error: str, error_type: str | None,
+         now: datetime | None = None, events_topic: str | None = None) -> JobFacts | None:
+    """Mark the job failed and write its dead letter, in one statement; None when the lease was lost."""
+    params = {**_fence(lease, now), "reason": reason, "error": error, "error_type": error_type}
+    return _terminal(conn, "fail", params, lease.job_id, "job.failed", events_topic)
+
+
+def retry(conn: ConnectionT, lease: Lease, *, error: str, error_type: str | None, backoff_s: float,
+          now: datetime | None = None) -> float | None:
+    """Queue the job again after ``backoff_s``; returns when it is due (epoch seconds) or None when lost."""
+    params = {**_fence(lease, now), "error": error, "error_type": error_type, "backoff_s": backoff_s}
+    with translated():
+        row = conn.execute(q("retry"), params).fetchone()
+    return None if row is None else float(row[6])
+
+
+def release(conn: ConnectionT, lease: Lease, *, now: datetime | None = None) -> bool:
+    """Give a job back (the pool is stopping): claimable at once, the attempt not counted."""
+    with translated():
+        return conn.execute(q("release"), _fence(lease, now)).fetchone() is not None
+
+
+def _fence(lease: Lease, now: datetime | None) -> dict[str, Any]:
+    return {"id": lease.job_id, "worker": lease.worker, "token": lease.token, "now": now}
+
+
+def _terminal(conn: ConnectionT, name: str, params: dict[str, Any], job_id: JobId,
+              event_type: EventType, events_topic: str | None) -> JobFacts | None:
+    with translated(), conn.transaction():
+        row = conn.execute(q(name), params).fetchone()
+        if row is None:
+            return None
+        facts = JobFacts(job_id=job_id, queue=row[0], kind=row[1], run_id=row[2], attempts=row[3],
+                         traceparent=row[4], tracestate=row[5], age_s=row[6])
+        if events_topic:
+            write_job_event(conn, events_topic, event_type, facts)
+    return facts
+
+
+def new_worker_id(prefix: str = "worker") -> str:
+    """A worker identity unique to this process run: a restart never reuses an old lease owner."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,137 @@
+"""The reconciler: what no wake-up may be trusted to do.
+
+One pass (:meth:`Reconciler.run_once`):
+
+1. resumes parked jobs whose activation is recorded although they still wait
+   (the activation's wake-up was lost) or whose timeout passed;
+2. reaps running jobs whose lease expired (requeued, or failed and dead-lettered
+   when their attempts are used up);
+3. refreshes the queue gauges (oldest pending age, pending, running, waiting).
+
+Every worker pool runs it on a timer (``reconcile_interval_s``); it can also run
+alone (``start``/``stop``), e.g. in a service that accepts runs but runs no
+workers.  Passes are idempotent and safe to run from several processes at once:
+every transition is conditioned on the previous status and skips locked rows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import structlog
+
+from consumer_sdk.errors import OutboxSdkError
+from consumer_sdk.jobs import queue, waits
+from consumer_sdk.jobs._conn import ConnectionFactory, ConnSlot
+from consumer_sdk.jobs._db import ConnectionT, q, translated
+from consumer_sdk.jobs.metrics import JobsMetrics
+from consumer_sdk.jobs.model import QueueStats
+
+
+@dataclass(slots=True)
+class ReconcileResult:
+    """What one pass did (counts of jobs)."""
+
+    resumed_lost: int = 0
+    resumed_timeout: int = 0
+    requeued_expired: int = 0
+    failed_expired: int = 0
+    stats: list[QueueStats] = field(default_factory=list)
+
+
+def record_reaped(reaped: Sequence[queue.Reaped], metrics: JobsMetrics, log: Any) -> tuple[int, int]:
+    """Count and log reaped jobs; returns (requeued, failed)."""
+    requeued = failed = 0
+    for item in reaped:
+        metrics.lease_expirations.labels(item.facts.queue).inc()
+        if item.outcome == "failed":
+            failed += 1
+            metrics.dead_lettered.labels(item.facts.queue, "lease_expired").inc()
+            metrics.observe_terminal(item.facts.queue, "failed", age_s=item.facts.age_s,
+                                     attempts=item.facts.attempts)
+        else:
+            requeued += 1
+    if reaped:
+        log.info("leases_expired", requeued=requeued, failed=failed,
+                 job_ids=[int(item.facts.job_id) for item in reaped[:20]])
+    return requeued, failed
+
+
+def queue_stats(conn: ConnectionT, queues: Sequence[str], *, now: datetime | None = None) -> list[QueueStats]:
+    with translated():
+        rows = conn.execute(q("queue_stats"), {"queues": list(queues), "now": now}).fetchall()
+    return [QueueStats(r[0], r[1], float(r[2]), r[3], r[4]) for r in rows]
+
+
+class Reconciler:
+    """Resumes lost activations, reaps expired leases, refreshes gauges.  Start/stop or run_once."""
+
+    def __init__(self, *, queues: Sequence[str], metrics: JobsMetrics | None = None, log: Any = None,
+                 connect: ConnectionFactory | None = None, interval_s: float = 10.0,
+                 events_topic: str | None = None, batch: int = 500,
+                 db_now: Callable[[], datetime | None] = lambda: None) -> None:
+        self.queues = list(queues)
+        self.metrics = metrics if metrics is not None else JobsMetrics()
+        self.log = log if log is not None else structlog.get_logger("consumer_sdk.jobs.reconciler")
+        self.interval_s = interval_s
+        self.events_topic = events_topic
+        self.batch = batch
+        self.db_now = db_now
+        self._slot = ConnSlot(connect) if connect is not None else None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def run_once(self, conn: ConnectionT | None = None) -> ReconcileResult:
+        """One pass on ``conn`` (or the reconciler's own connection)."""
+        if conn is None:
+            if self._slot is None:
+                raise RuntimeError("Reconciler.run_once needs a connection or a connect factory")
+            conn = self._slot.get()
+        result = ReconcileResult()
+        now = self.db_now()
+        for job_id, queue_name, activated in waits.resume_ready(conn, limit=self.batch, now=now):
+            cause = "activation_lost" if activated else "timeout"
+            self.metrics.resumed.labels(queue_name, cause).inc()
+            if activated:
+                result.resumed_lost += 1
+                self.log.info("activation_recovered", job_id=job_id, queue=queue_name)
+            else:
+                result.resumed_timeout += 1
+        reaped = queue.reap_expired(conn, limit=self.batch, now=now, events_topic=self.events_topic)
+        result.requeued_expired, result.failed_expired = record_reaped(reaped, self.metrics, self.log)
+        result.stats = queue_stats(conn, self.queues, now=now)
+        for s in result.stats:
+            self.metrics.oldest_pending_age.labels(s.queue).set(s.oldest_age_s)
+            self.metrics.pending.labels(s.queue).set(s.ready)
+            self.metrics.running.labels(s.queue).set(s.running)
+            self.metrics.waiting.labels(s.queue).set(s.waiting)
+        return result
+
+    def start(self) -> None:
+        """Run passes every ``interval_s`` on a daemon thread until :meth:`stop`."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="jobs-reconciler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if self._slot is not None:
+            self._slot.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.run_once()
+            except OutboxSdkError as exc:
+                self.log.warning("reconcile_failed", error=str(exc))
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))

@@ -1,0 +1,69 @@
+"""Retry decisions for failed attempts (pure: no I/O, randomness injected).
+
+A handler's exception decides: :class:`~consumer_sdk.errors.PermanentError`
+(and :class:`~consumer_sdk.jobs.errors.PermanentJobError`) fails the job at once;
+:class:`~consumer_sdk.jobs.errors.LeaseLost` means the worker writes nothing;
+anything else is transient and retried with capped exponential back-off and
+jitter until ``max_attempts`` attempts were made.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from consumer_sdk.errors import PermanentError
+from consumer_sdk.jobs.errors import LeaseLost
+
+Verdict = Literal["retry", "fail_permanent", "fail_exhausted", "lost"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Backoff:
+    """Delay before attempt ``n + 1`` after attempt ``n`` failed, in seconds.
+
+    The ceiling grows as ``initial_s * multiplier ** (n - 1)`` up to ``max_s``;
+    the delay is drawn uniformly from ``[ceiling * (1 - jitter), ceiling]`` so
+    that jobs that failed together do not come back together.
+    """
+
+    initial_s: float = 1.0
+    max_s: float = 300.0
+    multiplier: float = 2.0
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.initial_s <= self.max_s:
+            raise ValueError("need 0 <= initial_s <= max_s")
+        if self.multiplier < 1:
+            raise ValueError("multiplier must be >= 1")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError("jitter must be within [0, 1]")
+
+    def ceiling_s(self, failed_attempt: int) -> float:
+        exponent = min(max(failed_attempt - 1, 0), 64)
+        return float(min(self.max_s, self.initial_s * self.multiplier**exponent))
+
+    def delay_s(self, failed_attempt: int, rand: Callable[[], float] = random.random) -> float:
+        ceiling = self.ceiling_s(failed_attempt)
+        return ceiling * (1.0 - self.jitter * rand())
+
+
+def verdict(exc: BaseException, *, attempts: int, max_attempts: int) -> Verdict:
+    """What to do after attempt number ``attempts`` (1-based) raised ``exc``."""
+    if isinstance(exc, LeaseLost):
+        return "lost"
+    if isinstance(exc, PermanentError):
+        return "fail_permanent"
+    if attempts >= max_attempts:
+        return "fail_exhausted"
+    return "retry"
+
+
+def describe(exc: BaseException, *, limit: int = 2000) -> str:
+    """A readable one-paragraph error for the dead letter: ``Type: message``, bounded."""
+    text = str(exc).strip() or "(no message)"
+    line = f"{type(exc).__name__}: {text}"
+    return line if len(line) <= limit else line[: limit - 1] + "…"

@@ -1,0 +1,211 @@
+"""Accept a run once, read its status, cancel it.
+
+``accept`` stores the run, its first job and (optionally) an outbox event and
+the caller's own rows in ONE transaction that it opens and commits itself; it
+returns only after the commit, so a run id handed to a client always exists.
+
+Idempotency: ``UNIQUE (owner_id, request_key)`` plus the SHA-256 of the body
+(canonical JSON of the kind and the body).  The same key with the same body
+returns the existing run (``created=False``); the same key with another body
+raises :class:`~consumer_sdk.jobs.errors.RequestKeyConflict`.  Two concurrent
+accepts of one key meet on the unique index: the second waits for the first's
+commit, then reads its run.
+
+Admission control: with an :class:`~consumer_sdk.jobs.model.AdmissionPolicy`,
+``accept`` refuses new work with :class:`~consumer_sdk.jobs.errors.AdmissionRefused`
+(carrying ``retry_after_s``) when the queue's backlog exceeds what its workers
+do within the horizon.  A repeated request for an existing run is never refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+import structlog
+from psycopg.pq import TransactionStatus
+
+from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
+from consumer_sdk.jobs.errors import (
+    AdmissionRefused,
+    InvalidJob,
+    RequestKeyConflict,
+    RunNotFound,
+    TransactionActive,
+)
+from consumer_sdk.jobs.events import JobFacts, write_job_event
+from consumer_sdk.jobs.metrics import JobsMetrics
+from consumer_sdk.jobs.model import INTERACTIVE, Accepted, AdmissionPolicy, JobId, RunId, RunState
+from consumer_sdk.outbox import valid_traceparent
+
+_log = structlog.get_logger("consumer_sdk.jobs.runs")
+_QUEUE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_MAX_ID_CHARS = 200
+
+#: Called inside accept's transaction after the run is inserted: write your own rows there.
+AcceptHook = Callable[[ConnectionT, Accepted], None]
+
+
+def body_sha256(kind: str, body: Any) -> bytes:
+    """The digest that makes a request key mean one thing: canonical JSON of kind and body."""
+    try:
+        text = json.dumps({"kind": kind, "body": body}, sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidJob(f"the body is not JSON-encodable: {exc}") from None
+    return hashlib.sha256(text.encode()).digest()
+
+
+def accept(
+    conn: ConnectionT,
+    *,
+    owner_id: str,
+    request_key: str,
+    kind: str,
+    body: Any,
+    queue: str = INTERACTIVE,
+    max_attempts: int = 5,
+    traceparent: str | None = None,
+    tracestate: str | None = None,
+    admission: AdmissionPolicy | None = None,
+    events_topic: str | None = None,
+    on_accept: AcceptHook | None = None,
+    metrics: JobsMetrics | None = None,
+    now: datetime | None = None,
+) -> Accepted:
+    """Store the run and its job (and a ``run.accepted`` event to ``events_topic``) and commit.
+
+    ``conn`` must not be inside a transaction.  ``on_accept`` runs inside the
+    transaction for new runs only.  Raises RequestKeyConflict, AdmissionRefused,
+    InvalidJob, TransactionActive.
+    """
+    _validate(owner_id, request_key, kind, queue, max_attempts)
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        raise TransactionActive()
+    if traceparent is not None and not valid_traceparent(traceparent):
+        _log.warning("trace_context_invalid", traceparent=traceparent[:100])
+        traceparent = tracestate = None
+    digest = body_sha256(kind, body)
+    probe = {"owner_id": owner_id, "request_key": request_key, "queue": queue,
+             "count_cap": admission.count_cap if admission else 0}
+    with translated(), conn.transaction():
+        found = conn.execute(q("accept_probe"), probe).fetchone()
+        assert found is not None  # one row always
+        if found[0] is not None:
+            return _existing(found, digest, request_key)
+        if admission is not None and admission.refuses(found[4]):
+            _refuse(queue, admission, found[4], metrics)
+        row = conn.execute(q("insert_run"), {
+            "owner_id": owner_id, "request_key": request_key, "body_sha256": digest, "kind": kind,
+            "queue": queue, "goal": to_json(body, what="body"), "traceparent": traceparent,
+            "tracestate": tracestate, "max_attempts": max_attempts, "now": now}).fetchone()
+        if row is None:  # a concurrent accept of this key committed first
+            winner = conn.execute(q("accept_probe"), {**probe, "count_cap": 0}).fetchone()
+            assert winner is not None and winner[0] is not None
+            return _existing(winner, digest, request_key)
+        accepted = Accepted(RunId(row[0]), JobId(row[1]), True, "queued")
+        if events_topic:
+            write_job_event(conn, events_topic, "run.accepted", JobFacts(
+                job_id=accepted.job_id, run_id=accepted.run_id, queue=queue, kind=kind, attempts=0,
+                traceparent=traceparent, tracestate=tracestate))
+        if on_accept is not None:
+            on_accept(conn, accepted)
+    if metrics is not None:
+        metrics.accepted.labels(queue).inc()
+    _log.info("run_accepted", run_id=str(accepted.run_id), job_id=accepted.job_id, queue=queue, kind=kind)
+    return accepted
+
+
+def _validate(owner_id: str, request_key: str, kind: str, queue: str, max_attempts: int) -> None:
+    for name, value in (("owner_id", owner_id), ("request_key", request_key), ("kind", kind)):
+        if not isinstance(value, str) or not 0 < len(value) <= _MAX_ID_CHARS:
+            raise InvalidJob(f"{name} must be a non-empty string of at most {_MAX_ID_CHARS} characters")
+    if not isinstance(queue, str) or not _QUEUE.match(queue):
+        raise InvalidJob(f"invalid queue name {queue!r}: 1-64 of [A-Za-z0-9_.:-]")
+    if max_attempts < 1:
+        raise InvalidJob("max_attempts must be at least 1")
+
+
+def _existing(found: Any, digest: bytes, request_key: str) -> Accepted:
+    run_id, stored_digest, job_id, status = found[0], bytes(found[1]), found[2], found[3]
+    if stored_digest != digest:
+        raise RequestKeyConflict(
+            f"request key {request_key!r} was already used for run {run_id} with a different body; "
+            "use a new key for a new request", run_id=run_id)
+    return Accepted(RunId(run_id), JobId(job_id), False, str(status))
+
+
+def _refuse(queue: str, admission: AdmissionPolicy, pending: int, metrics: JobsMetrics | None) -> None:
+    retry_after = admission.retry_after_s(pending)
+    if metrics is not None:
+        metrics.admission_refused.labels(queue).inc()
+    _log.info("run_refused", queue=queue, pending=pending, retry_after_s=retry_after)
+    raise AdmissionRefused(
+        f"queue {queue!r} holds at least {pending} pending jobs, more than its workers finish in "
+        f"{admission.horizon_s:g} s; retry in {retry_after} s",
+        queue=queue, retry_after_s=retry_after, pending=pending)
+
+
+def run_status(conn: ConnectionT, run_id: RunId | str, *, owner_id: str | None = None,
+               now: datetime | None = None) -> RunState | None:
+    """The run (for ``owner_id`` only, unless None), or None when there is none."""
+    with translated():
+        row = conn.execute(q("run_status"), {"run_id": str(run_id), "owner_id": owner_id,
+                                             "now": now}).fetchone()
+    return None if row is None else _state(row)
+
+
+def _state(r: Any) -> RunState:
+    return RunState(
+        run_id=RunId(r[0]), owner_id=r[1], request_key=r[2], kind=r[3], queue=r[4],
+        goal=from_json(r[5]), traceparent=r[6], created_at=r[7], job_id=JobId(r[8]), status=r[9],
+        attempts=r[10], max_attempts=r[11], result=from_json(r[12]), last_error=r[13],
+        last_error_type=r[14], wait_cause=r[15], wait_key=r[16], finished_at=r[18],
+        dead_reason=r[19], available_in_s=float(r[20]))
+
+
+def cancel_run(conn: ConnectionT, *, owner_id: str, run_id: RunId | str, events_topic: str | None = None,
+               metrics: JobsMetrics | None = None, now: datetime | None = None) -> RunState:
+    """Cancel the owner's run unless it already ended; returns its state afterwards.
+
+    A worker running it stops at its next heartbeat or write and writes nothing.
+    Raises RunNotFound when the owner has no such run.
+    """
+    with translated(), conn.transaction():
+        row = conn.execute(q("cancel_run"), {"run_id": str(run_id), "owner_id": owner_id,
+                                             "now": now}).fetchone()
+        if row is not None:
+            facts = JobFacts(job_id=JobId(row[0]), queue=row[2], kind=row[3], run_id=row[4],
+                             attempts=row[5], traceparent=row[6], tracestate=row[7], age_s=row[8])
+            if events_topic:
+                write_job_event(conn, events_topic, "job.cancelled", facts)
+    if row is not None:
+        _log.info("run_cancelled", run_id=str(run_id), previous=row[1])
+        if metrics is not None:
+            metrics.observe_terminal(row[2], "cancelled", age_s=row[8], attempts=row[5])
+    state = run_status(conn, run_id, owner_id=owner_id, now=now)
+    if state is None:
+        raise RunNotFound(f"no run {run_id} for this owner")
+    return state
+
+
+def owner_view(state: RunState) -> Mapping[str, Any]:
+    """A JSON-ready view of a run for its owner (what a status endpoint returns)."""
+    view: dict[str, Any] = {
+        "run_id": str(state.run_id), "status": state.status, "kind": state.kind,
+        "queue": state.queue, "attempts": state.attempts, "created_at": state.created_at.isoformat(),
+        "finished_at": state.finished_at.isoformat() if state.finished_at else None,
+    }
+    if state.status == "succeeded":
+        view["result"] = state.result
+    if state.status == "waiting":
+        view["waiting_for"] = state.wait_cause
+    if state.status in ("failed", "queued") and state.last_error:
+        view["last_error"] = state.last_error
+    if state.dead_reason:
+        view["failure_reason"] = state.dead_reason
+    return view

@@ -1,0 +1,76 @@
+"""The confluent-kafka seam of the dedup consumer: build, read, commit (thin, no policy)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
+
+from consumer_sdk.errors import ConfigError
+from consumer_sdk.model import KafkaRecord
+from consumer_sdk.offsets import TopicPart
+
+METADATA_TIMEOUT_S = 10.0
+
+
+def record_of(msg: Message) -> KafkaRecord:
+    """Detach a confluent-kafka message from the client."""
+    raw = msg.headers() or []
+    pairs = raw.items() if isinstance(raw, dict) else raw
+    headers = tuple((name, value.encode() if isinstance(value, str) else value) for name, value in pairs)
+    key, value = msg.key(), msg.value()
+    return KafkaRecord(topic=msg.topic() or "", partition=msg.partition() or 0, offset=msg.offset() or 0,
+                       key=key.encode() if isinstance(key, str) else key,
+                       value=value.encode() if isinstance(value, str) else value, headers=headers)
+
+
+def build_consumer(config: dict[str, Any]) -> Consumer:
+    try:
+        return Consumer(config)
+    except (KafkaException, TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid Kafka consumer configuration: {exc}") from None
+
+
+def wait_partitions(consumer: Consumer, topic: str, *, stop: threading.Event, log: Any) -> list[int]:
+    """The topic's partitions, waiting (until ``stop``) for the topic to exist."""
+    logged = False
+    while not stop.is_set():
+        meta = consumer.list_topics(topic=topic, timeout=METADATA_TIMEOUT_S).topics.get(topic)
+        if meta is not None and meta.error is None and meta.partitions:
+            return sorted(meta.partitions)
+        if not logged:
+            log.warning("topic_missing", topic=topic, hint="waiting for it to be created")
+            logged = True
+        stop.wait(1.0)
+    return []
+
+
+def commit_offsets(consumer: Consumer, offsets: dict[TopicPart, int]) -> tuple[dict[TopicPart, int], list[str]]:
+    """Commit synchronously; returns (acknowledged positions, error texts).  Never raises."""
+    try:
+        answer = consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
+                                 asynchronous=False) or []
+    except KafkaException as exc:
+        return {}, [str(exc.args[0] if exc.args else exc)]
+    done: dict[TopicPart, int] = {}
+    errors: list[str] = []
+    for tp in answer:
+        if tp.error is None:
+            done[(tp.topic, tp.partition)] = tp.offset
+        else:
+            errors.append(f"{tp.topic}[{tp.partition}]: {tp.error}")
+    return done, errors
+
+
+def high_watermark(consumer: Consumer, key: TopicPart) -> int | None:
+    """The partition's high watermark as last seen by fetches (no broker round trip)."""
+    try:
+        _low, high = consumer.get_watermark_offsets(TopicPartition(key[0], key[1]), cached=True)
+    except KafkaException:
+        return None
+    return high if high is not None and high >= 0 else None
+
+
+def names(partitions: list[TopicPartition]) -> list[str]:
+    return [f"{tp.topic}[{tp.partition}]" for tp in partitions]

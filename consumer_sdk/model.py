@@ -1,0 +1,192 @@
+"""Plain data of the SDK (no I/O): records, messages, policies, results.
+
+A :class:`KafkaRecord` is what the broker gave us, untrusted; an
+:class:`InboxMessage` is what a handler sees: a record whose ``event_id`` header
+parsed as a UUID.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+#: What happens to a message a policy rejects: sent to the dead-letter topic and
+#: acknowledged, acknowledged with a log line only, or the consumer stops before it.
+Action = Literal["dead_letter", "skip", "stop"]
+
+#: The fate of an inbox insert: the event is new (apply it), was applied before
+#: with the same body (drop it), or was applied before with another body (report it).
+Claim = Literal["new", "duplicate", "mismatch"]
+
+EVENT_ID_HEADER = "event_id"
+
+Headers = tuple[tuple[str, bytes | None], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaRecord:
+    """One consumed Kafka message, detached from the client.  Headers keep their order."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Headers = ()
+
+    def header(self, name: str) -> bytes | None:
+        """The last value of header ``name`` (None when absent or null)."""
+        found: bytes | None = None
+        for header_name, value in self.headers:
+            if header_name == name:
+                found = value
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class InboxMessage:
+    """What a handler receives: a record with a valid ``event_id``.
+
+    ``headers`` maps each header name to its last value.  ``value`` is the raw
+    body (JSON text for rows the relay wrote from the ``payload`` column, the bytes
+    of ``payload_bytes`` otherwise, None for a tombstone).
+    """
+
+    event_id: uuid.UUID
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Mapping[str, bytes | None]
+
+    def json(self) -> Any:
+        """The value decoded as JSON (None for a tombstone); ``ValueError`` if it is not JSON."""
+        return None if self.value is None else json.loads(self.value)
+
+    def header(self, name: str) -> str | None:
+        """Header ``name`` decoded as UTF-8 (None when absent or null)."""
+        value = self.headers.get(name)
+        return None if value is None else value.decode("utf-8", errors="replace")
+
+    @property
+    def key_text(self) -> str | None:
+        """The key decoded as UTF-8 (the outbox stores keys as text)."""
+        return None if self.key is None else self.key.decode("utf-8", errors="replace")
+
+
+class InvalidEventId(ValueError):
+    """The record has no usable ``event_id`` header; ``str()`` says why."""
+
+
+def parse_event_id(record: KafkaRecord) -> uuid.UUID:
+    """The record's ``event_id`` as a UUID; :class:`InvalidEventId` when missing or malformed."""
+    raw = record.header(EVENT_ID_HEADER)
+    if raw is None:
+        raise InvalidEventId("the message has no event_id header")
+    try:
+        return uuid.UUID(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidEventId(f"the event_id header is not a UUID: {raw[:64]!r}") from None
+
+
+def to_message(record: KafkaRecord) -> InboxMessage:
+    """Validate a record into an :class:`InboxMessage` (:class:`InvalidEventId` otherwise)."""
+    return InboxMessage(
+        event_id=parse_event_id(record),
+        topic=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        key=record.key,
+        value=record.value,
+        headers=dict(record.headers),
+    )
+
+
+def payload_sha256(value: bytes | None) -> bytes | None:
+    """The digest the inbox keeps: SHA-256 of the value, None for a tombstone."""
+    return None if value is None else hashlib.sha256(value).digest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How handler failures are retried.
+
+    Attempt 1 is the first delivery; after a failure the next attempt waits
+    ``backoff_initial_s * backoff_multiplier ** (attempt - 1)``, capped at
+    ``backoff_max_s``.  ``max_attempts=None`` retries forever.  When attempts run
+    out, or the handler raised :class:`~consumer_sdk.errors.PermanentError`,
+    ``then`` decides: ``dead_letter`` (the offset moves on) or ``stop`` (the
+    consumer stops before the message).
+    """
+
+    max_attempts: int | None = 5
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    backoff_multiplier: float = 2.0
+    then: Literal["dead_letter", "stop"] = "dead_letter"
+
+    def __post_init__(self) -> None:
+        if self.max_attempts is not None and self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1 (or None: retry forever)")
+        if self.backoff_initial_s < 0 or self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("need 0 <= backoff_initial_s <= backoff_max_s")
+        if self.backoff_multiplier < 1:
+            raise ValueError("backoff_multiplier must be at least 1")
+        if self.then not in ("dead_letter", "stop"):
+            raise ValueError("then must be 'dead_letter' or 'stop'")
+
+    def allows(self, attempt: int) -> bool:
+        """Whether attempt number ``attempt`` (1-based) may run."""
+        return self.max_attempts is None or attempt <= self.max_attempts
+
+    def delay_s(self, failed_attempt: int) -> float:
+        """Seconds to wait after attempt ``failed_attempt`` failed."""
+        exponent = min(max(failed_attempt - 1, 0), 64)
+        return float(min(self.backoff_max_s, self.backoff_initial_s * self.backoff_multiplier**exponent))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadLetter:
+    """A message on its way to the dead-letter topic, with why it went there."""
+
+    record: KafkaRecord
+    consumer: str
+    reason: str  # invalid_event_id | payload_mismatch | retries_exhausted | permanent_error
+    error: str
+    error_type: str
+    attempts: int
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What one call to the processor did; tests and logs read it.
+
+    Counts are of messages; ``settled`` is how many messages' offsets may be
+    committed (applied, dropped as duplicates, dead-lettered or skipped).
+    """
+
+    applied: int = 0
+    duplicates: int = 0
+    mismatches: int = 0
+    invalid: int = 0
+    dead_lettered: int = 0
+    skipped: int = 0
+    handler_errors: int = 0
+    settled: int = 0
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+
+    def add(self, other: BatchResult) -> None:
+        self.applied += other.applied
+        self.duplicates += other.duplicates
+        self.mismatches += other.mismatches
+        self.invalid += other.invalid
+        self.dead_lettered += other.dead_lettered
+        self.skipped += other.skipped
+        self.handler_errors += other.handler_errors
+        self.settled += other.settled
+        self.dead_letters.extend(other.dead_letters)

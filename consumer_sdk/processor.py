@@ -1,0 +1,284 @@
+"""The core of the dedup consumer: settle records exactly once in effect.
+
+For each record, inside one database transaction per batch and one savepoint per
+record: insert ``(consumer, event_id)`` into the inbox ``ON CONFLICT DO NOTHING``
+and call the handler, with the same connection, only when the insert happened.
+The guarantees kept here:
+
+* The inbox row and the handler's writes commit together or not at all, so a
+  redelivered event finds its row and is dropped (counted as a duplicate).
+* A record is *settled* (its offset may be committed) only after the transaction
+  that applied it committed, or after it was durably dead-lettered or skipped.
+  ``on_settled`` is called with each settled prefix, in order, so offsets never
+  run ahead of the database.
+* A handler failure rolls back only its own savepoint: the records before it
+  commit, the failing record is retried alone (its own transaction per attempt,
+  with back-off), and the records after it are processed afterwards, in order.
+  Nothing is lost and nothing applied twice, and per-partition order holds.
+* A policy that says ``stop`` raises :class:`ConsumerStopped` after the records
+  before the offending one were committed and settled.
+
+This module depends on two small protocols only (:class:`InboxStore`,
+:class:`DeadLetterSink`); the PostgreSQL and Kafka adapters and the in-memory
+fakes of :mod:`consumer_sdk.testing` implement them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from consumer_sdk.errors import ConsumerStopped, HandlerTransactionFailed, PermanentError
+from consumer_sdk.metrics import ConsumerMetrics
+from consumer_sdk.model import (
+    Action,
+    BatchResult,
+    Claim,
+    DeadLetter,
+    InboxMessage,
+    InvalidEventId,
+    KafkaRecord,
+    RetryPolicy,
+    payload_sha256,
+    to_message,
+)
+
+#: A handler: apply one message with the given connection, inside the consumer's
+#: transaction.  It must not commit.  Raising rolls back its writes; raising
+#: :class:`~consumer_sdk.errors.PermanentError` skips the retries.
+Handler = Callable[[Any, InboxMessage], None]
+
+_MAX_ERROR_CHARS = 2000
+
+
+class InboxStore(Protocol):
+    """Where the inbox lives; the transaction also carries the handler's writes."""
+
+    def transaction(self) -> AbstractContextManager[Any]:
+        """A transaction; yields the connection handed to handlers.  Commits on a clean exit."""
+
+    def attempt(self) -> AbstractContextManager[None]:
+        """A savepoint inside :meth:`transaction`: rolled back (and the error re-raised) on an exception."""
+
+    def claim(self, *, consumer: str, message: InboxMessage, payload_sha256: bytes | None) -> Claim:
+        """Insert the inbox row if absent; say whether it was new, a duplicate or a mismatch."""
+
+    def in_failed_transaction(self) -> bool:
+        """True when the current transaction can no longer commit (a swallowed database error)."""
+
+
+class DeadLetterSink(Protocol):
+    """Where rejected messages go.  ``send`` returns once the letter is durable."""
+
+    def send(self, letter: DeadLetter) -> None:
+        """Deliver ``letter`` or raise :class:`~consumer_sdk.errors.DeadLetterFailed`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policies:
+    """The service's choices for handler failures and malformed or suspicious messages."""
+
+    retry: RetryPolicy = RetryPolicy()
+    on_invalid_event_id: Action = "dead_letter"
+    on_payload_mismatch: Action = "dead_letter"
+
+
+@dataclass(frozen=True, slots=True)
+class _Halt:
+    """Why a transaction stopped before a record: a handler failure, or a ``stop`` policy."""
+
+    error: BaseException
+    reason: str
+    stop: bool
+
+
+class _HandlerFailed(Exception):
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def describe(error: BaseException) -> str:
+    """``Type: message``, bounded, for logs and dead-letter headers."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+class Processor:
+    """Settles records for one logical consumer.  Not thread-safe: one caller at a time."""
+
+    def __init__(self, *, consumer: str, store: InboxStore, handler: Handler,
+                 dead_letters: DeadLetterSink, policies: Policies, metrics: ConsumerMetrics,
+                 log: Any, sleep: Callable[[float], None],
+                 on_settled: Callable[[Sequence[KafkaRecord]], None]) -> None:
+        self.consumer = consumer
+        self._store = store
+        self._handler = handler
+        self._dead_letters = dead_letters
+        self._policies = policies
+        self._metrics = metrics
+        self._log = log
+        self._sleep = sleep
+        self._on_settled = on_settled
+
+    def process(self, records: Sequence[KafkaRecord], result: BatchResult | None = None) -> BatchResult:
+        """Settle ``records`` in order; returns what happened (added to ``result`` when given,
+        so that the counts of a call interrupted by an exception are not lost).
+
+        Errors of the store, the dead-letter sink or ``sleep`` propagate: the records
+        not yet passed to ``on_settled`` are unsettled and must be processed again.
+        """
+        result = result if result is not None else BatchResult()
+        rest = list(records)
+        while rest:
+            settled, halt = self._transaction(rest, result, attempt=1)
+            self._settle(rest[:settled], result)
+            rest = rest[settled:]
+            if halt is None:
+                continue
+            if halt.stop:
+                raise self._stopped(rest[0], halt)
+            self._retry_alone(rest[0], halt.error, result)
+            self._settle(rest[:1], result)
+            rest = rest[1:]
+        return result
+
+    # -- one transaction --------------------------------------------------------------
+
+    def _transaction(self, records: Sequence[KafkaRecord], result: BatchResult,
+                     *, attempt: int) -> tuple[int, _Halt | None]:
+        """Apply records until one halts; commit what came before it.  Returns (count, halt)."""
+        applied: list[str] = []
+        duplicates: list[str] = []
+        halt: _Halt | None = None
+        settled = 0
+        with self._store.transaction() as conn:
+            for record in records:
+                halt = self._step(conn, record, result, applied, duplicates, attempt)
+                if halt is not None:
+                    break
+                settled += 1
+        for topic in applied:  # true only now that the transaction committed
+            self._metrics.processed.labels(self.consumer, topic).inc()
+        for topic in duplicates:
+            self._metrics.duplicates.labels(self.consumer, topic).inc()
+        result.applied += len(applied)
+        result.duplicates += len(duplicates)
+        return settled, halt
+
+    def _step(self, conn: Any, record: KafkaRecord, result: BatchResult,
+              applied: list[str], duplicates: list[str], attempt: int) -> _Halt | None:
+        try:
+            message = to_message(record)
+        except InvalidEventId as exc:
+            self._metrics.invalid.labels(self.consumer, record.topic).inc()
+            result.invalid += 1
+            self._log.warning("invalid_event_id", error=str(exc), **_where(record))
+            return self._reject(record, "invalid_event_id", exc, self._policies.on_invalid_event_id, result)
+        digest = payload_sha256(message.value)
+        try:
+            with self._store.attempt():
+                claim = self._store.claim(consumer=self.consumer, message=message, payload_sha256=digest)
+                if claim == "new":
+                    self._call(conn, message)
+        except _HandlerFailed as failed:
+            self._handler_failed(record, failed.error, attempt, result)
+            return _Halt(failed.error, "handler_error", stop=False)
+        if claim == "new":
+            applied.append(record.topic)
+        elif claim == "duplicate":
+            duplicates.append(record.topic)
+            self._log.debug("duplicate_dropped", event_id=str(message.event_id), **_where(record))
+        else:
+            return self._mismatch(record, message, result)
+        return None
+
+    def _call(self, conn: Any, message: InboxMessage) -> None:
+        try:
+            self._handler(conn, message)
+        except Exception as exc:  # noqa: BLE001 - every handler error is the policy's to judge
+            raise _HandlerFailed(exc) from exc
+        if self._store.in_failed_transaction():
+            raise _HandlerFailed(HandlerTransactionFailed())
+
+    # -- outcomes ---------------------------------------------------------------------
+
+    def _mismatch(self, record: KafkaRecord, message: InboxMessage, result: BatchResult) -> _Halt | None:
+        self._metrics.payload_mismatches.labels(self.consumer, record.topic).inc()
+        result.mismatches += 1
+        self._log.error("payload_mismatch", event_id=str(message.event_id),
+                        hint="a producer reused an event_id for a different body", **_where(record))
+        error = PermanentError(f"event_id {message.event_id} was applied before with a different payload")
+        return self._reject(record, "payload_mismatch", error, self._policies.on_payload_mismatch, result)
+
+    def _reject(self, record: KafkaRecord, reason: str, error: BaseException, action: Action,
+                result: BatchResult) -> _Halt | None:
+        if action == "stop":
+            return _Halt(error, reason, stop=True)
+        if action == "dead_letter":
+            self._dead_letter(record, reason, error, 0, result)
+        else:
+            self._metrics.skipped.labels(self.consumer, record.topic, reason).inc()
+            result.skipped += 1
+            self._log.warning("message_skipped", reason=reason, **_where(record))
+        return None
+
+    def _handler_failed(self, record: KafkaRecord, error: BaseException, attempt: int,
+                        result: BatchResult) -> None:
+        self._metrics.handler_errors.labels(self.consumer, record.topic).inc()
+        result.handler_errors += 1
+        self._log.warning("handler_failed", attempt=attempt, error=describe(error),
+                          permanent=isinstance(error, PermanentError), **_where(record))
+
+    def _retry_alone(self, record: KafkaRecord, error: BaseException, result: BatchResult) -> None:
+        """Retry one failed record in its own transactions until it settles or the policy gives up."""
+        retry = self._policies.retry
+        attempt = 1
+        while True:
+            if isinstance(error, PermanentError) or not retry.allows(attempt + 1):
+                self._exhausted(record, error, attempt, result)
+                return
+            self._sleep(retry.delay_s(attempt))
+            attempt += 1
+            _settled, halt = self._transaction([record], result, attempt=attempt)
+            if halt is None:
+                return
+            if halt.stop:
+                raise self._stopped(record, halt)
+            error = halt.error
+
+    def _exhausted(self, record: KafkaRecord, error: BaseException, attempts: int,
+                   result: BatchResult) -> None:
+        reason = "permanent_error" if isinstance(error, PermanentError) else "retries_exhausted"
+        if self._policies.retry.then == "stop":
+            raise self._stopped(record, _Halt(error, reason, stop=True))
+        self._dead_letter(record, reason, error, attempts, result)
+
+    def _dead_letter(self, record: KafkaRecord, reason: str, error: BaseException, attempts: int,
+                     result: BatchResult) -> None:
+        letter = DeadLetter(record=record, consumer=self.consumer, reason=reason,
+                            error=describe(error), error_type=type(error).__name__, attempts=attempts)
+        self._dead_letters.send(letter)
+        self._metrics.dead_lettered.labels(self.consumer, record.topic, reason).inc()
+        result.dead_lettered += 1
+        result.dead_letters.append(letter)
+        self._log.error("message_dead_lettered", reason=reason, attempts=attempts,
+                        error=letter.error, **_where(record))
+
+    def _settle(self, records: Sequence[KafkaRecord], result: BatchResult) -> None:
+        if records:
+            result.settled += len(records)
+            self._on_settled(records)
+
+    def _stopped(self, record: KafkaRecord, halt: _Halt) -> ConsumerStopped:
+        self._log.error("consumer_stopping", reason=halt.reason, error=describe(halt.error), **_where(record))
+        return ConsumerStopped(
+            f"{halt.reason}: {describe(halt.error)} "
+            f"(topic {record.topic}, partition {record.partition}, offset {record.offset})",
+            reason=halt.reason, topic=record.topic, partition=record.partition, offset=record.offset)
+
+
+def _where(record: KafkaRecord) -> dict[str, Any]:
+    return {"topic": record.topic, "partition": record.partition, "offset": record.offset}

@@ -1,0 +1,88 @@
+"""Inbox retention versus the topics' retention: is every redelivery still deduplicated?
+
+An inbox row is what turns a redelivered event into a dropped duplicate.  Kafka
+can hand an event out again for as long as the topic keeps it (a group whose
+offsets were reset or expired starts from the oldest message), so the inbox must
+keep ids longer than each consumed topic keeps messages.  The consumer checks that
+at start with the admin client and warns loudly (log ``inbox_retention_too_short``
+at error level and the gauge ``outbox_consumer_inbox_retention_unsafe``) when a
+redelivered message could outlive its inbox row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin._config import ConfigResource
+from confluent_kafka.admin._resource import ResourceType
+
+from consumer_sdk.metrics import ConsumerMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionFinding:
+    """One topic's retention compared with the inbox's; ``topic_retention_s`` None means forever."""
+
+    topic: str
+    topic_retention_s: float | None
+    inbox_retention_s: float | None
+
+    @property
+    def safe(self) -> bool:
+        return retention_safe(self.topic_retention_s, self.inbox_retention_s)
+
+
+def retention_safe(topic_retention_s: float | None, inbox_retention_s: float | None) -> bool:
+    """True when the inbox keeps ids strictly longer than the topic keeps messages.
+
+    ``inbox_retention_s`` None means the inbox is never cleaned (always safe);
+    ``topic_retention_s`` None means the topic keeps messages forever.
+    """
+    if inbox_retention_s is None:
+        return True
+    if topic_retention_s is None:
+        return False
+    return inbox_retention_s > topic_retention_s
+
+
+def topic_retention_s(retention_ms: str | int | None) -> float | None:
+    """``retention.ms`` as seconds; -1 (or absent) means forever."""
+    if retention_ms is None:
+        return None
+    value = int(retention_ms)
+    return None if value < 0 else value / 1000.0
+
+
+def describe_retention(admin: Any, topics: Sequence[str], *, timeout_s: float) -> dict[str, float | None]:
+    """``{topic: retention seconds or None}`` from the brokers' topic configs."""
+    resources = [ConfigResource(ResourceType.TOPIC, topic) for topic in topics]
+    futures = admin.describe_configs(resources, request_timeout=timeout_s)
+    found: dict[str, float | None] = {}
+    for resource, future in futures.items():
+        entries = future.result(timeout=timeout_s)
+        entry = entries.get("retention.ms")
+        found[resource.name] = topic_retention_s(entry.value if entry is not None else None)
+    return found
+
+
+def check_retention(kafka_config: dict[str, Any], topics: Sequence[str], inbox_retention_s: float | None,
+                    *, timeout_s: float = 10.0) -> list[RetentionFinding]:
+    """Compare each topic's retention with the inbox's (raises the client's errors)."""
+    admin = AdminClient(kafka_config)
+    retention = describe_retention(admin, topics, timeout_s=timeout_s)
+    return [RetentionFinding(topic, retention.get(topic), inbox_retention_s) for topic in topics]
+
+
+def report_retention(findings: Sequence[RetentionFinding], *, consumer: str, metrics: ConsumerMetrics,
+                     log: Any) -> None:
+    """Set the ``inbox_retention_unsafe`` gauge per topic; log an error for each unsafe one."""
+    for finding in findings:
+        metrics.inbox_retention_unsafe.labels(consumer, finding.topic).set(0 if finding.safe else 1)
+        if not finding.safe:
+            log.error("inbox_retention_too_short", topic=finding.topic,
+                      topic_retention_s=finding.topic_retention_s, inbox_retention_s=finding.inbox_retention_s,
+                      hint="a message redelivered after its inbox row was deleted would be applied again; "
+                           "raise inbox_retention_s above the topic's retention.ms")

@@ -1,0 +1,182 @@
+"""The inbox in PostgreSQL: the :class:`~consumer_sdk.processor.InboxStore` adapter.
+
+Only this module and :mod:`consumer_sdk.outbox` talk to psycopg.  The store owns
+one connection in autocommit mode and opens transactions with
+``conn.transaction()`` blocks, so nothing commits outside one.  Driver errors are
+translated here: an unreachable database or a broken connection is
+:class:`DatabaseUnavailable`, an aborted transaction (serialization failure,
+deadlock) :class:`TransactionConflict`, both retried by the consumer; a missing
+table is :class:`SchemaMissing`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import psycopg
+import psycopg.errors
+from psycopg.pq import TransactionStatus
+
+from consumer_sdk._sql import query
+from consumer_sdk.errors import (
+    DatabaseUnavailable,
+    FatalError,
+    SchemaMissing,
+    TransactionConflict,
+)
+from consumer_sdk.model import Claim, InboxMessage
+
+ConnectionFactory = Callable[[], psycopg.Connection[Any]]
+
+
+def connect_factory(dsn: str, *, application_name: str = "outbox-consumer",
+                    connect_timeout_s: int = 5) -> ConnectionFactory:
+    """A factory of autocommit connections to ``dsn``."""
+
+    def connect() -> psycopg.Connection[Any]:
+        return psycopg.connect(dsn, autocommit=True, application_name=application_name,
+                               connect_timeout=connect_timeout_s)
+
+    return connect
+
+
+class PgInboxStore:
+    """The inbox on one owned connection.  Not thread-safe: one consumer loop uses it."""
+
+    def __init__(self, connect: ConnectionFactory, *,
+                 now: Callable[[], datetime | None] = lambda: None) -> None:
+        self._connect = connect
+        self._now = now
+        self._conn: psycopg.Connection[Any] | None = None
+        self._tx: psycopg.Connection[Any] | None = None  # the connection of the open transaction
+
+    @property
+    def conn(self) -> psycopg.Connection[Any]:
+        """The live connection, (re)connected on demand."""
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self.reset()
+            try:
+                conn = self._connect()
+            except psycopg.OperationalError as exc:
+                raise DatabaseUnavailable(f"database unreachable: {_first_line(exc)}") from exc
+            if not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+                conn.autocommit = True  # transactions come from conn.transaction() blocks only
+            self._conn = conn
+        return self._conn
+
+    def reset(self) -> None:
+        """Drop the connection (after a failure); the next use reconnects."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except psycopg.Error:
+                pass
+
+    close = reset
+
+    @contextmanager
+    def translated(self) -> Iterator[None]:
+        """Translate driver errors raised inside the block into SDK errors."""
+        try:
+            yield
+        except psycopg.errors.UndefinedTable as exc:
+            raise SchemaMissing() from exc
+        except psycopg.errors.TransactionRollback as exc:
+            raise TransactionConflict(f"transaction aborted: {_first_line(exc)}") from exc
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            self.reset()
+            raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
+        except psycopg.Error as exc:
+            raise FatalError(f"inbox statement failed: {_first_line(exc)}") from exc
+
+    def check_schema(self) -> None:
+        """Raise :class:`SchemaMissing` unless the inbox table exists."""
+        with self.translated():
+            row = self.conn.execute(query("inbox", "schema_check")).fetchone()
+        if not row or not row[0]:
+            raise SchemaMissing("the inbox table is missing: run `outbox-relay migrate` (0004_inbox)")
+
+    # -- InboxStore -------------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self) -> Iterator[psycopg.Connection[Any]]:
+        """One transaction; yields the connection for the handler; commits on a clean exit."""
+        conn = self.conn
+        self._tx = conn
+        try:
+            with self.translated(), conn.transaction():
+                yield conn
+        finally:
+            self._tx = None
+
+    @property
+    def _active(self) -> psycopg.Connection[Any]:
+        # Never reconnect inside a transaction: a new connection would commit on its own.
+        if self._tx is None:
+            raise RuntimeError("inbox operations run inside PgInboxStore.transaction()")
+        return self._tx
+
+    @contextmanager
+    def attempt(self) -> Iterator[None]:
+        """A savepoint: an exception rolls back to it and propagates (as DatabaseUnavailable
+        when the connection broke, since then no savepoint survives)."""
+        conn = self._active
+        try:
+            with conn.transaction():
+                yield
+        except Exception as exc:
+            if conn.closed or conn.broken:
+                raise DatabaseUnavailable(f"connection lost: {_first_line(exc)}") from exc
+            raise
+
+    def claim(self, *, consumer: str, message: InboxMessage, payload_sha256: bytes | None) -> Claim:
+        """Insert the inbox row; a conflicting row is a duplicate when its hash matches."""
+        key = {"consumer": consumer, "event_id": message.event_id}
+        params = {**key, "payload_sha256": payload_sha256, "topic": message.topic,
+                  "partition": message.partition, "offset": message.offset, "now": self._now()}
+        conn = self._active
+        with self.translated():
+            if conn.execute(query("inbox", "claim"), params).fetchone() is not None:
+                return "new"
+            found = conn.execute(query("inbox", "lookup"), key).fetchone()
+        if found is None:  # deleted by retention between the two statements: it was applied
+            return "duplicate"
+        return "duplicate" if found[0] == payload_sha256 else "mismatch"
+
+    def in_failed_transaction(self) -> bool:
+        return self._active.info.transaction_status == TransactionStatus.INERROR
+
+    # -- retention --------------------------------------------------------------------
+
+    def cleanup_batch(self, *, consumer: str, retention_s: float, limit: int) -> int:
+        """Delete up to ``limit`` of ``consumer``'s rows older than ``retention_s``; returns the count."""
+        params = {"consumer": consumer, "retention_s": retention_s, "limit": limit, "now": self._now()}
+        conn = self.conn
+        with self.translated(), conn.transaction():
+            return conn.execute(query("inbox", "cleanup_batch"), params).rowcount
+
+
+def cleanup_inbox(store: PgInboxStore, *, consumer: str, retention_s: float, batch: int = 1000,
+                  max_batches: int = 100) -> int:
+    """Retention in bounded batches (each its own short transaction); returns rows deleted.
+
+    ``retention_s`` must exceed the redelivery horizon of the consumer's topics
+    (their retention): a message redelivered after its inbox row is gone would be
+    applied again.  :class:`~consumer_sdk.inbox.InboxConsumer` checks that at start.
+    """
+    total = 0
+    for _ in range(max_batches):
+        deleted = store.cleanup_batch(consumer=consumer, retention_s=retention_s, limit=batch)
+        total += deleted
+        if deleted < batch:
+            break
+    return total
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,105 @@
+"""The producing side's validation and encoding (no database)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+from psycopg.pq import TransactionStatus
+
+from consumer_sdk import InvalidEvent, OutboxEvent, TransactionRequired, write_events
+from consumer_sdk.outbox import encode_payload, prepare, require_transaction, valid_traceparent
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.mark.parametrize(("payload", "expected"), [
+    ({"a": [1, "é"]}, ('{"a":[1,"é"]}', None)),
+    ("text", ('"text"', None)),
+    (0, ("0", None)),
+    (b"\x00raw", (None, b"\x00raw")),
+    (bytearray(b"ba"), (None, b"ba")),
+    (memoryview(b"mv"), (None, b"mv")),
+    (None, (None, None)),
+])
+def test_payload_routing(payload, expected):
+    assert encode_payload(payload) == expected
+
+
+@pytest.mark.parametrize("payload", [object(), float("nan"), {"k": {1, 2}}])
+def test_payloads_that_are_not_json_are_refused(payload):
+    with pytest.raises(InvalidEvent):
+        encode_payload(payload)
+
+
+def test_prepare_keeps_order_and_generates_ids():
+    given = uuid.uuid4()
+    prepared = prepare([OutboxEvent(topic="a", key="k", payload={"n": 1}),
+                        OutboxEvent(topic="b", key=None, payload=b"x", event_id=given)])
+    assert prepared.event_ids[1] == given and prepared.event_ids[0].version == 4
+    assert prepared.params["topics"] == ["a", "b"] and prepared.params["keys"] == ["k", None]
+    assert prepared.params["payloads"] == ['{"n":1}', None]
+    assert prepared.params["payloads_bytes"] == [None, b"x"]
+    assert [json.loads(h) for h in prepared.params["headers"]] == [{}, {}]
+
+
+@pytest.mark.parametrize("event", [
+    OutboxEvent(topic="bad topic", key=None, payload={}),
+    OutboxEvent(topic="..", key=None, payload={}),
+    OutboxEvent(topic="x" * 250, key=None, payload={}),
+    OutboxEvent(topic="t", key=b"bytes", payload={}),  # type: ignore[arg-type]
+    OutboxEvent(topic="t", key="nul\x00", payload={}),
+    OutboxEvent(topic="t", key=None, payload={}, headers={"event_id": "x"}),
+    OutboxEvent(topic="t", key=None, payload={}, headers={"n": 1}),  # type: ignore[dict-item]
+    OutboxEvent(topic="t", key=None, payload={}, headers={"": "x"}),
+])
+def test_invalid_events_are_refused_before_any_sql(event):
+    with pytest.raises(InvalidEvent):
+        prepare([event])
+
+
+def test_trace_context_goes_into_the_headers_when_valid():
+    [headers] = prepare([OutboxEvent(topic="t", key=None, payload={}, headers={"h": "v", "n": None},
+                                     traceparent=TRACEPARENT, tracestate="congo=t61")]).params["headers"]
+    assert json.loads(headers) == {"h": "v", "n": None, "traceparent": TRACEPARENT, "tracestate": "congo=t61"}
+
+
+@pytest.mark.parametrize("value", ["garbage", "ff-" + TRACEPARENT[3:], "00-" + "0" * 32 + TRACEPARENT[35:],
+                                   TRACEPARENT.upper()])
+def test_an_invalid_trace_context_is_dropped_not_fatal(value):
+    assert not valid_traceparent(value)
+    [headers] = prepare([OutboxEvent(topic="t", key=None, payload={}, traceparent=value,
+                                     tracestate="a=b")]).params["headers"]
+    assert json.loads(headers) == {}
+
+
+def test_autocommit_outside_a_transaction_is_refused():
+    with pytest.raises(TransactionRequired):
+        require_transaction(True, TransactionStatus.IDLE)
+    require_transaction(True, TransactionStatus.INTRANS)
+    require_transaction(False, TransactionStatus.IDLE)  # psycopg opens one; the caller commits
+
+
+class RecordingConnection:
+    """Just enough of psycopg.Connection to count statements."""
+
+    autocommit = False
+
+    class info:  # noqa: N801 - mimics conn.info
+        transaction_status = TransactionStatus.IDLE
+
+    def __init__(self) -> None:
+        self.statements: list[tuple[str, Any]] = []
+
+    def execute(self, sql: str, params: Any) -> None:
+        self.statements.append((sql, params))
+
+
+def test_many_events_are_one_statement():
+    conn = RecordingConnection()
+    ids = write_events(conn, [OutboxEvent(topic="t", key=str(i), payload={"i": i}) for i in range(100)])  # type: ignore[arg-type]
+    assert len(conn.statements) == 1 and len(ids) == 100
+    sql, params = conn.statements[0]
+    assert "unnest" in sql and params["event_ids"] == ids
