@@ -29,7 +29,7 @@ def dispatch(command: str, args: argparse.Namespace, settings: Settings) -> int:
     if command == "cleanup":
         if settings.cleanup_retention_s is None:
             raise ConfigError("cleanup needs --cleanup-retention-s (or OUTBOX_RELAY_CLEANUP_RETENTION_S)")
-        return cleanup(settings, retention_s=settings.cleanup_retention_s, batch=args.batch_size)
+        return cleanup(settings, retention_s=settings.cleanup_retention_s, batch=settings.cleanup_batch)
     if command == "dead-letters":
         return dead_letters(settings, args)
     raise ConfigError(f"unknown command {command!r}")

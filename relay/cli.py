@@ -66,7 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     cleanup = sub.add_parser("cleanup", help="delete published rows older than the retention")
     _add_options(cleanup, "cleanup")
-    cleanup.add_argument("--batch-size", type=int, default=1000, help="rows per delete batch")
 
     dead = sub.add_parser("dead-letters", help="list, show, requeue or purge dead-lettered rows")
     dead_sub = dead.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)

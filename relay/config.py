@@ -150,6 +150,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(name="cleanup_retention_s", parse=_positive_float, default=None,
            help="when set, run deletes published rows older than this, seconds",
            commands=("run", "cleanup")),
+    Option(name="cleanup_interval_s", parse=_positive_float, default=DEFAULT_CLEANUP_INTERVAL_S,
+           help="how often run's built-in cleanup runs, seconds"),
+    Option(name="cleanup_batch", parse=_positive_int, default=DEFAULT_CLEANUP_BATCH,
+           help="rows deleted per cleanup statement (short locks)", commands=("run", "cleanup")),
 )
 
 OPTIONS_BY_NAME = {option.name: option for option in OPTIONS}
