@@ -21,7 +21,8 @@ def dispatch(command: str, args: argparse.Namespace, settings: Settings) -> int:
 
     log = logs.get()
     if command == "migrate":
-        applied = migrate.apply(settings.dsn, shards=settings.shards, log=log)
+        applied = migrate.apply(settings.dsn, shards=settings.shards, partitioned=args.partitioned,
+                                log=log)
         print(f"migrations applied: {', '.join(applied) if applied else 'none (schema up to date)'}")
         return 0
     if command == "status":
@@ -90,6 +91,13 @@ def cleanup(settings: Settings, *, retention_s: float, batch: int) -> int:
 
     st = store.Store(settings.dsn)
     try:
+        if st.is_partitioned():
+            report = st.maintain_partitions(retention_s=retention_s)
+            print(f"partitions created: {', '.join(report.created) or 'none'}; "
+                  f"dropped: {', '.join(report.dropped) or 'none'}; "
+                  f"kept (rows pending): {', '.join(report.kept_pending) or 'none'}; "
+                  f"rows in outbox_default: {report.default_rows}")
+            return 0
         janitor = Janitor(st, retention_s=retention_s, batch=batch, interval_s=0, clock=lambda: 0.0,
                           max_batches=1_000_000)
         deleted = janitor.run_once()

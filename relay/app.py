@@ -109,10 +109,13 @@ class Relay:
                          max_attempts=s.max_attempts, backoff_initial_s=s.backoff_initial_s,
                          backoff_max_s=s.backoff_max_s, metrics=self.metrics, log=self.log,
                          clock=self.clock)
-        if s.cleanup_retention_s:
+        partitioned = self._retry_db(self.store.is_partitioned)
+        if s.cleanup_retention_s or partitioned:
+            # A partitioned outbox always gets its coming days' partitions created.
             self.janitor = Janitor(self.store, retention_s=s.cleanup_retention_s,
                                    batch=s.cleanup_batch, interval_s=s.cleanup_interval_s,
-                                   clock=self.clock, metrics=self.metrics)
+                                   clock=self.clock, metrics=self.metrics,
+                                   partitioned=bool(partitioned), log=self.log)
         self.log.info("relay_started", shards=nshards, owner=s.owner)
 
     def _retry_db(self, call: Callable[[], Any]) -> Any:

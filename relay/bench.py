@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-s", type=float, default=10.0, help="idle window for CPU and queries")
     p.add_argument("--published-rows", type=int, default=1_000_000,
                    help="already-published rows for the slowdown figure (0 skips it)")
+    p.add_argument("--bloat-rows", type=int, default=1_000_000,
+                   help="rows passed through for the cleanup on/off figure (0 skips it)")
     p.add_argument("--notify-clients", type=int, default=8,
                    help="concurrent writers (pgbench) for the NOTIFY cost figure (0 skips it)")
     p.add_argument("--notify-s", type=float, default=5.0, help="duration of each pgbench run")
@@ -228,6 +230,48 @@ class Bench:
         got = [(received[e] - committed[e]) * 1000 for e in warm if e in received]
         return {"latency_ack_ms": percentiles(ack), "latency_consumer_ms": percentiles(got)}
 
+
+    # -- bloat: cleanup on against cleanup off ---------------------------------------------
+
+    def bloat(self, *, cleanup: bool) -> dict[str, float]:
+        """Pass ``--bloat-rows`` rows through a running relay in chunks, with the built-in
+        cleanup on (retention 1 s) or off; then the table and index sizes, and the drain
+        rate of one more ``--rows`` backlog."""
+        from relay.embedded.procs import Proc, free_port
+
+        with self.fresh_db() as dsn:
+            port = free_port()
+            env = dict(os.environ, OUTBOX_RELAY_DSN=dsn, OUTBOX_RELAY_BOOTSTRAP_SERVERS=self.bootstrap,
+                       OUTBOX_RELAY_METRICS_PORT=str(port), OUTBOX_RELAY_METRICS_HOST="127.0.0.1",
+                       OUTBOX_RELAY_LOG_FORMAT="json", OUTBOX_RELAY_CLEANUP_INTERVAL_S="1",
+                       OUTBOX_RELAY_BATCH_SIZE=str(self.args.batch_size))
+            if cleanup:
+                env["OUTBOX_RELAY_CLEANUP_RETENTION_S"] = "1"
+            proc = Proc([_python(), "-m", "relay", "run"], env=env, name="bench-bloat-relay")
+            scrape = _scraper(port)
+            try:
+                chunk, done = 100_000, 0
+                while done < self.args.bloat_rows:
+                    self.load(dsn, min(chunk, self.args.bloat_rows - done))
+                    done += min(chunk, self.args.bloat_rows - done)
+                    _wait(lambda: scrape("outbox_relay_events_published_total") >= done, 600, proc)
+                time.sleep(3.0 if cleanup else 0.0)  # let one more cleanup round finish
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    sizes = conn.execute(query("demo", "bench_table_size")).fetchone()
+                base = scrape("outbox_relay_events_published_total")
+                self.load(dsn, self.args.rows)
+                started = time.monotonic()
+                _wait(lambda: scrape("outbox_relay_events_published_total") >= base + self.args.rows,
+                      600, proc)
+                rate = self.args.rows / (time.monotonic() - started)
+            finally:
+                proc.sigterm()
+                try:
+                    proc.wait(30)
+                finally:
+                    proc.close()
+        table_mb, index_mb = sizes if sizes else (float("nan"), float("nan"))
+        return {"table_mb": table_mb, "index_mb": index_mb, "events_per_s": rate}
 
     # -- the cost of the NOTIFY trigger to writers ------------------------------------------
 
@@ -419,6 +463,15 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     say(f"  peak RSS            {result['peak_rss_mb']:10.1f} MB")
     say(f"  idle                {result['idle_queries_per_s']:10.2f} statements/s, "
         f"{result['idle_cpu_percent']:.2f} % of a core")
+    if args.bloat_rows:
+        on, off = bench.bloat(cleanup=True), bench.bloat(cleanup=False)
+        result["bloat"] = {"rows_passed": args.bloat_rows,
+                           "cleanup_on": {k: round(v, 1) for k, v in on.items()},
+                           "cleanup_off": {k: round(v, 1) for k, v in off.items()}}
+        say(f"  after {args.bloat_rows} rows: cleanup on  {on['table_mb']:.0f} MB table + "
+            f"{on['index_mb']:.0f} MB indexes, drain {on['events_per_s']:.0f} events/s")
+        say(f"  {'':{len(str(args.bloat_rows)) + 12}}cleanup off {off['table_mb']:.0f} MB table + "
+            f"{off['index_mb']:.0f} MB indexes, drain {off['events_per_s']:.0f} events/s")
     if args.notify_clients:
         cost = bench.notify_cost()
         result.update({k: round(v, 4) for k, v in cost.items()})

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_options(migrate, "migrate")
     migrate.add_argument("--print", action="store_true", dest="print_sql",
                          help="print the SQL instead of applying it (for your own migration tool)")
+    migrate.add_argument("--partitioned", action="store_true",
+                         help="create the outbox partitioned by day (new databases only; see README)")
 
     status = sub.add_parser("status", help="pending rows, oldest age and shard leases")
     _add_options(status, "status")
@@ -153,7 +155,7 @@ def _dispatch(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         from relay import migrate
 
         shards = int(args.shards) if args.shards else migrate.DEFAULT_SHARDS
-        sys.stdout.write(migrate.render(shards))
+        sys.stdout.write(migrate.render(shards, partitioned=args.partitioned))
         return 0
     settings = settings_from(args, env, command, require_broker=command == "run")
     if command == "run":

@@ -1,7 +1,9 @@
 """Retention: delete published rows older than the retention, in small batches.
 
 Each batch is its own short transaction that skips locked rows, so the relay is
-never blocked, and its WHERE clause never matches an unpublished row.
+never blocked, and its WHERE clause never matches an unpublished row.  A
+partitioned outbox is kept by whole partitions instead (relay/partitions.py):
+the coming days are created, past days dropped once fully published.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from relay.metrics import RelayMetrics
 
 
 class Janitor:
-    def __init__(self, store: Any, *, retention_s: float, batch: int, interval_s: float,
+    def __init__(self, store: Any, *, retention_s: float | None, batch: int, interval_s: float,
                  clock: Callable[[], float], metrics: RelayMetrics | None = None,
-                 max_batches: int = 50) -> None:
+                 max_batches: int = 50, partitioned: bool = False, log: Any = None) -> None:
+        self.partitioned = partitioned
+        self.log = log
         self.store = store
         self.retention_s = retention_s
         self.batch = batch
@@ -32,7 +36,19 @@ class Janitor:
         return self.run_once()
 
     def run_once(self) -> int:
-        """Delete up to ``max_batches`` batches; returns rows deleted."""
+        """Maintain partitions (if partitioned), then delete up to ``max_batches`` batches of
+        published rows past retention (in a partitioned outbox only strays are left: rows of
+        outbox_default and of days whose partition still holds pending rows); returns rows
+        deleted."""
+        if self.partitioned:
+            report = self.store.maintain_partitions(retention_s=self.retention_s)
+            if self.log is not None and (report.created or report.dropped or report.default_rows):
+                self.log.info("partitions_maintained", created=report.created, dropped=report.dropped,
+                              kept_pending=report.kept_pending, lock_missed=report.lock_missed,
+                              blocked_by_default=report.blocked_by_default,
+                              default_rows=report.default_rows)
+        if self.retention_s is None:
+            return 0
         total = 0
         for _ in range(self.max_batches):
             deleted = self.store.cleanup_batch(retention_s=self.retention_s, limit=self.batch)

@@ -39,27 +39,38 @@ class Migration:
         return hashlib.sha256(self.sql.encode()).hexdigest()[:16]
 
 
-def migrations() -> list[Migration]:
+def migrations(*, partitioned: bool = False) -> list[Migration]:
+    """The ordered migrations; with ``partitioned``, a file's ``.partitioned.sql`` variant
+    replaces it where one exists."""
     found = []
-    for path in sorted((sql_dir() / "migrations").glob("*.sql")):
+    folder = sql_dir() / "migrations"
+    for path in sorted(folder.glob("*.sql")):
         match = _FILE.match(path.name)
         if match:
-            found.append(Migration(int(match.group(1)), match.group(2), path))
+            variant = path.with_name(f"{path.stem}.partitioned.sql")
+            chosen = variant if partitioned and variant.exists() else path
+            found.append(Migration(int(match.group(1)), match.group(2), chosen))
     return found
 
 
-def render(shards: int = DEFAULT_SHARDS) -> str:
+def render(shards: int = DEFAULT_SHARDS, *, partitioned: bool = False) -> str:
     """Everything ``migrate`` would run, as one script for other migration tools."""
-    parts = [f"-- outbox-relay schema, {len(migrations())} migrations\n"]
-    for m in migrations():
+    chosen = migrations(partitioned=partitioned)
+    parts = [f"-- outbox-relay schema, {len(chosen)} migrations\n"]
+    for m in chosen:
         parts.append(f"\n-- ==== {m.path.name} ====\n{m.sql}")
     shard_rows = sql.SQL(query("admin", "print_shards")).format(shards=sql.Literal(int(shards)))
     parts.append(f"\n-- ==== shards ====\n{shard_rows.as_string(None)}\n")
     return "".join(parts)
 
 
-def apply(dsn: str, *, shards: int | None = None, log: Any = None) -> list[str]:
-    """Apply pending migrations and make sure the shard rows exist; returns what was applied."""
+def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
+          log: Any = None) -> list[str]:
+    """Apply pending migrations and make sure the shard rows exist; returns what was applied.
+
+    ``partitioned`` creates a day-partitioned outbox; it only applies to a database
+    without an outbox yet (converting a live table is a job for its owner).
+    """
     applied_now: list[str] = []
     conn = store_mod.connect(dsn, application_name="outbox-relay-migrate", autocommit=False)
     try:
@@ -68,7 +79,10 @@ def apply(dsn: str, *, shards: int | None = None, log: Any = None) -> list[str]:
                 conn.execute(query("admin", "migration_lock"))
                 conn.execute(query("admin", "migrations_table"))
                 done = {r[0]: r[2] for r in conn.execute(query("admin", "applied_migrations"))}
-            for m in migrations():
+            if partitioned and 1 in done and not _partitioned(conn):
+                raise ConfigError("--partitioned: the outbox already exists as a plain table; "
+                                  "converting it is a manual migration (see README)")
+            for m in migrations(partitioned=partitioned):
                 if m.version in done:
                     if done[m.version] != m.checksum and log is not None:
                         log.warning("migration_changed", version=m.version, name=m.name)
@@ -81,6 +95,12 @@ def apply(dsn: str, *, shards: int | None = None, log: Any = None) -> list[str]:
                 applied_now.append(m.path.name)
                 if log is not None:
                     log.info("migration_applied", version=m.version, name=m.name)
+            if partitioned:
+                from relay.partitions import maintain
+
+                conn.autocommit = True
+                maintain(conn, retention_s=None)  # today and the coming days exist at once
+                conn.autocommit = False
             with conn.transaction():
                 conn.execute(query("admin", "migration_lock"))
                 current = conn.execute(query("relay", "read_settings")).fetchone()
@@ -96,6 +116,13 @@ def apply(dsn: str, *, shards: int | None = None, log: Any = None) -> list[str]:
     finally:
         conn.close()
     return applied_now
+
+
+def _partitioned(conn: psycopg.Connection[Any]) -> bool:
+    from relay.partitions import is_partitioned
+
+    with conn.transaction():
+        return is_partitioned(conn)
 
 
 def _reshard(conn: psycopg.Connection[Any], old: int, new: int) -> None:

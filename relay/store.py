@@ -237,6 +237,25 @@ class Store:
                 self.reset()
                 raise
 
+    def maintain_partitions(self, *, retention_s: float | None) -> Any:
+        """Create the coming days' partitions, drop past ones (partitioned outbox only)."""
+        from relay.partitions import maintain
+
+        with translated():
+            try:
+                self.queries += 1
+                self._on_statement()
+                return maintain(self.conn, retention_s=retention_s)
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                self.reset()
+                raise
+
+    def is_partitioned(self) -> bool:
+        from relay.partitions import is_partitioned
+
+        with translated():
+            return is_partitioned(self.conn)
+
     def backlog(self) -> tuple[int, float, int]:
         """(pending rows, age of the oldest pending row in seconds, rows in back-off)."""
         (row,) = self._fetch("relay", "backlog", {"now": self.now})

@@ -42,3 +42,7 @@ ALTER TABLE outbox ENABLE TRIGGER outbox_notify_insert
 -- name: bench_pgbench_insert
 -- One small writer transaction, as pgbench runs it (its own variable syntax).
 INSERT INTO outbox (topic, key, payload) VALUES ('bench.notify', 'k' || (random() * 1000)::int, '{"n": 1}')
+
+-- name: bench_table_size
+SELECT pg_table_size('outbox')::float8 / 1048576 AS table_mb,
+       pg_indexes_size('outbox')::float8 / 1048576 AS index_mb

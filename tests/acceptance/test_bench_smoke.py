@@ -10,7 +10,8 @@ from tests.fixtures.outbox import relay_cmd
 
 KEYS = ["relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_per_s",
         "ratio_to_floor", "latency_ack_ms", "latency_consumer_ms", "peak_rss_mb",
-        "idle_queries_per_s", "idle_cpu_percent", "published_rows_slowdown"]
+        "idle_queries_per_s", "idle_cpu_percent", "published_rows_slowdown", "bloat",
+        "notify_writer_cost"]
 
 
 def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_path):
@@ -18,7 +19,8 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
     result = subprocess.run(
         relay_cmd("bench", "--dsn", pg_server.admin_dsn, "--bootstrap-servers", broker.bootstrap,
                   "--rows", "2000", "--runs", "1", "--rate", "200", "--latency-s", "2",
-                  "--idle-s", "1", "--published-rows", "5000", "--json", str(out)),
+                  "--idle-s", "1", "--published-rows", "5000", "--bloat-rows", "4000",
+                  "--notify-clients", "2", "--notify-s", "1", "--json", str(out)),
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(out.read_text())

@@ -1,0 +1,482 @@
+-- Named queries of the consumer SDK's runs and jobs (consumer_sdk/jobs).  Each
+-- block starts with "-- name: <name>"; parameters are psycopg named placeholders.
+--
+-- Time: every comparison with the clock uses coalesce(%(now)s::timestamptz, now()).
+-- %(now)s is NULL in production (the database clock is the one reference for
+-- leases) and a fixed timestamp in tests that control time.
+--
+-- Fencing: a worker's writes say WHERE lease_owner = %(worker)s AND lease_token =
+-- %(token)s AND status = 'running' AND lease_until > now; zero rows means the
+-- worker lost its authority and must write nothing more.  A writer that must
+-- not overtake a handler's fenced transaction (see fenced_lock) first selects
+-- the row FOR UPDATE: the claim path (reap_expired) with SKIP LOCKED, cancel_run
+-- waiting.
+
+-- ---- accepting runs -------------------------------------------------------------
+
+-- name: accept_probe
+-- The run this owner already accepted under this request key (if any), and the
+-- queue's pending jobs (queued or running) counted up to %(count_cap)s only:
+-- admission control needs to know whether the backlog passed a bound, not its
+-- exact size.  count_cap 0 skips the count.
+SELECT e.run_id, e.body_sha256, e.job_id, e.status,
+       (SELECT count(*) FROM (
+            SELECT 1 FROM jobs AS j
+            WHERE j.queue = %(queue)s AND j.status IN ('queued', 'running')
+            LIMIT %(count_cap)s) AS p) AS pending
+FROM (SELECT 1) AS one
+LEFT JOIN LATERAL (
+    SELECT r.id AS run_id, r.body_sha256, j.id AS job_id, j.status
+    FROM runs AS r JOIN jobs AS j ON j.run_id = r.id
+    WHERE r.owner_id = %(owner_id)s AND r.request_key = %(request_key)s
+) AS e ON true
+
+-- name: insert_run
+-- The run and its first job in one statement.  ON CONFLICT DO NOTHING: when a
+-- concurrent accept of the same key committed first, this returns no row (after
+-- waiting for that transaction) and the caller reads the winner's run.
+WITH run AS (
+    INSERT INTO runs (owner_id, request_key, body_sha256, kind, queue, goal,
+                      traceparent, tracestate, created_at)
+    VALUES (%(owner_id)s, %(request_key)s, %(body_sha256)s, %(kind)s, %(queue)s,
+            %(goal)s::jsonb, %(traceparent)s, %(tracestate)s,
+            coalesce(%(now)s::timestamptz, now()))
+    ON CONFLICT (owner_id, request_key) DO NOTHING
+    RETURNING id, owner_id, kind, queue, traceparent, tracestate, created_at
+)
+INSERT INTO jobs (run_id, owner_id, queue, kind, max_attempts, traceparent, tracestate,
+                  available_at, created_at)
+SELECT id, owner_id, queue, kind, %(max_attempts)s, traceparent, tracestate,
+       created_at, created_at
+FROM run
+RETURNING run_id, id AS job_id
+
+-- name: run_status
+-- A run as its owner sees it; the run's status is its job's.  owner_id NULL
+-- reads any owner's run (operators).
+SELECT r.id AS run_id, r.owner_id, r.request_key, r.kind, r.queue, r.goal::text AS goal_text,
+       r.traceparent, r.created_at, j.id AS job_id, j.status, j.attempts, j.max_attempts,
+       j.result::text AS result_text, j.last_error, j.last_error_type, j.wait_cause,
+       j.wait_key, j.available_at, j.finished_at, d.reason AS dead_reason,
+       extract(epoch FROM j.available_at - coalesce(%(now)s::timestamptz, now()))::float8
+           AS available_in_s
+FROM runs AS r
+JOIN jobs AS j ON j.run_id = r.id
+LEFT JOIN job_dead_letters AS d ON d.job_id = j.id
+WHERE r.id = %(run_id)s AND (%(owner_id)s::text IS NULL OR r.owner_id = %(owner_id)s)
+
+-- name: cancel_run
+-- The owner's cancellation: a job not yet terminal becomes 'cancelled'.  A worker
+-- running it finds out at its next heartbeat or write (status is no longer
+-- 'running') and stops without writing.  FOR UPDATE waits for a handler's open
+-- fenced transaction, so a cancellation never lands inside one.
+WITH target AS (
+    SELECT j.id, j.status AS previous
+    FROM jobs AS j JOIN runs AS r ON r.id = j.run_id
+    WHERE r.id = %(run_id)s AND r.owner_id = %(owner_id)s
+    FOR UPDATE OF j
+)
+UPDATE jobs AS j
+SET status = 'cancelled', finished_at = coalesce(%(now)s::timestamptz, now()), lease_until = NULL
+FROM target
+WHERE j.id = target.id AND target.previous IN ('queued', 'running', 'waiting')
+RETURNING j.id, target.previous, j.queue, j.kind, j.run_id, j.attempts, j.traceparent,
+          j.tracestate, extract(epoch FROM j.finished_at - j.created_at)::float8 AS age_s
+
+-- ---- enqueueing -----------------------------------------------------------------
+
+-- name: enqueue
+-- Standalone jobs (no run), any number in one statement, ids in list order.
+INSERT INTO jobs (owner_id, queue, kind, payload, max_attempts, available_at,
+                  traceparent, tracestate, created_at)
+SELECT e.owner_id, e.queue, e.kind, e.payload::jsonb, e.max_attempts,
+       coalesce(%(now)s::timestamptz, now()) + make_interval(secs => e.delay_s),
+       e.traceparent, e.tracestate, coalesce(%(now)s::timestamptz, now())
+FROM unnest(%(owners)s::text[], %(queues)s::text[], %(kinds)s::text[], %(payloads)s::text[],
+            %(max_attempts)s::int[], %(delays_s)s::float8[], %(traceparents)s::text[],
+            %(tracestates)s::text[])
+     WITH ORDINALITY AS e(owner_id, queue, kind, payload, max_attempts, delay_s,
+                          traceparent, tracestate, ord)
+ORDER BY e.ord
+RETURNING id
+
+-- ---- claiming -------------------------------------------------------------------
+
+-- name: ready_lanes
+-- The (queue, owner) lanes with work ready now, found by a skip-scan over
+-- jobs_queued_idx (one index probe per owner, not one row per job), at most
+-- %(max_owners)s owners per queue.  Each lane comes with its ready jobs counted up
+-- to %(count_cap)s and the owner's jobs running under a live lease (any queue).
+WITH RECURSIVE lanes AS (
+    SELECT q.queue,
+           (SELECT j.owner_id FROM jobs AS j
+            WHERE j.status = 'queued' AND j.queue = q.queue
+              AND j.available_at <= coalesce(%(now)s::timestamptz, now())
+            ORDER BY j.owner_id LIMIT 1) AS owner_id,
+           1 AS depth
+    FROM unnest(%(queues)s::text[]) AS q(queue)
+    UNION ALL
+    SELECT l.queue,
+           (SELECT j.owner_id FROM jobs AS j
+            WHERE j.status = 'queued' AND j.queue = l.queue AND j.owner_id > l.owner_id
+              AND j.available_at <= coalesce(%(now)s::timestamptz, now())
+            ORDER BY j.owner_id LIMIT 1),
+           l.depth + 1
+    FROM lanes AS l
+    WHERE l.owner_id IS NOT NULL AND l.depth < %(max_owners)s
+)
+SELECT l.queue, l.owner_id,
+       (SELECT count(*) FROM (
+            SELECT 1 FROM jobs AS j
+            WHERE j.status = 'queued' AND j.queue = l.queue AND j.owner_id = l.owner_id
+              AND j.available_at <= coalesce(%(now)s::timestamptz, now())
+            LIMIT %(count_cap)s) AS c)::int AS ready,
+       (SELECT count(*) FROM jobs AS j
+        WHERE j.status = 'running' AND j.owner_id = l.owner_id
+          AND j.lease_until > coalesce(%(now)s::timestamptz, now()))::int AS running
+FROM lanes AS l
+WHERE l.owner_id IS NOT NULL
+
+-- name: lock_owners
+-- Serializes claims per owner across every worker process, so two claimers can
+-- never both count the same free room under an owner's limit.  A claimer that
+-- does not get an owner's lock skips that owner this round (another claimer is
+-- serving it): no claim ever waits.  Transaction-level: released at commit,
+-- after the claimed rows are visible, so the next holder counts them.
+SELECT o.owner_id
+FROM unnest(%(owners)s::text[]) AS o(owner_id)
+WHERE pg_try_advisory_xact_lock(1785686643, hashtext(o.owner_id))
+
+-- name: claim
+-- Claims up to n ready jobs from each (queue, owner) lane in one statement, for
+-- owners whose lock_owners lock this transaction holds (taken in an earlier
+-- statement, so this statement's snapshot sees every claim committed before).
+-- The per-owner limit counts the owner's jobs running under a live lease; lanes
+-- of one owner share its remaining room in list order.  Each claimed job gets
+-- status 'running', this worker as lease owner, a lease and lease_token + 1.
+WITH want AS (
+    SELECT w.ord, w.queue, w.owner_id, w.n, w.owner_limit
+    FROM unnest(%(queues)s::text[], %(owners)s::text[], %(wants)s::int[], %(limits)s::int[])
+         WITH ORDINALITY AS w(queue, owner_id, n, owner_limit, ord)
+), running AS (
+    SELECT j.owner_id, count(*)::int AS n
+    FROM jobs AS j
+    WHERE j.status = 'running' AND j.owner_id IN (SELECT owner_id FROM want)
+      AND j.lease_until > coalesce(%(now)s::timestamptz, now())
+    GROUP BY j.owner_id
+), room AS (
+    SELECT want.queue, want.owner_id,
+           greatest(0, least(want.n, want.owner_limit - coalesce(r.n, 0)
+               - coalesce(sum(want.n) OVER (PARTITION BY want.owner_id ORDER BY want.ord
+                          ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)::int)) AS take
+    FROM want LEFT JOIN running AS r USING (owner_id)
+), picked AS (
+    SELECT c.id
+    FROM room
+    CROSS JOIN LATERAL (
+        SELECT j.id FROM jobs AS j
+        WHERE j.status = 'queued' AND j.queue = room.queue AND j.owner_id = room.owner_id
+          AND j.available_at <= coalesce(%(now)s::timestamptz, now())
+        ORDER BY j.available_at, j.id
+        LIMIT room.take
+        FOR UPDATE SKIP LOCKED
+    ) AS c
+)
+UPDATE jobs AS j
+SET status = 'running',
+    lease_owner = %(worker)s,
+    lease_token = j.lease_token + 1,
+    lease_until = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease_s)s),
+    heartbeat_at = coalesce(%(now)s::timestamptz, now()),
+    attempts = j.attempts + 1,
+    started_at = coalesce(j.started_at, coalesce(%(now)s::timestamptz, now()))
+FROM picked
+WHERE j.id = picked.id
+RETURNING j.id, j.run_id, j.owner_id, j.queue, j.kind, j.lease_token, j.attempts, j.max_attempts,
+          coalesce(j.payload, (SELECT r.goal FROM runs AS r WHERE r.id = j.run_id))::text
+              AS payload_text,
+          j.traceparent, j.tracestate, j.wait_key,
+          (SELECT a.payload::text FROM job_activations AS a WHERE a.key = j.wait_key)
+              AS activation_text,
+          extract(epoch FROM j.created_at)::float8 AS created_epoch
+
+-- name: reap_expired
+-- Running jobs whose lease expired (the worker died, hung or was cut off): back to
+-- 'queued' at their old place in line, or, when their attempts are used up, to
+-- 'failed' with a dead letter.  The lease token stays, so the next claim makes it
+-- grow and the old owner's writes stay fenced.  FOR UPDATE SKIP LOCKED: a row
+-- that a handler's fenced transaction holds is still owned, and is left alone.
+WITH expired AS (
+    SELECT j.id, j.attempts >= j.max_attempts AS exhausted
+    FROM jobs AS j
+    WHERE j.status = 'running' AND j.lease_until <= coalesce(%(now)s::timestamptz, now())
+    ORDER BY j.lease_until
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), requeued AS (
+    UPDATE jobs AS j
+    SET status = 'queued', lease_until = NULL,
+        last_error = 'lease expired: worker ' || coalesce(j.lease_owner, '?')
+                     || ' stopped renewing it (attempt ' || j.attempts || ')',
+        last_error_type = 'LeaseExpired'
+    FROM expired AS e
+    WHERE j.id = e.id AND NOT e.exhausted
+    RETURNING j.id, j.queue
+), failed AS (
+    UPDATE jobs AS j
+    SET status = 'failed', lease_until = NULL,
+        finished_at = coalesce(%(now)s::timestamptz, now()),
+        last_error = 'lease expired on the last attempt (' || j.attempts || ' of '
+                     || j.max_attempts || '): worker ' || coalesce(j.lease_owner, '?')
+                     || ' stopped renewing it',
+        last_error_type = 'LeaseExpired'
+    FROM expired AS e
+    WHERE j.id = e.id AND e.exhausted
+    RETURNING j.id, j.run_id, j.owner_id, j.queue, j.kind, j.attempts, j.last_error,
+              j.traceparent, j.tracestate, j.created_at, j.finished_at
+), dead AS (
+    INSERT INTO job_dead_letters (job_id, run_id, owner_id, queue, kind, reason, error,
+                                  error_type, attempts, traceparent, dead_at)
+    SELECT id, run_id, owner_id, queue, kind, 'lease_expired', last_error, 'LeaseExpired',
+           attempts, traceparent, finished_at
+    FROM failed
+    ON CONFLICT (job_id) DO UPDATE
+    SET reason = excluded.reason, error = excluded.error, error_type = excluded.error_type,
+        attempts = excluded.attempts, dead_at = excluded.dead_at
+)
+SELECT 'requeued' AS outcome, id, queue, NULL::uuid AS run_id, NULL::text AS kind,
+       NULL::int AS attempts, NULL::text AS traceparent, NULL::text AS tracestate,
+       NULL::float8 AS age_s
+FROM requeued
+UNION ALL
+SELECT 'failed', id, queue, run_id, kind, attempts, traceparent, tracestate,
+       extract(epoch FROM finished_at - created_at)::float8
+FROM failed
+
+-- ---- a running job's writes (all fenced) ------------------------------------------
+
+-- name: heartbeat
+-- Renews the leases this worker holds, by token, in one statement.  A job whose
+-- "held" is false lost its lease (expired, taken over, or finished elsewhere) or
+-- was cancelled ("status" tells which, as read before this statement): its
+-- handler must stop.  Changes no indexed column: a HOT update.
+WITH renewed AS (
+    UPDATE jobs AS j
+    SET lease_until = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease_s)s),
+        heartbeat_at = coalesce(%(now)s::timestamptz, now())
+    FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS h(id, token)
+    WHERE j.id = h.id AND j.lease_token = h.token AND j.lease_owner = %(worker)s
+      AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
+    RETURNING j.id
+)
+SELECT h.id, r.id IS NOT NULL AS held, j.status
+FROM unnest(%(ids)s::bigint[]) AS h(id)
+LEFT JOIN renewed AS r ON r.id = h.id
+LEFT JOIN jobs AS j ON j.id = h.id
+
+-- name: fenced_lock
+-- The first statement of a handler's fenced transaction (JobContext.fenced_transaction).
+-- FOR KEY SHARE is the weakest row lock that still conflicts with FOR UPDATE, the
+-- lock every takeover path takes first (reap_expired's FOR UPDATE SKIP LOCKED skips
+-- the row, cancel_run's FOR UPDATE waits): no one can take the job over or cancel
+-- it between this check and the commit, so the handler's writes commit only while
+-- it holds the lease.  It does not conflict with the heartbeat's UPDATE (FOR NO KEY
+-- UPDATE), so a long handler transaction never blocks its own lease renewal.
+SELECT 1 AS held
+FROM jobs
+WHERE id = %(id)s AND lease_owner = %(worker)s AND lease_token = %(token)s
+  AND status = 'running' AND lease_until > coalesce(%(now)s::timestamptz, now())
+FOR KEY SHARE
+
+-- name: put_result
+-- A result written by key: a re-executed job overwrites its own earlier value
+-- instead of adding a row.  Run inside a fenced transaction.
+INSERT INTO job_results (job_id, key, value, lease_token, written_at)
+VALUES (%(id)s, %(key)s, %(value)s::jsonb, %(token)s, coalesce(%(now)s::timestamptz, now()))
+ON CONFLICT (job_id, key) DO UPDATE
+SET value = excluded.value, lease_token = excluded.lease_token, written_at = excluded.written_at
+
+-- name: results
+SELECT key, value::text AS value_text, lease_token, written_at
+FROM job_results WHERE job_id = %(id)s ORDER BY key
+
+-- name: complete
+UPDATE jobs AS j
+SET status = 'succeeded', result = %(result)s::jsonb, lease_until = NULL,
+    finished_at = coalesce(%(now)s::timestamptz, now())
+WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
+  AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
+RETURNING j.queue, j.kind, j.run_id, j.attempts, j.traceparent, j.tracestate,
+          extract(epoch FROM j.finished_at - j.created_at)::float8 AS age_s
+
+-- name: retry
+-- A failed attempt that will be tried again after %(backoff_s)s seconds.
+UPDATE jobs AS j
+SET status = 'queued', lease_until = NULL,
+    available_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(backoff_s)s),
+    last_error = %(error)s, last_error_type = %(error_type)s
+WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
+  AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
+RETURNING j.queue, j.kind, j.run_id, j.attempts, j.traceparent, j.tracestate,
+          extract(epoch FROM j.available_at)::float8 AS available_epoch
+
+-- name: fail
+-- Terminal failure and its dead letter in one statement: never one without the other.
+WITH failed AS (
+    UPDATE jobs AS j
+    SET status = 'failed', lease_until = NULL,
+        finished_at = coalesce(%(now)s::timestamptz, now()),
+        last_error = %(error)s, last_error_type = %(error_type)s
+    WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
+      AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
+    RETURNING j.*
+), dead AS (
+    INSERT INTO job_dead_letters (job_id, run_id, owner_id, queue, kind, reason, error,
+                                  error_type, attempts, traceparent, dead_at)
+    SELECT id, run_id, owner_id, queue, kind, %(reason)s, %(error)s, %(error_type)s,
+           attempts, traceparent, finished_at
+    FROM failed
+    ON CONFLICT (job_id) DO UPDATE
+    SET reason = excluded.reason, error = excluded.error, error_type = excluded.error_type,
+        attempts = excluded.attempts, dead_at = excluded.dead_at
+)
+SELECT queue, kind, run_id, attempts, traceparent, tracestate,
+       extract(epoch FROM finished_at - created_at)::float8 AS age_s
+FROM failed
+
+-- name: release
+-- Gives a running job back (its worker is stopping): claimable at once, and the
+-- attempt does not count against max_attempts.  Fenced.
+UPDATE jobs AS j
+SET status = 'queued', lease_until = NULL, attempts = greatest(0, j.attempts - 1),
+    available_at = coalesce(%(now)s::timestamptz, now())
+WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
+  AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
+RETURNING j.id
+
+-- ---- waiting and activations ------------------------------------------------------
+
+-- name: activation_lock
+-- Taken (in its own statement, before park or activate) by both sides of an
+-- activation key, so that a park and an activation of the same key never pass
+-- each other unseen: whichever comes second sees the first one's commit.
+SELECT pg_advisory_xact_lock(1785686644, hashtext(%(key)s))
+
+-- name: park
+-- Parks a running job until the activation %(key)s is recorded or %(timeout_s)s
+-- pass (either may be NULL, not both).  When the activation is already recorded
+-- (it arrived before the job parked), the job goes straight back to 'queued'.
+-- attempts restarts at 0: every activation has its own retry budget.  Fenced.
+WITH arrived AS (
+    SELECT EXISTS (SELECT 1 FROM job_activations WHERE key = %(key)s) AS yes
+)
+UPDATE jobs AS j
+SET status = CASE WHEN arrived.yes THEN 'queued' ELSE 'waiting' END,
+    wait_key = %(key)s, wait_cause = %(cause)s, lease_until = NULL, attempts = 0,
+    wake_at = CASE WHEN arrived.yes OR %(timeout_s)s::float8 IS NULL THEN NULL
+              ELSE coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(timeout_s)s::float8)
+              END,
+    available_at = coalesce(%(now)s::timestamptz, now())
+FROM arrived
+WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
+  AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
+RETURNING j.status, j.queue
+
+-- name: activate
+-- Records an activation once per key and resumes the jobs parked on it.  A
+-- duplicate finds the key recorded and nothing waiting on it: no second advance.
+WITH recorded AS (
+    INSERT INTO job_activations (key, payload, created_at)
+    VALUES (%(key)s, %(payload)s::jsonb, coalesce(%(now)s::timestamptz, now()))
+    ON CONFLICT (key) DO NOTHING
+    RETURNING key
+), resumed AS (
+    UPDATE jobs AS j
+    SET status = 'queued', wake_at = NULL, available_at = coalesce(%(now)s::timestamptz, now())
+    WHERE j.status = 'waiting' AND j.wait_key = %(key)s
+    RETURNING j.id
+)
+SELECT (SELECT count(*) FROM recorded) > 0 AS recorded,
+       (SELECT coalesce(array_agg(id ORDER BY id), '{}') FROM resumed) AS resumed
+
+-- name: resume_job
+-- An explicit resume (an API call): only a job still waiting moves, so a
+-- duplicated call is a no-op.
+UPDATE jobs
+SET status = 'queued', wake_at = NULL, available_at = coalesce(%(now)s::timestamptz, now())
+WHERE id = %(id)s AND status = 'waiting'
+RETURNING id, queue
+
+-- name: resume_ready
+-- The reconciler: parked jobs whose activation is recorded although they still
+-- wait (the wake-up was lost) or whose wake_at passed.  Conditioned on 'waiting',
+-- so it races harmlessly with activate and with itself.
+WITH ready AS (
+    SELECT j.id
+    FROM jobs AS j
+    WHERE j.status = 'waiting'
+      AND ((j.wake_at IS NOT NULL AND j.wake_at <= coalesce(%(now)s::timestamptz, now()))
+           OR EXISTS (SELECT 1 FROM job_activations AS a WHERE a.key = j.wait_key))
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE jobs AS j
+SET status = 'queued', available_at = coalesce(%(now)s::timestamptz, now()), wake_at = NULL
+FROM ready
+WHERE j.id = ready.id
+RETURNING j.id, j.queue,
+          EXISTS (SELECT 1 FROM job_activations AS a WHERE a.key = j.wait_key) AS activated
+
+-- ---- observing and operating --------------------------------------------------------
+
+-- name: queue_stats
+-- The gauges of the given queues (run on a timer, not per job).
+SELECT q.queue,
+       (SELECT count(*) FROM jobs AS j WHERE j.status = 'queued' AND j.queue = q.queue
+          AND j.available_at <= coalesce(%(now)s::timestamptz, now()))::int AS ready,
+       coalesce((SELECT extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - min(j.available_at))
+                 FROM jobs AS j WHERE j.status = 'queued' AND j.queue = q.queue
+                   AND j.available_at <= coalesce(%(now)s::timestamptz, now())), 0)::float8
+           AS oldest_age_s,
+       (SELECT count(*) FROM jobs AS j WHERE j.status = 'running' AND j.queue = q.queue)::int
+           AS running,
+       (SELECT count(*) FROM jobs AS j WHERE j.status = 'waiting' AND j.queue = q.queue)::int
+           AS waiting
+FROM unnest(%(queues)s::text[]) AS q(queue)
+
+-- name: dead_letters
+SELECT d.job_id, d.run_id, d.owner_id, d.queue, d.kind, d.reason, d.error, d.error_type,
+       d.attempts, d.traceparent, d.trace_id, d.dead_at
+FROM job_dead_letters AS d
+WHERE (%(queue)s::text IS NULL OR d.queue = %(queue)s)
+  AND (%(job_id)s::bigint IS NULL OR d.job_id = %(job_id)s)
+ORDER BY d.dead_at DESC, d.job_id DESC
+LIMIT %(limit)s
+
+-- name: requeue_dead
+-- An operator's retry of a dead-lettered job: the record goes, the job is queued
+-- again with a fresh attempt budget.
+WITH gone AS (
+    DELETE FROM job_dead_letters AS d
+    WHERE d.job_id = %(job_id)s
+      AND EXISTS (SELECT 1 FROM jobs AS j WHERE j.id = d.job_id AND j.status = 'failed')
+    RETURNING d.job_id
+)
+UPDATE jobs AS j
+SET status = 'queued', attempts = 0, finished_at = NULL,
+    available_at = coalesce(%(now)s::timestamptz, now())
+FROM gone
+WHERE j.id = gone.job_id
+RETURNING j.id, j.queue
+
+-- name: session_setup
+-- Per worker connection: a worker frozen inside a transaction (SIGSTOP, a debugger)
+-- is disconnected after %(idle_ms)s ms, so its row locks cannot block a takeover.
+SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s::text, false)
+
+-- name: listen
+LISTEN outbox_jobs
+
+-- name: schema_check
+SELECT to_regclass('jobs') IS NOT NULL AS has_jobs,
+       to_regclass('job_activations') IS NOT NULL AS has_activations

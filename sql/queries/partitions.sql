@@ -1,0 +1,32 @@
+-- Named queries of the partitioned outbox (see sql/migrations/0001_outbox.partitioned.sql).
+-- Blocks with {placeholders} are composed with psycopg.sql.Identifier/Literal.
+
+-- name: is_partitioned
+SELECT EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = to_regclass('outbox'))
+    AS partitioned
+
+-- name: list_partitions
+SELECT c.relname AS name
+FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
+WHERE i.inhparent = to_regclass('outbox')
+ORDER BY c.relname
+
+-- name: short_lock_timeout
+-- Partition DDL waits at most this long for its lock (writers queue behind it
+-- meanwhile); a miss is retried at the next run.
+SET lock_timeout = '200ms'
+
+-- name: create_partition
+CREATE TABLE IF NOT EXISTS {partition} PARTITION OF outbox FOR VALUES FROM ({lo}) TO ({hi})
+
+-- name: partition_has_pending
+SELECT EXISTS (SELECT 1 FROM {partition} WHERE published_at IS NULL) AS pending
+
+-- name: detach_partition
+ALTER TABLE outbox DETACH PARTITION {partition}
+
+-- name: drop_partition
+DROP TABLE IF EXISTS {partition}
+
+-- name: default_partition_rows
+SELECT count(*) AS rows FROM outbox_default

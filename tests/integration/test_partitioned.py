@@ -1,0 +1,79 @@
+"""The time-partitioned outbox (issue 5): created by `migrate --partitioned`, relayed like
+the plain one, and kept by dropping whole past partitions once fully published."""
+
+from __future__ import annotations
+
+import subprocess
+from datetime import datetime, timedelta, timezone
+
+import psycopg
+
+from relay import migrate
+from tests.fixtures.broker import read_all
+from tests.fixtures.outbox import (
+    RelayThread,
+    all_event_ids,
+    check_delivery,
+    insert_rows,
+    relay_cmd,
+    scalar,
+    wait_drained,
+)
+from tests.fixtures.procs import wait_until
+
+
+def partitions(dsn: str) -> list[str]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [r[0] for r in conn.execute(
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = 'outbox'::regclass ORDER BY 1")]
+
+
+def test_relay_works_on_a_partitioned_outbox_and_cleanup_drops_old_days(db_dsn, broker, topic):
+    migrate.apply(db_dsn, partitioned=True)
+    assert scalar(db_dsn, "SELECT relkind FROM pg_class WHERE oid = 'outbox'::regclass") == "p"
+    today = f"outbox_p{datetime.now(timezone.utc):%Y%m%d}"
+    week = f"outbox_p{datetime.now(timezone.utc) + timedelta(days=7):%Y%m%d}"
+    assert {today, week} <= set(partitions(db_dsn))  # migrate created the coming days
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP TABLE {week}")  # noqa: S608 - the relay's maintenance recreates it
+    insert_rows(db_dsn, topic, 3000, keys=50, per_tx=500)
+    with RelayThread(db_dsn, broker.bootstrap, cleanup_interval_s=0.2) as relay:
+        wait_until(lambda: week in partitions(db_dsn), timeout_s=30,
+                   message="the relay did not create the coming days' partitions")
+        insert_rows(db_dsn, topic, 3000, keys=50, start=3000, per_tx=500)
+        wait_drained(db_dsn, timeout_s=60)
+        assert relay.metrics.registry.get_sample_value("outbox_relay_events_published_total",
+                                                       {"topic": topic}) == 6000
+    assert scalar(db_dsn, f"SELECT count(*) FROM {today}") == 6000  # noqa: S608
+    assert scalar(db_dsn, "SELECT count(*) FROM outbox_default") == 0
+    expected = all_event_ids(db_dsn)
+    delivery = check_delivery(read_all(broker.bootstrap, topic, expected=6000, timeout_s=60), expected)
+    assert delivery.missing == set() and delivery.order_violations == []
+
+    # Two past days: one fully published, one with a pending row.  Retention of 1 hour.
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        for days in (3, 2):
+            day = (datetime.now(timezone.utc) - timedelta(days=days)).date()
+            conn.execute(f"CREATE TABLE outbox_p{day:%Y%m%d} PARTITION OF outbox FOR VALUES "  # noqa: S608
+                         f"FROM ('{day}') TO ('{day + timedelta(days=1)}')")
+            conn.execute("INSERT INTO outbox (topic, key, payload, created_at, published_at) "
+                         "VALUES ('old', 'k', '{}', %s, %s)",
+                         (datetime.combine(day, datetime.min.time(), tzinfo=timezone.utc),) * 2)
+        old_pending = (datetime.now(timezone.utc) - timedelta(days=2)).date()
+        conn.execute("UPDATE outbox SET published_at = NULL WHERE created_at::date = %s", (old_pending,))
+    out = subprocess.run(relay_cmd("cleanup", "--dsn", db_dsn, "--cleanup-retention-s", "3600"),
+                         capture_output=True, text=True, check=True)
+    three_days_ago = (datetime.now(timezone.utc) - timedelta(days=3)).date()
+    assert f"dropped: outbox_p{three_days_ago:%Y%m%d}" in out.stdout
+    assert f"kept (rows pending): outbox_p{old_pending:%Y%m%d}" in out.stdout
+    left = partitions(db_dsn)
+    assert f"outbox_p{three_days_ago:%Y%m%d}" not in left and f"outbox_p{old_pending:%Y%m%d}" in left
+    assert today in left
+
+
+def test_partitioned_is_refused_on_an_existing_plain_outbox(outbox_db):
+    result = subprocess.run(relay_cmd("migrate", "--dsn", outbox_db, "--partitioned"),
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "already exists as a plain table" in result.stderr
