@@ -1,0 +1,109 @@
+"""A live relay scraped over HTTP (issue 6): metrics move as events flow, the oldest-age
+gauge rises while the broker is unreachable and falls after, readiness fails while the
+database is down, and /healthz only fails for a pipeline stuck with its dependencies up."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+
+from relay.embedded.procs import free_port
+from tests.fixtures.broker import create_topic
+from tests.fixtures.outbox import insert_rows, migrated, relay_cmd, relay_env, wait_drained
+from tests.fixtures.procs import wait_until
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def sample(port: int, name: str, labels: str = "") -> float:
+    _, text = get(port, "/metrics")
+    pattern = re.compile(rf"^{re.escape(name)}{re.escape(labels) if labels else ''}(\{{[^}}]*\}})? (\S+)$",
+                         re.MULTILINE)
+    return sum(float(m.group(2)) for m in pattern.finditer(text))
+
+
+def test_metrics_move_and_the_oldest_age_rises_while_the_broker_is_cut(
+        outbox_db, proxied_broker, topic_name, spawn):
+    tansu, proxy = proxied_broker
+    topic = topic_name("observed")
+    create_topic(tansu.bootstrap, topic)
+    port = free_port()
+    relay = spawn(relay_cmd("run"), name="relay", env=relay_env(
+        outbox_db, tansu.bootstrap, metrics_port=port, metrics_host="127.0.0.1"))
+    wait_until(lambda: get(port, "/readyz")[0] == 200, timeout_s=30, message="never ready")
+    insert_rows(outbox_db, topic, 500, keys=10)
+    wait_drained(outbox_db)
+    wait_until(lambda: sample(port, "outbox_relay_events_published_total") == 500, timeout_s=10)
+    assert sample(port, "outbox_relay_batch_size_rows_count") >= 1
+    assert sample(port, "outbox_relay_commit_to_ack_seconds_count") == 500
+
+    proxy.cut()
+    insert_rows(outbox_db, topic, 100, keys=10, start=500)
+    wait_until(lambda: sample(port, "outbox_relay_oldest_pending_age_seconds") >= 3, timeout_s=30,
+               message="the oldest-age gauge did not rise while the broker was cut")
+    assert sample(port, "outbox_relay_pending_rows") == 100
+    wait_until(lambda: get(port, "/readyz")[0] == 503, timeout_s=30)
+    assert json.loads(get(port, "/readyz")[1])["broker"] is False
+    assert get(port, "/healthz")[0] == 200  # an outage is not a stuck pipeline: no restart loop
+
+    proxy.restore()
+    wait_drained(outbox_db, timeout_s=60)
+    wait_until(lambda: sample(port, "outbox_relay_oldest_pending_age_seconds") == 0, timeout_s=30,
+               message="the oldest-age gauge did not fall after the broker came back")
+    wait_until(lambda: get(port, "/readyz")[0] == 200, timeout_s=30)
+    assert sample(port, "outbox_relay_events_published_total") == 600
+    relay.sigterm()
+    assert relay.wait(30) == 0
+
+
+def test_readiness_fails_while_the_database_is_down(own_db_dsn, own_pg_running, broker, topic, spawn):
+    dsn = migrated(own_db_dsn)
+    port = free_port()
+    relay = spawn(relay_cmd("run"), name="relay", env=relay_env(
+        dsn, broker.bootstrap, metrics_port=port, metrics_host="127.0.0.1"))
+    wait_until(lambda: get(port, "/readyz")[0] == 200, timeout_s=30, message="never ready")
+    own_pg_running.stop()
+    wait_until(lambda: get(port, "/readyz")[0] == 503, timeout_s=30,
+               message="/readyz stayed green with the database down")
+    assert json.loads(get(port, "/readyz")[1])["database"] is False
+    assert sample(port, "outbox_relay_database_up") == 0
+    own_pg_running.start()
+    wait_until(lambda: get(port, "/readyz")[0] == 200, timeout_s=60,
+               message="/readyz did not recover with the database")
+    relay.sigterm()
+    assert relay.wait(30) == 0
+
+
+def test_healthz_fails_when_rows_are_pending_and_nothing_moves(outbox_db, broker, spawn):
+    """Every lease held by a peer that went silent for an hour: rows pending, database and
+    broker up, nothing published: /healthz goes red so the orchestrator notices."""
+    port = free_port()
+    # A peer holds every lease for a long time and is never heard from again.
+    import psycopg
+
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("UPDATE outbox_relay_shards SET owner = 'ghost', token = token + 1, "
+                     "lease_until = now() + interval '1 hour'")
+        conn.execute("INSERT INTO outbox_relay_replicas (owner, seen_until) "
+                     "VALUES ('ghost', now() + interval '1 hour')")
+    insert_rows(outbox_db, "stuck-topic", 5, keys=1)
+    relay = spawn(relay_cmd("run"), name="relay", env=relay_env(
+        outbox_db, broker.bootstrap, metrics_port=port, metrics_host="127.0.0.1",
+        stuck_after_s=2))
+    wait_until(lambda: get(port, "/readyz")[0] == 200, timeout_s=30, message="never ready")
+    wait_until(lambda: get(port, "/healthz")[0] == 503, timeout_s=30,
+               message="/healthz stayed green with rows pending and nothing published")
+    detail = json.loads(get(port, "/healthz")[1])
+    assert detail["pending"] == 5
+    relay.sigterm()
+    assert relay.wait(30) == 0
