@@ -8,12 +8,13 @@ import sys
 from datetime import datetime
 from typing import Any
 
+import psycopg
 from psycopg.rows import dict_row
 
 from relay import migrate, store
 from relay.config import Settings
 from relay.errors import ConfigError, SchemaMissing
-from relay.queries import query
+from relay.queries import compose
 
 
 def dispatch(command: str, args: argparse.Namespace, settings: Settings) -> int:
@@ -24,6 +25,8 @@ def dispatch(command: str, args: argparse.Namespace, settings: Settings) -> int:
         applied = migrate.apply(settings.dsn, shards=settings.shards, partitioned=args.partitioned,
                                 log=log)
         print(f"migrations applied: {', '.join(applied) if applied else 'none (schema up to date)'}")
+        if args.debezium_table:
+            return _adopt(settings, args)
         return 0
     if command == "status":
         return status(settings, as_json=args.json)
@@ -36,10 +39,32 @@ def dispatch(command: str, args: argparse.Namespace, settings: Settings) -> int:
     raise ConfigError(f"unknown command {command!r}")
 
 
-def _rows(conn: Any, group: str, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+def _adopt(settings: Settings, args: argparse.Namespace) -> int:
+    from relay.adopt import DEFAULT_TOPIC_TEMPLATE, adopt
+    from relay.config import _table_name
+
+    try:
+        source = _table_name(args.debezium_table)
+        view = _table_name(args.view or f"{source}_relay")
+    except ValueError as exc:
+        raise ConfigError(f"--debezium-table/--view: {exc}") from None
+    conn = store.connect(settings.dsn, application_name="outbox-relay-migrate", autocommit=True)
+    try:
+        with store.translated():
+            adopt(conn, source=source, view=view,
+                  topic_template=args.topic_template or DEFAULT_TOPIC_TEMPLATE,
+                  ce_source=args.cloudevents_source)
+    finally:
+        conn.close()
+    print(f"adopted {source}: run the relay with --table {view}")
+    return 0
+
+
+def _rows(conn: Any, group: str, name: str, params: dict[str, Any],
+          table: str = "outbox") -> list[dict[str, Any]]:
     with store.translated():
         cur = conn.cursor(row_factory=dict_row)
-        cur.execute(query(group, name), params)
+        cur.execute(compose(group, name, table=table), params)
         return cur.fetchall() if cur.description else []
 
 
@@ -50,10 +75,10 @@ def _iso(value: datetime | None) -> str | None:
 def status(settings: Settings, *, as_json: bool) -> int:
     conn = store.connect(settings.dsn, application_name="outbox-relay-status")
     try:
-        (schema,) = _rows(conn, "relay", "schema_check", {})
+        (schema,) = _rows(conn, "relay", "schema_check", {"table": settings.table})
         if not all(schema.values()):
             raise SchemaMissing()
-        (backlog,) = _rows(conn, "admin", "status_backlog", {})
+        (backlog,) = _rows(conn, "admin", "status_backlog", {}, settings.table)
         (dead,) = _rows(conn, "admin", "status_dead_letters", {})
         shards = _rows(conn, "leases", "shard_table", {"now": None})
     finally:
@@ -89,7 +114,7 @@ def status(settings: Settings, *, as_json: bool) -> int:
 def cleanup(settings: Settings, *, retention_s: float, batch: int) -> int:
     from relay.janitor import Janitor
 
-    st = store.Store(settings.dsn)
+    st = store.Store(settings.dsn, table=settings.table)
     try:
         if st.is_partitioned():
             report = st.maintain_partitions(retention_s=retention_s)
@@ -138,7 +163,13 @@ def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
             raise ConfigError(f"dead-letters {action} needs EVENT_ID arguments or --all")
         name = "dead_letter_requeue" if action == "requeue" else "dead_letter_purge"
         with conn.transaction():
-            rows = _rows(conn, "admin", name, {"all": bool(args.all), "event_ids": args.event_ids})
+            try:
+                rows = _rows(conn, "admin", name, {"all": bool(args.all), "event_ids": args.event_ids},
+                             settings.table)
+            except psycopg.errors.FeatureNotSupported as exc:
+                raise ConfigError(f"cannot requeue into {settings.table}: "
+                                  f"{exc.diag.message_primary}; requeue into the source table by hand "
+                                  "(dead-letters show prints the row)") from None
         verb = "requeued" if action == "requeue" else "purged"
         print(f"{verb} {len(rows)} dead letter(s)")
         return 0

@@ -46,7 +46,7 @@ class Relay:
         self._stop = threading.Event()
         self.stopped = threading.Event()
         self.store = Store(settings.dsn, application_name=f"outbox-relay:{settings.owner}",
-                           on_statement=self.metrics.db_statements.inc)
+                           on_statement=self.metrics.db_statements.inc, table=settings.table)
         self.publisher: Publisher | None = None
         self.pump: Pump | None = None
         self.leases: LeaseManager | None = None
@@ -109,7 +109,7 @@ class Relay:
                          max_attempts=s.max_attempts, backoff_initial_s=s.backoff_initial_s,
                          backoff_max_s=s.backoff_max_s, metrics=self.metrics, log=self.log,
                          clock=self.clock)
-        partitioned = self._retry_db(self.store.is_partitioned)
+        partitioned = s.table == "outbox" and self._retry_db(self.store.is_partitioned)
         if s.cleanup_retention_s or partitioned:
             # A partitioned outbox always gets its coming days' partitions created.
             self.janitor = Janitor(self.store, retention_s=s.cleanup_retention_s,

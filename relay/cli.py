@@ -61,6 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
                          help="print the SQL instead of applying it (for your own migration tool)")
     migrate.add_argument("--partitioned", action="store_true",
                          help="create the outbox partitioned by day (new databases only; see README)")
+    migrate.add_argument("--debezium-table", metavar="TABLE", default=None,
+                         help="also adopt an existing Debezium-style outbox table (id, aggregatetype, "
+                              "aggregateid, type, payload): writers stay as they are")
+    migrate.add_argument("--view", default=None,
+                         help="name of the relay's view over --debezium-table (default: TABLE_relay); "
+                              "run the relay with --table VIEW")
+    migrate.add_argument("--topic-template", default=None,
+                         help="topic of a Debezium row, with {aggregatetype}, {type}, {aggregateid} or {id} "
+                              "fields (default: outbox.event.{aggregatetype})")
+    migrate.add_argument("--cloudevents-source", default=None,
+                         help="add CloudEvents binary-mode headers (ce_id, ce_type, ce_source, "
+                              "ce_specversion, ce_time) with this ce_source")
 
     status = sub.add_parser("status", help="pending rows, oldest age and shard leases")
     _add_options(status, "status")

@@ -102,6 +102,15 @@ def _log_format(text: str) -> str:
     return text
 
 
+_TABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}(\.[A-Za-z_][A-Za-z0-9_$]{0,62})?$")
+
+
+def _table_name(text: str) -> str:
+    if not _TABLE.match(text):
+        raise ValueError("must be a table name, optionally schema-qualified (schema.table)")
+    return text
+
+
 def _log_level(text: str) -> str:
     level = text.lower()
     if level not in ("debug", "info", "warning", "error"):
@@ -132,6 +141,9 @@ OPTIONS: tuple[Option, ...] = (
            commands=("run", "migrate", "status", "cleanup", "dead-letters", "reshard", "demo")),
     Option(name="owner", default=None,
            help="this replica's name in leases and status (default: host name and pid)"),
+    Option(name="table", parse=_table_name, default="outbox",
+           help="the outbox table, or the view `migrate --debezium-table` made over another table",
+           commands=("run", "status", "cleanup", "dead-letters")),
     Option(name="shards", parse=_positive_int, default=None,
            help="shard count; must match the database's (set by migrate --shards)",
            commands=("run", "migrate", "reshard")),
@@ -174,6 +186,7 @@ class Settings:
     log_format: str = "auto"
     log_level: str = "info"
     owner: str = ""
+    table: str = "outbox"
     shards: int | None = None
     lease_duration_s: float = DEFAULT_LEASE_DURATION_S
     heartbeat_interval_s: float = DEFAULT_LEASE_DURATION_S / 3

@@ -9,6 +9,31 @@ the same way.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from consumer_sdk._sql import load, parse_blocks, query, sql_dir
 
-__all__ = ["load", "parse_blocks", "query", "sql_dir"]
+if TYPE_CHECKING:
+    from psycopg import sql
+
+__all__ = ["compose", "load", "parse_blocks", "query", "sql_dir", "table_identifier"]
+
+
+def table_identifier(table: str) -> sql.Identifier:
+    """``name`` or ``schema.name`` as a quoted identifier (never pasted into SQL)."""
+    from psycopg import sql
+
+    parts = table.split(".", 1)
+    if not all(parts):
+        raise ValueError(f"not a table name: {table!r}")
+    return sql.Identifier(*parts)
+
+
+def compose(group: str, name: str, *, table: str = "outbox") -> str | sql.Composed:
+    """A named block with its ``{table}`` placeholder filled in as an identifier."""
+    from psycopg import sql
+
+    text = query(group, name)
+    if "{table}" not in text:
+        return text
+    return sql.SQL(text).format(table=table_identifier(table))

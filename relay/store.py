@@ -28,7 +28,7 @@ from relay.errors import (
     SchemaMissing,
 )
 from relay.model import Cursor, Lease, OutboxRow, RowId, ShardId, Token
-from relay.queries import query
+from relay.queries import compose, query
 
 NOTIFY_CHANNEL = "outbox_relay"
 
@@ -103,8 +103,10 @@ class Store:
 
     def __init__(self, dsn: str, *, now: datetime | None = None,
                  application_name: str = "outbox-relay",
-                 on_statement: Callable[[], None] = lambda: None) -> None:
+                 on_statement: Callable[[], None] = lambda: None,
+                 table: str = "outbox") -> None:
         self._dsn = dsn
+        self.table = table
         self._on_statement = on_statement
         self._application_name = application_name[:63]
         self._conn: psycopg.Connection[Any] | None = None
@@ -142,7 +144,7 @@ class Store:
                 cur = self.conn.cursor(row_factory=dict_row)
                 self.queries += 1
                 self._on_statement()
-                cur.execute(query(group, name), params)
+                cur.execute(compose(group, name, table=self.table), params)
                 return cur.fetchall() if cur.description else []
             except (psycopg.OperationalError, psycopg.InterfaceError):
                 self.reset()
@@ -152,7 +154,7 @@ class Store:
 
     def check_schema(self) -> int:
         """Raise SchemaMissing unless migrated; return the configured shard count."""
-        (row,) = self._fetch("relay", "schema_check", {})
+        (row,) = self._fetch("relay", "schema_check", {"table": self.table})
         if not all(row.values()):
             raise SchemaMissing()
         settings = self._fetch("relay", "read_settings", {})
@@ -230,7 +232,7 @@ class Store:
                 cur = self.conn.cursor()
                 self.queries += 1
                 self._on_statement()
-                cur.execute(query("admin", "cleanup_batch"),
+                cur.execute(compose("admin", "cleanup_batch", table=self.table),
                             {"retention_s": retention_s, "limit": limit})
                 return int(cur.rowcount)
             except (psycopg.OperationalError, psycopg.InterfaceError):

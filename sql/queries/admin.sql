@@ -24,7 +24,7 @@ ON CONFLICT (version) DO NOTHING
 SELECT count(*) AS pending,
        coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_pending_age_s,
        count(*) FILTER (WHERE retry_at IS NOT NULL) AS retrying
-FROM outbox
+FROM {table}
 WHERE published_at IS NULL
 
 -- name: status_dead_letters
@@ -33,9 +33,9 @@ SELECT count(*) AS dead_letters FROM outbox_dead_letters
 -- name: cleanup_batch
 -- Published rows past retention, a small batch at a time; SKIP LOCKED so the
 -- relay is never blocked and never waits; unpublished rows are never touched.
-DELETE FROM outbox
+DELETE FROM {table}
 WHERE id IN (
-    SELECT id FROM outbox
+    SELECT id FROM {table}
     WHERE published_at IS NOT NULL
       AND published_at < now() - make_interval(secs => %(retention_s)s)
     ORDER BY published_at
@@ -65,7 +65,7 @@ WITH moved AS (
     WHERE (%(all)s OR event_id::text = ANY(%(event_ids)s::text[]))
     RETURNING event_id, topic, key, payload, payload_bytes, headers, created_at
 )
-INSERT INTO outbox (event_id, topic, key, payload, payload_bytes, headers)
+INSERT INTO {table} (event_id, topic, key, payload, payload_bytes, headers)
 SELECT event_id, topic, key, payload, payload_bytes, headers FROM moved
 RETURNING event_id::text AS event_id
 

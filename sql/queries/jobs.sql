@@ -385,6 +385,7 @@ RETURNING j.status, j.queue
 -- name: activate
 -- Records an activation once per key and resumes the jobs parked on it.  A
 -- duplicate finds the key recorded and nothing waiting on it: no second advance.
+-- One row per resumed job (one row with a NULL id when none was waiting).
 WITH recorded AS (
     INSERT INTO job_activations (key, payload, created_at)
     VALUES (%(key)s, %(payload)s::jsonb, coalesce(%(now)s::timestamptz, now()))
@@ -394,10 +395,13 @@ WITH recorded AS (
     UPDATE jobs AS j
     SET status = 'queued', wake_at = NULL, available_at = coalesce(%(now)s::timestamptz, now())
     WHERE j.status = 'waiting' AND j.wait_key = %(key)s
-    RETURNING j.id
+    RETURNING j.id, j.queue, j.run_id, j.kind, j.attempts, j.traceparent, j.tracestate
 )
 SELECT (SELECT count(*) FROM recorded) > 0 AS recorded,
-       (SELECT coalesce(array_agg(id ORDER BY id), '{}') FROM resumed) AS resumed
+       r.id, r.queue, r.run_id, r.kind, r.attempts, r.traceparent, r.tracestate
+FROM (SELECT 1) AS one
+LEFT JOIN resumed AS r ON true
+ORDER BY r.id
 
 -- name: resume_job
 -- An explicit resume (an API call): only a job still waiting moves, so a
@@ -425,7 +429,8 @@ SET status = 'queued', available_at = coalesce(%(now)s::timestamptz, now()), wak
 FROM ready
 WHERE j.id = ready.id
 RETURNING j.id, j.queue,
-          EXISTS (SELECT 1 FROM job_activations AS a WHERE a.key = j.wait_key) AS activated
+          EXISTS (SELECT 1 FROM job_activations AS a WHERE a.key = j.wait_key) AS activated,
+          j.run_id, j.kind, j.attempts, j.traceparent, j.tracestate
 
 -- ---- observing and operating --------------------------------------------------------
 

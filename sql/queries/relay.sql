@@ -1,5 +1,7 @@
 -- Named queries of the relay.  Each block starts with "-- name: <name>" and is
--- loaded once by relay/queries.py.  Parameters are psycopg named placeholders.
+-- loaded once by relay/queries.py.  Parameters are psycopg named placeholders;
+-- {table} is the outbox (or a mapped view of another table, see sql/adopt/),
+-- composed with psycopg.sql.Identifier.
 -- %(now)s is NULL in production (the database clock is the reference for leases)
 -- and a fixed timestamp in tests that control time.
 
@@ -29,14 +31,14 @@ SELECT o.id, o.event_id, o.topic, o.key,
        o.xid::text AS xid, o.attempts,
        (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s AS shard,
        extract(epoch FROM o.created_at)::float8 AS created_epoch
-FROM outbox AS o
+FROM {table} AS o
 WHERE o.published_at IS NULL
   AND o.xid < (SELECT h FROM horizon)
   AND (o.xid, o.id) > (%(after_xid)s::xid8, %(after_id)s::bigint)
   AND (%(all_shards)s OR (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s = ANY(%(shards)s::int[]))
   AND (o.retry_at IS NULL OR o.retry_at <= coalesce(%(now)s::timestamptz, now()))
   AND (o.key IS NULL OR NOT EXISTS (
-      SELECT 1 FROM outbox AS b
+      SELECT 1 FROM {table} AS b
       WHERE b.published_at IS NULL AND b.retry_at IS NOT NULL
         AND b.retry_at > coalesce(%(now)s::timestamptz, now())
         AND b.key = o.key
@@ -56,7 +58,7 @@ WITH held AS (
     WHERE s.owner = %(owner)s
     FOR SHARE OF s
 ), marked AS (
-    UPDATE outbox AS o
+    UPDATE {table} AS o
     SET published_at = coalesce(%(now)s::timestamptz, now()), retry_at = NULL
     FROM unnest(%(ids)s::bigint[], %(row_shards)s::int[]) AS r(id, shard)
     WHERE o.id = r.id
@@ -64,8 +66,8 @@ WITH held AS (
       AND r.shard IN (SELECT shard FROM held)
     RETURNING o.id
 )
-SELECT (SELECT coalesce(array_agg(shard), '{}') FROM held) AS held,
-       (SELECT coalesce(array_agg(id), '{}') FROM marked) AS marked
+SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
+       (SELECT coalesce(array_agg(id), ARRAY[]::bigint[]) FROM marked) AS marked
 
 -- name: record_failure
 -- Fenced like mark_published: counts an attempt, keeps the broker's message and
@@ -76,7 +78,7 @@ WITH held AS (
     WHERE s.shard = %(shard)s AND s.token = %(token)s AND s.owner = %(owner)s
     FOR SHARE OF s
 )
-UPDATE outbox AS o
+UPDATE {table} AS o
 SET attempts = o.attempts + 1,
     last_error = %(error)s,
     retry_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(backoff_s)s)
@@ -92,7 +94,7 @@ WITH held AS (
     WHERE s.shard = %(shard)s AND s.token = %(token)s AND s.owner = %(owner)s
     FOR SHARE OF s
 ), moved AS (
-    DELETE FROM outbox AS o
+    DELETE FROM {table} AS o
     WHERE o.id = %(id)s AND o.published_at IS NULL AND EXISTS (SELECT 1 FROM held)
     RETURNING o.*
 )
@@ -110,11 +112,11 @@ SELECT count(*) AS pending,
        coalesce(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - min(created_at)), 0)::float8
            AS oldest_age_s,
        count(*) FILTER (WHERE retry_at IS NOT NULL) AS retrying
-FROM outbox
+FROM {table}
 WHERE published_at IS NULL
 
 -- name: schema_check
-SELECT to_regclass('outbox') IS NOT NULL AS has_outbox,
+SELECT to_regclass(%(table)s) IS NOT NULL AS has_outbox,
        to_regclass('outbox_relay_shards') IS NOT NULL AS has_shards,
        to_regclass('outbox_relay_settings') IS NOT NULL AS has_settings
 

@@ -65,9 +65,9 @@ def test_a_takeover_waits_for_an_in_progress_mark(db_dsn):
         at(a, 0).claim_shards(owner="A", limit=1, lease_s=10)
         rows = a.claim(shards=[ShardId(0)], nshards=1, after=Cursor(), limit=10)
         with psycopg.connect(dsn) as blocker:  # A's mark, held open in a transaction
-            from relay.queries import query
+            from relay.queries import compose, query
 
-            blocker.execute(query("relay", "mark_published"), {
+            blocker.execute(compose("relay", "mark_published"), {
                 "owner": "A", "held_shards": [0], "held_tokens": [1], "ids": [rows[0].id],
                 "row_shards": [0], "now": T0 + timedelta(seconds=1)})
             with psycopg.connect(dsn, autocommit=True) as b:
