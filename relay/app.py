@@ -108,7 +108,7 @@ class Relay:
                          nshards=nshards, batch_size=s.batch_size, pipeline_depth=s.pipeline_depth,
                          max_attempts=s.max_attempts, backoff_initial_s=s.backoff_initial_s,
                          backoff_max_s=s.backoff_max_s, metrics=self.metrics, log=self.log,
-                         clock=self.clock)
+                         clock=self.clock, dead_letter_topic=s.dead_letter_topic)
         partitioned = s.table == "outbox" and self._retry_db(self.store.is_partitioned)
         if s.cleanup_retention_s or partitioned:
             # A partitioned outbox always gets its coming days' partitions created.

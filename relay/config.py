@@ -155,6 +155,8 @@ OPTIONS: tuple[Option, ...] = (
            help="on SIGTERM, how long to wait for in-flight acknowledgements, seconds"),
     Option(name="max_attempts", parse=_positive_int, default=DEFAULT_MAX_ATTEMPTS,
            help="permanent publish failures of a row before it is dead-lettered"),
+    Option(name="dead_letter_topic", default=None,
+           help="also produce dead-lettered rows to this topic (with dlt_* headers) before moving them"),
     Option(name="backoff_max_s", parse=_positive_float, default=DEFAULT_BACKOFF_MAX_S,
            help="cap of the exponential back-off for retries, seconds"),
     Option(name="stuck_after_s", parse=_positive_float, default=DEFAULT_STUCK_AFTER_S,
@@ -192,6 +194,7 @@ class Settings:
     heartbeat_interval_s: float = DEFAULT_LEASE_DURATION_S / 3
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    dead_letter_topic: str | None = None
     backoff_initial_s: float = DEFAULT_BACKOFF_INITIAL_S
     backoff_max_s: float = DEFAULT_BACKOFF_MAX_S
     stuck_after_s: float = DEFAULT_STUCK_AFTER_S

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -177,6 +178,35 @@ class Publisher:
             self._producer.list_topics(topic=topic, timeout=2.0)
         except KafkaException:
             pass  # still unknown or unreachable: the produce below reports it
+
+    def send_dead_letter(self, row: OutboxRow, *, topic: str, reason: str, error: str,
+                         attempts: int, timeout_s: float = 10.0) -> str | None:
+        """Produce a dead-lettered row to ``topic`` and wait for the acknowledgement.
+
+        The original value goes along unless it is the problem (too large); the original
+        headers travel as one JSON header, since they may be what could not be encoded.
+        Returns None on success, else the error.
+        """
+        headers: list[tuple[str, str | bytes | None]] = [
+            ("event_id", row.event_id.encode()), ("dlt_reason", reason.encode()),
+            ("dlt_error", error[:1000].encode()), ("dlt_topic", row.topic.encode()),
+            ("dlt_attempts", str(attempts).encode()),
+            ("dlt_original_headers", (row.headers_json or "{}").encode()),
+        ]
+        value = None if reason == "message_too_large" else row.value
+        done: list[KafkaError | None] = []
+        try:
+            self._producer.produce(topic, value=value, headers=headers,
+                                   key=row.key.encode() if row.key is not None else None,
+                                   on_delivery=lambda err, msg: done.append(err))
+        except (KafkaException, BufferError) as exc:
+            return f"dead-letter topic {topic}: {exc}"
+        deadline = time.monotonic() + timeout_s
+        while not done and time.monotonic() < deadline:
+            self._producer.poll(0.05)
+        if not done:
+            return f"dead-letter topic {topic}: no acknowledgement within {timeout_s} s"
+        return None if done[0] is None else f"dead-letter topic {topic}: {done[0].str()}"
 
     def poll(self, timeout_s: float) -> int:
         """Serve delivery reports and client errors; returns the number served."""

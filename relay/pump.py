@@ -40,6 +40,8 @@ class PumpPublisher(Protocol):
     def send(self, row: OutboxRow, on_delivery: DeliveryCallback) -> Outcome | None: ...
     def poll(self, timeout_s: float) -> int: ...
     def recreate(self) -> None: ...
+    def send_dead_letter(self, row: OutboxRow, *, topic: str, reason: str, error: str,
+                         attempts: int) -> str | None: ...
 
 
 def backoff_s(attempt: int, *, initial_s: float, max_s: float, rand: Callable[[], float] = random.random) -> float:
@@ -88,7 +90,9 @@ class Pump:
         log: Any,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        dead_letter_topic: str | None = None,
     ) -> None:
+        self.dead_letter_topic = dead_letter_topic
         self.store = store
         self.publisher = publisher
         self.leases = leases
@@ -281,6 +285,14 @@ class Pump:
                            result: BatchResult) -> None:
         lease = Lease(row.shard, batch.tokens[row.shard], 0.0)
         attempts = row.attempts + 1
+        if attempts >= self.max_attempts and self.dead_letter_topic:
+            problem = self.publisher.send_dead_letter(row, topic=self.dead_letter_topic,
+                                                      reason=outcome.error_class,
+                                                      error=outcome.message, attempts=attempts)
+            if problem is not None:  # not moved: retried later, never in neither place
+                outcome = Outcome(ok=False, error_class=outcome.error_class, message=problem,
+                                  permanent=True)
+                attempts = self.max_attempts - 1
         if attempts >= self.max_attempts:
             if self.store.dead_letter(owner=self.leases.owner, lease=lease, row=row,
                                       reason=outcome.error_class, error=outcome.message):

@@ -97,3 +97,24 @@ def test_requeue_republishes_with_the_same_event_id_after_the_cause_is_fixed(
     purge = subprocess.run(relay_cmd("dead-letters", "purge", "--dsn", outbox_db),
                            capture_output=True, text=True)
     assert purge.returncode == 2 and "needs EVENT_ID arguments or --all" in purge.stderr
+
+
+def test_dead_letter_topic_gets_the_row_with_its_reason(outbox_db, broker, topic, topic_name):
+    dlt = topic_name("dlt")
+    create_topic(broker.bootstrap, dlt, partitions=1)
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        write(conn, topic, "hdr", 0, headers='{"retries": 3}')
+        write(conn, topic, "big", 0, pad=MAX_BYTES * 2)
+        write(conn, topic, "fine", 0)
+    thread = relay(outbox_db, broker.bootstrap)
+    object.__setattr__(thread.relay.settings, "dead_letter_topic", dlt)
+    with thread:
+        wait_drained(outbox_db, timeout_s=60)
+    records = {r.key: r for r in read_all(broker.bootstrap, dlt, expected=2, timeout_s=30)}
+    assert set(records) == {b"hdr", b"big"}
+    hdr = records[b"hdr"]
+    assert hdr.headers["dlt_reason"] == b"bad_headers" and hdr.headers["dlt_topic"] == topic.encode()
+    assert json.loads(hdr.headers["dlt_original_headers"]) == {"retries": 3}
+    assert json.loads(hdr.value)["key"] == "hdr"  # the original value travels along
+    assert records[b"big"].value is None and records[b"big"].headers["dlt_reason"] == b"message_too_large"
+    assert len(dead_letters(outbox_db)) == 2  # and both are in the dead-letter table too
