@@ -17,11 +17,11 @@ _NAME = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 def sql_dir() -> Path:
     """The folder holding ``migrations/`` and ``queries/``.
 
-    In a wheel it is ``consumer_sdk/_sql``; in a source checkout it is the top-level
-    ``sql/`` folder.
+    In a wheel it is ``consumer_sdk/sql_files``; in a source checkout it is the
+    top-level ``sql/`` folder.
     """
     here = Path(__file__).resolve().parent
-    for candidate in (here / "_sql", here.parent / "sql"):
+    for candidate in (here / "sql_files", here.parent / "sql"):
         if (candidate / "queries").is_dir():
             return candidate
     raise FileNotFoundError("the SDK's sql/ folder is missing from this installation")
