@@ -27,7 +27,6 @@ from relay.publisher import Publisher
 from relay.pump import Pump
 from relay.store import Store
 
-
 #: First poll delay after the relay found work; doubles up to the poll interval.
 BUSY_POLL_BASE_S = 0.005
 

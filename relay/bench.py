@@ -164,20 +164,11 @@ class Bench:
     # -- 3, 5, 6. a real relay process ------------------------------------------------------
 
     def relay_drain(self, *, published_rows: int = 0, idle_s: float = 0.0) -> dict[str, float]:
-        from relay.embedded.procs import Proc, free_port
-
         with self.fresh_db() as dsn:
             if published_rows:
                 self.load(dsn, published_rows, published=True)
             self.load(dsn, self.args.rows)
-            port = free_port()
-            env = dict(os.environ, OUTBOX_RELAY_DSN=dsn, OUTBOX_RELAY_BOOTSTRAP_SERVERS=self.bootstrap,
-                       OUTBOX_RELAY_METRICS_PORT=str(port), OUTBOX_RELAY_METRICS_HOST="127.0.0.1",
-                       OUTBOX_RELAY_BATCH_SIZE=str(self.args.batch_size), OUTBOX_RELAY_LOG_FORMAT="json")
-            proc = Proc([os.environ.get("OUTBOX_RELAY_BENCH_PYTHON", _python()), "-m", "relay", "run"],
-                        env=env, name="bench-relay")
-            try:
-                scrape = _scraper(port)
+            with relay_process(dsn, self.bootstrap, batch_size=str(self.args.batch_size)) as (proc, scrape):
                 first = _wait(lambda: scrape("outbox_relay_events_published_total") > 0, 60, proc)
                 started_count, started = scrape("outbox_relay_events_published_total"), first
                 _wait(lambda: scrape("outbox_relay_events_published_total") >= self.args.rows, 600, proc)
@@ -186,12 +177,6 @@ class Bench:
                           "peak_rss_mb": _peak_rss_mb(proc.pid)}
                 if idle_s:
                     result.update(_idle(proc.pid, scrape, idle_s))
-            finally:
-                proc.sigterm()
-                try:
-                    proc.wait(30)
-                finally:
-                    proc.close()
         return result
 
     # -- 4. latency ---------------------------------------------------------------------------
@@ -237,39 +222,24 @@ class Bench:
         """Pass ``--bloat-rows`` rows through a running relay in chunks, with the built-in
         cleanup on (retention 1 s) or off; then the table and index sizes, and the drain
         rate of one more ``--rows`` backlog."""
-        from relay.embedded.procs import Proc, free_port
-
-        with self.fresh_db() as dsn:
-            port = free_port()
-            env = dict(os.environ, OUTBOX_RELAY_DSN=dsn, OUTBOX_RELAY_BOOTSTRAP_SERVERS=self.bootstrap,
-                       OUTBOX_RELAY_METRICS_PORT=str(port), OUTBOX_RELAY_METRICS_HOST="127.0.0.1",
-                       OUTBOX_RELAY_LOG_FORMAT="json", OUTBOX_RELAY_CLEANUP_INTERVAL_S="1",
-                       OUTBOX_RELAY_BATCH_SIZE=str(self.args.batch_size))
-            if cleanup:
-                env["OUTBOX_RELAY_CLEANUP_RETENTION_S"] = "1"
-            proc = Proc([_python(), "-m", "relay", "run"], env=env, name="bench-bloat-relay")
-            scrape = _scraper(port)
-            try:
-                chunk, done = 100_000, 0
-                while done < self.args.bloat_rows:
-                    self.load(dsn, min(chunk, self.args.bloat_rows - done))
-                    done += min(chunk, self.args.bloat_rows - done)
-                    _wait(lambda: scrape("outbox_relay_events_published_total") >= done, 600, proc)
-                time.sleep(3.0 if cleanup else 0.0)  # let one more cleanup round finish
-                with psycopg.connect(dsn, autocommit=True) as conn:
-                    sizes = conn.execute(query("demo", "bench_table_size")).fetchone()
-                base = scrape("outbox_relay_events_published_total")
-                self.load(dsn, self.args.rows)
-                started = time.monotonic()
-                _wait(lambda: scrape("outbox_relay_events_published_total") >= base + self.args.rows,
-                      600, proc)
-                rate = self.args.rows / (time.monotonic() - started)
-            finally:
-                proc.sigterm()
-                try:
-                    proc.wait(30)
-                finally:
-                    proc.close()
+        extra = {"cleanup_interval_s": "1", "batch_size": str(self.args.batch_size)}
+        if cleanup:
+            extra["cleanup_retention_s"] = "1"
+        with self.fresh_db() as dsn, relay_process(dsn, self.bootstrap, **extra) as (proc, scrape):
+            chunk, done = 100_000, 0
+            while done < self.args.bloat_rows:
+                self.load(dsn, min(chunk, self.args.bloat_rows - done))
+                done += min(chunk, self.args.bloat_rows - done)
+                _wait(lambda n=done: scrape("outbox_relay_events_published_total") >= n, 600, proc)
+            time.sleep(3.0 if cleanup else 0.0)  # let one more cleanup round finish
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                sizes = conn.execute(query("demo", "bench_table_size")).fetchone()
+            base = scrape("outbox_relay_events_published_total")
+            self.load(dsn, self.args.rows)
+            started = time.monotonic()
+            _wait(lambda: scrape("outbox_relay_events_published_total") >= base + self.args.rows,
+                  600, proc)
+            rate = self.args.rows / (time.monotonic() - started)
         table_mb, index_mb = sizes if sizes else (float("nan"), float("nan"))
         return {"table_mb": table_mb, "index_mb": index_mb, "events_per_s": rate}
 
@@ -284,30 +254,19 @@ class Bench:
         """
         import tempfile
 
-        from relay.embedded.procs import Proc
-
-        with self.fresh_db() as dsn, tempfile.NamedTemporaryFile("w", suffix=".sql") as script:
+        with self.fresh_db() as dsn, tempfile.NamedTemporaryFile("w", suffix=".sql") as script, \
+                relay_process(dsn, self.bootstrap):
             script.write(query("demo", "bench_pgbench_insert") + ";\n")
             script.flush()
-            env = dict(os.environ, OUTBOX_RELAY_DSN=dsn, OUTBOX_RELAY_BOOTSTRAP_SERVERS=self.bootstrap,
-                       OUTBOX_RELAY_METRICS_PORT="0", OUTBOX_RELAY_LOG_FORMAT="json")
-            relay = Proc([_python(), "-m", "relay", "run"], env=env, name="bench-notify-relay")
             on: list[float] = []
             off: list[float] = []
-            try:
-                for _ in range(max(1, self.args.runs)):
-                    for enabled, sink in ((True, on), (False, off)):
-                        with psycopg.connect(dsn, autocommit=True) as conn:
-                            conn.execute(query("demo", "bench_notify_trigger_on" if enabled
-                                               else "bench_notify_trigger_off"))
-                        sink.append(_pgbench_tps(dsn, script.name, self.args.notify_clients,
-                                                 self.args.notify_s))
-            finally:
-                relay.sigterm()
-                try:
-                    relay.wait(30)
-                finally:
-                    relay.close()
+            for _ in range(max(1, self.args.runs)):
+                for enabled, sink in ((True, on), (False, off)):
+                    with psycopg.connect(dsn, autocommit=True) as conn:
+                        conn.execute(query("demo", "bench_notify_trigger_on" if enabled
+                                           else "bench_notify_trigger_off"))
+                    sink.append(_pgbench_tps(dsn, script.name, self.args.notify_clients,
+                                             self.args.notify_s))
         return {"writer_tps_notify_on": median(on), "writer_tps_notify_off": median(off),
                 "notify_writer_cost": 1 - median(on) / median(off)}
 
@@ -325,6 +284,28 @@ def _pgbench_tps(dsn: str, script: str, clients: int, seconds: float) -> float:
     if match is None:
         raise RuntimeError(f"pgbench printed no tps:\n{out.stdout}\n{out.stderr}")
     return float(match.group(1))
+
+
+@contextmanager
+def relay_process(dsn: str, bootstrap: str, **env_extra: str) -> Iterator[tuple[Any, Callable[[str], float]]]:
+    """A real `outbox-relay run` process with its metrics on a free local port; yields
+    (process, scrape) and stops it with SIGTERM (drain) afterwards."""
+    from relay.embedded.procs import Proc, free_port
+
+    port = free_port()
+    env = dict(os.environ, OUTBOX_RELAY_DSN=dsn, OUTBOX_RELAY_BOOTSTRAP_SERVERS=bootstrap,
+               OUTBOX_RELAY_METRICS_PORT=str(port), OUTBOX_RELAY_METRICS_HOST="127.0.0.1",
+               OUTBOX_RELAY_LOG_FORMAT="json",
+               **{f"OUTBOX_RELAY_{k.upper()}": v for k, v in env_extra.items()})
+    proc = Proc([_python(), "-m", "relay", "run"], env=env, name="bench-relay")
+    try:
+        yield proc, _scraper(port)
+    finally:
+        proc.sigterm()
+        try:
+            proc.wait(30)
+        finally:
+            proc.close()
 
 
 def _python() -> str:

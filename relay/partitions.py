@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -54,7 +54,7 @@ def _ddl(name: str, partition: str, **literals: Any) -> sql.Composed:
 
 def droppable(day: date, *, now: datetime, retention_s: float) -> bool:
     """A day's partition may go once its whole range is older than the retention."""
-    upper = datetime.combine(day + timedelta(days=1), datetime.min.time(), tzinfo=timezone.utc)
+    upper = datetime.combine(day + timedelta(days=1), datetime.min.time(), tzinfo=UTC)
     return upper <= now - timedelta(seconds=retention_s)
 
 
@@ -64,7 +64,7 @@ def maintain(conn: psycopg.Connection[Any], *, retention_s: float | None,
 
     ``conn`` must be in autocommit mode.
     """
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     report = PartitionReport()
     conn.execute(query("partitions", "short_lock_timeout"))
     existing = {r[0] for r in conn.execute(query("partitions", "list_partitions"))}
@@ -73,7 +73,7 @@ def maintain(conn: psycopg.Connection[Any], *, retention_s: float | None,
         name = partition_name(day)
         if name in existing:
             continue
-        lo = datetime.combine(day, datetime.min.time(), tzinfo=timezone.utc)
+        lo = datetime.combine(day, datetime.min.time(), tzinfo=UTC)
         if _try(conn, _ddl("create_partition", name, lo=lo, hi=lo + timedelta(days=1)), name, report):
             report.created.append(name)
     if retention_s is not None:
