@@ -16,6 +16,7 @@ Figures (each the median of ``--runs`` runs):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -230,7 +231,7 @@ class Bench:
             while done < self.args.bloat_rows:
                 self.load(dsn, min(chunk, self.args.bloat_rows - done))
                 done += min(chunk, self.args.bloat_rows - done)
-                _wait(lambda n=done: scrape("outbox_relay_events_published_total") >= n, 600, proc)
+                _wait(functools.partial(_reached, scrape, done), 600, proc)
             time.sleep(3.0 if cleanup else 0.0)  # let one more cleanup round finish
             with psycopg.connect(dsn, autocommit=True) as conn:
                 sizes = conn.execute(query("demo", "bench_table_size")).fetchone()
@@ -306,6 +307,10 @@ def relay_process(dsn: str, bootstrap: str, **env_extra: str) -> Iterator[tuple[
             proc.wait(30)
         finally:
             proc.close()
+
+
+def _reached(scrape: Callable[[str], float], count: int) -> bool:
+    return scrape("outbox_relay_events_published_total") >= count
 
 
 def _python() -> str:
