@@ -9,9 +9,11 @@
 -- Pending rows of the shards this replica holds, in (xid, id) order, only from
 -- transactions older than every transaction still in flight (so nothing that
 -- commits later can sort before them), after the pipelining cursor.
--- Autovacuum workers are left out of "in flight": their ANALYZE holds an xid for
--- a while but never writes the outbox.  A role that may not see them in
--- pg_stat_activity (no pg_read_all_stats) simply waits for them: safe, slower.
+-- Transaction ids are cluster-wide, so "in flight" leaves out what provably cannot
+-- write this outbox: transactions of backends connected to other databases, and
+-- autovacuum workers (their ANALYZE holds an xid for a while).  A role that may not
+-- see them in pg_stat_activity (no pg_read_all_stats) simply waits for them: safe,
+-- slower.  Prepared transactions have no backend and are always waited for.
 -- A row in back-off, and every later row of its key, waits.
 -- No row locks: shard leases give exclusivity, and SKIP LOCKED would let a
 -- replica step over a row that a stale owner had locked and publish the key's
@@ -21,9 +23,12 @@ WITH snap AS (
 ), horizon AS (
     SELECT coalesce(
         (SELECT min(x) FROM snap, pg_snapshot_xip(snap.s) AS x
-         WHERE x::xid NOT IN (SELECT a.backend_xid FROM pg_stat_activity AS a
-                              WHERE a.backend_type = 'autovacuum worker'
-                                AND a.backend_xid IS NOT NULL)),
+         WHERE x::xid NOT IN (
+             SELECT a.backend_xid FROM pg_stat_activity AS a
+             WHERE a.backend_xid IS NOT NULL
+               AND (a.backend_type = 'autovacuum worker'
+                    OR a.datid IS DISTINCT FROM (SELECT d.oid FROM pg_database AS d
+                                                 WHERE d.datname = current_database())))),
         (SELECT pg_snapshot_xmax(s) FROM snap)) AS h
 )
 SELECT o.id, o.event_id, o.topic, o.key,

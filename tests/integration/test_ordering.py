@@ -100,3 +100,48 @@ def test_first_deliveries_follow_commit_order_under_concurrent_writers(outbox_db
             late_low_ids += 1
         highest = max(highest, row_id)
     assert late_low_ids > 20, f"only {late_low_ids} rows committed behind a higher id"
+
+
+def test_a_long_transaction_in_another_database_does_not_hold_the_relay_back(
+        outbox_db, pg_server, broker, topic, request):
+    """Transaction ids are cluster-wide; the horizon leaves out other databases' ones."""
+    other = f"t_other_{abs(hash(request.node.name)) % 10**8}"
+    other_dsn = pg_server.create_database(other)
+    try:
+        with psycopg.connect(other_dsn) as blocker:
+            blocker.execute("CREATE TABLE t (x int)")
+            blocker.execute("INSERT INTO t VALUES (1)")  # holds an xid until the end of the test
+            with RelayThread(outbox_db, broker.bootstrap):
+                with psycopg.connect(outbox_db, autocommit=True) as conn:
+                    conn.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, 'k', '{}')",
+                                 (topic,))
+                wait_drained(outbox_db, timeout_s=15)
+            blocker.rollback()
+    finally:
+        pg_server.drop_database(other)
+
+
+def test_a_writing_transaction_in_the_same_database_holds_later_rows_back(outbox_db, broker, topic):
+    """The other side of the rule: an open writer here may still commit a row that sorts
+    first, so rows committed after it started wait for it."""
+    with RelayThread(outbox_db, broker.bootstrap, poll_interval_s=0.05):
+        with psycopg.connect(outbox_db) as open_writer:
+            open_writer.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, 'k', "
+                                "'{\"seq\": 1}')", (topic,))
+            with psycopg.connect(outbox_db, autocommit=True) as conn:
+                conn.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, 'k', "
+                             "'{\"seq\": 2}')", (topic,))
+            for _ in range(20):  # several claims happen meanwhile; none may take seq 2
+                assert scalar_count(outbox_db) == 0
+                time.sleep(0.05)  # noqa: TID251 - observing that nothing happens
+            open_writer.commit()
+        wait_drained(outbox_db, timeout_s=15)
+    seqs = [json.loads(r.value)["seq"] for r in read_all(broker.bootstrap, topic, expected=2,
+                                                          timeout_s=30)]
+    assert seqs == [1, 2]
+
+
+def scalar_count(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return int(conn.execute("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+                   .fetchone()[0])
