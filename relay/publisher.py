@@ -70,8 +70,10 @@ def encode_headers(row: OutboxRow) -> list[tuple[str, str | bytes | None]]:
     Header values must be strings (or null); anything else is a bad row, since
     guessing an encoding would hand consumers bytes nobody agreed on.
     """
+    if not row.headers_json or row.headers_json == "{}":
+        return [("event_id", row.event_id.encode())]
     try:
-        headers = json.loads(row.headers_json) if row.headers_json else {}
+        headers = json.loads(row.headers_json)
     except ValueError as exc:
         raise BadRow(f"headers are not valid JSON: {exc}") from None
     if not isinstance(headers, dict):

@@ -251,10 +251,14 @@ class Pump:
             self.last_marked_at = self.clock()
             self.metrics.last_publish.set(self.wall_clock())
         now_wall = self.wall_clock()
+        per_topic: dict[str, int] = {}
+        observe = self.metrics.commit_to_ack.observe
         for row in acked:
             if row.id in marked:
-                self.metrics.published.labels(row.topic).inc()
-                self.metrics.commit_to_ack.observe(max(0.0, now_wall - row.created_epoch))
+                per_topic[row.topic] = per_topic.get(row.topic, 0) + 1
+                observe(max(0.0, now_wall - row.created_epoch))
+        for topic, count in per_topic.items():
+            self.metrics.published.labels(topic).inc(count)
 
     def _handle_failures(self, batch: InFlight, failed: list[OutboxRow], result: BatchResult) -> None:
         result.failed += len(failed)

@@ -121,6 +121,10 @@ class Store:
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             self._conn = connect(self._dsn, application_name=self._application_name)
+            # A mark lost to a database crash only means a redelivery, which consumers
+            # absorb anyway; every relay write is fenced, so a lost lease write is safe
+            # too.  Not waiting for the WAL flush roughly halves a batch's mark time.
+            self._conn.execute(query("relay", "async_commit"))
         return self._conn
 
     def close(self) -> None:
@@ -150,6 +154,19 @@ class Store:
                 self.reset()
                 raise
 
+    def _fetch_tuples(self, group: str, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """Like _fetch, as plain tuples (the claim's hot path)."""
+        with translated():
+            try:
+                cur = self.conn.cursor()
+                self.queries += 1
+                self._on_statement()
+                cur.execute(compose(group, name, table=self.table), params)
+                return cur.fetchall() if cur.description else []
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                self.reset()
+                raise
+
     # -- schema ---------------------------------------------------------------------------
 
     def check_schema(self) -> int:
@@ -167,7 +184,7 @@ class Store:
     def claim(self, *, shards: Sequence[ShardId], nshards: int, after: Cursor,
               limit: int) -> list[OutboxRow]:
         all_shards = len(shards) == nshards
-        rows = self._fetch("relay", "claim_batch", {
+        rows = self._fetch_tuples("relay", "claim_batch", {
             "nshards": nshards,
             "shards": list(shards),
             "all_shards": all_shards,
@@ -176,19 +193,11 @@ class Store:
             "limit": limit,
             "now": self.now,
         })
+        # Column order of claim_batch: id, event_id, topic, key, payload_text, payload_bytes,
+        # headers_text, xid, attempts, shard, created_epoch.
         return [
-            OutboxRow(
-                id=RowId(r["id"]),
-                event_id=str(r["event_id"]),
-                topic=r["topic"],
-                key=r["key"],
-                value=_encode_value(r["payload_text"], r["payload_bytes"]),
-                headers_json=r["headers_text"],
-                xid=int(r["xid"]),
-                shard=ShardId(r["shard"]),
-                attempts=r["attempts"],
-                created_epoch=r["created_epoch"],
-            )
+            OutboxRow(RowId(r[0]), str(r[1]), r[2], r[3], _encode_value(r[4], r[5]), r[6],
+                      int(r[7]), ShardId(r[9]), r[8], r[10])
             for r in rows
         ]
 

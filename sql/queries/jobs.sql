@@ -145,6 +145,7 @@ WHERE l.owner_id IS NOT NULL
 -- after the claimed rows are visible, so the next holder counts them.
 SELECT o.owner_id
 FROM unnest(%(owners)s::text[]) AS o(owner_id)
+-- (1785686643: this SDK's advisory-lock space for owners; 1785686644 for activation keys.)
 WHERE pg_try_advisory_xact_lock(1785686643, hashtext(o.owner_id))
 
 -- name: claim
@@ -485,3 +486,39 @@ LISTEN outbox_jobs
 -- name: schema_check
 SELECT to_regclass('jobs') IS NOT NULL AS has_jobs,
        to_regclass('job_activations') IS NOT NULL AS has_activations
+
+-- name: cleanup_finished
+-- Retention, one bounded batch: jobs that ended more than %(older_than_s)s seconds
+-- ago, with their runs (a run's deletion cascades to its job, results and dead
+-- letter).  Failed jobs stay while they have a dead letter: an operator requeues
+-- them or deletes the record first.  Deleting a run forgets its request key, so
+-- keep runs longer than any client retries a request.
+WITH old AS (
+    SELECT j.id, j.run_id
+    FROM jobs AS j
+    WHERE j.status IN ('succeeded', 'failed', 'cancelled')
+      AND j.finished_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(older_than_s)s)
+      AND NOT EXISTS (SELECT 1 FROM job_dead_letters AS d WHERE d.job_id = j.id)
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), runs_gone AS (
+    DELETE FROM runs AS r USING old WHERE r.id = old.run_id RETURNING r.id
+), jobs_gone AS (
+    DELETE FROM jobs AS j USING old WHERE j.id = old.id AND old.run_id IS NULL RETURNING j.id
+)
+SELECT (SELECT count(*) FROM runs_gone)::int + (SELECT count(*) FROM jobs_gone)::int AS deleted
+
+-- name: cleanup_activations
+-- Retention, one bounded batch: activations older than %(older_than_s)s seconds
+-- that no unfinished job refers to (a job waiting on the key, or resumed by it and
+-- not yet run, still needs the record).
+DELETE FROM job_activations
+WHERE key IN (
+    SELECT a.key
+    FROM job_activations AS a
+    WHERE a.created_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(older_than_s)s)
+      AND NOT EXISTS (SELECT 1 FROM jobs AS j
+                      WHERE j.wait_key = a.key AND j.status IN ('queued', 'running', 'waiting'))
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)

@@ -128,6 +128,12 @@ SELECT to_regclass(%(table)s) IS NOT NULL AS has_outbox,
 -- name: read_settings
 SELECT shards FROM outbox_relay_settings
 
+-- name: async_commit
+-- The relay's own writes (marks, lease renewals, dead-letter moves) commit without
+-- waiting for the WAL flush: losing one to a database crash means a redelivery or
+-- a fenced write, never a lost row.
+SET synchronous_commit = off
+
 -- name: listen
 LISTEN outbox_relay
 

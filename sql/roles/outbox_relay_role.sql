@@ -51,6 +51,18 @@
 --     PUBLIC keeps TEMPORARY on every database by default; where temporary tables
 --     are unwanted too:  REVOKE TEMPORARY ON DATABASE <db> FROM PUBLIC;
 --
+-- The outbox under another name (--table / OUTBOX_RELAY_TABLE, e.g. the view that
+-- `migrate --debezium-table` makes over a Debezium outbox): this script grants on
+-- "outbox"; grant the same SELECT, DELETE and column UPDATE on that view instead.
+--
+-- A partitioned outbox (`migrate --partitioned`): the grants on the parent cover
+-- every partition reached through it (the relay's statements, `status`,
+-- `dead-letters list`).  Partition maintenance is DDL and reads partitions
+-- directly, so it needs the owner of outbox: run `outbox-relay cleanup` (a daily
+-- job) with the owner's DSN.  Note: `run` currently maintains the partitions of a
+-- partitioned outbox itself and stops when that is refused, so this role suits a
+-- plain outbox until `run` can leave maintenance to that job.
+--
 -- A login role for the relay process (one per deployment; rotate by creating a
 -- new one and dropping the old):
 --     CREATE ROLE outbox_relay_login LOGIN PASSWORD '...' IN ROLE outbox_relay;
