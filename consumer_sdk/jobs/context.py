@@ -48,6 +48,7 @@ class JobContext:
         self._cancel = threading.Event()
         self._reason: str | None = None
         self._lock = threading.Lock()
+        self._fenced_depth = 0
 
     @property
     def conn(self) -> ConnectionT:
@@ -139,7 +140,11 @@ class JobContext:
                 if not queue.holds(self.conn, self.lease, now=self._db_now()):
                     self.cancel("lease_lost")
                     self.check()
-                yield self.conn
+                self._fenced_depth += 1
+                try:
+                    yield self.conn
+                finally:
+                    self._fenced_depth -= 1
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             if not (self.conn.broken or self.conn.closed):
                 raise
@@ -148,6 +153,14 @@ class JobContext:
                             f"{first_line(exc)}", reason="lease_lost") from exc
 
     def put_result(self, key: str, value: Any) -> None:
-        """Write one result by key (an idempotent upsert) in its own fenced transaction."""
+        """Write one result by key (an idempotent upsert): inside the open fenced transaction,
+        or in a fenced transaction of its own."""
+        if self._fenced_depth > 0:
+            queue.put_result(self.conn, self.lease, key, value, now=self._db_now())
+            return
         with self.fenced_transaction() as conn:
             queue.put_result(conn, self.lease, key, value, now=self._db_now())
+
+    def results(self) -> dict[str, Any]:
+        """The results written so far by any attempt of this job (to skip finished steps)."""
+        return queue.results(self.conn, self.job.id)

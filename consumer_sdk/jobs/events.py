@@ -6,7 +6,7 @@ pool's wake-up handler reads (see :mod:`consumer_sdk.jobs.wake`).  The key is
 the run id (the job id for a standalone job), so the events of one run keep
 their order in Kafka.  Payload::
 
-    {"type": "run.accepted" | "job.succeeded" | "job.failed" | "job.cancelled",
+    {"type": "run.accepted" | "job.resumed" | "job.succeeded" | "job.failed" | "job.cancelled",
      "run_id": "...", "job_id": 17, "queue": "interactive", "kind": "report",
      "attempts": 1}
 """
@@ -20,7 +20,7 @@ from consumer_sdk.jobs._db import ConnectionT
 from consumer_sdk.jobs.model import QUEUE_HEADER, JobId, RunId
 from consumer_sdk.outbox import write_event
 
-EventType = Literal["run.accepted", "job.succeeded", "job.failed", "job.cancelled"]
+EventType = Literal["run.accepted", "job.resumed", "job.succeeded", "job.failed", "job.cancelled"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

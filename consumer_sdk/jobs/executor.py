@@ -23,7 +23,7 @@ from psycopg.pq import TransactionStatus
 from consumer_sdk.errors import OutboxSdkError
 from consumer_sdk.jobs import queue, waits
 from consumer_sdk.jobs.context import JobContext
-from consumer_sdk.jobs.errors import InvalidJob
+from consumer_sdk.jobs.errors import InvalidJob, PermanentJobError
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import DeadReason, Outcome, WaitFor
 from consumer_sdk.jobs.retry import Backoff, describe, verdict
@@ -55,12 +55,12 @@ class Executor:
         """Call the handler and write what it came to; returns what was written."""
         job = ctx.job
         log = self.log.bind(job_id=job.id, queue=job.queue, kind=job.kind, attempt=job.attempts,
-                            token=job.token)
+                            token=job.token, trace_id=trace_id(job.traceparent))
         handler = self.handlers.get(job.kind)
         started = time.monotonic()
         try:
             if handler is None:
-                raise InvalidJob(f"no handler is registered for kind {job.kind!r}")
+                raise PermanentJobError(f"no handler is registered for kind {job.kind!r}")
             value = handler(ctx)
         except Exception as exc:  # noqa: BLE001 - every handler failure is classified
             _tidy(ctx)
@@ -71,6 +71,8 @@ class Executor:
         finally:
             elapsed = time.monotonic() - started
             self.metrics.handler_duration.labels(job.queue).observe(elapsed)
+        if outcome == "lost":
+            self.metrics.leases_lost.labels(job.queue, ctx.cancel_reason or "write_refused").inc()
         log.info("job_attempt_finished", outcome=outcome, duration_s=round(elapsed, 4),
                  reason=ctx.cancel_reason)
         return outcome
@@ -103,8 +105,7 @@ class Executor:
         return self._fail(ctx, reason, exc, log)
 
     def _fail(self, ctx: JobContext, reason: DeadReason, exc: BaseException, log: Any) -> Outcome:
-        log.warning("job_failed", reason=reason, error=describe(exc, limit=300),
-                    traceparent=ctx.job.traceparent)
+        log.warning("job_failed", reason=reason, error=describe(exc, limit=300))
         return self._write(ctx, log, lambda: self._dead(ctx, reason, exc))
 
     def _write(self, ctx: JobContext, log: Any, write: Callable[[], Outcome]) -> Outcome:
@@ -114,10 +115,10 @@ class Executor:
         except InvalidJob:
             raise
         except OutboxSdkError as exc:
+            ctx.cancel("write_failed")
             log.warning("job_write_failed", error=str(exc))
             return "lost"
         if outcome == "lost":
-            self.metrics.leases_lost.labels(ctx.job.queue, "write_refused").inc()
             log.warning("lease_lost", detail="a fenced write matched no row")
         return outcome
 
@@ -158,6 +159,12 @@ class Executor:
 
     def _release(self, ctx: JobContext) -> Outcome:
         return "released" if queue.release(ctx.conn, ctx.lease, now=self.db_now()) else "lost"
+
+
+def trace_id(traceparent: str | None) -> str | None:
+    """The trace id of a W3C traceparent (``00-<trace id>-<span id>-<flags>``), for log lines."""
+    parts = (traceparent or "").split("-")
+    return parts[1] if len(parts) == 4 else None
 
 
 def _tidy(ctx: JobContext) -> None:

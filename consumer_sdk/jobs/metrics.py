@@ -43,7 +43,8 @@ class JobsMetrics:
             "outbox_jobs_lease_expirations", "Running jobs whose lease expired and that were reaped.",
             ["queue"], registry=r)
         self.leases_lost = Counter(
-            "outbox_jobs_leases_lost", "Jobs a worker stopped because it found its lease lost (or cancelled).",
+            "outbox_jobs_leases_lost", "Attempts that ended without a write of their own, by reason: lease_lost, "
+            "lease_unconfirmed, cancelled, write_refused, write_failed.",
             ["queue", "reason"], registry=r)
         self.dead_lettered = Counter("outbox_jobs_dead_lettered", "Jobs failed and dead-lettered.",
                                      ["queue", "reason"], registry=r)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from consumer_sdk.errors import SchemaMissing
 from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
 from consumer_sdk.jobs.events import EventType, JobFacts, write_job_event
 from consumer_sdk.jobs.model import (
@@ -41,6 +42,14 @@ class Reaped:
 
     outcome: str
     facts: JobFacts
+
+
+def check_schema(conn: ConnectionT) -> None:
+    """Raise :class:`~consumer_sdk.errors.SchemaMissing` unless the jobs tables exist."""
+    with translated():
+        row = conn.execute(q("schema_check")).fetchone()
+    if not row or not all(row):
+        raise SchemaMissing("the jobs schema is missing: run `outbox-relay migrate` (0005_jobs)")
 
 
 # -- enqueue and claim -----------------------------------------------------------------

@@ -94,12 +94,13 @@ class Reconciler:
             conn = self._slot.get()
         result = ReconcileResult()
         now = self.db_now()
-        for job_id, queue_name, activated in waits.resume_ready(conn, limit=self.batch, now=now):
+        for facts, activated in waits.resume_ready(conn, limit=self.batch, now=now,
+                                                   events_topic=self.events_topic):
             cause = "activation_lost" if activated else "timeout"
-            self.metrics.resumed.labels(queue_name, cause).inc()
+            self.metrics.resumed.labels(facts.queue, cause).inc()
             if activated:
                 result.resumed_lost += 1
-                self.log.info("activation_recovered", job_id=job_id, queue=queue_name)
+                self.log.info("activation_recovered", job_id=facts.job_id, queue=facts.queue)
             else:
                 result.resumed_timeout += 1
         reaped = queue.reap_expired(conn, limit=self.batch, now=now, events_topic=self.events_topic)

@@ -23,6 +23,7 @@ import hashlib
 import json
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -89,35 +90,58 @@ def accept(
     if traceparent is not None and not valid_traceparent(traceparent):
         _log.warning("trace_context_invalid", traceparent=traceparent[:100])
         traceparent = tracestate = None
-    digest = body_sha256(kind, body)
-    probe = {"owner_id": owner_id, "request_key": request_key, "queue": queue,
-             "count_cap": admission.count_cap if admission else 0}
+    request = _Request(owner_id=owner_id, request_key=request_key, kind=kind, queue=queue,
+                       goal=to_json(body, what="body"), digest=body_sha256(kind, body),
+                       traceparent=traceparent, tracestate=tracestate, max_attempts=max_attempts)
     with translated(), conn.transaction():
-        found = conn.execute(q("accept_probe"), probe).fetchone()
-        assert found is not None  # one row always
-        if found[0] is not None:
-            return _existing(found, digest, request_key)
-        if admission is not None and admission.refuses(found[4]):
-            _refuse(queue, admission, found[4], metrics)
-        row = conn.execute(q("insert_run"), {
-            "owner_id": owner_id, "request_key": request_key, "body_sha256": digest, "kind": kind,
-            "queue": queue, "goal": to_json(body, what="body"), "traceparent": traceparent,
-            "tracestate": tracestate, "max_attempts": max_attempts, "now": now}).fetchone()
-        if row is None:  # a concurrent accept of this key committed first
-            winner = conn.execute(q("accept_probe"), {**probe, "count_cap": 0}).fetchone()
-            assert winner is not None and winner[0] is not None
-            return _existing(winner, digest, request_key)
-        accepted = Accepted(RunId(row[0]), JobId(row[1]), True, "queued")
-        if events_topic:
+        accepted = _store(conn, request, admission, metrics, now)
+        if accepted.created and events_topic:
             write_job_event(conn, events_topic, "run.accepted", JobFacts(
                 job_id=accepted.job_id, run_id=accepted.run_id, queue=queue, kind=kind, attempts=0,
                 traceparent=traceparent, tracestate=tracestate))
-        if on_accept is not None:
+        if accepted.created and on_accept is not None:
             on_accept(conn, accepted)
-    if metrics is not None:
-        metrics.accepted.labels(queue).inc()
-    _log.info("run_accepted", run_id=str(accepted.run_id), job_id=accepted.job_id, queue=queue, kind=kind)
+    if accepted.created:
+        if metrics is not None:
+            metrics.accepted.labels(queue).inc()
+        _log.info("run_accepted", run_id=str(accepted.run_id), job_id=accepted.job_id, queue=queue,
+                  kind=kind)
     return accepted
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Request:
+    owner_id: str
+    request_key: str
+    kind: str
+    queue: str
+    goal: str
+    digest: bytes
+    traceparent: str | None
+    tracestate: str | None
+    max_attempts: int
+
+
+def _store(conn: ConnectionT, r: _Request, admission: AdmissionPolicy | None,
+           metrics: JobsMetrics | None, now: datetime | None) -> Accepted:
+    """Inside accept's transaction: the existing run, or a refusal, or the new run and job."""
+    probe = {"owner_id": r.owner_id, "request_key": r.request_key, "queue": r.queue,
+             "count_cap": admission.count_cap if admission else 0}
+    found = conn.execute(q("accept_probe"), probe).fetchone()
+    assert found is not None  # the probe always returns one row
+    if found[0] is not None:
+        return _existing(found, r.digest, r.request_key)
+    if admission is not None and admission.refuses(found[4]):
+        _refuse(r.queue, admission, found[4], metrics)
+    row = conn.execute(q("insert_run"), {
+        "owner_id": r.owner_id, "request_key": r.request_key, "body_sha256": r.digest, "kind": r.kind,
+        "queue": r.queue, "goal": r.goal, "traceparent": r.traceparent, "tracestate": r.tracestate,
+        "max_attempts": r.max_attempts, "now": now}).fetchone()
+    if row is None:  # a concurrent accept of this key committed first: read its run
+        winner = conn.execute(q("accept_probe"), {**probe, "count_cap": 0}).fetchone()
+        assert winner is not None and winner[0] is not None
+        return _existing(winner, r.digest, r.request_key)
+    return Accepted(RunId(row[0]), JobId(row[1]), True, "queued")
 
 
 def _validate(owner_id: str, request_key: str, kind: str, queue: str, max_attempts: int) -> None:

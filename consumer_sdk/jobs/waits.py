@@ -26,6 +26,7 @@ from typing import Any
 
 from consumer_sdk.jobs._db import ConnectionT, q, to_json, translated
 from consumer_sdk.jobs.errors import InvalidJob
+from consumer_sdk.jobs.events import JobFacts, write_job_event
 from consumer_sdk.jobs.model import Activation, JobId, Lease, WaitFor
 
 MAX_KEY_CHARS = 500
@@ -43,23 +44,27 @@ def park(conn: ConnectionT, lease: Lease, wait: WaitFor, *, now: datetime | None
     return None if row is None else str(row[0])
 
 
-def activate(conn: ConnectionT, key: str, payload: Any = None, *,
-             now: datetime | None = None) -> Activation:
+def activate(conn: ConnectionT, key: str, payload: Any = None, *, now: datetime | None = None,
+             events_topic: str | None = None) -> Activation:
     """Record the activation ``key`` (once) and resume the jobs waiting on it.
 
     Runs in the caller's transaction when one is open (as a savepoint), e.g. the
     dedup consumer's, so an activation carried by a Kafka event is recorded
     exactly once with the event's inbox row; otherwise in its own transaction.
+    Workers learn of the resumed jobs after the commit: from NOTIFY (the jobs
+    trigger), from a ``job.resumed`` event to ``events_topic`` once relayed, or
+    from their poll.
     """
     _check_key(key)
     with translated(), conn.transaction():
         conn.execute(q("activation_lock"), {"key": key})
-        row = conn.execute(q("activate"), {"key": key, "now": now,
-                                           "payload": to_json(payload, what="activation payload")})
-        found = row.fetchone()
-    if found is None:  # pragma: no cover - the statement always returns one row
-        return Activation(False, ())
-    return Activation(bool(found[0]), tuple(JobId(i) for i in found[1]))
+        rows = conn.execute(q("activate"), {"key": key, "now": now, "payload": to_json(
+            payload, what="activation payload")}).fetchall()
+        resumed = [_facts(r[1:]) for r in rows if r[1] is not None]
+        if events_topic:
+            for facts in resumed:
+                write_job_event(conn, events_topic, "job.resumed", facts)
+    return Activation(bool(rows and rows[0][0]), tuple(f.job_id for f in resumed))
 
 
 def resume_job(conn: ConnectionT, job_id: JobId, *, now: datetime | None = None) -> bool:
@@ -68,16 +73,23 @@ def resume_job(conn: ConnectionT, job_id: JobId, *, now: datetime | None = None)
         return conn.execute(q("resume_job"), {"id": job_id, "now": now}).fetchone() is not None
 
 
-def resume_ready(conn: ConnectionT, *, limit: int = 500,
-                 now: datetime | None = None) -> list[tuple[JobId, str, bool]]:
-    """The reconciler's pass: ``(job_id, queue, activated)`` of each job it resumed.
-
-    ``activated`` is True when an activation was recorded (its wake-up was lost),
-    False when the job's timeout passed.
-    """
-    with translated():
+def resume_ready(conn: ConnectionT, *, limit: int = 500, now: datetime | None = None,
+                 events_topic: str | None = None) -> list[tuple[JobFacts, bool]]:
+    """The reconciler's pass: each job it resumed, and whether an activation was recorded
+    (True: its wake-up was lost) or its timeout passed (False)."""
+    with translated(), conn.transaction():
         rows = conn.execute(q("resume_ready"), {"limit": limit, "now": now}).fetchall()
-    return [(JobId(r[0]), str(r[1]), bool(r[2])) for r in rows]
+        resumed = [(_facts((r[0], r[1], *r[3:])), bool(r[2])) for r in rows]
+        if events_topic:
+            for facts, _activated in resumed:
+                write_job_event(conn, events_topic, "job.resumed", facts)
+    return resumed
+
+
+def _facts(r: Any) -> JobFacts:
+    """(id, queue, run_id, kind, attempts, traceparent, tracestate) -> JobFacts."""
+    return JobFacts(job_id=JobId(r[0]), queue=r[1], run_id=r[2], kind=r[3], attempts=r[4],
+                    traceparent=r[5], tracestate=r[6])
 
 
 def _check_key(key: str | None) -> None:

@@ -1,0 +1,326 @@
+"""The worker pool: claims fairly, runs handlers on threads, renews leases, stops cleanly.
+
+Threads, each with its own connection:
+
+* the dispatcher: on a wake-up (NOTIFY, a relayed event via :meth:`WorkerPool.wake`,
+  a finished job while work is left, a retry falling due) or every
+  ``poll_interval_s``, reaps expired leases, lists the ready lanes, plans with
+  :mod:`consumer_sdk.jobs.fairness` and claims in one short transaction; runs
+  the reconciler every ``reconcile_interval_s``;
+* ``max_concurrency`` executors: one claimed job at a time, the handler on the
+  executor's connection (see :class:`~consumer_sdk.jobs.context.JobContext`);
+* the heartbeat: every ``heartbeat_s``, renews the leases of every running job
+  in one statement; a job not renewed is cancelled cooperatively (its handler's
+  ``ctx.check()`` raises LeaseLost) and nothing more is written for it; when the
+  database cannot be reached, a job is cancelled once its local deadline passes;
+* the listener (``listen=True``): LISTEN outbox_jobs, a wake-up per notification.
+
+No transaction is ever held while a handler runs, except the handler's own
+fenced transactions.  Lifecycle: :meth:`start`, :meth:`run_once` (one dispatch
+round; returns the number of jobs claimed), :meth:`stop` (idempotent: stops
+claiming, lets running jobs finish for ``drain_timeout_s``, then cancels them and
+gives their jobs back).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from queue import SimpleQueue
+from typing import Any
+
+import structlog
+
+from consumer_sdk.errors import OutboxSdkError
+from consumer_sdk.jobs import queue as jobq
+from consumer_sdk.jobs._conn import ConnectionFactory, ConnSlot, connect_factory
+from consumer_sdk.jobs.config import WorkerConfig, local_deadline
+from consumer_sdk.jobs.context import JobContext
+from consumer_sdk.jobs.executor import Executor, Handler
+from consumer_sdk.jobs.fairness import RoundRobin, plan
+from consumer_sdk.jobs.metrics import JobsMetrics
+from consumer_sdk.jobs.model import ClaimedJob, JobId
+from consumer_sdk.jobs.reconciler import Reconciler, record_reaped
+from consumer_sdk.jobs.wake import Listener
+
+_FINAL_GRACE_S = 5.0
+
+
+class WorkerPool:
+    """Runs the handlers of ``config.queues``; ``handlers`` maps a job kind to its handler."""
+
+    def __init__(self, config: WorkerConfig, handlers: Mapping[str, Handler], *,
+                 metrics: JobsMetrics | None = None, log: Any = None,
+                 connect: ConnectionFactory | None = None, clock: Callable[[], float] = time.monotonic,
+                 db_now: Callable[[], datetime | None] = lambda: None,
+                 rand: Callable[[], float] = random.random) -> None:
+        self.config = config
+        self.worker_id = config.worker_id or jobq.new_worker_id()
+        self.metrics = metrics if metrics is not None else JobsMetrics()
+        self.log = (log if log is not None else structlog.get_logger("consumer_sdk.jobs.worker")).bind(
+            worker=self.worker_id)
+        self._connect = connect or connect_factory(config.dsn, application_name=config.application_name)
+        self._clock = clock
+        self._db_now = db_now
+        self._limits = config.limits
+        self._rr = RoundRobin()
+        self._executor = Executor(handlers=handlers, backoff=config.backoff, metrics=self.metrics,
+                                  log=self.log, events_topic=config.events_topic, db_now=db_now,
+                                  on_retry=self._retry_scheduled, rand=rand)
+        self.reconciler = Reconciler(queues=config.queues, metrics=self.metrics, log=self.log,
+                                     events_topic=config.events_topic, db_now=db_now)
+        self._lock = threading.Condition()
+        self._running: dict[JobId, JobContext] = {}
+        self._busy: Counter[str] = Counter()
+        self._work: SimpleQueue[JobContext | None] = SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._hb_stop = threading.Event()
+        self._dispatch_slot = ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms)
+        self._hb_slot = ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms)
+        self._listener = Listener(self._connect, self.wake, log=self.log) if config.listen else None
+        self._threads: dict[str, list[threading.Thread]] = {}
+        self._next_reconcile = 0.0
+        self._next_due: float | None = None
+        self._more_work = False
+        self._schema_checked = False
+        self._started = False
+        self._stopped = False
+        self.outcomes: Counter[str] = Counter()
+        self.rounds = 0  # dispatch rounds completed (tests wait on it)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the threads (idempotent).  Database trouble is retried, never raised here."""
+        if self._started:
+            return
+        self._started = True
+        self.metrics.workers_capacity.set(self.config.max_concurrency)
+        self._threads["executor"] = [self._thread(self._executor_loop, f"jobs-exec-{i}")
+                                     for i in range(self.config.max_concurrency)]
+        self._threads["heartbeat"] = [self._thread(self._heartbeat_loop, "jobs-heartbeat")]
+        self._threads["dispatch"] = [self._thread(self._dispatch_loop, "jobs-dispatch")]
+        if self._listener is not None:
+            self._listener.start()
+        self.log.info("pool_started", queues=list(self.config.queues),
+                      max_concurrency=self.config.max_concurrency, lease_s=self.config.lease_s)
+
+    @property
+    def listening(self) -> bool:
+        """True while the LISTEN connection is up (always False with ``listen=False``)."""
+        return self._listener is not None and self._listener.connected.is_set()
+
+    def _thread(self, target: Callable[[], None], name: str) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def wake(self, queue: str | None = None) -> None:
+        """Claim now instead of at the next poll (any thread, any time; cheap)."""
+        if queue is None or queue in self.config.queues:
+            self._wake.set()
+
+    def stop(self, *, drain_timeout_s: float | None = None) -> None:
+        """Stop claiming, drain, give back what is left; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stopping.set()
+        self._wake.set()
+        for thread in self._threads.get("dispatch", []):
+            thread.join(_FINAL_GRACE_S * 6)  # a round is short; a hung database is not waited out
+        drain = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        if not self._wait_idle(drain):
+            with self._lock:
+                left = list(self._running.values())
+            for ctx in left:
+                ctx.cancel("shutdown")
+            self._wait_idle(_FINAL_GRACE_S)
+        for _ in self._threads.get("executor", []):
+            self._work.put(None)
+        for thread in self._threads.get("executor", []):
+            thread.join(_FINAL_GRACE_S)
+        self._hb_stop.set()
+        for thread in self._threads.get("heartbeat", []):
+            thread.join(_FINAL_GRACE_S)
+        if self._listener is not None:
+            self._listener.stop()
+        self._dispatch_slot.close()
+        self.log.info("pool_stopped", outcomes=dict(self.outcomes))
+
+    def _wait_idle(self, timeout_s: float) -> bool:
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._running, timeout=timeout_s)
+
+    # -- state ----------------------------------------------------------------------------
+
+    def busy_by_queue(self) -> dict[str, int]:
+        with self._lock:
+            return {q: n for q, n in self._busy.items() if n > 0}
+
+    def running(self) -> list[JobContext]:
+        with self._lock:
+            return list(self._running.values())
+
+    # -- dispatch -------------------------------------------------------------------------
+
+    def run_once(self) -> int:
+        """One dispatch round: reconcile or reap, then claim fairly into free slots."""
+        conn = self._dispatch_slot.get()
+        if not self._schema_checked:
+            jobq.check_schema(conn)
+            self._schema_checked = True
+        now = self._clock()
+        if self._next_due is not None and now >= self._next_due:
+            self._next_due = None
+        if now >= self._next_reconcile:
+            self._next_reconcile = now + self.config.reconcile_interval_s
+            self.reconciler.run_once(conn)
+        else:
+            record_reaped(jobq.reap_expired(conn, now=self._db_now(),
+                                            events_topic=self.config.events_topic),
+                          self.metrics, self.log)
+        busy = self.busy_by_queue()
+        if self._stopping.is_set() or sum(busy.values()) >= self.config.max_concurrency:
+            self._more_work = True
+            self.rounds += 1
+            return 0
+        claimed = self._claim(conn, busy)
+        self.rounds += 1
+        return claimed
+
+    def _claim(self, conn: Any, busy: dict[str, int]) -> int:
+        lanes = jobq.ready_lanes(conn, queues=self.config.queues,
+                                 max_owners=self.config.max_owners_per_round, now=self._db_now())
+        takes = plan(lanes, queues=self.config.queues, busy=busy, limits=self._limits,
+                     last_served=self._rr.last_served)
+        sent_at = self._clock()
+        claimed = jobq.claim(conn, worker=self.worker_id, takes=takes, lease_s=self.config.lease_s,
+                             now=self._db_now())
+        self._rr.record(dict.fromkeys((job.queue, job.owner_id) for job in claimed), sent_at)
+        self._more_work = sum(lane.ready for lane in lanes) > len(claimed)
+        deadline = local_deadline(sent_at, self.config.lease_s)
+        for job in claimed:
+            self._launch(job, deadline)
+        return len(claimed)
+
+    def _launch(self, job: ClaimedJob, deadline: float) -> None:
+        ctx = JobContext(job, deadline=deadline, db_now=self._db_now)
+        with self._lock:
+            self._running[job.id] = ctx
+            self._busy[job.queue] += 1
+            busy = self._busy[job.queue]
+        self.metrics.claimed.labels(job.queue).inc()
+        self.metrics.workers_busy.labels(job.queue).set(busy)
+        self._work.put(ctx)
+
+    def _dispatch_loop(self) -> None:
+        pause_s = 0.1
+        while not self._stopping.is_set():
+            self._wake.clear()
+            try:
+                self.run_once()
+                pause_s = 0.1
+            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+                if isinstance(exc, OutboxSdkError):
+                    self.log.warning("dispatch_failed", error=str(exc))
+                else:
+                    self.log.exception("dispatch_crashed")
+                self._stopping.wait(pause_s)
+                pause_s = min(pause_s * 2, self.config.poll_interval_s)
+                continue
+            self._wake.wait(self._wait_s())
+        self._dispatch_slot.close()
+
+    def _wait_s(self) -> float:
+        now = self._clock()
+        due = min(now + self.config.poll_interval_s, self._next_reconcile)
+        if self._next_due is not None:
+            due = min(due, self._next_due)
+        return max(0.0, due - now)
+
+    def _retry_scheduled(self, delay_s: float) -> None:
+        due = self._clock() + delay_s
+        with self._lock:
+            self._next_due = due if self._next_due is None else min(self._next_due, due)
+        self._wake.set()
+
+    # -- execution ------------------------------------------------------------------------
+
+    def _executor_loop(self) -> None:
+        with ConnSlot(self._connect, idle_ms=self.config.idle_in_transaction_ms) as slot:
+            while True:
+                ctx = self._work.get()
+                if ctx is None:
+                    return
+                try:
+                    self._execute(ctx, slot)
+                finally:
+                    slot.tidy()
+                    self._finish(ctx)
+
+    def _execute(self, ctx: JobContext, slot: ConnSlot) -> None:
+        try:
+            ctx.bind(slot.get())
+        except OutboxSdkError as exc:  # the lease will expire and the job be retried
+            self.log.warning("job_not_started", job_id=ctx.job.id, error=str(exc))
+            self.outcomes["not_started"] += 1
+            return
+        try:
+            self.outcomes[self._executor.run(ctx)] += 1
+        except Exception:  # noqa: BLE001 - an executor thread must survive anything
+            self.log.exception("job_executor_crashed", job_id=ctx.job.id)
+
+    def _finish(self, ctx: JobContext) -> None:
+        with self._lock:
+            self._running.pop(ctx.job.id, None)
+            self._busy[ctx.job.queue] -= 1
+            busy = self._busy[ctx.job.queue]
+            self._lock.notify_all()
+        self.metrics.workers_busy.labels(ctx.job.queue).set(busy)
+        if self._more_work and not self._stopping.is_set():
+            self._wake.set()
+
+    # -- heartbeat ------------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        try:
+            while not self._hb_stop.wait(self.config.heartbeat_interval_s):
+                self.heartbeat_once()
+        finally:
+            self._hb_slot.close()
+
+    def heartbeat_once(self) -> int:
+        """Renew every running job's lease; cancel the attempts that lost it.  Returns how many."""
+        contexts = [c for c in self.running() if not c.cancelled or c.cancel_reason == "shutdown"]
+        if not contexts:
+            return 0
+        sent_at = self._clock()
+        try:
+            lost = jobq.heartbeat(self._hb_slot.get(), worker=self.worker_id,
+                                  leases=[c.lease for c in contexts], lease_s=self.config.lease_s,
+                                  now=self._db_now())
+        except OutboxSdkError as exc:
+            self.metrics.heartbeat_failures.inc()
+            self.log.warning("heartbeat_failed", error=str(exc), jobs=len(contexts))
+            expired = [c for c in contexts if sent_at >= c.deadline]
+            return sum(self._lose(c, "lease_unconfirmed") for c in expired)
+        deadline = local_deadline(sent_at, self.config.lease_s)
+        count = 0
+        for ctx in contexts:
+            if ctx.job.id in lost:
+                count += self._lose(ctx, "cancelled" if lost[ctx.job.id] == "cancelled" else "lease_lost")
+            else:
+                ctx.deadline = deadline
+        return count
+
+    def _lose(self, ctx: JobContext, reason: str) -> int:
+        if not ctx.cancel(reason):
+            return 0
+        self.log.warning("lease_lost", job_id=ctx.job.id, token=ctx.job.token, reason=reason)
+        return 1

@@ -1,0 +1,72 @@
+"""Operators' side: retention of finished runs, jobs and activations (bounded batches), the CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from consumer_sdk.jobs import (
+    JobsMetrics,
+    NewJob,
+    Reconciler,
+    WaitFor,
+    accept,
+    activate,
+    enqueue,
+    waits,
+)
+from consumer_sdk.jobs import cli as jobs_cli
+from consumer_sdk.jobs import queue as jobq
+from consumer_sdk.jobs.admin import cleanup, dead_letters
+from tests.integration.jobs._support import at, claim_next, scalar
+
+DAY_S = 86400.0
+
+
+def test_cleanup_deletes_what_ended_long_ago_and_keeps_the_rest(conn, jobs_db):
+    done = accept(conn, owner_id="o", request_key="done", kind="k", body={}, now=at(0))
+    failed = accept(conn, owner_id="o", request_key="failed", kind="k", body={}, now=at(0))
+    enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="k", payload={})], now=at(0))
+    waiting = accept(conn, owner_id="o", request_key="waiting", kind="k", body={}, now=at(0))
+    for job in claim_next(conn, "A", now=at(1), max_concurrency=4):
+        if job.run_id == done.run_id or job.run_id is None:
+            assert jobq.complete(conn, job.lease, result=1, now=at(2))
+        elif job.run_id == failed.run_id:
+            assert jobq.fail(conn, job.lease, reason="permanent_error", error="E: x", error_type="E", now=at(2))
+        else:
+            assert waits.park(conn, job.lease, WaitFor("key-1", "x"), now=at(2)) == "waiting"
+    activate(conn, "old-unused", None, now=at(0))
+
+    assert cleanup(conn, older_than_s=DAY_S, now=at(DAY_S / 2)) == (0, 0)  # nothing old enough
+    assert cleanup(conn, older_than_s=DAY_S, now=at(2 * DAY_S), batch=1) == (2, 1)
+    assert scalar(jobs_db, "SELECT array_agg(request_key ORDER BY request_key) FROM runs") == [
+        "failed", "waiting"]  # a failed job stays while its dead letter does
+    assert len(dead_letters(conn)) == 1 and waiting.created
+    assert scalar(jobs_db, "SELECT count(*) FROM job_activations") == 0
+
+
+def test_cli_reports_runs_reconciles_and_cleans(conn):
+    run = accept(conn, owner_id="o", request_key="r", kind="k", body={"a": 1})
+    out = io.StringIO()
+    assert jobs_cli.main(["runs", "show", str(run.run_id), "--dsn", conn.info.dsn], out=out) == 0
+    assert json.loads(out.getvalue())["status"] == "queued"
+    out = io.StringIO()
+    assert jobs_cli.main(["reconcile", "--dsn", conn.info.dsn], out=out) == 0
+    stats = json.loads(out.getvalue())["stats"]
+    assert {s["queue"]: s["ready"] for s in stats} == {"interactive": 1, "bulk": 0}
+    out = io.StringIO()
+    assert jobs_cli.main(["cleanup", "--older-than-days", "30", "--dsn", conn.info.dsn], out=out) == 0
+    assert json.loads(out.getvalue()) == {"runs_and_jobs_deleted": 0, "activations_deleted": 0}
+    assert jobs_cli.main(["dead-letters", "show", "999", "--dsn", conn.info.dsn], out=io.StringIO()) == 1
+    assert jobs_cli.main(["dead-letters", "list"], out=io.StringIO()) == 2  # no DSN
+
+
+def test_the_reconciler_exports_the_queue_gauges(conn):
+    enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="k", payload={}) for _ in range(3)], now=at(0))
+    enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="k", payload={}, delay_s=60)], now=at(0))
+    metrics = JobsMetrics()
+    Reconciler(queues=["interactive", "bulk"], metrics=metrics, db_now=lambda: at(42)).run_once(conn)
+    sample = metrics.registry.get_sample_value
+    assert sample("outbox_jobs_oldest_pending_age_seconds", {"queue": "bulk"}) == 42.0
+    assert sample("outbox_jobs_pending", {"queue": "bulk"}) == 3  # the delayed one is not due
+    assert sample("outbox_jobs_oldest_pending_age_seconds", {"queue": "interactive"}) == 0.0

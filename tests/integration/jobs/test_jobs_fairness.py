@@ -1,0 +1,83 @@
+"""Test 3 of the issue: 10,000 bulk jobs of one owner do not starve one interactive job of
+another owner, nor one bulk job of another owner; per-owner limits hold across pools."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from consumer_sdk.jobs import JobContext, NewJob, accept, enqueue
+from tests.fixtures.procs import wait_until
+from tests.integration.jobs._support import scalar
+
+BACKLOG = 10_000
+
+
+def _backlog(conn: Any, owner: str = "big-tenant") -> None:
+    enqueue(conn, [NewJob(owner_id=owner, queue="bulk", kind="bulk", payload={"i": i})
+                   for i in range(BACKLOG)])
+
+
+def _handlers(started: dict[str, float]) -> dict[str, Any]:
+    def bulk(ctx: JobContext) -> Any:
+        ctx.sleep(0.02)
+
+    def small(ctx: JobContext) -> Any:
+        started[ctx.job.owner_id] = time.monotonic()
+
+    return {"bulk": bulk, "small": small}
+
+
+def test_one_interactive_job_starts_within_seconds_behind_10000_bulk_jobs(conn, pools, jobs_db):
+    _backlog(conn)
+    started: dict[str, float] = {}
+    pools(_handlers(started), max_concurrency=4, queue_limits={"bulk": 3}, poll_interval_s=2.0)
+    wait_until(lambda: scalar(jobs_db, "SELECT count(*) FROM jobs WHERE status = 'succeeded'") >= 20,
+               timeout_s=20, message="the bulk backlog is not being worked")
+    accepted_at = time.monotonic()
+    accept(conn, owner_id="small-tenant", request_key="one", kind="small", body={})
+    wait_until(lambda: "small-tenant" in started, timeout_s=10, message="the interactive job never started")
+    print(f"interactive job started {started['small-tenant'] - accepted_at:.3f}s after accept")
+    assert started["small-tenant"] - accepted_at < 3.0
+    assert scalar(jobs_db, "SELECT count(*) FROM jobs WHERE status = 'queued'") > BACKLOG / 2
+
+
+def test_one_bulk_job_of_another_owner_is_not_starved_by_10000(conn, pools, jobs_db):
+    _backlog(conn)
+    started: dict[str, float] = {}
+    pools(_handlers(started), max_concurrency=3, queues=("bulk",), poll_interval_s=2.0)
+    wait_until(lambda: scalar(jobs_db, "SELECT count(*) FROM jobs WHERE status = 'succeeded'") >= 20,
+               timeout_s=20, message="the bulk backlog is not being worked")
+    accepted_at = time.monotonic()
+    accept(conn, owner_id="small-tenant", request_key="one", kind="small", body={}, queue="bulk")
+    wait_until(lambda: "small-tenant" in started, timeout_s=10, message="the small tenant was starved")
+    print(f"small tenant's bulk job started {started['small-tenant'] - accepted_at:.3f}s after accept")
+    assert started["small-tenant"] - accepted_at < 3.0
+
+
+def test_the_owner_limit_holds_across_pools(conn, pools, jobs_db):
+    """Two pools with 4 slots each; owner limit 2: never more than 2 of one owner at once."""
+    running: dict[str, int] = {}
+    peak: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def hold(ctx: JobContext) -> Any:
+        owner = ctx.job.owner_id
+        with lock:
+            running[owner] = running.get(owner, 0) + 1
+            peak[owner] = max(peak.get(owner, 0), running[owner])
+        try:
+            ctx.sleep(0.03)
+        finally:
+            with lock:
+                running[owner] -= 1
+
+    owners = ["t1", "t2", "t3"]
+    enqueue(conn, [NewJob(owner_id=o, queue="bulk", kind="hold", payload={}) for o in owners
+                   for _ in range(30)])
+    for _ in range(2):
+        pools({"hold": hold}, max_concurrency=4, owner_limit=2, poll_interval_s=0.2)
+    wait_until(lambda: scalar(jobs_db, "SELECT count(*) FROM jobs WHERE status = 'succeeded'") == 90,
+               timeout_s=40, message="not all jobs completed")
+    assert max(peak.values()) == 2, peak  # reached, never exceeded
