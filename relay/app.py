@@ -18,7 +18,7 @@ from tenacity import RetryCallState, wait_exponential_jitter
 
 from relay import __version__
 from relay.config import Settings, mask_dsn, masked_properties, producer_config
-from relay.errors import DatabaseUnavailable, FatalError, RelayError
+from relay.errors import ConfigError, DatabaseUnavailable, FatalError, RelayError
 from relay.http import HealthServer
 from relay.janitor import Janitor
 from relay.leases import LeaseManager
@@ -52,6 +52,7 @@ class Relay:
         self.http: HealthServer | None = None
         self.janitor: Janitor | None = None
         self.fatal: RelayError | None = None
+        self.stop_signal: str | None = None
         self.pending = 0
         self.db_up = False
         self.broker_up = True
@@ -86,9 +87,13 @@ class Relay:
                       pipeline_depth=s.pipeline_depth, lease_duration_s=s.lease_duration_s)
         self.publisher = Publisher(producer_config(s), on_client_error=self._client_error)
         if s.metrics_port:
-            self.http = HealthServer(host=s.metrics_host, port=s.metrics_port,
-                                     registry=self.metrics.registry, health=self.health,
-                                     ready=self.ready)
+            try:
+                self.http = HealthServer(host=s.metrics_host, port=s.metrics_port,
+                                         registry=self.metrics.registry, health=self.health,
+                                         ready=self.ready)
+            except OSError as exc:
+                raise ConfigError(f"--metrics-host/--metrics-port: cannot listen on "
+                                  f"{s.metrics_host}:{s.metrics_port}: {exc.strerror or exc}") from None
             self.http.start()
             self.log.info("http_listening", host=s.metrics_host, port=self.http.port)
         nshards = self._retry_db(self.store.check_schema)
@@ -186,6 +191,7 @@ class Relay:
                     self.pump.request_rewind()
                     self._wait_serving(self._next_wait())
             if self.fatal is not None:
+                self._release_quietly()
                 raise self.fatal
             self._shutdown()
             return 0
@@ -284,6 +290,8 @@ class Relay:
                 self._stop.wait(min(0.1, max(0.0, deadline - self.clock())))
 
     def _shutdown(self) -> None:
+        if self.stop_signal is not None:
+            self.log.info("signal_received", signal=self.stop_signal)
         if self.pump is None or self.leases is None:
             return
         in_flight = self.pump.rows_in_flight()
@@ -297,6 +305,14 @@ class Relay:
         except DatabaseUnavailable as exc:
             self.log.warning("relay_stopped_without_marking", error=str(exc),
                              note="unmarked rows stay pending and will be published again")
+
+    def _release_quietly(self) -> None:
+        """On a fatal error, give the leases back so a healthy peer takes over at once."""
+        if self.leases is not None:
+            try:
+                self.leases.release_all()
+            except RelayError:
+                pass  # they expire after one lease duration anyway
 
     # -- probes ---------------------------------------------------------------------------
 
@@ -319,7 +335,9 @@ class Relay:
 
 def install_signal_handlers(relay: Relay) -> None:
     def handler(signum: int, frame: Any) -> None:
-        relay.log.info("signal_received", signal=signal.Signals(signum).name)
+        # No logging here: the handler may interrupt the main thread inside a log call
+        # that holds the output lock, and logging again would deadlock. run() logs it.
+        relay.stop_signal = signal.Signals(signum).name
         relay.stop()
 
     signal.signal(signal.SIGTERM, handler)

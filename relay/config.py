@@ -102,7 +102,7 @@ def _log_format(text: str) -> str:
     return text
 
 
-_TABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}(\.[A-Za-z_][A-Za-z0-9_$]{0,62})?$")
+_TABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}(\.[A-Za-z_][A-Za-z0-9_$]{0,62})?\Z")
 
 
 def _table_name(text: str) -> str:
@@ -342,7 +342,7 @@ def producer_config(settings: Settings) -> dict[str, str]:
         given = config.get(name)
         if given is not None and given.lower() != value:
             raise ConfigError(
-                f"kafka property {name}={given} would break the relay's delivery guarantee; "
+                f"kafka property {name}={given!r} would break the relay's delivery guarantee; "
                 f"it must be {value}"
             )
         config[name] = value

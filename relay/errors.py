@@ -35,6 +35,10 @@ class SchemaMissing(FatalError):
     exit_code = 3
 
 
+class PermissionDenied(FatalError):
+    """The database role lacks a privilege this operation needs."""
+
+
 class AuthenticationFailed(FatalError):
     """The database rejected the credentials."""
 

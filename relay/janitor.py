@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from relay.errors import PermissionDenied
 from relay.metrics import RelayMetrics
 
 
@@ -41,7 +42,15 @@ class Janitor:
         outbox_default and of days whose partition still holds pending rows); returns rows
         deleted."""
         if self.partitioned:
-            report = self.store.maintain_partitions(retention_s=self.retention_s)
+            try:
+                report = self.store.maintain_partitions(retention_s=self.retention_s)
+            except PermissionDenied as exc:
+                # A least-privilege relay role may not create or drop partitions: the
+                # owner runs `outbox-relay cleanup` instead (sql/roles/outbox_relay_role.sql).
+                self.partitioned = False
+                if self.log is not None:
+                    self.log.warning("partition_maintenance_refused", error=str(exc))
+                return 0
             if self.log is not None and (report.created or report.dropped or report.default_rows):
                 self.log.info("partitions_maintained", created=report.created, dropped=report.dropped,
                               kept_pending=report.kept_pending, lock_missed=report.lock_missed,

@@ -76,6 +76,8 @@ def encode_headers(row: OutboxRow) -> list[tuple[str, str | bytes | None]]:
         headers = json.loads(row.headers_json)
     except ValueError as exc:
         raise BadRow(f"headers are not valid JSON: {exc}") from None
+    except RecursionError:  # jsonb nests deeper than Python's json can follow
+        raise BadRow("headers are nested too deeply to decode") from None
     if not isinstance(headers, dict):
         raise BadRow("headers must be a JSON object of strings")
     encoded: list[tuple[str, str | bytes | None]] = []

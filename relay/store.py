@@ -25,6 +25,7 @@ from relay.errors import (
     AuthenticationFailed,
     DatabaseUnavailable,
     FatalError,
+    PermissionDenied,
     SchemaMissing,
 )
 from relay.model import Cursor, Lease, OutboxRow, RowId, ShardId, Token
@@ -81,7 +82,7 @@ def translated() -> Iterator[None]:
             f"the outbox schema is missing ({exc.diag.message_primary}): run `outbox-relay migrate`"
         ) from None
     except psycopg.errors.InsufficientPrivilege as exc:
-        raise FatalError(f"permission denied: {exc.diag.message_primary}") from None
+        raise PermissionDenied(f"permission denied: {exc.diag.message_primary}") from None
     except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
         raise DatabaseUnavailable(f"database connection lost: {mask_text(str(exc).strip())}") from exc
 

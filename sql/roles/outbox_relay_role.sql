@@ -1,8 +1,8 @@
 -- The relay's least-privilege role: NOLOGIN group role "outbox_relay".
 --
 -- Run once per database, after `outbox-relay migrate`, as the role that owns the
--- outbox tables (or a superuser): psql -f, or one execute() from any driver (no
--- psql meta-commands, no parameters).  Idempotent and convergent: every run first
+-- outbox tables and may create roles and grant pg_read_all_stats (or a superuser):
+-- psql -f, or one execute() from any driver (no psql meta-commands, no parameters).  Idempotent and convergent: every run first
 -- revokes whatever the role held on the relay's tables, then grants exactly the
 -- list below, so an older, wider grant does not survive a re-run.  The tables are
 -- looked up in current_schema(), where the relay finds them through search_path.
@@ -43,7 +43,7 @@
 --         GRANT DELETE ON outbox_dead_letters TO outbox_relay_operator;
 --   * anything on outbox_schema_migrations: only `migrate` reads it, and migrate
 --     needs the owner role anyway (CREATE on the schema).  `run`, `status`,
---     `cleanup` and `dead-letters list|show` work under this role.
+--     `cleanup` (plain outbox) and `dead-letters list|show` work under this role.
 --   * anything on outbox_inbox (the consumer SDK's table) or other tables.
 --   * CREATE on the database or the schema.  PostgreSQL 15 and later no longer
 --     give PUBLIC the CREATE privilege on schema public; on older servers run
@@ -78,8 +78,14 @@ BEGIN
             NULL;  -- created meanwhile by a concurrent run of this script
         END;
     END IF;
-    -- A group role never logs in, and never holds more than it was granted here.
-    ALTER ROLE outbox_relay NOLOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+    -- A group role never logs in and holds no role attribute.  Altered only when needed:
+    -- changing some attributes takes a superuser, even to the value they already have.
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_relay'
+               AND (rolcanlogin OR rolsuper OR rolcreatedb OR rolcreaterole
+                    OR rolreplication OR rolbypassrls)) THEN
+        ALTER ROLE outbox_relay NOLOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION
+            NOBYPASSRLS;
+    END IF;
     IF NOT pg_catalog.pg_has_role('outbox_relay', 'pg_read_all_stats', 'MEMBER') THEN
         GRANT pg_read_all_stats TO outbox_relay;
     END IF;
