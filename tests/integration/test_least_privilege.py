@@ -30,7 +30,6 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from relay import migrate
-from relay.errors import FatalError
 from relay.queries import sql_dir
 from tests.fixtures.broker import read_all
 from tests.fixtures.outbox import (

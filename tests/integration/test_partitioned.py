@@ -4,7 +4,7 @@ the plain one, and kept by dropping whole past partitions once fully published."
 from __future__ import annotations
 
 import subprocess
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 
@@ -32,8 +32,8 @@ def partitions(dsn: str) -> list[str]:
 def test_relay_works_on_a_partitioned_outbox_and_cleanup_drops_old_days(db_dsn, broker, topic):
     migrate.apply(db_dsn, partitioned=True)
     assert scalar(db_dsn, "SELECT relkind FROM pg_class WHERE oid = 'outbox'::regclass") == "p"
-    today = f"outbox_p{datetime.now(timezone.utc):%Y%m%d}"
-    week = f"outbox_p{datetime.now(timezone.utc) + timedelta(days=7):%Y%m%d}"
+    today = f"outbox_p{datetime.now(UTC):%Y%m%d}"
+    week = f"outbox_p{datetime.now(UTC) + timedelta(days=7):%Y%m%d}"
     assert {today, week} <= set(partitions(db_dsn))  # migrate created the coming days
     with psycopg.connect(db_dsn, autocommit=True) as conn:
         conn.execute(f"DROP TABLE {week}")  # noqa: S608 - the relay's maintenance recreates it
@@ -54,17 +54,17 @@ def test_relay_works_on_a_partitioned_outbox_and_cleanup_drops_old_days(db_dsn, 
     # Two past days: one fully published, one with a pending row.  Retention of 1 hour.
     with psycopg.connect(db_dsn, autocommit=True) as conn:
         for days in (3, 2):
-            day = (datetime.now(timezone.utc) - timedelta(days=days)).date()
+            day = (datetime.now(UTC) - timedelta(days=days)).date()
             conn.execute(f"CREATE TABLE outbox_p{day:%Y%m%d} PARTITION OF outbox FOR VALUES "  # noqa: S608
                          f"FROM ('{day}') TO ('{day + timedelta(days=1)}')")
             conn.execute("INSERT INTO outbox (topic, key, payload, created_at, published_at) "
                          "VALUES ('old', 'k', '{}', %s, %s)",
-                         (datetime.combine(day, datetime.min.time(), tzinfo=timezone.utc),) * 2)
-        old_pending = (datetime.now(timezone.utc) - timedelta(days=2)).date()
+                         (datetime.combine(day, datetime.min.time(), tzinfo=UTC),) * 2)
+        old_pending = (datetime.now(UTC) - timedelta(days=2)).date()
         conn.execute("UPDATE outbox SET published_at = NULL WHERE created_at::date = %s", (old_pending,))
     out = subprocess.run(relay_cmd("cleanup", "--dsn", db_dsn, "--cleanup-retention-s", "3600"),
                          capture_output=True, text=True, check=True)
-    three_days_ago = (datetime.now(timezone.utc) - timedelta(days=3)).date()
+    three_days_ago = (datetime.now(UTC) - timedelta(days=3)).date()
     assert f"dropped: outbox_p{three_days_ago:%Y%m%d}" in out.stdout
     assert f"kept (rows pending): outbox_p{old_pending:%Y%m%d}" in out.stdout
     left = partitions(db_dsn)
