@@ -35,8 +35,9 @@ NOTIFY_CHANNEL = "outbox_relay"
 
 # Connection-time refusals that are still worth waiting for.
 _TRANSIENT_FATAL = re.compile(
-    r"starting up|shutting down|in recovery|too many (connections|clients)|"
-    r"terminating connection|administrator command",
+    r"starting up|shutting down|in recovery|recovery mode|not yet accepting connections|"
+    r"too many (connections|clients)|remaining connection slots|"
+    r"terminating connection|administrator command|cannot connect now",
     re.IGNORECASE,
 )
 _AUTH = re.compile(r"password authentication failed|authentication failed|no pg_hba.conf entry",

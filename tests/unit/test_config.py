@@ -118,3 +118,27 @@ def test_mask_dsn_hides_passwords(dsn) -> None:
 def test_settings_repr_hides_the_dsn_password() -> None:
     s = build_settings({"dsn": DSN, "bootstrap_servers": "k"})
     assert "s3cret" not in repr(s)
+
+
+@pytest.mark.parametrize(
+    ("server_says", "kind"),
+    [
+        ("FATAL:  the database system is starting up", "DatabaseUnavailable"),
+        ("FATAL:  the database system is not yet accepting connections", "DatabaseUnavailable"),
+        ("FATAL:  the database system is in recovery mode", "DatabaseUnavailable"),
+        ("FATAL:  the database system is shutting down", "DatabaseUnavailable"),
+        ("FATAL:  sorry, too many clients already", "DatabaseUnavailable"),
+        ("FATAL:  remaining connection slots are reserved for roles with SUPERUSER", "DatabaseUnavailable"),
+        ("Connection refused", "DatabaseUnavailable"),
+        ("FATAL:  password authentication failed for user \"relay\"", "AuthenticationFailed"),
+        ("FATAL:  database \"nope\" does not exist", "FatalError"),
+    ],
+)
+def test_connection_failures_are_classified_by_what_the_server_said(server_says, kind) -> None:
+    import psycopg
+
+    from relay.store import translate_connect_error
+
+    error = translate_connect_error(psycopg.OperationalError(
+        f'connection to server at "127.0.0.1", port 5432 failed: {server_says}'))
+    assert type(error).__name__ == kind
