@@ -295,10 +295,14 @@ class InboxConsumer:
         revoked = {(tp.topic, tp.partition) for tp in partitions}
         self._commit_pending(consumer, revoked)
         self._forget(revoked, "revoke")
+        # librdkafka keeps a partition's pause flag across revoke and re-assign: a
+        # partition revoked during a back-off would come back paused and silent.
+        consumer.resume(partitions)
         self.log.info("partitions_revoked", partitions=kafka.names(partitions))
 
-    def _on_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._forget({(tp.topic, tp.partition) for tp in partitions}, "lost")
+        consumer.resume(partitions)  # as in _on_revoke: never come back paused
         self.log.warning("partitions_lost", partitions=kafka.names(partitions))
 
     def _forget(self, parts: set[TopicPart], kind: str) -> None:
