@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 import psycopg.errors
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 
 from relay.config import mask_text
 from relay.errors import (
@@ -145,22 +145,16 @@ class Store:
         self.close()
 
     def _fetch(self, group: str, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-        with translated():
-            try:
-                cur = self.conn.cursor(row_factory=dict_row)
-                self.queries += 1
-                self._on_statement()
-                cur.execute(compose(group, name, table=self.table), params)
-                return cur.fetchall() if cur.description else []
-            except (psycopg.OperationalError, psycopg.InterfaceError):
-                self.reset()
-                raise
+        return self._execute(group, name, params, dict_row)
 
     def _fetch_tuples(self, group: str, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Like _fetch, as plain tuples (the claim's hot path)."""
+        return self._execute(group, name, params, tuple_row)
+
+    def _execute(self, group: str, name: str, params: dict[str, Any], row_factory: Any) -> list[Any]:
         with translated():
             try:
-                cur = self.conn.cursor()
+                cur = self.conn.cursor(row_factory=row_factory)
                 self.queries += 1
                 self._on_statement()
                 cur.execute(compose(group, name, table=self.table), params)
