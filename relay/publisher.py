@@ -94,6 +94,11 @@ def encode_headers(row: OutboxRow) -> list[tuple[str, str | bytes | None]]:
     return encoded
 
 
+def _one_line(text: str) -> str:
+    """librdkafka's messages may end in a newline; an error is one line."""
+    return " ".join(text.split())
+
+
 def classify(error: KafkaError) -> Outcome:
     code = error.code()
     message = error.str()
@@ -130,9 +135,9 @@ class Publisher:
         try:
             return Producer(config)
         except KafkaException as exc:
-            raise ConfigError(f"invalid Kafka configuration: {exc.args[0].str()}") from None
+            raise ConfigError(f"invalid Kafka configuration: {_one_line(exc.args[0].str())}") from None
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"invalid Kafka configuration: {exc}") from None
+            raise ConfigError(f"invalid Kafka configuration: {_one_line(str(exc))}") from None
 
     def _error_cb(self, error: KafkaError) -> None:
         code = error.code()
