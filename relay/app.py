@@ -46,6 +46,9 @@ class Relay:
         self.stopped = threading.Event()
         self.store = Store(settings.dsn, application_name=f"outbox-relay:{settings.owner}",
                            on_statement=self.metrics.db_statements.inc, table=settings.table)
+        # Marks run on their own connection while the pump claims (see relay/pump.py).
+        self.mark_store = Store(settings.dsn, application_name=f"outbox-relay:{settings.owner}:mark",
+                                on_statement=self.metrics.db_statements.inc, table=settings.table)
         self.publisher: Publisher | None = None
         self.pump: Pump | None = None
         self.leases: LeaseManager | None = None
@@ -112,7 +115,8 @@ class Relay:
                          nshards=nshards, batch_size=s.batch_size, pipeline_depth=s.pipeline_depth,
                          max_attempts=s.max_attempts, backoff_initial_s=s.backoff_initial_s,
                          backoff_max_s=s.backoff_max_s, metrics=self.metrics, log=self.log,
-                         clock=self.clock, dead_letter_topic=s.dead_letter_topic)
+                         clock=self.clock, dead_letter_topic=s.dead_letter_topic,
+                         mark_store=self.mark_store)
         partitioned = s.table == "outbox" and self._retry_db(self.store.is_partitioned)
         if s.cleanup_retention_s or partitioned:
             # A partitioned outbox always gets its coming days' partitions created.
@@ -153,7 +157,7 @@ class Relay:
             self.log.warning("database_unavailable", error=str(exc))
         self.db_up = False
         self.metrics.database_up.set(0)
-        self.store.reset()
+        self.store.reset()  # the mark connection resets itself, on its own thread
 
     def _client_error(self, state: str, message: str, fatal: bool) -> None:
         if fatal:
@@ -196,7 +200,10 @@ class Relay:
             self._shutdown()
             return 0
         finally:
+            if self.pump is not None:
+                self.pump.close()
             self.store.close()
+            self.mark_store.close()
             if self.http is not None:
                 self.http.stop()
             self.stopped.set()
@@ -241,7 +248,7 @@ class Relay:
             self._empty_claims = 0
             if self.store.sleeping:
                 self.store.set_sleeping(False)
-        elif not self.pump.in_flight:
+        elif not self.pump.busy():
             self._empty_claims += 1
         if result.claimed == 0:
             self._idle_wait(now)
@@ -263,7 +270,7 @@ class Relay:
         if self.pump.claim_not_before > now:
             until = min(until, self.pump.claim_not_before)
         timeout = max(0.0, until - self.clock())
-        if self.pump.in_flight:
+        if self.pump.busy():
             self.pump.wait(min(timeout, 0.05))
             return
         if self.pump.rewind_requested and self.pump.idle():

@@ -16,6 +16,7 @@ Figures (each the median of ``--runs`` runs):
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import os
@@ -25,13 +26,14 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 
 from relay import migrate
-from relay.config import build_settings, producer_config
+from relay.config import DEFAULT_PIPELINE_DEPTH, build_settings, producer_config
 from relay.model import Cursor, ShardId
 from relay.queries import query
 from relay.store import Store
@@ -110,27 +112,38 @@ class Bench:
     # -- 1. database floor -----------------------------------------------------------------
 
     def db_floor(self) -> float:
+        """The relay's database work in the relay's shape: claims on one connection,
+        marks on a second one in a background thread, up to the pipeline depth queued."""
+        from relay.model import Lease, Token
+
         with self.fresh_db() as dsn:
             self.load(dsn, self.args.rows)
-            store = Store(dsn)
+            store, mark_store = Store(dsn), Store(dsn)
             try:
                 leases = store.claim_shards(owner="bench", limit=4096, lease_s=600)
-                from relay.model import Lease, Token
-
                 held = [Lease(ShardId(s), Token(t), 0.0) for s, t in leases.items()]
                 shards = sorted(leases)
                 started = time.perf_counter()
                 moved = 0
-                while True:
-                    rows = store.claim(shards=shards, nshards=len(shards), after=Cursor(),
-                                       limit=self.args.batch_size)
-                    if not rows:
-                        break
-                    _, marked = store.mark_published(owner="bench", leases=held, rows=rows)
-                    moved += len(marked)
+                marking: collections.deque[Future[tuple[Any, set[Any]]]] = collections.deque()
+                cursor = Cursor()
+                with ThreadPoolExecutor(1) as marker:
+                    while True:
+                        rows = store.claim(shards=shards, nshards=len(shards), after=cursor,
+                                           limit=self.args.batch_size, mark_pid=mark_store.backend_pid)
+                        if not rows:
+                            break
+                        cursor = Cursor.after(rows[-1])
+                        marking.append(marker.submit(mark_store.mark_published, owner="bench",
+                                                     leases=held, rows=rows))
+                        while len(marking) >= DEFAULT_PIPELINE_DEPTH or (marking and marking[0].done()):
+                            moved += len(marking.popleft().result()[1])
+                    while marking:
+                        moved += len(marking.popleft().result()[1])
                 elapsed = time.perf_counter() - started
             finally:
                 store.close()
+                mark_store.close()
         return moved / elapsed
 
     # -- 2. producer floor -----------------------------------------------------------------
@@ -187,31 +200,24 @@ class Bench:
     # -- 4. latency ---------------------------------------------------------------------------
 
     def latency(self) -> dict[str, dict[str, float]]:
-        from relay.app import Relay
-        from relay.metrics import RelayMetrics
-
+        """A real relay process (its own interpreter, as deployed) under a steady write load."""
         with self.fresh_db() as dsn:
-            settings = build_settings({"dsn": dsn, "bootstrap_servers": self.bootstrap,
-                                       "metrics_port": "0", "batch_size": str(self.args.batch_size)})
-            relay = Relay(settings, metrics=RelayMetrics())
-            relay.start()
-            runner = threading.Thread(target=relay.run, daemon=True)
-            runner.start()
-            received: dict[str, float] = {}
-            stop = threading.Event()
-            topic = self.topic + ".latency"
-            reader = threading.Thread(target=_consume, args=(self.bootstrap, topic, received, stop),
-                                      daemon=True)
-            reader.start()
-            try:
-                committed = _write_steadily(dsn, topic, self.args.rate, self.args.latency_s,
-                                            self.args.payload_bytes, self.args.keys)
-                _wait(lambda: len(received) >= len(committed), 60, None)
-            finally:
-                stop.set()
-                relay.stop()
-                runner.join(30)
-                reader.join(10)
+            with relay_process(dsn, self.bootstrap,
+                               batch_size=str(self.args.batch_size)) as (proc, scrape):
+                _wait(lambda: scrape("outbox_relay_build_info") > 0, 60, proc)
+                received: dict[str, float] = {}
+                stop = threading.Event()
+                topic = self.topic + ".latency"
+                reader = threading.Thread(target=_consume, args=(self.bootstrap, topic, received, stop),
+                                          daemon=True)
+                reader.start()
+                try:
+                    committed = _write_steadily(dsn, topic, self.args.rate, self.args.latency_s,
+                                                self.args.payload_bytes, self.args.keys)
+                    _wait(lambda: len(received) >= len(committed), 60, proc)
+                finally:
+                    stop.set()
+                    reader.join(10)
             with psycopg.connect(dsn) as conn:
                 marked: dict[str, float] = dict(conn.execute(query("demo", "bench_latency"),
                                            {"event_ids": list(committed)}).fetchall())

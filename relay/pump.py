@@ -5,6 +5,12 @@ after a cursor in (xid, id) order, so in-flight rows are not claimed twice.  The
 cursor is gapless because claims only see rows of transactions older than every
 transaction still running: nothing that commits later can sort before it.
 
+Marks run on a second connection, in a single background thread, while the pump
+claims and produces the next batches: a batch's mark and the next claim then cost
+the database's two statements at once instead of one after the other.  Marks are
+applied (leases lost to fencing, metrics) on the pump's thread, in batch order; a
+batch awaiting its mark still counts as in flight, so no rewind claims its rows again.
+
 Per-key order: the producer is idempotent, so rows of one partition reach the
 broker in produce order.  When a row fails, no later row of its key is produced
 in that batch, the pump stops claiming, waits for what is in flight, and rewinds
@@ -20,18 +26,21 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from relay.leases import LeaseManager
+from relay.marker import Marker, MarkOutcome, MarkStore, mark_rows
 from relay.metrics import RelayMetrics
 from relay.model import START, BatchResult, Cursor, Lease, OutboxRow, RowId, ShardId, Token
 from relay.publisher import DeliveryCallback, Outcome
 
 
-class PumpStore(Protocol):
-    def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int) -> list[OutboxRow]: ...
-    def mark_published(self, *, owner: str, leases: Any, rows: Any) -> tuple[set[ShardId], set[RowId]]: ...
+class PumpStore(MarkStore, Protocol):
+    def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int,
+              mark_pid: int | None = None) -> list[OutboxRow]: ...
     def record_failure(self, *, owner: str, lease: Lease, row: OutboxRow, error: str, backoff_s: float) -> int | None: ...
     def dead_letter(self, *, owner: str, lease: Lease, row: OutboxRow, reason: str, error: str) -> bool: ...
 
@@ -71,6 +80,15 @@ class InFlight:
         return {row.shard for row in self.rows}
 
 
+@dataclass(slots=True)
+class PendingMark:
+    """A settled batch whose acknowledged rows are being marked."""
+
+    batch: InFlight
+    acked: list[OutboxRow]
+    future: Future[MarkOutcome]
+
+
 class Pump:
     """Claims, produces and marks.  ``run_once`` never blocks for long; the caller waits."""
 
@@ -91,7 +109,10 @@ class Pump:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         dead_letter_topic: str | None = None,
+        mark_store: MarkStore | None = None,
     ) -> None:
+        """``mark_store``: a second connection to mark on in the background (None: mark
+        synchronously on ``store``)."""
         self.dead_letter_topic = dead_letter_topic
         self.store = store
         self.publisher = publisher
@@ -108,6 +129,9 @@ class Pump:
         self.wall_clock = wall_clock
         self.cursor: Cursor = START
         self.in_flight: deque[InFlight] = deque()
+        self.marking: deque[PendingMark] = deque()
+        self.mark_store = mark_store
+        self._marker = Marker(mark_store, leases.owner) if mark_store is not None else None
         self.rewind_requested = False
         self.caught_up = False
         self.claim_not_before = 0.0
@@ -124,17 +148,24 @@ class Pump:
         busy: set[ShardId] = set()
         for batch in self.in_flight:
             busy |= batch.shards()
+        for pending in self.marking:
+            busy |= pending.batch.shards()
         return busy
 
+    def busy(self) -> bool:
+        """Rows produced and not yet acknowledged, or acknowledged and not yet marked."""
+        return bool(self.in_flight or self.marking)
+
     def rows_in_flight(self) -> int:
-        return sum(batch.waiting for batch in self.in_flight)
+        return (sum(batch.waiting for batch in self.in_flight)
+                + sum(len(pending.acked) for pending in self.marking))
 
     def request_rewind(self) -> None:
         self.rewind_requested = True
 
     def idle(self) -> bool:
         """Nothing in flight and the last claim found the backlog drained."""
-        return not self.in_flight and (self.caught_up or not self.leases.leases)
+        return not self.busy() and (self.caught_up or not self.leases.leases)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -143,8 +174,9 @@ class Pump:
         result = BatchResult()
         self.publisher.poll(0)
         self._settle_done(result)
+        self._collect_marks(result)
         now = self.clock()
-        if not self.in_flight:
+        if not self.busy():
             due_retry = self.retry_wakeup is not None and now >= self.retry_wakeup
             if self.rewind_requested or due_retry or self.caught_up:
                 self.cursor = START
@@ -159,11 +191,22 @@ class Pump:
         return result
 
     def wait(self, timeout_s: float) -> None:
-        """Serve delivery reports while rows are in flight (returns early on one)."""
-        self.publisher.poll(max(0.0, timeout_s))
+        """Serve delivery reports while rows are in flight (returns early on one), or
+        wait for the oldest mark when every produced row is reported."""
+        timeout_s = max(0.0, timeout_s)
+        if self.marking and all(batch.done for batch in self.in_flight):
+            wait_futures([self.marking[0].future], timeout=timeout_s)
+        else:
+            self.publisher.poll(timeout_s)
+
+    def close(self) -> None:
+        """Stop the mark thread (after the marks already submitted)."""
+        if self._marker is not None:
+            self._marker.close()
 
     def _may_claim(self, now: float) -> bool:
         return (len(self.in_flight) < self.pipeline_depth
+                and len(self.marking) < self.pipeline_depth
                 and not self.rewind_requested
                 and now >= self.claim_not_before)
 
@@ -173,7 +216,8 @@ class Pump:
             return
         started = time.perf_counter()
         rows = self.store.claim(shards=sorted(lease.shard for lease in usable),
-                                nshards=self.nshards, after=self.cursor, limit=self.batch_size)
+                                nshards=self.nshards, after=self.cursor, limit=self.batch_size,
+                                mark_pid=self.mark_store.backend_pid if self.mark_store else None)
         self.metrics.claim_duration.observe(time.perf_counter() - started)
         self.caught_up = len(rows) < self.batch_size
         if not rows:
@@ -229,17 +273,33 @@ class Pump:
                     self.failed_keys.add(row.key)
         result.acked += len(acked)
         if acked:
-            self._mark(batch, acked, result)
+            self._mark(batch, acked)
         if failed:
             self._handle_failures(batch, failed, result)
         else:
             self.transient_streak = 0
 
-    def _mark(self, batch: InFlight, acked: list[OutboxRow], result: BatchResult) -> None:
-        leases = [Lease(shard, token, 0.0) for shard, token in batch.tokens.items()]
-        started = time.perf_counter()
-        held, marked = self.store.mark_published(owner=self.leases.owner, leases=leases, rows=acked)
-        self.metrics.mark_duration.observe(time.perf_counter() - started)
+    def _mark(self, batch: InFlight, acked: list[OutboxRow]) -> None:
+        """Mark ``acked`` in the background (or at once without a mark store)."""
+        if self._marker is not None:
+            future = self._marker.submit(batch.tokens, acked)
+        else:
+            leases = [Lease(shard, token, 0.0) for shard, token in batch.tokens.items()]
+            future = Future()
+            future.set_result(mark_rows(self.store, self.leases.owner, leases, acked))
+        self.marking.append(PendingMark(batch, acked, future))
+
+    def _collect_marks(self, result: BatchResult) -> None:
+        """Apply finished marks in batch order.  A failed mark raises its error here,
+        after leaving the queue: its rows stay pending and are claimed again."""
+        while self.marking and self.marking[0].future.done():
+            pending = self.marking.popleft()
+            self._apply_mark(pending, pending.future.result(), result)
+
+    def _apply_mark(self, pending: PendingMark, outcome: MarkOutcome, result: BatchResult) -> None:
+        acked = pending.acked
+        held, marked, took = outcome
+        self.metrics.mark_duration.observe(took)
         lost = {row.shard for row in acked} - held
         if lost:
             fenced = sum(1 for row in acked if row.shard in lost)
@@ -340,6 +400,8 @@ class Pump:
             batch = self.in_flight.popleft()
             acked = [row for row in batch.rows if batch.outcomes.get(row.id, Outcome(ok=False)).ok]
             if acked:
-                self._mark(batch, acked, result)
+                self._mark(batch, acked)
+        wait_futures([pending.future for pending in self.marking])
+        self._collect_marks(result)
         self.totals.add(result)
         return result

@@ -177,10 +177,19 @@ class Store:
 
     # -- outbox ---------------------------------------------------------------------------
 
+    @property
+    def backend_pid(self) -> int | None:
+        """The server process of the main connection, None when not connected."""
+        conn = self._conn
+        return None if conn is None or conn.closed else int(conn.info.backend_pid)
+
     def claim(self, *, shards: Sequence[ShardId], nshards: int, after: Cursor,
-              limit: int) -> list[OutboxRow]:
+              limit: int, mark_pid: int | None = None) -> list[OutboxRow]:
+        """Pending rows in (xid, id) order after ``after``.  ``mark_pid``: the backend
+        of this relay's mark connection, whose open transaction does not hold claims back."""
         all_shards = len(shards) == nshards
         rows = self._fetch_tuples("relay", "claim_batch", {
+            "mark_pid": mark_pid,
             "nshards": nshards,
             "shards": list(shards),
             "all_shards": all_shards,

@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -418,13 +419,16 @@ def _partitions(consumer: Consumer, topic: str, deadline: float) -> list[int]:
 def read_all(
     bootstrap: str,
     topic: str,
-    expected: int,
+    expected: int | Collection[str],
     timeout_s: float = 30.0,
     *,
     extra_wait_s: float = 0.0,
     isolation_level: str = "read_committed",
 ) -> list[KafkaRecord]:
     """Read `topic` from the beginning of every partition until `expected` records arrived.
+
+    `expected` is a count, or the event ids (header ``event_id``) to wait for: with
+    at-least-once delivery, redelivered copies make a count reach its target early.
 
     Uses assign() (no consumer group, no rebalance: fast on tansu). Stops at `expected`
     or at the timeout, whichever comes first, and returns what it got, ordered by
@@ -454,9 +458,10 @@ def read_all(
             return []
         consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
         stop_at: float | None = None
+        count, awaited = (expected, None) if isinstance(expected, int) else (0, set(expected))
         while True:
             now = time.monotonic()
-            if stop_at is None and len(records) >= expected:
+            if stop_at is None and (not awaited if awaited is not None else len(records) >= count):
                 stop_at = now + extra_wait_s
             limit = deadline if stop_at is None else min(deadline, stop_at)
             if now >= limit:
@@ -480,6 +485,8 @@ def read_all(
                         timestamp_ms=ts if ts_type != 0 else None,
                     )
                 )
+                if awaited is not None:
+                    awaited.discard(records[-1].headers.get("event_id", b"").decode(errors="replace"))
     finally:
         consumer.close()
     records.sort(key=lambda r: (r.partition, r.offset))

@@ -11,7 +11,8 @@
 -- commits later can sort before them), after the pipelining cursor.
 -- Transaction ids are cluster-wide, so "in flight" leaves out what provably cannot
 -- write this outbox: transactions of backends connected to other databases, and
--- autovacuum workers (their ANALYZE holds an xid for a while).  A role that may not
+-- autovacuum workers (their ANALYZE holds an xid for a while), and the relay's own
+-- mark connection (%(mark_pid)s: it only marks rows, never inserts).  A role that may not
 -- see them in pg_stat_activity (no pg_read_all_stats) simply waits for them: safe,
 -- slower.  Prepared transactions have no backend and are always waited for.
 -- A row in back-off, and every later row of its key, waits.
@@ -26,7 +27,7 @@ WITH snap AS (
          WHERE x::xid NOT IN (
              SELECT a.backend_xid FROM pg_stat_activity AS a
              WHERE a.backend_xid IS NOT NULL
-               AND (a.backend_type = 'autovacuum worker'
+               AND (a.backend_type = 'autovacuum worker' OR a.pid = %(mark_pid)s
                     OR a.datid IS DISTINCT FROM (SELECT d.oid FROM pg_database AS d
                                                  WHERE d.datname = current_database())))),
         (SELECT pg_snapshot_xmax(s) FROM snap)) AS h

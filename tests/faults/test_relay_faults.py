@@ -46,7 +46,7 @@ def test_sigkill_mid_stream_loses_nothing_and_duplicates_stay_within_the_window(
     second.sigterm()
     assert second.wait(30) == 0
 
-    records = read_all(broker.bootstrap, topic, expected=len(expected), timeout_s=60, extra_wait_s=1)
+    records = read_all(broker.bootstrap, topic, expected=expected, timeout_s=60, extra_wait_s=1)
     delivery = check_delivery(records, expected)
     assert delivery.missing == set()
     assert delivery.order_violations == []
@@ -72,7 +72,7 @@ def test_broker_unreachable_at_start_then_available(outbox_db, proxied_broker, t
     relay.wait_for_log("broker_recovered", timeout_s=30)
     relay.sigterm()
     assert relay.wait(30) == 0
-    delivery = check_delivery(read_all(tansu.bootstrap, topic, expected=2000, timeout_s=60), expected)
+    delivery = check_delivery(read_all(tansu.bootstrap, topic, expected=expected, timeout_s=60), expected)
     assert delivery.missing == set() and delivery.order_violations == []
 
 
@@ -93,7 +93,7 @@ def test_database_restart_under_a_running_relay(own_db_dsn, own_pg_running, brok
     assert relay.alive
     relay.sigterm()
     assert relay.wait(30) == 0
-    delivery = check_delivery(read_all(broker.bootstrap, topic, expected=6000, timeout_s=60), expected)
+    delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60), expected)
     assert delivery.missing == set() and delivery.order_violations == []
 
 
@@ -129,7 +129,7 @@ def test_sigterm_drains_and_every_acknowledged_row_is_marked(outbox_db, proxied_
 
     proxy.set_delay(0)
     marked = published_event_ids(outbox_db)
-    records = read_all(tansu.bootstrap, topic, expected=len(marked), timeout_s=60, extra_wait_s=2)
+    records = read_all(tansu.bootstrap, topic, expected=marked, timeout_s=60, extra_wait_s=2)
     in_kafka = {r.headers["event_id"].decode() for r in records}
     # Every row the broker has was acknowledged and marked before the exit; nothing was
     # marked that the broker does not have.

@@ -76,7 +76,7 @@ def test_first_deliveries_follow_commit_order_under_concurrent_writers(outbox_db
         wait_drained(outbox_db, timeout_s=60)
     expected = all_event_ids(outbox_db)
     assert len(expected) == 8 * 150
-    records = read_all(broker.bootstrap, topic, expected=len(expected), timeout_s=60)
+    records = read_all(broker.bootstrap, topic, expected=expected, timeout_s=60)
     seen: set[str] = set()
     last: dict[str, int] = {}
     violations = []

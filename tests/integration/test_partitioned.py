@@ -48,7 +48,7 @@ def test_relay_works_on_a_partitioned_outbox_and_cleanup_drops_old_days(db_dsn, 
     assert scalar(db_dsn, f"SELECT count(*) FROM {today}") == 6000  # noqa: S608
     assert scalar(db_dsn, "SELECT count(*) FROM outbox_default") == 0
     expected = all_event_ids(db_dsn)
-    delivery = check_delivery(read_all(broker.bootstrap, topic, expected=6000, timeout_s=60), expected)
+    delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60), expected)
     assert delivery.missing == set() and delivery.order_violations == []
 
     # Two past days: one fully published, one with a pending row.  Retention of 1 hour.

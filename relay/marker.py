@@ -1,0 +1,102 @@
+"""Marks acknowledged batches on a second connection, in one background thread.
+
+While the pump claims and produces the next batches, this thread marks the settled
+ones: the database works on a claim and a mark at once.  Batches queued behind the
+running mark are merged into the next statement (when their lease tokens agree), so
+a slow mark costs fewer round trips, not more.  Results come back as futures, in
+submission order; the pump applies them on its own thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+from relay.model import Lease, OutboxRow, RowId, ShardId, Token
+
+#: What a mark returns: shards still held, ids marked, seconds the statement took.
+MarkOutcome = tuple[set[ShardId], set[RowId], float]
+
+
+class MarkStore(Protocol):
+    @property
+    def backend_pid(self) -> int | None: ...
+    def mark_published(self, *, owner: str, leases: list[Lease],
+                       rows: list[OutboxRow]) -> tuple[set[ShardId], set[RowId]]: ...
+
+
+def mark_rows(store: MarkStore, owner: str, leases: list[Lease], rows: list[OutboxRow]) -> MarkOutcome:
+    started = time.perf_counter()
+    held, marked = store.mark_published(owner=owner, leases=leases, rows=rows)
+    return held, marked, time.perf_counter() - started
+
+
+@dataclass(slots=True)
+class _Job:
+    tokens: dict[ShardId, Token]
+    rows: list[OutboxRow]
+    future: Future[MarkOutcome]
+
+
+class Marker:
+    """A single mark thread with its own store (connection)."""
+
+    def __init__(self, store: MarkStore, owner: str, *, max_rows: int = 10_000) -> None:
+        self.store = store
+        self.owner = owner
+        self.max_rows = max_rows
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="outbox-relay-mark", daemon=True)
+        self._thread.start()
+
+    def submit(self, tokens: dict[ShardId, Token], rows: list[OutboxRow]) -> Future[MarkOutcome]:
+        future: Future[MarkOutcome] = Future()
+        self._queue.put(_Job(dict(tokens), rows, future))
+        return future
+
+    def close(self) -> None:
+        """Finish what was submitted, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        held_back: _Job | None = None  # taken from the queue but not mergeable
+        stopping = False
+        while not stopping:
+            job = held_back if held_back is not None else self._queue.get()
+            held_back = None
+            if job is None:
+                return
+            jobs, tokens, size = [job], dict(job.tokens), len(job.rows)
+            while size < self.max_rows:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stopping = True
+                    break
+                if any(tokens.get(shard, token) != token for shard, token in nxt.tokens.items()):
+                    held_back = nxt  # a shard's lease changed between the two batches
+                    break
+                jobs.append(nxt)
+                tokens.update(nxt.tokens)
+                size += len(nxt.rows)
+            self._mark(jobs, tokens)
+
+    def _mark(self, jobs: list[_Job], tokens: dict[ShardId, Token]) -> None:
+        leases = [Lease(shard, token, 0.0) for shard, token in tokens.items()]
+        rows = [row for job in jobs for row in job.rows]
+        try:
+            held, marked, took = mark_rows(self.store, self.owner, leases, rows)
+        except Exception as exc:  # handed to the pump's thread, which handles it
+            for job in jobs:
+                job.future.set_exception(exc)
+            return
+        for job in jobs:
+            mine = {row.id for row in job.rows} & marked
+            job.future.set_result((held, mine, took))

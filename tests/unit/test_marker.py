@@ -1,0 +1,88 @@
+"""The mark thread: merges queued batches whose tokens agree, keeps order, hands errors back."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from relay.errors import DatabaseUnavailable
+from relay.marker import Marker
+from relay.model import Lease, OutboxRow, RowId, ShardId, Token
+
+
+def row(i: int, shard: int = 0) -> OutboxRow:
+    return OutboxRow(RowId(i), f"e{i}", "t", f"k{i}", b"{}", "{}", i, ShardId(shard), 0, 0.0)
+
+
+class GatedStore:
+    """Marks every row of the shards it is told are held; the first call waits for a gate."""
+
+    backend_pid = None
+
+    def __init__(self, held: set[int], fail_on: int | None = None) -> None:
+        self.held = held
+        self.fail_on = fail_on
+        self.calls: list[tuple[dict[int, int], list[int]]] = []
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def mark_published(self, *, owner: str, leases: list[Lease],
+                       rows: list[OutboxRow]) -> tuple[set[ShardId], set[RowId]]:
+        self.entered.set()
+        self.gate.wait(10)
+        self.calls.append(({lease.shard: lease.token for lease in leases}, [r.id for r in rows]))
+        if self.fail_on is not None and len(self.calls) == self.fail_on:
+            raise DatabaseUnavailable("connection lost")
+        held = {ShardId(s) for s in self.held}
+        return held, {r.id for r in rows if r.shard in held}
+
+
+def test_batches_queued_behind_a_running_mark_share_one_statement() -> None:
+    store = GatedStore(held={0, 1})
+    marker = Marker(store, "me")
+    first = marker.submit({ShardId(0): Token(1)}, [row(1)])
+    assert store.entered.wait(10)  # the first mark is running
+    queued = [marker.submit({ShardId(0): Token(1)}, [row(2)]),
+              marker.submit({ShardId(1): Token(7)}, [row(3, shard=1), row(4, shard=1)])]
+    store.gate.set()
+    marker.close()
+    assert first.result()[1] == {1}
+    # Each batch gets back only its own ids, though they were marked together.
+    assert [f.result()[1] for f in queued] == [{2}, {3, 4}]
+    assert store.calls == [({0: 1}, [1]), ({0: 1, 1: 7}, [2, 3, 4])]
+
+
+def test_a_changed_token_is_never_merged_into_the_same_statement() -> None:
+    store = GatedStore(held={0})
+    marker = Marker(store, "me")
+    marker.submit({ShardId(0): Token(1)}, [row(1)])
+    assert store.entered.wait(10)
+    a = marker.submit({ShardId(0): Token(1)}, [row(2)])
+    b = marker.submit({ShardId(0): Token(2)}, [row(3)])  # the lease was taken again meanwhile
+    store.gate.set()
+    marker.close()
+    assert a.result()[1] == {2} and b.result()[1] == {3}
+    assert store.calls == [({0: 1}, [1]), ({0: 1}, [2]), ({0: 2}, [3])]
+
+
+def test_an_error_reaches_every_batch_of_the_failed_statement_and_the_next_one_runs() -> None:
+    store = GatedStore(held={0}, fail_on=1)
+    marker = Marker(store, "me")
+    failed = marker.submit({ShardId(0): Token(1)}, [row(1)])
+    store.gate.set()
+    with pytest.raises(DatabaseUnavailable):
+        failed.result(timeout=10)
+    later = marker.submit({ShardId(0): Token(1)}, [row(2)])
+    assert later.result(timeout=10)[1] == {2}
+    marker.close()
+
+
+def test_lost_shards_come_back_as_not_held() -> None:
+    store: Any = GatedStore(held=set())
+    store.gate.set()
+    marker = Marker(store, "me")
+    held, marked, _ = marker.submit({ShardId(0): Token(1)}, [row(1)]).result(timeout=10)
+    marker.close()
+    assert held == set() and marked == set()
