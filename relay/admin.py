@@ -123,7 +123,7 @@ def cleanup(settings: Settings, *, retention_s: float, batch: int) -> int:
                   f"kept (rows pending): {', '.join(report.kept_pending) or 'none'}; "
                   f"rows in outbox_default: {report.default_rows}")
             return 0
-        janitor = Janitor(st, retention_s=retention_s, batch=batch, interval_s=0, clock=lambda: 0.0,
+        janitor = Janitor(st, retention_s=retention_s, batch=batch, interval_s=0,
                           max_batches=1_000_000)
         deleted = janitor.run_once()
     finally:

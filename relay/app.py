@@ -54,6 +54,7 @@ class Relay:
         self.leases: LeaseManager | None = None
         self.http: HealthServer | None = None
         self.janitor: Janitor | None = None
+        self._janitor_thread: threading.Thread | None = None
         self.fatal: RelayError | None = None
         self.stop_signal: str | None = None
         self.pending = 0
@@ -120,10 +121,11 @@ class Relay:
         partitioned = s.table == "outbox" and self._retry_db(self.store.is_partitioned)
         if s.cleanup_retention_s or partitioned:
             # A partitioned outbox always gets its coming days' partitions created.
-            self.janitor = Janitor(self.store, retention_s=s.cleanup_retention_s,
+            janitor_store = Store(s.dsn, application_name=f"outbox-relay:{s.owner}:cleanup",
+                                  on_statement=self.metrics.db_statements.inc, table=s.table)
+            self.janitor = Janitor(janitor_store, retention_s=s.cleanup_retention_s,
                                    batch=s.cleanup_batch, interval_s=s.cleanup_interval_s,
-                                   clock=self.clock, metrics=self.metrics,
-                                   partitioned=bool(partitioned), log=self.log)
+                                   metrics=self.metrics, partitioned=bool(partitioned), log=self.log)
         self.log.info("relay_started", shards=nshards, owner=s.owner)
 
     def _retry_db(self, call: Callable[[], Any]) -> Any:
@@ -185,6 +187,8 @@ class Relay:
         try:
             if self.pump is None and not self.stopping:
                 self.start()
+            if self.janitor is not None and self._janitor_thread is None:
+                self._janitor_thread = self.janitor.start(self._stop)
             while not self.stopping and self.pump is not None:
                 try:
                     self._tick()
@@ -204,6 +208,10 @@ class Relay:
                 self.pump.close()
             self.store.close()
             self.mark_store.close()
+            if self._janitor_thread is not None and self.janitor is not None:
+                self._stop.set()
+                self._janitor_thread.join(30)
+                self.janitor.store.close()
             if self.http is not None:
                 self.http.stop()
             self.stopped.set()
@@ -228,8 +236,6 @@ class Relay:
             self.metrics.pending_rows.set(self.pending)
             self.metrics.oldest_pending_age.set(oldest)
             self.metrics.retrying_rows.set(retrying)
-        if self.janitor is not None:
-            self.janitor.run_if_due(now)
         # Asleep, the relay claims only when woken or when the poll interval is up, not
         # at every heartbeat: about one claim per poll interval when idle.
         claim = not self.store.sleeping or self._woken or now >= self._next_poll

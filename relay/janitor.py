@@ -4,20 +4,24 @@ Each batch is its own short transaction that skips locked rows, so the relay is
 never blocked, and its WHERE clause never matches an unpublished row.  A
 partitioned outbox is kept by whole partitions instead (relay/partitions.py):
 the coming days are created, past days dropped once fully published.
+
+In ``run`` the janitor works in its own thread on its own connection
+(:meth:`Janitor.run_forever`): a long cleanup round never delays a claim.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from datetime import datetime
 from typing import Any
 
-from relay.errors import PermissionDenied
+from relay.errors import DatabaseUnavailable, PermissionDenied, RelayError
 from relay.metrics import RelayMetrics
 
 
 class Janitor:
     def __init__(self, store: Any, *, retention_s: float | None, batch: int, interval_s: float,
-                 clock: Callable[[], float], metrics: RelayMetrics | None = None,
+                 metrics: RelayMetrics | None = None,
                  max_batches: int = 50, partitioned: bool = False, log: Any = None) -> None:
         self.partitioned = partitioned
         self.log = log
@@ -25,16 +29,8 @@ class Janitor:
         self.retention_s = retention_s
         self.batch = batch
         self.interval_s = interval_s
-        self.clock = clock
         self.metrics = metrics
         self.max_batches = max_batches
-        self._next = 0.0
-
-    def run_if_due(self, now: float) -> int:
-        if now < self._next:
-            return 0
-        self._next = now + self.interval_s
-        return self.run_once()
 
     def run_once(self) -> int:
         """Maintain partitions (if partitioned), then delete up to ``max_batches`` batches of
@@ -59,11 +55,40 @@ class Janitor:
         if self.retention_s is None:
             return 0
         total = 0
+        after: datetime | None = None
         for _ in range(self.max_batches):
-            deleted = self.store.cleanup_batch(retention_s=self.retention_s, limit=self.batch)
+            deleted, newest = self.store.cleanup_batch(retention_s=self.retention_s,
+                                                       limit=self.batch, after=after)
+            after = newest or after
             total += deleted
             if self.metrics is not None and deleted:
                 self.metrics.cleanup_deleted.inc(deleted)
             if deleted < self.batch:
                 break
         return total
+
+    def run_forever(self, stop: threading.Event) -> None:
+        """Run a round every ``interval_s`` until ``stop``; database errors are logged and
+        waited out (the next round reconnects), never raised."""
+        down = False
+        while not stop.is_set():
+            try:
+                self.run_once()
+                if down and self.log is not None:
+                    self.log.info("cleanup_recovered")
+                down = False
+            except DatabaseUnavailable as exc:
+                if not down and self.log is not None:
+                    self.log.warning("cleanup_database_unavailable", error=str(exc))
+                down = True
+                self.store.reset()
+            except RelayError as exc:  # e.g. no DELETE privilege: says so each round
+                if self.log is not None:
+                    self.log.error("cleanup_failed", error=str(exc))
+            stop.wait(self.interval_s)
+
+    def start(self, stop: threading.Event) -> threading.Thread:
+        thread = threading.Thread(target=self.run_forever, args=(stop,), name="outbox-relay-janitor",
+                                  daemon=True)
+        thread.start()
+        return thread

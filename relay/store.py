@@ -239,19 +239,13 @@ class Store:
         })
         return bool(rows)
 
-    def cleanup_batch(self, *, retention_s: float, limit: int) -> int:
-        """Delete one batch of published rows past retention; returns how many."""
-        with translated():
-            try:
-                cur = self.conn.cursor()
-                self.queries += 1
-                self._on_statement()
-                cur.execute(compose("admin", "cleanup_batch", table=self.table),
-                            {"retention_s": retention_s, "limit": limit})
-                return int(cur.rowcount)
-            except (psycopg.OperationalError, psycopg.InterfaceError):
-                self.reset()
-                raise
+    def cleanup_batch(self, *, retention_s: float, limit: int,
+                      after: datetime | None = None) -> tuple[int, datetime | None]:
+        """Delete one batch of published rows past retention, published at ``after`` or
+        later; returns (rows deleted, the newest published_at among them)."""
+        (row,) = self._fetch("admin", "cleanup_batch",
+                             {"retention_s": retention_s, "limit": limit, "after": after})
+        return int(row["deleted"]), row["last_published_at"]
 
     def maintain_partitions(self, *, retention_s: float | None) -> Any:
         """Create the coming days' partitions, drop past ones (partitioned outbox only)."""

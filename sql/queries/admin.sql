@@ -33,15 +33,25 @@ SELECT count(*) AS dead_letters FROM outbox_dead_letters
 -- name: cleanup_batch
 -- Published rows past retention, a small batch at a time; SKIP LOCKED so the
 -- relay is never blocked and never waits; unpublished rows are never touched.
-DELETE FROM {table}
-WHERE id IN (
+-- %(after)s (the newest published_at of the round's previous batch) starts the
+-- index scan past the entries this round already deleted, which stay in the index
+-- until vacuum; a row published at an earlier time but committed later is left
+-- for the next round, which starts from the beginning.
+WITH doomed AS (
     SELECT id FROM {table}
     WHERE published_at IS NOT NULL
+      AND published_at >= coalesce(%(after)s::timestamptz, '-infinity'::timestamptz)
       AND published_at < now() - make_interval(secs => %(retention_s)s)
     ORDER BY published_at
     LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED)
-  AND published_at IS NOT NULL
+    FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM {table} AS o
+    USING doomed
+    WHERE o.id = doomed.id AND o.published_at IS NOT NULL
+    RETURNING o.published_at
+)
+SELECT count(*) AS deleted, max(published_at) AS last_published_at FROM gone
 
 -- name: dead_letters_list
 SELECT id, event_id::text AS event_id, topic, key, reason, error, attempts,

@@ -96,13 +96,10 @@ class Writer:
         self._thread.join()
 
 
-# The relay marks on a connection named "outbox-relay:<owner>:mark".
-MARKED_BY = "split_part(app, ':', 2)"
-
-
 def _marks_by(dsn: str, owner: str) -> int:
+    # The relay marks on a connection named "outbox-relay:<owner>:mark".
     with psycopg.connect(dsn, autocommit=True) as conn:
-        return int(conn.execute(f"SELECT count(*) FROM mark_audit WHERE {MARKED_BY} = %s",
+        return int(conn.execute("SELECT count(*) FROM mark_audit WHERE split_part(app, ':', 2) = %s",
                                 (owner,)).fetchone()[0])
 
 

@@ -64,3 +64,37 @@ def test_built_in_cleanup_under_a_running_relay_loses_nothing(outbox_db, broker,
     assert remaining <= delivered
     delivery = check_delivery(records, delivered)
     assert delivery.order_violations == []
+
+
+def test_a_round_skips_what_it_deleted_and_the_next_round_finds_late_commits(outbox_db):
+    from relay.janitor import Janitor
+    from relay.store import Store
+
+    insert_rows(outbox_db, "orders", 300, keys=10)
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        # Published one second apart, oldest first; rows 251.. stay pending.
+        conn.execute("UPDATE outbox SET published_at = now() - interval '1 hour' + id * interval '1 s'"
+                     " WHERE id <= 250")
+    store = Store(outbox_db)
+    try:
+        janitor = Janitor(store, retention_s=60, batch=40, interval_s=0, max_batches=1000)
+        seen: list[object] = []
+        real = store.cleanup_batch
+
+        def spy(**kw):  # records the lower bound each batch of the round starts from
+            seen.append(kw["after"])
+            return real(**kw)
+
+        store.cleanup_batch = spy  # type: ignore[method-assign]
+        assert janitor.run_once() == 250
+        assert seen[0] is None and all(b is not None for b in seen[1:]) and len(seen) == 7
+        assert seen == sorted(seen, key=lambda b: (b is not None, b))
+        # A mark whose transaction began an hour ago commits only now: its published_at
+        # lies before everything this round passed; the next round starts from the start.
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute("UPDATE outbox SET published_at = now() - interval '2 hours' WHERE id = 251")
+        assert janitor.run_once() == 1
+    finally:
+        store.close()
+    assert pending(outbox_db) == 49
+    assert scalar(outbox_db, "SELECT count(*) FROM outbox") == 49

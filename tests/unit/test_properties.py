@@ -401,6 +401,7 @@ CANNED: Mapping[str, list[dict[str, Any]]] = {
     "heartbeat_replica": [{"live": 1}],
     "record_failure": [{"attempts": 1}],
     "dead_letter": [{"id": 1}],
+    "cleanup_batch": [{"deleted": 0, "last_published_at": None}],
     "backlog": [{"pending": 0, "oldest_age_s": 0.0, "retrying": 0}],
 }
 
