@@ -1,13 +1,16 @@
 """The deployment files in deploy/ agree with the code they deploy.
 
-Metric names come from a live ``RelayMetrics()`` registry and option names from
-``relay.config.OPTIONS``, so renaming a metric or an option fails here instead of
-silently breaking an alert, a panel or a manifest.  The promtool tests skip
-(with the install command) when promtool is missing.
+Metric names come from live ``RelayMetrics()``, ``ConsumerMetrics()`` and
+``JobsMetrics()`` registries, option names from ``relay.config.OPTIONS`` and the
+commands quoted in runbooks from the CLIs' own parsers, so renaming a metric, an
+option or a command fails here instead of silently breaking an alert, a panel, a
+manifest or a runbook.  The promtool tests skip (with the install command) when
+promtool is missing.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
@@ -20,6 +23,10 @@ from typing import Any
 import pytest
 import yaml
 
+from consumer_sdk.jobs import cli as jobs_cli
+from consumer_sdk.jobs.metrics import JobsMetrics
+from consumer_sdk.metrics import ConsumerMetrics
+from relay import cli as relay_cli
 from relay import config
 from relay.metrics import RelayMetrics
 
@@ -29,12 +36,14 @@ ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 ALERTS_TEST = DEPLOY / "prometheus" / "alerts_test.yml"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 DASHBOARD = DEPLOY / "grafana" / "outbox-relay.json"
+SDK_DASHBOARD = DEPLOY / "grafana" / "outbox-sdk.json"
+DASHBOARDS = (DASHBOARD, SDK_DASHBOARD)
 COMPOSE = DEPLOY / "docker-compose.yml"
 K8S = DEPLOY / "k8s"
 DOCKERFILE = DEPLOY / "Dockerfile"
 RUNBOOKS = DEPLOY / "runbooks"
 
-METRIC_NAME = re.compile(r"\boutbox_relay_[a-z0-9_]+")
+METRIC_NAME = re.compile(r"\boutbox_(?:relay|consumer|jobs)_[a-z0-9_]+")
 ENV_NAME = re.compile(r"\bOUTBOX_RELAY_[A-Z0-9_]*")
 RELAY_IMAGE = "outbox-relay"
 PROMTOOL_MISSING = "promtool not installed: apt-get install prometheus"
@@ -48,6 +57,23 @@ _SUFFIXES = {
     "info": ("_info",),
     "stateset": ("",),
     "enum": ("",),
+}
+
+#: The classes whose registries hold every metric deploy/ may use: the relay and the SDK.
+METRICS_CLASSES = (RelayMetrics, ConsumerMetrics, JobsMetrics)
+
+#: Alert name prefix -> the metric prefix its expression uses and how its runbook says to check.
+#: The relay has a status command; the SDK's runbooks name the metrics their alert is built on.
+ALERT_FAMILIES = {
+    "OutboxRelay": ("outbox_relay_", "outbox-relay status"),
+    "OutboxConsumer": ("outbox_consumer_", None),
+    "OutboxJobs": ("outbox_jobs_", None),
+}
+
+#: Commands runbooks and alert texts may quote, with the parser that knows them.
+CLIS = {
+    "outbox-relay": relay_cli.build_parser,
+    "python -m consumer_sdk.jobs": jobs_cli.build_parser,
 }
 
 #: What the dashboard must show (the panels the SRE asked for).
@@ -71,17 +97,71 @@ DASHBOARD_REQUIRED = {
     "outbox_relay_build_info",
 }
 
+#: What the SDK dashboard must show: the consumers' and the jobs' main signals.
+SDK_DASHBOARD_REQUIRED = {
+    "outbox_consumer_lag_messages",
+    "outbox_consumer_processed_total",
+    "outbox_consumer_duplicates_dropped_total",
+    "outbox_consumer_handler_errors_total",
+    "outbox_consumer_dead_lettered_total",
+    "outbox_consumer_invalid_messages_total",
+    "outbox_consumer_payload_mismatches_total",
+    "outbox_consumer_offset_commit_failures_total",
+    "outbox_consumer_database_errors_total",
+    "outbox_consumer_rebalances_total",
+    "outbox_consumer_inbox_retention_unsafe",
+    "outbox_consumer_batch_duration_seconds_bucket",
+    "outbox_jobs_oldest_pending_age_seconds",
+    "outbox_jobs_pending",
+    "outbox_jobs_running",
+    "outbox_jobs_waiting",
+    "outbox_jobs_workers_busy",
+    "outbox_jobs_workers_capacity",
+    "outbox_jobs_runs_accepted_total",
+    "outbox_jobs_admission_refused_total",
+    "outbox_jobs_claimed_total",
+    "outbox_jobs_finished_total",
+    "outbox_jobs_accept_to_terminal_seconds_bucket",
+    "outbox_jobs_handler_duration_seconds_bucket",
+    "outbox_jobs_retries_total",
+    "outbox_jobs_dead_lettered_total",
+    "outbox_jobs_lease_expirations_total",
+    "outbox_jobs_leases_lost_total",
+    "outbox_jobs_heartbeat_failures_total",
+}
+
+#: Per dashboard: the metrics it must query, and the metric of its first (top-left) panel.
+DASHBOARD_SPECS = {
+    DASHBOARD: (DASHBOARD_REQUIRED, "outbox_relay_oldest_pending_age_seconds"),
+    SDK_DASHBOARD: (SDK_DASHBOARD_REQUIRED, "outbox_consumer_lag_messages"),
+}
+
 
 # --- helpers -------------------------------------------------------------------------
 
 
 def exported_metric_names() -> set[str]:
-    """Every sample name the relay can expose, labelled metrics included (no samples yet)."""
+    """Every sample name the relay and the SDK can expose, labelled metrics included (no
+    samples yet)."""
     names: set[str] = set()
-    for family in RelayMetrics().registry.collect():
-        names.update(sample.name for sample in family.samples)
-        names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",)))
+    for metrics in METRICS_CLASSES:
+        for family in metrics().registry.collect():
+            names.update(sample.name for sample in family.samples)
+            names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",)))
     return names
+
+
+def family_of(alert: str) -> tuple[str, str | None]:
+    """(metric prefix, status command) of the alert's family, by its name's prefix."""
+    for prefix, family in ALERT_FAMILIES.items():
+        if alert.startswith(prefix):
+            return family
+    raise AssertionError(f"{alert}: alert names start with one of {sorted(ALERT_FAMILIES)}")
+
+
+def base_metric(name: str) -> str:
+    """The metric family of a sample name: outbox_x_total -> outbox_x."""
+    return re.sub(r"_(total|created|bucket|sum|count)$", "", name)
 
 
 def metric_names_in(text: str) -> set[str]:
@@ -182,8 +262,8 @@ def configured(env: dict[str, str], option: str) -> Any:
     return opt.parse(env[opt.env]) if opt.env in env else opt.default
 
 
-def dashboard() -> dict[str, Any]:
-    return json.loads(DASHBOARD.read_text())
+def dashboard(path: Path = DASHBOARD) -> dict[str, Any]:
+    return json.loads(path.read_text())
 
 
 def dashboard_queries(node: Any) -> Iterator[str]:
@@ -204,6 +284,42 @@ def dashboard_queries(node: Any) -> Iterator[str]:
 def alert_rules() -> list[dict[str, Any]]:
     (doc,) = load_yaml(ALERTS)
     return [rule for group in doc["groups"] for rule in group["rules"] if "alert" in rule]
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    found: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found.update(action.choices)
+    return found
+
+
+def quoted_commands(text: str) -> Iterator[tuple[str, list[str]]]:
+    """(CLI, its arguments) of every invocation of a known CLI inside a `code span`."""
+    for span in re.findall(r"`([^`]+)`", text):
+        words = span.split()
+        for cli in CLIS:
+            n = len(cli.split())
+            for i in range(len(words) - n + 1):
+                rest = words[i + n:]
+                if words[i:i + n] == cli.split() and rest and re.match(r"[a-z]", rest[0]):
+                    yield cli, rest
+
+
+def command_problems(cli: str, args: list[str]) -> list[str]:
+    """What of ``cli args`` its parser does not know: commands, actions or --options."""
+    parsers = [CLIS[cli]()]
+    words = list(args)
+    while words and all(subcommands(p) for p in parsers):
+        names = words.pop(0).split("|")  # "list|show" in prose: both must exist
+        known = {name: sub for p in parsers for name, sub in subcommands(p).items()}
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            return [f"{cli} {' '.join(args)}: no command {unknown}"]
+        parsers = [known[name] for name in names]
+    options = {option for p in parsers for option in p._option_string_actions}
+    return [f"{cli} {' '.join(args)}: unknown option {word}" for word in words
+            if word.startswith("--") and word.split("=")[0] not in options]
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
@@ -244,7 +360,7 @@ def test_the_expected_files_exist() -> None:
     for rel in ("Dockerfile", "docker-compose.yml", "k8s/deployment.yaml", "k8s/configmap.yaml",
                 "k8s/secret.example.yaml", "k8s/podmonitor.yaml", "prometheus/alerts.yml",
                 "prometheus/alerts_test.yml", "prometheus/prometheus.yml",
-                "grafana/outbox-relay.json"):
+                "grafana/outbox-relay.json", "grafana/outbox-sdk.json"):
         assert (DEPLOY / rel).is_file(), f"deploy/{rel} is missing"
 
 
@@ -258,24 +374,42 @@ def test_exported_names_include_labelled_and_derived_series() -> None:
                      "outbox_relay_pending_rows"):
         assert expected in names
     assert "outbox_relay_events_published" not in names  # a counter is only scraped as _total
+    for expected in ("outbox_consumer_processed_total", "outbox_consumer_dead_lettered_created",
+                     "outbox_consumer_batch_duration_seconds_bucket", "outbox_consumer_lag_messages",
+                     "outbox_jobs_heartbeat_failures_total", "outbox_jobs_workers_capacity",
+                     "outbox_jobs_accept_to_terminal_seconds_count", "outbox_jobs_dead_lettered_created"):
+        assert expected in names
+    assert "outbox_consumer_processed" not in names
+    assert "outbox_jobs_pending_total" not in names  # a gauge has no _total
 
 
-@pytest.mark.parametrize("path", [ALERTS, ALERTS_TEST, DASHBOARD], ids=lambda p: p.name)
-def test_metric_names_exist_in_the_relay(path: Path) -> None:
+@pytest.mark.parametrize("path", [ALERTS, ALERTS_TEST, *DASHBOARDS], ids=lambda p: p.name)
+def test_metric_names_exist_in_the_code(path: Path) -> None:
     used = metric_names_in(path.read_text())
-    assert used, f"{path} uses no relay metric"
+    assert used, f"{path} uses no outbox metric"
     unknown = used - exported_metric_names()
-    assert not unknown, f"{path.name} uses metrics the relay does not export: {sorted(unknown)}"
+    assert not unknown, (
+        f"{path.name} uses metrics neither the relay nor the SDK exports: {sorted(unknown)}")
 
 
-def test_dashboard_covers_the_required_signals() -> None:
-    used = set().union(*(metric_names_in(q) for q in dashboard_queries(dashboard())))
-    missing = DASHBOARD_REQUIRED - used
-    assert not missing, f"no dashboard panel queries {sorted(missing)}"
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_dashboard_covers_the_required_signals(path: Path) -> None:
+    required, _ = DASHBOARD_SPECS[path]
+    used = set().union(*(metric_names_in(q) for q in dashboard_queries(dashboard(path))))
+    missing = required - used
+    assert not missing, f"no panel of {path.name} queries {sorted(missing)}"
 
 
-def test_dashboard_structure() -> None:
-    board = dashboard()
+def test_dashboards_have_distinct_uids_and_titles() -> None:
+    boards = [dashboard(path) for path in DASHBOARDS]
+    assert len({b["uid"] for b in boards}) == len(boards)
+    assert len({b["title"] for b in boards}) == len(boards)
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_dashboard_structure(path: Path) -> None:
+    _, first_metric = DASHBOARD_SPECS[path]
+    board = dashboard(path)
     assert board["schemaVersion"] >= 36 and board["uid"] and board["title"]
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
@@ -288,9 +422,9 @@ def test_dashboard_structure() -> None:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == "${datasource}", panel["title"]
-    # The SLO panel comes first and is big.
+    # The main signal (the relay's SLO, the consumers' lag) comes first.
     first = min(panels, key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
-    assert "outbox_relay_oldest_pending_age_seconds" in first["targets"][0]["expr"]
+    assert first_metric in first["targets"][0]["expr"]
     # No two panels overlap on the grid.
     cells: dict[tuple[int, int], str] = {}
     for panel in board["panels"]:
@@ -307,7 +441,7 @@ def test_dashboard_structure() -> None:
 
 def test_alerts_have_severity_annotations_and_runbooks() -> None:
     rules = alert_rules()
-    assert len({r["alert"] for r in rules}) >= 7
+    assert len({r["alert"] for r in rules}) >= 20
     for rule in rules:
         name = rule["alert"]
         assert rule["labels"]["severity"] in ("warning", "critical"), name
@@ -316,17 +450,74 @@ def test_alerts_have_severity_annotations_and_runbooks() -> None:
         url = rule["annotations"]["runbook_url"]
         assert url.endswith(f"/deploy/runbooks/{name}.md"), f"{name}: runbook_url {url}"
         assert (RUNBOOKS / f"{name}.md").is_file(), f"deploy/runbooks/{name}.md is missing"
-        assert "outbox-relay status" in (RUNBOOKS / f"{name}.md").read_text(), (
-            f"the {name} runbook does not say how to check with `outbox-relay status`")
+
+
+def test_alerts_use_the_metrics_of_their_family() -> None:
+    for rule in alert_rules():
+        prefix, _ = family_of(rule["alert"])
+        used = metric_names_in(rule["expr"])
+        assert all(name.startswith(prefix) for name in used), (rule["alert"], sorted(used))
+
+
+def test_runbooks_say_how_to_check() -> None:
+    """Relay runbooks use `outbox-relay status`; SDK runbooks name the metric their alert uses."""
+    for rule in alert_rules():
+        name = rule["alert"]
+        text = (RUNBOOKS / f"{name}.md").read_text()
+        _, status = family_of(name)
+        if status is not None:
+            assert status in text, f"the {name} runbook does not say how to check with `{status}`"
+        else:
+            metrics = {base_metric(m) for m in metric_names_in(rule["expr"])}
+            named = {base_metric(m) for m in metric_names_in(text)}
+            assert metrics & named, f"the {name} runbook names none of {sorted(metrics)}"
+        assert f"# {name}" in text.splitlines()[0], f"{name}.md must start with its alert's name"
+
+
+def test_runbooks_index_every_alert() -> None:
+    index = (RUNBOOKS / "README.md").read_text()
+    for name in {r["alert"] for r in alert_rules()}:
+        assert f"]({name}.md)" in index, f"deploy/runbooks/README.md does not list {name}"
+
+
+def test_commands_quoted_in_runbooks_and_alerts_exist() -> None:
+    problems: list[str] = []
+    quoted: set[str] = set()
+    for path in [ALERTS, *sorted(RUNBOOKS.glob("*.md"))]:
+        for cli, args in quoted_commands(path.read_text()):
+            quoted.add(cli)
+            problems += [f"{path.name}: {p}" for p in command_problems(cli, args)]
+    assert quoted == set(CLIS), f"no runbook quotes {sorted(set(CLIS) - quoted)}"
+    assert not problems, "commands that do not exist:\n" + "\n".join(problems)
+
+
+def test_command_check_catches_inventions() -> None:
+    assert command_problems("python -m consumer_sdk.jobs", ["dead-letters", "list", "--queue", "x"]) == []
+    assert command_problems("outbox-relay", ["dead-letters", "list|show|requeue|purge"]) == []
+    assert command_problems("python -m consumer_sdk.jobs", ["dead-letters", "purge"])
+    assert command_problems("python -m consumer_sdk.jobs", ["status"])
+    assert command_problems("outbox-relay", ["status", "--queue"])
 
 
 def test_required_alerts_exist() -> None:
+    (doc,) = load_yaml(ALERTS)
+    assert {"outbox-relay", "outbox-consumer", "outbox-jobs"} <= {g["name"] for g in doc["groups"]}
     exprs = {r["alert"]: r["expr"] for r in alert_rules()}
     joined = "\n".join(exprs.values())
     for needle in ("outbox_relay_oldest_pending_age_seconds", "outbox_relay_events_published_total",
                    "outbox_relay_pending_rows", "outbox_relay_dead_lettered_total",
                    "outbox_relay_leases_lost_total", 'up{job=~".*outbox-relay.*"}',
-                   "absent(", "outbox_relay_publish_errors_total", "outbox_relay_database_up"):
+                   "absent(", "outbox_relay_publish_errors_total", "outbox_relay_database_up",
+                   # the consumer SDK
+                   "outbox_consumer_lag_messages", "outbox_consumer_handler_errors_total",
+                   "outbox_consumer_dead_lettered_total", "outbox_consumer_payload_mismatches_total",
+                   "outbox_consumer_offset_commit_failures_total",
+                   "outbox_consumer_database_errors_total", "outbox_consumer_inbox_retention_unsafe",
+                   # runs and jobs
+                   "outbox_jobs_oldest_pending_age_seconds", "outbox_jobs_dead_lettered_total",
+                   "outbox_jobs_lease_expirations_total", "outbox_jobs_heartbeat_failures_total",
+                   "outbox_jobs_workers_busy", "outbox_jobs_workers_capacity",
+                   "outbox_jobs_admission_refused_total"):
         assert needle in joined, f"no alert uses {needle}"
 
 
@@ -376,12 +567,13 @@ def test_promtool_check_compose_prometheus_config(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_promtool_parses_every_dashboard_query(tmp_path: Path, path: Path) -> None:
     """Each panel's PromQL, with Grafana's variables filled in, is valid PromQL."""
     grafana_vars = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h",
-                    "$job": ".*", "$instance": ".*"}
+                    "$job": ".*", "$instance": ".*", "$consumer": ".*", "$queue": ".*"}
     rules = []
-    for i, query in enumerate(q for q in dashboard_queries(dashboard())
+    for i, query in enumerate(q for q in dashboard_queries(dashboard(path))
                               if not q.startswith("label_values(")):
         for var, value in grafana_vars.items():
             query = query.replace(var, value)
