@@ -6,6 +6,9 @@ values are bounded (topics, error classes, reasons): never keys, payloads or ids
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -14,6 +17,32 @@ DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 KNOWN_FAILURE_CLASSES = ("message_too_large", "record_rejected", "invalid_topic", "unknown_topic",
                          "topic_not_authorized", "bad_headers")
 BATCH_BUCKETS = (1, 5, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
+
+
+def observe_many(histogram: Histogram, values: Iterable[float]) -> None:
+    """``histogram.observe(v)`` for each value, one increment per bucket and one for the sum.
+
+    A drain observes tens of thousands of latencies a second; one ``observe`` each cost
+    a tenth of the relay's time in a profile.  Uses prometheus_client's bucket fields,
+    checked against ``observe`` in tests/unit/test_metrics.py; falls back to ``observe``
+    if a release renames them.
+    """
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None:
+        for value in values:
+            histogram.observe(value)
+        return
+    counts = [0] * len(bounds)
+    amount = 0.0
+    for value in values:
+        counts[bisect_left(bounds, value)] += 1  # first bound >= value, as observe() does
+        amount += value
+    for i, count in enumerate(counts):
+        if count:
+            buckets[i].inc(count)
+    total.inc(amount)
 
 
 class RelayMetrics:

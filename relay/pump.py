@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from relay.leases import LeaseManager
 from relay.marker import Marker, MarkOutcome, MarkStore, mark_rows
-from relay.metrics import RelayMetrics
+from relay.metrics import RelayMetrics, observe_many
 from relay.model import START, BatchResult, Cursor, Lease, OutboxRow, RowId, ShardId, Token
 from relay.publisher import DeliveryCallback, Outcome
 
@@ -312,11 +312,12 @@ class Pump:
             self.metrics.last_publish.set(self.wall_clock())
         now_wall = self.wall_clock()
         per_topic: dict[str, int] = {}
-        observe = self.metrics.commit_to_ack.observe
+        latencies: list[float] = []
         for row in acked:
             if row.id in marked:
                 per_topic[row.topic] = per_topic.get(row.topic, 0) + 1
-                observe(max(0.0, now_wall - row.created_epoch))
+                latencies.append(max(0.0, now_wall - row.created_epoch))
+        observe_many(self.metrics.commit_to_ack, latencies)
         for topic, count in per_topic.items():
             self.metrics.published.labels(topic).inc(count)
 

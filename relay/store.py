@@ -201,7 +201,7 @@ class Store:
         # Column order of claim_batch: id, event_id, topic, key, payload_text, payload_bytes,
         # headers_text, xid, attempts, shard, created_epoch.
         return [
-            OutboxRow(RowId(r[0]), str(r[1]), r[2], r[3], _encode_value(r[4], r[5]), r[6],
+            OutboxRow(RowId(r[0]), r[1], r[2], r[3], _encode_value(r[4], r[5]), r[6],
                       int(r[7]), ShardId(r[9]), r[8], r[10])
             for r in rows
         ]

@@ -32,7 +32,7 @@ WITH snap AS (
                                                  WHERE d.datname = current_database())))),
         (SELECT pg_snapshot_xmax(s) FROM snap)) AS h
 )
-SELECT o.id, o.event_id, o.topic, o.key,
+SELECT o.id, o.event_id::text AS event_id, o.topic, o.key,
        o.payload::text AS payload_text, o.payload_bytes, o.headers::text AS headers_text,
        o.xid::text AS xid, o.attempts,
        (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s AS shard,
