@@ -1,4 +1,4 @@
-"""A member of the chaos soak's dedup consumer group, as a real process (tests/soak.py).
+"""A member of the chaos soak's dedup consumer group, as a real process (tests/soak/).
 
     python tests/_soak_consumer.py --dsn ... --bootstrap ... --topic ... --member c1
 

@@ -1,4 +1,4 @@
-"""The chaos soak (tests/soak.py), short: about a minute of writes under every kind of fault.
+"""The chaos soak (tests/soak/), short: about a minute of writes under every kind of fault.
 
 Three relay replicas, two dedup consumers and two job workers (when consumer_sdk.jobs is
 there) on an embedded PostgreSQL and a tansu broker behind a fault proxy; a fixed seed whose
