@@ -58,10 +58,11 @@ class Marker:
         self._queue.put(_Job(dict(tokens), rows, future))
         return future
 
-    def close(self) -> None:
-        """Finish what was submitted, then stop the thread."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish what was submitted, then stop the thread (a daemon: a mark stuck on an
+        unreachable database does not hold the process after ``timeout_s``)."""
         self._queue.put(None)
-        self._thread.join()
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         held_back: _Job | None = None  # taken from the queue but not mergeable

@@ -402,7 +402,9 @@ class Pump:
             acked = [row for row in batch.rows if batch.outcomes.get(row.id, Outcome(ok=False)).ok]
             if acked:
                 self._mark(batch, acked)
-        wait_futures([pending.future for pending in self.marking])
+        # A mark stuck on an unreachable database is left behind: its rows stay pending.
+        wait_futures([pending.future for pending in self.marking],
+                     timeout=max(1.0, deadline - self.clock()))
         self._collect_marks(result)
         self.totals.add(result)
         return result
