@@ -3,7 +3,9 @@
 Pipelining: up to ``pipeline_depth`` batches are in flight; the next claim starts
 after a cursor in (xid, id) order, so in-flight rows are not claimed twice.  The
 cursor is gapless because claims only see rows of transactions older than every
-transaction still running: nothing that commits later can sort before it.
+transaction still running: nothing that commits later can sort before it.  It is
+gapless only for the shards every claim since its start included: a shard that was
+left out (being given back, briefly untrusted) and comes back forces a rewind first.
 
 Marks run on a second connection, in a single background thread, while the pump
 claims and produces the next batches: a batch's mark and the next claim then cost
@@ -128,6 +130,7 @@ class Pump:
         self.clock = clock
         self.wall_clock = wall_clock
         self.cursor: Cursor = START
+        self.cursor_shards: set[ShardId] = set()  # claimed in every claim since the cursor was START
         self.in_flight: deque[InFlight] = deque()
         self.marking: deque[PendingMark] = deque()
         self.mark_store = mark_store
@@ -214,8 +217,19 @@ class Pump:
         usable = self.leases.usable(now)
         if not usable:
             return
+        shards = {lease.shard for lease in usable}
+        if self.cursor == START:
+            self.cursor_shards = shards
+        elif not shards <= self.cursor_shards:
+            # A shard left out of the claims since the cursor last started (given back,
+            # briefly untrusted, or newly held) is back: the cursor has passed its
+            # pending rows.  Claim it only after a rewind.
+            self.request_rewind()
+            return
+        else:
+            self.cursor_shards = shards  # one that leaves must rewind to come back
         started = time.perf_counter()
-        rows = self.store.claim(shards=sorted(lease.shard for lease in usable),
+        rows = self.store.claim(shards=sorted(shards),
                                 nshards=self.nshards, after=self.cursor, limit=self.batch_size,
                                 mark_pid=self.mark_store.backend_pid if self.mark_store else None)
         self.metrics.claim_duration.observe(time.perf_counter() - started)
