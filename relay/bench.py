@@ -26,7 +26,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -113,36 +113,38 @@ class Bench:
     # -- 1. database floor -----------------------------------------------------------------
 
     def db_floor(self) -> float:
-        """The relay's database work in the relay's shape: claims on one connection,
-        marks on a second one in a background thread, up to the pipeline depth queued."""
-        from relay.model import Lease, Token
+        """The relay's database work in the relay's shape: claims on one connection, marks
+        by the relay's own mark thread (relay/marker.py) on a second one, up to the pipeline
+        depth queued."""
+        from relay.marker import Marker, MarkOutcome
+        from relay.model import Token
 
         with self.fresh_db() as dsn:
             self.load(dsn, self.args.rows)
             store, mark_store = Store(dsn), Store(dsn)
+            marker = Marker(mark_store, "bench")
             try:
                 leases = store.claim_shards(owner="bench", limit=4096, lease_s=600)
-                held = [Lease(ShardId(s), Token(t), 0.0) for s, t in leases.items()]
+                tokens = {ShardId(s): Token(t) for s, t in leases.items()}
                 shards = sorted(leases)
                 started = time.perf_counter()
                 moved = 0
-                marking: collections.deque[Future[tuple[Any, set[Any]]]] = collections.deque()
+                marking: collections.deque[Future[MarkOutcome]] = collections.deque()
                 cursor = Cursor()
-                with ThreadPoolExecutor(1) as marker:
-                    while True:
-                        rows = store.claim(shards=shards, nshards=len(shards), after=cursor,
-                                           limit=self.args.batch_size, mark_pid=mark_store.backend_pid)
-                        if not rows:
-                            break
-                        cursor = Cursor.after(rows[-1])
-                        marking.append(marker.submit(mark_store.mark_published, owner="bench",
-                                                     leases=held, rows=rows))
-                        while len(marking) >= DEFAULT_PIPELINE_DEPTH or (marking and marking[0].done()):
-                            moved += len(marking.popleft().result()[1])
-                    while marking:
+                while True:
+                    rows = store.claim(shards=shards, nshards=len(shards), after=cursor,
+                                       limit=self.args.batch_size, mark_pid=mark_store.backend_pid)
+                    if not rows:
+                        break
+                    cursor = Cursor.after(rows[-1])
+                    marking.append(marker.submit(tokens, rows))
+                    while len(marking) >= DEFAULT_PIPELINE_DEPTH or (marking and marking[0].done()):
                         moved += len(marking.popleft().result()[1])
+                while marking:
+                    moved += len(marking.popleft().result()[1])
                 elapsed = time.perf_counter() - started
             finally:
+                marker.close()
                 store.close()
                 mark_store.close()
         return moved / elapsed
