@@ -44,11 +44,9 @@ class Relay:
         self.clock = clock
         self._stop = threading.Event()
         self.stopped = threading.Event()
-        self.store = Store(settings.dsn, application_name=f"outbox-relay:{settings.owner}",
-                           on_statement=self.metrics.db_statements.inc, table=settings.table)
+        self.store = self._store("")
         # Marks run on their own connection while the pump claims (see relay/pump.py).
-        self.mark_store = Store(settings.dsn, application_name=f"outbox-relay:{settings.owner}:mark",
-                                on_statement=self.metrics.db_statements.inc, table=settings.table)
+        self.mark_store = self._store(":mark")
         self.publisher: Publisher | None = None
         self.pump: Pump | None = None
         self.leases: LeaseManager | None = None
@@ -121,12 +119,16 @@ class Relay:
         partitioned = s.table == "outbox" and self._retry_db(self.store.is_partitioned)
         if s.cleanup_retention_s or partitioned:
             # A partitioned outbox always gets its coming days' partitions created.
-            janitor_store = Store(s.dsn, application_name=f"outbox-relay:{s.owner}:cleanup",
-                                  on_statement=self.metrics.db_statements.inc, table=s.table)
-            self.janitor = Janitor(janitor_store, retention_s=s.cleanup_retention_s,
+            self.janitor = Janitor(self._store(":cleanup"), retention_s=s.cleanup_retention_s,
                                    batch=s.cleanup_batch, interval_s=s.cleanup_interval_s,
                                    metrics=self.metrics, partitioned=bool(partitioned), log=self.log)
         self.log.info("relay_started", shards=nshards, owner=s.owner)
+
+    def _store(self, role: str) -> Store:
+        """A store (connection) of this replica, named ``outbox-relay:<owner><role>``."""
+        s = self.settings
+        return Store(s.dsn, application_name=f"outbox-relay:{s.owner}{role}",
+                     on_statement=self.metrics.db_statements.inc, table=s.table)
 
     def _retry_db(self, call: Callable[[], Any]) -> Any:
         """Run ``call`` until the database answers; fatal errors propagate."""

@@ -133,7 +133,6 @@ class Pump:
         self.cursor_shards: set[ShardId] = set()  # claimed in every claim since the cursor was START
         self.in_flight: deque[InFlight] = deque()
         self.marking: deque[PendingMark] = deque()
-        self.mark_store = mark_store
         self._marker = Marker(mark_store, leases.owner) if mark_store is not None else None
         self.rewind_requested = False
         self.caught_up = False
@@ -231,7 +230,7 @@ class Pump:
         started = time.perf_counter()
         rows = self.store.claim(shards=sorted(shards),
                                 nshards=self.nshards, after=self.cursor, limit=self.batch_size,
-                                mark_pid=self.mark_store.backend_pid if self.mark_store else None)
+                                mark_pid=self._marker.store.backend_pid if self._marker else None)
         self.metrics.claim_duration.observe(time.perf_counter() - started)
         self.caught_up = len(rows) < self.batch_size
         if not rows:
