@@ -4,45 +4,23 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from confluent_kafka import Producer
 
 from consumer_sdk import InvalidEvent, TransactionRequired, write_event
-from relay.embedded.pg import EmbeddedPgServer
-from relay.embedded.proxy import TcpProxy
-from tests.soak.config import _KAFKA_LOG, BAD_INPUTS, POISON_PAD, TOPIC, SoakReport, _scalar
-from tests.soak.members import Member
+from tests.soak.config import _KAFKA_LOG, BAD_INPUTS, POISON_PAD, TOPIC, _scalar
 from tests.soak.plan import Fault
+from tests.soak.state import SoakState
 
 
-class FaultInjection:
+class FaultInjection(SoakState):
     """Mixin of :class:`~tests.soak.run.Soak`: the ``_do_<kind>`` methods, one per fault kind
     and bad input, run by ``_inject`` in a thread of their own."""
-
-    t0: float
-    dsn: str
-    bootstrap: str
-    pg: EmbeddedPgServer | None
-    proxy: TcpProxy | None
-    members: dict[str, Member]
-    report: SoakReport
-    faults: Counter[str]
-    bad_inputs: Counter[str]
-    fault_log: list[str]
-    poison_ids: list[str]
-    bad_messages: dict[str, str]
-    _abort: threading.Event
-    _lock: threading.Lock
-
-    if TYPE_CHECKING:
-        def say(self, text: str) -> None: ...
 
     def _inject(self, fault: Fault) -> None:
         at = time.monotonic() - self.t0
@@ -96,21 +74,21 @@ class FaultInjection:
         assert self.proxy is not None
         self._proxy_fault(f, self.proxy.blackhole)
 
-    def _do_db_restart(self, f: Fault) -> None:
+    def _db_outage(self, f: Fault, down: Callable[[], None]) -> None:
         assert self.pg is not None
-        self.pg.stop()
+        down()
         try:
             self._hold(f.hold_s)
         finally:
             self.pg.start()
 
+    def _do_db_restart(self, f: Fault) -> None:
+        assert self.pg is not None
+        self._db_outage(f, self.pg.stop)
+
     def _do_db_crash(self, f: Fault) -> None:
         assert self.pg is not None
-        self.pg.kill()
-        try:
-            self._hold(f.hold_s)
-        finally:
-            self.pg.start()
+        self._db_outage(f, self.pg.kill)
 
     def _do_pg_terminate(self, f: Fault) -> None:
         assert self.pg is not None

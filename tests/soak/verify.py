@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import Counter
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -21,37 +19,15 @@ from tests.soak.config import (
     GROUP,
     JOB_EVERY,
     TOPIC,
-    SoakConfig,
-    SoakReport,
     _scalar,
 )
-from tests.soak.members import Member, Writers
+from tests.soak.state import SoakState
 
 
-class Verification:
+class Verification(SoakState):
     """Mixin of :class:`~tests.soak.run.Soak`: drain, verify, report."""
 
-    cfg: SoakConfig
-    t0: float
-    dsn: str
-    bootstrap: str
-    workdir: Path
-    members: dict[str, Member]
-    writers: Writers | None
-    jobs_enabled: bool
-    jobs_note: str
-    report: SoakReport
-    faults: Counter[str]
-    bad_inputs: Counter[str]
-    fault_log: list[str]
-    poison_ids: list[str]
-    bad_messages: dict[str, str]
-    peak_backlog: int
-    _applied: set[str]
-
     if TYPE_CHECKING:
-        def say(self, text: str) -> None: ...
-
         def _progress(self, phase: str) -> None: ...
 
         def _status(self) -> dict[str, int] | None: ...
