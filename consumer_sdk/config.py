@@ -19,6 +19,9 @@ DEFAULT_BATCH_SIZE = 1
 DEFAULT_POLL_TIMEOUT_S = 1.0
 DEFAULT_DEAD_LETTER_TOPIC = "{topic}.dlq"
 DEFAULT_DEAD_LETTER_TIMEOUT_S = 30.0
+#: librdkafka's largest ``message.max.bytes``: the dead-letter producer never refuses a
+#: letter the source topic carried; the dead-letter topic's own limit decides.
+DEFAULT_DEAD_LETTER_MAX_BYTES = 1_000_000_000
 DEFAULT_INBOX_RETENTION_S = 14 * 24 * 3600.0  # twice Kafka's default topic retention
 DEFAULT_CLEANUP_INTERVAL_S = 600.0
 DEFAULT_CLEANUP_BATCH = 1000
@@ -47,7 +50,10 @@ class InboxConfig:
     are not picked up).  ``batch_size > 1`` is the throughput mode: one transaction
     and one offset commit per batch, same guarantees.  ``dsn`` is a libpq
     connection string (or pass ``connect=`` to the consumer).  ``dead_letter_topic``
-    may contain ``{topic}``, the source topic's name.  ``inbox_retention_s`` None
+    may contain ``{topic}``, the source topic's name.  ``dead_letter_max_bytes`` is the
+    dead-letter producer's ``message.max.bytes`` (by default the largest librdkafka
+    allows, so a letter as large as its source record goes); ``check_dead_letter_topics``
+    refuses to start when a dead-letter topic is missing.  ``inbox_retention_s`` None
     keeps inbox rows forever; otherwise it must exceed the topics' retention
     (checked at start when ``check_retention``).
     """
@@ -66,6 +72,8 @@ class InboxConfig:
     on_payload_mismatch: Action = "dead_letter"
     dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC
     dead_letter_timeout_s: float = DEFAULT_DEAD_LETTER_TIMEOUT_S
+    dead_letter_max_bytes: int = DEFAULT_DEAD_LETTER_MAX_BYTES
+    check_dead_letter_topics: bool = True
     inbox_retention_s: float | None = DEFAULT_INBOX_RETENTION_S
     cleanup_interval_s: float = DEFAULT_CLEANUP_INTERVAL_S
     cleanup_batch: int = DEFAULT_CLEANUP_BATCH
@@ -99,6 +107,8 @@ class InboxConfig:
             raise ConfigError("poll_timeout_s, dead_letter_timeout_s and cleanup_interval_s must be positive")
         if self.inbox_retention_s is not None and self.inbox_retention_s <= 0:
             raise ConfigError("inbox_retention_s must be positive (or None: keep the inbox forever)")
+        if not 1000 <= self.dead_letter_max_bytes <= DEFAULT_DEAD_LETTER_MAX_BYTES:
+            raise ConfigError(f"dead_letter_max_bytes must be 1000..{DEFAULT_DEAD_LETTER_MAX_BYTES}")
         if self.cleanup_batch < 1:
             raise ConfigError("cleanup_batch must be at least 1")
         if not 0 < self.db_backoff_initial_s <= self.db_backoff_max_s:
@@ -114,6 +124,18 @@ class InboxConfig:
         if self.bootstrap_servers:
             shared["bootstrap.servers"] = self.bootstrap_servers
         return shared
+
+    def dead_letter_kafka(self) -> dict[str, Any]:
+        """The dead-letter producer's configuration: connection, security and size limit."""
+        return {**self.shared_kafka(), "message.max.bytes": self.dead_letter_max_bytes}
+
+    def dead_letter_topics(self) -> list[str]:
+        """The dead-letter topics of the consumed topics (the template filled in)."""
+        return sorted({self.dead_letter_topic.replace("{topic}", t) for t in self.topics})
+
+    def may_dead_letter(self) -> bool:
+        """True when some policy sends messages to the dead-letter topic."""
+        return "dead_letter" in (self.on_invalid_event_id, self.on_payload_mismatch, self.retry.then)
 
     def consumer_kafka(self) -> dict[str, Any]:
         """The consumer's librdkafka configuration."""

@@ -56,12 +56,33 @@ class DatabaseUnavailable(RetriableError):
     """The database cannot be reached right now."""
 
 
+class KafkaUnavailable(RetriableError):
+    """The Kafka cluster cannot be reached right now."""
+
+
 class TransactionConflict(RetriableError):
     """The database aborted the transaction (serialization failure or deadlock); it is retried."""
 
 
 class DeadLetterFailed(RetriableError):
     """A dead letter was not acknowledged by Kafka; the message stays unsettled."""
+
+
+class DeadLetterBlocked(OutboxSdkError):
+    """A dead letter could not be produced: its partition is paused until the letter is sent.
+
+    The handler is never run again for the message: the letter (with the handler's
+    error) is kept and only its sending is retried, with back-off.  ``letter`` is the
+    :class:`~consumer_sdk.model.DeadLetter`; ``topic``, ``partition`` and ``offset``
+    locate the source message.
+    """
+
+    def __init__(self, message: str, *, letter: object, topic: str, partition: int, offset: int) -> None:
+        super().__init__(message)
+        self.letter = letter
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset
 
 
 class FatalError(OutboxSdkError):

@@ -47,10 +47,11 @@ from confluent_kafka import (
 from consumer_sdk import kafka
 from consumer_sdk.config import InboxConfig
 from consumer_sdk.dead_letters import KafkaDeadLetters
-from consumer_sdk.errors import DatabaseUnavailable, KafkaFatal, RetriableError
+from consumer_sdk.errors import DatabaseUnavailable, DeadLetterBlocked, KafkaFatal, RetriableError
 from consumer_sdk.metrics import ConsumerMetrics
-from consumer_sdk.model import BatchResult, InboxMessage, KafkaRecord
+from consumer_sdk.model import BatchResult, DeadLetter, InboxMessage, KafkaRecord
 from consumer_sdk.offsets import OffsetBook, TopicPart
+from consumer_sdk.parking import ParkingLot
 from consumer_sdk.processor import DeadLetterSink, Policies, Processor
 from consumer_sdk.retention import RetentionFinding, check_retention, report_retention
 from consumer_sdk.store import ConnectionFactory, PgInboxStore, cleanup_inbox, connect_factory
@@ -91,6 +92,8 @@ class InboxConsumer:
         self._consumer: Consumer | None = None
         self._processor: Processor | None = None
         self.offsets = OffsetBook()
+        self.parked = ParkingLot(backoff_initial_s=config.db_backoff_initial_s,
+                                 backoff_max_s=config.db_backoff_max_s)
         self._unsettled: list[KafkaRecord] = []
         self._stash: list[KafkaRecord] = []  # messages a keep-alive poll returned, processed next
         self._rebalances = 0
@@ -123,7 +126,7 @@ class InboxConsumer:
         sink = self._dead_letters
         if sink is None:
             sink = self._own_dead_letters = KafkaDeadLetters(
-                self.config.shared_kafka(), topic_template=self.config.dead_letter_topic,
+                self.config.dead_letter_kafka(), topic_template=self.config.dead_letter_topic,
                 timeout_s=self.config.dead_letter_timeout_s)
         self._processor = Processor(
             consumer=self.config.name, store=self.store, handler=self._handler, dead_letters=sink,
@@ -131,6 +134,11 @@ class InboxConsumer:
                               on_payload_mismatch=self.config.on_payload_mismatch),
             metrics=self.metrics, log=self.log, sleep=self._sleep, on_settled=self._settled)
         self._consumer = self._new_consumer()
+        if self._own_dead_letters is not None and self.config.check_dead_letter_topics \
+                and self.config.may_dead_letter():
+            kafka.require_topics(self._consumer, self.config.dead_letter_topics(), what="dead-letter topic",
+                                 hint="create it (as large a max.message.bytes as its source) or "
+                                      "set dead_letter_topic")
         if self.config.check_retention and self.config.inbox_retention_s is not None:
             self._check_retention()
         self.log.info("consumer_started", group=self.config.group, topics=list(self.config.topics),
@@ -168,8 +176,10 @@ class InboxConsumer:
     def run_once(self) -> BatchResult:
         """Poll one batch and settle it; run the inbox cleanup when due.  Returns what happened."""
         self.start()
+        parked = self._retry_parked() if self.parked else BatchResult()
         records = self._poll()
         result = self._process(records) if records else BatchResult()
+        result.add(parked)
         self._maybe_cleanup()
         return result
 
@@ -213,6 +223,8 @@ class InboxConsumer:
             except RetriableError as exc:
                 failures += 1
                 self._batch_failed(exc, failures)
+            except DeadLetterBlocked as blocked:
+                self._park(blocked)
             except _Abandon:
                 break
         if self._unsettled:
@@ -241,8 +253,11 @@ class InboxConsumer:
 
     def _settled(self, records: Sequence[KafkaRecord]) -> None:
         """Called by the processor after each database commit: commit the offsets now."""
-        parts = self.offsets.settle(records)
         del self._unsettled[: len(records)]
+        self._commit_settled(records)
+
+    def _commit_settled(self, records: Sequence[KafkaRecord]) -> None:
+        parts = self.offsets.settle(records)
         consumer = self._live()
         self._commit_pending(consumer, None)
         self._update_lag(consumer, parts)
@@ -310,6 +325,8 @@ class InboxConsumer:
         self._rebalances += 1
         self.metrics.rebalances.labels(self.config.name, kind).inc()
         self.offsets.forget(parts)
+        self.parked.forget(parts)
+        self.metrics.dead_letter_blocked.labels(self.config.name).set(len(self.parked))
         for key in parts:
             try:
                 self.metrics.lag.remove(self.config.name, key[0], str(key[1]))
@@ -349,9 +366,44 @@ class InboxConsumer:
                 if self._rebalances != generation or self.stopping:
                     raise _Abandon()
         finally:
-            current = consumer.assignment()
+            current = [tp for tp in consumer.assignment() if (tp.topic, tp.partition) not in self.parked]
             if current:
                 consumer.resume(current)
+
+    # -- dead letters that could not be produced ---------------------------------------------
+
+    def _park(self, blocked: DeadLetterBlocked) -> None:
+        """Pause the letter's partition right after its record; drop what was fetched after it."""
+        letter = blocked.letter
+        assert isinstance(letter, DeadLetter)
+        key = self.parked.park(letter, now=self._clock())
+        consumer = self._live()
+        self._unsettled = [r for r in self._unsettled if (r.topic, r.partition) != key]
+        self._stash = [r for r in self._stash if (r.topic, r.partition) != key]
+        tp = TopicPartition(key[0], key[1])
+        consumer.pause([tp])
+        kafka.seek(consumer, key, blocked.offset + 1, log=self.log)
+        self.metrics.dead_letter_blocked.labels(self.config.name).set(len(self.parked))
+        self.log.error("partition_paused", reason="dead_letter_failed", topic=key[0], partition=key[1],
+                       offset=blocked.offset, error=str(blocked))
+
+    def _retry_parked(self) -> BatchResult:
+        """Send the parked letters that are due; settle and resume each one that went."""
+        assert self._processor is not None
+        result = BatchResult()
+        for key, parked in self.parked.due(self._clock()):
+            try:
+                self._processor.send_dead_letter(parked.letter, result)
+            except DeadLetterBlocked:
+                self.parked.failed(key, now=self._clock())
+                continue
+            self.parked.release(key)
+            result.settled += 1
+            self._commit_settled([parked.letter.record])
+            self._live().resume([TopicPartition(key[0], key[1])])
+            self.log.info("partition_resumed", topic=key[0], partition=key[1], failures=parked.failures)
+        self.metrics.dead_letter_blocked.labels(self.config.name).set(len(self.parked))
+        return result
 
     # -- database waits, retention ----------------------------------------------------------
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
-from consumer_sdk.errors import ConfigError
+from consumer_sdk.errors import ConfigError, KafkaUnavailable
 from consumer_sdk.model import KafkaRecord
 from consumer_sdk.offsets import TopicPart
 
@@ -46,6 +46,20 @@ def wait_partitions(consumer: Consumer, topic: str, *, stop: threading.Event, lo
     return []
 
 
+def require_topics(consumer: Consumer, topics: list[str], *, what: str, hint: str) -> None:
+    """Raise :class:`ConfigError` naming the ``topics`` the cluster does not have.
+
+    Lists every topic (no per-topic request, which could create one on a broker that
+    auto-creates topics)."""
+    try:
+        known = consumer.list_topics(timeout=METADATA_TIMEOUT_S).topics
+    except KafkaException as exc:
+        raise KafkaUnavailable(f"cannot list the cluster's topics to check the {what}s: {exc}") from None
+    missing = [t for t in topics if t not in known or known[t].error is not None]
+    if missing:
+        raise ConfigError(f"{what} {', '.join(missing)} does not exist: {hint}")
+
+
 def commit_offsets(consumer: Consumer, offsets: dict[TopicPart, int]) -> tuple[dict[TopicPart, int], list[str]]:
     """Commit synchronously; returns (acknowledged positions, error texts).  Never raises."""
     try:
@@ -61,6 +75,16 @@ def commit_offsets(consumer: Consumer, offsets: dict[TopicPart, int]) -> tuple[d
         else:
             errors.append(f"{tp.topic}[{tp.partition}]: {tp.error}")
     return done, errors
+
+
+def seek(consumer: Consumer, key: TopicPart, offset: int, *, log: Any) -> bool:
+    """Move the partition's fetch position to ``offset`` (dropping what was prefetched)."""
+    try:
+        consumer.seek(TopicPartition(key[0], key[1], offset))
+    except KafkaException as exc:  # not assigned any more: its next owner starts from the commit
+        log.warning("seek_failed", topic=key[0], partition=key[1], offset=offset, error=str(exc))
+        return False
+    return True
 
 
 def high_watermark(consumer: Consumer, key: TopicPart) -> int | None:

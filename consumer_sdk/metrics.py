@@ -41,6 +41,14 @@ class ConsumerMetrics:
         self.dead_lettered = Counter(
             "outbox_consumer_dead_lettered", "Messages sent to the dead-letter topic, by reason.",
             ["consumer", "topic", "reason"], registry=r)
+        self.dead_letter_failures = Counter(
+            "outbox_consumer_dead_letter_failures",
+            "Dead letters the broker did not acknowledge (each attempt); the partition waits, paused.",
+            ct, registry=r)
+        self.dead_letter_blocked = Gauge(
+            "outbox_consumer_dead_letter_blocked_partitions",
+            "Partitions paused because their dead letter could not be produced yet.",
+            ["consumer"], registry=r)
         self.skipped = Counter(
             "outbox_consumer_skipped", "Messages acknowledged without handling by a 'skip' policy, by reason.",
             ["consumer", "topic", "reason"], registry=r)

@@ -30,7 +30,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from consumer_sdk.errors import ConsumerStopped, HandlerTransactionFailed, PermanentError
+from consumer_sdk.errors import (
+    ConsumerStopped,
+    DeadLetterBlocked,
+    DeadLetterFailed,
+    HandlerTransactionFailed,
+    PermanentError,
+)
 from consumer_sdk.metrics import ConsumerMetrics
 from consumer_sdk.model import (
     Action,
@@ -92,6 +98,7 @@ class _Halt:
     error: BaseException
     reason: str
     stop: bool
+    blocked: bool = False
 
 
 class _HandlerFailed(Exception):
@@ -138,6 +145,9 @@ class Processor:
             rest = rest[settled:]
             if halt is None:
                 continue
+            if halt.blocked:
+                assert isinstance(halt.error, DeadLetterBlocked)
+                raise halt.error
             if halt.stop:
                 raise self._stopped(rest[0], halt)
             self._retry_alone(rest[0], halt.error, result)
@@ -218,7 +228,10 @@ class Processor:
         if action == "stop":
             return _Halt(error, reason, stop=True)
         if action == "dead_letter":
-            self._dead_letter(record, reason, error, 0, result)
+            try:
+                self._dead_letter(record, reason, error, 0, result)
+            except DeadLetterBlocked as blocked:  # commit the records before it first
+                return _Halt(blocked, reason, stop=False, blocked=True)
         else:
             self._metrics.skipped.labels(self.consumer, record.topic, reason).inc()
             result.skipped += 1
@@ -260,11 +273,28 @@ class Processor:
                      result: BatchResult) -> None:
         letter = DeadLetter(record=record, consumer=self.consumer, reason=reason,
                             error=describe(error), error_type=type(error).__name__, attempts=attempts)
-        self._dead_letters.send(letter)
-        self._metrics.dead_lettered.labels(self.consumer, record.topic, reason).inc()
+        self.send_dead_letter(letter, result)
+
+    def send_dead_letter(self, letter: DeadLetter, result: BatchResult) -> None:
+        """Send ``letter``; on failure raise :class:`DeadLetterBlocked` (never retriable here:
+        retrying the batch would run the handler again).  The caller settles the record."""
+        record = letter.record
+        try:
+            self._dead_letters.send(letter)
+        except DeadLetterFailed as exc:
+            self._metrics.dead_letter_failures.labels(self.consumer, record.topic).inc()
+            self._log.error("dead_letter_failed", reason=letter.reason, error=str(exc),
+                            hint="the partition is paused until the letter is sent; see the "
+                                 "OutboxConsumerDeadLetterFailures runbook", **_where(record))
+            raise DeadLetterBlocked(
+                f"the dead letter of {record.topic}[{record.partition}]@{record.offset} could not be "
+                f"produced ({exc}); the partition is paused and the letter retried, the handler is "
+                "not run again", letter=letter, topic=record.topic, partition=record.partition,
+                offset=record.offset) from exc
+        self._metrics.dead_lettered.labels(self.consumer, record.topic, letter.reason).inc()
         result.dead_lettered += 1
         result.dead_letters.append(letter)
-        self._log.error("message_dead_lettered", reason=reason, attempts=attempts,
+        self._log.error("message_dead_lettered", reason=letter.reason, attempts=letter.attempts,
                         error=letter.error, **_where(record))
 
     def _settle(self, records: Sequence[KafkaRecord], result: BatchResult) -> None:

@@ -25,9 +25,10 @@ def sdk_db(db_dsn: str) -> str:
 
 @pytest.fixture
 def sdk_topic(broker: Any, topic_name: Callable[[str], str]) -> str:
-    """A fresh 3-partition topic."""
+    """A fresh 3-partition topic and its dead-letter topic (the consumer checks it exists)."""
     name = topic_name("events")
     create_topic(broker.bootstrap, name, partitions=3)
+    create_topic(broker.bootstrap, f"{name}.dlq", partitions=1)
     return name
 
 

@@ -4,6 +4,7 @@ during a back-off abandons the rest of the batch, failed commits are retried."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -11,10 +12,18 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from consumer_sdk import DatabaseUnavailable, InboxConfig, InboxConsumer, InboxMessage, RetryPolicy
+from consumer_sdk import (
+    DatabaseUnavailable,
+    DeadLetterFailed,
+    InboxConfig,
+    InboxConsumer,
+    InboxMessage,
+    PermanentError,
+    RetryPolicy,
+)
 from consumer_sdk import kafka as kafka_seam
 from consumer_sdk.metrics import ConsumerMetrics
-from consumer_sdk.model import KafkaRecord
+from consumer_sdk.model import DeadLetter, KafkaRecord
 from consumer_sdk.testing import FakeDeadLetters, FakeInboxStore, make_record
 
 TOPIC = "orders"
@@ -86,6 +95,9 @@ class FakeKafka:
 
     def resume(self, parts: list[TopicPartition]) -> None:
         self.journal.append("resume")
+
+    def seek(self, tp: TopicPartition) -> None:
+        self.journal.append(("seek", (tp.topic, tp.partition, tp.offset)))
 
     def get_watermark_offsets(self, tp: TopicPartition, cached: bool) -> tuple[int, int]:
         return 0, 10
@@ -248,3 +260,45 @@ def test_a_database_outage_retries_only_the_unsettled_messages(journal, kafka):
     assert applied == [0, 1, 2] and result.applied == 3
     assert consumer.metrics.registry.get_sample_value(
         "outbox_consumer_database_errors_total", {"consumer": "svc"}) == 2
+
+
+class FlakyDeadLetters(FakeDeadLetters):
+    """Refuses the first ``failures`` letters (a too-large record, a missing topic, an ACL)."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def send(self, letter: DeadLetter) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise DeadLetterFailed("Broker: Message size too large")
+        super().send(letter)
+
+
+def test_a_dead_letter_that_cannot_be_produced_pauses_its_partition_and_never_reruns_the_handler(journal, kafka):
+    kafka.queue = records(0, 1, 2) + records(0, 1, partition=1)
+    calls: list[tuple[int, int]] = []
+
+    def handler(conn: Any, message: InboxMessage) -> None:
+        calls.append((message.partition, message.offset))
+        if (message.partition, message.offset) == (0, 1):
+            raise PermanentError("cannot ever apply")
+
+    sink = FlakyDeadLetters(failures=3)
+    consumer = build(journal, handler, db_backoff_initial_s=0.001, db_backoff_max_s=0.001)
+    consumer._dead_letters = sink  # noqa: SLF001 - the loop takes its sink at start()
+    first = consumer.run_once()
+    assert first.applied == 3  # p0@0 and both of p1: the other partition keeps flowing
+    assert ("seek", (TOPIC, 0, 2)) in journal and "pause" in journal  # parked right after the record
+    assert consumer.offsets.applied == {(TOPIC, 0): 1, (TOPIC, 1): 2}  # nothing past the letter
+    deadline = time.monotonic() + 10
+    while consumer.parked and time.monotonic() < deadline:
+        consumer.run_once()
+    assert not consumer.parked and len(sink.letters) == 1
+    assert calls.count((0, 1)) == 1  # the handler ran once; only the sending was retried
+    assert consumer.offsets.applied[(TOPIC, 0)] == 2 and journal[-1] == "resume"
+    sample = consumer.metrics.registry.get_sample_value
+    assert sample("outbox_consumer_dead_letter_failures_total", {"consumer": "svc", "topic": TOPIC}) == 3
+    assert not sample("outbox_consumer_database_errors_total", {"consumer": "svc"})
+    assert sample("outbox_consumer_dead_letter_blocked_partitions", {"consumer": "svc"}) == 0

@@ -11,9 +11,11 @@ import pytest
 
 from consumer_sdk import (
     ConsumerStopped,
+    DeadLetterBlocked,
     DeadLetterFailed,
     InboxMessage,
     PermanentError,
+    RetriableError,
     RetryPolicy,
 )
 from consumer_sdk.processor import Policies
@@ -154,9 +156,13 @@ def test_a_dead_letter_that_fails_leaves_the_message_unsettled():
     effects.permanent.add(1)
     inbox = FakeInbox(effects)
     inbox.dead_letters.fail = DeadLetterFailed("broker down")
-    with pytest.raises(DeadLetterFailed):
+    with pytest.raises(DeadLetterBlocked) as blocked:
         inbox.deliver(*records(3))
     assert [r.offset for r in inbox.settled] == [0]  # the batch before it committed; 1 and 2 did not
+    assert not isinstance(blocked.value, RetriableError)  # a retry of the batch would re-run the handler
+    assert blocked.value.offset == 1 and blocked.value.letter.reason == "permanent_error"
+    assert inbox.metrics.registry.get_sample_value(
+        "outbox_consumer_dead_letter_failures_total", {"consumer": "test", "topic": "test"}) == 1
 
 
 def test_a_handler_exception_rolls_back_its_inbox_row():
