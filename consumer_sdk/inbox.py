@@ -229,6 +229,8 @@ class InboxConsumer:
                 break
         if self._unsettled:
             self.log.info("batch_abandoned", unsettled=len(self._unsettled), stopping=self.stopping)
+            if not self.stopping:  # close() commits what was applied; nothing is fetched again
+                self._rewind(self._unsettled)
             self._unsettled = []
         self.metrics.batch_duration.labels(self.config.name).observe(self._clock() - started)
         self.metrics.batch_size.labels(self.config.name).observe(len(records))
@@ -261,6 +263,27 @@ class InboxConsumer:
         consumer = self._live()
         self._commit_pending(consumer, None)
         self._update_lag(consumer, parts)
+
+    def _rewind(self, abandoned: Sequence[KafkaRecord]) -> None:
+        """Seek each partition this member keeps back to its first abandoned record.
+
+        An incremental rebalance (``group.protocol=consumer``, KIP-848) revokes only some
+        partitions: the kept ones are not reset to their committed offsets, and their
+        fetch positions are already past the abandoned records, which a later commit
+        would skip.  Records of those partitions fetched meanwhile are dropped (they
+        come again after the seek)."""
+        first: dict[TopicPart, int] = {}
+        for record in abandoned:
+            key = (record.topic, record.partition)
+            if key in self.assigned and key not in self.parked:
+                first[key] = min(first.get(key, record.offset), record.offset)
+        if not first:
+            return
+        self._stash = [r for r in self._stash if (r.topic, r.partition) not in first]
+        consumer = self._live()
+        for key, offset in first.items():
+            kafka.seek(consumer, key, offset, log=self.log)
+        self.log.info("partitions_rewound", positions={f"{t}[{p}]": o for (t, p), o in first.items()})
 
     def _commit_pending(self, consumer: Consumer, only: set[TopicPart] | None) -> None:
         due = self.offsets.due(only)

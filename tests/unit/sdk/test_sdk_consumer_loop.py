@@ -302,3 +302,23 @@ def test_a_dead_letter_that_cannot_be_produced_pauses_its_partition_and_never_re
     assert sample("outbox_consumer_dead_letter_failures_total", {"consumer": "svc", "topic": TOPIC}) == 3
     assert not sample("outbox_consumer_database_errors_total", {"consumer": "svc"})
     assert sample("outbox_consumer_dead_letter_blocked_partitions", {"consumer": "svc"}) == 0
+
+
+def test_an_incremental_rebalance_rewinds_the_kept_partitions_past_an_abandoned_batch(journal, kafka):
+    """group.protocol=consumer (KIP-848) revokes only some partitions: the kept ones keep their
+    fetch position, which is past the abandoned records; without a seek they would be skipped."""
+    kafka.queue = records(0, 1, 2, 3, 4) + records(0, 1, 2, partition=1)
+    applied: list[tuple[int, int]] = []
+
+    def handler(conn: Any, message: InboxMessage) -> None:
+        if (message.partition, message.offset) == (0, 2) and (0, -2) not in applied:
+            applied.append((0, -2))
+            raise RuntimeError("slow dependency")
+        applied.append((message.partition, message.offset))
+
+    consumer = build(journal, handler, retry=RetryPolicy(max_attempts=3, backoff_initial_s=5, backoff_max_s=5))
+    kafka.on_poll.append(lambda: kafka.revoke(1))  # partition 0 is kept
+    consumer.run_once()
+    assert consumer.assigned == {(TOPIC, 0)} and consumer.offsets.applied == {(TOPIC, 0): 2}
+    assert ("seek", (TOPIC, 0, 2)) in journal  # the kept partition starts again at the abandoned record
+    assert not any(e[0] == "seek" and e[1][1] == 1 for e in journal if isinstance(e, tuple))
