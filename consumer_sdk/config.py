@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from consumer_sdk.errors import ConfigError
 from consumer_sdk.model import Action, RetryPolicy
+from consumer_sdk.secrets import safe_repr, validate_dsn
 
 DEFAULT_BATCH_SIZE = 1
 DEFAULT_POLL_TIMEOUT_S = 1.0
@@ -84,6 +85,8 @@ class InboxConfig:
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ConfigError(f"name must be 1-200 of [A-Za-z0-9._:-], got {self.name!r}")
+        if self.dsn:
+            validate_dsn(self.dsn, option="InboxConfig.dsn")
         if isinstance(self.topics, str) or not self.topics:
             raise ConfigError("topics must be a non-empty list of topic names")
         if not self.bootstrap_servers and "bootstrap.servers" not in self.kafka_properties:
@@ -113,6 +116,10 @@ class InboxConfig:
             raise ConfigError("cleanup_batch must be at least 1")
         if not 0 < self.db_backoff_initial_s <= self.db_backoff_max_s:
             raise ConfigError("need 0 < db_backoff_initial_s <= db_backoff_max_s")
+
+    def __repr__(self) -> str:
+        """No secret: the DSN's password and secret Kafka properties show as ``***``."""
+        return safe_repr(self, {f.name: getattr(self, f.name) for f in fields(self)})
 
     @property
     def group(self) -> str:

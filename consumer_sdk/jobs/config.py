@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.fairness import Limits
 from consumer_sdk.jobs.model import BULK, INTERACTIVE
 from consumer_sdk.jobs.retry import Backoff
+from consumer_sdk.secrets import safe_repr, validate_dsn
 
 DEFAULT_LEASE_S = 30.0
 DEFAULT_POLL_INTERVAL_S = 5.0
@@ -58,6 +59,7 @@ class WorkerConfig:
     application_name: str = "outbox-jobs-worker"
 
     def __post_init__(self) -> None:
+        validate_dsn(self.dsn, option="WorkerConfig.dsn")
         if not self.queues or any(not isinstance(q, str) or not _QUEUE.match(q) for q in self.queues):
             raise InvalidJob("queues must be a non-empty list of names of 1-64 [A-Za-z0-9_.:-]")
         if len(set(self.queues)) != len(self.queues):
@@ -69,6 +71,10 @@ class WorkerConfig:
         if self.drain_timeout_s < 0:
             raise InvalidJob("drain_timeout_s must be >= 0")
         self.limits  # validates the limits  # noqa: B018
+
+    def __repr__(self) -> str:
+        """No secret: the DSN's password shows as ``***``."""
+        return safe_repr(self, {f.name: getattr(self, f.name) for f in fields(self)})
 
     @property
     def heartbeat_interval_s(self) -> float:
