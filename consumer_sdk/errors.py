@@ -89,6 +89,10 @@ class FatalError(OutboxSdkError):
     """A problem a person has to fix; retrying will not help."""
 
 
+class AuthenticationFailed(FatalError):
+    """The database rejected the credentials: fix the user or password; retrying will not help."""
+
+
 class KafkaFatal(FatalError):
     """The Kafka client reported a fatal error."""
 

@@ -20,6 +20,7 @@ import psycopg
 import psycopg.errors
 from psycopg.pq import TransactionStatus
 
+from consumer_sdk import _pg
 from consumer_sdk._sql import query
 from consumer_sdk.errors import (
     DatabaseUnavailable,
@@ -37,8 +38,7 @@ def connect_factory(dsn: str, *, application_name: str = "outbox-consumer",
     """A factory of autocommit connections to ``dsn``."""
 
     def connect() -> psycopg.Connection[Any]:
-        return psycopg.connect(dsn, autocommit=True, application_name=application_name,
-                               connect_timeout=connect_timeout_s)
+        return _pg.connect(dsn, application_name=application_name, connect_timeout_s=connect_timeout_s)
 
     return connect
 
@@ -60,8 +60,8 @@ class PgInboxStore:
             self.reset()
             try:
                 conn = self._connect()
-            except psycopg.OperationalError as exc:
-                raise DatabaseUnavailable(f"database unreachable: {_first_line(exc)}") from exc
+            except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:  # a factory of the caller's
+                raise _pg.translate_connect_error(exc) from None
             if not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
                 conn.autocommit = True  # transactions come from conn.transaction() blocks only
             self._conn = conn

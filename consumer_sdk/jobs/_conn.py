@@ -8,8 +8,8 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from consumer_sdk.errors import DatabaseUnavailable
-from consumer_sdk.jobs._db import ConnectionT, first_line, q, translated
+from consumer_sdk import _pg
+from consumer_sdk.jobs._db import ConnectionT, q, translated
 
 ConnectionFactory = Callable[[], ConnectionT]
 
@@ -18,8 +18,7 @@ def connect_factory(dsn: str, *, application_name: str, connect_timeout_s: int =
     """A factory of autocommit connections to ``dsn``."""
 
     def connect() -> ConnectionT:
-        return psycopg.connect(dsn, autocommit=True, application_name=application_name[:63],
-                               connect_timeout=connect_timeout_s)
+        return _pg.connect(dsn, application_name=application_name, connect_timeout_s=connect_timeout_s)
 
     return connect
 
@@ -43,8 +42,8 @@ class ConnSlot:
             self.close()
             try:
                 conn = self._connect()
-            except psycopg.OperationalError as exc:
-                raise DatabaseUnavailable(f"database unreachable: {first_line(exc)}") from exc
+            except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:  # a factory of the caller's
+                raise _pg.translate_connect_error(exc) from None
             conn.autocommit = True
             if self._idle_ms is not None:
                 with translated():

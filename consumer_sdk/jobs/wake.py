@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import psycopg
 import structlog
 
+from consumer_sdk.errors import FatalError, OutboxSdkError
 from consumer_sdk.jobs._conn import ConnectionFactory
 from consumer_sdk.jobs._db import ConnectionT, first_line, q
 from consumer_sdk.jobs.model import QUEUE_HEADER
@@ -82,7 +83,11 @@ class Listener:
                     pause_s = 0.1
                     self._on_wake(None)  # anything sent while we were not listening
                     self._drain(conn)
-            except psycopg.Error as exc:
+            except FatalError as exc:  # e.g. rejected credentials: waiting will not help
+                self.connected.clear()
+                self.log.error("listen_stopped", error=str(exc), error_type=type(exc).__name__)
+                return
+            except (psycopg.Error, OutboxSdkError) as exc:
                 self.connected.clear()
                 self.log.warning("listen_failed", error=first_line(exc))
                 self._stop.wait(pause_s)

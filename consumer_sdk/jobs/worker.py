@@ -35,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from consumer_sdk.errors import OutboxSdkError
+from consumer_sdk.errors import FatalError, OutboxSdkError
 from consumer_sdk.jobs import queue as jobq
 from consumer_sdk.jobs._conn import ConnectionFactory, ConnSlot, connect_factory
 from consumer_sdk.jobs.config import WorkerConfig, local_deadline
@@ -90,6 +90,8 @@ class WorkerPool:
         self._schema_checked = False
         self._started = False
         self._stopped = False
+        #: The fatal error that stopped claiming (AuthenticationFailed, ...), else None.
+        self.error: FatalError | None = None
         self.outcomes: Counter[str] = Counter()
         self.rounds = 0  # dispatch rounds completed (tests wait on it)
 
@@ -226,6 +228,11 @@ class WorkerPool:
             try:
                 self.run_once()
                 pause_s = 0.1
+            except FatalError as exc:  # rejected credentials, ...: a person has to act
+                self.error = exc
+                self.log.error("pool_failed", error=str(exc), error_type=type(exc).__name__)
+                self._stopping.set()
+                break
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything
                 if isinstance(exc, OutboxSdkError):
                     self.log.warning("dispatch_failed", error=str(exc))

@@ -51,3 +51,26 @@ def run_consumer() -> Iterator[Callable[..., ConsumerThread]]:
             thread.thread.join(30)
 
 
+
+
+@pytest.fixture
+def password_role(own_pg_running: Any) -> Iterator[Any]:
+    """A role `pw_sdk` that must log in with the password 'right-password' (restartable server)."""
+    from pathlib import Path
+
+    import psycopg
+
+    hba = Path(own_pg_running.data_dir) / "pg_hba.conf"
+    original = hba.read_text()
+    hba.write_text("host all pw_sdk 127.0.0.1/32 scram-sha-256\n" + original)
+    with psycopg.connect(own_pg_running.admin_dsn, autocommit=True) as conn:
+        conn.execute("DROP ROLE IF EXISTS pw_sdk")
+        conn.execute("CREATE ROLE pw_sdk LOGIN PASSWORD 'right-password'")
+        conn.execute("SELECT pg_reload_conf()")
+    try:
+        yield own_pg_running
+    finally:
+        hba.write_text(original)
+        with psycopg.connect(own_pg_running.admin_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_reload_conf()")
+            conn.execute("DROP ROLE IF EXISTS pw_sdk")
