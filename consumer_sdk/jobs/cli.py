@@ -26,7 +26,7 @@ from consumer_sdk.errors import OutboxSdkError
 from consumer_sdk.jobs import admin
 from consumer_sdk.jobs.model import BULK, INTERACTIVE, DeadLetterRecord
 from consumer_sdk.jobs.reconciler import Reconciler
-from consumer_sdk.jobs.runs import run_status
+from consumer_sdk.jobs.runs import error_reference, run_status
 
 ENV_DSN = "OUTBOX_JOBS_DSN"
 
@@ -93,7 +93,7 @@ def _run(conn: psycopg.Connection[Any], args: argparse.Namespace, out: TextIO) -
         if state is None:
             print(f"no run {args.run_id}", file=out)
             return 1
-        print(_json(asdict(state)), file=out)
+        print(_json({**asdict(state), "error_reference": error_reference(state)}), file=out)
         return 0
     if args.area == "cleanup":
         finished, activations = admin.cleanup(conn, older_than_s=args.older_than_days * 86400)

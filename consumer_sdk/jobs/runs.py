@@ -217,8 +217,31 @@ def cancel_run(conn: ConnectionT, *, owner_id: str, run_id: RunId | str, events_
     return state
 
 
+#: The error classes an owner may see: stable, documented, never exception text.
+ERROR_CLASSES = ("permanent_error", "attempts_exhausted", "lease_expired", "retrying")
+
+
+def error_class(state: RunState) -> str | None:
+    """The stable class of the run's last failure (see :data:`ERROR_CLASSES`), or None."""
+    if state.dead_reason:
+        return state.dead_reason
+    if state.last_error or state.last_error_type:
+        return "retrying" if state.status != "failed" else "permanent_error"
+    return None
+
+
+def error_reference(state: RunState) -> str:
+    """An opaque reference to the run's last error: the admin CLI (``runs show``) and the
+    worker's logs (``job_id``, ``attempt``) lead from it to the raw text."""
+    return f"err-{state.job_id}-{state.attempts}"
+
+
 def owner_view(state: RunState) -> Mapping[str, Any]:
-    """A JSON-ready view of a run for its owner (what a status endpoint returns)."""
+    """A JSON-ready view of a run for its owner (what a status endpoint returns).
+
+    A failure shows as ``error: {"class": ..., "reference": ...}``: a stable class and
+    a reference for support, never the raw error text (it can hold internal URLs or
+    tokens); that stays in :func:`run_status` and the admin CLI."""
     view: dict[str, Any] = {
         "run_id": str(state.run_id), "status": state.status, "kind": state.kind,
         "queue": state.queue, "attempts": state.attempts, "created_at": state.created_at.isoformat(),
@@ -228,8 +251,9 @@ def owner_view(state: RunState) -> Mapping[str, Any]:
         view["result"] = state.result
     if state.status == "waiting":
         view["waiting_for"] = state.wait_cause
-    if state.status in ("failed", "queued") and state.last_error:
-        view["last_error"] = state.last_error
+    kind = error_class(state) if state.status in ("failed", "queued") else None
+    if kind is not None:
+        view["error"] = {"class": kind, "reference": error_reference(state)}
     if state.dead_reason:
         view["failure_reason"] = state.dead_reason
     return view
