@@ -7,7 +7,14 @@ import io
 import json
 from typing import Any
 
-from consumer_sdk.jobs import JobContext, PermanentJobError, TransientJobError, accept, owner_view, run_status
+from consumer_sdk.jobs import (
+    JobContext,
+    PermanentJobError,
+    TransientJobError,
+    accept,
+    owner_view,
+    run_status,
+)
 from consumer_sdk.jobs import cli as jobs_cli
 from consumer_sdk.jobs.retry import Backoff
 from tests.fixtures.procs import wait_until
