@@ -90,7 +90,11 @@ class WorkerConfig:
 
     @property
     def idle_in_transaction_ms(self) -> int:
-        """A frozen worker's open transaction is ended by PostgreSQL after one lease."""
+        """A frozen worker's open transaction is ended by PostgreSQL after one lease.
+
+        A live worker's fenced transaction is not: each heartbeat that renews the lease
+        also resets the server's idle timer on the handler's connection (``fence_keepalive``),
+        so it lives as long as the lease is renewed."""
         return max(1000, int(self.lease_s * 1000))
 
 

@@ -22,9 +22,10 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+import psycopg.errors
 
 from consumer_sdk.jobs import queue
-from consumer_sdk.jobs._db import ConnectionT, first_line
+from consumer_sdk.jobs._db import ConnectionT, first_line, q
 from consumer_sdk.jobs.errors import LeaseLost
 from consumer_sdk.jobs.model import ClaimedJob, Lease
 
@@ -33,6 +34,7 @@ _MESSAGES = {
     "lease_unconfirmed": "the lease could not be renewed before it ran out",
     "cancelled": "the run was cancelled by its owner",
     "shutdown": "the worker pool is stopping; the job is given back",
+    "fence_ended": "the server ended the fenced transaction (idle past the lease without renewal)",
 }
 
 
@@ -145,12 +147,30 @@ class JobContext:
                     yield self.conn
                 finally:
                     self._fenced_depth -= 1
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            if not (self.conn.broken or self.conn.closed):
-                raise
-            self.cancel("lease_lost")
-            raise LeaseLost(f"job {self.job.id}: the connection broke in a fenced transaction: "
-                            f"{first_line(exc)}", reason="lease_lost") from exc
+        except psycopg.Error as exc:
+            ended = isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout)
+            if not (ended or self.cancelled or self.conn.broken or self.conn.closed):
+                raise  # the handler's own statement failed: its error, not the fence's
+            self.cancel("fence_ended" if ended else "lease_lost")  # the first reason wins
+            reason = self._reason or "lease_lost"
+            raise LeaseLost(f"job {self.job.id}: {_MESSAGES.get(reason, reason)}: {first_line(exc)}",
+                            reason=reason) from exc
+
+    @property
+    def in_fenced_transaction(self) -> bool:
+        return self._fenced_depth > 0
+
+    def keep_fence_alive(self) -> bool:
+        """Reset the server's idle timer of the open fenced transaction (the heartbeat thread
+        calls it after renewing the lease); True when sent.  psycopg serializes it with the
+        handler's own statements; it runs between them, never inside one."""
+        if self._fenced_depth <= 0 or self.cancelled or self._conn is None:
+            return False
+        try:
+            self._conn.execute(q("fence_keepalive"))
+        except psycopg.Error:
+            return False  # the handler's transaction failed or ended: its own statement will say
+        return True
 
     def put_result(self, key: str, value: Any) -> None:
         """Write one result by key (an idempotent upsert): inside the open fenced transaction,

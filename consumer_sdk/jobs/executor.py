@@ -32,7 +32,7 @@ from consumer_sdk.jobs.retry import Backoff, describe, verdict
 Handler = Callable[[JobContext], Any]
 
 #: Reasons for which the worker no longer has the right to write anything.
-NO_AUTHORITY = frozenset({"lease_lost", "lease_unconfirmed", "cancelled"})
+NO_AUTHORITY = frozenset({"lease_lost", "lease_unconfirmed", "cancelled", "fence_ended"})
 
 
 class Executor:

@@ -29,6 +29,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from queue import SimpleQueue
 from typing import Any
@@ -93,6 +94,9 @@ class WorkerPool:
         #: The fatal error that stopped claiming (AuthenticationFailed, ...), else None.
         self.error: FatalError | None = None
         self.outcomes: Counter[str] = Counter()
+        self._keepalive_pool = ThreadPoolExecutor(max_workers=max(1, min(4, config.max_concurrency)),
+                                                  thread_name_prefix="jobs-fence-keepalive")
+        self._keepalives: dict[JobId, Future[bool]] = {}
         self.rounds = 0  # dispatch rounds completed (tests wait on it)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -153,6 +157,7 @@ class WorkerPool:
         if self._listener is not None:
             self._listener.stop()
         self._dispatch_slot.close()
+        self._keepalive_pool.shutdown(wait=False, cancel_futures=True)
         self.log.info("pool_stopped", outcomes=dict(self.outcomes))
 
     def _wait_idle(self, timeout_s: float) -> bool:
@@ -286,6 +291,7 @@ class WorkerPool:
     def _finish(self, ctx: JobContext) -> None:
         with self._lock:
             self._running.pop(ctx.job.id, None)
+            self._keepalives.pop(ctx.job.id, None)
             self._busy[ctx.job.queue] -= 1
             busy = self._busy[ctx.job.queue]
             self._lock.notify_all()
@@ -324,7 +330,19 @@ class WorkerPool:
                 count += self._lose(ctx, "cancelled" if lost[ctx.job.id] == "cancelled" else "lease_lost")
             else:
                 ctx.deadline = deadline
+                self._keep_fence_alive(ctx)
         return count
+
+    def _keep_fence_alive(self, ctx: JobContext) -> None:
+        """The lease was renewed: let the job's open fenced transaction live on (off this thread,
+        which must never wait for a handler's statement)."""
+        if not ctx.in_fenced_transaction:
+            return
+        with self._lock:
+            pending = self._keepalives.get(ctx.job.id)
+            if pending is not None and not pending.done():
+                return
+            self._keepalives[ctx.job.id] = self._keepalive_pool.submit(ctx.keep_fence_alive)
 
     def _lose(self, ctx: JobContext, reason: str) -> int:
         if not ctx.cancel(reason):

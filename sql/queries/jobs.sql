@@ -480,6 +480,13 @@ RETURNING j.id, j.queue
 -- is disconnected after %(idle_ms)s ms, so its row locks cannot block a takeover.
 SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s::text, false)
 
+-- name: fence_keepalive
+-- Sent by the heartbeat thread on a handler's connection while its fenced transaction
+-- is open and the lease was just renewed: it resets the idle_in_transaction timer, so a
+-- fenced transaction lives as long as the lease is renewed, and a frozen worker's (no
+-- heartbeat, no keep-alive) is still ended by the server one lease after its last one.
+SELECT 1
+
 -- name: listen
 LISTEN outbox_jobs
 
