@@ -40,6 +40,10 @@ class ConfigError(OutboxSdkError, ValueError):
     """Invalid consumer configuration."""
 
 
+class InboxGroupConflict(ConfigError):
+    """This inbox name belongs to another consumer group: one inbox name is one group."""
+
+
 class PermanentError(OutboxSdkError):
     """Raised by a handler: this message can never succeed; dead-letter it without retrying."""
 

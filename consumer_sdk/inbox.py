@@ -123,6 +123,9 @@ class InboxConsumer:
             return
         if self._retry_db(self.store.check_schema) is None and self.stopping:
             return
+        if self._retry_db(lambda: self.store.bind_group(consumer=self.config.name, group=self.config.group)) \
+                is None and self.stopping:
+            return
         sink = self._dead_letters
         if sink is None:
             sink = self._own_dead_letters = KafkaDeadLetters(

@@ -25,6 +25,7 @@ from consumer_sdk._sql import query
 from consumer_sdk.errors import (
     DatabaseUnavailable,
     FatalError,
+    InboxGroupConflict,
     SchemaMissing,
     TransactionConflict,
 )
@@ -99,6 +100,19 @@ class PgInboxStore:
             row = self.conn.execute(query("inbox", "schema_check")).fetchone()
         if not row or not row[0]:
             raise SchemaMissing("the inbox table is missing: run `outbox-relay migrate` (0004_inbox)")
+
+    def bind_group(self, *, consumer: str, group: str) -> None:
+        """Record ``group`` as the inbox name's group at first use; raise
+        :class:`InboxGroupConflict` when the name belongs to another group."""
+        params = {"consumer": consumer, "group": group}
+        with self.translated():
+            self.conn.execute(query("inbox", "bind_group"), params)
+            row = self.conn.execute(query("inbox", "bound_group"), params).fetchone()
+        if row is not None and row[0] != group:
+            raise InboxGroupConflict(
+                f"inbox name {consumer!r} belongs to consumer group {row[0]!r}, not {group!r}: two groups on "
+                "one inbox name would drop each other's events as duplicates; use another name (a new "
+                "inbox) or the same group_id")
 
     # -- InboxStore -------------------------------------------------------------------
 

@@ -38,3 +38,14 @@ WHERE ctid = ANY (ARRAY(
 
 -- name: schema_check
 SELECT to_regclass('outbox_inbox') IS NOT NULL AS has_inbox
+
+-- name: bind_group
+-- Records the consumer group of this inbox name at its first start (no-op afterwards).
+INSERT INTO outbox_inbox_consumers (consumer, group_id)
+VALUES (%(consumer)s, %(group)s)
+ON CONFLICT (consumer) DO NOTHING
+
+-- name: bound_group
+-- The group this inbox name belongs to (a separate statement: it sees a concurrent first
+-- start's row once that committed).
+SELECT group_id FROM outbox_inbox_consumers WHERE consumer = %(consumer)s
