@@ -1,4 +1,4 @@
-"""Long work over HTTP: accept once (202 + the run's URL), poll its status, a worker in-process.
+"""Long work over HTTP on asyncio: accept once (202 + the run's URL), poll its status, a worker in-process.
 
     OUTBOX_DSN=postgresql://... python examples/jobs_http.py --port 8080   # after `outbox-relay migrate`
     curl -i -X POST localhost:8080/runs -H 'X-Owner: alice' -H 'Idempotency-Key: r1' -d '{"words": 3}'
@@ -12,12 +12,13 @@ stands in for real authentication.  The browser tab owns nothing: the database d
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
 import signal
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import psycopg
@@ -32,11 +33,10 @@ from consumer_sdk.jobs import (
     RunNotFound,
     WorkerConfig,
     WorkerPool,
-    accept,
     cancel_run,
     owner_view,
-    run_status,
 )
+from consumer_sdk.jobs import aio as jobs
 
 RUN_PATH = re.compile(r"^/runs/([0-9a-f-]{36})$")
 MAX_BODY = 64 * 1024
@@ -63,82 +63,107 @@ class Problem(Exception):
         self.body = {"type": PROBLEMS + slug, "title": title, "status": status, "detail": detail, **extra}
 
 
-class Api(BaseHTTPRequestHandler):
-    dsn = ""
-    admission: AdmissionPolicy | None = None
+@dataclass
+class Request:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-        self._answer(self._create)
 
-    def do_GET(self) -> None:  # noqa: N802
-        self._answer(lambda: self._read(cancel=False))
+class Api:
+    """The three routes on asyncio: accept, status and cancel never block the event loop."""
 
-    def do_DELETE(self) -> None:  # noqa: N802
-        self._answer(lambda: self._read(cancel=True))
+    def __init__(self, dsn: str, admission: AdmissionPolicy | None) -> None:
+        self.dsn = dsn
+        self.admission = admission
 
-    def _create(self) -> tuple[int, dict[str, Any], dict[str, str]]:
-        if self.path != "/runs":
-            raise Problem(404, "not-found", "Not Found", f"no resource at {self.path}")
-        key = self.headers.get("Idempotency-Key")
+    async def handle(self, req: Request) -> tuple[int, dict[str, Any], dict[str, str]]:
+        if req.method == "POST":
+            return await self._create(req)
+        if req.method in ("GET", "DELETE"):
+            return await self._read(req, cancel=req.method == "DELETE")
+        raise Problem(405, "method-not-allowed", "Method Not Allowed", f"{req.method} is not supported")
+
+    async def _create(self, req: Request) -> tuple[int, dict[str, Any], dict[str, str]]:
+        if req.path != "/runs":
+            raise Problem(404, "not-found", "Not Found", f"no resource at {req.path}")
+        key = req.headers.get("idempotency-key")
         if not key:
             raise Problem(400, "idempotency-key-required", "Idempotency-Key required",
                           "POST /runs needs an Idempotency-Key header so a retried request is not run twice")
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            run = accept(conn, owner_id=self._owner(), request_key=key, kind="count_words",
-                         body=self._json(), traceparent=self.headers.get("traceparent"),
-                         admission=self.admission)
-            state = run_status(conn, run.run_id)
+        async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
+            run = await jobs.accept(conn, owner_id=_owner(req), request_key=key, kind="count_words",
+                                    body=_json(req), traceparent=req.headers.get("traceparent"),
+                                    admission=self.admission)
+            state = await jobs.run_status(conn, run.run_id)
         assert state is not None
         location = f"/runs/{run.run_id}"
         return 202, {**owner_view(state), "status_url": location}, {"Location": location}
 
-    def _read(self, *, cancel: bool) -> tuple[int, dict[str, Any], dict[str, str]]:
-        match = RUN_PATH.match(self.path)
+    async def _read(self, req: Request, *, cancel: bool) -> tuple[int, dict[str, Any], dict[str, str]]:
+        match = RUN_PATH.match(req.path)
         if match is None:
-            raise Problem(404, "not-found", "Not Found", f"no resource at {self.path}")
-        owner, run_id = self._owner(), match.group(1)
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            if cancel:
-                return 200, dict(owner_view(cancel_run(conn, owner_id=owner, run_id=run_id))), {}
-            state = run_status(conn, run_id, owner_id=owner)
-        if state is None:
+            raise Problem(404, "not-found", "Not Found", f"no resource at {req.path}")
+        owner, run_id = _owner(req), match.group(1)
+        if cancel:  # rare: the sync API on a thread
+            state = await asyncio.to_thread(self._cancel, owner, run_id)
+            return 200, dict(owner_view(state)), {}
+        async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
+            found = await jobs.run_status(conn, run_id, owner_id=owner)
+        if found is None:
             raise RunNotFound()
-        headers = {} if state.terminal else {"Retry-After": "1"}  # a hint for pollers
-        return 200, dict(owner_view(state)), headers
+        headers = {} if found.terminal else {"Retry-After": "1"}  # a hint for pollers
+        return 200, dict(owner_view(found)), headers
 
-    def _owner(self) -> str:
-        owner = self.headers.get("X-Owner")
-        if not owner:
-            raise Problem(401, "unauthenticated", "Unauthenticated", "send X-Owner (stands in for real auth)")
-        return owner
+    def _cancel(self, owner: str, run_id: str) -> Any:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            return cancel_run(conn, owner_id=owner, run_id=run_id)
 
-    def _json(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY:
-            raise Problem(413, "too-large", "Content Too Large", f"at most {MAX_BODY} bytes")
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One HTTP/1.1 exchange per connection (Connection: close); enough for the example."""
+        path = "?"
         try:
-            return json.loads(self.rfile.read(length) or b"{}")
-        except ValueError as exc:
-            raise Problem(400, "invalid-json", "Invalid JSON", str(exc)) from None
-
-    def _answer(self, action: Any) -> None:
-        try:
-            status, body, headers = action()
+            req = await _read_request(reader)
+            path = req.path
+            status, body, headers = await self.handle(req)
             ctype = "application/json"
         except Exception as exc:  # noqa: BLE001 - every error becomes a problem document
-            problem = _problem(exc, self.path)
+            problem = _problem(exc, path)
             status, body, headers, ctype = problem.status, problem.body, problem.headers, "application/problem+json"
         data = json.dumps(body, default=str).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in headers.items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
+        head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", f"Content-Type: {ctype}",
+                f"Content-Length: {len(data)}", "Connection: close",
+                *(f"{name}: {value}" for name, value in headers.items())]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+        try:
+            await writer.drain()
+        finally:
+            writer.close()
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - keep stdout for events
-        pass
+
+async def _read_request(reader: asyncio.StreamReader) -> Request:
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    method, target, _version = head[0].split(" ", 2)
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:] if line)}
+    length = int(headers.get("content-length") or 0)
+    if length > MAX_BODY:
+        raise Problem(413, "too-large", "Content Too Large", f"at most {MAX_BODY} bytes")
+    return Request(method, target, headers, await reader.readexactly(length) if length else b"")
+
+
+def _owner(req: Request) -> str:
+    owner = req.headers.get("x-owner")
+    if not owner:
+        raise Problem(401, "unauthenticated", "Unauthenticated", "send X-Owner (stands in for real auth)")
+    return owner
+
+
+def _json(req: Request) -> Any:
+    try:
+        return json.loads(req.body or b"{}")
+    except ValueError as exc:
+        raise Problem(400, "invalid-json", "Invalid JSON", str(exc)) from None
 
 
 def _problem(exc: Exception, path: str) -> Problem:
@@ -157,24 +182,28 @@ def _problem(exc: Exception, path: str) -> Problem:
     return Problem(500, "internal", "Internal Error", type(exc).__name__, instance=path)
 
 
+async def serve(args: argparse.Namespace, dsn: str) -> None:
+    api = Api(dsn, AdmissionPolicy(capacity_per_s=args.capacity_per_s, horizon_s=args.horizon_s))
+    pool = WorkerPool(WorkerConfig(dsn=dsn, max_concurrency=4, queue_limits={"bulk": 3},
+                                   owner_limit=2, lease_s=10), {"count_words": count_words})
+    server = await asyncio.start_server(api.serve, "127.0.0.1", args.port)
+    stopped = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
+    pool.start()
+    print(f"listening on http://127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
+    try:
+        async with server:
+            await stopped.wait()
+    finally:
+        await asyncio.to_thread(pool.stop)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--capacity-per-s", type=float, default=2.0, help="jobs/s the worker finishes")
     parser.add_argument("--horizon-s", type=float, default=60.0, help="refuse work beyond this horizon")
-    args = parser.parse_args()
-    Api.dsn = os.environ["OUTBOX_DSN"]
-    Api.admission = AdmissionPolicy(capacity_per_s=args.capacity_per_s, horizon_s=args.horizon_s)
-    pool = WorkerPool(WorkerConfig(dsn=Api.dsn, max_concurrency=4, queue_limits={"bulk": 3},
-                                   owner_limit=2, lease_s=10), {"count_words": count_words})
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), Api)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
-    pool.start()
-    print(f"listening on http://127.0.0.1:{server.server_address[1]}", flush=True)
-    try:
-        server.serve_forever()
-    finally:
-        pool.stop()
+    asyncio.run(serve(parser.parse_args(), os.environ["OUTBOX_DSN"]))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ Schema: ``sql/migrations/0005_jobs.sql``; queries: ``sql/queries/jobs.sql``.
 
 from __future__ import annotations
 
+from consumer_sdk.jobs import aio
 from consumer_sdk.jobs.config import WorkerConfig
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.errors import (
@@ -107,6 +108,7 @@ __all__ = [
     "accept",
     "activate",
     "activation_handler",
+    "aio",
     "body_sha256",
     "cancel_run",
     "enqueue",

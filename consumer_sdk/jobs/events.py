@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from consumer_sdk.jobs._db import ConnectionT
 from consumer_sdk.jobs.model import QUEUE_HEADER, JobId, RunId
-from consumer_sdk.outbox import write_event
+from consumer_sdk.outbox import OutboxEvent, write_events
 
 EventType = Literal["run.accepted", "job.resumed", "job.succeeded", "job.failed", "job.cancelled"]
 
@@ -39,6 +39,11 @@ class JobFacts:
 
 def write_job_event(conn: ConnectionT, topic: str, event_type: EventType, facts: JobFacts) -> None:
     """Insert the event in the caller's open transaction (never commits)."""
+    write_events(conn, [job_event(topic, event_type, facts)])
+
+
+def job_event(topic: str, event_type: EventType, facts: JobFacts) -> OutboxEvent:
+    """The outbox event announcing ``event_type`` for the job of ``facts`` (no I/O)."""
     payload: dict[str, Any] = {
         "type": event_type,
         "run_id": None if facts.run_id is None else str(facts.run_id),
@@ -48,6 +53,6 @@ def write_job_event(conn: ConnectionT, topic: str, event_type: EventType, facts:
         "attempts": facts.attempts,
     }
     key = str(facts.run_id) if facts.run_id is not None else f"job-{facts.job_id}"
-    write_event(conn, topic=topic, key=key, payload=payload,
-                headers={QUEUE_HEADER: facts.queue, "jobs_event": event_type},
-                traceparent=facts.traceparent, tracestate=facts.tracestate)
+    return OutboxEvent(topic=topic, key=key, payload=payload,
+                       headers={QUEUE_HEADER: facts.queue, "jobs_event": event_type},
+                       traceparent=facts.traceparent, tracestate=facts.tracestate)

@@ -30,7 +30,9 @@ from typing import Any
 import structlog
 from psycopg.pq import TransactionStatus
 
+from consumer_sdk.jobs import _plan
 from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
+from consumer_sdk.jobs._plan import Plan, event_step, step
 from consumer_sdk.jobs.errors import (
     AdmissionRefused,
     InvalidJob,
@@ -84,28 +86,47 @@ def accept(
     transaction for new runs only.  Raises RequestKeyConflict, AdmissionRefused,
     InvalidJob, TransactionActive.
     """
-    _validate(owner_id, request_key, kind, queue, max_attempts)
+    request = make_request(owner_id=owner_id, request_key=request_key, kind=kind, body=body, queue=queue,
+                           max_attempts=max_attempts, traceparent=traceparent, tracestate=tracestate)
     if conn.info.transaction_status != TransactionStatus.IDLE:
         raise TransactionActive()
+    with translated(), conn.transaction():
+        accepted = _plan.run(conn, accept_plan(request, admission, metrics, now, events_topic))
+        if accepted.created and on_accept is not None:
+            on_accept(conn, accepted)
+    return accepted_done(request, accepted, metrics)
+
+
+def make_request(*, owner_id: str, request_key: str, kind: str, body: Any, queue: str, max_attempts: int,
+                 traceparent: str | None, tracestate: str | None) -> _Request:
+    """Validate and encode an accept request (no I/O); shared by the sync and asyncio APIs."""
+    _validate(owner_id, request_key, kind, queue, max_attempts)
     if traceparent is not None and not valid_traceparent(traceparent):
         _log.warning("trace_context_invalid", traceparent=traceparent[:100])
         traceparent = tracestate = None
-    request = _Request(owner_id=owner_id, request_key=request_key, kind=kind, queue=queue,
-                       goal=to_json(body, what="body"), digest=body_sha256(kind, body),
-                       traceparent=traceparent, tracestate=tracestate, max_attempts=max_attempts)
-    with translated(), conn.transaction():
-        accepted = _store(conn, request, admission, metrics, now)
-        if accepted.created and events_topic:
-            write_job_event(conn, events_topic, "run.accepted", JobFacts(
-                job_id=accepted.job_id, run_id=accepted.run_id, queue=queue, kind=kind, attempts=0,
-                traceparent=traceparent, tracestate=tracestate))
-        if accepted.created and on_accept is not None:
-            on_accept(conn, accepted)
+    return _Request(owner_id=owner_id, request_key=request_key, kind=kind, queue=queue,
+                    goal=to_json(body, what="body"), digest=body_sha256(kind, body),
+                    traceparent=traceparent, tracestate=tracestate, max_attempts=max_attempts)
+
+
+def accept_plan(r: _Request, admission: AdmissionPolicy | None, metrics: JobsMetrics | None,
+                now: datetime | None, events_topic: str | None) -> Plan[Accepted]:
+    """Inside accept's transaction: the existing run, or a refusal, or the new run, job and event."""
+    accepted = yield from _store(r, admission, metrics, now)
+    if accepted.created and events_topic:
+        yield event_step(events_topic, "run.accepted", JobFacts(
+            job_id=accepted.job_id, run_id=accepted.run_id, queue=r.queue, kind=r.kind, attempts=0,
+            traceparent=r.traceparent, tracestate=r.tracestate))
+    return accepted
+
+
+def accepted_done(r: _Request, accepted: Accepted, metrics: JobsMetrics | None) -> Accepted:
+    """After the commit: count and log a new run."""
     if accepted.created:
         if metrics is not None:
-            metrics.accepted.labels(queue).inc()
-        _log.info("run_accepted", run_id=str(accepted.run_id), job_id=accepted.job_id, queue=queue,
-                  kind=kind)
+            metrics.accepted.labels(r.queue).inc()
+        _log.info("run_accepted", run_id=str(accepted.run_id), job_id=accepted.job_id, queue=r.queue,
+                  kind=r.kind)
     return accepted
 
 
@@ -122,23 +143,23 @@ class _Request:
     max_attempts: int
 
 
-def _store(conn: ConnectionT, r: _Request, admission: AdmissionPolicy | None,
-           metrics: JobsMetrics | None, now: datetime | None) -> Accepted:
-    """Inside accept's transaction: the existing run, or a refusal, or the new run and job."""
+def _store(r: _Request, admission: AdmissionPolicy | None,
+           metrics: JobsMetrics | None, now: datetime | None) -> Plan[Accepted]:
+    """The existing run, or a refusal, or the new run and job."""
     probe = {"owner_id": r.owner_id, "request_key": r.request_key, "queue": r.queue,
              "count_cap": admission.count_cap if admission else 0}
-    found = conn.execute(q("accept_probe"), probe).fetchone()
+    found = yield step("accept_probe", probe)
     assert found is not None  # the probe always returns one row
     if found[0] is not None:
         return _existing(found, r.digest, r.request_key)
     if admission is not None and admission.refuses(found[4]):
         _refuse(r.queue, admission, found[4], metrics)
-    row = conn.execute(q("insert_run"), {
+    row = yield step("insert_run", {
         "owner_id": r.owner_id, "request_key": r.request_key, "body_sha256": r.digest, "kind": r.kind,
         "queue": r.queue, "goal": r.goal, "traceparent": r.traceparent, "tracestate": r.tracestate,
-        "max_attempts": r.max_attempts, "now": now}).fetchone()
+        "max_attempts": r.max_attempts, "now": now})
     if row is None:  # a concurrent accept of this key committed first: read its run
-        winner = conn.execute(q("accept_probe"), {**probe, "count_cap": 0}).fetchone()
+        winner = yield step("accept_probe", {**probe, "count_cap": 0})
         assert winner is not None and winner[0] is not None
         return _existing(winner, r.digest, r.request_key)
     return Accepted(RunId(row[0]), JobId(row[1]), True, "queued")
@@ -178,8 +199,11 @@ def run_status(conn: ConnectionT, run_id: RunId | str, *, owner_id: str | None =
                now: datetime | None = None) -> RunState | None:
     """The run (for ``owner_id`` only, unless None), or None when there is none."""
     with translated():
-        row = conn.execute(q("run_status"), {"run_id": str(run_id), "owner_id": owner_id,
-                                             "now": now}).fetchone()
+        return _plan.run(conn, status_plan(run_id, owner_id, now))
+
+
+def status_plan(run_id: RunId | str, owner_id: str | None, now: datetime | None) -> Plan[RunState | None]:
+    row = yield step("run_status", {"run_id": str(run_id), "owner_id": owner_id, "now": now})
     return None if row is None else _state(row)
 
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from consumer_sdk.jobs import _plan
 from consumer_sdk.jobs._db import ConnectionT, q, to_json, translated
+from consumer_sdk.jobs._plan import Plan, event_step, step
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.events import JobFacts, write_job_event
 from consumer_sdk.jobs.model import Activation, JobId, Lease, WaitFor
@@ -55,15 +57,20 @@ def activate(conn: ConnectionT, key: str, payload: Any = None, *, now: datetime 
     trigger), from a ``job.resumed`` event to ``events_topic`` once relayed, or
     from their poll.
     """
-    _check_key(key)
     with translated(), conn.transaction():
-        conn.execute(q("activation_lock"), {"key": key})
-        rows = conn.execute(q("activate"), {"key": key, "now": now, "payload": to_json(
-            payload, what="activation payload")}).fetchall()
-        resumed = [_facts(r[1:]) for r in rows if r[1] is not None]
-        if events_topic:
-            for facts in resumed:
-                write_job_event(conn, events_topic, "job.resumed", facts)
+        return _plan.run(conn, activate_plan(key, payload, now, events_topic))
+
+
+def activate_plan(key: str, payload: Any, now: datetime | None, events_topic: str | None) -> Plan[Activation]:
+    """The statements of :func:`activate` (shared with its asyncio twin)."""
+    _check_key(key)
+    encoded = to_json(payload, what="activation payload")
+    yield step("activation_lock", {"key": key}, "none")
+    rows = yield step("activate", {"key": key, "now": now, "payload": encoded}, "all")
+    resumed = [_facts(r[1:]) for r in rows if r[1] is not None]
+    if events_topic:
+        for facts in resumed:
+            yield event_step(events_topic, "job.resumed", facts)
     return Activation(bool(rows and rows[0][0]), tuple(f.job_id for f in resumed))
 
 

@@ -59,3 +59,9 @@ def test_the_http_example_accepts_polls_refuses_and_cancels(jobs_db, spawn):
     assert call(base, "POST", "/runs", {"words": 1})[2]["type"].endswith("/idempotency-key-required")
     proc.sigterm()
     assert proc.wait(20) == 0
+
+
+def test_the_http_example_runs_on_asyncio_without_threads_for_the_api():
+    text = EXAMPLE.read_text()
+    assert "from consumer_sdk.jobs import aio as jobs" in text and "asyncio.start_server" in text
+    assert "await jobs.accept(" in text and "await jobs.run_status(" in text

@@ -1,0 +1,83 @@
+"""asyncio twins of :func:`~consumer_sdk.jobs.accept`, :func:`~consumer_sdk.jobs.run_status`
+and :func:`~consumer_sdk.jobs.activate`, for ``psycopg.AsyncConnection``.
+
+Same guarantees, same SQL, same validation and branching: each function runs the
+plan its sync twin runs (:mod:`consumer_sdk.jobs._plan`); only the await differs.
+For an asyncio web service (the HTTP front of long work) without worker threads::
+
+    from consumer_sdk.jobs import aio as jobs
+
+    run = await jobs.accept(conn, owner_id=user, request_key=key, kind="report", body=body)
+    state = await jobs.run_status(conn, run.run_id, owner_id=user)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from consumer_sdk.jobs._db import translated
+from consumer_sdk.jobs._plan import run_async
+from consumer_sdk.jobs.errors import TransactionActive
+from consumer_sdk.jobs.metrics import JobsMetrics
+from consumer_sdk.jobs.model import INTERACTIVE, Accepted, Activation, AdmissionPolicy, RunId, RunState
+from consumer_sdk.jobs.runs import accept_plan, accepted_done, make_request, status_plan
+from consumer_sdk.jobs.waits import activate_plan
+
+AsyncConnectionT = psycopg.AsyncConnection[Any]
+
+#: Awaited inside accept's transaction after the run is inserted: write your own rows there.
+AsyncAcceptHook = Callable[[AsyncConnectionT, Accepted], Awaitable[None]]
+
+
+async def accept(
+    conn: AsyncConnectionT,
+    *,
+    owner_id: str,
+    request_key: str,
+    kind: str,
+    body: Any,
+    queue: str = INTERACTIVE,
+    max_attempts: int = 5,
+    traceparent: str | None = None,
+    tracestate: str | None = None,
+    admission: AdmissionPolicy | None = None,
+    events_topic: str | None = None,
+    on_accept: AsyncAcceptHook | None = None,
+    metrics: JobsMetrics | None = None,
+    now: datetime | None = None,
+) -> Accepted:
+    """:func:`consumer_sdk.jobs.accept` on an asyncio connection (not inside a transaction)."""
+    request = make_request(owner_id=owner_id, request_key=request_key, kind=kind, body=body, queue=queue,
+                           max_attempts=max_attempts, traceparent=traceparent, tracestate=tracestate)
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        raise TransactionActive()
+    with translated():
+        async with conn.transaction():
+            accepted = await run_async(conn, accept_plan(request, admission, metrics, now, events_topic))
+            if accepted.created and on_accept is not None:
+                await on_accept(conn, accepted)
+    return accepted_done(request, accepted, metrics)
+
+
+async def run_status(conn: AsyncConnectionT, run_id: RunId | str, *, owner_id: str | None = None,
+                     now: datetime | None = None) -> RunState | None:
+    """:func:`consumer_sdk.jobs.run_status` on an asyncio connection."""
+    with translated():
+        return await run_async(conn, status_plan(run_id, owner_id, now))
+
+
+async def activate(conn: AsyncConnectionT, key: str, payload: Any = None, *, now: datetime | None = None,
+                   events_topic: str | None = None) -> Activation:
+    """:func:`consumer_sdk.jobs.activate` on an asyncio connection (a savepoint inside the
+    caller's transaction, else a transaction of its own)."""
+    with translated():
+        async with conn.transaction():
+            return await run_async(conn, activate_plan(key, payload, now, events_topic))
+
+
+__all__ = ["AsyncAcceptHook", "accept", "activate", "run_status"]
