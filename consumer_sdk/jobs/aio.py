@@ -24,7 +24,14 @@ from consumer_sdk.jobs._db import translated
 from consumer_sdk.jobs._plan import run_async
 from consumer_sdk.jobs.errors import TransactionActive
 from consumer_sdk.jobs.metrics import JobsMetrics
-from consumer_sdk.jobs.model import INTERACTIVE, Accepted, Activation, AdmissionPolicy, RunId, RunState
+from consumer_sdk.jobs.model import (
+    INTERACTIVE,
+    Accepted,
+    Activation,
+    AdmissionPolicy,
+    RunId,
+    RunState,
+)
 from consumer_sdk.jobs.runs import accept_plan, accepted_done, make_request, status_plan
 from consumer_sdk.jobs.waits import activate_plan
 
