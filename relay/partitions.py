@@ -4,12 +4,15 @@ A past day's partition is dropped whole once its upper bound is older than the
 retention and no row in it is unpublished, so retention costs no row deletes and
 leaves no bloat.  Partition names (``outbox_pYYYYMMDD``) are composed with
 :class:`psycopg.sql.Identifier`, bounds with :class:`psycopg.sql.Literal`.
-DDL waits at most a short lock timeout and is retried at the next run.
+DDL waits at most a short lock timeout and is retried at the next run.  A drop
+locks the partition (and the parent, as DETACH does) before it checks for
+unpublished rows, all in one transaction, so no row committed meanwhile is lost.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -66,7 +69,6 @@ def maintain(conn: psycopg.Connection[Any], *, retention_s: float | None,
     """
     now = now or datetime.now(UTC)
     report = PartitionReport()
-    conn.execute(query("partitions", "short_lock_timeout"))
     existing = {r[0] for r in conn.execute(query("partitions", "list_partitions"))}
     for offset in range(-1, days_ahead + 1):
         day = (now + timedelta(days=offset)).date()
@@ -74,29 +76,52 @@ def maintain(conn: psycopg.Connection[Any], *, retention_s: float | None,
         if name in existing:
             continue
         lo = datetime.combine(day, datetime.min.time(), tzinfo=UTC)
-        if _try(conn, _ddl("create_partition", name, lo=lo, hi=lo + timedelta(days=1)), name, report):
+        if _try(conn, [_ddl("create_partition", name, lo=lo, hi=lo + timedelta(days=1))],
+                name, report):
             report.created.append(name)
     if retention_s is not None:
         for name in sorted(existing):
             past = partition_day(name)
-            if past is None or not droppable(past, now=now, retention_s=retention_s):
-                continue
-            row = conn.execute(_ddl("partition_has_pending", name)).fetchone()
-            if row and row[0]:
-                report.kept_pending.append(name)
-                continue
-            if _try(conn, _ddl("detach_partition", name), name, report):
-                conn.execute(_ddl("drop_partition", name))
-                report.dropped.append(name)
+            if past is not None and droppable(past, now=now, retention_s=retention_s):
+                _drop_if_published(conn, name, report)
     row = conn.execute(query("partitions", "default_partition_rows")).fetchone()
     report.default_rows = int(row[0]) if row else 0
     return report
 
 
-def _try(conn: psycopg.Connection[Any], statement: sql.Composed, name: str,
-         report: PartitionReport) -> bool:
+class _Pending(Exception):
+    """Rolls back a drop whose partition still holds an unpublished row."""
+
+
+def _drop_if_published(conn: psycopg.Connection[Any], name: str, report: PartitionReport) -> None:
+    """Lock, check, detach and drop in ONE transaction: the check and the DETACH cannot be
+    separated, so a row committed into the partition meanwhile is never dropped."""
+
+    def check() -> None:
+        row = conn.execute(_ddl("partition_has_pending", name)).fetchone()
+        if row and row[0]:
+            raise _Pending
+
     try:
-        conn.execute(statement)
+        if _try(conn, [_ddl("lock_for_drop", name), check, _ddl("detach_partition", name),
+                       _ddl("drop_partition", name)], name, report):
+            report.dropped.append(name)
+    except _Pending:
+        report.kept_pending.append(name)
+
+
+def _try(conn: psycopg.Connection[Any], steps: list[sql.Composed | Callable[[], None]],
+         name: str, report: PartitionReport) -> bool:
+    """Run ``steps`` in one transaction under the short lock timeout; False (rolled back)
+    when a lock was not granted in time or outbox_default holds rows of that day."""
+    try:
+        with conn.transaction():
+            conn.execute(query("partitions", "short_lock_timeout"))
+            for step in steps:
+                if callable(step):
+                    step()
+                else:
+                    conn.execute(step)
         return True
     except psycopg.errors.LockNotAvailable:
         report.lock_missed.append(name)

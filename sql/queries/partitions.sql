@@ -13,11 +13,19 @@ ORDER BY c.relname
 
 -- name: short_lock_timeout
 -- Partition DDL waits at most this long for its lock (writers queue behind it
--- meanwhile); a miss is retried at the next run.
-SET lock_timeout = '200ms'
+-- meanwhile); a miss is retried at the next run.  Transaction-local: no session
+-- state is left behind (a pooled connection stays clean).
+SET LOCAL lock_timeout = '200ms'
 
 -- name: create_partition
 CREATE TABLE IF NOT EXISTS {partition} PARTITION OF outbox FOR VALUES FROM ({lo}) TO ({hi})
+
+-- name: lock_for_drop
+-- Before the pending check, in the same transaction: the locks DETACH takes, in the
+-- order writers take them (the parent, then the partition).  No writer can then
+-- commit a row into the partition between the check and the DETACH; one that is
+-- mid-transaction makes this wait (lock_timeout) and its row is seen by the check.
+LOCK TABLE ONLY outbox, {partition} IN ACCESS EXCLUSIVE MODE
 
 -- name: partition_has_pending
 SELECT EXISTS (SELECT 1 FROM {partition} WHERE published_at IS NULL) AS pending
