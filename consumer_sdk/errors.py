@@ -14,6 +14,10 @@ from __future__ import annotations
 class OutboxSdkError(Exception):
     """The outbox SDK failed."""
 
+    #: Process exit code when this error ends a command (the relay's codes: 1 failure,
+    #: 2 configuration or usage, 3 schema missing, 4 credentials rejected).
+    exit_code = 1
+
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message or (self.__doc__ or "").strip().splitlines()[0])
 
@@ -32,12 +36,16 @@ class InvalidEvent(OutboxSdkError, ValueError):
 class SchemaMissing(OutboxSdkError):
     """The outbox schema is missing: run `outbox-relay migrate` first."""
 
+    exit_code = 3
+
 
 # -- consuming side --------------------------------------------------------------------
 
 
 class ConfigError(OutboxSdkError, ValueError):
     """Invalid consumer configuration."""
+
+    exit_code = 2
 
 
 class InboxGroupConflict(ConfigError):
@@ -95,6 +103,8 @@ class FatalError(OutboxSdkError):
 
 class AuthenticationFailed(FatalError):
     """The database rejected the credentials: fix the user or password; retrying will not help."""
+
+    exit_code = 4
 
 
 class KafkaFatal(FatalError):

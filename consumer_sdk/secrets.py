@@ -102,11 +102,14 @@ def validate_dsn(dsn: str, *, option: str = "dsn") -> None:
     if "\x00" in dsn:
         raise ConfigError(f"{where}: it contains a NUL character")
     try:
-        psycopg.conninfo.conninfo_to_dict(dsn)
+        parts = psycopg.conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
         raise ConfigError(f"{where}: {scrub(str(exc).strip(), dsn=dsn)}".splitlines()[0]) from None
     except UnicodeError:
         raise ConfigError(f"{where}: it is not valid UTF-8 text") from None
+    port = str(parts.get("port", "5432") or "")
+    if not all(p.isdigit() and 0 < int(p) < 65536 for p in port.split(",")):
+        raise ConfigError(scrub(f"{where}: port {port!r} is not a TCP port number", dsn=dsn))
 
 
 def safe_repr(obj: Any, fields: Mapping[str, Any]) -> str:

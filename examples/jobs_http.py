@@ -185,7 +185,7 @@ def _problem(exc: Exception, path: str) -> Problem:
 async def serve(args: argparse.Namespace, dsn: str) -> None:
     api = Api(dsn, AdmissionPolicy(capacity_per_s=args.capacity_per_s, horizon_s=args.horizon_s))
     pool = WorkerPool(WorkerConfig(dsn=dsn, max_concurrency=4, queue_limits={"bulk": 3},
-                                   owner_limit=2, lease_s=10), {"count_words": count_words})
+                                   owner_limit=2, lease_duration_s=10), {"count_words": count_words})
     server = await asyncio.start_server(api.serve, "127.0.0.1", args.port)
     stopped = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)

@@ -6,8 +6,10 @@
     python -m consumer_sdk.jobs reconcile --dsn ... [--queues interactive,bulk]
     python -m consumer_sdk.jobs cleanup --older-than-days 30 --dsn ...
 
-The DSN may also come from ``$OUTBOX_JOBS_DSN``.  Exit codes: 0 done, 1 not
-found, 2 usage, 3 database unavailable.
+Conventions shared with ``outbox-relay`` (README, "One set of conventions"): every
+option ``--some-option`` can also come from ``OUTBOX_<PROGRAM>_SOME_OPTION``, here
+``OUTBOX_JOBS_SOME_OPTION`` (the flag wins); exit codes 0 done, 1 failure (not found,
+database unavailable), 2 usage or configuration, 3 schema missing, 4 credentials rejected.
 """
 
 from __future__ import annotations
@@ -16,34 +18,48 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
 
 import psycopg
 
-from consumer_sdk.errors import OutboxSdkError
+from consumer_sdk import _pg
+from consumer_sdk.errors import ConfigError, OutboxSdkError
 from consumer_sdk.jobs import admin
 from consumer_sdk.jobs.model import BULK, INTERACTIVE, DeadLetterRecord
 from consumer_sdk.jobs.reconciler import Reconciler
 from consumer_sdk.jobs.runs import error_reference, run_status
+from consumer_sdk.secrets import mask_text, validate_dsn
 
-ENV_DSN = "OUTBOX_JOBS_DSN"
+ENV_PREFIX = "OUTBOX_JOBS_"
+ENV_DSN = ENV_PREFIX + "DSN"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def env_name(flag: str) -> str:
+    """``--older-than-days`` -> ``OUTBOX_JOBS_OLDER_THAN_DAYS`` (the relay's rule, its own prefix)."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _env_default(flag: str, env: Mapping[str, str]) -> str | None:
+    return env.get(env_name(flag))
+
+
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    env = os.environ if env is None else env
     parser = argparse.ArgumentParser(
         prog="python -m consumer_sdk.jobs",
         description="Runs and jobs: read dead letters and runs, requeue, reconcile, clean up.")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--dsn", default=os.environ.get(ENV_DSN), help=f"PostgreSQL DSN (env {ENV_DSN})")
+    common.add_argument("--dsn", default=_env_default("--dsn", env), help=f"PostgreSQL DSN (env {ENV_DSN})")
     common.add_argument("--json", action="store_true", help="one JSON object per line")
     top = parser.add_subparsers(dest="area", required=True)
     dead = top.add_parser("dead-letters", help="jobs that ended in 'failed'").add_subparsers(
         dest="action", required=True)
     listing = dead.add_parser("list", parents=[common], help="newest first")
-    listing.add_argument("--queue")
-    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--queue", default=_env_default("--queue", env), help=f"(env {env_name('--queue')})")
+    listing.add_argument("--limit", type=int, default=int(_env_default("--limit", env) or 50),
+                         help=f"(env {env_name('--limit')})")
     show = dead.add_parser("show", parents=[common], help="one job's dead letter")
     show.add_argument("job_id", type=int)
     requeue = dead.add_parser("requeue", parents=[common], help="queue the job again, fresh attempts")
@@ -52,28 +68,33 @@ def build_parser() -> argparse.ArgumentParser:
     run_show = runs.add_parser("show", parents=[common], help="a run's status")
     run_show.add_argument("run_id")
     reconcile = top.add_parser("reconcile", parents=[common], help="one reconciler pass")
-    reconcile.add_argument("--queues", default=f"{INTERACTIVE},{BULK}")
+    reconcile.add_argument("--queues", default=_env_default("--queues", env) or f"{INTERACTIVE},{BULK}",
+                           help=f"(env {env_name('--queues')})")
     cleanup = top.add_parser("cleanup", parents=[common], help="retention of finished runs and jobs")
-    cleanup.add_argument("--older-than-days", type=float, required=True,
-                         help="keep longer than any client retries a request (request keys go too)")
+    older = _env_default("--older-than-days", env)
+    cleanup.add_argument("--older-than-days", type=float, required=older is None,
+                         default=float(older) if older is not None else None,
+                         help="keep longer than any client retries a request (request keys go too) "
+                              f"(env {env_name('--older-than-days')})")
     return parser
 
 
-def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout,
+         env: Mapping[str, str] | None = None) -> int:
+    args = build_parser(env).parse_args(argv)
     if not args.dsn:
         print(f"error: --dsn or ${ENV_DSN} is required", file=sys.stderr)
-        return 2
+        return ConfigError.exit_code
     try:
-        with psycopg.connect(args.dsn, autocommit=True, connect_timeout=10,
-                             application_name="outbox-jobs-cli") as conn:
+        validate_dsn(args.dsn, option=f"--dsn / {ENV_DSN}")
+        with _pg.connect(args.dsn, application_name="outbox-jobs-cli", connect_timeout_s=10) as conn:
             return _run(conn, args, out)
-    except psycopg.OperationalError as exc:
-        print(f"error: database unavailable: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
-        return 3
     except OutboxSdkError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 3
+        return exc.exit_code
+    except psycopg.OperationalError as exc:  # the connection broke during the command
+        print(f"error: database unavailable: {mask_text(str(exc).strip().splitlines()[0])}", file=sys.stderr)
+        return OutboxSdkError.exit_code
 
 
 def _run(conn: psycopg.Connection[Any], args: argparse.Namespace, out: TextIO) -> int:

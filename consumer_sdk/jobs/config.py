@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
@@ -29,8 +30,10 @@ class WorkerConfig:
       ``{"bulk": max_concurrency - 1}`` keeps a slot for interactive work.
     * ``owner_limit`` / ``owner_limits``: jobs of one owner running at once across
       every worker of the database (enforced in the claim's SQL).
-    * ``lease_s``: how long a claim or heartbeat holds a job; ``heartbeat_s``
-      (default a third of it) how often leases are renewed.
+    * ``lease_duration_s``: how long a claim or heartbeat holds a job;
+      ``heartbeat_interval_s`` (default a third of it) how often leases are renewed.
+      The names are the relay's (``--lease-duration-s``, ``--heartbeat-interval-s``);
+      ``lease_s`` and ``heartbeat_s`` are deprecated aliases that still work.
     * ``poll_interval_s``: the safety net; losing every wake-up (NOTIFY, Kafka)
       delays work by at most this much.
     * ``reconcile_interval_s``: how often parked jobs whose wake-up was lost are
@@ -46,8 +49,8 @@ class WorkerConfig:
     queue_limits: Mapping[str, int] = field(default_factory=dict)
     owner_limit: int = 1_000_000
     owner_limits: Mapping[str, int] = field(default_factory=dict)
-    lease_s: float = DEFAULT_LEASE_S
-    heartbeat_s: float | None = None
+    lease_duration_s: float = DEFAULT_LEASE_S
+    heartbeat_interval_s: float | None = None  # None: a third of the lease (heartbeat_every_s)
     poll_interval_s: float = DEFAULT_POLL_INTERVAL_S
     reconcile_interval_s: float = DEFAULT_RECONCILE_INTERVAL_S
     backoff: Backoff = field(default_factory=Backoff)
@@ -57,17 +60,20 @@ class WorkerConfig:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     max_owners_per_round: int = 500
     application_name: str = "outbox-jobs-worker"
+    lease_s: float | None = None  # deprecated alias of lease_duration_s
+    heartbeat_s: float | None = None  # deprecated alias of heartbeat_interval_s
 
     def __post_init__(self) -> None:
         validate_dsn(self.dsn, option="WorkerConfig.dsn")
+        self._resolve_aliases()
         if not self.queues or any(not isinstance(q, str) or not _QUEUE.match(q) for q in self.queues):
             raise InvalidJob("queues must be a non-empty list of names of 1-64 [A-Za-z0-9_.:-]")
         if len(set(self.queues)) != len(self.queues):
             raise InvalidJob("queues must not repeat")
-        if not self.lease_s > 0 or not self.poll_interval_s > 0 or not self.reconcile_interval_s > 0:
-            raise InvalidJob("lease_s, poll_interval_s and reconcile_interval_s must be positive")
-        if self.heartbeat_s is not None and not 0 < self.heartbeat_s <= self.lease_s / 2:
-            raise InvalidJob("heartbeat_s must be positive and at most half of lease_s")
+        if not self.lease_duration_s > 0 or not self.poll_interval_s > 0 or not self.reconcile_interval_s > 0:
+            raise InvalidJob("lease_duration_s, poll_interval_s and reconcile_interval_s must be positive")
+        if self.heartbeat_interval_s is not None and not 0 < self.heartbeat_interval_s <= self.lease_duration_s / 2:
+            raise InvalidJob("heartbeat_interval_s must be positive and at most half of lease_duration_s")
         if self.drain_timeout_s < 0:
             raise InvalidJob("drain_timeout_s must be >= 0")
         self.limits  # validates the limits  # noqa: B018
@@ -76,9 +82,19 @@ class WorkerConfig:
         """No secret: the DSN's password shows as ``***``."""
         return safe_repr(self, {f.name: getattr(self, f.name) for f in fields(self)})
 
+    def _resolve_aliases(self) -> None:
+        for old, new in (("lease_s", "lease_duration_s"), ("heartbeat_s", "heartbeat_interval_s")):
+            value = getattr(self, old)
+            if value is not None:
+                warnings.warn(f"WorkerConfig({old}=...) is deprecated: use {new}", DeprecationWarning,
+                              stacklevel=4)
+                object.__setattr__(self, new, value)
+
     @property
-    def heartbeat_interval_s(self) -> float:
-        return self.heartbeat_s if self.heartbeat_s is not None else self.lease_s / 3
+    def heartbeat_every_s(self) -> float:
+        """The heartbeat's period: ``heartbeat_interval_s``, or a third of the lease."""
+        hb = self.heartbeat_interval_s
+        return hb if hb is not None else self.lease_duration_s / 3
 
     @property
     def limits(self) -> Limits:
@@ -95,7 +111,7 @@ class WorkerConfig:
         A live worker's fenced transaction is not: each heartbeat that renews the lease
         also resets the server's idle timer on the handler's connection (``fence_keepalive``),
         so it lives as long as the lease is renewed."""
-        return max(1000, int(self.lease_s * 1000))
+        return max(1000, int(self.lease_duration_s * 1000))
 
 
 def local_deadline(sent_at: float, lease_s: float) -> float:

@@ -9,7 +9,7 @@ Threads, each with its own connection:
   the reconciler every ``reconcile_interval_s``;
 * ``max_concurrency`` executors: one claimed job at a time, the handler on the
   executor's connection (see :class:`~consumer_sdk.jobs.context.JobContext`);
-* the heartbeat: every ``heartbeat_s``, renews the leases of every running job
+* the heartbeat: every ``heartbeat_interval_s``, renews the leases of every running job
   in one statement; a job not renewed is cancelled cooperatively (its handler's
   ``ctx.check()`` raises LeaseLost) and nothing more is written for it; when the
   database cannot be reached, a job is cancelled once its local deadline passes;
@@ -114,7 +114,7 @@ class WorkerPool:
         if self._listener is not None:
             self._listener.start()
         self.log.info("pool_started", queues=list(self.config.queues),
-                      max_concurrency=self.config.max_concurrency, lease_s=self.config.lease_s)
+                      max_concurrency=self.config.max_concurrency, lease_s=self.config.lease_duration_s)
 
     @property
     def listening(self) -> bool:
@@ -207,11 +207,11 @@ class WorkerPool:
         takes = plan(lanes, queues=self.config.queues, busy=busy, limits=self._limits,
                      last_served=self._rr.last_served)
         sent_at = self._clock()
-        claimed = jobq.claim(conn, worker=self.worker_id, takes=takes, lease_s=self.config.lease_s,
+        claimed = jobq.claim(conn, worker=self.worker_id, takes=takes, lease_s=self.config.lease_duration_s,
                              now=self._db_now())
         self._rr.record(dict.fromkeys((job.queue, job.owner_id) for job in claimed), sent_at)
         self._more_work = sum(lane.ready for lane in lanes) > len(claimed)
-        deadline = local_deadline(sent_at, self.config.lease_s)
+        deadline = local_deadline(sent_at, self.config.lease_duration_s)
         for job in claimed:
             self._launch(job, deadline)
         return len(claimed)
@@ -303,7 +303,7 @@ class WorkerPool:
 
     def _heartbeat_loop(self) -> None:
         try:
-            while not self._hb_stop.wait(self.config.heartbeat_interval_s):
+            while not self._hb_stop.wait(self.config.heartbeat_every_s):
                 self.heartbeat_once()
         finally:
             self._hb_slot.close()
@@ -316,14 +316,14 @@ class WorkerPool:
         sent_at = self._clock()
         try:
             lost = jobq.heartbeat(self._hb_slot.get(), worker=self.worker_id,
-                                  leases=[c.lease for c in contexts], lease_s=self.config.lease_s,
+                                  leases=[c.lease for c in contexts], lease_s=self.config.lease_duration_s,
                                   now=self._db_now())
         except OutboxSdkError as exc:
             self.metrics.heartbeat_failures.inc()
             self.log.warning("heartbeat_failed", error=str(exc), jobs=len(contexts))
             expired = [c for c in contexts if sent_at >= c.deadline]
             return sum(self._lose(c, "lease_unconfirmed") for c in expired)
-        deadline = local_deadline(sent_at, self.config.lease_s)
+        deadline = local_deadline(sent_at, self.config.lease_duration_s)
         count = 0
         for ctx in contexts:
             if ctx.job.id in lost:

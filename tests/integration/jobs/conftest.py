@@ -34,7 +34,7 @@ def pools(jobs_db: str) -> Iterator[Callable[..., WorkerPool]]:
 
     def make(handlers: Mapping[str, Handler], **overrides: Any) -> WorkerPool:
         metrics = overrides.pop("metrics", None) or JobsMetrics()
-        options: dict[str, Any] = {"dsn": jobs_db, "poll_interval_s": 0.5, "lease_s": 5.0,
+        options: dict[str, Any] = {"dsn": jobs_db, "poll_interval_s": 0.5, "lease_duration_s": 5.0,
                                    "max_concurrency": 2, "drain_timeout_s": 2.0}
         options.update(overrides)
         pool = WorkerPool(WorkerConfig(**options), handlers, metrics=metrics)

@@ -30,7 +30,7 @@ def test_a_fenced_transaction_idle_longer_than_the_lease_commits_while_the_lease
             _effect(tx, ctx, 2)
         return "ok"
 
-    pools({"slow": slow_call}, lease_s=LEASE_S)
+    pools({"slow": slow_call}, lease_duration_s=LEASE_S)
     run = accept(conn, owner_id="o", request_key="k", kind="slow", body={})
     state = wait_until(lambda: (s := run_status(conn, run.run_id)).terminal and s, timeout_s=30,
                        message="the run did not end")
@@ -55,7 +55,7 @@ def test_a_fenced_transaction_whose_lease_is_lost_ends_with_lease_lost(conn, job
         return "ok"
 
     metrics = JobsMetrics()
-    pool = pools({"slow": slow_call}, lease_s=LEASE_S, metrics=metrics)
+    pool = pools({"slow": slow_call}, lease_duration_s=LEASE_S, metrics=metrics)
     run = accept(conn, owner_id="o", request_key="k", kind="slow", body={})
     wait_until(lambda: inside, timeout_s=20, message="the handler did not start")
     with psycopg.connect(jobs_db, autocommit=True) as other:  # another worker takes the job over

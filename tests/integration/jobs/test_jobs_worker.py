@@ -150,7 +150,7 @@ def test_the_owner_cancels_a_running_run_and_the_worker_stops_writing(conn, pool
             stopped.set()
 
     metrics = JobsMetrics()
-    pools({"slow": slow}, lease_s=3.0, heartbeat_s=0.2, metrics=metrics)
+    pools({"slow": slow}, lease_duration_s=3.0, heartbeat_interval_s=0.2, metrics=metrics)
     run = _accept(conn, "k1", "slow")
     assert started.wait(10)
     state = cancel_run(conn, owner_id="tenant-1", run_id=run.run_id)

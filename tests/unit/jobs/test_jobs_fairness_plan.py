@@ -139,10 +139,10 @@ def test_config_and_wait_conditions_are_checked_at_construction():
     with pytest.raises(InvalidJob):
         WorkerConfig(dsn="postgresql://x", queues=("bad queue",))
     with pytest.raises(InvalidJob):
-        WorkerConfig(dsn="postgresql://x", lease_s=10, heartbeat_s=6)
+        WorkerConfig(dsn="postgresql://x", lease_duration_s=10, heartbeat_interval_s=6)
     with pytest.raises(InvalidJob):
         WorkerConfig(dsn="postgresql://x", max_concurrency=0)
-    config = WorkerConfig(dsn="postgresql://x", lease_s=9)
-    assert config.heartbeat_interval_s == 3 and config.idle_in_transaction_ms == 9000
+    config = WorkerConfig(dsn="postgresql://x", lease_duration_s=9)
+    assert config.heartbeat_every_s == 3 and config.idle_in_transaction_ms == 9000
     with pytest.raises(ValueError):
         WaitFor(None, "nothing to wait for")
