@@ -18,7 +18,7 @@ from tenacity import RetryCallState, wait_exponential_jitter
 
 from relay import __version__
 from relay.config import Settings, mask_dsn, masked_properties, producer_config
-from relay.errors import ConfigError, DatabaseUnavailable, FatalError, RelayError
+from relay.errors import ConfigError, DatabaseReadOnly, DatabaseUnavailable, FatalError, RelayError
 from relay.http import HealthServer
 from relay.janitor import Janitor
 from relay.leases import LeaseManager
@@ -62,6 +62,7 @@ class Relay:
         self.last_tick = clock()
         self._next_backlog = 0.0
         self._db_failures = 0
+        self._db_down_event = ""
         self._empty_claims = 0
         self._next_poll = 0.0
         self._woken = False
@@ -157,8 +158,12 @@ class Relay:
             self.metrics.database_up.set(1)
 
     def _db_down(self, exc: Exception) -> None:
-        if self.db_up or self._db_failures == 0:
-            self.log.warning("database_unavailable", error=str(exc))
+        # Logged once per state change; a lost connection that turns out to be a read-only
+        # server (failover to a standby) is a change worth its own event.
+        event = "database_read_only" if isinstance(exc, DatabaseReadOnly) else "database_unavailable"
+        if self.db_up or self._db_failures == 0 or event != self._db_down_event:
+            self.log.warning(event, error=str(exc))
+            self._db_down_event = event
         self.db_up = False
         self.metrics.database_up.set(0)
         self.store.reset()  # the mark connection resets itself, on its own thread

@@ -53,6 +53,10 @@ class DatabaseUnavailable(RetriableError):
     """The database cannot be reached right now."""
 
 
+class DatabaseReadOnly(DatabaseUnavailable):
+    """The database is read-only (a standby, or a primary during failover); waiting for a writable one."""
+
+
 class BrokerUnavailable(RetriableError):
     """The Kafka cluster cannot be reached right now."""
 

@@ -2,8 +2,9 @@
 
 Only this module (and the migration runner) talks to psycopg.  Driver errors are
 translated at this seam into :mod:`relay.errors` types: a server that cannot be
-reached is :class:`DatabaseUnavailable` (waited for), a server that refuses us
-for good (bad credentials, no such database or role) is fatal.
+reached is :class:`DatabaseUnavailable` (waited for), and so is a read-only one
+(SQLSTATE 25006: a hot standby, or a failover in progress: :class:`DatabaseReadOnly`);
+a server that refuses us for good (bad credentials, no such database or role) is fatal.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from psycopg.rows import dict_row, tuple_row
 from relay.config import mask_text
 from relay.errors import (
     AuthenticationFailed,
+    DatabaseReadOnly,
     DatabaseUnavailable,
     FatalError,
     PermissionDenied,
@@ -84,6 +86,12 @@ def translated() -> Iterator[None]:
         ) from None
     except psycopg.errors.InsufficientPrivilege as exc:
         raise PermissionDenied(f"permission denied: {exc.diag.message_primary}") from None
+    except psycopg.errors.ReadOnlySqlTransaction as exc:
+        # A standby, or a primary being failed over: wait for a writable one like for an
+        # unreachable database.  The caller drops the connection, so the next attempt
+        # reconnects (a multi-host DSN with target_session_attrs=read-write finds the new primary).
+        raise DatabaseReadOnly(f"the database is read-only (standby or failover): "
+                               f"{exc.diag.message_primary}") from None
     except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
         raise DatabaseUnavailable(f"database connection lost: {mask_text(str(exc).strip())}") from exc
 
@@ -159,7 +167,8 @@ class Store:
                 self._on_statement()
                 cur.execute(compose(group, name, table=self.table), params)
                 return cur.fetchall() if cur.description else []
-            except (psycopg.OperationalError, psycopg.InterfaceError):
+            except (psycopg.OperationalError, psycopg.InterfaceError,
+                    psycopg.errors.ReadOnlySqlTransaction):
                 self.reset()
                 raise
 
@@ -256,7 +265,8 @@ class Store:
                 self.queries += 1
                 self._on_statement()
                 return maintain(self.conn, retention_s=retention_s)
-            except (psycopg.OperationalError, psycopg.InterfaceError):
+            except (psycopg.OperationalError, psycopg.InterfaceError,
+                    psycopg.errors.ReadOnlySqlTransaction):
                 self.reset()
                 raise
 
