@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TESTS ?= tests
 
 .PHONY: venv test test-unit test-kafka kafka-jars demo bench soak lint typecheck clean
 
@@ -15,7 +16,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest $(TESTS) $(PYTEST_ARGS)
 
 # Apache Kafka's jars (tests/kafka/pom.xml) into .kafka/jars; tests also do this on first use.
 kafka-jars:

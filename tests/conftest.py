@@ -3,6 +3,7 @@
 Environment:
   OUTBOX_TEST_DSN          use this PostgreSQL (superuser) instead of an embedded one
   KAFKA_BOOTSTRAP_SERVERS  use this Kafka only, instead of tansu and Apache Kafka
+  OUTBOX_TEST_BROKERS      which brokers `broker` runs on: "tansu,kafka" (default), "tansu", "kafka"
   CI=true                  an Apache Kafka that cannot start fails the tests instead of skipping
 
 Kafka fixtures:
@@ -159,16 +160,29 @@ def own_db_dsn(own_pg_running: EmbeddedPgServer, request: pytest.FixtureRequest)
 # --- Kafka ---------------------------------------------------------------------------
 
 
+#: The session's Apache Kafka carries what tests written for tansu expect of a broker: tansu
+#: auto-creates topics with 4 partitions and has no record size limit (brokers with Kafka's
+#: own limits are tested in tests/integration/kafka/).
+KAFKA_BROKER_PROPERTIES = {"num.partitions": "4", "message.max.bytes": str(8 * 1024 * 1024)}
+
+
+ENV_BROKERS = "OUTBOX_TEST_BROKERS"
+
+
 def _broker_params() -> list[Any]:
     if os.environ.get(ENV_BOOTSTRAP):
         return [pytest.param("external", id="external")]
-    return [pytest.param("tansu", id="tansu"), pytest.param("kafka", id="kafka")]
+    wanted = [b.strip() for b in os.environ.get(ENV_BROKERS, "tansu,kafka").split(",") if b.strip()]
+    unknown = set(wanted) - {"tansu", "kafka"}
+    if unknown or not wanted:
+        raise pytest.UsageError(f"${ENV_BROKERS} must list tansu and/or kafka, not {sorted(unknown)}")
+    return [pytest.param(b, id=b) for b in wanted]
 
 
 @pytest.fixture(scope="session")
 def kafka_broker() -> Iterator[ApacheKafkaBroker]:
-    """A single-node Apache Kafka for the session (num.partitions 4, as tansu auto-creates)."""
-    b = apache_kafka_or_skip(lambda: ApacheKafkaBroker(properties={"num.partitions": "4"}))
+    """A single-node Apache Kafka for the session (see KAFKA_BROKER_PROPERTIES)."""
+    b = apache_kafka_or_skip(lambda: ApacheKafkaBroker(properties=KAFKA_BROKER_PROPERTIES))
     try:
         yield b
     finally:

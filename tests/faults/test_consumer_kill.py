@@ -38,6 +38,7 @@ def test_sigkill_between_db_commit_and_offset_commit_many_times(db_dsn, broker, 
     dsn = migrate_sdk_db(db_dsn)
     topic = topic_name("kill")
     create_topic(broker.bootstrap, topic, partitions=3)
+    create_topic(broker.bootstrap, f"{topic}.dlq", partitions=1)  # Apache Kafka does not auto-create it
     name = f"killed-{uuid.uuid4().hex[:6]}"
     written: list[str] = write_numbered(dsn, topic, 2 * CHUNK)
 

@@ -93,6 +93,7 @@ def test_stop_policy_stops_before_the_message_and_a_restart_resumes_there(
         sdk_db, broker, topic_name, run_consumer):
     topic = topic_name("stop")
     create_topic(broker.bootstrap, topic, partitions=1)
+    create_topic(broker.bootstrap, f"{topic}.dlq", partitions=1)  # Apache Kafka does not auto-create it
     ids = write_numbered(sdk_db, topic, 20)
     publish_all(sdk_db, broker.bootstrap)
     broken = threading.Event()

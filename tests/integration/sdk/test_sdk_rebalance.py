@@ -28,6 +28,7 @@ def test_a_member_joins_and_another_leaves_mid_stream_effects_stay_exactly_once(
         sdk_db, broker, topic_name, run_consumer):
     topic = topic_name("group")
     create_topic(broker.bootstrap, topic, partitions=4)
+    create_topic(broker.bootstrap, f"{topic}.dlq", partitions=1)  # Apache Kafka does not auto-create it
     ids = write_numbered(sdk_db, topic, N, keys=50)
     publish_all(sdk_db, broker.bootstrap)
     applied: Counter[str] = Counter()

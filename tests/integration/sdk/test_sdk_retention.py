@@ -26,6 +26,7 @@ def _topic_with_retention(bootstrap: str, name: str, retention_ms: int) -> str:
 
 def test_start_warns_loudly_when_the_topic_outlives_the_inbox(sdk_db, broker, topic_name):
     topic = _topic_with_retention(broker.bootstrap, topic_name("ret"), retention_ms=HOUR_S * 1000)
+    _topic_with_retention(broker.bootstrap, f"{topic}.dlq", retention_ms=HOUR_S * 1000)
     for inbox_retention_s, unsafe in ((60.0, 1.0), (2.0 * HOUR_S, 0.0)):
         config = make_config(sdk_db, broker, topic, inbox_retention_s=inbox_retention_s)
         consumer = InboxConsumer(config, lambda conn, message: None, metrics=ConsumerMetrics())
