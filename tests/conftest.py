@@ -182,7 +182,16 @@ def _broker_params() -> list[Any]:
 @pytest.fixture(scope="session")
 def kafka_broker() -> Iterator[ApacheKafkaBroker]:
     """A single-node Apache Kafka for the session (see KAFKA_BROKER_PROPERTIES)."""
-    b = apache_kafka_or_skip(lambda: ApacheKafkaBroker(properties=KAFKA_BROKER_PROPERTIES))
+    def start() -> ApacheKafkaBroker:
+        started = ApacheKafkaBroker(properties=KAFKA_BROKER_PROPERTIES)
+        try:
+            apache_kafka.warm_up_groups(started.bootstrap)
+        except BaseException:
+            started.close()
+            raise
+        return started
+
+    b = apache_kafka_or_skip(start)
     try:
         yield b
     finally:
