@@ -1,7 +1,7 @@
 -- The relay's least-privilege role: NOLOGIN group role "outbox_relay".
 --
 -- Run once per database, after `outbox-relay migrate`, as the role that owns the
--- outbox tables and may create roles and grant pg_read_all_stats (or a superuser):
+-- outbox tables and may create roles (or a superuser):
 -- psql -f, or one execute() from any driver (no psql meta-commands, no parameters).  Idempotent and convergent: every run first
 -- revokes whatever the role held on the relay's tables, then grants exactly the
 -- list below, so an older, wider grant does not survive a re-run.  The tables are
@@ -25,15 +25,13 @@
 --   outbox_relay_replicas  SELECT, INSERT, UPDATE (seen_until), DELETE
 --                                                heartbeat_replica (upsert), forget_replica
 --   outbox_relay_settings  SELECT                read_settings (the shard count)
---   pg_read_all_stats      membership            claim_batch leaves autovacuum workers'
---                                                xids out of its publish horizon only when
---                                                it can see them in pg_stat_activity;
---                                                without it the relay is still correct,
---                                                just slower while an ANALYZE runs
 --   the database           CONNECT; the schema: USAGE.  LISTEN and the wake-up
 --                          advisory lock (go_to_sleep / wake_up) need no privilege.
 --
 -- Deliberately NOT granted:
+--   * pg_read_all_stats (or pg_monitor): it would let the relay read the SQL text of
+--     every session of every database.  The relay needs no other session's activity;
+--     a run of this script revokes it from a role that an older version granted it to.
 --   * INSERT on outbox: the relay never writes events.  `dead-letters requeue`
 --     (DELETE outbox_dead_letters + INSERT outbox) and `dead-letters purge`
 --     (DELETE outbox_dead_letters) are operator commands: run them with the role
@@ -66,7 +64,8 @@
 -- A login role for the relay process (one per deployment; rotate by creating a
 -- new one and dropping the old):
 --     CREATE ROLE outbox_relay_login LOGIN PASSWORD '...' IN ROLE outbox_relay;
--- and point OUTBOX_RELAY_DSN (or OUTBOX_RELAY_DSN_FILE) at it.  The group role
+-- and point OUTBOX_RELAY_DSN (or OUTBOX_RELAY_DSN_FILE) at it: the deploy examples
+-- (deploy/k8s/secret.example.yaml) log in as outbox_relay_login.  The group role
 -- itself cannot log in.
 
 DO $role$
@@ -86,8 +85,11 @@ BEGIN
         ALTER ROLE outbox_relay NOLOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION
             NOBYPASSRLS;
     END IF;
-    IF NOT pg_catalog.pg_has_role('outbox_relay', 'pg_read_all_stats', 'MEMBER') THEN
-        GRANT pg_read_all_stats TO outbox_relay;
+    -- Older versions of this script granted pg_read_all_stats: take it back.
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_auth_members AS m
+               WHERE m.member = 'outbox_relay'::regrole
+                 AND m.roleid = 'pg_read_all_stats'::regrole) THEN
+        REVOKE pg_read_all_stats FROM outbox_relay;
     END IF;
 END
 $role$;

@@ -654,6 +654,36 @@ def test_k8s_secrets_come_from_mounted_files() -> None:
     assert config.KAFKA_ENV_PREFIX + "SASL_PASSWORD_FILE" in names
 
 
+ROLE_SCRIPT = ROOT / "sql" / "roles" / "outbox_relay_role.sql"
+
+
+def login_roles_of_role_script() -> set[str]:
+    """Roles the role script documents as LOGIN members of the NOLOGIN group role."""
+    text = ROLE_SCRIPT.read_text()
+    return set(re.findall(r"CREATE ROLE (\w+) LOGIN PASSWORD '\.\.\.' IN ROLE outbox_relay;", text))
+
+
+def test_deploy_examples_log_in_with_a_role_that_can_log_in() -> None:
+    """The relay's DSN in every deploy example names the login role of the role script,
+    never the group role it creates NOLOGIN (issue 15, item 9)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    assert "CREATE ROLE outbox_relay NOLOGIN" in ROLE_SCRIPT.read_text()
+    logins = login_roles_of_role_script()
+    assert logins and "outbox_relay" not in logins
+    secret = k8s_object("Secret")
+    relay_user = conninfo_to_dict(secret["stringData"]["dsn"])["user"]
+    assert relay_user in logins, f"secret.example.yaml logs in as {relay_user!r}, not one of {logins}"
+    migrate_user = conninfo_to_dict(secret["stringData"]["migrate-dsn"])["user"]
+    assert migrate_user != "outbox_relay", "migrate needs the schema owner"
+    # compose: the relay logs in as the database's own (LOGIN) user.
+    postgres_user = compose()["services"]["postgres"]["environment"]["POSTGRES_USER"]
+    for service, svc in compose()["services"].items():
+        dsn = (svc.get("environment") or {}).get("OUTBOX_RELAY_DSN")
+        if dsn:
+            assert conninfo_to_dict(dsn)["user"] == postgres_user, service
+
+
 # --- ports, probes, shutdown, security -----------------------------------------------
 
 
