@@ -25,7 +25,7 @@ from relay.leases import LeaseManager
 from relay.metrics import RelayMetrics
 from relay.publisher import Publisher
 from relay.pump import Pump
-from relay.store import Store
+from relay.store import Store, check_not_transaction_pooled
 
 #: First poll delay after the relay found work; doubles up to the poll interval.
 BUSY_POLL_BASE_S = 0.005
@@ -99,6 +99,12 @@ class Relay:
                                   f"{s.metrics_host}:{s.metrics_port}: {exc.strerror or exc}") from None
             self.http.start()
             self.log.info("http_listening", host=s.metrics_host, port=self.http.port)
+        # Before any session state is set: a transaction pooler would spread it (see
+        # check_not_transaction_pooled); refused with one line and exit code 5.
+        self._retry_db(lambda: check_not_transaction_pooled(
+            s.dsn, application_name=f"outbox-relay:{s.owner}:probe"))
+        if self.stopping:
+            return
         nshards = self._retry_db(self.store.check_schema)
         if nshards is None:
             return  # stopped while waiting

@@ -132,11 +132,11 @@ class Bench:
                 marking: collections.deque[Future[MarkOutcome]] = collections.deque()
                 cursor = Cursor()
                 while True:
-                    rows = store.claim(shards=shards, nshards=len(shards), after=cursor,
-                                       limit=self.args.batch_size, mark_pid=mark_store.backend_pid)
+                    rows, snapshot = store.claim(shards=shards, nshards=len(shards), after=cursor,
+                                                 limit=self.args.batch_size)
                     if not rows:
                         break
-                    cursor = Cursor.after(rows[-1])
+                    cursor = cursor.advanced(rows[-1], snapshot or cursor.cur)
                     marking.append(marker.submit(tokens, rows))
                     while len(marking) >= DEFAULT_PIPELINE_DEPTH or (marking and marking[0].done()):
                         moved += len(marking.popleft().result()[1])

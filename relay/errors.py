@@ -45,6 +45,13 @@ class AuthenticationFailed(FatalError):
     exit_code = 4
 
 
+class TransactionPoolerUnsupported(FatalError):
+    """The relay is connected through a transaction pooler (PgBouncer pool_mode=transaction):
+    connect it directly to PostgreSQL, or through a session-mode pool."""
+
+    exit_code = 5
+
+
 class RetriableError(RelayError):
     """A passing problem; the operation is retried with back-off."""
 

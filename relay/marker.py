@@ -23,8 +23,6 @@ MarkOutcome = tuple[set[ShardId], set[RowId], float]
 
 
 class MarkStore(Protocol):
-    @property
-    def backend_pid(self) -> int | None: ...
     def mark_published(self, *, owner: str, leases: list[Lease],
                        rows: list[OutboxRow]) -> tuple[set[ShardId], set[RowId]]: ...
 

@@ -28,14 +28,38 @@ class OutboxRow:
 
 @dataclass(frozen=True, slots=True)
 class Cursor:
-    """Position in (xid, id) order after which the next claim starts."""
+    """Where the next claim starts: a window of commits and a position inside it.
+
+    The window holds the rows that committed after the previous window's snapshot
+    (given as its xmax ``prev_xmax`` and the transactions it saw in flight,
+    ``prev_xip``; ``prev_xmax`` 0 means nothing seen yet: every pending row) and are
+    visible in ``cur`` (a ``pg_snapshot`` as text; None: the next claim takes the
+    current one).  ``(xid, id)`` is the last row claimed inside the window.
+    """
 
     xid: int = 0
     id: int = 0
+    prev_xmax: int = 0
+    prev_xip: tuple[int, ...] = ()
+    cur: str | None = None
+
+    def advanced(self, row: OutboxRow, cur: str | None) -> Cursor:
+        """The same window, after ``row``."""
+        return Cursor(row.xid, row.id, self.prev_xmax, self.prev_xip, cur)
 
     @staticmethod
-    def after(row: OutboxRow) -> Cursor:
-        return Cursor(row.xid, row.id)
+    def after_snapshot(snapshot: str | None) -> Cursor:
+        """The window of what commits after ``snapshot`` (None: nothing seen)."""
+        if snapshot is None:
+            return START
+        _xmin, xmax, xip = snapshot.split(":")
+        return Cursor(prev_xmax=int(xmax),
+                      prev_xip=tuple(int(x) for x in xip.split(",") if x))
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing seen: the next claim takes every pending row."""
+        return self.prev_xmax == 0 and self.xid == 0 and self.id == 0
 
 
 START = Cursor()

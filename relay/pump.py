@@ -1,11 +1,15 @@
 """The loop body: claim a batch, produce it, mark what the broker acknowledged.
 
-Pipelining: up to ``pipeline_depth`` batches are in flight; the next claim starts
-after a cursor in (xid, id) order, so in-flight rows are not claimed twice.  The
-cursor is gapless because claims only see rows of transactions older than every
-transaction still running: nothing that commits later can sort before it.  It is
-gapless only for the shards every claim since its start included: a shard that was
-left out (being given back, briefly untrusted) and comes back forces a rewind first.
+Batches by snapshot difference, as PgQ does: a claim takes the rows that committed
+between the previous window's snapshot and its own (visible in one, not in the
+other), in (xid, id) order; a window larger than a batch is continued, with the same
+pair of snapshots, after a cursor inside it, so up to ``pipeline_depth`` batches are
+in flight and no row is claimed twice.  A transaction still open never holds a claim
+back: its rows join the window in which it commits.  So a key's rows go out in
+commit order at the granularity of windows, and in (xid, id) order inside one
+(commit order for writers that serialize on the key).  A shard left out of a claim
+(being given back, briefly untrusted) misses that window's rows: when it comes back
+the pump rewinds to "nothing seen" (every pending row of its shards) first.
 
 Marks run on a second connection, in a single background thread, while the pump
 claims and produces the next batches: a batch's mark and the next claim then cost
@@ -39,10 +43,13 @@ from relay.metrics import RelayMetrics, observe_many
 from relay.model import START, BatchResult, Cursor, Lease, OutboxRow, RowId, ShardId, Token
 from relay.publisher import DeliveryCallback, Outcome
 
+SWEEP_INTERVAL_S = 5.0  # a full pass over the pending rows at most this often when caught up
+
 
 class PumpStore(MarkStore, Protocol):
-    def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int,
-              mark_pid: int | None = None) -> list[OutboxRow]: ...
+    def claim(self, *, shards: Any, nshards: int, after: Cursor,
+              limit: int) -> tuple[list[OutboxRow], str | None]: ...
+    def restamp_foreign(self) -> int: ...
     def record_failure(self, *, owner: str, lease: Lease, row: OutboxRow, error: str, backoff_s: float) -> int | None: ...
     def dead_letter(self, *, owner: str, lease: Lease, row: OutboxRow, reason: str, error: str) -> bool: ...
 
@@ -130,13 +137,14 @@ class Pump:
         self.clock = clock
         self.wall_clock = wall_clock
         self.cursor: Cursor = START
-        self.cursor_shards: set[ShardId] = set()  # claimed in every claim since the cursor was START
+        self.cursor_shards: set[ShardId] = set()  # claimed in every claim since the last rewind
         self.in_flight: deque[InFlight] = deque()
         self.marking: deque[PendingMark] = deque()
         self._marker = Marker(mark_store, leases.owner) if mark_store is not None else None
-        self.rewind_requested = False
+        self.rewind_requested = True  # the first claim starts from "nothing seen"
         self.caught_up = False
         self.claim_not_before = 0.0
+        self.next_sweep = clock() + SWEEP_INTERVAL_S
         self.retry_wakeup: float | None = None
         self.transient_streak = 0
         self.failed_keys: set[str] = set()
@@ -180,10 +188,9 @@ class Pump:
         now = self.clock()
         if not self.busy():
             due_retry = self.retry_wakeup is not None and now >= self.retry_wakeup
-            if self.rewind_requested or due_retry or self.caught_up:
-                self.cursor = START
-                self.rewind_requested = False
-                self.failed_keys.clear()
+            due_sweep = self.caught_up and now >= self.next_sweep
+            if self.rewind_requested or due_retry or due_sweep:
+                self._rewind(now)
                 if due_retry:
                     self.retry_wakeup = None
         if claim and not self.draining and self._may_claim(now):
@@ -206,6 +213,23 @@ class Pump:
         if self._marker is not None:
             self._marker.close()
 
+    def _rewind(self, now: float) -> None:
+        """Back to "nothing seen": the next claim takes every pending row of the shards.
+
+        Only with nothing in flight.  Besides the rewinds that failures, retries and
+        shard changes ask for, one runs every ``SWEEP_INTERVAL_S`` while caught up: it
+        finds rows that no window holds (rows in back-off whose retry another replica
+        scheduled, rows restored with an old xid of another cluster), and first gives
+        rows with a future foreign xid one of this cluster's.
+        """
+        self.cursor = START
+        self.rewind_requested = False
+        self.failed_keys.clear()
+        self.next_sweep = now + SWEEP_INTERVAL_S
+        restamped = self.store.restamp_foreign()
+        if restamped:
+            self.log.warning("foreign_xids_restamped", rows=restamped)
+
     def _may_claim(self, now: float) -> bool:
         return (len(self.in_flight) < self.pipeline_depth
                 and len(self.marking) < self.pipeline_depth
@@ -217,7 +241,7 @@ class Pump:
         if not usable:
             return
         shards = {lease.shard for lease in usable}
-        if self.cursor == START:
+        if self.cursor.fresh:
             self.cursor_shards = shards
         elif not shards <= self.cursor_shards:
             # A shard left out of the claims since the cursor last started (given back,
@@ -228,16 +252,19 @@ class Pump:
         else:
             self.cursor_shards = shards  # one that leaves must rewind to come back
         started = time.perf_counter()
-        rows = self.store.claim(shards=sorted(shards),
-                                nshards=self.nshards, after=self.cursor, limit=self.batch_size,
-                                mark_pid=self._marker.store.backend_pid if self._marker else None)
+        rows, snapshot = self.store.claim(shards=sorted(shards), nshards=self.nshards,
+                                          after=self.cursor, limit=self.batch_size)
         self.metrics.claim_duration.observe(time.perf_counter() - started)
+        window = snapshot if snapshot is not None else self.cursor.cur
         self.caught_up = len(rows) < self.batch_size
+        if self.caught_up:  # the window is exhausted: next, what committed after it
+            self.cursor = Cursor.after_snapshot(window)
+        else:
+            self.cursor = self.cursor.advanced(rows[-1], window)
         if not rows:
             return
         self.metrics.batch_size.observe(len(rows))
         result.claimed += len(rows)
-        self.cursor = Cursor.after(rows[-1])
         batch = InFlight(tokens={lease.shard: lease.token for lease in usable})
         blocked: set[str] = set()
         deferred = 0

@@ -29,6 +29,7 @@ from relay.errors import (
     FatalError,
     PermissionDenied,
     SchemaMissing,
+    TransactionPoolerUnsupported,
 )
 from relay.model import Cursor, Lease, OutboxRow, RowId, ShardId, Token
 from relay.queries import compose, query
@@ -94,6 +95,45 @@ def translated() -> Iterator[None]:
                                f"{exc.diag.message_primary}") from None
     except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
         raise DatabaseUnavailable(f"database connection lost: {mask_text(str(exc).strip())}") from exc
+
+
+def check_not_transaction_pooled(dsn: str, *, application_name: str = "outbox-relay-probe") -> None:
+    """Raise :class:`TransactionPoolerUnsupported` when ``dsn`` reaches PostgreSQL through a
+    transaction pooler.
+
+    The relay keeps session state on purpose: LISTEN, the session advisory lock of the
+    wake-up protocol (sql/migrations/0003_notify.sql) and ``synchronous_commit = off``
+    for its own writes.  Behind a transaction pooler those would land on whatever
+    server process a transaction borrowed: notifications lost, the wake-up lock
+    stranded (every writer then pays for NOTIFY), and the application's sessions
+    committing without waiting for the WAL.  So the relay refuses to run there.
+
+    The probe: connection A asks for its server process and ends its transaction;
+    connection B then holds a transaction and asks for its own.  Directly connected,
+    B's differs from A's and A keeps its own.  A pooler that handed A's server to B
+    (PgBouncer reuses the last one released), or that moves A to another server while
+    B holds one, is a transaction pooler.  A session-mode pool passes.
+    """
+    first = connect(dsn, application_name=application_name)
+    try:
+        second = connect(dsn, application_name=application_name, autocommit=False)
+        try:
+            with translated():
+                pid_a = _backend_pid(first)
+                with second.transaction():
+                    pooled = _backend_pid(second) == pid_a or _backend_pid(first) != pid_a
+        finally:
+            second.close()
+    finally:
+        first.close()
+    if pooled:
+        raise TransactionPoolerUnsupported()
+
+
+def _backend_pid(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute(query("relay", "backend_pid")).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def _encode_value(payload_text: str | None, payload_bytes: bytes | None) -> bytes | None:

@@ -52,6 +52,7 @@ _SERVER_SETTINGS = {
     "synchronous_commit": "off",
     "full_page_writes": "off",
     "max_connections": "200",
+    "max_prepared_transactions": "10",
     "shared_buffers": "128MB",
 }
 

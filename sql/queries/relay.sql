@@ -6,51 +6,81 @@
 -- and a fixed timestamp in tests that control time.
 
 -- name: claim_batch
--- Pending rows of the shards this replica holds, in (xid, id) order, only from
--- transactions older than every transaction still in flight (so nothing that
--- commits later can sort before them), after the pipelining cursor.
--- Transaction ids are cluster-wide, so "in flight" leaves out what provably cannot
--- write this outbox: transactions of backends connected to other databases, and
--- autovacuum workers (their ANALYZE holds an xid for a while), and the relay's own
--- mark connection (%(mark_pid)s: it only marks rows, never inserts).  A role that may not
--- see them in pg_stat_activity (no pg_read_all_stats) simply waits for them: safe,
--- slower.  Prepared transactions have no backend and are always waited for.
+-- Pending rows of the shards this replica holds that committed inside the claim's
+-- window, in (xid, id) order after the window's position, as PgQ batches events:
+-- the window is the rows visible in snapshot %(cur)s (NULL: take the current one
+-- now; it is returned as one more row) and not visible in the previous
+-- window's snapshot, given as its xmax (%(prev_xmax)s) and the ids of the
+-- transactions it saw in flight (%(prev_xip)s); nothing seen yet is xmax 0, no xip.
+-- Not visible in that snapshot means: in flight then (one of prev_xip, a few index
+-- lookups) or started after it (xid >= prev_xmax, a range of the pending index), so
+-- a transaction held open elsewhere never holds a claim back, and the dead index
+-- entries of rows marked since it began are never walked.  The first branch's xids
+-- are all below prev_xmax, so the two branches in turn are (xid, id) order.
 -- A row in back-off, and every later row of its key, waits.
 -- No row locks: shard leases give exclusivity, and SKIP LOCKED would let a
 -- replica step over a row that a stale owner had locked and publish the key's
 -- next row first.
-WITH snap AS (
-    SELECT pg_current_snapshot() AS s
-), horizon AS (
-    SELECT coalesce(
-        (SELECT min(x) FROM snap, pg_snapshot_xip(snap.s) AS x
-         WHERE x::xid NOT IN (
-             SELECT a.backend_xid FROM pg_stat_activity AS a
-             WHERE a.backend_xid IS NOT NULL
-               AND (a.backend_type = 'autovacuum worker' OR a.pid = %(mark_pid)s
-                    OR a.datid IS DISTINCT FROM (SELECT d.oid FROM pg_database AS d
-                                                 WHERE d.datname = current_database())))),
-        (SELECT pg_snapshot_xmax(s) FROM snap)) AS h
+WITH cur AS MATERIALIZED (
+    SELECT coalesce(%(cur)s::pg_snapshot, pg_current_snapshot()) AS s
+), found AS (
+    SELECT o.id, o.event_id, o.topic, o.key, o.payload, o.payload_bytes, o.headers,
+           o.xid, o.attempts, o.created_at
+    FROM (
+        (SELECT * FROM {table} AS i
+         WHERE i.published_at IS NULL
+           AND i.xid = ANY(%(prev_xip)s::xid8[])
+           AND (i.xid, i.id) > (%(after_xid)s::xid8, %(after_id)s::bigint)
+         ORDER BY i.xid, i.id)
+        UNION ALL
+        (SELECT * FROM {table} AS i
+         WHERE i.published_at IS NULL
+           AND i.xid >= %(prev_xmax)s::xid8
+           AND i.xid < (SELECT pg_snapshot_xmax(s) FROM cur)
+           AND (i.xid, i.id) > (%(after_xid)s::xid8, %(after_id)s::bigint)
+         ORDER BY i.xid, i.id)
+    ) AS o
+    WHERE pg_visible_in_snapshot(o.xid, (SELECT s FROM cur))
+      AND (%(all_shards)s OR (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s = ANY(%(shards)s::int[]))
+      AND (o.retry_at IS NULL OR o.retry_at <= coalesce(%(now)s::timestamptz, now()))
+      AND (o.key IS NULL OR NOT EXISTS (
+          SELECT 1 FROM {table} AS b
+          WHERE b.published_at IS NULL AND b.retry_at IS NOT NULL
+            AND b.retry_at > coalesce(%(now)s::timestamptz, now())
+            AND b.key = o.key
+            AND (b.xid, b.id) < (o.xid, o.id)))
+    ORDER BY o.xid, o.id
+    LIMIT %(limit)s
 )
-SELECT o.id, o.event_id::text AS event_id, o.topic, o.key,
-       o.payload::text AS payload_text, o.payload_bytes, o.headers::text AS headers_text,
-       o.xid::text AS xid, o.attempts,
-       (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s AS shard,
-       extract(epoch FROM o.created_at)::float8 AS created_epoch
-FROM {table} AS o
-WHERE o.published_at IS NULL
-  AND o.xid < (SELECT h FROM horizon)
-  AND (o.xid, o.id) > (%(after_xid)s::xid8, %(after_id)s::bigint)
-  AND (%(all_shards)s OR (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s = ANY(%(shards)s::int[]))
-  AND (o.retry_at IS NULL OR o.retry_at <= coalesce(%(now)s::timestamptz, now()))
-  AND (o.key IS NULL OR NOT EXISTS (
-      SELECT 1 FROM {table} AS b
-      WHERE b.published_at IS NULL AND b.retry_at IS NOT NULL
-        AND b.retry_at > coalesce(%(now)s::timestamptz, now())
-        AND b.key = o.key
-        AND (b.xid, b.id) < (o.xid, o.id)))
-ORDER BY o.xid, o.id
-LIMIT %(limit)s
+SELECT f.id, f.event_id::text AS event_id, f.topic, f.key,
+       f.payload::text AS payload_text, f.payload_bytes, f.headers::text AS headers_text,
+       f.xid::text AS xid, f.attempts,
+       (hashtext(coalesce(f.key, f.event_id::text)) & 2147483647) %% %(nshards)s AS shard,
+       extract(epoch FROM f.created_at)::float8 AS created_epoch
+FROM found AS f
+UNION ALL
+-- The window's snapshot, when this claim took it: one more row, whose id is NULL.
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT s::text FROM cur), NULL, NULL, NULL
+WHERE %(cur)s::text IS NULL
+
+-- name: restamp_foreign
+-- Rows whose xid is not one of this cluster's (copied by pg_dump/restore or logical
+-- replication from another cluster) and that no window would hold in order: a
+-- visible row whose xid is at or above this statement's snapshot xmax, or names a
+-- transaction this cluster did not commit, was not written by that transaction.
+-- They take this transaction's xid, so the next windows claim them like rows it
+-- committed, in id order within their keys.  (Foreign xids that happen to name a
+-- committed transaction look like old rows: the periodic sweeps relay them in
+-- their original (xid, id) order.)
+WITH restamped AS (
+    UPDATE {table} AS o
+    SET xid = pg_current_xact_id()
+    WHERE o.published_at IS NULL
+      AND CASE WHEN o.xid >= pg_snapshot_xmax(pg_current_snapshot()) THEN true
+               ELSE pg_xact_status(o.xid) IS DISTINCT FROM 'committed' END
+    RETURNING 1
+)
+SELECT count(*) AS restamped FROM restamped
 
 -- name: mark_published
 -- Fenced: rows are marked only in shards whose lease this owner still holds with
@@ -145,3 +175,9 @@ SELECT pg_try_advisory_lock(7263740001) AS sleeping
 
 -- name: wake_up
 SELECT pg_advisory_unlock(7263740001) AS released
+
+-- name: backend_pid
+-- The server process of this connection: two client connections on one server
+-- process, or one that changes server process between transactions, means a
+-- transaction pooler (relay/store.py check_not_transaction_pooled).
+SELECT pg_backend_pid() AS pid

@@ -10,8 +10,9 @@
 -- What the relay runs, and why each privilege (sql/queries/*.sql):
 --   outbox                 SELECT                claim_batch, backlog, status_backlog,
 --                                                dead_letter's RETURNING o.*
---                          UPDATE (published_at, attempts, last_error, retry_at)
---                                                mark_published, record_failure; the
+--                          UPDATE (published_at, attempts, last_error, retry_at, xid)
+--                                                mark_published, record_failure,
+--                                                restamp_foreign (xid); the
 --                                                column privilege also allows the row
 --                                                locks of cleanup_batch (FOR UPDATE)
 --                          DELETE                dead_letter (moves a row), cleanup_batch
@@ -120,7 +121,7 @@ BEGIN
     END LOOP;
 
     EXECUTE pg_catalog.format(
-        'GRANT SELECT, DELETE, UPDATE (published_at, attempts, last_error, retry_at) '
+        'GRANT SELECT, DELETE, UPDATE (published_at, attempts, last_error, retry_at, xid) '
         'ON TABLE %I.outbox TO outbox_relay', schema_name);
     EXECUTE pg_catalog.format(
         'GRANT SELECT, INSERT ON TABLE %I.outbox_dead_letters TO outbox_relay', schema_name);

@@ -13,6 +13,7 @@ import psycopg
 
 from tests.fixtures.broker import create_topic, read_all
 from tests.fixtures.outbox import (
+    HeldTransaction,
     all_event_ids,
     check_delivery,
     insert_rows,
@@ -141,7 +142,8 @@ def test_a_paused_replica_writes_nothing_after_the_takeover(outbox_db, proxied_b
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         conn.execute(AUDIT)
     proxy.set_delay(100)  # acknowledgements take a while, so batches are in flight at the pause
-    with Writer(outbox_db, topic):
+    # A writer idle in transaction throughout holds back nothing but its own row.
+    with HeldTransaction(outbox_db, topic), Writer(outbox_db, topic):
         r1 = start_relay(spawn, outbox_db, tansu.bootstrap, "r1")
         r2 = start_relay(spawn, outbox_db, tansu.bootstrap, "r2")
         wait_owners(outbox_db, {"r1", "r2"})
@@ -181,7 +183,7 @@ def test_a_paused_replica_writes_nothing_after_the_takeover(outbox_db, proxied_b
 
 
 def test_a_killed_replica_is_taken_over_within_about_one_lease(outbox_db, broker, topic, spawn):
-    with Writer(outbox_db, topic):
+    with HeldTransaction(outbox_db, topic), Writer(outbox_db, topic):
         r1 = start_relay(spawn, outbox_db, broker.bootstrap, "r1")
         r2 = start_relay(spawn, outbox_db, broker.bootstrap, "r2")
         wait_owners(outbox_db, {"r1", "r2"})
@@ -197,7 +199,7 @@ def test_a_killed_replica_is_taken_over_within_about_one_lease(outbox_db, broker
 
 
 def test_replicas_join_and_leave_while_traffic_flows(outbox_db, broker, topic, spawn):
-    with Writer(outbox_db, topic):
+    with HeldTransaction(outbox_db, topic), Writer(outbox_db, topic):
         r1 = start_relay(spawn, outbox_db, broker.bootstrap, "r1")
         r2 = start_relay(spawn, outbox_db, broker.bootstrap, "r2")
         wait_owners(outbox_db, {"r1", "r2"})

@@ -19,7 +19,6 @@ def row(i: int, shard: int = 0) -> OutboxRow:
 class GatedStore:
     """Marks every row of the shards it is told are held; the first call waits for a gate."""
 
-    backend_pid = None
 
     def __init__(self, held: set[int], fail_on: int | None = None) -> None:
         self.held = held

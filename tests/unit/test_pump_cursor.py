@@ -23,14 +23,18 @@ class Store:
     def __init__(self, rows: list[OutboxRow]) -> None:
         self.pending = {r.id: r for r in rows}
 
-    backend_pid = None
-
-    def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int,
-              mark_pid: int | None = None) -> list[OutboxRow]:
+    def claim(self, *, shards: Any, nshards: int, after: Cursor,
+              limit: int) -> tuple[list[OutboxRow], str | None]:
+        # Every row is committed at once: one window, after which nothing is new.
+        if after.prev_xmax:
+            return [], None if after.cur else "100:100:"
         found = sorted((r for r in self.pending.values()
                         if r.shard in shards and (r.xid, r.id) > (after.xid, after.id)),
                        key=lambda r: (r.xid, r.id))
-        return found[:limit]
+        return found[:limit], None if after.cur else "100:100:"
+
+    def restamp_foreign(self) -> int:
+        return 0
 
     def mark_published(self, *, owner: str, leases: Any, rows: Any) -> tuple[set[ShardId], set[RowId]]:
         for r in rows:

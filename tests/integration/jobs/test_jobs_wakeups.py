@@ -90,6 +90,7 @@ def test_relayed_kafka_events_wake_the_pool_and_activate_waiting_jobs(
     events, approvals = topic_name("runs"), topic_name("approvals")
     for topic in (events, approvals):
         create_topic(broker.bootstrap, topic, partitions=1)
+        create_topic(broker.bootstrap, f"{topic}.dlq", partitions=1)  # checked at the consumer's start
     started: dict[int, float] = {}
     pool = WorkerPool(WorkerConfig(dsn=dsn, listen=False, poll_interval_s=SLOW_S,
                                    reconcile_interval_s=SLOW_S, drain_timeout_s=1.0), _recorder(started))

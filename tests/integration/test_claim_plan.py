@@ -1,0 +1,60 @@
+"""The claim is served by the partial index on pending rows (issue 14: show the plan).
+
+A window's claim reads the transactions in flight at the previous snapshot by index
+lookups and the later ones by one index range, never the whole pending index (whose
+dead entries an open transaction keeps alive); "nothing seen" reads the whole index.
+"""
+
+from __future__ import annotations
+
+import psycopg
+from psycopg import sql
+
+from relay.model import Cursor, ShardId
+from relay.queries import compose
+from relay.store import Store
+
+SHARDS = 16
+
+
+def plan(dsn: str, cursor: Cursor) -> str:
+    params = {"cur": cursor.cur, "prev_xmax": str(cursor.prev_xmax),
+              "prev_xip": [str(x) for x in cursor.prev_xip], "nshards": SHARDS,
+              "shards": [0, 1, 2], "all_shards": False, "after_xid": str(cursor.xid),
+              "after_id": cursor.id, "limit": 1000, "now": None}
+    query = compose("relay", "claim_batch")
+    text = query if isinstance(query, sql.Composed) else sql.SQL(query)  # type: ignore[arg-type]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(sql.SQL("EXPLAIN ") + text, params).fetchall()
+    return "\n".join(r[0] for r in rows)
+
+
+def test_claims_use_the_pending_index(outbox_db):
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("INSERT INTO outbox (topic, key, payload) SELECT 't', 'k' || g % 100, '{}' "
+                     "FROM generate_series(1, 20000) AS g")
+        conn.execute("UPDATE outbox SET published_at = now() WHERE id % 10 <> 0")
+        conn.execute("ANALYZE outbox")
+    held = psycopg.connect(outbox_db)
+    try:
+        held.execute("INSERT INTO outbox (topic, key, payload) VALUES ('t', 'held', '{}')")
+        with psycopg.connect(outbox_db, autocommit=True) as conn:  # a later xid completes
+            conn.execute("INSERT INTO outbox (topic, key, payload) VALUES ('t', 'later', '{}')")
+        store = Store(outbox_db)
+        try:
+            rows, snapshot = store.claim(shards=[ShardId(0), ShardId(1), ShardId(2)],
+                                         nshards=SHARDS, after=Cursor(), limit=1000)
+        finally:
+            store.close()
+        assert rows and snapshot is not None
+        window = Cursor.after_snapshot(snapshot)
+        assert window.prev_xip, snapshot  # the held transaction was in flight below xmax
+        for cursor in (Cursor(), window, window.advanced(rows[-1], snapshot)):
+            text = plan(outbox_db, cursor)
+            assert "outbox_pending_idx" in text, text
+            assert "Seq Scan on outbox" not in text, text
+        text = plan(outbox_db, window)
+        assert "xid = ANY" in text and "xid >= " in text, text  # the two branches
+    finally:
+        held.rollback()
+        held.close()

@@ -1,0 +1,126 @@
+"""Issue 15, item 7: the relay behind PgBouncer.
+
+In transaction mode the relay's session state (LISTEN, the wake-up advisory lock,
+`synchronous_commit = off`) would land on borrowed server processes: it refuses to
+start, with one line and exit code 5, before setting any of it.  In session mode it
+runs as usual.  Debian's `pgbouncer` is started here on a free port in front of the
+test PostgreSQL; without it the tests skip, except in CI (CI=true), where they fail."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from tests.fixtures.broker import read_all
+from tests.fixtures.outbox import (
+    RelayThread,
+    all_event_ids,
+    check_delivery,
+    insert_rows,
+    relay_cmd,
+    relay_env,
+    wait_drained,
+)
+from tests.fixtures.procs import Proc, free_port, wait_until
+
+MISSING = "pgbouncer not installed: apt-get install pgbouncer (.ci/run installs it)"
+
+
+def _pgbouncer_bin() -> str:
+    found = shutil.which("pgbouncer") or next(
+        (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if Path(p).exists()), None)
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(MISSING + "; CI must run these tests")
+        pytest.skip(MISSING)
+    return found
+
+
+@pytest.fixture
+def pgbouncer(db_dsn: str, tmp_path: Path, spawn: Callable[..., Proc]) -> Iterator[Callable[[str], str]]:
+    """Factory: ``pgbouncer(pool_mode)`` starts PgBouncer in front of ``db_dsn``'s server and
+    returns ``db_dsn`` through it."""
+    binary = _pgbouncer_bin()
+    target = conninfo_to_dict(db_dsn)
+    user = str(target.get("user") or "postgres")
+
+    def start(pool_mode: str) -> str:
+        port = free_port()
+        (tmp_path / "users.txt").write_text(f'"{user}" ""\n')
+        ini = tmp_path / f"pgbouncer-{pool_mode}.ini"
+        ini.write_text(
+            "[databases]\n"
+            f"* = host={target.get('host', '127.0.0.1')} port={target.get('port', 5432)}\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+            f"auth_type = trust\nauth_file = {tmp_path / 'users.txt'}\n"
+            f"pool_mode = {pool_mode}\ndefault_pool_size = 4\nmax_client_conn = 100\n"
+            "ignore_startup_parameters = options\n")
+        ini.chmod(0o644)
+        tmp_path.chmod(0o755)
+        (tmp_path / "users.txt").chmod(0o644)
+        cmd = [binary, *(["-u", "nobody"] if os.geteuid() == 0 else []), str(ini)]
+        spawn(cmd, name=f"pgbouncer-{pool_mode}")
+        dsn = make_conninfo(db_dsn, host="127.0.0.1", port=str(port))
+
+        def up() -> bool:
+            with psycopg.connect(dsn, connect_timeout=2) as conn:
+                return conn.execute("SELECT 1").fetchone() == (1,)
+
+        wait_until(up, timeout_s=15, ignore=(psycopg.OperationalError,),
+                   message="pgbouncer did not accept connections")
+        return dsn
+
+    yield start
+
+
+def _settings_seen_through(dsn: str) -> set[str]:
+    """synchronous_commit as seen by a few sessions through the pooler."""
+    seen = set()
+    conns = [psycopg.connect(dsn, autocommit=True) for _ in range(4)]
+    try:
+        for conn in conns:
+            seen.add(conn.execute("SHOW synchronous_commit").fetchone()[0])  # type: ignore[index]
+    finally:
+        for conn in conns:
+            conn.close()
+    return seen
+
+
+def test_relay_refuses_a_transaction_pooler_with_one_line(outbox_db, pgbouncer, broker, topic, spawn):
+    with psycopg.connect(outbox_db, autocommit=True) as conn:  # durable commits by default
+        conn.execute(sql.SQL("ALTER DATABASE {} SET synchronous_commit = on").format(
+            sql.Identifier(conninfo_to_dict(outbox_db)["dbname"])))
+    pooled = pgbouncer("transaction")
+    insert_rows(outbox_db, topic, 10)
+    relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap), name="relay")
+    assert relay.wait(30) == 5
+    lines = [line for line in relay.log_text().splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    assert len(errors) == 1 and "transaction pooler" in errors[0], lines
+    assert "Traceback" not in relay.log_text()
+    # It refused before setting anything: the application's sessions keep durable commits.
+    assert _settings_seen_through(pooled) == {"on"}
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM outbox WHERE published_at IS NULL").fetchone() == (10,)
+        assert conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                            ).fetchone() == (0,)
+
+
+def test_relay_runs_behind_a_session_pooler(outbox_db, pgbouncer, broker, topic):
+    pooled = pgbouncer("session")
+    insert_rows(outbox_db, topic, 200, keys=10)
+    expected = all_event_ids(outbox_db)
+    with RelayThread(pooled, broker.bootstrap) as r:
+        wait_drained(outbox_db, timeout_s=60)
+        assert r.relay.fatal is None
+    delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60),
+                              expected)
+    assert not delivery.missing and not delivery.order_violations
