@@ -97,6 +97,10 @@ def translated() -> Iterator[None]:
         raise DatabaseUnavailable(f"database connection lost: {mask_text(str(exc).strip())}") from exc
 
 
+def _xid_id(row: OutboxRow) -> tuple[int, int]:
+    return row.xid, row.id
+
+
 def check_not_transaction_pooled(dsn: str, *, application_name: str = "outbox-relay-probe") -> None:
     """Raise :class:`TransactionPoolerUnsupported` when ``dsn`` reaches PostgreSQL through a
     transaction pooler.
@@ -226,19 +230,15 @@ class Store:
 
     # -- outbox ---------------------------------------------------------------------------
 
-    @property
-    def backend_pid(self) -> int | None:
-        """The server process of the main connection, None when not connected."""
-        conn = self._conn
-        return None if conn is None or conn.closed else int(conn.info.backend_pid)
-
     def claim(self, *, shards: Sequence[ShardId], nshards: int, after: Cursor,
-              limit: int, mark_pid: int | None = None) -> list[OutboxRow]:
-        """Pending rows in (xid, id) order after ``after``.  ``mark_pid``: the backend
-        of this relay's mark connection, whose open transaction does not hold claims back."""
+              limit: int) -> tuple[list[OutboxRow], str | None]:
+        """Pending rows of ``after``'s window, in (xid, id) order after its position, and
+        the window's snapshot when this claim took it (``after.cur`` None), else None."""
         all_shards = len(shards) == nshards
-        rows = self._fetch_tuples("relay", "claim_batch", {
-            "mark_pid": mark_pid,
+        found = self._fetch_tuples("relay", "claim_batch", {
+            "cur": after.cur,
+            "prev_xmax": str(after.prev_xmax),
+            "prev_xip": [str(x) for x in after.prev_xip],
             "nshards": nshards,
             "shards": list(shards),
             "all_shards": all_shards,
@@ -247,13 +247,26 @@ class Store:
             "limit": limit,
             "now": self.now,
         })
+        snapshot: str | None = None
+        if after.cur is None and found and found[-1][0] is None:
+            snapshot = found.pop()[7]
         # Column order of claim_batch: id, event_id, topic, key, payload_text, payload_bytes,
         # headers_text, xid, attempts, shard, created_epoch.
-        return [
+        rows = [
             OutboxRow(RowId(r[0]), r[1], r[2], r[3], _encode_value(r[4], r[5]), r[6],
                       int(r[7]), ShardId(r[9]), r[8], r[10])
-            for r in rows
+            for r in found
         ]
+        # The query's two branches come out in (xid, id) order; keep that a guarantee
+        # of this method, not of the executor (linear on sorted input).
+        rows.sort(key=_xid_id)
+        return rows, snapshot
+
+    def restamp_foreign(self) -> int:
+        """Give rows whose xid is not this cluster's (restored, replicated from another
+        cluster: above every xid assigned here) this transaction's; returns how many."""
+        rows = self._fetch("relay", "restamp_foreign", {})
+        return int(rows[0]["restamped"]) if rows else 0
 
     def mark_published(self, *, owner: str, leases: Sequence[Lease],
                        rows: Sequence[OutboxRow]) -> tuple[set[ShardId], set[RowId]]:
