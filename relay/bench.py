@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -202,14 +203,19 @@ class Bench:
 
     # -- 4. latency ---------------------------------------------------------------------------
 
-    def latency(self, *, consumer: bool) -> dict[str, dict[str, float]]:
+    def latency(self, *, consumer: bool, stalled_writer: bool = False) -> dict[str, dict[str, float]]:
         """A real relay process (its own interpreter, as deployed) under a steady write load.
 
         With ``consumer``, a consumer of the topic runs too (in this process) and its
         receipts are timed.  On a small machine it is not free: its fetches keep the
         broker busy on the cores the relay and the database share, so the bench runs the
-        pass twice and reports commit -> ack from both."""
-        with self.fresh_db() as dsn:
+        pass twice and reports commit -> ack from both.  With ``stalled_writer``, a
+        session wrote one outbox row and sits idle in transaction for the whole run."""
+        with self.fresh_db() as dsn, contextlib.ExitStack() as held:
+            if stalled_writer:
+                stalled = held.enter_context(psycopg.connect(dsn))
+                stalled.execute(query("demo", "bench_stalled_writer"), {"topic": self.topic})
+                held.callback(stalled.rollback)
             with relay_process(dsn, self.bootstrap,
                                batch_size=str(self.args.batch_size)) as (proc, scrape):
                 _wait(lambda: scrape("outbox_relay_build_info") > 0, 60, proc)
@@ -454,16 +460,20 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     floor = min(median(db), median(prod))
     say(f"  relay drain         {relay_rate:10.0f} events/s  = {relay_rate / floor:.2f} x min(floors)")
     alone = bench.latency(consumer=False)
+    stalled = bench.latency(consumer=False, stalled_writer=True)
     watched = bench.latency(consumer=True)
     lat = {"latency_ack_ms": alone["latency_ack_ms"],
            "latency_consumer_ms": watched["latency_consumer_ms"],
            "latency_ack_with_consumer_ms": watched["latency_ack_ms"]}
+    stalled_ratio = round(stalled["latency_ack_ms"]["p99"] / max(alone["latency_ack_ms"]["p99"], 1e-9), 2)
 
     def show(label: str, figures: dict[str, float]) -> str:
         return f"  {label:<21}p50 {figures['p50']} ms  p95 {figures['p95']} ms  p99 {figures['p99']} ms"
 
     say(show("commit->ack (marked)", lat["latency_ack_ms"]) + f" at {args.rate:g} events/s")
     say(show("  a consumer running", lat["latency_ack_with_consumer_ms"]))
+    say(show("  a writer idle in tx", stalled["latency_ack_ms"])
+        + f"  = {stalled_ratio:.2f} x p99 without it")
     say(show("commit->consumer", lat["latency_consumer_ms"]))
     result: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "rows": args.rows, "payload_bytes": args.payload_bytes,
@@ -473,6 +483,7 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         "relay_events_per_s": round(relay_rate, 1),
         "ratio_to_floor": round(relay_rate / floor, 3),
         **lat,
+        "stalled_writer": {"latency_ack_ms": stalled["latency_ack_ms"], "p99_ratio": stalled_ratio},
         "peak_rss_mb": round(max(d["peak_rss_mb"] for d in drains), 1),
         "idle_queries_per_s": round(drains[0].get("idle_queries_per_s", float("nan")), 2),
         "idle_cpu_percent": round(drains[0].get("idle_cpu_percent", float("nan")), 2),

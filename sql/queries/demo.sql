@@ -46,3 +46,7 @@ INSERT INTO outbox (topic, key, payload) VALUES ('bench.notify', 'k' || (random(
 -- name: bench_table_size
 SELECT pg_table_size('outbox')::float8 / 1048576 AS table_mb,
        pg_indexes_size('outbox')::float8 / 1048576 AS index_mb
+
+-- name: bench_stalled_writer
+-- A session that writes one outbox row and then sits idle in transaction.
+INSERT INTO outbox (topic, key, payload) VALUES (%(topic)s, 'stalled', '{}')

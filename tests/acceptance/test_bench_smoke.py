@@ -11,7 +11,7 @@ from tests.fixtures.outbox import relay_cmd
 KEYS = ["relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_per_s",
         "ratio_to_floor", "latency_ack_ms", "latency_consumer_ms", "peak_rss_mb",
         "idle_queries_per_s", "idle_cpu_percent", "published_rows_slowdown", "bloat",
-        "notify_writer_cost"]
+        "notify_writer_cost", "stalled_writer"]
 
 
 def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_path):
@@ -28,7 +28,9 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
     for name in ("relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_per_s",
                  "peak_rss_mb", "published_rows_slowdown"):
         assert figures[name] > 0, name
-    for name in ("latency_ack_ms", "latency_consumer_ms"):
-        assert set(figures[name]) == {"p50", "p95", "p99"}
-        assert 0 < figures[name]["p50"] <= figures[name]["p99"]
+    for figure in (figures["latency_ack_ms"], figures["latency_consumer_ms"],
+                   figures["stalled_writer"]["latency_ack_ms"]):
+        assert set(figure) == {"p50", "p95", "p99"}
+        assert 0 < figure["p50"] <= figure["p99"]
+    assert figures["stalled_writer"]["p99_ratio"] > 0
     assert "relay drain" in result.stdout and "x min(floors)" in result.stdout
