@@ -51,11 +51,26 @@ def _adopt(settings: Settings, args: argparse.Namespace) -> int:
     conn = store.connect(settings.dsn, application_name="outbox-relay-migrate", autocommit=True)
     try:
         with store.translated():
-            adopt(conn, source=source, view=view,
-                  topic_template=args.topic_template or DEFAULT_TOPIC_TEMPLATE,
-                  ce_source=args.cloudevents_source)
+            report = adopt(conn, source=source, view=view,
+                           topic_template=args.topic_template or DEFAULT_TOPIC_TEMPLATE,
+                           ce_source=args.cloudevents_source, existing=args.existing)
     finally:
         conn.close()
+    print(f"locked {source} in ACCESS EXCLUSIVE mode for {report.lock_s * 1000:.0f} ms "
+          "(columns with stored defaults, view, trigger: catalog only, no table rewrite)")
+    print(f"numbered {report.numbered} existing rows in {report.numbering_s:.2f} s "
+          "(batches in their own transactions, row locks only)")
+    print(f"built the indexes CONCURRENTLY in {report.index_s:.2f} s "
+          "(SHARE UPDATE EXCLUSIVE: writers went on)")
+    if report.already_adopted:
+        print(f"{source} was adopted before: its rows keep their state (--existing applies "
+              "to the first adoption only)")
+    elif report.existing == "published":
+        print("existing rows: marked published (--existing published, the default: Debezium "
+              "delivered them); only rows written from now on are relayed")
+    else:
+        print("existing rows: pending (--existing pending): relayed before every newer row of "
+              "their key, in physical order; start the relay now")
     print(f"adopted {source}: run the relay with --table {view}")
     return 0
 

@@ -9,15 +9,21 @@ through :class:`psycopg.sql.Literal`.
 from __future__ import annotations
 
 import re
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from relay.errors import ConfigError
+from relay.errors import ConfigError, FatalError
 from relay.queries import parse_blocks, sql_dir, table_identifier
 
 DEFAULT_TOPIC_TEMPLATE = "outbox.event.{aggregatetype}"
+#: What ``--existing`` may say about the rows already in the table.
+EXISTING = ("published", "pending")
+#: Existing rows numbered per transaction (row locks only).
+BACKFILL_BATCH = 5000
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _COLUMNS = {"id", "aggregatetype", "aggregateid", "type"}
 
@@ -50,20 +56,51 @@ def _blocks() -> dict[str, str]:
     return parse_blocks((sql_dir() / "adopt" / "debezium.sql").read_text())
 
 
+@dataclass(frozen=True)
+class AdoptReport:
+    """What ``adopt`` did, and how long each step held which lock (seconds)."""
+
+    already_adopted: bool
+    existing: str
+    lock_s: float  # ACCESS EXCLUSIVE on the source: catalog changes only
+    numbered: int  # existing rows given a relay_seq, under row locks only
+    numbering_s: float
+    index_s: float  # CREATE INDEX CONCURRENTLY: SHARE UPDATE EXCLUSIVE, writers go on
+
+
 def adopt(conn: psycopg.Connection[Any], *, source: str, view: str, topic_template: str,
-          ce_source: str | None) -> None:
-    """Add the relay's columns, indexes, trigger and view (one transaction, idempotent)."""
+          ce_source: str | None, existing: str = "published",
+          batch: int = BACKFILL_BATCH) -> AdoptReport:
+    """Add the relay's columns, view and trigger (one short transaction under ACCESS
+    EXCLUSIVE, no table rewrite), number the existing rows in batches, then build the
+    indexes concurrently.  Idempotent; ``conn`` must be in autocommit mode.
+
+    ``existing``: ``published`` (Debezium delivered the rows already) or ``pending``
+    (relay them, before every new row of their keys, in physical order).
+    """
+    if existing not in EXISTING:
+        raise ConfigError(f"--existing {existing!r}: one of {', '.join(EXISTING)}")
     blocks = _blocks()
     bare = source.split(".")[-1]
+    sequence = source.rsplit(".", 1)[0] + f".{bare}_relay_seq" if "." in source else f"{bare}_relay_seq"
     names: dict[str, Any] = {
         "source": table_identifier(source),
         "view": table_identifier(view),
+        "sequence": table_identifier(sequence),
+        "sequence_name": sql.Literal(sequence),
+        "seq_column": sql.Identifier(*source.split("."), "relay_seq"),
+        "existing_published_at": sql.SQL("now()" if existing == "published" else "NULL"),
         "pending_index": sql.Identifier(f"{bare}_relay_pending_idx"),
         "retrying_index": sql.Identifier(f"{bare}_relay_retrying_idx"),
         "published_index": sql.Identifier(f"{bare}_relay_published_idx"),
         "topic": topic_expression(topic_template),
         "ce_source": sql.Literal(ce_source),
     }
+
+    def run(name: str) -> None:
+        conn.execute(sql.SQL(blocks[name]).format(**names))
+
+    started = time.monotonic()
     with conn.transaction():
         row = conn.execute(blocks["payload_type"], {"source": source}).fetchone()
         if row is None:
@@ -75,6 +112,38 @@ def adopt(conn: psycopg.Connection[Any], *, source: str, view: str, topic_templa
         else:  # json, text, varchar: the bytes as written
             names["payload"] = sql.SQL("NULL::jsonb")
             names["payload_bytes"] = sql.SQL("convert_to(payload::text, 'UTF8')")
-        for name in ("add_columns", "pending_index", "retrying_index", "published_index", "view",
-                     "notify_trigger_drop", "notify_trigger"):
-            conn.execute(sql.SQL(blocks[name]).format(**names))
+        conn.execute(blocks["lock_timeout"])
+        try:
+            run("lock_source")
+        except psycopg.errors.LockNotAvailable:
+            raise FatalError(f"--debezium-table {source}: no ACCESS EXCLUSIVE lock within 5 s "
+                             "(a long transaction uses the table); nothing changed, run it again") from None
+        started = time.monotonic()  # the lock is held from here to the commit
+        adopted = bool(conn.execute(blocks["adopted"], {"source": source}).fetchone() == (True,))
+        if not adopted:
+            for name in ("create_sequence", "add_columns", "new_row_defaults", "sequence_owner"):
+                run(name)
+        for name in ("view", "notify_trigger_drop", "notify_trigger"):
+            run(name)
+    lock_s = time.monotonic() - started
+
+    started = time.monotonic()
+    numbered = 0
+    after = "(0,0)"
+    numbering = sql.SQL(blocks["backfill_seq"]).format(**names)
+    while True:
+        with conn.transaction():
+            done = conn.execute(numbering, {"after": after, "limit": batch,
+                                            "sequence": sequence}).fetchone()
+        if done is None or done[1] is None:
+            break
+        numbered += int(done[0])
+        after = str(done[1])
+    numbering_s = time.monotonic() - started
+
+    started = time.monotonic()
+    for name in ("pending_index", "retrying_index", "published_index"):
+        run(name)  # CONCURRENTLY: outside a transaction
+    return AdoptReport(already_adopted=adopted, existing=existing, lock_s=lock_s,
+                       numbered=numbered, numbering_s=numbering_s,
+                       index_s=time.monotonic() - started)

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--debezium-table", metavar="TABLE", default=None,
                          help="also adopt an existing Debezium-style outbox table (id, aggregatetype, "
                               "aggregateid, type, payload): writers stay as they are")
+    migrate.add_argument("--existing", choices=("published", "pending"), default="published",
+                         help="with --debezium-table: the rows already in the table are 'published' "
+                              "(default: Debezium delivered them) or 'pending' (relay them)")
     migrate.add_argument("--view", default=None,
                          help="name of the relay's view over --debezium-table (default: TABLE_relay); "
                               "run the relay with --table VIEW")

@@ -12,27 +12,84 @@
 --   headers   <- id and eventType (Debezium's router headers), plus CloudEvents
 --                binary-mode ce_* headers when a source is given
 -- Idempotent.  Run the relay with `--table VIEW`.
+--
+-- Rows already in the table: `--existing published` (the default: Debezium delivered
+-- them) or `--existing pending` (relay them).  The only ACCESS EXCLUSIVE lock is held for
+-- catalog changes (columns with non-volatile defaults, the view, the trigger), never a
+-- table rewrite; numbering the existing rows and building the indexes (CONCURRENTLY)
+-- happen afterwards while writers keep writing.
+
+-- name: adopted
+-- Whether an earlier run added the relay's columns already.
+SELECT EXISTS (SELECT 1 FROM pg_attribute
+               WHERE attrelid = to_regclass(%(source)s) AND attname = 'relay_seq'
+                 AND NOT attisdropped) AS adopted
+
+-- name: lock_timeout
+-- The ACCESS EXCLUSIVE lock below queues every reader and writer of the table behind
+-- it while it waits: give up after this long (and retry) rather than stall them.
+SET LOCAL lock_timeout = '5s'
+
+-- name: lock_source
+LOCK TABLE {source} IN ACCESS EXCLUSIVE MODE
+
+-- name: create_sequence
+CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint
 
 -- name: add_columns
+-- Catalog-only under the lock: no column has a volatile default, so PostgreSQL stores
+-- the defaults once (pg_attribute.attmissingval) instead of rewriting every row.
+-- Existing rows read relay_xid 2 (the frozen xid: committed before everything, so they
+-- sort before every new row of their key) and relay_published_at now() (the adoption
+-- time: Debezium delivered them) or NULL (relay them), per --existing;
+-- relay_seq is numbered afterwards in small batches (backfill_seq).
 ALTER TABLE {source}
-    ADD COLUMN IF NOT EXISTS relay_seq bigint GENERATED ALWAYS AS IDENTITY,
-    ADD COLUMN IF NOT EXISTS relay_xid xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    ADD COLUMN IF NOT EXISTS relay_seq bigint,
+    ADD COLUMN IF NOT EXISTS relay_xid xid8 NOT NULL DEFAULT '2'::xid8,
     ADD COLUMN IF NOT EXISTS relay_created_at timestamptz NOT NULL DEFAULT now(),
-    ADD COLUMN IF NOT EXISTS relay_published_at timestamptz,
+    ADD COLUMN IF NOT EXISTS relay_published_at timestamptz DEFAULT {existing_published_at},
     ADD COLUMN IF NOT EXISTS relay_attempts integer NOT NULL DEFAULT 0,
     ADD COLUMN IF NOT EXISTS relay_last_error text,
     ADD COLUMN IF NOT EXISTS relay_retry_at timestamptz
 
+-- name: new_row_defaults
+-- From now on, for new rows only (catalog-only as well).
+ALTER TABLE {source}
+    ALTER COLUMN relay_seq SET DEFAULT nextval({sequence_name}::regclass),
+    ALTER COLUMN relay_xid SET DEFAULT pg_current_xact_id(),
+    ALTER COLUMN relay_published_at DROP DEFAULT
+
+-- name: sequence_owner
+ALTER SEQUENCE {sequence} OWNED BY {seq_column}
+
+-- name: backfill_seq
+-- Numbers a batch of existing rows, in physical (ctid) order, after the lock is gone:
+-- row locks only, writers keep writing.  The best order there is for rows written
+-- without one; returns the last ctid for the next batch (TID range scan).
+WITH todo AS MATERIALIZED (
+    SELECT ctid AS row_ctid FROM {source}
+    WHERE relay_seq IS NULL AND ctid > %(after)s::tid
+    ORDER BY ctid
+    LIMIT %(limit)s
+), numbered AS MATERIALIZED (
+    SELECT row_ctid, nextval(%(sequence)s::regclass) AS seq FROM todo ORDER BY row_ctid
+), updated AS (
+    UPDATE {source} AS t SET relay_seq = numbered.seq
+    FROM numbered WHERE t.ctid = numbered.row_ctid AND t.relay_seq IS NULL
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM updated) AS numbered, (SELECT max(row_ctid)::text FROM todo) AS last
+
 -- name: pending_index
-CREATE INDEX IF NOT EXISTS {pending_index} ON {source} (relay_xid, relay_seq)
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {pending_index} ON {source} (relay_xid, relay_seq)
     WHERE relay_published_at IS NULL
 
 -- name: retrying_index
-CREATE INDEX IF NOT EXISTS {retrying_index} ON {source} ((aggregateid::text), relay_xid, relay_seq)
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {retrying_index} ON {source} ((aggregateid::text), relay_xid, relay_seq)
     WHERE relay_published_at IS NULL AND relay_retry_at IS NOT NULL
 
 -- name: published_index
-CREATE INDEX IF NOT EXISTS {published_index} ON {source} (relay_published_at)
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {published_index} ON {source} (relay_published_at)
     WHERE relay_published_at IS NOT NULL
 
 -- name: view
