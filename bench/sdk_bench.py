@@ -1,0 +1,340 @@
+"""SDK benchmark (issue 19): InboxConsumer and WorkerPool next to naive baselines, in one run.
+
+    .venv/bin/python bench/sdk_bench.py                       # embedded PostgreSQL + tansu
+    .venv/bin/python bench/sdk_bench.py --dsn postgresql://postgres@127.0.0.1:5432/postgres \
+        --bootstrap-servers 127.0.0.1:9092 --runs 3 --json sdk-bench.json
+
+Variants run round-robin, ``--runs`` times each; each figure is the median.  Ratios are
+taken between figures of this same run (the machine is shared and noisy).  CPU per item
+is this process's CPU time (``time.process_time``: every thread, librdkafka's included;
+not PostgreSQL's or the broker's) divided by the items.
+
+Consumers (``--messages`` of ``--payload-bytes`` over ``--partitions`` partitions, a
+handler that inserts one row; every consumer reads every partition with ``assign``):
+
+* naive: ``consume(500)``, one transaction per batch inserting the inbox rows ``ON
+  CONFLICT DO NOTHING`` (unnest) and the effect rows of the new ones, DB commit, then a
+  synchronous offset commit;
+* InboxConsumer, ``batch_size=500`` and one message at a time (``batch_size=1``, on
+  ``--single-messages`` messages);
+* each on new messages and on redeliveries (the same topic read again by the same inbox
+  under a new consumer group).
+
+Workers (``--jobs`` trivial jobs; the handler writes one row):
+
+* naive: ``--threads`` threads, each looping claim one (SKIP LOCKED, running, token + 1),
+  write one row, set succeeded: three statements a job;
+* WorkerPool with ``max_concurrency=--threads``, the row written through
+  ``ctx.fenced_transaction()``.
+
+The last line on stdout is the JSON report (also written to ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psycopg  # noqa: E402
+import structlog  # noqa: E402
+from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
+
+from consumer_sdk import InboxConfig, InboxConsumer, InboxMessage  # noqa: E402
+from consumer_sdk._sql import query  # noqa: E402
+from consumer_sdk.jobs import JobContext, NewJob, WorkerConfig, WorkerPool, enqueue  # noqa: E402
+
+KAFKA = {"fetch.wait.max.ms": 50, "logger": logging.getLogger("sdk_bench.kafka")}
+
+
+def q(name: str) -> str:
+    return query("inbox_bench", name)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dsn", default=None, help="PostgreSQL server (a database is created on it); "
+                   "default: an embedded one")
+    p.add_argument("--bootstrap-servers", default=None, help="Kafka to use (default: a local tansu)")
+    p.add_argument("--messages", type=int, default=50_000)
+    p.add_argument("--single-messages", type=int, default=10_000,
+                   help="messages for the one-at-a-time consumer")
+    p.add_argument("--payload-bytes", type=int, default=500)
+    p.add_argument("--partitions", type=int, default=6)
+    p.add_argument("--batch-size", type=int, default=500)
+    p.add_argument("--jobs", type=int, default=5_000)
+    p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--runs", type=int, default=3, help="round-robin repetitions (median shown)")
+    p.add_argument("--only", choices=("consumer", "jobs"), default=None)
+    p.add_argument("--json", dest="json_path", default=None)
+    return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def services(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """(dsn of a fresh migrated database, bootstrap servers); embedded ones stopped on exit."""
+    from relay import embedded, migrate
+    from relay.embedded.pg import external_pg
+
+    with contextlib.ExitStack() as stack:
+        print("starting PostgreSQL ..." if not args.dsn else "using --dsn", flush=True)
+        pg = external_pg(args.dsn) if args.dsn else embedded.embedded_pg()
+        if not args.dsn:
+            stack.callback(pg.close)
+        name = f"sdk_bench_{uuid.uuid4().hex[:8]}"
+        dsn = pg.create_database(name)
+        stack.callback(pg.drop_database, name)
+        bootstrap = args.bootstrap_servers
+        if not bootstrap:
+            print("starting tansu ...", flush=True)
+            broker = embedded.tansu_broker()
+            stack.callback(broker.close)
+            bootstrap = broker.bootstrap
+        migrate.apply(dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(q("setup"))
+        yield dsn, bootstrap
+
+
+def produce(bootstrap: str, topic: str, count: int, payload_bytes: int) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "batch.num.messages": 5000,
+                         "logger": logging.getLogger("sdk_bench.kafka")})
+    pad = "x" * max(0, payload_bytes - 40)
+    for n in range(count):
+        value = json.dumps({"n": n, "pad": pad}).encode()
+        while True:
+            try:
+                producer.produce(topic, value=value, key=f"k{n % 1000}".encode(),
+                                 headers=[("event_id", str(uuid.uuid4()).encode())])
+                break
+            except BufferError:
+                producer.poll(0.05)
+        producer.poll(0)
+    if producer.flush(60) != 0:
+        raise RuntimeError("could not produce the benchmark's messages")
+
+
+class Measure:
+    """Wall and own-process CPU time of one variant."""
+
+    def __enter__(self) -> Measure:
+        self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.wall = time.perf_counter() - self.wall0
+        self.cpu = time.process_time() - self.cpu0
+
+    def figures(self, items: int) -> dict[str, float]:
+        return {"rate": items / self.wall, "cpu_us": 1e6 * self.cpu / items}
+
+
+# -- consumers ---------------------------------------------------------------------------
+
+
+def naive_consumer(dsn: str, bootstrap: str, topic: str, partitions: int, *, inbox: str, group: str,
+                   count: int) -> dict[str, float]:
+    """The ~40-line dedup consumer a team writes itself."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
+                         "auto.offset.reset": "earliest", **KAFKA})
+    consumer.assign([TopicPartition(topic, p) for p in range(partitions)])
+    seen = 0
+    with psycopg.connect(dsn) as conn, Measure() as m:
+        while seen < count:
+            msgs = [msg for msg in consumer.consume(500, timeout=1.0) if msg.error() is None]
+            if not msgs:
+                continue
+            ids = [uuid.UUID(dict(msg.headers() or [])["event_id"].decode()) for msg in msgs]
+            with conn.transaction():
+                new = {row[0] for row in conn.execute(q("naive_inbox"), {
+                    "consumer": inbox, "event_ids": ids, "topics": [msg.topic() for msg in msgs],
+                    "partitions": [msg.partition() for msg in msgs],
+                    "offsets": [msg.offset() for msg in msgs]})}
+                if new:
+                    fresh = [(i, json.loads(msg.value() or b"null")["n"]) for i, msg in zip(ids, msgs)
+                             if i in new]
+                    conn.execute(q("naive_effects"), {"consumer": inbox, "event_ids": [i for i, _ in fresh],
+                                                      "ns": [n for _, n in fresh]})
+            consumer.commit(asynchronous=False)
+            seen += len(msgs)
+    consumer.close()
+    return m.figures(count)
+
+
+def sdk_consumer(dsn: str, bootstrap: str, topic: str, *, inbox: str, group: str, batch_size: int,
+                 count: int) -> dict[str, float]:
+    def handler(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
+        conn.execute(q("effect"), {"event_id": message.event_id, "consumer": inbox,
+                                   "n": message.json()["n"]})
+
+    config = InboxConfig(name=inbox, group_id=group, dsn=dsn, bootstrap_servers=bootstrap, topics=[topic],
+                         assignment="assign", batch_size=batch_size, poll_timeout_s=1.0,
+                         check_retention=False, check_dead_letter_topics=False, kafka_properties=KAFKA)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(q("rebind"), {"consumer": inbox, "group": group})
+    consumer = InboxConsumer(config, handler)
+    consumer.start()
+    try:
+        with Measure() as m:
+            while consumer.totals.settled < count:
+                consumer.run_once()
+    finally:
+        consumer.close()
+    if consumer.totals.settled != count:
+        raise RuntimeError(f"{inbox}: settled {consumer.totals.settled} of {count}")
+    return m.figures(count)
+
+
+def consumer_round(args: argparse.Namespace, dsn: str, bootstrap: str, run: int,
+                   results: dict[str, list[dict[str, float]]]) -> None:
+    """One round of every consumer variant, on new messages then on redeliveries."""
+    tag = uuid.uuid4().hex[:6]
+    topics = {}
+    for size, count in (("big", args.messages), ("small", args.single_messages)):
+        topics[size] = f"sdk-bench-{size}-{tag}"
+        from relay.embedded.broker import create_topic
+
+        create_topic(bootstrap, topics[size], partitions=args.partitions)
+        produce(bootstrap, topics[size], count, args.payload_bytes)
+    variants: list[tuple[str, Callable[[str, str], dict[str, float]]]] = [
+        ("naive", lambda inbox, group: naive_consumer(
+            dsn, bootstrap, topics["big"], args.partitions, inbox=inbox, group=group, count=args.messages)),
+        ("inbox_batch", lambda inbox, group: sdk_consumer(
+            dsn, bootstrap, topics["big"], inbox=inbox, group=group, batch_size=args.batch_size,
+            count=args.messages)),
+        ("inbox_single", lambda inbox, group: sdk_consumer(
+            dsn, bootstrap, topics["small"], inbox=inbox, group=group, batch_size=1,
+            count=args.single_messages)),
+    ]
+    order = variants[run % len(variants):] + variants[: run % len(variants)]
+    for phase in ("new", "redelivered"):
+        for name, call in order:
+            inbox = f"bench-{name}-{tag}"
+            figures = call(inbox, f"{inbox}-{phase}")
+            results.setdefault(f"{name}_{phase}", []).append(figures)
+            print(f"  run {run + 1} {name:13} {phase:11} {figures['rate']:10.0f} msg/s "
+                  f"{figures['cpu_us']:7.1f} us CPU/msg", flush=True)
+
+
+# -- workers -----------------------------------------------------------------------------
+
+
+def naive_workers(dsn: str, *, queue: str, threads: int, count: int) -> dict[str, float]:
+    def loop(worker: str) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while True:
+                row = conn.execute(q("naive_claim"), {"worker": worker, "queue": queue}).fetchone()
+                if row is None:
+                    return
+                params = {"id": row[0], "token": row[1], "worker": worker}
+                conn.execute(q("naive_job_effect"), params)
+                conn.execute(q("naive_done"), params)
+
+    pool = [threading.Thread(target=loop, args=(f"naive-{i}",)) for i in range(threads)]
+    with Measure() as m:
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    return m.figures(count)
+
+
+def sdk_workers(dsn: str, *, queue: str, threads: int, count: int) -> dict[str, float]:
+    def handler(ctx: JobContext) -> None:
+        with ctx.fenced_transaction() as conn:
+            conn.execute(q("job_effect"), {"id": ctx.job.id, "token": ctx.job.token})
+
+    config = WorkerConfig(dsn=dsn, queues=[queue], max_concurrency=threads, poll_interval_s=1.0)
+    pool = WorkerPool(config, {"bench": handler})
+    finished = pool.metrics.registry
+
+    def succeeded() -> float:
+        return finished.get_sample_value("outbox_jobs_finished_total",
+                                         {"queue": queue, "status": "succeeded"}) or 0.0
+
+    with Measure() as m:
+        pool.start()
+        while succeeded() < count:
+            time.sleep(0.005)
+    pool.stop()
+    return m.figures(count)
+
+
+def jobs_round(args: argparse.Namespace, dsn: str, run: int, results: dict[str, list[dict[str, float]]]) -> None:
+    variants: list[tuple[str, Callable[[str], dict[str, float]]]] = [
+        ("naive_workers", lambda queue: naive_workers(dsn, queue=queue, threads=args.threads, count=args.jobs)),
+        ("worker_pool", lambda queue: sdk_workers(dsn, queue=queue, threads=args.threads, count=args.jobs)),
+    ]
+    order = variants[run % 2:] + variants[: run % 2]
+    for name, call in order:
+        queue = f"bench-{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for start in range(0, args.jobs, 1000):
+                enqueue(conn, [NewJob(owner_id=f"o{i % 50}", queue=queue, kind="bench", payload={"i": i})
+                               for i in range(start, min(args.jobs, start + 1000))])
+            conn.execute(q("vacuum_jobs"))
+        figures = call(queue)
+        results.setdefault(name, []).append(figures)
+        print(f"  run {run + 1} {name:13} {figures['rate']:10.0f} jobs/s {figures['cpu_us']:7.1f} us CPU/job",
+              flush=True)
+
+
+# -- report ------------------------------------------------------------------------------
+
+
+def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    med = {name: {k: round(statistics.median(r[k] for r in runs), 1) for k in ("rate", "cpu_us")}
+           for name, runs in results.items()}
+    report: dict[str, Any] = {"params": {k: v for k, v in vars(args).items() if k not in ("dsn", "json_path")},
+                              "figures": med, "ratios": {}}
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(med[a]["rate"] / med[b]["rate"], 3) if a in med and b in med else None
+
+    report["ratios"] = {
+        "inbox_batch_new_vs_naive": ratio("inbox_batch_new", "naive_new"),
+        "inbox_batch_redelivered_vs_naive": ratio("inbox_batch_redelivered", "naive_redelivered"),
+        "worker_pool_vs_naive": ratio("worker_pool", "naive_workers"),
+    }
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    logging.getLogger("sdk_bench.kafka").setLevel(logging.ERROR)
+    results: dict[str, list[dict[str, float]]] = {}
+    with services(args) as (dsn, bootstrap):
+        for run in range(args.runs):
+            if args.only in (None, "consumer"):
+                consumer_round(args, dsn, bootstrap, run, results)
+            if args.only in (None, "jobs"):
+                jobs_round(args, dsn, run, results)
+    report = summarize(args, results)
+    print("\nmedians of", args.runs, "run(s):")
+    for name, fig in report["figures"].items():
+        unit = "jobs/s" if "worker" in name else "msg/s"
+        print(f"  {name:26} {fig['rate']:10.0f} {unit:6} {fig['cpu_us']:8.1f} us CPU/item")
+    for name, value in report["ratios"].items():
+        print(f"  {name:34} {value}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
