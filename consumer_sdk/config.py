@@ -79,6 +79,8 @@ class InboxConfig:
     cleanup_interval_s: float = DEFAULT_CLEANUP_INTERVAL_S
     cleanup_batch: int = DEFAULT_CLEANUP_BATCH
     check_retention: bool = True
+    #: replay ids (``outbox-relay replay``) whose events are applied once more (consumer_sdk/replays.py)
+    apply_replays: Sequence[str] = ()
     db_backoff_initial_s: float = DEFAULT_DB_BACKOFF_INITIAL_S
     db_backoff_max_s: float = DEFAULT_DB_BACKOFF_MAX_S
 

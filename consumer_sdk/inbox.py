@@ -53,6 +53,7 @@ from consumer_sdk.model import BatchResult, DeadLetter, InboxMessage, KafkaRecor
 from consumer_sdk.offsets import OffsetBook, TopicPart
 from consumer_sdk.parking import ParkingLot
 from consumer_sdk.processor import DeadLetterSink, Policies, Processor
+from consumer_sdk.replays import with_replays
 from consumer_sdk.retention import RetentionFinding, check_retention, report_retention
 from consumer_sdk.store import ConnectionFactory, PgInboxStore, cleanup_inbox, connect_factory
 
@@ -132,7 +133,8 @@ class InboxConsumer:
                 self.config.dead_letter_kafka(), topic_template=self.config.dead_letter_topic,
                 timeout_s=self.config.dead_letter_timeout_s)
         self._processor = Processor(
-            consumer=self.config.name, store=self.store, handler=self._handler, dead_letters=sink,
+            consumer=self.config.name, store=with_replays(self.store, self.config.apply_replays),
+            handler=self._handler, dead_letters=sink,
             policies=Policies(retry=self.config.retry, on_invalid_event_id=self.config.on_invalid_event_id,
                               on_payload_mismatch=self.config.on_payload_mismatch),
             metrics=self.metrics, log=self.log, sleep=self._sleep, on_settled=self._settled)

@@ -36,6 +36,10 @@ def dispatch(command: str, args: argparse.Namespace, settings: Settings) -> int:
         return cleanup(settings, retention_s=settings.cleanup_retention_s, batch=settings.cleanup_batch)
     if command == "dead-letters":
         return dead_letters(settings, args)
+    if command == "replay":
+        from relay import replay_admin
+
+        return replay_admin.command(settings, args)
     raise ConfigError(f"unknown command {command!r}")
 
 
@@ -98,6 +102,9 @@ def status(settings: Settings, *, as_json: bool) -> int:
         shards = _rows(conn, "leases", "shard_table", {"now": None})
     finally:
         conn.close()
+    from relay.replay_admin import format_replays, status_section
+
+    replays = status_section(settings)
     report: dict[str, Any] = {
         "pending": int(backlog["pending"]),
         "oldest_pending_age_s": round(float(backlog["oldest_pending_age_s"]), 3),
@@ -108,6 +115,7 @@ def status(settings: Settings, *, as_json: bool) -> int:
              "token": r["token"], "live": bool(r["live"])}
             for r in shards
         ],
+        "replays": replays,
     }
     if as_json:
         json.dump(report, sys.stdout, indent=2)
@@ -123,6 +131,10 @@ def status(settings: Settings, *, as_json: bool) -> int:
         state = "live" if r["live"] else ("expired" if r["owner"] else "free")
         print(f"{r['shard']:>5}  {(r['owner'] or '-'):<32}  {(r['lease_until'] or '-'):<32}  "
               f"{r['token']:>6}  {state}")
+    if replays:
+        print()
+        for line in format_replays(replays):
+            print(line)
     return 0
 
 
@@ -152,9 +164,7 @@ def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
     try:
         action = args.action
         if action == "list":
-            rows = _rows(conn, "admin", "dead_letters_list", {"limit": args.limit})
-            items = [{**r, "created_at": _iso(r["created_at"]), "dead_at": _iso(r["dead_at"])}
-                     for r in rows]
+            items = list_dead_letters(conn, limit=args.limit)
             if args.json:
                 json.dump(items, sys.stdout, indent=2)
                 sys.stdout.write("\n")
@@ -166,27 +176,49 @@ def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
         if action == "show":
             if len(args.event_ids) != 1:
                 raise ConfigError("dead-letters show takes exactly one EVENT_ID")
-            rows = _rows(conn, "admin", "dead_letter_show", {"event_id": args.event_ids[0]})
-            if not rows:
+            shown = show_dead_letter(conn, args.event_ids[0])
+            if shown is None:
                 raise ConfigError(f"no dead letter with event_id {args.event_ids[0]}")
-            r = rows[0]
-            json.dump({**r, "created_at": _iso(r["created_at"]), "dead_at": _iso(r["dead_at"])},
-                      sys.stdout, indent=2)
+            json.dump(shown, sys.stdout, indent=2)
             sys.stdout.write("\n")
             return 0
         if not args.event_ids and not args.all:
             raise ConfigError(f"dead-letters {action} needs EVENT_ID arguments or --all")
-        name = "dead_letter_requeue" if action == "requeue" else "dead_letter_purge"
-        with conn.transaction():
-            try:
-                rows = _rows(conn, "admin", name, {"all": bool(args.all), "event_ids": args.event_ids},
-                             settings.table)
-            except psycopg.errors.FeatureNotSupported as exc:
-                raise ConfigError(f"cannot requeue into {settings.table}: "
-                                  f"{exc.diag.message_primary}; requeue into the source table by hand "
-                                  "(dead-letters show prints the row)") from None
+        rows = move_dead_letters(conn, action, event_ids=args.event_ids, every=bool(args.all),
+                                 table=settings.table)
         verb = "requeued" if action == "requeue" else "purged"
         print(f"{verb} {len(rows)} dead letter(s)")
         return 0
     finally:
         conn.close()
+
+
+# -- dead letters as functions (the CLI above and the console, relay/console.py) ------------
+
+
+def list_dead_letters(conn: Any, *, limit: int) -> list[dict[str, Any]]:
+    """The oldest dead letters first, without payloads."""
+    rows = _rows(conn, "admin", "dead_letters_list", {"limit": limit})
+    return [{**r, "created_at": _iso(r["created_at"]), "dead_at": _iso(r["dead_at"])} for r in rows]
+
+
+def show_dead_letter(conn: Any, event_id: str) -> dict[str, Any] | None:
+    """One dead letter with its payload and headers, or None."""
+    rows = _rows(conn, "admin", "dead_letter_show", {"event_id": event_id})
+    if not rows:
+        return None
+    r = rows[0]
+    return {**r, "created_at": _iso(r["created_at"]), "dead_at": _iso(r["dead_at"])}
+
+
+def move_dead_letters(conn: Any, action: str, *, event_ids: list[str], every: bool,
+                      table: str = "outbox") -> list[dict[str, Any]]:
+    """``requeue`` (back into the outbox, same event_id) or ``purge``; returns the rows moved."""
+    name = "dead_letter_requeue" if action == "requeue" else "dead_letter_purge"
+    with conn.transaction():
+        try:
+            return _rows(conn, "admin", name, {"all": every, "event_ids": event_ids}, table)
+        except psycopg.errors.FeatureNotSupported as exc:
+            raise ConfigError(f"cannot requeue into {table}: "
+                              f"{exc.diag.message_primary}; requeue into the source table by hand "
+                              "(dead-letters show prints the row)") from None

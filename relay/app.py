@@ -25,6 +25,8 @@ from relay.leases import LeaseManager
 from relay.metrics import RelayMetrics
 from relay.publisher import Publisher
 from relay.pump import Pump
+from relay.replay import Replayer
+from relay.replay_store import ReplayStore
 from relay.store import Store, check_not_transaction_pooled
 
 #: First poll delay after the relay found work; doubles up to the poll interval.
@@ -49,6 +51,7 @@ class Relay:
         self.mark_store = self._store(":mark")
         self.publisher: Publisher | None = None
         self.pump: Pump | None = None
+        self.replayer: Replayer | None = None  # replays (relay/replay.py), built at start
         self.leases: LeaseManager | None = None
         self.http: HealthServer | None = None
         self.janitor: Janitor | None = None
@@ -123,6 +126,11 @@ class Relay:
                          backoff_max_s=s.backoff_max_s, metrics=self.metrics, log=self.log,
                          clock=self.clock, dead_letter_topic=s.dead_letter_topic,
                          mark_store=self.mark_store)
+        self.replayer = Replayer(
+            ReplayStore(s.dsn, application_name=f"outbox-relay:{s.owner}:replay"[:63],
+                        on_statement=self.metrics.db_statements.inc, table=s.table),
+            self.publisher, owner=s.owner, nshards=nshards, metrics=self.metrics, log=self.log,
+            clock=self.clock, lose=self.leases.lose)
         partitioned = s.table == "outbox" and self._retry_db(self.store.is_partitioned)
         if s.cleanup_retention_s or partitioned:
             # A partitioned outbox always gets its coming days' partitions created.
@@ -219,6 +227,8 @@ class Relay:
         finally:
             if self.pump is not None:
                 self.pump.close()
+            if self.replayer is not None:
+                self.replayer.stop()
             self.store.close()
             self.mark_store.close()
             if self._janitor_thread is not None and self.janitor is not None:
@@ -256,6 +266,8 @@ class Relay:
             self._next_poll = now + self.settings.poll_interval_s
             self._woken = False
         result = self.pump.run_once(claim=claim)
+        if self.replayer is not None:
+            self.replayer.run_once(self.leases.usable(now))
         if result.acked and not self.broker_up:
             self.broker_up = True
             self.metrics.broker_up.set(1)
@@ -289,6 +301,9 @@ class Relay:
         if self.pump.claim_not_before > now:
             until = min(until, self.pump.claim_not_before)
         timeout = max(0.0, until - self.clock())
+        if self.replayer is not None and self.replayer.busy() and not self.pump.busy():
+            self.replayer.wait(min(timeout, 0.05))
+            return
         if self.pump.busy():
             self.pump.wait(min(timeout, 0.05))
             return

@@ -1,4 +1,4 @@
-"""``outbox-relay``: run | migrate | status | cleanup | dead-letters | demo | bench.
+"""``outbox-relay``: run | migrate | status | cleanup | dead-letters | replay | console | demo | bench.
 
 Expected failures (bad options, a wrong DSN, a missing schema, rejected
 credentials) end with one line on stderr saying what to fix and a non-zero exit
@@ -99,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("event_ids", nargs="*", metavar="EVENT_ID")
             if action != "show":
                 p.add_argument("--all", action="store_true", help="every dead letter")
+
+    replay = sub.add_parser("replay", help="republish retained rows in commit order; list or cancel replays")
+    _add_options(replay, "replay")
+    from relay import replay_admin
+
+    replay_admin.add_arguments(replay)
+
+    console = sub.add_parser("console", help="a small web console (127.0.0.1, read-only by default)")
+    _add_options(console, "console")
 
     demo = sub.add_parser("demo", help="embedded PostgreSQL + broker, a writer, the relay, a checker")
     _add_options(demo, "demo")

@@ -28,6 +28,8 @@ KAFKA_ENV_PREFIX = ENV_PREFIX + "KAFKA_"
 DEFAULT_BATCH_SIZE = 1000
 DEFAULT_POLL_INTERVAL_S = 1.0
 DEFAULT_METRICS_PORT = 9464
+DEFAULT_CONSOLE_HOST = "127.0.0.1"
+DEFAULT_CONSOLE_PORT = 8089
 DEFAULT_METRICS_HOST = "0.0.0.0"  # noqa: S104 - a sidecar's probes come from the kubelet
 DEFAULT_LEASE_DURATION_S = 10.0
 DEFAULT_PIPELINE_DEPTH = 4
@@ -92,6 +94,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _flag(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("must be true or false")
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -121,7 +132,7 @@ def _log_level(text: str) -> str:
     return level
 
 
-DB_COMMANDS = ("run", "migrate", "status", "cleanup", "dead-letters", "reshard")
+DB_COMMANDS = ("run", "migrate", "status", "cleanup", "dead-letters", "reshard", "replay", "console")
 
 OPTIONS: tuple[Option, ...] = (
     Option(name="dsn", help="PostgreSQL connection string (libpq URI or key=value)",
@@ -139,14 +150,16 @@ OPTIONS: tuple[Option, ...] = (
            help="address the metrics/health server binds to"),
     Option(name="log_format", parse=_log_format, default="auto",
            help="auto (JSON unless stdout is a terminal), json or console",
-           commands=("run", "migrate", "status", "cleanup", "dead-letters", "reshard", "demo")),
+           commands=("run", "migrate", "status", "cleanup", "dead-letters", "reshard", "demo", "replay",
+                     "console")),
     Option(name="log_level", parse=_log_level, default="info", help="debug, info, warning or error",
-           commands=("run", "migrate", "status", "cleanup", "dead-letters", "reshard", "demo")),
+           commands=("run", "migrate", "status", "cleanup", "dead-letters", "reshard", "demo", "replay",
+                     "console")),
     Option(name="owner", default=None,
            help="this replica's name in leases and status (default: host name and pid)"),
     Option(name="table", parse=_table_name, default="outbox",
            help="the outbox table, or the view `migrate --debezium-table` made over another table",
-           commands=("run", "status", "cleanup", "dead-letters")),
+           commands=("run", "status", "cleanup", "dead-letters", "replay", "console")),
     Option(name="shards", parse=_positive_int, default=None,
            help="shard count; must match the database's (set by migrate --shards)",
            commands=("run", "migrate", "reshard")),
@@ -171,6 +184,14 @@ OPTIONS: tuple[Option, ...] = (
            help="how often run's built-in cleanup runs, seconds"),
     Option(name="cleanup_batch", parse=_positive_int, default=DEFAULT_CLEANUP_BATCH,
            help="rows deleted per cleanup statement (short locks)", commands=("run", "cleanup")),
+    Option(name="console_host", default=DEFAULT_CONSOLE_HOST, commands=("console",),
+           help="address the console binds to (only this machine unless told otherwise)"),
+    Option(name="console_port", parse=_port, default=DEFAULT_CONSOLE_PORT, commands=("console",),
+           help="port of the console (0: any free port, printed at start)"),
+    Option(name="console_actions", parse=_flag, default="false", commands=("console",),
+           help="allow actions (requeue, purge, cancel, retry); read-only when false"),
+    Option(name="console_token", secret=True, default=None, commands=("console",),
+           help="the token an operator enters to run actions (needed with --console-actions)"),
 )
 
 OPTIONS_BY_NAME = {option.name: option for option in OPTIONS}
@@ -205,6 +226,10 @@ class Settings:
     cleanup_retention_s: float | None = None
     cleanup_interval_s: float = DEFAULT_CLEANUP_INTERVAL_S
     cleanup_batch: int = DEFAULT_CLEANUP_BATCH
+    console_host: str = DEFAULT_CONSOLE_HOST
+    console_port: int = DEFAULT_CONSOLE_PORT
+    console_actions: bool = False
+    console_token: str | None = None
 
     def __repr__(self) -> str:  # never print secrets, whatever prints this object
         return f"Settings(dsn={mask_dsn(self.dsn)!r}, bootstrap_servers={self.bootstrap_servers!r}, owner={self.owner!r})"

@@ -70,9 +70,14 @@ class RelayMetrics:
         self.database_up = Gauge("outbox_relay_database_up", "1 when the last database call succeeded.", registry=r)
         self.broker_up = Gauge("outbox_relay_broker_up", "0 while the client reports every broker down.", registry=r)
         self.in_flight = Gauge("outbox_relay_in_flight_rows", "Rows produced and not yet acknowledged.", registry=r)
+        self.queue_full = Counter("outbox_relay_producer_queue_full", "Claims cut short because the producer's local queue was full.", registry=r)
+        self.stalled_rows = Gauge("outbox_relay_stalled_rows", "Rows waiting on a partition that acknowledges nothing (its keys' later rows wait too).", ["topic", "partition"], registry=r)
         self.last_publish = Gauge("outbox_relay_last_publish_timestamp_seconds", "Unix time of the last marked batch.", registry=r)
         self.db_statements = Counter("outbox_relay_db_statements", "SQL statements the relay sent (idle cost).", registry=r)
         self.cleanup_deleted = Counter("outbox_relay_cleanup_deleted_rows", "Published rows deleted by retention.", registry=r)
+        # Labelled by replay id: only active replays keep a series (removed when done/cancelled).
+        self.replay_rows_left = Gauge("outbox_relay_replay_rows_left", "Rows an active replay has still to republish (all shards).", ["replay"], registry=r)
+        self.replayed = Counter("outbox_relay_replayed_events", "Rows republished by a replay and acknowledged, by this replica.", ["replay"], registry=r)
         self.build_info = Info("outbox_relay_build", "Build information.", registry=r)
         # Known label values start at 0, so increase() sees the first event of each.
         for reason in KNOWN_FAILURE_CLASSES:

@@ -26,6 +26,11 @@
 --   outbox_relay_replicas  SELECT, INSERT, UPDATE (seen_until), DELETE
 --                                                heartbeat_replica (upsert), forget_replica
 --   outbox_relay_settings  SELECT                read_settings (the shard count)
+--   outbox_relay_replays   SELECT, UPDATE (state, finished_at)
+--                                                list_replays, replay_batch,
+--                                                finish_replay (0007)
+--   outbox_relay_replay_progress  SELECT, INSERT, UPDATE
+--                                                load_progress, advance_progress (0007)
 --   the database           CONNECT; the schema: USAGE.  LISTEN and the wake-up
 --                          advisory lock (go_to_sleep / wake_up) need no privilege.
 --
@@ -114,7 +119,8 @@ BEGIN
     -- Converge: start from nothing on every table of the relay and the SDK.
     FOREACH tbl IN ARRAY ARRAY['outbox', 'outbox_dead_letters', 'outbox_relay_shards',
                                'outbox_relay_replicas', 'outbox_relay_settings',
-                               'outbox_schema_migrations', 'outbox_inbox'] LOOP
+                               'outbox_schema_migrations', 'outbox_inbox',
+                               'outbox_relay_replays', 'outbox_relay_replay_progress'] LOOP
         IF pg_catalog.to_regclass(pg_catalog.format('%I.%I', schema_name, tbl)) IS NOT NULL THEN
             EXECUTE pg_catalog.format('REVOKE ALL ON TABLE %I.%I FROM outbox_relay', schema_name, tbl);
         END IF;
@@ -133,5 +139,13 @@ BEGIN
         'ON TABLE %I.outbox_relay_replicas TO outbox_relay', schema_name);
     EXECUTE pg_catalog.format(
         'GRANT SELECT ON TABLE %I.outbox_relay_settings TO outbox_relay', schema_name);
+    IF pg_catalog.to_regclass(pg_catalog.format('%I.outbox_relay_replays', schema_name)) IS NOT NULL THEN
+        EXECUTE pg_catalog.format(
+            'GRANT SELECT, UPDATE (state, finished_at) '
+            'ON TABLE %I.outbox_relay_replays TO outbox_relay', schema_name);
+        EXECUTE pg_catalog.format(
+            'GRANT SELECT, INSERT, UPDATE '
+            'ON TABLE %I.outbox_relay_replay_progress TO outbox_relay', schema_name);
+    END IF;
 END
 $grants$;

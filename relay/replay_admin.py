@@ -1,0 +1,139 @@
+"""The replay commands: ``replay --since ...`` (request or ``--dry-run``), ``replay list``,
+``replay cancel ID``, and the replays section of ``status``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from relay.config import Settings
+from relay.errors import ConfigError
+from relay.replay_store import ReplayStore
+
+#: Events per second of one replay over all replicas, unless --rate says otherwise.
+DEFAULT_REPLAY_RATE = 1000.0
+
+_AGO = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d)$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_time(text: str, *, now: datetime | None = None) -> datetime:
+    """ISO 8601 (UTC when no offset is given) or a duration ago: ``90s``, ``15m``, ``2h``, ``7d``."""
+    now = now or datetime.now(UTC)
+    match = _AGO.match(text.strip())
+    if match:
+        return now - timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    try:
+        value = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ConfigError(f"not a time: {text!r} (ISO 8601 such as 2026-01-31T12:00:00Z, "
+                          "or a duration ago such as 2h)") from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", nargs="?", choices=("list", "cancel"),
+                        help="list replays, or cancel one (default: request a replay)")
+    parser.add_argument("replay_id", nargs="?", type=int, metavar="ID")
+    parser.add_argument("--since", metavar="TIME", help="first created_at replayed (ISO 8601 or 2h)")
+    parser.add_argument("--until", metavar="TIME", help="created_at up to (excluded; default: now)")
+    parser.add_argument("--topic", action="append", default=[], metavar="T", help="only this topic, repeatable")
+    parser.add_argument("--key", action="append", default=[], metavar="K", help="only this key, repeatable")
+    parser.add_argument("--rate", type=float, default=DEFAULT_REPLAY_RATE, metavar="N",
+                        help=f"events per second over all replicas (default: {DEFAULT_REPLAY_RATE:g})")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the rows per topic and the range retained; record nothing")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _iso(value: Any) -> Any:
+    return value.isoformat() if isinstance(value, datetime) else value
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: _iso(v) for k, v in row.items()}
+
+
+def command(settings: Settings, args: argparse.Namespace) -> int:
+    store = ReplayStore(settings.dsn, application_name="outbox-relay-replay", table=settings.table)
+    try:
+        if args.action == "list":
+            rows = [_plain(r) for r in store.list_replays(limit=100)]
+            if args.json:
+                _dump(rows)
+            else:
+                for line in format_replays(rows):
+                    print(line)
+            return 0
+        if args.action == "cancel":
+            if args.replay_id is None:
+                raise ConfigError("replay cancel takes the replay's ID")
+            if not store.cancel(args.replay_id):
+                raise ConfigError(f"no active replay {args.replay_id}")
+            print(f"cancelled replay {args.replay_id}")
+            return 0
+        return _request(store, args)
+    finally:
+        store.close()
+
+
+def _request(store: ReplayStore, args: argparse.Namespace) -> int:
+    if not args.since:
+        raise ConfigError("replay needs --since TIME (or: replay list | replay cancel ID)")
+    if args.rate <= 0:
+        raise ConfigError("--rate must be a positive number of events per second")
+    since = parse_time(args.since)
+    until = parse_time(args.until) if args.until else None
+    if until is not None and until <= since:
+        raise ConfigError("--until must be after --since")
+    if args.dry_run:
+        per_topic, retained = store.dry_run(since=since, until=until, topics=args.topic, keys=args.key)
+        report = {"topics": [_plain(r) for r in per_topic], "retained": _plain(retained),
+                  "rows": sum(int(r["rows"]) for r in per_topic)}
+        if args.json:
+            _dump(report)
+            return 0
+        print(f"retained published rows: {retained['rows']}, created "
+              f"{_iso(retained['oldest']) or '-'} .. {_iso(retained['newest']) or '-'}")
+        if retained["oldest"] is not None and retained["oldest"] > since:
+            print(f"note: --since is before the oldest retained row; rows before "
+                  f"{_iso(retained['oldest'])} were removed by retention")
+        for r in per_topic:
+            print(f"{r['topic']:<32} {r['rows']:>10} rows  {_iso(r['first_created_at'])} .. "
+                  f"{_iso(r['last_created_at'])}")
+        print(f"{report['rows']} row(s) would be replayed (dry run: nothing recorded)")
+        return 0
+    row = store.create(since=since, until=until, topics=args.topic, keys=args.key, rate=args.rate,
+                       requested_by=None)
+    if args.json:
+        _dump(_plain(row))
+    else:
+        print(f"replay {row['id']} requested: {row['selected_rows']} row(s) created "
+              f"{_iso(row['since'])} .. {_iso(row['until'])}, at most {args.rate:g} events/s")
+    return 0
+
+
+def format_replays(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [f"{'id':>5}  {'state':<9}  {'selected':>9}  {'sent':>9}  {'left':>9}  {'shards done':>11}  range"]
+    for r in rows:
+        lines.append(f"{r['id']:>5}  {r['state']:<9}  {r['selected_rows']:>9}  {r['sent']:>9}  "
+                     f"{r['rows_left']:>9}  {r['shards_done']:>11}  {r['since']} .. {r['until']}")
+    return lines
+
+
+def status_section(settings: Settings) -> list[dict[str, Any]]:
+    """The active and recent replays, for ``status``."""
+    store = ReplayStore(settings.dsn, application_name="outbox-relay-status", table=settings.table)
+    try:
+        return [_plain(r) for r in store.list_replays(limit=10)]
+    finally:
+        store.close()
+
+
+def _dump(value: Any) -> None:
+    json.dump(value, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
