@@ -17,7 +17,13 @@ from typing import Any
 from tenacity import RetryCallState, wait_exponential_jitter
 
 from relay import __version__
-from relay.config import Settings, mask_dsn, masked_properties, producer_config
+from relay.config import (
+    Settings,
+    mask_dsn,
+    masked_properties,
+    max_message_bytes,
+    producer_config,
+)
 from relay.errors import ConfigError, DatabaseReadOnly, DatabaseUnavailable, FatalError, RelayError
 from relay.http import HealthServer
 from relay.janitor import Janitor
@@ -125,7 +131,8 @@ class Relay:
                          max_attempts=s.max_attempts, backoff_initial_s=s.backoff_initial_s,
                          backoff_max_s=s.backoff_max_s, metrics=self.metrics, log=self.log,
                          clock=self.clock, dead_letter_topic=s.dead_letter_topic,
-                         mark_store=self.mark_store)
+                         mark_store=self.mark_store, batch_max_bytes=s.batch_max_bytes,
+                         max_message_bytes=max_message_bytes(producer_config(s)))
         self.replayer = Replayer(
             ReplayStore(s.dsn, application_name=f"outbox-relay:{s.owner}:replay"[:63],
                         on_statement=self.metrics.db_statements.inc, table=s.table),

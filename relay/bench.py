@@ -133,8 +133,8 @@ class Bench:
                 marking: collections.deque[Future[MarkOutcome]] = collections.deque()
                 cursor = Cursor()
                 while True:
-                    rows, snapshot = store.claim(shards=shards, nshards=len(shards), after=cursor,
-                                                 limit=self.args.batch_size)
+                    rows, snapshot, _ = store.claim(shards=shards, nshards=len(shards),
+                                                    after=cursor, limit=self.args.batch_size)
                     if not rows:
                         break
                     cursor = cursor.advanced(rows[-1], snapshot or cursor.cur)

@@ -26,6 +26,7 @@ ENV_PREFIX = "OUTBOX_RELAY_"
 KAFKA_ENV_PREFIX = ENV_PREFIX + "KAFKA_"
 
 DEFAULT_BATCH_SIZE = 1000
+DEFAULT_BATCH_MAX_BYTES = 4 << 20  # 4 MiB of payload per batch, 16 MiB in flight by default
 DEFAULT_POLL_INTERVAL_S = 1.0
 DEFAULT_METRICS_PORT = 9464
 DEFAULT_CONSOLE_HOST = "127.0.0.1"
@@ -144,6 +145,9 @@ OPTIONS: tuple[Option, ...] = (
            help="fallback poll interval when no notification arrives, seconds"),
     Option(name="pipeline_depth", parse=_positive_int, default=DEFAULT_PIPELINE_DEPTH,
            help="batches in flight to the broker at once"),
+    Option(name="batch_max_bytes", parse=_positive_int, default=DEFAULT_BATCH_MAX_BYTES,
+           help="payload bytes per batch: memory is bounded by bytes, not rows (rows over "
+                "the producer's message.max.bytes are dead-lettered by size, never fetched)"),
     Option(name="metrics_port", parse=_port, default=DEFAULT_METRICS_PORT,
            help="port of /metrics, /healthz and /readyz (0 disables)"),
     Option(name="metrics_host", default=DEFAULT_METRICS_HOST,
@@ -207,6 +211,7 @@ class Settings:
     batch_size: int = DEFAULT_BATCH_SIZE
     poll_interval_s: float = DEFAULT_POLL_INTERVAL_S
     pipeline_depth: int = DEFAULT_PIPELINE_DEPTH
+    batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES
     metrics_port: int = DEFAULT_METRICS_PORT
     metrics_host: str = DEFAULT_METRICS_HOST
     log_format: str = "auto"
@@ -376,6 +381,15 @@ def producer_config(settings: Settings) -> dict[str, str]:
         config[name] = value
     config["bootstrap.servers"] = settings.bootstrap_servers
     return config
+
+
+def max_message_bytes(config: Mapping[str, str]) -> int:
+    """The producer's ``message.max.bytes`` (librdkafka's default when not set)."""
+    try:
+        return int(config.get("message.max.bytes", "1000000"))
+    except ValueError:
+        raise ConfigError(f"kafka property message.max.bytes={config['message.max.bytes']!r} "
+                          "is not a number") from None
 
 
 def is_secret(name: str) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import NamedTuple, NewType
 
 ShardId = NewType("ShardId", int)
 Token = NewType("Token", int)
@@ -24,6 +24,16 @@ class OutboxRow:
     shard: ShardId
     attempts: int
     created_epoch: float
+    size: int = 0  # bytes of the payload; above the producer's limit ``value`` was not fetched
+
+
+class Claimed(NamedTuple):
+    """What one claim found: rows in (xid, id) order; the window's snapshot when the claim
+    took it; whether the byte budget cut the batch short (more rows may follow at once)."""
+
+    rows: list[OutboxRow]
+    snapshot: str | None = None
+    cut: bool = False
 
 
 @dataclass(frozen=True, slots=True)

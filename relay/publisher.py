@@ -19,6 +19,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from relay.errors import ConfigError
 from relay.model import OutboxRow
+from relay.stalls import default_partition
 
 #: Broker or client errors that no retry can fix for this row.
 PERMANENT_CODES: dict[int, str] = {
@@ -56,8 +57,15 @@ class Outcome:
     message: str = ""
     permanent: bool = False
     fatal: bool = False  # the producer itself is unusable (idempotence fatal error)
+    hopeless: bool = False  # no attempt can ever succeed: dead-letter without retrying
     partition: int = -1
     offset: int = -1
+
+
+#: ``send``'s answer when the producer's local queue has no room: not a failure of the
+#: row; the pump stops producing the batch and claims the rest again later.
+QUEUE_FULL = Outcome(ok=False, error_class="queue_full",
+                     message="the producer's local queue is full")
 
 
 class BadRow(ValueError):
@@ -111,6 +119,9 @@ def classify(error: KafkaError) -> Outcome:
     return Outcome(ok=False, error_class="transient", message=message)
 
 
+PARTITIONS_TTL_S = 60.0  # how long a topic's partition count is trusted
+PARTITIONS_TIMEOUT_S = 1.0  # a metadata request for it; only when a partition looks stalled
+
 _KAFKA_LOG = logging.getLogger("outbox_relay.librdkafka")
 _KAFKA_LOG.addHandler(logging.NullHandler())  # state changes are reported through error_cb
 _KAFKA_LOG.propagate = False
@@ -122,10 +133,16 @@ ErrorCallback = Callable[[str, str, bool], None]  # (state, message, fatal)
 class Publisher:
     """Owns one confluent-kafka Producer.  Not thread-safe: the pump's thread calls it."""
 
-    def __init__(self, config: dict[str, str], *, on_client_error: ErrorCallback) -> None:
+    def __init__(self, config: dict[str, str], *, on_client_error: ErrorCallback,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._config = dict(config)
         self._on_client_error = on_client_error
         self._producer = self._new_producer()
+        self._clock = clock
+        # Kafka's default partitioner, which relay.stalls can compute: murmur2 of the key.
+        self._murmur2 = self._config.get("partitioner", "consistent_random") in (
+            "murmur2", "murmur2_random")
+        self._partitions: dict[str, tuple[int | None, float]] = {}  # topic -> (count, until)
 
     def _new_producer(self) -> Producer:
         config: dict[str, Any] = dict(self._config)
@@ -165,14 +182,20 @@ class Publisher:
                 on_delivery(row, classify(err))
 
         key = row.key.encode() if row.key is not None else None
-        refreshed = False
+        refreshed = full = False
         while True:
             try:
                 self._producer.produce(row.topic, value=row.value, key=key, headers=headers,
                                        on_delivery=report)
                 return None
             except BufferError:
-                self._producer.poll(0.05)  # local queue full: serve reports, then retry
+                # The local queue is full (a broker outage, a partition without a leader):
+                # serve the reports that are ready, try once more, then give the row back
+                # at once.  Never wait here: leases, heartbeats and health run on this thread.
+                if full:
+                    return QUEUE_FULL
+                full = True
+                self._producer.poll(0)
             except KafkaException as exc:
                 if exc.args[0].code() == KafkaError._UNKNOWN_TOPIC and not refreshed:
                     # The client caches "unknown": ask the cluster again once, so a topic
@@ -182,6 +205,29 @@ class Publisher:
                     continue
                 return classify(exc.args[0])
 
+    def partition_of(self, row: OutboxRow) -> int | None:
+        """The partition the producer sends a keyed ``row`` to; None when it cannot be
+        known (no key, another partitioner, the topic's partition count unknown)."""
+        if row.key is None or not self._murmur2:
+            return None
+        count, until = self._partitions.get(row.topic, (None, 0.0))
+        now = self._clock()
+        if now >= until:
+            count = self._partition_count(row.topic)
+            self._partitions[row.topic] = (count, now + (PARTITIONS_TTL_S if count else 5.0))
+        return default_partition(row.key.encode(), count) if count else None
+
+    def _partition_count(self, topic: str) -> int | None:
+        """From the client's metadata (answered from its cache when it has the topic)."""
+        try:
+            metadata = self._producer.list_topics(topic=topic, timeout=PARTITIONS_TIMEOUT_S)
+        except KafkaException:
+            return None
+        found = metadata.topics.get(topic)
+        if found is None or found.error is not None or not found.partitions:
+            return None
+        return len(found.partitions)
+
     def _refresh_metadata(self, topic: str) -> None:
         try:
             self._producer.list_topics(topic=topic, timeout=2.0)
@@ -189,7 +235,7 @@ class Publisher:
             pass  # still unknown or unreachable: the produce below reports it
 
     def send_dead_letter(self, row: OutboxRow, *, topic: str, reason: str, error: str,
-                         attempts: int, timeout_s: float = 10.0) -> str | None:
+                         attempts: int, timeout_s: float = 2.0) -> str | None:
         """Produce a dead-lettered row to ``topic`` and wait for the acknowledgement.
 
         The original value goes along unless it is the problem (too large); the original

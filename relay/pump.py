@@ -40,15 +40,30 @@ from typing import Any, Protocol
 from relay.leases import LeaseManager
 from relay.marker import Marker, MarkOutcome, MarkStore, mark_rows
 from relay.metrics import RelayMetrics, observe_many
-from relay.model import START, BatchResult, Cursor, Lease, OutboxRow, RowId, ShardId, Token
-from relay.publisher import DeliveryCallback, Outcome
+from relay.model import (
+    START,
+    BatchResult,
+    Claimed,
+    Cursor,
+    Lease,
+    OutboxRow,
+    RowId,
+    ShardId,
+    Token,
+)
+from relay.publisher import QUEUE_FULL, DeliveryCallback, Outcome
+from relay.stalls import Stalls
 
-SWEEP_INTERVAL_S = 5.0  # a full pass over the pending rows at most this often when caught up
+DEFAULT_BATCH_MAX_BYTES = 4 << 20  # payload bytes per claim; 4 in flight: 16 MiB
+DEFAULT_MAX_MESSAGE_BYTES = 1_000_000  # librdkafka's message.max.bytes default
+SWEEP_INTERVAL_S = 5.0
+STALLED_ROWS_MAX = 10_000  # rows waiting on stalled partitions before claims stop altogether
+STALLED_CLAIM_PAUSE_S = 0.5  # a claim that found only rows held by a stall waits this long  # a full pass over the pending rows at most this often when caught up
 
 
 class PumpStore(MarkStore, Protocol):
-    def claim(self, *, shards: Any, nshards: int, after: Cursor,
-              limit: int) -> tuple[list[OutboxRow], str | None]: ...
+    def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int,
+              max_bytes: int, budget_bytes: int) -> Claimed: ...
     def restamp_foreign(self) -> int: ...
     def record_failure(self, *, owner: str, lease: Lease, row: OutboxRow, error: str, backoff_s: float) -> int | None: ...
     def dead_letter(self, *, owner: str, lease: Lease, row: OutboxRow, reason: str, error: str) -> bool: ...
@@ -57,6 +72,7 @@ class PumpStore(MarkStore, Protocol):
 class PumpPublisher(Protocol):
     def send(self, row: OutboxRow, on_delivery: DeliveryCallback) -> Outcome | None: ...
     def poll(self, timeout_s: float) -> int: ...
+    def partition_of(self, row: OutboxRow) -> int | None: ...
     def recreate(self) -> None: ...
     def send_dead_letter(self, row: OutboxRow, *, topic: str, reason: str, error: str,
                          attempts: int) -> str | None: ...
@@ -76,6 +92,7 @@ class InFlight:
     rows: list[OutboxRow] = field(default_factory=list)
     outcomes: dict[RowId, Outcome] = field(default_factory=dict)
     waiting: int = 0
+    produced_at: float = 0.0  # monotonic
 
     def report(self, row: OutboxRow, outcome: Outcome) -> None:
         self.outcomes[row.id] = outcome
@@ -119,9 +136,15 @@ class Pump:
         wall_clock: Callable[[], float] = time.time,
         dead_letter_topic: str | None = None,
         mark_store: MarkStore | None = None,
+        batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         """``mark_store``: a second connection to mark on in the background (None: mark
-        synchronously on ``store``)."""
+        synchronously on ``store``).  ``batch_max_bytes``: payload bytes per claim (the
+        row that crosses it is the last); ``max_message_bytes``: the producer's limit,
+        above which a row is dead-lettered by its size, its payload never fetched."""
+        self.batch_max_bytes = batch_max_bytes
+        self.max_message_bytes = max_message_bytes
         self.dead_letter_topic = dead_letter_topic
         self.store = store
         self.publisher = publisher
@@ -148,6 +171,7 @@ class Pump:
         self.retry_wakeup: float | None = None
         self.transient_streak = 0
         self.failed_keys: set[str] = set()
+        self.stalls = Stalls(partition_of=publisher.partition_of)
         self.draining = False
         self.last_marked_at = clock()
         self.totals = BatchResult()
@@ -159,7 +183,7 @@ class Pump:
         for batch in self.in_flight:
             busy |= batch.shards()
         for pending in self.marking:
-            busy |= pending.batch.shards()
+            busy |= {row.shard for row in pending.acked}
         return busy
 
     def busy(self) -> bool:
@@ -183,12 +207,13 @@ class Pump:
         """Settle finished batches, then (when ``claim``) claim and produce one more."""
         result = BatchResult()
         self.publisher.poll(0)
-        self._settle_done(result)
-        self._collect_marks(result)
         now = self.clock()
-        if not self.busy():
+        self._track_stalls(now)
+        self._settle_done(result, now)
+        self._collect_marks(result)
+        if not self._active(now):
             due_retry = self.retry_wakeup is not None and now >= self.retry_wakeup
-            due_sweep = self.caught_up and now >= self.next_sweep
+            due_sweep = self.caught_up and now >= self.next_sweep and not self.stalls.partitions
             if self.rewind_requested or due_retry or due_sweep:
                 self._rewind(now)
                 if due_retry:
@@ -225,14 +250,41 @@ class Pump:
         self.cursor = START
         self.rewind_requested = False
         self.failed_keys.clear()
+        if not self.stalls.partitions:
+            self.stalls.held.clear()  # their rows come back in this rewind, in order
         self.next_sweep = now + SWEEP_INTERVAL_S
         restamped = self.store.restamp_foreign()
         if restamped:
             self.log.warning("foreign_xids_restamped", rows=restamped)
 
+    def _active(self, now: float) -> bool:
+        """Rows in flight that a rewind could claim twice: batches not stalled, or marks.
+        (A stalled batch's rows wait on their partition; a rewind skips their keys.)"""
+        return bool(self.marking) or any(not self.stalls.stalled(batch, now)
+                                         for batch in self.in_flight)
+
+    def _track_stalls(self, now: float) -> None:
+        if not self.in_flight and not self.stalls.partitions:
+            return
+        before = self.stalls.partitions
+        if self.stalls.update(self.in_flight, now):
+            self.log.info("partitions_acknowledge_again", held_keys=len(self.stalls.held))
+            if self.stalls.rewind_after:  # the rows skipped meanwhile
+                self.stalls.rewind_after = False
+                self.request_rewind()
+        for (topic, partition), waiting in self.stalls.partitions.items():
+            if (topic, partition) not in before:
+                self.log.warning("partition_stalled", topic=topic, partition=partition,
+                                 rows_waiting=waiting)
+            self.metrics.stalled_rows.labels(topic, str(partition)).set(waiting)
+        for topic, partition in before.keys() - self.stalls.partitions.keys():
+            self.metrics.stalled_rows.remove(topic, str(partition))
+
     def _may_claim(self, now: float) -> bool:
-        return (len(self.in_flight) < self.pipeline_depth
+        active = sum(1 for batch in self.in_flight if not self.stalls.stalled(batch, now))
+        return (active < self.pipeline_depth
                 and len(self.marking) < self.pipeline_depth
+                and sum(self.stalls.partitions.values()) < STALLED_ROWS_MAX
                 and not self.rewind_requested
                 and now >= self.claim_not_before)
 
@@ -252,11 +304,12 @@ class Pump:
         else:
             self.cursor_shards = shards  # one that leaves must rewind to come back
         started = time.perf_counter()
-        rows, snapshot = self.store.claim(shards=sorted(shards), nshards=self.nshards,
-                                          after=self.cursor, limit=self.batch_size)
+        rows, snapshot, cut = self.store.claim(
+            shards=sorted(shards), nshards=self.nshards, after=self.cursor, limit=self.batch_size,
+            max_bytes=self.max_message_bytes, budget_bytes=self.batch_max_bytes)
         self.metrics.claim_duration.observe(time.perf_counter() - started)
         window = snapshot if snapshot is not None else self.cursor.cur
-        self.caught_up = len(rows) < self.batch_size
+        self.caught_up = len(rows) < self.batch_size and not cut
         if self.caught_up:  # the window is exhausted: next, what committed after it
             self.cursor = Cursor.after_snapshot(window)
         else:
@@ -265,10 +318,14 @@ class Pump:
             return
         self.metrics.batch_size.observe(len(rows))
         result.claimed += len(rows)
-        batch = InFlight(tokens={lease.shard: lease.token for lease in usable})
+        batch = InFlight(tokens={lease.shard: lease.token for lease in usable},
+                         produced_at=self.clock())
         blocked: set[str] = set()
-        deferred = 0
-        for row in rows:
+        deferred = held = 0
+        for index, row in enumerate(rows):
+            if self.stalls.holds(row):
+                held += 1  # its partition or its key waits: claimed again after the stall
+                continue
             if not self.leases.trusted(row.shard, self.clock()):
                 deferred += 1  # lease may be gone: produce nothing more from this shard
                 continue
@@ -277,7 +334,19 @@ class Pump:
                 continue
             batch.rows.append(row)
             batch.waiting += 1
-            immediate = self.publisher.send(row, batch.report)
+            if row.size > self.max_message_bytes:
+                immediate: Outcome | None = Outcome(
+                    ok=False, error_class="message_too_large", permanent=True, hopeless=True,
+                    message=f"payload of {row.size} bytes is over the producer's "
+                            f"message.max.bytes ({self.max_message_bytes})")
+            else:
+                immediate = self.publisher.send(row, batch.report)
+            if immediate is QUEUE_FULL:  # nothing more fits: the rest waits for a rewind
+                batch.rows.pop()
+                batch.waiting -= 1
+                deferred += len(rows) - index
+                self.metrics.queue_full.inc()
+                break
             if immediate is not None:
                 batch.report(row, immediate)
                 if row.key is not None:
@@ -287,14 +356,35 @@ class Pump:
         if deferred:
             self.caught_up = False
             self.request_rewind()
+        if held == len(rows) and self.caught_up:
+            self.claim_not_before = self.clock() + STALLED_CLAIM_PAUSE_S
         if batch.rows:
             self.in_flight.append(batch)
 
     # -- settling -------------------------------------------------------------------------
 
-    def _settle_done(self, result: BatchResult) -> None:
-        while self.in_flight and self.in_flight[0].done:
-            self._settle(self.in_flight.popleft(), result)
+    def _settle_done(self, result: BatchResult, now: float) -> None:
+        """Settle finished batches in production order; a batch stalled on a partition
+        does not hold back the ones after it, and what it got acknowledged is marked."""
+        if not self.stalls.partitions:
+            while self.in_flight and self.in_flight[0].done:
+                self._settle(self.in_flight.popleft(), result)
+            return
+        kept: deque[InFlight] = deque()
+        for batch in self.in_flight:
+            if batch.done:
+                self._settle(batch, result)
+                continue
+            if self.stalls.stalled(batch, now):
+                acked = [row for row in batch.rows
+                         if row.id in batch.outcomes and batch.outcomes[row.id].ok]
+                if acked:
+                    result.acked += len(acked)
+                    self._mark(batch, acked)
+                    done = {row.id for row in acked}
+                    batch.rows = [row for row in batch.rows if row.id not in done]
+            kept.append(batch)
+        self.in_flight = kept
 
     def _settle(self, batch: InFlight, result: BatchResult) -> None:
         acked: list[OutboxRow] = []
@@ -389,7 +479,7 @@ class Pump:
     def _permanent_failure(self, batch: InFlight, row: OutboxRow, outcome: Outcome,
                            result: BatchResult) -> None:
         lease = Lease(row.shard, batch.tokens[row.shard], 0.0)
-        attempts = row.attempts + 1
+        attempts = max(row.attempts + 1, self.max_attempts if outcome.hopeless else 0)
         if attempts >= self.max_attempts and self.dead_letter_topic:
             problem = self.publisher.send_dead_letter(row, topic=self.dead_letter_topic,
                                                       reason=outcome.error_class,
@@ -435,7 +525,7 @@ class Pump:
         deadline = self.clock() + timeout_s
         while self.in_flight and self.clock() < deadline:
             self.publisher.poll(min(0.1, max(0.0, deadline - self.clock())))
-            self._settle_done(result)
+            self._settle_done(result, self.clock())
         # Whatever is still unreported stays pending and will be published again.
         while self.in_flight:
             batch = self.in_flight.popleft()

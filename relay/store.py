@@ -31,7 +31,7 @@ from relay.errors import (
     SchemaMissing,
     TransactionPoolerUnsupported,
 )
-from relay.model import Cursor, Lease, OutboxRow, RowId, ShardId, Token
+from relay.model import Claimed, Cursor, Lease, OutboxRow, RowId, ShardId, Token
 from relay.queries import compose, query
 
 NOTIFY_CHANNEL = "outbox_relay"
@@ -230,10 +230,11 @@ class Store:
 
     # -- outbox ---------------------------------------------------------------------------
 
-    def claim(self, *, shards: Sequence[ShardId], nshards: int, after: Cursor,
-              limit: int) -> tuple[list[OutboxRow], str | None]:
-        """Pending rows of ``after``'s window, in (xid, id) order after its position, and
-        the window's snapshot when this claim took it (``after.cur`` None), else None."""
+    def claim(self, *, shards: Sequence[ShardId], nshards: int, after: Cursor, limit: int,
+              max_bytes: int = 1_000_000, budget_bytes: int = 4 << 20) -> Claimed:
+        """Pending rows of ``after``'s window, in (xid, id) order after its position, up to
+        ``limit`` rows and the row that crosses ``budget_bytes`` of payload; rows larger
+        than ``max_bytes`` come without their payload (``value`` None, ``size`` set)."""
         all_shards = len(shards) == nshards
         found = self._fetch_tuples("relay", "claim_batch", {
             "cur": after.cur,
@@ -245,22 +246,25 @@ class Store:
             "after_xid": str(after.xid),
             "after_id": after.id,
             "limit": limit,
+            "max_bytes": max_bytes,
+            "budget_bytes": budget_bytes,
             "now": self.now,
         })
         snapshot: str | None = None
         if after.cur is None and found and found[-1][0] is None:
             snapshot = found.pop()[7]
         # Column order of claim_batch: id, event_id, topic, key, payload_text, payload_bytes,
-        # headers_text, xid, attempts, shard, created_epoch.
+        # headers_text, xid, attempts, shard, created_epoch, size, running.
         rows = [
             OutboxRow(RowId(r[0]), r[1], r[2], r[3], _encode_value(r[4], r[5]), r[6],
-                      int(r[7]), ShardId(r[9]), r[8], r[10])
+                      int(r[7]), ShardId(r[9]), r[8], r[10], r[11])
             for r in found
         ]
         # The query's two branches come out in (xid, id) order; keep that a guarantee
         # of this method, not of the executor (linear on sorted input).
         rows.sort(key=_xid_id)
-        return rows, snapshot
+        cut = bool(found) and len(found) < limit and max(int(r[12]) for r in found) >= budget_bytes
+        return Claimed(rows, snapshot, cut)
 
     def restamp_foreign(self) -> int:
         """Give rows whose xid is not this cluster's (restored, replicated from another

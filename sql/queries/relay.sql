@@ -51,16 +51,31 @@ WITH cur AS MATERIALIZED (
             AND (b.xid, b.id) < (o.xid, o.id)))
     ORDER BY o.xid, o.id
     LIMIT %(limit)s
+), sized AS (
+    -- Each payload is serialised once (OFFSET 0 keeps the lateral from being inlined);
+    -- a row larger than the producer's limit (%(max_bytes)s) comes without it, so a
+    -- 20 MB row costs the relay its size, not its bytes.
+    SELECT f.*, t.payload_text,
+           coalesce(octet_length(t.payload_text), octet_length(f.payload_bytes), 0) AS size
+    FROM found AS f
+    CROSS JOIN LATERAL (SELECT f.payload::text AS payload_text OFFSET 0) AS t
+), budget AS (
+    -- The batch's byte budget (%(budget_bytes)s): rows until the one that crosses it.
+    SELECT s.*, sum(least(s.size, %(max_bytes)s)) OVER (ORDER BY s.xid, s.id) AS running
+    FROM sized AS s
 )
-SELECT f.id, f.event_id::text AS event_id, f.topic, f.key,
-       f.payload::text AS payload_text, f.payload_bytes, f.headers::text AS headers_text,
-       f.xid::text AS xid, f.attempts,
-       (hashtext(coalesce(f.key, f.event_id::text)) & 2147483647) %% %(nshards)s AS shard,
-       extract(epoch FROM f.created_at)::float8 AS created_epoch
-FROM found AS f
+SELECT b.id, b.event_id::text AS event_id, b.topic, b.key,
+       CASE WHEN b.size <= %(max_bytes)s THEN b.payload_text END AS payload_text,
+       CASE WHEN b.size <= %(max_bytes)s THEN b.payload_bytes END AS payload_bytes,
+       b.headers::text AS headers_text, b.xid::text AS xid, b.attempts,
+       (hashtext(coalesce(b.key, b.event_id::text)) & 2147483647) %% %(nshards)s AS shard,
+       extract(epoch FROM b.created_at)::float8 AS created_epoch, b.size, b.running
+FROM budget AS b
+WHERE b.running - least(b.size, %(max_bytes)s) < %(budget_bytes)s
 UNION ALL
 -- The window's snapshot, when this claim took it: one more row, whose id is NULL.
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT s::text FROM cur), NULL, NULL, NULL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT s::text FROM cur), NULL, NULL, NULL,
+       NULL, NULL
 WHERE %(cur)s::text IS NULL
 
 -- name: restamp_foreign

@@ -21,7 +21,8 @@ def plan(dsn: str, cursor: Cursor) -> str:
     params = {"cur": cursor.cur, "prev_xmax": str(cursor.prev_xmax),
               "prev_xip": [str(x) for x in cursor.prev_xip], "nshards": SHARDS,
               "shards": [0, 1, 2], "all_shards": False, "after_xid": str(cursor.xid),
-              "after_id": cursor.id, "limit": 1000, "now": None}
+              "after_id": cursor.id, "limit": 1000, "now": None, "max_bytes": 1_000_000,
+              "budget_bytes": 4 << 20}
     query = compose("relay", "claim_batch")
     text = query if isinstance(query, sql.Composed) else sql.SQL(query)  # type: ignore[arg-type]
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -42,7 +43,7 @@ def test_claims_use_the_pending_index(outbox_db):
             conn.execute("INSERT INTO outbox (topic, key, payload) VALUES ('t', 'later', '{}')")
         store = Store(outbox_db)
         try:
-            rows, snapshot = store.claim(shards=[ShardId(0), ShardId(1), ShardId(2)],
+            rows, snapshot, _ = store.claim(shards=[ShardId(0), ShardId(1), ShardId(2)],
                                          nshards=SHARDS, after=Cursor(), limit=1000)
         finally:
             store.close()

@@ -25,7 +25,7 @@ def test_a_late_writer_is_rejected_and_the_new_owner_is_accepted(db_dsn):
     try:
         # t=0: A claims the only shard until t=10, token 1.
         assert at(a, 0).claim_shards(owner="A", limit=1, lease_s=10) == {ShardId(0): Token(1)}
-        rows, _ = a.claim(shards=[ShardId(0)], nshards=1, after=Cursor(), limit=10)
+        rows, _, _ = a.claim(shards=[ShardId(0)], nshards=1, after=Cursor(), limit=10)
         assert len(rows) == 4
         # t=5: B's claim is refused, the lease is live.
         assert at(b, 5).claim_shards(owner="B", limit=1, lease_s=10) == {}
@@ -63,7 +63,7 @@ def test_a_takeover_waits_for_an_in_progress_mark(db_dsn):
     a = Store(dsn)
     try:
         at(a, 0).claim_shards(owner="A", limit=1, lease_s=10)
-        rows, _ = a.claim(shards=[ShardId(0)], nshards=1, after=Cursor(), limit=10)
+        rows, _, _ = a.claim(shards=[ShardId(0)], nshards=1, after=Cursor(), limit=10)
         with psycopg.connect(dsn) as blocker:  # A's mark, held open in a transaction
             from relay.queries import compose, query
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from relay.metrics import RelayMetrics
-from relay.model import Cursor, Lease, OutboxRow, RowId, ShardId, Token
+from relay.model import Claimed, Cursor, Lease, OutboxRow, RowId, ShardId, Token
 from relay.publisher import Outcome
 from relay.pump import Pump
 
@@ -23,15 +23,15 @@ class Store:
     def __init__(self, rows: list[OutboxRow]) -> None:
         self.pending = {r.id: r for r in rows}
 
-    def claim(self, *, shards: Any, nshards: int, after: Cursor,
-              limit: int) -> tuple[list[OutboxRow], str | None]:
+    def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int,
+              **_: Any) -> Claimed:
         # Every row is committed at once: one window, after which nothing is new.
         if after.prev_xmax:
-            return [], None if after.cur else "100:100:"
+            return Claimed([], None if after.cur else "100:100:")
         found = sorted((r for r in self.pending.values()
                         if r.shard in shards and (r.xid, r.id) > (after.xid, after.id)),
                        key=lambda r: (r.xid, r.id))
-        return found[:limit], None if after.cur else "100:100:"
+        return Claimed(found[:limit], None if after.cur else "100:100:")
 
     def restamp_foreign(self) -> int:
         return 0
@@ -63,6 +63,9 @@ class Publisher:
         for r, callback in queued:
             callback(r, Outcome(ok=True))
         return len(queued)
+
+    def partition_of(self, r: OutboxRow) -> int | None:
+        return None
 
     def recreate(self) -> None: ...
 

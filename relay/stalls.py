@@ -1,0 +1,114 @@
+"""Partitions that acknowledge nothing, and the keys that must wait for them.
+
+A partition without a leader (its broker down, a replication factor of one) keeps its
+rows in the producer until the leader returns or ``message.timeout.ms`` passes.  Batches
+used to settle strictly in order, so one such row held back the marks and the claims of
+every other partition.  Now a row unreported for ``STALL_AFTER_S`` marks its partition as
+stalled: the pump marks what the rest of its batch got acknowledged, stops counting the
+batch against the pipeline, and produces nothing more for that partition or for the keys
+of its waiting rows (per-key order) until the partition acknowledges again; the rows it
+skipped are claimed again by a rewind once the stall is over.
+
+The partition of a keyed row is Kafka's default (murmur2 of the key, as the Java client
+and librdkafka's ``murmur2_random`` partitioner compute it) over the topic's partition
+count; a keyless row has none and is never held back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from relay.model import OutboxRow, RowId
+
+STALL_AFTER_S = 5.0  # no acknowledgement for this long: the row's partition is stalled
+
+Partition = tuple[str, int | None]  # (topic, partition; None when not computable)
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's murmur2 (``org.apache.kafka.common.utils.Utils.murmur2``), as unsigned 32 bits."""
+    m, h = 0x5BD1E995, (0x9747B28C ^ len(data)) & 0xFFFFFFFF
+    whole = len(data) & ~3
+    for i in range(0, whole, 4):
+        k = int.from_bytes(data[i:i + 4], "little")
+        k = (k * m) & 0xFFFFFFFF
+        k ^= k >> 24
+        k = (k * m) & 0xFFFFFFFF
+        h = ((h * m) & 0xFFFFFFFF) ^ k
+    rest = len(data) - whole
+    if rest == 3:
+        h ^= data[whole + 2] << 16
+    if rest >= 2:
+        h ^= data[whole + 1] << 8
+    if rest >= 1:
+        h ^= data[whole]
+        h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 15
+    return h
+
+
+def default_partition(key: bytes, partitions: int) -> int:
+    """The partition Kafka's default partitioner gives a keyed record."""
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+class Waiting(Protocol):
+    """What a batch in flight exposes to the tracker (relay.pump.InFlight)."""
+
+    @property
+    def produced_at(self) -> float: ...
+    @property
+    def rows(self) -> list[OutboxRow]: ...
+    @property
+    def outcomes(self) -> Mapping[RowId, object]: ...
+
+
+@dataclass(slots=True)
+class Stalls:
+    """The stalled partitions and held keys, recomputed from the batches in flight."""
+
+    partition_of: Callable[[OutboxRow], int | None]
+    partitions: dict[Partition, int] = field(default_factory=dict)  # -> rows waiting
+    keys: set[str] = field(default_factory=set)  # keys with a row waiting on a stalled partition
+    held: set[str] = field(default_factory=set)  # keys skipped since: claimed again by a rewind
+    rewind_after: bool = False  # rows were skipped: rewind once no partition is stalled
+
+    def update(self, batches: Iterable[Waiting], now: float) -> bool:
+        """Recompute from ``batches`` (in production order); True when a stall just ended."""
+        was = bool(self.partitions)
+        partitions: dict[Partition, int] = {}
+        keys: set[str] = set()
+        for batch in batches:
+            if now - batch.produced_at < STALL_AFTER_S:
+                break  # later batches are younger still
+            for row in batch.rows:
+                if row.id not in batch.outcomes:
+                    where = (row.topic, self.partition_of(row))
+                    partitions[where] = partitions.get(where, 0) + 1
+                    if row.key is not None:
+                        keys.add(row.key)
+        self.partitions, self.keys = partitions, keys
+        return was and not partitions
+
+    def holds(self, row: OutboxRow) -> bool:
+        """Whether ``row`` must not be produced now; remembers its key if so."""
+        if not self.partitions and not self.held:
+            return False
+        key = row.key
+        if key is None:
+            return False  # a keyless row has no order to keep: it goes
+        if (key not in self.keys and key not in self.held
+                and (row.topic, self.partition_of(row)) not in self.partitions):
+            return False
+        self.held.add(key)
+        self.rewind_after = True
+        return True
+
+    def stalled(self, batch: Waiting, now: float) -> bool:
+        """A batch that only waits on stalled partitions: it no longer counts as in flight
+        for the pipeline's depth, and its acknowledged rows are marked without it."""
+        return now - batch.produced_at >= STALL_AFTER_S and bool(self.partitions)

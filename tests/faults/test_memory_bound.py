@@ -1,0 +1,85 @@
+"""Memory is bounded by bytes, not rows (issue 15, item 1).
+
+Six rows of 20 MB in a backlog of 100,000 ordinary rows, the relay in a memory cgroup of
+256 MiB, as in deploy/k8s: the big rows are dead-lettered by their size without their
+payload ever reaching the relay, everything else is published, and the process's peak
+RSS stays under 150 MB.  (Before: a 7-row batch carried 120 MB of payload; the pod was
+killed before it could dead-letter anything, and so was every replica after it.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.fixtures.outbox import insert_rows, relay_cmd, relay_env, scalar, wait_drained
+
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+LIMIT_BYTES = 256 << 20
+BIG_ROWS, BIG_BYTES, BACKLOG = 6, 20_000_000, 100_000
+
+
+@pytest.fixture
+def memory_cgroup():
+    """A cgroup-v1 memory cgroup limited to 256 MiB (needs root and a writable hierarchy)."""
+    group = CGROUP_ROOT / f"outbox_test_{uuid.uuid4().hex[:8]}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(LIMIT_BYTES))
+    except OSError as exc:
+        reason = f"no writable memory cgroup at {CGROUP_ROOT}: {exc}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    try:
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            try:
+                os.kill(int(pid), 9)
+            except ProcessLookupError:
+                pass
+        try:
+            group.rmdir()
+        except OSError:
+            pass
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_huge_rows_in_a_backlog_stay_under_the_memory_limit(outbox_db, broker, topic, spawn,
+                                                            memory_cgroup):
+    insert_rows(outbox_db, topic, BACKLOG // 2, per_tx=10_000)
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        for i in range(BIG_ROWS):
+            conn.execute("INSERT INTO outbox (topic, key, payload) VALUES "
+                         "(%s, %s, jsonb_build_object('pad', repeat('y', %s)))",
+                         (topic, f"big{i}", BIG_BYTES))
+        conn.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, 'small', %s)",
+                     (topic, json.dumps({"key": "small", "seq": 0})))
+    insert_rows(outbox_db, topic, BACKLOG // 2, start=BACKLOG // 2, per_tx=10_000)
+    # The relay joins the cgroup before it execs, so every byte it ever maps counts.
+    cmd = ["sh", "-c", f'echo $$ > {memory_cgroup / "cgroup.procs"} && exec "$@"', "relay",
+           *relay_cmd("run")]
+    relay = spawn(cmd, env=relay_env(outbox_db, broker.bootstrap, max_attempts=5), name="relay")
+    wait_drained(outbox_db, timeout_s=180)
+    assert relay.alive, relay.log_tail()
+    peak = peak_rss_mb(relay.pid)
+    failcnt = int((memory_cgroup / "memory.failcnt").read_text())
+    relay.sigterm()
+    assert relay.wait(30) == 0, relay.log_tail()
+    print(f"relay peak RSS {peak:.1f} MB; cgroup limit hits {failcnt}")
+    assert peak < 150, peak
+    dead = dict(scalar(outbox_db, "SELECT json_object_agg(key, reason) FROM outbox_dead_letters"))
+    assert dead == {f"big{i}": "message_too_large" for i in range(BIG_ROWS)}
+    assert scalar(outbox_db, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") == BACKLOG + 1
