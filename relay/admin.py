@@ -40,6 +40,10 @@ def dispatch(command: str, args: argparse.Namespace, settings: Settings) -> int:
         from relay import replay_admin
 
         return replay_admin.command(settings, args)
+    if command == "console":
+        from relay.console import main as console_main
+
+        return console_main(settings)
     raise ConfigError(f"unknown command {command!r}")
 
 

@@ -32,8 +32,10 @@ REPLAY_BATCH_ROWS = 500
 #: replays run, and while none does (one cheap statement; the idle cost stays low).
 REFRESH_INTERVAL_S = 1.0
 IDLE_REFRESH_INTERVAL_S = 5.0
-#: Wait before re-reading a batch that was not fully acknowledged.
+#: Wait before re-reading a batch that was not fully acknowledged (the producer's local
+#: queue was full: a moment only).
 RETRY_AFTER_S = 1.0
+QUEUE_FULL_RETRY_S = 0.05
 
 
 class ReplaySink(Protocol):
@@ -160,7 +162,8 @@ class Replayer:
             del self.replays[gone]
         for replay_id, row in active.items():
             if replay_id not in self.replays:
-                self.replays[replay_id] = _Replay(replay_id, float(row["rate_per_s"]), refilled=now)
+                # A second's worth of events to start with (the bucket holds at most that).
+                self.replays[replay_id] = _Replay(replay_id, float(row["rate_per_s"]), refilled=now - 1.0)
                 self.log.info("replay_started", replay_id=replay_id, rate_per_s=float(row["rate_per_s"]))
             self.metrics.replay_rows_left.labels(str(replay_id)).set(int(row["rows_left"]))
         labels = {str(i) for i in active}
@@ -217,11 +220,15 @@ class Replayer:
         def report(row: OutboxRow, outcome: Outcome) -> None:
             batch.outcomes[row.id] = outcome
 
-        for item in rows:
+        for index, item in enumerate(rows):
             refused = self.publisher.send(item.row, report)
             if refused is not None:
-                batch.outcomes[item.row.id] = refused
-        result.sent += len(rows)
+                # Not queued (a full local queue, a bad row): nothing after it goes out now,
+                # so no later row of its key can overtake it.
+                for rest in rows[index:]:
+                    batch.outcomes[rest.row.id] = refused
+                break
+            result.sent += 1
         return False
 
     def _settle(self, replay: _Replay, shard: ShardId, state: _ShardState,
@@ -244,7 +251,9 @@ class Replayer:
         result.acked += upto
         if upto < len(batch.rows):
             result.failed += len(batch.rows) - upto
-            state.not_before = self.clock() + RETRY_AFTER_S
+            first = batch.outcomes[batch.rows[upto].row.id]
+            state.not_before = self.clock() + (QUEUE_FULL_RETRY_S if first.error_class == "queue_full"
+                                               else RETRY_AFTER_S)
             self.log.warning("replay_batch_failed", replay_id=replay.id, shard=shard,
                              unacknowledged=len(batch.rows) - upto, retry_in_s=RETRY_AFTER_S)
         if upto == 0:

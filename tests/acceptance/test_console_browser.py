@@ -1,0 +1,243 @@
+"""`outbox-relay console` in a real browser (headless Chromium from Debian, driven by
+selenium), against a real relay database: dead letters made by a relay, runs and jobs
+made by the jobs API, a replay request.  Also what a browser cannot show: cross-site
+and forged requests are refused, read-only mode has no actions.
+
+Without chromium/chromedriver (apt-get install chromium chromium-driver) or selenium the
+browser test skips with the reason, and fails under CI=true.  OUTBOX_CONSOLE_SCREENSHOTS=DIR
+saves the screenshots of the main pages there (docs/console/ in the README).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from consumer_sdk.jobs import NewJob, accept, enqueue
+from consumer_sdk.jobs import queue as jobq
+from relay.replay_store import ReplayStore
+from tests.fixtures.outbox import RelayThread, relay_cmd, relay_env
+from tests.fixtures.procs import wait_until
+from tests.integration.jobs._support import claim_next
+
+TOKEN = "console-token-0123456789abcdef"
+SECRET_PAYLOAD = "payload-secret-marker"
+
+
+def _browser_or_skip() -> tuple[str, str]:
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        chromium = None
+    if chromium and driver:
+        return chromium, driver
+    reason = ("headless Chromium test needs Debian's chromium and chromium-driver "
+              "(apt-get install chromium chromium-driver) and selenium (pip install .[test])")
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def _dead_letters(dsn: str, bootstrap: str, topic: str) -> None:
+    """Three rows the relay cannot publish (a header that is not a string): dead letters."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for n in range(3):
+            conn.execute("INSERT INTO outbox (topic, key, payload, headers) VALUES (%s, %s, %s, %s)",
+                         (topic, f"k{n}", f'{{"secret": "{SECRET_PAYLOAD}", "n": {n}}}', '{"n": 1}'))
+    with RelayThread(dsn, bootstrap, max_attempts=1):
+        wait_until(lambda: _count(dsn, "outbox_dead_letters") == 3, timeout_s=60)
+
+
+def _jobs(dsn: str) -> dict[str, str]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        runs = {name: accept(conn, owner_id="owner-a", request_key=name, kind="report", body={"n": name})
+                for name in ("done", "failed", "queued")}
+        enqueue(conn, [NewJob(owner_id="owner-b", queue="bulk", kind="export", payload={})])
+        for job in claim_next(conn, "worker-1", now=None, max_concurrency=4):
+            if job.run_id == runs["done"].run_id:
+                assert jobq.complete(conn, job.lease, result={"pages": 1})
+            elif job.run_id == runs["failed"].run_id:
+                assert jobq.fail(conn, job.lease, reason="permanent_error",
+                                 error="Boom: https://internal.example/secret-url", error_type="Boom")
+    return {name: str(run.run_id) for name, run in runs.items()}
+
+
+def _count(dsn: str, table: str, where: str = "true") -> int:
+    """Rows of ``table`` matching ``where`` (test-owned constants only)."""
+    from psycopg import sql
+
+    query = sql.SQL("SELECT count(*) FROM {} WHERE {}").format(sql.Identifier(table), sql.SQL(where))  # type: ignore[arg-type]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return int(conn.execute(query).fetchone()[0])  # type: ignore[index]
+
+
+def _console(spawn: Any, dsn: str, tmp_path: Path, *, actions: bool) -> tuple[Any, str]:
+    token_file = tmp_path / "console-token"
+    token_file.write_text(TOKEN + "\n")
+    env = relay_env(dsn, "", console_port=0, console_actions=str(actions).lower(),
+                    console_token_file=str(token_file))
+    proc = spawn(relay_cmd("console"), env=env, name=f"console-{'rw' if actions else 'ro'}")
+    line = proc.wait_for_log(re.compile(r"console listening on http://127\.0\.0\.1:\d+/"), timeout_s=30)
+    return proc, line.split("on ", 1)[1].strip()
+
+
+def _post(url: str, fields: dict[str, str], **headers: str) -> int:
+    from urllib.parse import urlencode
+
+    request = urllib.request.Request(url, data=urlencode(fields).encode(), method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - 127.0.0.1 only
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def _driver(chromium: str, driver_path: str) -> Any:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1280,860", "--no-first-run", "--disable-extensions"):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+
+
+def test_console_in_a_browser(outbox_db, broker, topic, spawn, tmp_path):
+    chromium, driver_path = _browser_or_skip()
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _dead_letters(outbox_db, broker.bootstrap, topic)
+    runs = _jobs(outbox_db)
+    store = ReplayStore(outbox_db)
+    from datetime import UTC, datetime, timedelta
+
+    replay = store.create(since=datetime.now(UTC) - timedelta(hours=1), until=None, topics=[topic], keys=[],
+                          rate=100.0, requested_by="tester")
+    store.close()
+    proc, url = _console(spawn, outbox_db, tmp_path, actions=True)
+    shots = os.environ.get("OUTBOX_CONSOLE_SCREENSHOTS")
+    browser = _driver(chromium, driver_path)
+    try:
+        def shot(name: str) -> None:
+            browser.save_screenshot(str(tmp_path / f"{name}.png"))
+            if shots:
+                browser.save_screenshot(str(Path(shots) / f"{name}.png"))
+
+        def submit(element: Any) -> None:
+            """Click and wait for the next page (a form post navigates)."""
+            old = browser.find_element(By.TAG_NAME, "html")
+            element.click()
+            # Chromium may answer "node does not belong to the document" mid-navigation: retry.
+            WebDriverWait(browser, 15, ignored_exceptions=(WebDriverException,)).until(
+                expected_conditions.staleness_of(old))
+
+        def click(label: str, row_text: str) -> None:
+            row = browser.find_element(By.XPATH, f"//tr[td[contains(., '{row_text}')]]")
+            submit(row.find_element(By.XPATH, f".//button[normalize-space()='{label}']"))
+
+        browser.get(url)
+        assert "Relay status" in browser.title
+        assert len(browser.find_elements(By.XPATH, "//h2[.='Shards and leases']/following-sibling::table[1]//tbody/tr")) == 16
+        shot("status")
+
+        browser.get(url + "dead-letters")
+        assert len(browser.find_elements(By.CSS_SELECTOR, "tbody tr")) == 3
+        assert SECRET_PAYLOAD not in browser.page_source
+        assert not browser.find_elements(By.TAG_NAME, "button")  # no session: no action
+        shot("dead-letters")
+        submit(browser.find_element(By.CSS_SELECTOR, "tbody tr a"))
+        assert SECRET_PAYLOAD not in browser.page_source
+        submit(browser.find_element(By.LINK_TEXT, "show them for this row"))
+        assert SECRET_PAYLOAD in browser.page_source and "bad_headers" in browser.page_source
+
+        browser.get(url + "login")
+        browser.find_element(By.NAME, "who").send_keys("alice")
+        browser.find_element(By.NAME, "token").send_keys("wrong-token-wrong-token")
+        submit(browser.find_element(By.CSS_SELECTOR, "form button"))
+        assert "wrong token" in browser.page_source
+        browser.find_element(By.NAME, "who").send_keys("alice")
+        browser.find_element(By.NAME, "token").send_keys(TOKEN)
+        submit(browser.find_element(By.CSS_SELECTOR, "form button"))
+        assert "signed in as alice" in browser.page_source
+        cookie = browser.get_cookie("outbox_console")
+        assert cookie is not None and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+
+        browser.get(url + "dead-letters")
+        first, second = [a.text for a in browser.find_elements(By.CSS_SELECTOR, "tbody tr td:first-child a")][:2]
+        click("requeue", first)
+        assert "requeued 1" in browser.find_element(By.CLASS_NAME, "flash").text
+        click("purge", second)
+        assert "purged 1" in browser.find_element(By.CLASS_NAME, "flash").text
+        assert _count(outbox_db, "outbox_dead_letters") == 1
+        assert _count(outbox_db, "outbox", f"event_id = '{first}' AND published_at IS NULL") == 1
+
+        browser.get(url + "replays")
+        shot("replays")
+        click("cancel", f"{topic}")
+        assert "cancelled" in browser.find_element(By.CLASS_NAME, "flash").text
+        assert _count(outbox_db, "outbox_relay_replays", f"id = {replay['id']} AND state = 'cancelled'") == 1
+
+        browser.get(url + "jobs?status=failed")
+        assert runs["failed"] in browser.page_source and runs["done"] not in browser.page_source.split("<h2>Runs")[1].split("<h2>")[0]
+        browser.get(url + "jobs")
+        shot("jobs")
+        click("retry", "permanent_error")
+        assert "queued again" in browser.find_element(By.CLASS_NAME, "flash").text
+        assert _count(outbox_db, "job_dead_letters") == 0
+
+        browser.get(url + f"runs/{runs['failed']}")
+        assert "secret-url" not in browser.page_source
+        shot("run")
+        submit(browser.find_element(By.LINK_TEXT, "show it for this run"))
+        assert "secret-url" in browser.page_source
+        browser.get(url + f"runs/{runs['queued']}")
+        submit(browser.find_element(By.XPATH, "//button[.='cancel run']"))
+        assert "now cancelled" in browser.find_element(By.CLASS_NAME, "flash").text
+    finally:
+        browser.quit()
+
+    log = proc.log_text()
+    assert re.search(r'"who": ?"alice".*"action": ?"dead-letters/requeue"|"action": ?"dead-letters/requeue".*"who": ?"alice"', log)
+    assert "console_sign_in_refused" in log
+    assert TOKEN not in log
+
+
+def test_console_refuses_forged_requests_and_is_read_only_by_default(outbox_db, spawn, tmp_path):
+    rw, url = _console(spawn, outbox_db, tmp_path, actions=True)
+    origin = url.rstrip("/")
+    assert _post(url + "actions/dead-letters/purge", {"event_id": "x"}, Origin="http://evil.example") == 403
+    assert _post(url + "actions/dead-letters/purge", {"event_id": "x"}) == 403  # no Origin, no Referer
+    assert _post(url + "actions/dead-letters/purge", {"event_id": "x", "csrf": "guess"}, Origin=origin) == 403
+    assert _post(url + "login", {"who": "mallory", "token": TOKEN, "csrf": "forged"}, Origin=origin) == 403
+    request = urllib.request.Request(url, headers={"Host": "rebound.example:80"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)  # noqa: S310 - 127.0.0.1 only
+    assert refused.value.code == 421
+    with urllib.request.urlopen(url, timeout=10) as page:  # noqa: S310
+        assert "default-src 'none'" in page.headers["Content-Security-Policy"]
+        assert page.headers["X-Frame-Options"] == "DENY"
+    rw.sigterm()
+    assert rw.wait(10) == 0
+
+    ro, ro_url = _console(spawn, outbox_db, tmp_path, actions=False)
+    assert "read-only" in ro.log_text()
+    assert _post(ro_url + "actions/dead-letters/purge", {"event_id": "x"}, Origin=ro_url.rstrip("/")) == 403
+    with urllib.request.urlopen(ro_url + "dead-letters", timeout=10) as page:  # noqa: S310
+        assert b"sign in" not in page.read() and b"read-only" in page.read() + b"read-only"
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(ro_url + "login", timeout=10)  # noqa: S310 - no sign-in when read-only
+    assert missing.value.code == 404
