@@ -104,6 +104,7 @@ def status(settings: Settings, *, as_json: bool) -> int:
         (backlog,) = _rows(conn, "admin", "status_backlog", {}, settings.table)
         (dead,) = _rows(conn, "admin", "status_dead_letters", {})
         shards = _rows(conn, "leases", "shard_table", {"now": None})
+        stalled = _rows(conn, "admin", "status_stalled", {})
     finally:
         conn.close()
     from relay.replay_admin import format_replays, status_section
@@ -120,6 +121,10 @@ def status(settings: Settings, *, as_json: bool) -> int:
             for r in shards
         ],
         "replays": replays,
+        "stalled_partitions": [
+            {"topic": r["topic"], "partition": r["partition"], "rows_waiting": int(r["rows_waiting"]),
+             "replica": r["owner"]} for r in stalled
+        ],
     }
     if as_json:
         json.dump(report, sys.stdout, indent=2)
@@ -135,6 +140,12 @@ def status(settings: Settings, *, as_json: bool) -> int:
         state = "live" if r["live"] else ("expired" if r["owner"] else "free")
         print(f"{r['shard']:>5}  {(r['owner'] or '-'):<32}  {(r['lease_until'] or '-'):<32}  "
               f"{r['token']:>6}  {state}")
+    if report["stalled_partitions"]:
+        print()
+        print("waiting on partitions that acknowledge nothing (no leader?):")
+        for r in report["stalled_partitions"]:
+            print(f"  {r['topic']} [{r['partition']}]: {r['rows_waiting']} rows waiting "
+                  f"(replica {r['replica']}); later rows of their keys wait too")
     if replays:
         print()
         for line in format_replays(replays):

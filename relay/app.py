@@ -125,7 +125,8 @@ class Relay:
         self.schema_ok = True
         self.leases = LeaseManager(self.store, owner=s.owner, shards=nshards,
                                    lease_s=s.lease_duration_s, heartbeat_s=s.heartbeat_interval_s,
-                                   clock=self.clock, on_lost=self._lease_lost)
+                                   clock=self.clock, on_lost=self._lease_lost,
+                                   stalled=lambda: self.pump.stalls.as_json() if self.pump else "{}")
         self.pump = Pump(store=self.store, publisher=self.publisher, leases=self.leases,
                          nshards=nshards, batch_size=s.batch_size, pipeline_depth=s.pipeline_depth,
                          max_attempts=s.max_attempts, backoff_initial_s=s.backoff_initial_s,

@@ -41,7 +41,7 @@ def local_deadline(sent_at: float, lease_s: float) -> float:
 
 
 class LeaseStore(Protocol):
-    def heartbeat_replica(self, *, owner: str, ttl_s: float) -> int: ...
+    def heartbeat_replica(self, *, owner: str, ttl_s: float, stalled: str = "{}") -> int: ...
     def renew(self, *, owner: str, leases: Any, lease_s: float) -> dict[ShardId, Token]: ...
     def claim_shards(self, *, owner: str, limit: int, lease_s: float) -> dict[ShardId, Token]: ...
     def release(self, *, owner: str, leases: Any) -> set[ShardId]: ...
@@ -69,7 +69,10 @@ class LeaseManager:
         heartbeat_s: float,
         clock: Callable[[], float],
         on_lost: Callable[[ShardId, str], None] = lambda shard, why: None,
+        stalled: Callable[[], str] = lambda: "{}",
     ) -> None:
+        """``stalled``: what this replica waits on, as JSON, for the heartbeat to publish."""
+        self._stalled = stalled
         self._store = store
         self.owner = owner
         self.shards = shards
@@ -108,7 +111,8 @@ class LeaseManager:
         change = LeaseChange()
         sent_at = self._clock()
         self._next_heartbeat = sent_at + self.heartbeat_s
-        change.live_replicas = self._store.heartbeat_replica(owner=self.owner, ttl_s=self.lease_s)
+        change.live_replicas = self._store.heartbeat_replica(owner=self.owner, ttl_s=self.lease_s,
+                                                             stalled=self._stalled())
 
         held = list(self.leases.values())
         renewed = self._store.renew(owner=self.owner, leases=held, lease_s=self.lease_s)

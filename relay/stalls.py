@@ -16,6 +16,7 @@ count; a keyless row has none and is never held back.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -93,6 +94,13 @@ class Stalls:
                         keys.add(row.key)
         self.partitions, self.keys = partitions, keys
         return was and not partitions
+
+    def as_json(self) -> str:
+        """{"<topic>": {"<partition>": rows waiting}}: what `outbox-relay status` shows."""
+        report: dict[str, dict[str, int]] = {}
+        for (topic, partition), waiting in sorted(self.partitions.items(), key=str):
+            report.setdefault(topic, {})[str(partition)] = waiting
+        return json.dumps(report, sort_keys=True)
 
     def holds(self, row: OutboxRow) -> bool:
         """Whether ``row`` must not be produced now; remembers its key if so."""

@@ -340,10 +340,11 @@ class Store:
 
     # -- leases ---------------------------------------------------------------------------
 
-    def heartbeat_replica(self, *, owner: str, ttl_s: float) -> int:
-        """Announce this replica; returns the number of live replicas (itself included)."""
+    def heartbeat_replica(self, *, owner: str, ttl_s: float, stalled: str = "{}") -> int:
+        """Announce this replica (and, as JSON, the partitions it waits on); returns the
+        number of live replicas (itself included)."""
         (row,) = self._fetch("leases", "heartbeat_replica",
-                             {"owner": owner, "ttl_s": ttl_s, "now": self.now})
+                             {"owner": owner, "ttl_s": ttl_s, "now": self.now, "stalled": stalled})
         return max(1, int(row["live"]))
 
     def forget_replica(self, *, owner: str) -> None:

@@ -30,6 +30,16 @@ WHERE published_at IS NULL
 -- name: status_dead_letters
 SELECT count(*) AS dead_letters FROM outbox_dead_letters
 
+-- name: status_stalled
+-- Partitions live replicas wait on (a leader missing), one row per replica, topic and
+-- partition (see sql/migrations/0008_replica_stalls.sql).
+SELECT r.owner, t.key AS topic, p.key AS partition, p.value::bigint AS rows_waiting
+FROM outbox_relay_replicas AS r
+CROSS JOIN LATERAL jsonb_each(r.stalled) AS t
+CROSS JOIN LATERAL jsonb_each_text(t.value) AS p
+WHERE r.seen_until > now()
+ORDER BY t.key, p.key, r.owner
+
 -- name: cleanup_batch
 -- Published rows past retention, a small batch at a time; SKIP LOCKED so the
 -- relay is never blocked and never waits; unpublished rows are never touched.

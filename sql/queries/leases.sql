@@ -3,9 +3,10 @@
 -- name: heartbeat_replica
 -- Announce this replica and count the live ones (itself included) in one round trip.
 WITH me AS (
-    INSERT INTO outbox_relay_replicas (owner, seen_until)
-    VALUES (%(owner)s, coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(ttl_s)s))
-    ON CONFLICT (owner) DO UPDATE SET seen_until = excluded.seen_until
+    INSERT INTO outbox_relay_replicas (owner, seen_until, stalled)
+    VALUES (%(owner)s, coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(ttl_s)s),
+            %(stalled)s::jsonb)
+    ON CONFLICT (owner) DO UPDATE SET seen_until = excluded.seen_until, stalled = excluded.stalled
     RETURNING owner
 )
 SELECT 1 + count(*) AS live

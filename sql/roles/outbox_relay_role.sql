@@ -23,7 +23,7 @@
 --                                                FOR SHARE / FOR UPDATE row locks of
 --                                                mark_published, record_failure,
 --                                                dead_letter and claim_shards need UPDATE
---   outbox_relay_replicas  SELECT, INSERT, UPDATE (seen_until), DELETE
+--   outbox_relay_replicas  SELECT, INSERT, UPDATE (seen_until, stalled), DELETE
 --                                                heartbeat_replica (upsert), forget_replica
 --   outbox_relay_settings  SELECT                read_settings (the shard count)
 --   outbox_relay_replays   SELECT, UPDATE (state, finished_at)
@@ -135,7 +135,7 @@ BEGIN
         'GRANT SELECT, UPDATE (owner, lease_until, token) '
         'ON TABLE %I.outbox_relay_shards TO outbox_relay', schema_name);
     EXECUTE pg_catalog.format(
-        'GRANT SELECT, INSERT, DELETE, UPDATE (seen_until) '
+        'GRANT SELECT, INSERT, DELETE, UPDATE (seen_until, stalled) '
         'ON TABLE %I.outbox_relay_replicas TO outbox_relay', schema_name);
     EXECUTE pg_catalog.format(
         'GRANT SELECT ON TABLE %I.outbox_relay_settings TO outbox_relay', schema_name);

@@ -141,7 +141,7 @@ def test_role_script_grants_exactly_the_documented_privileges(relay_login: Relay
         ("outbox", "last_error", "UPDATE"), ("outbox", "retry_at", "UPDATE"), ("outbox", "xid", "UPDATE"),
         ("outbox_relay_shards", "owner", "UPDATE"), ("outbox_relay_shards", "lease_until", "UPDATE"),
         ("outbox_relay_shards", "token", "UPDATE"),
-        ("outbox_relay_replicas", "seen_until", "UPDATE"),
+        ("outbox_relay_replicas", "seen_until", "UPDATE"), ("outbox_relay_replicas", "stalled", "UPDATE"),
     }
     with psycopg.connect(relay_login.dsn, autocommit=True) as conn:
         assert conn.execute("SELECT pg_has_role(current_user, 'pg_read_all_stats', 'USAGE'), "

@@ -29,7 +29,7 @@ class FakeLeaseStore:
         self.now = 0.0
         self.replicas: dict[str, float] = {}
 
-    def heartbeat_replica(self, *, owner: str, ttl_s: float) -> int:
+    def heartbeat_replica(self, *, owner: str, ttl_s: float, stalled: str = "{}") -> int:
         self.replicas[owner] = self.now + ttl_s
         return sum(1 for until in self.replicas.values() if until > self.now)
 
