@@ -68,6 +68,11 @@ class _Abandon(Exception):
     """The rest of the batch is left unsettled (a rebalance moved partitions, or stop())."""
 
 
+#: Client errors that mean the credentials or the TLS setup are wrong (as for the relay).
+_CREDENTIALS_REJECTED = frozenset({KafkaError._AUTHENTICATION, KafkaError.SASL_AUTHENTICATION_FAILED,
+                                   KafkaError._SSL})
+
+
 class InboxConsumer:
     """One member of a consumer group (or a lone assign() reader) applying events exactly once.
 
@@ -364,7 +369,8 @@ class InboxConsumer:
         self.assigned -= parts
 
     def _client_error(self, err: KafkaError) -> None:
-        if err.fatal():
+        if err.fatal() or err.code() in _CREDENTIALS_REJECTED:
+            # librdkafka retries a rejected password forever; no retry can fix it.
             self._fatal = err.str()
             self.log.error("kafka_fatal", error=err.str())
         elif err.code() != self._last_client_error:

@@ -218,8 +218,6 @@ def test_inbox_consumer_reads_with_scram_and_refuses_a_wrong_password(db_dsn, se
     assert _effects(sdk_db) == len(expected)
 
 
-@pytest.mark.xfail(strict=True, reason="consumer_sdk retries a SASL rejection forever instead of "
-                   "stopping with KafkaFatal (reported with issue 13)")
 def test_inbox_consumer_stops_on_a_wrong_password(db_dsn, secure_kafka, topic_name):
     sdk_db = migrate_sdk_db(db_dsn)
     topic = ALLOWED_PREFIX + topic_name("sdk-wrong")
