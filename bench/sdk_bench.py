@@ -15,7 +15,9 @@ handler that inserts one row; every consumer reads every partition with ``assign
 * naive: ``consume(500)``, one transaction per batch inserting the inbox rows ``ON
   CONFLICT DO NOTHING`` (unnest) and the effect rows of the new ones, DB commit, then a
   synchronous offset commit;
-* InboxConsumer, ``batch_size=500`` and one message at a time (``batch_size=1``, on
+* InboxConsumer, ``batch_size=500``, with that handler (``inbox_batch``) and with a batch
+  handler inserting the batch's effect rows in one statement as the naive one does
+  (``inbox_batch_bh``), and one message at a time (``batch_size=1``, on
   ``--single-messages`` messages);
 * each on new messages and on redeliveries (the same topic read again by the same inbox
   under a new consumer group).
@@ -41,7 +43,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +166,7 @@ def naive_consumer(dsn: str, bootstrap: str, topic: str, partitions: int, *, inb
                     "partitions": [msg.partition() for msg in msgs],
                     "offsets": [msg.offset() for msg in msgs]})}
                 if new:
-                    fresh = [(i, json.loads(msg.value() or b"null")["n"]) for i, msg in zip(ids, msgs)
+                    fresh = [(i, json.loads(msg.value() or b"null")["n"]) for i, msg in zip(ids, msgs, strict=True)
                              if i in new]
                     conn.execute(q("naive_effects"), {"consumer": inbox, "event_ids": [i for i, _ in fresh],
                                                       "ns": [n for _, n in fresh]})
@@ -175,17 +177,21 @@ def naive_consumer(dsn: str, bootstrap: str, topic: str, partitions: int, *, inb
 
 
 def sdk_consumer(dsn: str, bootstrap: str, topic: str, *, inbox: str, group: str, batch_size: int,
-                 count: int) -> dict[str, float]:
+                 count: int, batched: bool = False) -> dict[str, float]:
     def handler(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
         conn.execute(q("effect"), {"event_id": message.event_id, "consumer": inbox,
                                    "n": message.json()["n"]})
+
+    def batch_handler(conn: psycopg.Connection[Any], messages: Sequence[InboxMessage]) -> None:
+        conn.execute(q("naive_effects"), {"consumer": inbox, "event_ids": [m.event_id for m in messages],
+                                          "ns": [m.json()["n"] for m in messages]})
 
     config = InboxConfig(name=inbox, group_id=group, dsn=dsn, bootstrap_servers=bootstrap, topics=[topic],
                          assignment="assign", batch_size=batch_size, poll_timeout_s=1.0,
                          check_retention=False, check_dead_letter_topics=False, kafka_properties=KAFKA)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(q("rebind"), {"consumer": inbox, "group": group})
-    consumer = InboxConsumer(config, handler)
+    consumer = InboxConsumer(config, batch_handler=batch_handler) if batched else InboxConsumer(config, handler)
     consumer.start()
     try:
         with Measure() as m:
@@ -215,6 +221,9 @@ def consumer_round(args: argparse.Namespace, dsn: str, bootstrap: str, run: int,
         ("inbox_batch", lambda inbox, group: sdk_consumer(
             dsn, bootstrap, topics["big"], inbox=inbox, group=group, batch_size=args.batch_size,
             count=args.messages)),
+        ("inbox_batch_bh", lambda inbox, group: sdk_consumer(
+            dsn, bootstrap, topics["big"], inbox=inbox, group=group, batch_size=args.batch_size,
+            count=args.messages, batched=True)),
         ("inbox_single", lambda inbox, group: sdk_consumer(
             dsn, bootstrap, topics["small"], inbox=inbox, group=group, batch_size=1,
             count=args.single_messages)),
@@ -307,6 +316,8 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, float]
     report["ratios"] = {
         "inbox_batch_new_vs_naive": ratio("inbox_batch_new", "naive_new"),
         "inbox_batch_redelivered_vs_naive": ratio("inbox_batch_redelivered", "naive_redelivered"),
+        "inbox_batch_bh_new_vs_naive": ratio("inbox_batch_bh_new", "naive_new"),
+        "inbox_batch_bh_redelivered_vs_naive": ratio("inbox_batch_bh_redelivered", "naive_redelivered"),
         "worker_pool_vs_naive": ratio("worker_pool", "naive_workers"),
     }
     return report

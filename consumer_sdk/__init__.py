@@ -51,6 +51,7 @@ from consumer_sdk.model import (
     RetryPolicy,
 )
 from consumer_sdk.outbox import OutboxEvent, write_event, write_events
+from consumer_sdk.processor import BatchHandler
 from consumer_sdk.retention import RetentionFinding, retention_safe
 from consumer_sdk.store import PgInboxStore, cleanup_inbox
 
@@ -65,6 +66,7 @@ __all__ = [
     "DeadLetter",
     "DeadLetterFailed",
     "FatalError",
+    "BatchHandler",
     "Handler",
     "HandlerTransactionFailed",
     "InboxConfig",

@@ -17,6 +17,7 @@ from consumer_sdk.model import Action, RetryPolicy
 from consumer_sdk.secrets import safe_repr, validate_dsn
 
 DEFAULT_BATCH_SIZE = 1
+DEFAULT_PREFETCH_RECORDS = 500
 DEFAULT_POLL_TIMEOUT_S = 1.0
 DEFAULT_DEAD_LETTER_TOPIC = "{topic}.dlq"
 DEFAULT_DEAD_LETTER_TIMEOUT_S = 30.0
@@ -49,7 +50,12 @@ class InboxConfig:
     reads every partition of ``topics`` without group membership (one instance
     only; offsets are still committed under the group id; partitions added later
     are not picked up).  ``batch_size > 1`` is the throughput mode: one transaction
-    and one offset commit per batch, same guarantees.  ``dsn`` is a libpq
+    and one offset commit per batch, same guarantees.  With ``batch_size=1`` (one
+    transaction per message), a poll takes up to ``prefetch_records`` messages, applies
+    each in its own transaction and commits their offsets together after the last one
+    (and before any back-off, revocation or close): the offset still follows the database
+    commit, and a crash redelivers at most one poll's messages, which the inbox drops
+    (``prefetch_records=1``: an offset commit per message).  ``dsn`` is a libpq
     connection string (or pass ``connect=`` to the consumer).  ``dead_letter_topic``
     may contain ``{topic}``, the source topic's name.  ``dead_letter_max_bytes`` is the
     dead-letter producer's ``message.max.bytes`` (by default the largest librdkafka
@@ -67,6 +73,7 @@ class InboxConfig:
     kafka_properties: Mapping[str, Any] = field(default_factory=dict)
     assignment: Literal["subscribe", "assign"] = "subscribe"
     batch_size: int = DEFAULT_BATCH_SIZE
+    prefetch_records: int = DEFAULT_PREFETCH_RECORDS
     poll_timeout_s: float = DEFAULT_POLL_TIMEOUT_S
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     on_invalid_event_id: Action = "dead_letter"
@@ -106,8 +113,8 @@ class InboxConfig:
             raise ConfigError("cooperative rebalancing is not supported: use range or roundrobin")
 
     def _check_numbers(self) -> None:
-        if self.batch_size < 1:
-            raise ConfigError("batch_size must be at least 1")
+        if self.batch_size < 1 or self.prefetch_records < 1:
+            raise ConfigError("batch_size and prefetch_records must be at least 1")
         if self.poll_timeout_s <= 0 or self.dead_letter_timeout_s <= 0 or self.cleanup_interval_s <= 0:
             raise ConfigError("poll_timeout_s, dead_letter_timeout_s and cleanup_interval_s must be positive")
         if self.inbox_retention_s is not None and self.inbox_retention_s <= 0:
@@ -122,6 +129,11 @@ class InboxConfig:
     def __repr__(self) -> str:
         """No secret: the DSN's password and secret Kafka properties show as ``***``."""
         return safe_repr(self, {f.name: getattr(self, f.name) for f in fields(self)})
+
+    @property
+    def poll_records(self) -> int:
+        """Messages one poll takes: a batch, or ``prefetch_records`` one-at-a-time messages."""
+        return self.batch_size if self.batch_size > 1 else self.prefetch_records
 
     @property
     def group(self) -> str:

@@ -52,7 +52,7 @@ from consumer_sdk.metrics import ConsumerMetrics
 from consumer_sdk.model import BatchResult, DeadLetter, InboxMessage, KafkaRecord
 from consumer_sdk.offsets import OffsetBook, TopicPart
 from consumer_sdk.parking import ParkingLot
-from consumer_sdk.processor import DeadLetterSink, Policies, Processor
+from consumer_sdk.processor import BatchHandler, DeadLetterSink, Policies, Processor
 from consumer_sdk.replays import with_replays
 from consumer_sdk.retention import RetentionFinding, check_retention, report_retention
 from consumer_sdk.store import ConnectionFactory, PgInboxStore, cleanup_inbox, connect_factory
@@ -60,6 +60,10 @@ from consumer_sdk.store import ConnectionFactory, PgInboxStore, cleanup_inbox, c
 #: The handler: apply one message with ``conn``, inside the consumer's transaction.
 #: Never commit.  Raise to roll back and retry; raise PermanentError to dead-letter now.
 Handler = Callable[[psycopg.Connection[Any], InboxMessage], None]
+#: Or a batch handler (``batch_handler=``): apply every new message of a batch at once
+#: (one statement for all), with ``conn``, inside the consumer's transaction.  Same rules;
+#: when it raises, the batch's messages are applied one at a time (``[message]``), each in
+#: a savepoint of its own, so that the failure concerns its own message only.
 
 _KEEPALIVE_POLL_S = 0.2
 
@@ -79,7 +83,8 @@ class InboxConsumer:
     Not thread-safe, except :meth:`stop`, which any thread or signal handler may call.
     """
 
-    def __init__(self, config: InboxConfig, handler: Handler, *, metrics: ConsumerMetrics | None = None,
+    def __init__(self, config: InboxConfig, handler: Handler | None = None, *,
+                 batch_handler: BatchHandler | None = None, metrics: ConsumerMetrics | None = None,
                  log: Any = None, connect: ConnectionFactory | None = None,
                  dead_letters: DeadLetterSink | None = None, sleep: Callable[[float], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -89,7 +94,10 @@ class InboxConsumer:
             consumer=config.name)
         self.store = PgInboxStore(connect or connect_factory(
             config.dsn, application_name=f"outbox-consumer:{config.name}"[:63]))
+        if (handler is None) == (batch_handler is None):
+            raise TypeError("give either a handler or a batch_handler")
         self._handler = handler
+        self._batch_handler = batch_handler
         self._dead_letters = dead_letters
         self._own_dead_letters: KafkaDeadLetters | None = None
         self._sleep = sleep or self._keepalive_sleep
@@ -101,6 +109,7 @@ class InboxConsumer:
         self.parked = ParkingLot(backoff_initial_s=config.db_backoff_initial_s,
                                  backoff_max_s=config.db_backoff_max_s)
         self._unsettled: list[KafkaRecord] = []
+        self._deferred: set[TopicPart] = set()  # settled partitions whose offsets wait for the poll's end
         self._stash: list[KafkaRecord] = []  # messages a keep-alive poll returned, processed next
         self._rebalances = 0
         self._fatal: str | None = None
@@ -142,7 +151,8 @@ class InboxConsumer:
             handler=self._handler, dead_letters=sink,
             policies=Policies(retry=self.config.retry, on_invalid_event_id=self.config.on_invalid_event_id,
                               on_payload_mismatch=self.config.on_payload_mismatch),
-            metrics=self.metrics, log=self.log, sleep=self._sleep, on_settled=self._settled)
+            metrics=self.metrics, log=self.log, sleep=self._sleep, on_settled=self._settled,
+            batch_size=self.config.batch_size, batch_handler=self._batch_handler)
         self._consumer = self._new_consumer()
         if self._own_dead_letters is not None and self.config.check_dead_letter_topics \
                 and self.config.may_dead_letter():
@@ -196,7 +206,7 @@ class InboxConsumer:
     def _poll(self) -> list[KafkaRecord]:
         consumer = self._live()
         records, self._stash = self._stash, []
-        wanted = self.config.batch_size - len(records)
+        wanted = self.config.poll_records - len(records)
         if wanted > 0:
             timeout_s = 0 if records else self.config.poll_timeout_s
             for msg in consumer.consume(num_messages=wanted, timeout=timeout_s):
@@ -237,6 +247,8 @@ class InboxConsumer:
                 self._park(blocked)
             except _Abandon:
                 break
+        if self._deferred:
+            self._commit_deferred()
         if self._unsettled:
             self.log.info("batch_abandoned", unsettled=len(self._unsettled), stopping=self.stopping)
             if not self.stopping:  # close() commits what was applied; nothing is fetched again
@@ -264,9 +276,19 @@ class InboxConsumer:
     # -- offsets --------------------------------------------------------------------------
 
     def _settled(self, records: Sequence[KafkaRecord]) -> None:
-        """Called by the processor after each database commit: commit the offsets now."""
+        """Called by the processor after each database commit: commit the offsets now, or,
+        one-at-a-time, once the poll's last message is applied (see ``prefetch_records``)."""
         del self._unsettled[: len(records)]
-        self._commit_settled(records)
+        if self.config.poll_records == self.config.batch_size:
+            self._commit_settled(records)
+        else:
+            self._deferred |= self.offsets.settle(records)
+
+    def _commit_deferred(self) -> None:
+        parts, self._deferred = self._deferred, set()
+        consumer = self._live()
+        self._commit_pending(consumer, None)
+        self._update_lag(consumer, parts & self.assigned)
 
     def _commit_settled(self, records: Sequence[KafkaRecord]) -> None:
         parts = self.offsets.settle(records)
@@ -382,6 +404,8 @@ class InboxConsumer:
 
         Raises :class:`_Abandon` on :meth:`stop` or when a rebalance happened meanwhile.
         """
+        if self._deferred:  # what was applied before the back-off is not held back by it
+            self._commit_deferred()
         consumer = self._live()
         generation = self._rebalances
         paused = consumer.assignment()

@@ -1,9 +1,10 @@
 """The core of the dedup consumer: settle records exactly once in effect.
 
-For each record, inside one database transaction per batch and one savepoint per
-record: insert ``(consumer, event_id)`` into the inbox ``ON CONFLICT DO NOTHING``
-and call the handler, with the same connection, only when the insert happened.
-The guarantees kept here:
+For each batch, one database transaction: the batch's inbox rows are inserted in one
+statement (``(consumer, event_id)`` ``ON CONFLICT DO NOTHING``, which says for each
+record whether it is new, a duplicate or a mismatch), then the handler is called, with
+the same connection, for each new record, each in a savepoint of its own.  The
+guarantees kept here:
 
 * The inbox row and the handler's writes commit together or not at all, so a
   redelivered event finds its row and is dropped (counted as a duplicate).
@@ -11,12 +12,18 @@ The guarantees kept here:
   that applied it committed, or after it was durably dead-lettered or skipped.
   ``on_settled`` is called with each settled prefix, in order, so offsets never
   run ahead of the database.
-* A handler failure rolls back only its own savepoint: the records before it
-  commit, the failing record is retried alone (its own transaction per attempt,
-  with back-off), and the records after it are processed afterwards, in order.
+* A handler failure rolls back only its own savepoint, and the inbox rows of the records
+  from it on are deleted again before the commit: the records before it commit (their
+  handlers ran once), the failing record is retried alone (its own transaction per
+  attempt, with back-off), and the records after it are processed afterwards, in order.
   Nothing is lost and nothing applied twice, and per-partition order holds.
 * A policy that says ``stop`` raises :class:`ConsumerStopped` after the records
   before the offending one were committed and settled.
+
+A batch handler (``batch_handler``) is called once with every new record of the batch
+instead (in one savepoint); when it raises, that savepoint rolls back and the batch goes
+one record at a time (``batch_handler(conn, [message])``), with the rules above.  A batch
+that carries one event id twice claims record by record inside the savepoints.
 
 This module depends on two small protocols only (:class:`InboxStore`,
 :class:`DeadLetterSink`); the PostgreSQL and Kafka adapters and the in-memory
@@ -25,6 +32,7 @@ fakes of :mod:`consumer_sdk.testing` implement them.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -32,6 +40,7 @@ from typing import Any, Protocol
 
 from consumer_sdk.errors import (
     ConsumerStopped,
+    DatabaseUnavailable,
     DeadLetterBlocked,
     DeadLetterFailed,
     HandlerTransactionFailed,
@@ -56,6 +65,13 @@ from consumer_sdk.model import (
 #: :class:`~consumer_sdk.errors.PermanentError` skips the retries.
 Handler = Callable[[Any, InboxMessage], None]
 
+#: A batch handler: apply several new messages at once (one statement for all, say), with
+#: the given connection, inside the consumer's transaction.  Same rules as a handler; when
+#: it raises, the batch is rolled back and its messages applied one at a time
+#: (``batch_handler(conn, [message])``, each in its own savepoint), so that a failure
+#: concerns its own message only.
+BatchHandler = Callable[[Any, Sequence[InboxMessage]], None]
+
 _MAX_ERROR_CHARS = 2000
 
 
@@ -70,6 +86,13 @@ class InboxStore(Protocol):
 
     def claim(self, *, consumer: str, message: InboxMessage, payload_sha256: bytes | None) -> Claim:
         """Insert the inbox row if absent; say whether it was new, a duplicate or a mismatch."""
+
+    def claim_many(self, *, consumer: str, messages: Sequence[InboxMessage],
+                   digests: Sequence[bytes | None]) -> list[Claim]:
+        """:meth:`claim` for distinct events at once, in order."""
+
+    def unclaim(self, *, consumer: str, event_ids: Sequence[Any]) -> None:
+        """Delete inbox rows this transaction inserted for records it will not apply."""
 
     def in_failed_transaction(self) -> bool:
         """True when the current transaction can no longer commit (a swallowed database error)."""
@@ -102,9 +125,18 @@ class _Halt:
 
 
 class _HandlerFailed(Exception):
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, index: int = 0) -> None:
         super().__init__(str(error))
         self.error = error
+        self.index = index
+
+
+class _Alone(Exception):
+    """A lone record's handler failed: roll its whole transaction back (it had no savepoint)."""
+
+    def __init__(self, halt: _Halt) -> None:
+        super().__init__(halt.reason)
+        self.halt = halt
 
 
 def describe(error: BaseException) -> str:
@@ -116,12 +148,19 @@ def describe(error: BaseException) -> str:
 class Processor:
     """Settles records for one logical consumer.  Not thread-safe: one caller at a time."""
 
-    def __init__(self, *, consumer: str, store: InboxStore, handler: Handler,
+    def __init__(self, *, consumer: str, store: InboxStore, handler: Handler | None,
                  dead_letters: DeadLetterSink, policies: Policies, metrics: ConsumerMetrics,
                  log: Any, sleep: Callable[[float], None],
-                 on_settled: Callable[[Sequence[KafkaRecord]], None]) -> None:
+                 on_settled: Callable[[Sequence[KafkaRecord]], None], batch_size: int | None = None,
+                 batch_handler: BatchHandler | None = None) -> None:
         self.consumer = consumer
+        self._batch_size = batch_size  # records per transaction (None: all that process() gets)
         self._store = store
+        self._batch_handler = batch_handler
+        if handler is None:
+            if batch_handler is None:
+                raise TypeError("give a handler or a batch_handler")
+            handler = _one_of(batch_handler)
         self._handler = handler
         self._dead_letters = dead_letters
         self._policies = policies
@@ -140,7 +179,8 @@ class Processor:
         result = result if result is not None else BatchResult()
         rest = list(records)
         while rest:
-            settled, halt = self._transaction(rest, result, attempt=1)
+            chunk = rest if self._batch_size is None else rest[: self._batch_size]
+            settled, halt = self._transaction(chunk, result, attempt=1)
             self._settle(rest[:settled], result)
             rest = rest[settled:]
             if halt is None:
@@ -160,47 +200,113 @@ class Processor:
     def _transaction(self, records: Sequence[KafkaRecord], result: BatchResult,
                      *, attempt: int) -> tuple[int, _Halt | None]:
         """Apply records until one halts; commit what came before it.  Returns (count, halt)."""
-        applied: list[str] = []
-        duplicates: list[str] = []
+        prepared = [_prepare(record) for record in records]
+        valid = [m for m in prepared if isinstance(m, InboxMessage)]
+        batched = bool(valid) and len({m.event_id for m in valid}) == len(valid)
+        applied: Counter[str] = Counter()
+        duplicates: Counter[str] = Counter()
+        halt: _Halt | None = None
+        settled = 0
+        try:
+            settled, halt = self._apply(records, prepared, valid, batched, result, applied, duplicates, attempt)
+        except _Alone as alone:  # a lone record's handler failed: its transaction rolled back
+            applied.clear()
+            duplicates.clear()
+            halt = alone.halt
+        for topic, n in applied.items():  # true only now that the transaction committed
+            self._metrics.processed.labels(self.consumer, topic).inc(n)
+        for topic, n in duplicates.items():
+            self._metrics.duplicates.labels(self.consumer, topic).inc(n)
+        result.applied += sum(applied.values())
+        if duplicates:  # one line per transaction, not per message
+            result.duplicates += sum(duplicates.values())
+            self._log.debug("duplicate_dropped", count=sum(duplicates.values()), topics=dict(duplicates))
+        return settled, halt
+
+    def _apply(self, records: Sequence[KafkaRecord], prepared: Sequence[InboxMessage | InvalidEventId],
+               valid: Sequence[InboxMessage], batched: bool, result: BatchResult, applied: Counter[str],
+               duplicates: Counter[str], attempt: int) -> tuple[int, _Halt | None]:
+        """The transaction of :meth:`_transaction`."""
         halt: _Halt | None = None
         settled = 0
         with self._store.transaction() as conn:
-            for record in records:
-                halt = self._step(conn, record, result, applied, duplicates, attempt)
-                if halt is not None:
-                    break
-                settled += 1
-        for topic in applied:  # true only now that the transaction committed
-            self._metrics.processed.labels(self.consumer, topic).inc()
-        for topic in duplicates:
-            self._metrics.duplicates.labels(self.consumer, topic).inc()
-        result.applied += len(applied)
-        result.duplicates += len(duplicates)
+            claims: list[Claim | None] = [None] * len(records)
+            if batched:
+                found = iter(self._store.claim_many(consumer=self.consumer, messages=valid,
+                                                    digests=[payload_sha256(m.value) for m in valid]))
+                claims = [next(found) if isinstance(m, InboxMessage) else None for m in prepared]
+            alone = batched and len(records) == 1  # no savepoint: its failure rolls back everything
+            if self._batch_handler is not None and batched and len(valid) == len(records) > 1 \
+                    and self._apply_batch(conn, valid, claims):
+                for record, claim in zip(records, claims, strict=True):
+                    (applied if claim == "new" else duplicates)[record.topic] += 1
+                settled = len(records)
+            else:
+                for index, record in enumerate(records):
+                    halt = self._step(conn, record, prepared[index], claims[index], result, applied,
+                                      duplicates, attempt, alone=alone)
+                    if halt is not None:
+                        if batched:  # the rows of the records from here on were claimed for nothing
+                            self._store.unclaim(consumer=self.consumer, event_ids=[
+                                m.event_id for m, c in zip(prepared[index:], claims[index:], strict=True)
+                                if c == "new" and isinstance(m, InboxMessage)])
+                        break
+                    settled += 1
         return settled, halt
 
-    def _step(self, conn: Any, record: KafkaRecord, result: BatchResult,
-              applied: list[str], duplicates: list[str], attempt: int) -> _Halt | None:
-        try:
-            message = to_message(record)
-        except InvalidEventId as exc:
-            self._metrics.invalid.labels(self.consumer, record.topic).inc()
-            result.invalid += 1
-            self._log.warning("invalid_event_id", error=str(exc), **_where(record))
-            return self._reject(record, "invalid_event_id", exc, self._policies.on_invalid_event_id, result)
-        digest = payload_sha256(message.value)
+    def _apply_batch(self, conn: Any, messages: Sequence[InboxMessage], claims: Sequence[Claim | None]) -> bool:
+        """The batch handler on all new messages in one savepoint; False (rolled back) when
+        something other than new or duplicate came, or when it failed."""
+        assert self._batch_handler is not None
+        if any(claim not in ("new", "duplicate") for claim in claims):
+            return False
+        fresh = [m for m, claim in zip(messages, claims, strict=True) if claim == "new"]
+        if not fresh:
+            return True
         try:
             with self._store.attempt():
-                claim = self._store.claim(consumer=self.consumer, message=message, payload_sha256=digest)
-                if claim == "new":
+                self._batch_handler(conn, fresh)
+                if self._store.in_failed_transaction():
+                    raise HandlerTransactionFailed()
+        except Exception as exc:  # noqa: BLE001 - one by one next, where each failure is judged
+            if isinstance(exc, DatabaseUnavailable):
+                raise  # the connection broke: the batch is retried as a whole
+            self._log.info("batch_handler_failed", messages=len(fresh), error=describe(exc),
+                           hint="applying the batch one message at a time")
+            return False
+        return True
+
+    def _step(self, conn: Any, record: KafkaRecord, prepared: InboxMessage | InvalidEventId,
+              claim: Claim | None, result: BatchResult, applied: Counter[str], duplicates: Counter[str],
+              attempt: int, *, alone: bool = False) -> _Halt | None:
+        if isinstance(prepared, InvalidEventId):
+            self._metrics.invalid.labels(self.consumer, record.topic).inc()
+            result.invalid += 1
+            self._log.warning("invalid_event_id", error=str(prepared), **_where(record))
+            return self._reject(record, "invalid_event_id", prepared, self._policies.on_invalid_event_id, result)
+        message = prepared
+        try:
+            if claim is None:  # claimed here, in the record's savepoint
+                with self._store.attempt():
+                    claim = self._store.claim(consumer=self.consumer, message=message,
+                                              payload_sha256=payload_sha256(message.value))
+                    if claim == "new":
+                        self._call(conn, message)
+            elif claim == "new" and alone:
+                self._call(conn, message)
+            elif claim == "new":
+                with self._store.attempt():
                     self._call(conn, message)
         except _HandlerFailed as failed:
             self._handler_failed(record, failed.error, attempt, result)
-            return _Halt(failed.error, "handler_error", stop=False)
+            halt = _Halt(failed.error, "handler_error", stop=False)
+            if alone and claim == "new":
+                raise _Alone(halt) from failed
+            return halt
         if claim == "new":
-            applied.append(record.topic)
+            applied[record.topic] += 1
         elif claim == "duplicate":
-            duplicates.append(record.topic)
-            self._log.debug("duplicate_dropped", event_id=str(message.event_id), **_where(record))
+            duplicates[record.topic] += 1
         else:
             return self._mismatch(record, message, result)
         return None
@@ -308,6 +414,20 @@ class Processor:
             f"{halt.reason}: {describe(halt.error)} "
             f"(topic {record.topic}, partition {record.partition}, offset {record.offset})",
             reason=halt.reason, topic=record.topic, partition=record.partition, offset=record.offset)
+
+
+def _prepare(record: KafkaRecord) -> InboxMessage | InvalidEventId:
+    try:
+        return to_message(record)
+    except InvalidEventId as exc:
+        return exc
+
+
+def _one_of(batch_handler: BatchHandler) -> Handler:
+    def one(conn: Any, message: InboxMessage) -> None:
+        batch_handler(conn, [message])
+
+    return one
 
 
 def _where(record: KafkaRecord) -> dict[str, Any]:

@@ -11,10 +11,10 @@ table is :class:`SchemaMissing`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import psycopg.errors
@@ -53,6 +53,7 @@ class PgInboxStore:
         self._now = now
         self._conn: psycopg.Connection[Any] | None = None
         self._tx: psycopg.Connection[Any] | None = None  # the connection of the open transaction
+        self._savepoint = False  # an attempt's savepoint is set (released by the next one or the commit)
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -118,12 +119,23 @@ class PgInboxStore:
 
     @contextmanager
     def transaction(self) -> Iterator[psycopg.Connection[Any]]:
-        """One transaction; yields the connection for the handler; commits on a clean exit."""
+        """One transaction; yields the connection for the handler; commits on a clean exit.
+
+        An exception that leaves the connection broken is :class:`DatabaseUnavailable`
+        (the rollback could not happen; nothing committed)."""
         conn = self.conn
         self._tx = conn
+        self._savepoint = False
         try:
             with self.translated(), conn.transaction():
                 yield conn
+        except DatabaseUnavailable:
+            raise
+        except Exception as exc:
+            if conn.closed or conn.broken:
+                self.reset()
+                raise DatabaseUnavailable(f"connection lost: {_first_line(exc)}") from exc
+            raise
         finally:
             self._tx = None
 
@@ -137,14 +149,23 @@ class PgInboxStore:
     @contextmanager
     def attempt(self) -> Iterator[None]:
         """A savepoint: an exception rolls back to it and propagates (as DatabaseUnavailable
-        when the connection broke, since then no savepoint survives)."""
+        when the connection broke, since then no savepoint survives).
+
+        One round trip when nothing fails: the previous attempt's savepoint is released in
+        the statement that sets this one (``savepoint_next``), and the last one by the commit.
+        """
         conn = self._active
+        with self.translated():
+            conn.execute(query("inbox", "savepoint_next" if self._savepoint else "savepoint"))
+        self._savepoint = True
         try:
-            with conn.transaction():
-                yield
+            yield
         except Exception as exc:
             if conn.closed or conn.broken:
                 raise DatabaseUnavailable(f"connection lost: {_first_line(exc)}") from exc
+            with self.translated():
+                conn.execute(query("inbox", "savepoint_rollback"))
+            self._savepoint = False
             raise
 
     def claim(self, *, consumer: str, message: InboxMessage, payload_sha256: bytes | None) -> Claim:
@@ -160,6 +181,36 @@ class PgInboxStore:
         if found is None:  # deleted by retention between the two statements: it was applied
             return "duplicate"
         return "duplicate" if found[0] == payload_sha256 else "mismatch"
+
+    def claim_many(self, *, consumer: str, messages: Sequence[InboxMessage],
+                   digests: Sequence[bytes | None]) -> list[Claim]:
+        """:meth:`claim` for a batch of distinct events, in one statement (two when a
+        concurrent transaction committed one of them meanwhile)."""
+        if not messages:
+            return []
+        params = {"consumer": consumer, "event_ids": [m.event_id for m in messages], "hashes": list(digests),
+                  "topics": [m.topic for m in messages], "partitions": [m.partition for m in messages],
+                  "offsets": [m.offset for m in messages], "now": self._now()}
+        conn = self._active
+        with self.translated():
+            claims: list[str] = [row[0] for row in conn.execute(query("inbox", "claim_batch"), params)]
+            unseen = [i for i, claim in enumerate(claims) if claim == "unseen"]
+            if unseen:
+                ids = [messages[i].event_id for i in unseen]
+                found = dict(conn.execute(query("inbox", "lookup_batch"),
+                                          {"consumer": consumer, "event_ids": ids}).fetchall())
+                for i in unseen:  # absent: deleted by retention after it was applied
+                    event_id = messages[i].event_id
+                    claims[i] = "duplicate" if event_id not in found or found[event_id] == digests[i] \
+                        else "mismatch"
+        return cast("list[Claim]", claims)
+
+    def unclaim(self, *, consumer: str, event_ids: Sequence[Any]) -> None:
+        """Delete the rows this transaction claimed for records it will not apply after all."""
+        if event_ids:
+            with self.translated():
+                self._active.execute(query("inbox", "unclaim"),
+                                     {"consumer": consumer, "event_ids": list(event_ids)})
 
     def in_failed_transaction(self) -> bool:
         return self._active.info.transaction_status == TransactionStatus.INERROR

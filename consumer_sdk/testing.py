@@ -37,7 +37,7 @@ from consumer_sdk.model import (
     KafkaRecord,
     RetryPolicy,
 )
-from consumer_sdk.processor import Handler, Policies, Processor
+from consumer_sdk.processor import BatchHandler, Handler, Policies, Processor
 
 InboxKey = tuple[str, uuid.UUID]
 
@@ -77,11 +77,26 @@ class FakeInboxStore:
     def claim(self, *, consumer: str, message: InboxMessage, payload_sha256: bytes | None) -> Claim:
         if not self._snapshots:
             raise RuntimeError("claim() runs inside transaction()")
+        return self._claim(consumer, message, payload_sha256)
+
+    def _claim(self, consumer: str, message: InboxMessage, payload_sha256: bytes | None) -> Claim:
         key = (consumer, message.event_id)
         if key not in self.rows:
             self.rows[key] = payload_sha256
             return "new"
         return "duplicate" if self.rows[key] == payload_sha256 else "mismatch"
+
+    def claim_many(self, *, consumer: str, messages: Sequence[InboxMessage],
+                   digests: Sequence[bytes | None]) -> list[Claim]:
+        if not self._snapshots:
+            raise RuntimeError("claim_many() runs inside transaction()")
+        return [self._claim(consumer, m, d) for m, d in zip(messages, digests, strict=True)]
+
+    def unclaim(self, *, consumer: str, event_ids: Sequence[uuid.UUID]) -> None:
+        if not self._snapshots:
+            raise RuntimeError("unclaim() runs inside transaction()")
+        for event_id in event_ids:
+            self.rows.pop((consumer, event_id), None)
 
     def in_failed_transaction(self) -> bool:
         return False
@@ -119,9 +134,9 @@ def make_record(*, value: Any = None, topic: str = "test", partition: int = 0, o
 class FakeInbox:
     """The real processor over in-memory fakes; no sleeping (back-off delays are recorded)."""
 
-    def __init__(self, handler: Handler, *, connection: Any = None, name: str = "test",
+    def __init__(self, handler: Handler | None = None, *, connection: Any = None, name: str = "test",
                  retry: RetryPolicy | None = None, policies: Policies | None = None,
-                 metrics: ConsumerMetrics | None = None) -> None:
+                 metrics: ConsumerMetrics | None = None, batch_handler: BatchHandler | None = None) -> None:
         self.store = FakeInboxStore(connection)
         self.dead_letters = FakeDeadLetters()
         self.metrics = metrics if metrics is not None else ConsumerMetrics()
@@ -132,7 +147,7 @@ class FakeInbox:
         self.processor = Processor(
             consumer=name, store=self.store, handler=handler, dead_letters=self.dead_letters,
             policies=chosen, metrics=self.metrics, log=structlog.get_logger("consumer_sdk.testing"),
-            sleep=self.sleeps.append, on_settled=self.settled.extend)
+            sleep=self.sleeps.append, on_settled=self.settled.extend, batch_handler=batch_handler)
 
     def deliver(self, *records: KafkaRecord, batch: bool = True) -> BatchResult:
         """Process ``records`` as one batch (or one at a time with ``batch=False``)."""

@@ -17,6 +17,63 @@ VALUES
 ON CONFLICT (consumer, event_id) DO NOTHING
 RETURNING true AS inserted
 
+-- name: claim_batch
+-- The claim of a whole batch in one statement (event ids unique within it): inserts the
+-- rows that are new and says, in input order, what each one was: 'new' (inserted now),
+-- 'duplicate' (applied before with the same body hash), 'mismatch' (applied before with
+-- another body) or 'unseen' (not inserted, yet not visible to this statement's snapshot:
+-- a concurrent transaction committed it while this one waited, or retention deleted it;
+-- the caller asks lookup_batch, whose new snapshot sees a committed row).  The outer
+-- SELECT reads outbox_inbox with the statement's snapshot, so it never sees the rows the
+-- CTE inserted, only those applied before.
+WITH input AS (
+    SELECT i.event_id, i.payload_sha256, i.topic, i.kafka_partition, i.kafka_offset, i.ord
+    FROM unnest(%(event_ids)s::uuid[], %(hashes)s::bytea[], %(topics)s::text[],
+                %(partitions)s::int[], %(offsets)s::bigint[])
+         WITH ORDINALITY AS i(event_id, payload_sha256, topic, kafka_partition, kafka_offset, ord)
+), inserted AS (
+    INSERT INTO outbox_inbox
+        (consumer, event_id, payload_sha256, topic, kafka_partition, kafka_offset, received_at)
+    SELECT %(consumer)s, input.event_id, input.payload_sha256, input.topic, input.kafka_partition,
+           input.kafka_offset, coalesce(%(now)s::timestamptz, now())
+    FROM input
+    ORDER BY input.ord
+    ON CONFLICT (consumer, event_id) DO NOTHING
+    RETURNING event_id
+)
+SELECT CASE WHEN ins.event_id IS NOT NULL THEN 'new'
+            WHEN o.event_id IS NULL THEN 'unseen'
+            WHEN o.payload_sha256 IS NOT DISTINCT FROM input.payload_sha256 THEN 'duplicate'
+            ELSE 'mismatch' END AS claim
+FROM input
+LEFT JOIN inserted AS ins ON ins.event_id = input.event_id
+LEFT JOIN outbox_inbox AS o ON o.consumer = %(consumer)s AND o.event_id = input.event_id
+ORDER BY input.ord
+
+-- name: lookup_batch
+-- The body hashes recorded for these events (claim_batch's 'unseen' ones), in a new
+-- statement whose snapshot sees rows committed meanwhile.
+SELECT event_id, payload_sha256
+FROM outbox_inbox
+WHERE consumer = %(consumer)s AND event_id = ANY(%(event_ids)s::uuid[])
+
+-- name: unclaim
+-- Deletes rows the caller's transaction claimed (claim_batch) for records it then did not
+-- apply (a handler failed before them): they are claimed again when they are applied.
+DELETE FROM outbox_inbox
+WHERE consumer = %(consumer)s AND event_id = ANY(%(event_ids)s::uuid[])
+
+-- name: savepoint
+-- A handler's isolation inside the batch's transaction (PgInboxStore.attempt).
+SAVEPOINT outbox_inbox_attempt
+
+-- name: savepoint_next
+-- The next handler's savepoint, releasing the previous one, in one round trip.
+RELEASE SAVEPOINT outbox_inbox_attempt; SAVEPOINT outbox_inbox_attempt
+
+-- name: savepoint_rollback
+ROLLBACK TO SAVEPOINT outbox_inbox_attempt; RELEASE SAVEPOINT outbox_inbox_attempt
+
 -- name: lookup
 -- The body hash recorded when the event was applied (a separate statement, so that
 -- under READ COMMITTED it sees a row that a concurrent transaction just committed).

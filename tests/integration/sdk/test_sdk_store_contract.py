@@ -123,3 +123,54 @@ def wait_for_lock_wait(conn: psycopg.Connection) -> None:
     wait_until(lambda: conn.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
         "AND wait_event_type = 'Lock'").fetchone() == (1,), timeout_s=10, message="the racer never blocked")
+
+
+def _claim_many(store: Any, messages: list[InboxMessage], consumer: str = "c") -> list[str]:
+    with store.transaction():
+        return [str(c) for c in store.claim_many(consumer=consumer, messages=messages,
+                                                 digests=[payload_sha256(m.value) for m in messages])]
+
+
+def test_claim_many_says_what_each_event_was_in_order(store):
+    old, reused, tomb = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    assert _claim_many(store, [_message(old), _message(reused), _message(tomb, None)]) == ["new"] * 3
+    fresh = uuid.uuid4()
+    batch = [_message(fresh), _message(old), _message(reused, b'{"n": 2}'), _message(tomb, None)]
+    assert _claim_many(store, batch) == ["new", "duplicate", "mismatch", "duplicate"]
+    assert _claim_many(store, [_message(old)], consumer="other") == ["new"]
+    assert _claim(store, _message(fresh)) == "duplicate"  # committed with the batch
+    assert _claim_many(store, []) == []
+
+
+@pytest.mark.parametrize(("first_commits", "second_sees"), [(True, ["duplicate", "new"]), (False, ["new", "new"])])
+def test_claim_many_racing_a_member_that_commits_meanwhile(sdk_db, first_commits, second_sees):
+    """The batch statement's snapshot predates the rival's commit: the row it waited for is
+    'unseen' there, and a second statement tells a duplicate from a mismatch."""
+    import threading
+
+    event_id, other = uuid.uuid4(), uuid.uuid4()
+    first, second = PgInboxStore(connect_factory(sdk_db)), PgInboxStore(connect_factory(sdk_db))
+    claimed = threading.Event()
+    outcome: list[list[str]] = []
+
+    def race() -> None:
+        claimed.wait(10)
+        outcome.append(_claim_many(second, [_message(event_id), _message(other)]))
+
+    racer = threading.Thread(target=race)
+    racer.start()
+    try:
+        with first.transaction():
+            assert first.claim_many(consumer="c", messages=[_message(event_id)],
+                                    digests=[payload_sha256(b'{"n": 1}')]) == ["new"]
+            claimed.set()
+            with psycopg.connect(sdk_db, autocommit=True) as watcher:
+                wait_for_lock_wait(watcher)
+            if not first_commits:
+                raise _Rollback()
+    except _Rollback:
+        pass
+    racer.join(10)
+    first.close()
+    second.close()
+    assert outcome == [second_sees]
