@@ -135,13 +135,20 @@ def test_role_script_grants_exactly_the_documented_privileges(relay_login: Relay
         ("outbox_relay_replicas", "SELECT"), ("outbox_relay_replicas", "INSERT"),
         ("outbox_relay_replicas", "DELETE"),
         ("outbox_relay_settings", "SELECT"),
+        ("outbox_relay_replays", "SELECT"),  # replays (0007): read requests, finish them
+        ("outbox_relay_replay_progress", "SELECT"), ("outbox_relay_replay_progress", "INSERT"),
+        ("outbox_relay_replay_progress", "UPDATE"),
     }
+    progress_columns = {c for t, c, _ in column_privs if t == "outbox_relay_replay_progress"}
+    assert progress_columns >= {"published_at", "xid", "row_id", "sent", "done", "owner", "token"}
+    column_privs = {p for p in column_privs if p[0] != "outbox_relay_replay_progress"}
     assert column_privs == {
         ("outbox", "published_at", "UPDATE"), ("outbox", "attempts", "UPDATE"),
         ("outbox", "last_error", "UPDATE"), ("outbox", "retry_at", "UPDATE"), ("outbox", "xid", "UPDATE"),
         ("outbox_relay_shards", "owner", "UPDATE"), ("outbox_relay_shards", "lease_until", "UPDATE"),
         ("outbox_relay_shards", "token", "UPDATE"),
         ("outbox_relay_replicas", "seen_until", "UPDATE"), ("outbox_relay_replicas", "stalled", "UPDATE"),
+        ("outbox_relay_replays", "state", "UPDATE"), ("outbox_relay_replays", "finished_at", "UPDATE"),
     }
     with psycopg.connect(relay_login.dsn, autocommit=True) as conn:
         assert conn.execute("SELECT pg_has_role(current_user, 'pg_read_all_stats', 'USAGE'), "
