@@ -79,6 +79,9 @@ JOIN {table} AS o
  AND (cardinality(r.topics) = 0 OR o.topic = ANY(r.topics))
  AND (cardinality(r.keys) = 0 OR o.key = ANY(r.keys))
 WHERE r.id = %(replay_id)s AND r.state = 'active'
+  -- The plain bound lets outbox_published_idx (published_at) start the scan at the
+  -- position; (xid, id) order within one published_at is an incremental sort.
+  AND o.published_at >= coalesce(%(after_published_at)s::timestamptz, '-infinity'::timestamptz)
   AND (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s = %(shard)s
   AND (o.published_at, o.xid, o.id)
       > (coalesce(%(after_published_at)s::timestamptz, '-infinity'::timestamptz),
