@@ -56,6 +56,7 @@ class Relay:
         # Marks run on their own connection while the pump claims (see relay/pump.py).
         self.mark_store = self._store(":mark")
         self.publisher: Publisher | None = None
+        self.exactly_once: Any = None  # relay/exactly_once.py's publisher, in that mode
         self.pump: Pump | None = None
         self.replayer: Replayer | None = None  # replays (relay/replay.py), built at start
         self.leases: LeaseManager | None = None
@@ -127,7 +128,10 @@ class Relay:
                                    lease_s=s.lease_duration_s, heartbeat_s=s.heartbeat_interval_s,
                                    clock=self.clock, on_lost=self._lease_lost,
                                    stalled=lambda: self.pump.stalls.as_json() if self.pump else "{}")
-        self.pump = Pump(store=self.store, publisher=self.publisher, leases=self.leases,
+        pump_publisher: Any = self.publisher
+        if s.exactly_once:  # issue 20: Kafka transactions fenced by the leases
+            pump_publisher = self.exactly_once = self._exactly_once(nshards)
+        self.pump = Pump(store=self.store, publisher=pump_publisher, leases=self.leases,
                          nshards=nshards, batch_size=s.batch_size, pipeline_depth=s.pipeline_depth,
                          max_attempts=s.max_attempts, backoff_initial_s=s.backoff_initial_s,
                          backoff_max_s=s.backoff_max_s, metrics=self.metrics, log=self.log,
@@ -146,6 +150,19 @@ class Relay:
                                    batch=s.cleanup_batch, interval_s=s.cleanup_interval_s,
                                    metrics=self.metrics, partitioned=bool(partitioned), log=self.log)
         self.log.info("relay_started", shards=nshards, owner=s.owner)
+
+    def _exactly_once(self, nshards: int) -> Any:
+        from relay.exactly_once import TransactionalPublisher
+
+        s = self.settings
+        assert self.publisher is not None and self.leases is not None
+        TransactionalPublisher.prepare(producer_config(s), s.exactly_once_position_topic, nshards)
+        return TransactionalPublisher(
+            config=producer_config(s), plain=self.publisher, leases=self.leases, table=s.table,
+            position_topic=s.exactly_once_position_topic,
+            transactional_id_prefix=s.exactly_once_transactional_id_prefix,
+            recovery_store=self._store(":exactly-once"), log=self.log, metrics=self.metrics,
+            clock=self.clock)
 
     def _store(self, role: str) -> Store:
         """A store (connection) of this replica, named ``outbox-relay:<owner><role>``."""
@@ -235,6 +252,8 @@ class Relay:
         finally:
             if self.pump is not None:
                 self.pump.close()
+            if self.exactly_once is not None:
+                self.exactly_once.close()
             if self.replayer is not None:
                 self.replayer.stop()
             self.store.close()

@@ -42,6 +42,8 @@ DEFAULT_STUCK_AFTER_S = 120.0
 DEFAULT_BACKLOG_INTERVAL_S = 5.0
 DEFAULT_CLEANUP_INTERVAL_S = 60.0
 DEFAULT_CLEANUP_BATCH = 1000
+DEFAULT_EXACTLY_ONCE_POSITION_TOPIC = "outbox-relay.positions"  # exactly-once mode (issue 20)
+DEFAULT_EXACTLY_ONCE_TRANSACTIONAL_ID_PREFIX = "outbox-relay."
 
 #: librdkafka settings the relay needs for its guarantees; a user may override
 #: the tuning ones but not these (see :func:`producer_config`).
@@ -188,6 +190,16 @@ OPTIONS: tuple[Option, ...] = (
            help="how often run's built-in cleanup runs, seconds"),
     Option(name="cleanup_batch", parse=_positive_int, default=DEFAULT_CLEANUP_BATCH,
            help="rows deleted per cleanup statement (short locks)", commands=("run", "cleanup")),
+    # Exactly-once mode (issue 20, relay/exactly_once.py).
+    Option(name="exactly_once", parse=_flag, default="false",
+           help="Kafka transactions fenced by the shard leases: read_committed consumers see "
+                "every row once (needs transactions and a position topic; see README)"),
+    Option(name="exactly_once_position_topic", default=DEFAULT_EXACTLY_ONCE_POSITION_TOPIC,
+           help="compacted topic (one partition per shard) where each transaction records "
+                "the rows it carried"),
+    Option(name="exactly_once_transactional_id_prefix",
+           default=DEFAULT_EXACTLY_ONCE_TRANSACTIONAL_ID_PREFIX,
+           help="transactional.id of a shard's producer: <prefix><table>.<shard>"),
     Option(name="console_host", default=DEFAULT_CONSOLE_HOST, commands=("console",),
            help="address the console binds to (only this machine unless told otherwise)"),
     Option(name="console_port", parse=_port, default=DEFAULT_CONSOLE_PORT, commands=("console",),
@@ -235,6 +247,9 @@ class Settings:
     console_port: int = DEFAULT_CONSOLE_PORT
     console_actions: bool = False
     console_token: str | None = None
+    exactly_once: bool = False
+    exactly_once_position_topic: str = DEFAULT_EXACTLY_ONCE_POSITION_TOPIC
+    exactly_once_transactional_id_prefix: str = DEFAULT_EXACTLY_ONCE_TRANSACTIONAL_ID_PREFIX
 
     def __repr__(self) -> str:  # never print secrets, whatever prints this object
         return f"Settings(dsn={mask_dsn(self.dsn)!r}, bootstrap_servers={self.bootstrap_servers!r}, owner={self.owner!r})"

@@ -70,6 +70,7 @@ class RelayMetrics:
         self.database_up = Gauge("outbox_relay_database_up", "1 when the last database call succeeded.", registry=r)
         self.broker_up = Gauge("outbox_relay_broker_up", "0 while the client reports every broker down.", registry=r)
         self.in_flight = Gauge("outbox_relay_in_flight_rows", "Rows produced and not yet acknowledged.", registry=r)
+        self.transactions = Counter("outbox_relay_transactions", "Kafka transactions in exactly-once mode, by result (committed, aborted, fenced).", ["result"], registry=r)
         self.queue_full = Counter("outbox_relay_producer_queue_full", "Claims cut short because the producer's local queue was full.", registry=r)
         self.stalled_rows = Gauge("outbox_relay_stalled_rows", "Rows waiting on a partition that acknowledges nothing (its keys' later rows wait too).", ["topic", "partition"], registry=r)
         self.last_publish = Gauge("outbox_relay_last_publish_timestamp_seconds", "Unix time of the last marked batch.", registry=r)

@@ -250,6 +250,9 @@ class Pump:
         self.cursor = START
         self.rewind_requested = False
         self.failed_keys.clear()
+        rewound = getattr(self.publisher, "rewound", None)  # exactly-once: failed shards resume
+        if rewound is not None:
+            rewound()
         if not self.stalls.partitions:
             self.stalls.held.clear()  # their rows come back in this rewind, in order
         self.next_sweep = now + SWEEP_INTERVAL_S
@@ -290,6 +293,9 @@ class Pump:
 
     def _claim_and_send(self, result: BatchResult, now: float) -> None:
         usable = self.leases.usable(now)
+        ready = getattr(self.publisher, "ready", None)  # exactly-once: recovered shards only
+        if ready is not None:
+            usable = [lease for lease in usable if ready(lease.shard)]
         if not usable:
             return
         shards = {lease.shard for lease in usable}
@@ -437,6 +443,9 @@ class Pump:
             self.metrics.fenced_writes.inc(fenced)
             self.leases.lose(lost, "mark_fenced")
         result.marked += len(marked)
+        confirm = getattr(self.publisher, "confirm_marked", None)  # exactly-once positions
+        if confirm is not None:
+            confirm(row.id for row in acked if row.shard in held)
         if marked:
             self.last_marked_at = self.clock()
             self.metrics.last_publish.set(self.wall_clock())

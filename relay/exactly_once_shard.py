@@ -1,0 +1,285 @@
+"""One shard's transactional producer, on a thread of its own (exactly-once mode, issue 20).
+
+``init_transactions``, ``commit_transaction`` and the position read block, so they run
+here and never on the pump's thread.  A worker is started when its shard's lease is
+acquired: it creates the producer (``transactional.id`` = prefix + table + shard: Kafka
+fences the previous holder's producer at that moment), reads the shard's last committed
+position record back (``read_committed``) and hands the ids it lists to ``recover``
+(which marks them published, fenced with the new token).  Then it runs one transaction
+job at a time: the rows, one position record, commit.  Results go to the publisher's
+queue; this thread never calls the pump's callbacks.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from relay.errors import ConfigError
+from relay.model import OutboxRow, RowId, ShardId, Token
+from relay.publisher import _KAFKA_LOG, Outcome, classify
+
+INIT_TIMEOUT_S = 30.0  # init_transactions waits for the previous holder's transaction to end
+COMMIT_TIMEOUT_S = 30.0
+POSITION_READ_TIMEOUT_S = 20.0
+POSITION_TAIL = 64  # offsets read back from the end of a position partition, at first
+FENCED_CODES = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+#: Client settings a consumer or an admin client shares with the producer (security, network).
+SHARED_PREFIXES = ("bootstrap.servers", "security.", "sasl.", "ssl.", "client.", "socket.",
+                   "broker.", "api.version", "metadata.", "topic.metadata", "reconnect.",
+                   "enable.ssl", "retry.backoff", "connections.max.idle")
+
+Headers = list[tuple[str, str | bytes | None]]
+Recover = Callable[[ShardId, Token, list[RowId]], None]
+
+
+def shared_config(config: dict[str, str]) -> dict[str, Any]:
+    shared: dict[str, Any] = {k: v for k, v in config.items() if k.startswith(SHARED_PREFIXES)}
+    shared["logger"] = _KAFKA_LOG
+    return shared
+
+
+def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
+                          timeout_s: float = 15.0) -> None:
+    """Create the compacted position topic (one partition per shard) when missing;
+    a clear ConfigError when it has too few partitions or may not be created."""
+    admin = AdminClient(shared_config(config))
+    try:
+        found = admin.list_topics(timeout=timeout_s).topics.get(topic)  # no auto-creation
+    except KafkaException as exc:
+        raise ConfigError(f"exactly-once: cannot read metadata of {topic}: {exc.args[0].str()}") from None
+    if found is not None and found.error is None and found.partitions:
+        if len(found.partitions) < nshards:
+            raise ConfigError(
+                f"exactly-once: position topic {topic} has {len(found.partitions)} partitions, "
+                f"fewer than the {nshards} shards; add partitions or name another topic "
+                f"(--exactly-once-position-topic)")
+        return
+    futures = admin.create_topics(
+        [NewTopic(topic, num_partitions=nshards, replication_factor=-1,
+                  config={"cleanup.policy": "compact"})],
+        operation_timeout=timeout_s, request_timeout=timeout_s)
+    try:
+        futures[topic].result(timeout=timeout_s)
+    except KafkaException as exc:
+        err = exc.args[0]
+        if err.code() == KafkaError.TOPIC_ALREADY_EXISTS:  # a peer created it meanwhile
+            return ensure_position_topic(config, topic, nshards, timeout_s)
+        raise ConfigError(
+            f"exactly-once: cannot create the position topic {topic} ({nshards} partitions, "
+            f"cleanup.policy=compact): {err.str()}; create it or grant CREATE on it") from None
+    return None
+
+
+def read_position(config: dict[str, str], topic: str, shard: ShardId,
+                  timeout_s: float = POSITION_READ_TIMEOUT_S) -> list[RowId]:
+    """The ids listed by the last committed position record of ``shard`` ([] if none)."""
+    consumer = Consumer({**shared_config(config), "group.id": f"outbox-relay-pos-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "isolation.level": "read_committed",
+                         "enable.partition.eof": True, "auto.offset.reset": "earliest",
+                         "fetch.wait.max.ms": 50})
+    try:
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, shard),
+                                                   timeout=timeout_s, cached=False)
+        tail = POSITION_TAIL
+        while True:
+            start = max(low, high - tail)
+            last = _last_record(consumer, TopicPartition(topic, shard, start), timeout_s)
+            if last is not None or start <= low:
+                break
+            tail *= 8
+    finally:
+        consumer.close()
+    if last is None:
+        return []
+    return [RowId(int(i)) for i in json.loads(last)["ids"]]
+
+
+def _last_record(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> bytes | None:
+    """Read from ``tp`` to the end (read_committed: the last stable offset)."""
+    import time
+
+    consumer.assign([tp])
+    last: bytes | None = None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for msg in consumer.consume(num_messages=500, timeout=0.2):
+            err = msg.error()
+            if err is None:
+                last = msg.value()
+            elif err.code() == KafkaError._PARTITION_EOF:
+                return last
+            elif err.fatal() or not err.retriable():
+                raise KafkaException(err)
+    raise TimeoutError(f"position partition {tp.topic}[{tp.partition}] not read within {timeout_s} s")
+
+
+@dataclass(slots=True)
+class Job:
+    rows: list[tuple[OutboxRow, Headers]]
+    position_ids: list[RowId]
+    callbacks: dict[RowId, Any]  # the pump's; only handed back, never called here
+
+
+@dataclass(slots=True)
+class Result:
+    """What the worker hands back: a finished init (``rows`` empty) or transaction."""
+
+    worker: ShardWorker
+    rows: list[OutboxRow] = field(default_factory=list)
+    callbacks: dict[RowId, Any] = field(default_factory=dict)
+    outcomes: dict[RowId, Outcome] = field(default_factory=dict)
+    ok: bool = False
+    init: bool = False
+    fenced: bool = False  # another holder's producer took over: the lease is gone
+    broken: bool = False  # this producer cannot go on: a new one must init (and recover)
+    error: str = ""
+
+
+class ShardWorker:
+    """The thread and transactional producer of one (shard, lease token)."""
+
+    def __init__(self, shard: ShardId, token: Token, *, config: dict[str, str],
+                 transactional_id: str, position_topic: str, recover: Recover,
+                 results: queue.SimpleQueue[Result]) -> None:
+        self.shard, self.token = shard, token
+        self._config = {**config, "transactional.id": transactional_id}
+        self._position_topic = position_topic
+        self._recover = recover
+        self._results = results
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._producer: Producer | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"outbox-relay-txn-{shard}")
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        """After the job running (if any): close the producer and end the thread."""
+        self._jobs.put(None)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        result = self._init()
+        self._results.put(result)
+        while result.ok:
+            job = self._jobs.get()
+            if job is None:
+                break
+            result = self._transaction(job)
+            self._results.put(result)
+        if self._producer is not None:
+            try:
+                self._producer.flush(0)
+            except Exception:  # noqa: BLE001 - best effort on a producer that is done
+                pass
+            self._producer = None
+
+    def _init(self) -> Result:
+        try:
+            config: dict[str, Any] = {**self._config, "logger": _KAFKA_LOG}
+            config.setdefault("log.connection.close", "false")
+            self._producer = Producer(config)
+            self._producer.init_transactions(INIT_TIMEOUT_S)
+            ids = read_position(self._config, self._position_topic, self.shard)
+            self._recover(self.shard, self.token, ids)
+        except KafkaException as exc:
+            err = exc.args[0]
+            return Result(self, init=True, fenced=err.code() in FENCED_CODES, broken=True,
+                          error=err.str())
+        except Exception as exc:  # noqa: BLE001 - a database or timeout error: retried later
+            return Result(self, init=True, fenced=type(exc).__name__ == "LeaseLost",
+                          broken=True, error=f"{type(exc).__name__}: {exc}")
+        return Result(self, init=True, ok=True)
+
+    def _transaction(self, job: Job) -> Result:
+        assert self._producer is not None
+        producer = self._producer
+        rows = [row for row, _ in job.rows]
+        reports: dict[RowId, Outcome] = {}
+        result = Result(self, rows=rows, callbacks=job.callbacks)
+
+        def report(row: OutboxRow) -> Callable[[KafkaError | None, Message], None]:
+            def done(err: KafkaError | None, msg: Message) -> None:
+                reports[row.id] = (Outcome(ok=True, partition=msg.partition() or 0,
+                                           offset=msg.offset() or 0)
+                                   if err is None else classify(err))
+            return done
+
+        failed_row: tuple[RowId, Outcome] | None = None
+        try:
+            producer.begin_transaction()
+            for row, headers in job.rows:
+                problem = self._produce(producer, row, headers, report(row))
+                if problem is not None:
+                    failed_row = (row.id, problem)
+                    break
+            if failed_row is not None:  # nothing of this transaction may commit
+                raise KafkaException(KafkaError(KafkaError._STATE, failed_row[1].message))
+            value = json.dumps({"token": self.token, "ids": job.position_ids}).encode()
+            producer.produce(self._position_topic, value=value, key=str(self.shard).encode(),
+                             partition=self.shard)
+            producer.commit_transaction(COMMIT_TIMEOUT_S)
+        except KafkaException as exc:
+            err: KafkaError = exc.args[0]
+            result.error = err.str() if failed_row is None else failed_row[1].message
+            result.fenced = err.code() in FENCED_CODES
+            if err.fatal() or result.fenced:
+                result.broken = True
+            elif err.retriable() and not err.txn_requires_abort():
+                result.broken = True  # commit outcome unknown: a new producer's init settles it
+            else:
+                try:
+                    producer.abort_transaction(COMMIT_TIMEOUT_S)
+                except KafkaException:
+                    result.broken = True
+            cause = "fenced" if result.fenced else "transaction_aborted"
+            for row in rows:
+                own = reports.get(row.id)
+                if failed_row is not None and failed_row[0] == row.id:
+                    own = failed_row[1]
+                result.outcomes[row.id] = (own if own is not None and not own.ok and own.permanent
+                                           else Outcome(ok=False, error_class=cause,
+                                                        message=result.error))
+            return result
+        result.ok = True
+        for row in rows:
+            result.outcomes[row.id] = reports.get(row.id) or Outcome(ok=True)
+        return result
+
+    @staticmethod
+    def _produce(producer: Producer, row: OutboxRow, headers: Headers,
+                 on_delivery: Callable[[KafkaError | None, Message], None]) -> Outcome | None:
+        key = row.key.encode() if row.key is not None else None
+        refreshed = False
+        while True:
+            try:
+                producer.produce(row.topic, value=row.value, key=key, headers=headers,
+                                 on_delivery=on_delivery)
+                return None
+            except BufferError:
+                producer.poll(0.05)  # this thread may wait: the queue drains as batches go
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.code() == KafkaError._UNKNOWN_TOPIC and not refreshed:
+                    refreshed = True
+                    try:
+                        producer.list_topics(topic=row.topic, timeout=2.0)
+                    except KafkaException:
+                        pass
+                    continue
+                if err.fatal() or err.code() in FENCED_CODES or err.txn_requires_abort():
+                    raise
+                return classify(err)
