@@ -33,6 +33,7 @@ class ReplayingInbox:
     def __init__(self, store: Any, apply_replays: Iterable[str]) -> None:
         self._store = store
         self.apply_replays = frozenset(str(r) for r in apply_replays)
+        self._keys: dict[Any, str] = {}  # event_id -> inbox key, of the last claim_many
 
     def claim(self, *, consumer: str, message: InboxMessage, payload_sha256: bytes | None) -> Claim:
         key = inbox_key(consumer, message, self.apply_replays)
@@ -43,6 +44,7 @@ class ReplayingInbox:
                    digests: Sequence[bytes | None]) -> list[Claim]:
         """``claim`` for a batch: one call of the wrapped store per inbox key, order kept."""
         keys = [inbox_key(consumer, m, self.apply_replays) for m in messages]
+        self._keys = {m.event_id: key for m, key in zip(messages, keys, strict=True) if key != consumer}
         claims: list[Claim | None] = [None] * len(messages)
         for key in dict.fromkeys(keys):
             picked = [i for i, k in enumerate(keys) if k == key]
@@ -51,6 +53,14 @@ class ReplayingInbox:
             for i, claim in zip(picked, found, strict=True):
                 claims[i] = claim
         return [c for c in claims if c is not None]
+
+    def unclaim(self, *, consumer: str, event_ids: Sequence[Any]) -> None:
+        """Give back rows of the last ``claim_many``, each under the key it was claimed with."""
+        by_key: dict[str, list[Any]] = {}
+        for event_id in event_ids:
+            by_key.setdefault(self._keys.get(event_id, consumer), []).append(event_id)
+        for key, ids in by_key.items():
+            self._store.unclaim(consumer=key, event_ids=ids)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)

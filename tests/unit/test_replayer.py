@@ -166,3 +166,22 @@ def test_inbox_key_of_replayed_events() -> None:
     assert inbox_key("svc", _message("7"), opted) == "svc/replay/7"
     store = object()
     assert with_replays(store, ()) is store
+
+
+def test_a_batch_claims_and_gives_back_each_event_under_its_own_key() -> None:
+    calls: list[tuple[str, str, int]] = []
+
+    class Store:
+        def claim_many(self, *, consumer: str, messages: Any, digests: Any) -> list[str]:
+            calls.append(("claim", consumer, len(messages)))
+            return ["new"] * len(messages)
+
+        def unclaim(self, *, consumer: str, event_ids: Any) -> None:
+            calls.append(("unclaim", consumer, len(event_ids)))
+
+    inbox = with_replays(Store(), ("7",))
+    messages = [_message(None), _message("7"), _message("8"), _message("7")]
+    assert inbox.claim_many(consumer="svc", messages=messages, digests=[None] * 4) == ["new"] * 4
+    inbox.unclaim(consumer="svc", event_ids=[m.event_id for m in messages[1:]])
+    assert calls == [("claim", "svc", 2), ("claim", "svc/replay/7", 2),
+                     ("unclaim", "svc/replay/7", 2), ("unclaim", "svc", 1)]
