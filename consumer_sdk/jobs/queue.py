@@ -204,15 +204,21 @@ def _fence(lease: Lease, now: datetime | None) -> dict[str, Any]:
 
 def _terminal(conn: ConnectionT, name: str, params: dict[str, Any], job_id: JobId,
               event_type: EventType, events_topic: str | None) -> JobFacts | None:
+    if not events_topic:  # one statement: no transaction block (two round trips fewer)
+        with translated():
+            return _facts(job_id, conn.execute(q(name), params).fetchone())
     with translated(), conn.transaction():
-        row = conn.execute(q(name), params).fetchone()
-        if row is None:
-            return None
-        facts = JobFacts(job_id=job_id, queue=row[0], kind=row[1], run_id=row[2], attempts=row[3],
-                         traceparent=row[4], tracestate=row[5], age_s=row[6])
-        if events_topic:
+        facts = _facts(job_id, conn.execute(q(name), params).fetchone())
+        if facts is not None:
             write_job_event(conn, events_topic, event_type, facts)
     return facts
+
+
+def _facts(job_id: JobId, row: Sequence[Any] | None) -> JobFacts | None:
+    if row is None:
+        return None
+    return JobFacts(job_id=job_id, queue=row[0], kind=row[1], run_id=row[2], attempts=row[3],
+                    traceparent=row[4], tracestate=row[5], age_s=row[6])
 
 
 def new_worker_id(prefix: str = "worker") -> str:

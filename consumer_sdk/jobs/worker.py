@@ -4,7 +4,8 @@ Threads, each with its own connection:
 
 * the dispatcher: on a wake-up (NOTIFY, a relayed event via :meth:`WorkerPool.wake`,
   a finished job while work is left, a retry falling due) or every
-  ``poll_interval_s``, reaps expired leases, lists the ready lanes, plans with
+  ``poll_interval_s``, reaps expired leases (at most every quarter lease or poll
+  interval), lists the ready lanes, plans with
   :mod:`consumer_sdk.jobs.fairness` and claims in one short transaction; runs
   the reconciler every ``reconcile_interval_s``;
 * ``max_concurrency`` executors: one claimed job at a time, the handler on the
@@ -44,11 +45,14 @@ from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.executor import Executor, Handler
 from consumer_sdk.jobs.fairness import RoundRobin, plan
 from consumer_sdk.jobs.metrics import JobsMetrics
-from consumer_sdk.jobs.model import ClaimedJob, JobId
+from consumer_sdk.jobs.model import ClaimedJob, JobId, Lane, Take
 from consumer_sdk.jobs.reconciler import Reconciler, record_reaped
 from consumer_sdk.jobs.wake import Listener
 
 _FINAL_GRACE_S = 5.0
+#: How long the dispatcher plans from the lanes it last read (updated by its own claims)
+#: before asking the database again; listing lanes is the costliest statement of a round.
+_LANES_TTL_S = 0.25
 
 
 class WorkerPool:
@@ -86,6 +90,15 @@ class WorkerPool:
         self._listener = Listener(self._connect, self.wake, log=self.log) if config.listen else None
         self._threads: dict[str, list[threading.Thread]] = {}
         self._next_reconcile = 0.0
+        self._next_reap = 0.0
+        self._lanes: list[Lane] = []
+        self._lanes_until = 0.0
+        self._lanes_stale = threading.Event()
+        #: Free slots that make a finished job wake the dispatcher (a quarter of the pool).
+        self._wake_free = max(1, config.max_concurrency // 4)
+        #: Expired leases are reaped at most this often (and by every reconcile): a lease
+        #: expires by lease_duration_s, so a quarter of it delays a takeover by little.
+        self._reap_interval_s = min(config.poll_interval_s, config.lease_duration_s / 4)
         self._next_due: float | None = None
         self._more_work = False
         self._schema_checked = False
@@ -129,6 +142,7 @@ class WorkerPool:
     def wake(self, queue: str | None = None) -> None:
         """Claim now instead of at the next poll (any thread, any time; cheap)."""
         if queue is None or queue in self.config.queues:
+            self._lanes_stale.set()  # new work the cached lanes do not know
             self._wake.set()
 
     def stop(self, *, drain_timeout_s: float | None = None) -> None:
@@ -185,10 +199,13 @@ class WorkerPool:
         now = self._clock()
         if self._next_due is not None and now >= self._next_due:
             self._next_due = None
+            self._lanes_stale.set()
         if now >= self._next_reconcile:
             self._next_reconcile = now + self.config.reconcile_interval_s
+            self._next_reap = now + self._reap_interval_s
             self.reconciler.run_once(conn)
-        else:
+        elif now >= self._next_reap:  # not every round: a busy pool claims many rounds a second
+            self._next_reap = now + self._reap_interval_s
             record_reaped(jobq.reap_expired(conn, now=self._db_now(),
                                             events_topic=self.config.events_topic),
                           self.metrics, self.log)
@@ -201,9 +218,19 @@ class WorkerPool:
         self.rounds += 1
         return claimed
 
+    def _ready_lanes(self, conn: Any) -> list[Lane]:
+        """The ready lanes, from the database at most every _LANES_TTL_S while this pool's own
+        claims account for what changed (a wake-up, a retry due or a short claim re-reads)."""
+        now = self._clock()
+        if self._lanes_stale.is_set() or not self._lanes or now >= self._lanes_until:
+            self._lanes_stale.clear()
+            self._lanes = jobq.ready_lanes(conn, queues=self.config.queues,
+                                           max_owners=self.config.max_owners_per_round, now=self._db_now())
+            self._lanes_until = now + min(_LANES_TTL_S, self.config.poll_interval_s)
+        return self._lanes
+
     def _claim(self, conn: Any, busy: dict[str, int]) -> int:
-        lanes = jobq.ready_lanes(conn, queues=self.config.queues,
-                                 max_owners=self.config.max_owners_per_round, now=self._db_now())
+        lanes = self._ready_lanes(conn)
         takes = plan(lanes, queues=self.config.queues, busy=busy, limits=self._limits,
                      last_served=self._rr.last_served)
         sent_at = self._clock()
@@ -211,6 +238,7 @@ class WorkerPool:
                              now=self._db_now())
         self._rr.record(dict.fromkeys((job.queue, job.owner_id) for job in claimed), sent_at)
         self._more_work = sum(lane.ready for lane in lanes) > len(claimed)
+        self._lanes = _after_claim(lanes, takes, claimed)
         deadline = local_deadline(sent_at, self.config.lease_duration_s)
         for job in claimed:
             self._launch(job, deadline)
@@ -294,9 +322,13 @@ class WorkerPool:
             self._keepalives.pop(ctx.job.id, None)
             self._busy[ctx.job.queue] -= 1
             busy = self._busy[ctx.job.queue]
+            free = self.config.max_concurrency - len(self._running)
+            free_all = self.config.max_concurrency
             self._lock.notify_all()
         self.metrics.workers_busy.labels(ctx.job.queue).set(busy)
-        if self._more_work and not self._stopping.is_set():
+        # Claim for several free slots per round trip rather than one per finished job; never
+        # leave every slot idle waiting for that.
+        if self._more_work and not self._stopping.is_set() and (free >= self._wake_free or free == free_all):
             self._wake.set()
 
     # -- heartbeat ------------------------------------------------------------------------
@@ -349,3 +381,15 @@ class WorkerPool:
             return 0
         self.log.warning("lease_lost", job_id=ctx.job.id, token=ctx.job.token, reason=reason)
         return 1
+
+
+def _after_claim(lanes: list[Lane], takes: list[Take], claimed: list[ClaimedJob]) -> list[Lane]:
+    """The lanes as they stand after this claim; [] (read them again) when it got less than
+    planned: the lanes were stale, another worker was faster, or a limit bound."""
+    if len(claimed) < sum(take.n for take in takes):
+        return []
+    got = Counter((job.queue, job.owner_id) for job in claimed)
+    owners = Counter(job.owner_id for job in claimed)
+    left = [Lane(queue=lane.queue, owner_id=lane.owner_id, ready=lane.ready - got[(lane.queue, lane.owner_id)],
+                 running=lane.running + owners[lane.owner_id]) for lane in lanes]
+    return [lane for lane in left if lane.ready > 0]
