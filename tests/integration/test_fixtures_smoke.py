@@ -258,7 +258,7 @@ def test_proc_logs_signals_and_cleanup(spawn: Callable[..., Proc]) -> None:
     assert p.wait_for_log(re.compile(r"tick \d{2}"), timeout_s=10).startswith("tick")
     p.sigstop()
     size = p.log_size()
-    time.sleep(0.2)  # deliberately idle: a stopped process must not write
+    time.sleep(0.2)  # noqa: TID251 - deliberately idle: a stopped process must not write
     assert p.log_size() == size
     p.sigcont()
     p.wait_for_log("tick", since=size, timeout_s=5)

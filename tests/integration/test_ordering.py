@@ -48,12 +48,12 @@ def writer(dsn: str, topic: str, keys: list[str], rounds: int, seed: int, errors
                     seq = conn.execute(
                         "INSERT INTO key_seq (key, seq) VALUES (%s, 1) ON CONFLICT (key) "
                         "DO UPDATE SET seq = key_seq.seq + 1 RETURNING seq", (key,)).fetchone()[0]
-                    time.sleep(rnd.random() * 0.004)
+                    time.sleep(rnd.random() * 0.004)  # noqa: TID251 - the commit delay under test
                     # Unrelated filler rows get ids in between.
                     row_id = conn.execute(
                         "INSERT INTO outbox (topic, key, payload) VALUES (%s, %s, %s) RETURNING id",
                         (topic, key, json.dumps({"key": key, "seq": seq}))).fetchone()[0]
-                    time.sleep(rnd.random() * 0.006)
+                    time.sleep(rnd.random() * 0.006)  # noqa: TID251 - the commit delay under test
                 commits.add([row_id])
     except BaseException as exc:  # noqa: BLE001
         errors.append(exc)

@@ -51,7 +51,7 @@ class Verification(SoakState):
             if time.monotonic() >= next_progress:
                 next_progress += 10
                 self._progress("draining")
-            time.sleep(0.5)  # polling interval of the drain condition
+            time.sleep(0.5)  # noqa: TID251 - polling interval of the drain condition
         self.report.drain_s = time.monotonic() - started
         self.say(f"drained={self.report.drained} after {self.report.drain_s:.1f} s")
 

@@ -26,7 +26,7 @@ def test_a_fenced_transaction_idle_longer_than_the_lease_commits_while_the_lease
     def slow_call(ctx: JobContext) -> Any:
         with ctx.fenced_transaction() as tx:
             _effect(tx, ctx, 1)
-            time.sleep(LEASE_S * 2.5)  # an external call, the transaction idle meanwhile
+            time.sleep(LEASE_S * 2.5)  # noqa: TID251 - an external call, the transaction idle meanwhile
             _effect(tx, ctx, 2)
         return "ok"
 
@@ -47,7 +47,7 @@ def test_a_fenced_transaction_whose_lease_is_lost_ends_with_lease_lost(conn, job
             with ctx.fenced_transaction() as tx:
                 _effect(tx, ctx, 1)
                 inside.append(ctx.job.id)
-                time.sleep(LEASE_S * 3)  # not cooperative: the lease is lost meanwhile
+                time.sleep(LEASE_S * 3)  # noqa: TID251 - not cooperative: the lease is lost meanwhile
                 _effect(tx, ctx, 2)
         except Exception as exc:
             seen.append(exc)
