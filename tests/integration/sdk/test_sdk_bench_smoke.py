@@ -1,0 +1,31 @@
+"""A tiny run of bench/sdk_bench.py, so the SDK benchmark cannot rot.  Its figures are not
+asserted against the issue's targets here: benchmarks are not tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+VARIANTS = ["naive_new", "naive_redelivered", "inbox_batch_new", "inbox_batch_redelivered",
+            "inbox_batch_bh_new", "inbox_batch_bh_redelivered", "inbox_single_new",
+            "inbox_single_redelivered", "naive_workers", "worker_pool"]
+
+
+def test_sdk_bench_runs_every_variant_and_reports_ratios(pg_server, broker, tmp_path):
+    out = tmp_path / "sdk-bench.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "sdk_bench.py"), "--dsn", pg_server.admin_dsn,
+         "--bootstrap-servers", broker.bootstrap, "--messages", "300", "--single-messages", "60",
+         "--batch-size", "100", "--partitions", "2", "--jobs", "60", "--threads", "2", "--runs", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["figures"]) == set(VARIANTS)
+    for name in VARIANTS:
+        assert report["figures"][name]["rate"] > 0 and report["figures"][name]["cpu_us"] > 0, name
+    assert all(value > 0 for value in report["ratios"].values()), report["ratios"]
+    assert "worker_pool_vs_naive" in result.stdout
