@@ -181,12 +181,14 @@ class Bench:
 
     # -- 3, 5, 6. a real relay process ------------------------------------------------------
 
-    def relay_drain(self, *, published_rows: int = 0, idle_s: float = 0.0) -> dict[str, float]:
+    def relay_drain(self, *, published_rows: int = 0, idle_s: float = 0.0,
+                    **env_extra: str) -> dict[str, float]:
         with self.fresh_db() as dsn:
             if published_rows:
                 self.load(dsn, published_rows, published=True)
             self.load(dsn, self.args.rows)
-            with relay_process(dsn, self.bootstrap, batch_size=str(self.args.batch_size)) as (proc, scrape):
+            with relay_process(dsn, self.bootstrap, batch_size=str(self.args.batch_size),
+                               **env_extra) as (proc, scrape):
                 up = _wait(lambda: scrape("outbox_relay_build_info") > 0, 60, proc)
                 first = _wait(lambda: scrape("outbox_relay_events_published_total") > 0, 60, proc)
                 started_count = scrape("outbox_relay_events_published_total")
@@ -459,6 +461,7 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     relay_rate = median([d["events_per_s"] for d in drains])
     floor = min(median(db), median(prod))
     say(f"  relay drain         {relay_rate:10.0f} events/s  = {relay_rate / floor:.2f} x min(floors)")
+    exactly_once_ratio = _exactly_once_ratio(bench, runs, relay_rate, say)  # issue 20
     alone = bench.latency(consumer=False)
     stalled = bench.latency(consumer=False, stalled_writer=True)
     watched = bench.latency(consumer=True)
@@ -482,6 +485,7 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         "producer_floor_events_per_s": round(median(prod), 1),
         "relay_events_per_s": round(relay_rate, 1),
         "ratio_to_floor": round(relay_rate / floor, 3),
+        "exactly_once_ratio": exactly_once_ratio,
         **lat,
         "stalled_writer": {"latency_ack_ms": stalled["latency_ack_ms"], "p99_ratio": stalled_ratio},
         "peak_rss_mb": round(max(d["peak_rss_mb"] for d in drains), 1),
@@ -513,6 +517,26 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         say(f"  with {args.published_rows} published rows: {median(loaded):.0f} events/s "
             f"= {result['published_rows_slowdown']:.2f} x the empty table")
     return result
+
+
+def _exactly_once_ratio(bench: Bench, runs: int, default_rate: float,
+                        say: Callable[[str], None]) -> float:
+    """Drain in exactly-once mode over the default mode's (same run; NaN when the broker
+    has no transactions).  Each drain has its own position topic and transactional ids."""
+    rates = []
+    for _ in range(runs):
+        tag = uuid.uuid4().hex[:8]
+        try:
+            rates.append(bench.relay_drain(exactly_once="true",
+                                           exactly_once_position_topic=f"bench-pos-{tag}",
+                                           exactly_once_transactional_id_prefix=f"bench-{tag}.")
+                         ["events_per_s"])
+        except Exception as exc:  # noqa: BLE001 - reported, the rest of the bench goes on
+            say(f"  exactly-once drain  failed: {exc}")
+            return float("nan")
+    ratio = round(median(rates) / max(default_rate, 1e-9), 3)
+    say(f"  exactly-once drain  {median(rates):10.0f} events/s  = {ratio:.2f} x default mode")
+    return ratio
 
 
 def _say(text: str) -> None:
