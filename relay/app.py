@@ -4,6 +4,21 @@ The loop only ticks: heartbeat the leases when due, refresh the backlog gauges
 when due, run the pump once, then wait (on a notification, a delivery report or
 the next due time).  Failures of the database are waited out with capped
 exponential back-off and jitter, logged once per state change.
+
+Threads, and the connections each one owns (nothing else crosses between them):
+
+* the loop (the caller of :meth:`Relay.run`): the main Store connection
+  ``outbox-relay:<owner>`` (claims, leases, dead-letter moves, backlog) and its LISTEN
+  connection while idle; the Producer (``relay.publisher``; its delivery reports run on
+  this thread, inside ``poll``); the pump, the lease manager, the stall tracker, the
+  replayer.
+* the mark thread (``relay.marker.Marker``): ``outbox-relay:<owner>:mark``; it receives
+  (tokens, rows) and hands back a Future per mark, applied by the loop in batch order.
+* the cleanup thread (``relay.janitor.Janitor``, when retention is set or the outbox is
+  partitioned): ``outbox-relay:<owner>:cleanup``; shares nothing but the stop event.
+* the health server (``relay.http``): no connection; it calls ``health``/``ready``, which
+  read a few numbers the loop writes.
+* librdkafka's own threads, behind the Producer.
 """
 
 from __future__ import annotations
