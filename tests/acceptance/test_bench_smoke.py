@@ -11,7 +11,7 @@ from tests.fixtures.outbox import relay_cmd
 KEYS = ["relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_per_s",
         "ratio_to_floor", "latency_ack_ms", "latency_consumer_ms", "peak_rss_mb",
         "idle_queries_per_s", "idle_cpu_percent", "published_rows_slowdown", "bloat",
-        "notify_writer_cost", "stalled_writer"]
+        "notify_writer_cost", "stalled_writer", "exactly_once_ratio"]
 
 
 def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_path):
