@@ -107,10 +107,18 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+#: The broker no longer accepts this producer's id or epoch (after messages timed out
+#: during an outage, say): only a new producer gets out of it.
+PRODUCER_STATE_CODES = {KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH,
+                        KafkaError._FENCED, KafkaError.UNKNOWN_PRODUCER_ID,
+                        KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
+                        KafkaError.INVALID_PRODUCER_ID_MAPPING}
+
+
 def classify(error: KafkaError) -> Outcome:
     code = error.code()
     message = error.str()
-    if error.fatal():
+    if error.fatal() or code in PRODUCER_STATE_CODES:
         return Outcome(ok=False, error_class="producer_fatal", message=message, fatal=True)
     if code in PERMANENT_CODES:
         return Outcome(ok=False, error_class=PERMANENT_CODES[code], message=message, permanent=True)

@@ -56,7 +56,7 @@ from relay.stalls import Stalls
 
 DEFAULT_BATCH_MAX_BYTES = 4 << 20  # payload bytes per claim; 4 in flight: 16 MiB
 DEFAULT_MAX_MESSAGE_BYTES = 1_000_000  # librdkafka's message.max.bytes default
-SWEEP_INTERVAL_S = 5.0
+SWEEP_INTERVAL_S = 10.0  # a full pass, and a look for foreign xids, at most this often when caught up
 STALLED_ROWS_MAX = 10_000  # rows waiting on stalled partitions before claims stop altogether
 STALLED_CLAIM_PAUSE_S = 0.5  # a claim that found only rows held by a stall waits this long  # a full pass over the pending rows at most this often when caught up
 
@@ -245,7 +245,8 @@ class Pump:
         shard changes ask for, one runs every ``SWEEP_INTERVAL_S`` while caught up: it
         finds rows that no window holds (rows in back-off whose retry another replica
         scheduled, rows restored with an old xid of another cluster), and first gives
-        rows with a future foreign xid one of this cluster's.
+        rows with a foreign xid one of this cluster's (so the pass cannot take them in
+        another cluster's xid order).
         """
         self.cursor = START
         self.rewind_requested = False

@@ -46,7 +46,7 @@ def test_rows_with_foreign_xids_are_relayed_in_id_order(outbox_db, broker, topic
                     conn.execute("INSERT INTO outbox (topic, key, payload, xid) VALUES "
                                  "(%s, 'replicated-future', %s, %s::xid8)",
                                  (topic, json.dumps({"seq": seq}), str(future[seq] + 10)))
-        wait_drained(outbox_db, timeout_s=30)  # a sweep (every few seconds) finds them
+        wait_drained(outbox_db, timeout_s=60)  # the next full pass (every 10 s) finds them
     expected = all_event_ids(outbox_db)
     assert len(expected) == 9
     by_key: dict[str, list[int]] = {}
