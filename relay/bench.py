@@ -191,14 +191,16 @@ class Bench:
                                **env_extra) as (proc, scrape):
                 up = _wait(lambda: scrape("outbox_relay_build_info") > 0, 60, proc)
                 first = _wait(lambda: scrape("outbox_relay_events_published_total") > 0, 60, proc)
-                started_count = scrape("outbox_relay_events_published_total")
+                started_count, cpu_first = scrape("outbox_relay_events_published_total"), _cpu_s(proc.pid)
                 done = _wait(lambda: scrape("outbox_relay_events_published_total") >= self.args.rows,
                              600, proc)
+                cpu_drain = _cpu_s(proc.pid) - cpu_first  # start-up (imports, connections) excluded
                 if started_count <= self.args.rows / 2 and done > first:
                     rate = (self.args.rows - started_count) / (done - first)  # start-up excluded
                 else:  # a backlog so small that it was gone by the first scrape
                     rate = self.args.rows / max(done - up, 1e-3)
-                result = {"events_per_s": rate, "peak_rss_mb": _peak_rss_mb(proc.pid)}
+                result = {"events_per_s": rate, "peak_rss_mb": _peak_rss_mb(proc.pid),
+                          "cpu_us_per_row": cpu_drain / max(self.args.rows - started_count, 1) * 1e6}
                 if idle_s:
                     result.update(_idle(proc.pid, scrape, idle_s))
         return result
@@ -459,8 +461,16 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     say(f"  producer floor      {median(prod):10.0f} events/s")
     drains = [bench.relay_drain(idle_s=args.idle_s if i == 0 else 0.0) for i in range(runs)]
     relay_rate = median([d["events_per_s"] for d in drains])
+    relay_cpu = median([d["cpu_us_per_row"] for d in drains])
     floor = min(median(db), median(prod))
     say(f"  relay drain         {relay_rate:10.0f} events/s  = {relay_rate / floor:.2f} x min(floors)")
+    base = _baselines(bench, runs)  # issue 18
+    say(f"  physical floor      {base['physical_floor_events_per_s']:10.0f} events/s "
+        f"(plain claim + mark, minimal table)")
+    say(f"  naive relay         {base['naive_relay_events_per_s']:10.0f} events/s, "
+        f"{base['naive_relay_cpu_us_per_row']:.1f} µs CPU/row; this relay "
+        f"{relay_cpu:.1f} µs CPU/row, {relay_rate / base['naive_relay_events_per_s']:.2f} x naive, "
+        f"{relay_rate / base['physical_floor_events_per_s']:.2f} x the physical floor")
     exactly_once_ratio = _exactly_once_ratio(bench, runs, relay_rate, say)  # issue 20
     alone = bench.latency(consumer=False)
     stalled = bench.latency(consumer=False, stalled_writer=True)
@@ -484,7 +494,11 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         "db_floor_events_per_s": round(median(db), 1),
         "producer_floor_events_per_s": round(median(prod), 1),
         "relay_events_per_s": round(relay_rate, 1),
-        "ratio_to_floor": round(relay_rate / floor, 3),
+        "ratio_to_floor": round(relay_rate / base["physical_floor_events_per_s"], 3),
+        "ratio_to_relay_shaped_floor": round(relay_rate / floor, 3),
+        "ratio_to_naive": round(relay_rate / base["naive_relay_events_per_s"], 3),
+        "relay_cpu_us_per_row": round(relay_cpu, 1),
+        **{k: round(v, 1) for k, v in base.items()},
         "exactly_once_ratio": exactly_once_ratio,
         **lat,
         "stalled_writer": {"latency_ack_ms": stalled["latency_ack_ms"], "p99_ratio": stalled_ratio},
@@ -517,6 +531,24 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         say(f"  with {args.published_rows} published rows: {median(loaded):.0f} events/s "
             f"= {result['published_rows_slowdown']:.2f} x the empty table")
     return result
+
+
+def _baselines(bench: Bench, runs: int) -> dict[str, float]:
+    """Medians of the physical floor and the naive relay (relay/bench_baselines.py)."""
+    from relay.bench_baselines import plain_loop
+
+    floors: list[dict[str, float]] = []
+    naive: list[dict[str, float]] = []
+    for _ in range(runs):
+        for target, out in ((None, floors), (bench.bootstrap, naive)):
+            with bench.fresh_db() as dsn:
+                out.append(plain_loop(dsn, rows=bench.args.rows, keys=bench.args.keys,
+                                      payload_bytes=bench.args.payload_bytes,
+                                      batch=bench.args.batch_size, bootstrap=target,
+                                      topic=f"{bench.topic}.naive"))
+    return {"physical_floor_events_per_s": median([f["events_per_s"] for f in floors]),
+            "naive_relay_events_per_s": median([n["events_per_s"] for n in naive]),
+            "naive_relay_cpu_us_per_row": median([n["cpu_us_per_row"] for n in naive])}
 
 
 def _exactly_once_ratio(bench: Bench, runs: int, default_rate: float,

@@ -50,3 +50,29 @@ SELECT pg_table_size('outbox')::float8 / 1048576 AS table_mb,
 -- name: bench_stalled_writer
 -- A session that writes one outbox row and then sits idle in transaction.
 INSERT INTO outbox (topic, key, payload) VALUES (%(topic)s, 'stalled', '{}')
+
+-- name: bench_min_table
+-- The physical floor's table (issue 18): the least an outbox can be, one partial index.
+CREATE TABLE bench_min (
+    id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    key          text,
+    payload      bytea NOT NULL,
+    published_at timestamptz
+);
+CREATE INDEX bench_min_pending ON bench_min (id) WHERE published_at IS NULL
+
+-- name: bench_min_load
+INSERT INTO bench_min (key, payload)
+SELECT 'k' || (g %% %(keys)s), convert_to(repeat('x', %(payload_bytes)s), 'UTF8')
+FROM generate_series(1, %(count)s) AS g
+
+-- name: bench_min_claim
+-- What a plain relay claims: locked rows, skipped when locked.
+SELECT id, key, payload FROM bench_min
+WHERE published_at IS NULL
+ORDER BY id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+
+-- name: bench_min_mark
+UPDATE bench_min SET published_at = now() WHERE id = ANY(%(ids)s::bigint[])

@@ -11,7 +11,8 @@ from tests.fixtures.outbox import relay_cmd
 KEYS = ["relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_per_s",
         "ratio_to_floor", "latency_ack_ms", "latency_consumer_ms", "peak_rss_mb",
         "idle_queries_per_s", "idle_cpu_percent", "published_rows_slowdown", "bloat",
-        "notify_writer_cost", "stalled_writer", "exactly_once_ratio"]
+        "notify_writer_cost", "stalled_writer", "exactly_once_ratio", "physical_floor_events_per_s",
+        "naive_relay_events_per_s", "ratio_to_naive", "relay_cpu_us_per_row"]
 
 
 def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_path):
@@ -26,7 +27,8 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
     figures = json.loads(out.read_text())
     assert set(KEYS) <= set(figures)
     for name in ("relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_per_s",
-                 "peak_rss_mb", "published_rows_slowdown"):
+                 "peak_rss_mb", "published_rows_slowdown", "physical_floor_events_per_s",
+                 "naive_relay_events_per_s", "ratio_to_naive"):
         assert figures[name] > 0, name
     for figure in (figures["latency_ack_ms"], figures["latency_consumer_ms"],
                    figures["stalled_writer"]["latency_ack_ms"]):
