@@ -245,7 +245,7 @@ class TransactionalPublisher:
                     self._close_shard(worker.shard, "producer_replaced")
                     self._retry[worker.shard] = (self._clock() + INIT_RETRY_INITIAL_S, 0.0)
             if result.fenced:
-                self._leases.lose([worker.shard], "kafka_producer_fenced")
+                self._lose(worker)
         for row in result.rows:
             result.callbacks[row.id](row, result.outcomes[row.id])
         return len(result.rows) + self._serve_immediate()
@@ -267,8 +267,15 @@ class TransactionalPublisher:
                           error=result.error, retry_in_s=wait)
         self._close_shard(shard, "producer_replaced")
         if result.fenced:
-            self._leases.lose([shard], "kafka_producer_fenced")
+            self._lose(result.worker)
         return 0
+
+    def _lose(self, worker: ShardWorker) -> None:
+        """A fenced producer loses its lease, unless the shard is held again since (with
+        another token: our own new producer may be what fenced the old one)."""
+        lease = self._leases.leases.get(worker.shard)
+        if lease is not None and lease.token == worker.token:
+            self._leases.lose([worker.shard], "kafka_producer_fenced")
 
     def _start_jobs(self) -> None:
         now = self._clock()

@@ -87,6 +87,7 @@ def test_sigkill_twenty_times_read_committed_sees_every_event_once(
     writer.join(120)
     assert writer.done.is_set()
     last = spawn(relay_cmd("run"), env=env, name="relay-last")
+    last.wait_for_log("relay_started", timeout_s=60)  # its SIGTERM handler is installed
     wait_drained(dsn, timeout_s=120)
     last.sigterm()
     assert last.wait(30) == 0
