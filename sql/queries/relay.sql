@@ -25,7 +25,15 @@ WITH cur AS MATERIALIZED (
     SELECT coalesce(%(cur)s::pg_snapshot, pg_current_snapshot()) AS s
 ), found AS (
     SELECT o.id, o.event_id, o.topic, o.key, o.payload, o.payload_bytes, o.headers,
-           o.xid, o.attempts, o.created_at
+           o.xid, o.attempts, o.created_at,
+           -- The payload's size without serialising it: an uncompressed jsonb's stored
+           -- size is close to its text's; a compressed one, or one near the producer's
+           -- limit (%(max_bytes)s), is measured exactly (rare, large rows only).
+           CASE WHEN o.payload IS NULL THEN coalesce(octet_length(o.payload_bytes), 0)
+                WHEN pg_column_compression(o.payload) IS NULL
+                     AND pg_column_size(o.payload) <= %(max_bytes)s / 2
+                THEN pg_column_size(o.payload)
+                ELSE octet_length(o.payload::text) END AS size
     FROM (
         (SELECT * FROM {table} AS i
          WHERE i.published_at IS NULL
@@ -51,21 +59,15 @@ WITH cur AS MATERIALIZED (
             AND (b.xid, b.id) < (o.xid, o.id)))
     ORDER BY o.xid, o.id
     LIMIT %(limit)s
-), sized AS (
-    -- Each payload is serialised once (OFFSET 0 keeps the lateral from being inlined);
-    -- a row larger than the producer's limit (%(max_bytes)s) comes without it, so a
-    -- 20 MB row costs the relay its size, not its bytes.
-    SELECT f.*, t.payload_text,
-           coalesce(octet_length(t.payload_text), octet_length(f.payload_bytes), 0) AS size
-    FROM found AS f
-    CROSS JOIN LATERAL (SELECT f.payload::text AS payload_text OFFSET 0) AS t
 ), budget AS (
-    -- The batch's byte budget (%(budget_bytes)s): rows until the one that crosses it.
-    SELECT s.*, sum(least(s.size, %(max_bytes)s)) OVER (ORDER BY s.xid, s.id) AS running
-    FROM sized AS s
+    -- The batch's byte budget (%(budget_bytes)s): rows until the one that crosses it; a
+    -- row over the producer's limit comes without its payload, so a 20 MB row costs the
+    -- relay its size, not its bytes.
+    SELECT f.*, sum(least(f.size, %(max_bytes)s)) OVER (ORDER BY f.xid, f.id) AS running
+    FROM found AS f
 )
 SELECT b.id, b.event_id::text AS event_id, b.topic, b.key,
-       CASE WHEN b.size <= %(max_bytes)s THEN b.payload_text END AS payload_text,
+       CASE WHEN b.size <= %(max_bytes)s THEN b.payload::text END AS payload_text,
        CASE WHEN b.size <= %(max_bytes)s THEN b.payload_bytes END AS payload_bytes,
        b.headers::text AS headers_text, b.xid::text AS xid, b.attempts,
        (hashtext(coalesce(b.key, b.event_id::text)) & 2147483647) %% %(nshards)s AS shard,
