@@ -144,10 +144,12 @@ class Relay:
                                    clock=self.clock, on_lost=self._lease_lost,
                                    stalled=lambda: self.pump.stalls.as_json() if self.pump else "{}")
         pump_publisher: Any = self.publisher
+        depth = s.pipeline_depth
         if s.exactly_once:  # issue 20: Kafka transactions fenced by the leases
             pump_publisher = self.exactly_once = self._exactly_once(nshards)
+            depth = s.exactly_once_pipeline_depth
         self.pump = Pump(store=self.store, publisher=pump_publisher, leases=self.leases,
-                         nshards=nshards, batch_size=s.batch_size, pipeline_depth=s.pipeline_depth,
+                         nshards=nshards, batch_size=s.batch_size, pipeline_depth=depth,
                          max_attempts=s.max_attempts, backoff_initial_s=s.backoff_initial_s,
                          backoff_max_s=s.backoff_max_s, metrics=self.metrics, log=self.log,
                          clock=self.clock, dead_letter_topic=s.dead_letter_topic,

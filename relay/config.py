@@ -44,6 +44,8 @@ DEFAULT_CLEANUP_INTERVAL_S = 60.0
 DEFAULT_CLEANUP_BATCH = 1000
 DEFAULT_EXACTLY_ONCE_POSITION_TOPIC = "outbox-relay.positions"  # exactly-once mode (issue 20)
 DEFAULT_EXACTLY_ONCE_TRANSACTIONAL_ID_PREFIX = "outbox-relay."
+#: A batch settles when the transactions of all its shards commit: more batches in flight.
+DEFAULT_EXACTLY_ONCE_PIPELINE_DEPTH = 16
 
 #: librdkafka settings the relay needs for its guarantees; a user may override
 #: the tuning ones but not these (see :func:`producer_config`).
@@ -200,6 +202,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(name="exactly_once_transactional_id_prefix",
            default=DEFAULT_EXACTLY_ONCE_TRANSACTIONAL_ID_PREFIX,
            help="transactional.id of a shard's producer: <prefix><table>.<shard>"),
+    Option(name="exactly_once_pipeline_depth", parse=_positive_int,
+           default=DEFAULT_EXACTLY_ONCE_PIPELINE_DEPTH,
+           help="batches in flight in exactly-once mode (replaces --pipeline-depth there)"),
     Option(name="console_host", default=DEFAULT_CONSOLE_HOST, commands=("console",),
            help="address the console binds to (only this machine unless told otherwise)"),
     Option(name="console_port", parse=_port, default=DEFAULT_CONSOLE_PORT, commands=("console",),
@@ -250,6 +255,7 @@ class Settings:
     exactly_once: bool = False
     exactly_once_position_topic: str = DEFAULT_EXACTLY_ONCE_POSITION_TOPIC
     exactly_once_transactional_id_prefix: str = DEFAULT_EXACTLY_ONCE_TRANSACTIONAL_ID_PREFIX
+    exactly_once_pipeline_depth: int = DEFAULT_EXACTLY_ONCE_PIPELINE_DEPTH
 
     def __repr__(self) -> str:  # never print secrets, whatever prints this object
         return f"Settings(dsn={mask_dsn(self.dsn)!r}, bootstrap_servers={self.bootstrap_servers!r}, owner={self.owner!r})"

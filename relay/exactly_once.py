@@ -24,6 +24,12 @@ pump's claim, settle, mark and rewind logic is the default mode's.  What changes
   error) is acknowledged without being produced again.
 
 Dead letters and replays go through the plain idempotent producer (not transactional).
+
+A batch settles only when the transactions of all its shards have committed (each shard
+commits one transaction at a time), so this mode keeps more batches in flight:
+``--exactly-once-pipeline-depth`` (16) replaces ``--pipeline-depth`` (4).  Measured on
+2 shared cores, Apache Kafka, 100,000 rows: at depth 4 the drain was 0.57-0.72 x the
+default mode's; at 16, 1.28-1.38 x (the database's marks bound both).
 """
 
 from __future__ import annotations
