@@ -71,5 +71,6 @@ def test_exactly_once_options_have_defaults_and_parse() -> None:
     assert plain.exactly_once is False
     assert plain.exactly_once_position_topic == "outbox-relay.positions"
     assert plain.exactly_once_transactional_id_prefix == "outbox-relay."
+    assert plain.exactly_once_pipeline_depth == 16 and plain.pipeline_depth == 4
     eo = build_settings({**base, "exactly_once": "true", "exactly_once_position_topic": "p"})
     assert eo.exactly_once is True and eo.exactly_once_position_topic == "p"
