@@ -1,0 +1,160 @@
+"""TransactionalPublisher's bookkeeping (issue 20) with a fake shard worker: callbacks run
+inside poll, a failed transaction fails what was buffered after it until the pump rewinds,
+a committed row claimed again is acknowledged without a second produce, a fenced
+transaction loses its lease, and the position record lists unconfirmed rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import relay.exactly_once as eo
+from relay.exactly_once_shard import Job, Result
+from relay.model import Lease, OutboxRow, RowId, ShardId, Token
+from relay.publisher import Outcome
+
+
+class FakeWorker:
+    made: list[FakeWorker] = []
+
+    def __init__(self, shard: ShardId, token: Token, *, results: Any, **_: Any) -> None:
+        self.shard, self.token, self.results = shard, token, results
+        self.jobs: list[Job] = []
+        self.closed = False
+        FakeWorker.made.append(self)
+
+    def submit(self, job: Job) -> None:
+        self.jobs.append(job)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def join(self, timeout_s: float) -> None: ...
+
+    def finish(self, *, ok: bool = True, fenced: bool = False) -> None:
+        job = self.jobs[-1]
+        rows = [row for row, _ in job.rows]
+        outcome = Outcome(ok=ok, error_class="" if ok else "transaction_aborted")
+        self.results.put(Result(self, rows=rows, callbacks=job.callbacks, ok=ok, fenced=fenced,  # type: ignore[arg-type]
+                                outcomes={row.id: outcome for row in rows}))
+
+    @property
+    def _thread(self) -> Any:
+        return type("T", (), {"is_alive": lambda self: False})()
+
+
+class Leases:
+    owner = "me"
+
+    def __init__(self) -> None:
+        self.leases = {ShardId(0): Lease(ShardId(0), Token(7), 1e12)}
+        self.lost: list[ShardId] = []
+
+    def trusted(self, shard: ShardId, now: float) -> bool:
+        return shard in self.leases
+
+    def lose(self, shards: Any, why: str) -> None:
+        for shard in shards:
+            self.leases.pop(shard, None)
+            self.lost.append(shard)
+
+
+class Log:
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+
+def row(i: int) -> OutboxRow:
+    return OutboxRow(RowId(i), f"e{i}", "t", "k", b"{}", "{}", i, ShardId(0), 0, 0.0)
+
+
+@pytest.fixture
+def setup(monkeypatch: pytest.MonkeyPatch) -> tuple[eo.TransactionalPublisher, Leases, list[tuple[int, bool, str]]]:
+    FakeWorker.made = []
+    monkeypatch.setattr(eo, "ShardWorker", FakeWorker)
+    leases = Leases()
+    publisher = eo.TransactionalPublisher(
+        config={}, plain=type("P", (), {"poll": lambda self, t: 0})(), leases=leases,  # type: ignore[arg-type]
+        table="outbox", position_topic="pos", transactional_id_prefix="x.",
+        recovery_store=object(), log=Log())  # type: ignore[arg-type]
+    seen: list[tuple[int, bool, str]] = []
+    publisher.poll(0)  # the lease is seen: a worker starts
+    worker = FakeWorker.made[0]
+    worker.results.put(Result(worker, init=True, ok=True))  # type: ignore[arg-type]
+    publisher.poll(0)
+    assert publisher.ready(ShardId(0))
+    return publisher, leases, seen
+
+
+def cb(seen: list[tuple[int, bool, str]]) -> Any:
+    return lambda r, o: seen.append((r.id, o.ok, o.error_class))
+
+
+def test_rows_go_in_one_transaction_and_report_inside_poll(setup) -> None:
+    publisher, _leases, seen = setup
+    worker = FakeWorker.made[0]
+    assert publisher.transactional_id(ShardId(0)) == "x.outbox.0"
+    for i in (1, 2):
+        assert publisher.send(row(i), cb(seen)) is None
+    publisher.poll(0)
+    assert [r.id for r, _ in worker.jobs[0].rows] == [1, 2]
+    assert worker.jobs[0].position_ids == [1, 2]
+    worker.finish()
+    assert seen == []  # never from the worker: only inside poll
+    publisher.poll(0)
+    assert seen == [(1, True, ""), (2, True, "")]
+    # Not confirmed yet: the next position record still lists them.
+    publisher.send(row(3), cb(seen))
+    publisher.poll(0)
+    assert worker.jobs[1].position_ids == [1, 2, 3]
+    publisher.confirm_marked([RowId(1), RowId(2)])
+    worker.finish()
+    publisher.poll(0)
+    publisher.send(row(4), cb(seen))
+    publisher.poll(0)
+    assert worker.jobs[2].position_ids == [3, 4]
+
+
+def test_a_committed_row_claimed_again_is_not_produced_again(setup) -> None:
+    publisher, _leases, seen = setup
+    worker = FakeWorker.made[0]
+    publisher.send(row(1), cb(seen))
+    publisher.poll(0)
+    worker.finish()
+    publisher.poll(0)
+    publisher.send(row(1), cb(seen))  # its mark was lost: claimed again
+    publisher.poll(0)
+    assert len(worker.jobs) == 1
+    assert seen == [(1, True, ""), (1, True, "")]
+
+
+def test_a_failed_transaction_fails_what_follows_until_the_rewind(setup) -> None:
+    publisher, _leases, seen = setup
+    worker = FakeWorker.made[0]
+    publisher.send(row(1), cb(seen))
+    publisher.poll(0)
+    publisher.send(row(2), cb(seen))  # buffered behind the running transaction
+    worker.finish(ok=False)
+    publisher.poll(0)
+    assert seen == [(1, False, "transaction_aborted"), (2, False, "earlier_transaction_failed")]
+    publisher.send(row(3), cb(seen))
+    publisher.poll(0)
+    assert (3, False, "earlier_transaction_failed") in seen
+    assert len(worker.jobs) == 1
+    publisher.rewound()
+    publisher.send(row(1), cb(seen))
+    publisher.poll(0)
+    assert len(worker.jobs) == 2
+
+
+def test_a_fenced_transaction_loses_the_lease_and_closes_the_producer(setup) -> None:
+    publisher, leases, seen = setup
+    worker = FakeWorker.made[0]
+    publisher.send(row(1), cb(seen))
+    publisher.poll(0)
+    worker.finish(ok=False, fenced=True)
+    publisher.poll(0)
+    assert leases.lost == [ShardId(0)]
+    publisher.poll(0)
+    assert worker.closed and not publisher.ready(ShardId(0))
