@@ -17,6 +17,7 @@ from relay import __version__
 from relay.config import (
     ENV_PREFIX,
     OPTIONS,
+    _flag,
     build_settings,
     env_values,
     kafka_env_properties,
@@ -38,6 +39,11 @@ def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
             continue
         default = "" if option.default is None else f" (default: {option.default})"
         secret = f"; or {option.env}_FILE naming a file" if option.secret else ""
+        if option.parse is _flag:  # a bare --exactly-once means true; a value still works
+            parser.add_argument(option.flag, dest=option.name, default=None, metavar="BOOL",
+                                nargs="?", const="true",
+                                help=f"{option.help}{default} [env: {option.env}{secret}]")
+            continue
         parser.add_argument(option.flag, dest=option.name, default=None, metavar="VALUE",
                             help=f"{option.help}{default} [env: {option.env}{secret}]")
 
