@@ -159,7 +159,7 @@ def naive_consumer(dsn: str, bootstrap: str, topic: str, partitions: int, *, inb
             msgs = [msg for msg in consumer.consume(500, timeout=1.0) if msg.error() is None]
             if not msgs:
                 continue
-            ids = [uuid.UUID(dict(msg.headers() or [])["event_id"].decode()) for msg in msgs]
+            ids = [_event_id(msg) for msg in msgs]
             with conn.transaction():
                 new = {row[0] for row in conn.execute(q("naive_inbox"), {
                     "consumer": inbox, "event_ids": ids, "topics": [msg.topic() for msg in msgs],
@@ -174,6 +174,11 @@ def naive_consumer(dsn: str, bootstrap: str, topic: str, partitions: int, *, inb
             seen += len(msgs)
     consumer.close()
     return m.figures(count)
+
+
+def _event_id(msg: Any) -> uuid.UUID:
+    raw = dict(msg.headers() or [])["event_id"]
+    return uuid.UUID(raw.decode() if isinstance(raw, bytes) else str(raw))
 
 
 def sdk_consumer(dsn: str, bootstrap: str, topic: str, *, inbox: str, group: str, batch_size: int,
