@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TESTS ?= tests
+# Test processes: each starts its own PostgreSQL and brokers; a file's tests stay together.
+TEST_WORKERS ?= 3
 
 .PHONY: venv test test-unit test-kafka kafka-jars demo bench soak lint typecheck clean
 
@@ -16,7 +18,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest $(TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(TESTS) $(PYTEST_ARGS)
 
 # Apache Kafka's jars (tests/kafka/pom.xml) into .kafka/jars; tests also do this on first use.
 kafka-jars:

@@ -14,7 +14,9 @@ tests/acceptance/test_cli.py::test_rejected_credentials.
 
 from __future__ import annotations
 
+import hashlib
 import http.client
+import os
 import socket
 import subprocess
 import urllib.error
@@ -33,9 +35,11 @@ from relay.errors import ConfigError
 from tests.fixtures.outbox import insert_rows, relay_cmd, relay_env, wait_drained
 from tests.fixtures.procs import free_port, wait_until
 
-DB_PASSWORD = f"db-pw-{uuid.uuid4().hex[:12]}"
-SASL_PASSWORD = f"sasl-pw-{uuid.uuid4().hex[:12]}"
-KEY_PASSPHRASE = f"key-pass-{uuid.uuid4().hex[:12]}"
+# Fresh secrets every run, the same in every xdist worker (they parametrize test ids).
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or uuid.uuid4().hex
+DB_PASSWORD = f"db-pw-{hashlib.sha256(f'{_RUN}/db'.encode()).hexdigest()[:12]}"
+SASL_PASSWORD = f"sasl-pw-{hashlib.sha256(f'{_RUN}/sasl'.encode()).hexdigest()[:12]}"
+KEY_PASSPHRASE = f"key-pass-{hashlib.sha256(f'{_RUN}/key'.encode()).hexdigest()[:12]}"
 SECRETS = (DB_PASSWORD, SASL_PASSWORD, KEY_PASSPHRASE)
 
 
