@@ -26,9 +26,9 @@ from relay.stalls import default_partition
 from tests.fixtures.apache_kafka import ApacheKafkaBroker, apache_kafka_or_skip
 from tests.fixtures.broker import create_topic, read_all
 from tests.fixtures.outbox import (
+    Writer,
     all_event_ids,
     check_delivery,
-    insert_rows,
     relay_cmd,
     relay_env,
     wait_drained,
@@ -37,30 +37,6 @@ from tests.fixtures.procs import free_port, wait_until
 
 KEYS = 60
 BATCH, DEPTH = 200, 4
-
-
-class Writer:
-    """Commits a few rows every 50 ms (seq growing per key) until stopped."""
-
-    def __init__(self, dsn: str, topic: str, per_tick: int) -> None:
-        self.dsn, self.topic, self.per_tick = dsn, topic, per_tick
-        self.written = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            insert_rows(self.dsn, self.topic, self.per_tick, keys=KEYS, start=self.written)
-            self.written += self.per_tick
-            self._stop.wait(0.05)
-
-    def __enter__(self) -> Writer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 class HealthWatch:
@@ -116,7 +92,7 @@ def test_a_partition_without_a_leader_stops_no_other_partition(outbox_db, kafka_
         outbox_db, kafka_cluster.bootstrap, metrics_port=port, batch_size=BATCH,
         pipeline_depth=DEPTH), name="relay")
     relay.wait_for_log("http_listening", timeout_s=60)
-    with Writer(outbox_db, topic, per_tick=10), HealthWatch(port) as health:
+    with Writer(outbox_db, topic, keys=KEYS, per_tick=10, pause_s=0.05), HealthWatch(port) as health:
         wait_until(lambda: marked_per_partition(outbox_db, 0, time.time() + 1, 3)[0] > 0,
                    timeout_s=60, message="the relay never published")
         t0 = time.time()
@@ -173,7 +149,7 @@ def test_a_five_minute_broker_outage_restarts_nothing(outbox_db, own_kafka, topi
         outbox_db, own_kafka.bootstrap, metrics_port=port, batch_size=BATCH, pipeline_depth=DEPTH,
         lease_duration_s=10, heartbeat_interval_s=2), name="relay")
     relay.wait_for_log("http_listening", timeout_s=60)
-    with Writer(outbox_db, topic, per_tick=5), HealthWatch(port) as health:
+    with Writer(outbox_db, topic, keys=KEYS, per_tick=5, pause_s=0.05), HealthWatch(port) as health:
         wait_until(lambda: marked_per_partition(outbox_db, 0, time.time() + 1, 3) != {0: 0, 1: 0, 2: 0},
                    timeout_s=60, message="the relay never published")
         own_kafka.stop()  # the whole cluster: every broker is gone

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from collections.abc import Callable
 
@@ -14,6 +13,7 @@ import psycopg
 from tests.fixtures.broker import create_topic, read_all
 from tests.fixtures.outbox import (
     HeldTransaction,
+    Writer,
     all_event_ids,
     check_delivery,
     insert_rows,
@@ -71,30 +71,6 @@ def wait_owners(dsn: str, expected: set[str], timeout_s: float = 30.0) -> dict[s
 
     return wait_until(balanced, timeout_s=timeout_s,
                       message=lambda: f"leases not settled on {sorted(expected)}: {owners(dsn)}")
-
-
-class Writer:
-    """Commits rows continuously (20 keys' worth per transaction) until stopped."""
-
-    def __init__(self, dsn: str, topic: str, keys: int = 100) -> None:
-        self.dsn, self.topic, self.keys = dsn, topic, keys
-        self.written = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            insert_rows(self.dsn, self.topic, self.keys, keys=self.keys, start=self.written)
-            self.written += self.keys
-            self._stop.wait(0.02)
-
-    def __enter__(self) -> Writer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _marks_by(dsn: str, owner: str) -> int:
