@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
-
 from tests.fixtures.outbox import relay_cmd
 
 KEYS = ["relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_per_s",
@@ -17,8 +15,6 @@ KEYS = ["relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_pe
         "naive_relay_events_per_s", "ratio_to_naive", "relay_cpu_us_per_row"]
 
 
-# The bench's own broker choice is not under test: one broker keeps this long test single.
-@pytest.mark.parametrize("broker", ["tansu"], indirect=True)
 def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(

@@ -57,9 +57,6 @@ def peak_rss_mb(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
-# The subject is the database side (the claim, the relay's memory): one broker is enough,
-# and this test is long.
-@pytest.mark.parametrize("broker", ["tansu"], indirect=True)
 def test_huge_rows_in_a_backlog_stay_under_the_memory_limit(outbox_db, broker, topic, spawn,
                                                             memory_cgroup):
     insert_rows(outbox_db, topic, BACKLOG // 2, per_tx=10_000)

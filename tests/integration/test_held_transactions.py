@@ -67,9 +67,6 @@ def mark_mean_ms(relay: RelayThread) -> tuple[float, float]:
     return total, count
 
 
-# The subject is the database side (the claim, the relay's memory): one broker is enough,
-# and this test is long.
-@pytest.mark.parametrize("broker", ["tansu"], indirect=True)
 def test_open_and_prepared_transactions_hold_back_only_their_own_rows(
         outbox_db, pg_server, broker, topic, request):
     with psycopg.connect(outbox_db, autocommit=True) as conn:
