@@ -24,7 +24,8 @@ class ConsoleStore(ReplayStore):
         (backlog,) = self._fetch("admin", "status_backlog", {})
         (dead,) = self._fetch("admin", "status_dead_letters", {})
         return {"backlog": backlog, "dead_letters": int(dead["dead_letters"]),
-                "shards": self.shard_table(), "waiting": self._fetch("console", "waiting", {})}
+                "shards": self.shard_table(), "waiting": self._fetch("console", "waiting", {}),
+                "stalled": self._fetch("admin", "status_stalled", {})}
 
     # -- relay dead letters (relay/admin.py) ----------------------------------------------
 

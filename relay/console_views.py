@@ -91,7 +91,12 @@ def status(data: dict[str, Any], replays: list[dict[str, Any]]) -> str:
     waiting = table(("reason", "rows", "next retry at", "max attempts"), (
         (e(w["reason"]), e(w["rows"]), e(w["next_retry_at"]), e(w["max_attempts"])) for w in data["waiting"]),
         empty="nothing waits: no row is in back-off")
+    stalled = table(("topic", "partition", "rows waiting", "replica"), (
+        (e(r["topic"]), e(r["partition"]), e(r["rows_waiting"]), e(r["owner"]))
+        for r in data.get("stalled", ())),
+        empty="no partition is stalled: every partition acknowledges")
     return (f'<div class="cards">{cards}</div><h2>What waits and why</h2>{waiting}'
+            f'<h3>Partitions that acknowledge nothing (no leader?): their keys wait</h3>{stalled}'
             f'<h2>Shards and leases</h2>{shards}')
 
 

@@ -128,6 +128,10 @@ def test_console_in_a_browser(outbox_db, broker, topic, spawn, tmp_path):
     replay = store.create(since=datetime.now(UTC) - timedelta(hours=1), until=None, topics=[topic], keys=[],
                           rate=100.0, requested_by="tester")
     store.close()
+    with psycopg.connect(outbox_db, autocommit=True) as conn:  # a replica waiting on a partition
+        conn.execute("INSERT INTO outbox_relay_replicas (owner, seen_until, stalled) VALUES "
+                     "('replica-a', now() + interval '1 hour', %s::jsonb)",
+                     (f'{{"{topic}": {{"2": 17}}}}',))
     proc, url = _console(spawn, outbox_db, tmp_path, actions=True)
     shots = os.environ.get("OUTBOX_CONSOLE_SCREENSHOTS")
     browser = _driver(chromium, driver_path)
@@ -152,6 +156,8 @@ def test_console_in_a_browser(outbox_db, broker, topic, spawn, tmp_path):
         browser.get(url)
         assert "Relay status" in browser.title
         assert len(browser.find_elements(By.XPATH, "//h2[.='Shards and leases']/following-sibling::table[1]//tbody/tr")) == 16
+        stalled = browser.find_element(By.XPATH, f"//tr[td[.='{topic}'] and td[.='2']]")
+        assert "17" in stalled.text and "replica-a" in stalled.text  # what waits, and where
         shot("status")
 
         browser.get(url + "dead-letters")
