@@ -32,45 +32,17 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from relay.embedded.broker import _TANSU_ENV, KafkaRecord, TansuBroker
+from tests.fixtures.certs import OPENSSL, make_ca, make_server_cert
 from tests.fixtures.outbox import check_delivery, insert_rows, relay_cmd, relay_env, wait_drained
 from tests.fixtures.procs import Proc, free_port, wait_until
 
 STUNNEL = shutil.which("stunnel4") or shutil.which("stunnel")
-OPENSSL = shutil.which("openssl")
 SASL_PASSWORD = "sasl-pw-" + uuid.uuid4().hex  # a unique string to grep for
 
 pytestmark = [
     pytest.mark.skipif(STUNNEL is None, reason="stunnel4 not installed: apt-get install stunnel4"),
     pytest.mark.skipif(OPENSSL is None, reason="openssl not installed: apt-get install openssl"),
 ]
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    assert OPENSSL is not None
-    done = subprocess.run([OPENSSL, *args], cwd=cwd, capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0, f"openssl {' '.join(args)}: {done.stderr}"
-
-
-def make_ca(d: Path, name: str) -> Path:
-    """A self-signed CA (P-256, valid one day): ``<name>.pem`` and ``<name>.key``."""
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1",
-             "-subj", f"/CN=outbox-relay test {name}",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
-    return d / f"{name}.pem"
-
-
-def make_server_cert(d: Path, ca: str, name: str) -> tuple[Path, Path]:
-    """A server certificate for 127.0.0.1 and localhost (SAN), signed by ``ca``."""
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", "/CN=127.0.0.1", cwd=d)
-    (d / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-                                   "basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-             "-set_serial", str(int(uuid.uuid4().hex[:15], 16)), "-days", "1",
-             "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=d)
-    return d / f"{name}.pem", d / f"{name}.key"
 
 
 def _accepts(port: int) -> bool:
