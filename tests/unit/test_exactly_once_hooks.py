@@ -9,7 +9,7 @@ from typing import Any
 from relay.metrics import RelayMetrics
 from relay.model import RowId, ShardId
 from relay.pump import Pump
-from tests.unit.test_pump_cursor import Leases, Log, Publisher, Store, row
+from tests.unit.pump_fakes import Leases, Log, Publisher, Store, row
 
 
 class HookedPublisher(Publisher):

@@ -8,13 +8,11 @@ rewind brings back what was skipped, in key order.
 
 from __future__ import annotations
 
-from typing import Any
-
 from relay.metrics import RelayMetrics
-from relay.model import Claimed, Cursor, Lease, OutboxRow, RowId, ShardId, Token
-from relay.publisher import Outcome
+from relay.model import OutboxRow
 from relay.pump import Pump
 from relay.stalls import STALL_AFTER_S, default_partition, murmur2
+from tests.unit.pump_fakes import Leases, Log, Publisher, Store, row
 
 KEYS = 8  # key k<i> goes to partition i % 2
 
@@ -37,94 +35,20 @@ class Clock:
         return self.now
 
 
-class Store:
-    """Rows committed one per transaction, in id order; claims by snapshot difference."""
-
-    def __init__(self, rows: list[OutboxRow]) -> None:
-        self.pending = {r.id: r for r in rows}
-        self.marked: list[RowId] = []
-
-    def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int, **_: Any) -> Claimed:
-        # Row i was committed by transaction i; a window is [prev_xmax, its snapshot's xmax).
-        xmax = int(after.cur.split(":")[1]) if after.cur else max(self.pending, default=0) + 1
-        found = sorted((r for r in self.pending.values()
-                        if after.prev_xmax <= r.xid < xmax and (r.xid, r.id) > (after.xid, after.id)),
-                       key=lambda r: (r.xid, r.id))
-        return Claimed(found[:limit], None if after.cur else f"{xmax}:{xmax}:")
-
-    def restamp_foreign(self) -> int:
-        return 0
-
-    def mark_published(self, *, owner: str, leases: Any, rows: Any) -> tuple[set[ShardId], set[RowId]]:
-        for r in rows:
-            if self.pending.pop(r.id, None) is not None:
-                self.marked.append(r.id)
-        return {lease.shard for lease in leases}, {r.id for r in rows}
-
-    def record_failure(self, **_: Any) -> int | None:
-        raise AssertionError("no failures here")
-
-    def dead_letter(self, **_: Any) -> bool:
-        raise AssertionError("no failures here")
-
-
-class Publisher:
-    def __init__(self) -> None:
-        self.queued: list[tuple[OutboxRow, Any]] = []
-        self.sent: list[RowId] = []
-        self.leaderless = True
-
-    def partition_of(self, r: OutboxRow) -> int | None:
-        return int(r.key[1:]) % 2 if r.key else None
-
-    def send(self, r: OutboxRow, on_delivery: Any) -> Outcome | None:
-        self.queued.append((r, on_delivery))
-        self.sent.append(r.id)
-        return None
-
-    def poll(self, timeout_s: float) -> int:
-        served = [(r, cb) for r, cb in self.queued if not (self.leaderless and self.partition_of(r) == 0)]
-        self.queued = [(r, cb) for r, cb in self.queued if (r, cb) not in served]
-        for r, callback in served:
-            callback(r, Outcome(ok=True))
-        return len(served)
-
-    def recreate(self) -> None: ...
-
-    def send_dead_letter(self, *_: Any, **__: Any) -> str | None:
-        return None
-
-
-class Leases:
-    owner = "me"
-
-    def __init__(self) -> None:
-        self.leases = {ShardId(0): Lease(ShardId(0), Token(1), 1e12)}
-
-    def usable(self, now: float) -> list[Lease]:
-        return list(self.leases.values())
-
-    def trusted(self, shard: ShardId, now: float) -> bool:
-        return True
-
-    def lose(self, shards: Any, why: str) -> None:
-        raise AssertionError("nothing is fenced here")
-
-
-class Log:
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
-
-
 def rows(start: int, count: int) -> list[OutboxRow]:
-    return [OutboxRow(RowId(i), f"e{i}", "t", f"k{i % KEYS}", b"{}", "{}", i, ShardId(0), 0, 0.0)
-            for i in range(start, start + count)]
+    return [row(i, 0, key=f"k{i % KEYS}") for i in range(start, start + count)]
+
+
+def key_partition(r: OutboxRow) -> int | None:
+    """Key k<i> goes to partition i % 2."""
+    return int(r.key[1:]) % 2 if r.key else None
 
 
 def test_a_partition_without_a_leader_stops_nothing_else() -> None:
-    clock, store, publisher = Clock(), Store(rows(1, 40)), Publisher()
+    clock, store = Clock(), Store(rows(1, 40))
+    publisher = Publisher(partition_of=key_partition, leaderless=0)
     metrics = RelayMetrics()
-    pump = Pump(store=store, publisher=publisher, leases=Leases(), nshards=1, batch_size=10,  # type: ignore[arg-type]
+    pump = Pump(store=store, publisher=publisher, leases=Leases(shards=[0]), nshards=1, batch_size=10,  # type: ignore[arg-type]
                 pipeline_depth=2, max_attempts=3, backoff_initial_s=0.1, backoff_max_s=1.0,
                 metrics=metrics, log=Log(), clock=clock)
     for _ in range(10):
@@ -146,7 +70,7 @@ def test_a_partition_without_a_leader_stops_nothing_else() -> None:
     assert stuck and all(i % 2 == 0 for i in stuck)
     assert len(stuck) <= 2 * 10  # only what was produced before the stall was noticed
 
-    publisher.leaderless = False  # the leader is back
+    publisher.leaderless = None  # the leader is back
     for _ in range(40):
         pump.run_once()
         clock.now += 0.1
