@@ -58,7 +58,7 @@ DEFAULT_BATCH_MAX_BYTES = 4 << 20  # payload bytes per claim; 4 in flight: 16 Mi
 DEFAULT_MAX_MESSAGE_BYTES = 1_000_000  # librdkafka's message.max.bytes default
 SWEEP_INTERVAL_S = 10.0  # a full pass, and a look for foreign xids, at most this often when caught up
 STALLED_ROWS_MAX = 10_000  # rows waiting on stalled partitions before claims stop altogether
-STALLED_CLAIM_PAUSE_S = 0.5  # a claim that found only rows held by a stall waits this long  # a full pass over the pending rows at most this often when caught up
+STALLED_CLAIM_PAUSE_S = 0.5  # a claim that found only rows held by a stall waits this long
 
 
 class PumpStore(MarkStore, Protocol):
@@ -261,11 +261,14 @@ class Pump:
         if restamped:
             self.log.warning("foreign_xids_restamped", rows=restamped)
 
+    def _active_batches(self, now: float) -> int:
+        """Batches in flight that are not stalled: they count against the pipeline depth."""
+        return sum(1 for batch in self.in_flight if not self.stalls.stalled(batch, now))
+
     def _active(self, now: float) -> bool:
         """Rows in flight that a rewind could claim twice: batches not stalled, or marks.
         (A stalled batch's rows wait on their partition; a rewind skips their keys.)"""
-        return bool(self.marking) or any(not self.stalls.stalled(batch, now)
-                                         for batch in self.in_flight)
+        return bool(self.marking) or self._active_batches(now) > 0
 
     def _track_stalls(self, now: float) -> None:
         if not self.in_flight and not self.stalls.partitions:
@@ -285,8 +288,7 @@ class Pump:
             self.metrics.stalled_rows.remove(topic, str(partition))
 
     def _may_claim(self, now: float) -> bool:
-        active = sum(1 for batch in self.in_flight if not self.stalls.stalled(batch, now))
-        return (active < self.pipeline_depth
+        return (self._active_batches(now) < self.pipeline_depth
                 and len(self.marking) < self.pipeline_depth
                 and sum(self.stalls.partitions.values()) < STALLED_ROWS_MAX
                 and not self.rewind_requested

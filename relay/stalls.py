@@ -77,22 +77,27 @@ class Stalls:
     keys: set[str] = field(default_factory=set)  # keys with a row waiting on a stalled partition
     held: set[str] = field(default_factory=set)  # keys skipped since: claimed again by a rewind
     rewind_after: bool = False  # rows were skipped: rewind once no partition is stalled
+    # The partition of each row still waiting: update() runs every loop turn, and murmur2
+    # in Python is not free for thousands of waiting rows.
+    _placed: dict[RowId, Partition] = field(default_factory=dict, init=False, repr=False)
 
     def update(self, batches: Iterable[Waiting], now: float) -> bool:
         """Recompute from ``batches`` (in production order); True when a stall just ended."""
         was = bool(self.partitions)
         partitions: dict[Partition, int] = {}
         keys: set[str] = set()
+        known, placed = self._placed, {}  # a waiting row's partition is computed once
         for batch in batches:
             if now - batch.produced_at < STALL_AFTER_S:
                 break  # later batches are younger still
             for row in batch.rows:
                 if row.id not in batch.outcomes:
-                    where = (row.topic, self.partition_of(row))
+                    where = known.get(row.id) or (row.topic, self.partition_of(row))
+                    placed[row.id] = where
                     partitions[where] = partitions.get(where, 0) + 1
                     if row.key is not None:
                         keys.add(row.key)
-        self.partitions, self.keys = partitions, keys
+        self.partitions, self.keys, self._placed = partitions, keys, placed
         return was and not partitions
 
     def as_json(self) -> str:
