@@ -264,15 +264,8 @@ class TansuBroker(Broker):
     def stop(self) -> None:
         """SIGTERM and wait (SIGKILL after 10 s)."""
         with self._lock:
-            proc = self._proc
-            if proc is None or not proc.alive:
-                return
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except TimeoutError:
-                pass
-            proc.close()
+            if self._proc is not None:
+                self._proc.shutdown(signal.SIGTERM, STOP_TIMEOUT_S)
 
     def kill(self) -> None:
         """SIGKILL (a crash)."""

@@ -477,15 +477,8 @@ class EmbeddedPgServer(PgServer):
     def stop(self) -> None:
         """Fast shutdown (SIGINT: abort sessions, checkpoint) and wait; SIGKILL after 30 s."""
         with self._lock:
-            proc = self._proc
-            if proc is None or not proc.alive:
-                return
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except TimeoutError:
-                pass
-            proc.close()  # kills whatever is left (nothing, after a clean shutdown)
+            if self._proc is not None:
+                self._proc.shutdown(signal.SIGINT, STOP_TIMEOUT_S)
 
     def kill(self) -> None:
         """SIGKILL the postmaster and all its children (a crash); wait until they are gone."""

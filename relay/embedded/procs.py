@@ -371,6 +371,18 @@ class Proc:
             time.sleep(interval_s)
 
     # -- cleanup ---------------------------------------------------------------------
+    def shutdown(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        """Ask the process to stop with ``sig``, wait up to ``timeout_s``, then close it
+        (which kills whatever is left).  Nothing to do once it has exited."""
+        if not self.alive:
+            return
+        self.send_signal(sig)
+        try:
+            self.wait(timeout_s)
+        except TimeoutError:
+            pass
+        self.close()
+
     def close(self) -> None:
         """Kill the process tree if it is still alive and close the log; idempotent."""
         if self._closed:
