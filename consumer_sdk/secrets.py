@@ -2,8 +2,9 @@
 
 A DSN's password and every librdkafka property whose name marks a secret
 (``sasl.password``, ``ssl.key.password``, ``sasl.oauthbearer.config``, ...) are shown
-as ``***``.  The rules are the relay's (``relay/config.py``), kept here because the
-SDK never imports the relay; both are checked by the same kind of property tests.
+as ``***``.  The relay masks DSNs and free text with this module's ``mask_dsn`` and
+``mask_text`` (the SDK never imports the relay; the relay may import the SDK); both are
+checked by the same kind of property tests.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ SECRET_MARKERS = ("password", "secret", "passphrase", "sasl.oauthbearer.config",
 MASK = "***"
 
 _URI_SCHEME = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")
+# In free text a URI ends at white space; \S* backtracks to the token's last "@".
 _TEXT_URI_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*:)(\S*)(@)")
 _TEXT_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.?)*'?|\S+)", re.IGNORECASE)
 _TEXT_QUERY_PASSWORD = re.compile(r"(password=)[^&\s]*", re.IGNORECASE)
+# A whole key=value DSN: a quoted value may be unterminated; an unquoted one runs to
+# the next "key=" (libpq would stop at a space, but the rest is still the password's).
 _DSN_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.?)*'?|.*?(?=\s+\w+\s*=|\s*$))",
                               re.IGNORECASE | re.DOTALL)
 _DSN_QUERY_PASSWORD = re.compile(r"(password=)[^&]*", re.IGNORECASE)

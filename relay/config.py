@@ -20,6 +20,9 @@ from typing import Any
 
 import psycopg.conninfo
 
+# One masking for the relay and the SDK; re-exported: relay code imports them from here.
+from consumer_sdk.secrets import mask_dsn as mask_dsn
+from consumer_sdk.secrets import mask_text as mask_text
 from relay.errors import ConfigError
 
 ENV_PREFIX = "OUTBOX_RELAY_"
@@ -416,42 +419,6 @@ def max_message_bytes(config: Mapping[str, str]) -> int:
 def is_secret(name: str) -> bool:
     lowered = name.lower()
     return any(marker in lowered for marker in SECRET_MARKERS)
-
-
-_URI_SCHEME = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")
-# In free text a URI ends at white space; \S* backtracks to the token's last "@".
-_TEXT_URI_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*:)(\S*)(@)")
-_TEXT_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.?)*'?|\S+)", re.IGNORECASE)
-_TEXT_QUERY_PASSWORD = re.compile(r"(password=)[^&\s]*", re.IGNORECASE)
-# A whole key=value DSN: a quoted value may be unterminated; an unquoted one runs to
-# the next "key=" (libpq would stop at a space, but the rest is still the password's).
-_DSN_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.?)*'?|.*?(?=\s+\w+\s*=|\s*$))",
-                              re.IGNORECASE | re.DOTALL)
-_DSN_QUERY_PASSWORD = re.compile(r"(password=)[^&]*", re.IGNORECASE)
-
-
-def mask_dsn(dsn: str) -> str:
-    """The DSN with its password replaced by ``***`` (URI or key=value form).
-
-    Errs on the side of hiding: in a URI everything from the first ":" of the
-    user info to the LAST "@" goes, so an unencoded "@", "/" or ":" in a password
-    cannot leave a piece of it visible.
-    """
-    scheme = _URI_SCHEME.match(dsn)
-    if scheme is None:
-        return _DSN_KV_PASSWORD.sub(r"\1***", dsn)
-    rest = dsn[scheme.end():]
-    userinfo, at, host = rest.rpartition("@")
-    if at and ":" in userinfo:
-        rest = f"{userinfo.split(':', 1)[0]}:***@{host}"
-    return dsn[: scheme.end()] + _DSN_QUERY_PASSWORD.sub(r"\1***", rest)
-
-
-def mask_text(text: str) -> str:
-    """Masks anything that looks like a DSN password inside free text."""
-    masked = _TEXT_URI_PASSWORD.sub(r"\1***\3", text)
-    masked = _TEXT_KV_PASSWORD.sub(r"\1***", masked)
-    return _TEXT_QUERY_PASSWORD.sub(r"\1***", masked)
 
 
 _QUOTED = re.compile(r"""(["'])(.*?)\1""", re.DOTALL)
