@@ -85,6 +85,10 @@ class Relay:
         self.broker_up = True
         self.schema_ok = False
         self.last_tick = clock()
+        # When the database and the broker were last both seen coming back: /healthz
+        # measures "nothing published for stuck_after_s" from the later of this and the
+        # last mark, so the minutes of an outage never count against the relay.
+        self._deps_up_at = self.last_tick
         self._next_backlog = 0.0
         self._db_failures = 0
         self._db_down_event = ""
@@ -210,8 +214,16 @@ class Relay:
             if self._db_failures:
                 self.log.info("database_recovered", after_attempts=self._db_failures)
             self.db_up = True
+            self._deps_up_at = self.clock()
             self._db_failures = 0
             self.metrics.database_up.set(1)
+
+    def _broker_ok(self) -> None:
+        if not self.broker_up:
+            self.broker_up = True
+            self._deps_up_at = self.clock()
+            self.metrics.broker_up.set(1)
+            self.log.info("broker_recovered")
 
     def _db_down(self, exc: Exception) -> None:
         # Logged once per state change; a lost connection that turns out to be a read-only
@@ -312,10 +324,8 @@ class Relay:
         result = self.pump.run_once(claim=claim)
         if self.replayer is not None:
             self.replayer.run_once(self.leases.usable(now))
-        if result.acked and not self.broker_up:
-            self.broker_up = True
-            self.metrics.broker_up.set(1)
-            self.log.info("broker_recovered")
+        if result.acked:
+            self._broker_ok()
         if result.marked or result.failed:
             self.log.debug("batch_settled", marked=result.marked, failed=result.failed,
                            fenced=result.fenced, in_flight=self.pump.rows_in_flight())
@@ -406,7 +416,10 @@ class Relay:
         loop_age = now - self.last_tick
         since_publish = now - (self.pump.last_marked_at if self.pump else self.last_tick)
         # An outage of a dependency is readiness's business: a restart would not fix it.
-        stuck = (self.pending > 0 and since_publish > self.settings.stuck_after_s
+        # The clock restarts when both are back, so the first batch after a long outage
+        # (acknowledged, its mark on the way) is not taken for a stuck loop.
+        since_progress = min(since_publish, now - self._deps_up_at)
+        stuck = (self.pending > 0 and since_progress > self.settings.stuck_after_s
                  and self.db_up and self.broker_up)
         loop_dead = loop_age > max(30.0, self.settings.poll_interval_s * 10) and not self.stopping
         ok = not stuck and not loop_dead

@@ -1,0 +1,72 @@
+"""/healthz: a stuck loop fails it; the minutes of a dependency's outage never do."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import structlog
+
+from relay.app import Relay
+from relay.config import build_settings
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def relay_at(clock: Clock) -> Relay:
+    settings = build_settings({"dsn": "postgresql://u@127.0.0.1/db",
+                               "bootstrap_servers": "127.0.0.1:9092", "stuck_after_s": "120"})
+    relay = Relay(settings, log=structlog.get_logger(), clock=clock)
+    relay.pump = SimpleNamespace(last_marked_at=clock.now)  # type: ignore[assignment]
+    relay._db_ok()
+    relay.pending = 50
+    return relay
+
+
+def healthy(relay: Relay, clock: Clock) -> bool:
+    relay.last_tick = clock.now  # the loop turns; only publishing is in question
+    return relay.health()[0]
+
+
+def test_pending_rows_and_nothing_published_for_stuck_after_s_fails() -> None:
+    clock = Clock()
+    relay = relay_at(clock)
+    clock.now += 119
+    assert healthy(relay, clock)
+    clock.now += 2
+    assert not healthy(relay, clock)
+
+
+def test_the_first_seconds_after_a_five_minute_broker_outage_are_healthy() -> None:
+    # CI, 2026-12-01: one 503 right after the broker came back, between the first
+    # acknowledgement (broker_up again) and the mark that followed it.
+    clock = Clock()
+    relay = relay_at(clock)
+    clock.now += 10
+    relay._client_error("unreachable", "all brokers down", fatal=False)
+    for _ in range(30):  # five minutes down: readiness's business, not liveness's
+        clock.now += 10
+        assert healthy(relay, clock)
+    relay._broker_ok()  # acknowledged; the mark is still on its way
+    clock.now += 1
+    assert healthy(relay, clock)
+    clock.now += 119  # back for stuck_after_s and still nothing marked: stuck after all
+    assert healthy(relay, clock)
+    clock.now += 2
+    assert not healthy(relay, clock)
+
+
+def test_the_database_coming_back_restarts_the_clock_too() -> None:
+    clock = Clock()
+    relay = relay_at(clock)
+    relay._db_down(RuntimeError("connection refused"))
+    clock.now += 600
+    assert healthy(relay, clock)
+    relay._db_ok()
+    clock.now += 5
+    assert healthy(relay, clock)
