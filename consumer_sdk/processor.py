@@ -59,6 +59,7 @@ from consumer_sdk.model import (
     payload_sha256,
     to_message,
 )
+from consumer_sdk.replays import REPLAY_HEADER
 
 #: A handler: apply one message with the given connection, inside the consumer's
 #: transaction.  It must not commit.  Raising rolls back its writes; raising
@@ -168,6 +169,8 @@ class Processor:
         self._log = log
         self._sleep = sleep
         self._on_settled = on_settled
+        self._known: dict[Any, bytes | None] = {}  # of the current process() call
+        self._prepared: dict[int, InboxMessage | InvalidEventId] = {}  # id(record) -> parsed, idem
 
     def process(self, records: Sequence[KafkaRecord], result: BatchResult | None = None) -> BatchResult:
         """Settle ``records`` in order; returns what happened (added to ``result`` when given,
@@ -178,6 +181,16 @@ class Processor:
         """
         result = result if result is not None else BatchResult()
         rest = list(records)
+        self._prepared = {id(record): _prepare(record) for record in rest}
+        try:
+            self._known = self._applied_before(rest)
+            self._settle_all(rest, result)
+        finally:
+            self._prepared = {}
+            self._known = {}
+        return result
+
+    def _settle_all(self, rest: list[KafkaRecord], result: BatchResult) -> None:
         while rest:
             chunk = rest if self._batch_size is None else rest[: self._batch_size]
             settled, halt = self._transaction(chunk, result, attempt=1)
@@ -193,22 +206,58 @@ class Processor:
             self._retry_alone(rest[0], halt.error, result)
             self._settle(rest[:1], result)
             rest = rest[1:]
-        return result
+
+    def _applied_before(self, records: Sequence[KafkaRecord]) -> dict[Any, bytes | None]:
+        """The inbox rows already committed for these records' events (event id -> body hash),
+        read in one statement before any transaction: a redelivered record found here with
+        its body's hash is a duplicate without a claim, a savepoint or a transaction.  A row
+        committed is final, so the answer cannot go stale; what is not found (or differs) is
+        claimed as before, in the transaction.  Records of replays are left out (their inbox
+        key is not the consumer's name, see :mod:`consumer_sdk.replays`)."""
+        lookup = getattr(self._store, "applied_before", None)
+        if lookup is None or not records:
+            return {}
+        ids = []
+        for record in records:
+            prepared = self._prepare(record)
+            if isinstance(prepared, InboxMessage) and prepared.header(REPLAY_HEADER) is None:
+                ids.append(prepared.event_id)
+        if not ids:
+            return {}
+        found: dict[Any, bytes | None] = lookup(consumer=self.consumer, event_ids=ids)
+        return found
+
+    def _prepare(self, record: KafkaRecord) -> InboxMessage | InvalidEventId:
+        found = self._prepared.get(id(record))
+        return found if found is not None else _prepare(record)
+
+    def _known_duplicate(self, message: InboxMessage | InvalidEventId) -> bool:
+        if not self._known or not isinstance(message, InboxMessage) or message.event_id not in self._known:
+            return False
+        return message.header(REPLAY_HEADER) is None and \
+            self._known[message.event_id] == payload_sha256(message.value)
 
     # -- one transaction --------------------------------------------------------------
 
     def _transaction(self, records: Sequence[KafkaRecord], result: BatchResult,
                      *, attempt: int) -> tuple[int, _Halt | None]:
         """Apply records until one halts; commit what came before it.  Returns (count, halt)."""
-        prepared = [_prepare(record) for record in records]
+        prepared = [self._prepare(record) for record in records]
         valid = [m for m in prepared if isinstance(m, InboxMessage)]
         batched = bool(valid) and len({m.event_id for m in valid}) == len(valid)
         applied: Counter[str] = Counter()
         duplicates: Counter[str] = Counter()
         halt: _Halt | None = None
         settled = 0
+        known = [self._known_duplicate(m) for m in prepared] if batched else [False] * len(records)
         try:
-            settled, halt = self._apply(records, prepared, valid, batched, result, applied, duplicates, attempt)
+            if all(known):  # redelivered, every one: nothing to claim, apply or commit
+                for record in records:
+                    duplicates[record.topic] += 1
+                settled = len(records)
+            else:
+                settled, halt = self._apply(records, prepared, valid, batched, known, result, applied,
+                                            duplicates, attempt)
         except _Alone as alone:  # a lone record's handler failed: its transaction rolled back
             applied.clear()
             duplicates.clear()
@@ -224,17 +273,19 @@ class Processor:
         return settled, halt
 
     def _apply(self, records: Sequence[KafkaRecord], prepared: Sequence[InboxMessage | InvalidEventId],
-               valid: Sequence[InboxMessage], batched: bool, result: BatchResult, applied: Counter[str],
-               duplicates: Counter[str], attempt: int) -> tuple[int, _Halt | None]:
-        """The transaction of :meth:`_transaction`."""
+               valid: Sequence[InboxMessage], batched: bool, known: Sequence[bool], result: BatchResult,
+               applied: Counter[str], duplicates: Counter[str], attempt: int) -> tuple[int, _Halt | None]:
+        """The transaction of :meth:`_transaction` (``known``: duplicates found before it)."""
         halt: _Halt | None = None
         settled = 0
         with self._store.transaction() as conn:
             claims: list[Claim | None] = [None] * len(records)
             if batched:
-                found = iter(self._store.claim_many(consumer=self.consumer, messages=valid,
-                                                    digests=[payload_sha256(m.value) for m in valid]))
-                claims = [next(found) if isinstance(m, InboxMessage) else None for m in prepared]
+                unknown = [m for m, k in zip(prepared, known, strict=True) if isinstance(m, InboxMessage) and not k]
+                found = iter(self._store.claim_many(consumer=self.consumer, messages=unknown,
+                                                    digests=[payload_sha256(m.value) for m in unknown]))
+                claims = [None if not isinstance(m, InboxMessage) else "duplicate" if k else next(found)
+                          for m, k in zip(prepared, known, strict=True)]
             alone = batched and len(records) == 1  # no savepoint: its failure rolls back everything
             if self._batch_handler is not None and batched and len(valid) == len(records) > 1 \
                     and self._apply_batch(conn, valid, claims):

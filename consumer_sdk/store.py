@@ -1,8 +1,9 @@
 """The inbox in PostgreSQL: the :class:`~consumer_sdk.processor.InboxStore` adapter.
 
 Only this module and :mod:`consumer_sdk.outbox` talk to psycopg.  The store owns
-one connection in autocommit mode and opens transactions with
-``conn.transaction()`` blocks, so nothing commits outside one.  Driver errors are
+one connection in autocommit mode and opens each transaction in
+:meth:`PgInboxStore.transaction` (BEGIN sent with its first statement), so
+nothing commits outside one.  Driver errors are
 translated here: an unreachable database or a broken connection is
 :class:`DatabaseUnavailable`, an aborted transaction (serialization failure,
 deadlock) :class:`TransactionConflict`, both retried by the consumer; a missing
@@ -12,7 +13,7 @@ table is :class:`SchemaMissing`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
 from typing import Any, cast
 
@@ -54,6 +55,7 @@ class PgInboxStore:
         self._conn: psycopg.Connection[Any] | None = None
         self._tx: psycopg.Connection[Any] | None = None  # the connection of the open transaction
         self._savepoint = False  # an attempt's savepoint is set (released by the next one or the commit)
+        self._pipeline: AbstractContextManager[Any] | None = None  # BEGIN not sent yet (see transaction())
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -127,17 +129,48 @@ class PgInboxStore:
         self._tx = conn
         self._savepoint = False
         try:
-            with self.translated(), conn.transaction():
-                yield conn
-        except DatabaseUnavailable:
-            raise
-        except Exception as exc:
+            with self.translated():
+                # BEGIN waits in a pipeline for the transaction's first statement (a claim): one
+                # round trip for both, or for BEGIN and COMMIT when nothing else came.  _flush()
+                # leaves pipeline mode before any other statement and before the handler runs:
+                # handlers never see pipeline mode.  (Not conn.transaction(): in pipeline mode it
+                # nests pipelines of its own, which would stay on for the handler.)
+                pipeline = self._pipeline = conn.pipeline()
+                pipeline.__enter__()
+                conn.execute(query("inbox", "begin"))
+            yield conn
+            with self.translated():
+                conn.execute(query("inbox", "commit"))
+                self._flush()
+        except BaseException as exc:
+            self._flush(quiet=True)
+            if not (conn.closed or conn.broken) and conn.info.transaction_status != TransactionStatus.IDLE:
+                try:
+                    conn.rollback()
+                except psycopg.Error:
+                    pass
+            if isinstance(exc, DatabaseUnavailable) or not isinstance(exc, Exception):
+                raise
             if conn.closed or conn.broken:
                 self.reset()
                 raise DatabaseUnavailable(f"connection lost: {_first_line(exc)}") from exc
             raise
         finally:
             self._tx = None
+
+    def _flush(self, *, quiet: bool = False) -> None:
+        """Send what waits in the pipeline (BEGIN, a claim) in one round trip; leave pipeline mode."""
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is None:
+            return
+        if quiet:  # the transaction failed already: its own error is the one to report
+            try:
+                pipeline.__exit__(None, None, None)
+            except psycopg.Error:
+                pass
+            return
+        with self.translated():
+            pipeline.__exit__(None, None, None)
 
     @property
     def _active(self) -> psycopg.Connection[Any]:
@@ -155,6 +188,7 @@ class PgInboxStore:
         the statement that sets this one (``savepoint_next``), and the last one by the commit.
         """
         conn = self._active
+        self._flush()
         with self.translated():
             conn.execute(query("inbox", "savepoint_next" if self._savepoint else "savepoint"))
         self._savepoint = True
@@ -174,6 +208,7 @@ class PgInboxStore:
         params = {**key, "payload_sha256": payload_sha256, "topic": message.topic,
                   "partition": message.partition, "offset": message.offset, "now": self._now()}
         conn = self._active
+        self._flush()
         with self.translated():
             if conn.execute(query("inbox", "claim"), params).fetchone() is not None:
                 return "new"
@@ -193,7 +228,9 @@ class PgInboxStore:
                   "offsets": [m.offset for m in messages], "now": self._now()}
         conn = self._active
         with self.translated():
-            claims: list[str] = [row[0] for row in conn.execute(query("inbox", "claim_batch"), params)]
+            cursor = conn.execute(query("inbox", "claim_batch"), params)
+            self._flush()  # BEGIN and this claim, one round trip
+            claims: list[str] = [row[0] for row in cursor.fetchall()]
             unseen = [i for i, claim in enumerate(claims) if claim == "unseen"]
             if unseen:
                 ids = [messages[i].event_id for i in unseen]
@@ -205,14 +242,27 @@ class PgInboxStore:
                         else "mismatch"
         return cast("list[Claim]", claims)
 
+    def applied_before(self, *, consumer: str, event_ids: Sequence[Any]) -> dict[Any, bytes | None]:
+        """The committed inbox rows of these events (event id -> body hash), in one statement
+        outside any transaction (the processor's duplicate check before a batch)."""
+        if not event_ids:
+            return {}
+        conn = self.conn
+        with self.translated():
+            rows = conn.execute(query("inbox", "lookup_batch"),
+                                {"consumer": consumer, "event_ids": list(event_ids)}).fetchall()
+        return dict(rows)
+
     def unclaim(self, *, consumer: str, event_ids: Sequence[Any]) -> None:
         """Delete the rows this transaction claimed for records it will not apply after all."""
         if event_ids:
+            self._flush()
             with self.translated():
                 self._active.execute(query("inbox", "unclaim"),
                                      {"consumer": consumer, "event_ids": list(event_ids)})
 
     def in_failed_transaction(self) -> bool:
+        self._flush()
         return self._active.info.transaction_status == TransactionStatus.INERROR
 
     # -- retention --------------------------------------------------------------------

@@ -64,6 +64,14 @@ WHERE consumer = %(consumer)s AND event_id = ANY(%(event_ids)b::uuid[])
 DELETE FROM outbox_inbox
 WHERE consumer = %(consumer)s AND event_id = ANY(%(event_ids)b::uuid[])
 
+-- name: begin
+-- PgInboxStore.transaction() sends BEGIN and COMMIT itself (BEGIN rides in a pipeline with
+-- the transaction's first statement).
+BEGIN
+
+-- name: commit
+COMMIT
+
 -- name: savepoint
 -- A handler's isolation inside the batch's transaction (PgInboxStore.attempt).
 SAVEPOINT outbox_inbox_attempt
