@@ -129,25 +129,36 @@ class JobContext:
     def fenced_transaction(self) -> Iterator[ConnectionT]:
         """A transaction on ``ctx.conn`` that commits only while this attempt holds the lease.
 
-        Its first statement locks the job row with owner, token, status and lease in
-        the WHERE clause (FOR KEY SHARE: no takeover or cancellation can slip in
-        before the commit).  No row: rolls back and raises LeaseLost.  An exception
+        BEGIN and its first statement go in one round trip; that statement locks the job
+        row with owner, token, status and lease in the WHERE clause (FOR KEY SHARE: no
+        takeover or cancellation can slip in before the commit).  No row: rolls back and raises LeaseLost.  An exception
         in the block rolls back and propagates.  A broken connection raises
         LeaseLost too: authority cannot be proven any more (if it broke during the
         commit, the outcome is unknown, which writes by key make harmless).
         """
         self.check()
+        conn = self.conn
         try:
-            with self.conn.transaction():
-                if not queue.holds(self.conn, self.lease, now=self._db_now()):
+            # BEGIN and the fence's lock in one round trip (a pipeline, left before the handler
+            # runs); then the handler's statements; then COMMIT, or ROLLBACK on any exception.
+            with conn.pipeline():
+                conn.execute(q("fenced_begin"))
+                held = queue.holds_later(conn, self.lease, now=self._db_now())
+            try:
+                if held.fetchone() is None:
                     self.cancel("lease_lost")
                     self.check()
                 self._fenced_depth += 1
                 try:
-                    yield self.conn
+                    yield conn
                 finally:
                     self._fenced_depth -= 1
+            except BaseException:
+                _rollback(conn)
+                raise
+            conn.commit()
         except psycopg.Error as exc:
+            _rollback(conn)  # BEGIN went through even when the fence's statement failed
             ended = isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout)
             if not (ended or self.cancelled or self.conn.broken or self.conn.closed):
                 raise  # the handler's own statement failed: its error, not the fence's
@@ -184,3 +195,13 @@ class JobContext:
     def results(self) -> dict[str, Any]:
         """The results written so far by any attempt of this job (to skip finished steps)."""
         return queue.results(self.conn, self.job.id)
+
+
+def _rollback(conn: ConnectionT) -> None:
+    """End a failed fenced transaction (nothing to do when the connection is gone)."""
+    if conn.closed or conn.broken:
+        return
+    try:
+        conn.rollback()
+    except psycopg.Error:
+        pass

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import psycopg
+from psycopg.pq import TransactionStatus
+
 from consumer_sdk.errors import SchemaMissing
 from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
 from consumer_sdk.jobs.events import EventType, JobFacts, write_job_event
@@ -88,18 +91,37 @@ def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: flo
     """
     if not takes:
         return []
-    with translated(), conn.transaction():
-        owners = sorted({t.owner_id for t in takes})
-        locked = {r[0] for r in conn.execute(q("lock_owners"), {"owners": owners}).fetchall()}
-        mine = [t for t in takes if t.owner_id in locked and t.n > 0]
-        if not mine:
-            return []
-        params = {
-            "queues": [t.queue for t in mine], "owners": [t.owner_id for t in mine],
-            "wants": [t.n for t in mine], "limits": [t.owner_limit for t in mine],
-            "worker": worker, "lease_s": lease_s, "now": now,
-        }
-        rows = conn.execute(q("claim"), params).fetchall()
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        raise RuntimeError("jobs.queue.claim() opens its own transaction: call it outside one")
+    owners = sorted({t.owner_id for t in takes})
+    # Two round trips: BEGIN with lock_owners, then claim with COMMIT (pipelines; the claim
+    # must be a later statement than the locks, see jobs.sql).
+    with translated():
+        try:
+            with conn.pipeline():
+                conn.execute(q("claim_begin"))
+                locks = conn.execute(q("lock_owners"), {"owners": owners})
+            locked = {r[0] for r in locks.fetchall()}
+            mine = [t for t in takes if t.owner_id in locked and t.n > 0]
+            if not mine:
+                conn.rollback()
+                return []
+            params = {
+                "queues": [t.queue for t in mine], "owners": [t.owner_id for t in mine],
+                "wants": [t.n for t in mine], "limits": [t.owner_limit for t in mine],
+                "worker": worker, "lease_s": lease_s, "now": now,
+            }
+            with conn.pipeline():
+                claimed = conn.execute(q("claim"), params)
+                conn.execute(q("claim_commit"))
+            rows = claimed.fetchall()
+        except BaseException:
+            if not (conn.closed or conn.broken) and conn.info.transaction_status != TransactionStatus.IDLE:
+                try:
+                    conn.rollback()
+                except psycopg.Error:
+                    pass
+            raise
     return [_claimed(row, worker) for row in rows]
 
 
@@ -153,6 +175,13 @@ def holds(conn: ConnectionT, lease: Lease, *, now: datetime | None = None) -> bo
     """
     params = {"id": lease.job_id, "worker": lease.worker, "token": lease.token, "now": now}
     return conn.execute(q("fenced_lock"), params).fetchone() is not None
+
+
+def holds_later(conn: ConnectionT, lease: Lease, *, now: datetime | None = None) -> Any:
+    """:func:`holds`, sent in the caller's pipeline: returns the cursor whose one row (or none)
+    says so once the pipeline is synced."""
+    params = {"id": lease.job_id, "worker": lease.worker, "token": lease.token, "now": now}
+    return conn.execute(q("fenced_lock"), params)
 
 
 def put_result(conn: ConnectionT, lease: Lease, key: str, value: Any, *,

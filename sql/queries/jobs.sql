@@ -137,6 +137,14 @@ SELECT l.queue, l.owner_id,
 FROM lanes AS l
 WHERE l.owner_id IS NOT NULL
 
+-- name: claim_begin
+-- jobs.queue.claim() sends BEGIN itself, in one pipeline with lock_owners.
+BEGIN
+
+-- name: claim_commit
+-- ... and COMMIT in one pipeline with claim.
+COMMIT
+
 -- name: lock_owners
 -- Serializes claims per owner across every worker process, so two claimers can
 -- never both count the same free room under an owner's limit.  A claimer that
@@ -274,6 +282,10 @@ SELECT h.id, r.id IS NOT NULL AS held, j.status
 FROM unnest(%(ids)s::bigint[]) AS h(id)
 LEFT JOIN renewed AS r ON r.id = h.id
 LEFT JOIN jobs AS j ON j.id = h.id
+
+-- name: fenced_begin
+-- JobContext.fenced_transaction sends BEGIN itself, in one pipeline with fenced_lock.
+BEGIN
 
 -- name: fenced_lock
 -- The first statement of a handler's fenced transaction (JobContext.fenced_transaction).

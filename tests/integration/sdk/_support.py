@@ -165,3 +165,30 @@ def produce_raw(bootstrap: str, topic: str, messages: list[tuple[bytes | None, b
 
 def wait_for(predicate: Any, timeout_s: float = 30.0, message: str = "condition not met") -> Any:
     return wait_until(predicate, timeout_s=timeout_s, message=message)
+
+
+class RoundTrips:
+    """Counts a connection's round trips (ReadyForQuery messages, from libpq's protocol
+    trace) while the block runs: ``with RoundTrips(conn) as trips: ...; trips.count``."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+        self.count = 0
+        self.sent: list[str] = []
+
+    def __enter__(self) -> RoundTrips:
+        import tempfile
+
+        self._file = tempfile.TemporaryFile("w+")
+        self.conn.pgconn.trace(self._file.fileno())
+        self.conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.conn.pgconn.untrace()
+        self._file.seek(0)
+        lines = self._file.read().splitlines()
+        self._file.close()
+        self.count = sum(1 for line in lines if "\tReadyForQuery" in line)
+        self.sent = [line.split("\t", 3)[-1] for line in lines
+                     if line.startswith("F\t") and ("\tParse\t" in line or "\tQuery\t" in line)]

@@ -1,0 +1,66 @@
+"""Issue 19: a job's statements in round trips on the real database.  A fenced transaction
+with one write costs three (BEGIN with the fence's lock, the write, COMMIT; before: four),
+and a claim two (BEGIN with the owners' locks, the claim with COMMIT; before: four), still
+refusing a stale lease and leaving no transaction open either way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.pq import TransactionStatus
+
+from consumer_sdk.jobs import LeaseLost, NewJob, enqueue
+from consumer_sdk.jobs import queue as jobq
+from consumer_sdk.jobs.context import JobContext
+from consumer_sdk.jobs.model import Take
+from tests.integration.jobs._support import at, rows
+from tests.integration.sdk._support import RoundTrips
+
+
+def _enqueue(conn: psycopg.Connection[Any], n: int) -> None:
+    enqueue(conn, [NewJob(owner_id="o1", queue="interactive", kind="work", payload={"i": i})
+                   for i in range(n)], now=at(0))
+
+
+def test_a_claim_of_several_jobs_costs_two_round_trips(conn):
+    _enqueue(conn, 3)
+    with RoundTrips(conn) as trips:
+        claimed = jobq.claim(conn, worker="A", takes=[Take(queue="interactive", owner_id="o1", n=3,
+                                                            owner_limit=10)], lease_s=10, now=at(1))
+    assert len(claimed) == 3 and trips.count == 2
+    assert conn.info.transaction_status == TransactionStatus.IDLE
+    assert rows(conn.info.dsn, "SELECT count(*) FROM jobs WHERE status = 'running' AND lease_owner = 'A'") \
+        == [(3,)]
+
+
+def test_a_claim_inside_the_callers_transaction_is_refused(conn):
+    with conn.transaction(), pytest.raises(RuntimeError, match="own transaction"):
+        jobq.claim(conn, worker="A", takes=[Take(queue="interactive", owner_id="o1", n=1, owner_limit=1)],
+                   lease_s=10, now=at(1))
+
+
+def test_a_fenced_transaction_with_one_write_costs_three_round_trips(conn, jobs_db):
+    conn.execute("CREATE TABLE rt_effects (job_id bigint, token bigint)")
+    _enqueue(conn, 1)
+    (job,) = jobq.claim(conn, worker="A", takes=[Take(queue="interactive", owner_id="o1", n=1, owner_limit=1)],
+                        lease_s=10, now=at(1))
+    ctx = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(2))
+    with RoundTrips(conn) as trips, ctx.fenced_transaction() as tx:
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, job.token))
+    assert trips.count == 3
+    assert conn.info.transaction_status == TransactionStatus.IDLE
+    assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)]
+
+    late = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(20))  # the lease ran out
+    with pytest.raises(LeaseLost), late.fenced_transaction() as tx:
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, -1))
+    assert conn.info.transaction_status == TransactionStatus.IDLE
+
+    failing = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(3))
+    with pytest.raises(psycopg.errors.UndefinedTable), failing.fenced_transaction() as tx:
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, -2))
+        tx.execute("INSERT INTO no_such_table VALUES (1)")
+    assert conn.info.transaction_status == TransactionStatus.IDLE
+    assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)]

@@ -1,0 +1,70 @@
+"""Issue 19: what one message costs in round trips on the real PostgreSQL inbox.  One at a
+time, a new message costs three (BEGIN with the claim, the handler's statement, COMMIT)
+and a poll's duplicates one lookup in all; a batch costs its lookup, BEGIN with the claim,
+the batch handler's savepoint and statement and COMMIT, whatever its size (before: a
+redelivered batch cost BEGIN, the claim and COMMIT; a new message, BEGIN apart)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from consumer_sdk.metrics import ConsumerMetrics
+from consumer_sdk.model import InboxMessage, KafkaRecord
+from consumer_sdk.processor import Policies, Processor
+from consumer_sdk.store import PgInboxStore, connect_factory
+from consumer_sdk.testing import FakeDeadLetters, make_record
+from tests.integration.sdk._support import RoundTrips
+
+EFFECTS = "CREATE TABLE IF NOT EXISTS rt_effects (event_id uuid NOT NULL, n int NOT NULL)"
+
+
+def _processor(store: PgInboxStore, *, batch_size: int | None, batched: bool,
+               settled: list[KafkaRecord]) -> Processor:
+    def handler(conn: Any, message: InboxMessage) -> None:
+        conn.execute("INSERT INTO rt_effects VALUES (%s, %s)", (message.event_id, message.json()["n"]))
+
+    def batch_handler(conn: Any, messages: Sequence[InboxMessage]) -> None:
+        conn.execute("INSERT INTO rt_effects SELECT * FROM unnest(%s::uuid[], %s::int[])",
+                     ([m.event_id for m in messages], [m.json()["n"] for m in messages]))
+
+    return Processor(consumer=f"rt-{uuid.uuid4().hex[:6]}", store=store,
+                     handler=None if batched else handler, batch_handler=batch_handler if batched else None,
+                     dead_letters=FakeDeadLetters(), policies=Policies(), metrics=ConsumerMetrics(),
+                     log=structlog.get_logger("tests.sdk"), sleep=lambda s: None,
+                     on_settled=settled.extend, batch_size=batch_size)
+
+
+def _count(sdk_db: str, *, batch_size: int | None, batched: bool, n: int) -> tuple[int, int, int]:
+    store = PgInboxStore(connect_factory(sdk_db))
+    store.conn.execute(EFFECTS)
+    settled: list[KafkaRecord] = []
+    processor = _processor(store, batch_size=batch_size, batched=batched, settled=settled)
+    records = [make_record(value={"n": i}, offset=i) for i in range(n)]
+    try:
+        with RoundTrips(store.conn) as new:
+            assert processor.process(records).applied == n
+        with RoundTrips(store.conn) as again:
+            assert processor.process(records).duplicates == n
+        effects = store.conn.execute("SELECT count(*) FROM rt_effects WHERE event_id = ANY(%s)",
+                                     ([uuid.UUID(dict(r.headers)["event_id"].decode()) for r in records],)
+                                     ).fetchone()
+    finally:
+        store.close()
+    assert settled == records + records and effects == (n,)
+    return new.count, again.count, n
+
+
+def test_one_message_at_a_time_costs_three_round_trips_and_a_redelivered_poll_one(sdk_db):
+    new, again, n = _count(sdk_db, batch_size=1, batched=False, n=5)
+    assert new == 1 + 3 * n  # the lookup, then BEGIN+claim, the handler, COMMIT per message
+    assert again == 1
+
+
+def test_a_batch_costs_five_round_trips_whatever_its_size(sdk_db):
+    new, again, _ = _count(sdk_db, batch_size=None, batched=True, n=50)
+    assert new == 5  # the lookup, BEGIN+claim, the batch handler's savepoint, its statement, COMMIT
+    assert again == 1
