@@ -208,9 +208,10 @@ class PgInboxStore:
         params = {**key, "payload_sha256": payload_sha256, "topic": message.topic,
                   "partition": message.partition, "offset": message.offset, "now": self._now()}
         conn = self._active
-        self._flush()
         with self.translated():
-            if conn.execute(query("inbox", "claim"), params).fetchone() is not None:
+            cursor = conn.execute(query("inbox", "claim"), params)
+            self._flush()  # BEGIN and this claim, one round trip, when it is the first statement
+            if cursor.fetchone() is not None:
                 return "new"
             found = conn.execute(query("inbox", "lookup"), key).fetchone()
         if found is None:  # deleted by retention between the two statements: it was applied
@@ -223,6 +224,8 @@ class PgInboxStore:
         concurrent transaction committed one of them meanwhile)."""
         if not messages:
             return []
+        if len(messages) == 1:  # scalar parameters: cheaper to encode than five 1-element arrays
+            return [self.claim(consumer=consumer, message=messages[0], payload_sha256=digests[0])]
         params = {"consumer": consumer, "event_ids": [m.event_id for m in messages], "hashes": list(digests),
                   "topics": [m.topic for m in messages], "partitions": [m.partition for m in messages],
                   "offsets": [m.offset for m in messages], "now": self._now()}
