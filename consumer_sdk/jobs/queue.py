@@ -38,6 +38,10 @@ from consumer_sdk.jobs.model import (
     Token,
 )
 
+#: An owner limit this large never binds (the default: no per-owner limit); claims of such
+#: owners skip the owners' advisory locks (see claim()).
+NO_OWNER_LIMIT = 1_000_000
+
 
 @dataclass(frozen=True, slots=True)
 class Reaped:
@@ -87,12 +91,20 @@ def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: flo
           now: datetime | None = None) -> list[ClaimedJob]:
     """Claim per ``takes`` in one short transaction; never waits for another claimer.
 
-    Owners whose advisory lock another claimer holds are skipped this time.
+    Owners whose advisory lock another claimer holds are skipped this time.  The locks
+    serialize the count of an owner's running jobs under its limit; when no take has a
+    limit that can bind (``owner_limit >= NO_OWNER_LIMIT``), the claim is one statement.
     """
     if not takes:
         return []
     if conn.info.transaction_status != TransactionStatus.IDLE:
         raise RuntimeError("jobs.queue.claim() opens its own transaction: call it outside one")
+    if all(t.owner_limit >= NO_OWNER_LIMIT for t in takes):
+        # No owner limit can bind, so there is no count to serialize: the claim alone, one
+        # statement and one round trip (SKIP LOCKED still keeps claimers off each other's rows).
+        with translated():
+            rows = conn.execute(q("claim"), _claim_params(takes, worker, lease_s, now)).fetchall()
+        return [_claimed(row, worker) for row in rows]
     owners = sorted({t.owner_id for t in takes})
     # Two round trips: BEGIN with lock_owners, then claim with COMMIT (pipelines; the claim
     # must be a later statement than the locks, see jobs.sql).
@@ -106,13 +118,8 @@ def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: flo
             if not mine:
                 conn.rollback()
                 return []
-            params = {
-                "queues": [t.queue for t in mine], "owners": [t.owner_id for t in mine],
-                "wants": [t.n for t in mine], "limits": [t.owner_limit for t in mine],
-                "worker": worker, "lease_s": lease_s, "now": now,
-            }
             with conn.pipeline():
-                claimed = conn.execute(q("claim"), params)
+                claimed = conn.execute(q("claim"), _claim_params(mine, worker, lease_s, now))
                 conn.execute(q("claim_commit"))
             rows = claimed.fetchall()
         except BaseException:
@@ -123,6 +130,13 @@ def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: flo
                     pass
             raise
     return [_claimed(row, worker) for row in rows]
+
+
+def _claim_params(takes: Sequence[Take], worker: str, lease_s: float, now: datetime | None) -> dict[str, Any]:
+    takes = [t for t in takes if t.n > 0]
+    return {"queues": [t.queue for t in takes], "owners": [t.owner_id for t in takes],
+            "wants": [t.n for t in takes], "limits": [t.owner_limit for t in takes],
+            "worker": worker, "lease_s": lease_s, "now": now}
 
 
 def _claimed(r: Sequence[Any], worker: str) -> ClaimedJob:

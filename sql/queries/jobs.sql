@@ -150,7 +150,8 @@ COMMIT
 -- never both count the same free room under an owner's limit.  A claimer that
 -- does not get an owner's lock skips that owner this round (another claimer is
 -- serving it): no claim ever waits.  Transaction-level: released at commit,
--- after the claimed rows are visible, so the next holder counts them.
+-- after the claimed rows are visible, so the next holder counts them.  Only taken
+-- when an owner limit can bind (jobs.queue.claim: without one, the claim alone).
 SELECT o.owner_id
 FROM unnest(%(owners)s::text[]) AS o(owner_id)
 -- (1785686643: this SDK's advisory-lock space for owners; 1785686644 for activation keys.)

@@ -1,6 +1,7 @@
 """Issue 19: a job's statements in round trips on the real database.  A fenced transaction
 with one write costs three (BEGIN with the fence's lock, the write, COMMIT; before: four),
-and a claim two (BEGIN with the owners' locks, the claim with COMMIT; before: four), still
+and a claim two (BEGIN with the owners' locks, the claim with COMMIT; before: four), or
+one when no owner limit can bind (the claim alone), still
 refusing a stale lease and leaving no transaction open either way."""
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ def test_a_claim_of_several_jobs_costs_two_round_trips(conn):
     assert conn.info.transaction_status == TransactionStatus.IDLE
     assert rows(conn.info.dsn, "SELECT count(*) FROM jobs WHERE status = 'running' AND lease_owner = 'A'") \
         == [(3,)]
+
+
+def test_without_an_owner_limit_a_claim_is_one_statement(conn):
+    _enqueue(conn, 3)
+    with RoundTrips(conn) as trips:
+        claimed = jobq.claim(conn, worker="A", takes=[Take(queue="interactive", owner_id="o1", n=2,
+                                                            owner_limit=jobq.NO_OWNER_LIMIT)],
+                             lease_s=10, now=at(1))
+    assert len(claimed) == 2 and trips.count == 1
+    assert not any("lock" in text for text in trips.sent)
+    assert conn.info.transaction_status == TransactionStatus.IDLE
 
 
 def test_a_claim_inside_the_callers_transaction_is_refused(conn):
