@@ -56,8 +56,8 @@ import structlog  # noqa: E402
 from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 
 from consumer_sdk import InboxConfig, InboxConsumer, InboxMessage  # noqa: E402
-from consumer_sdk._sql import query  # noqa: E402
 from consumer_sdk.jobs import JobContext, NewJob, WorkerConfig, WorkerPool, enqueue  # noqa: E402
+from outbox_core.queries import query  # noqa: E402
 
 KAFKA = {"fetch.wait.max.ms": 50, "logger": logging.getLogger("sdk_bench.kafka")}
 

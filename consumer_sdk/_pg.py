@@ -1,43 +1,35 @@
 """Opening PostgreSQL connections, errors translated at the seam (shared by the inbox and the jobs).
 
-libpq gives no SQLSTATE for connection failures, so the classification reads the
-server's FATAL message here, once: rejected credentials are
-:class:`~consumer_sdk.errors.AuthenticationFailed` (fatal: never retried), other
-refusals :class:`~consumer_sdk.errors.FatalError`, the rest (unreachable, starting
-up, too many clients) :class:`~consumer_sdk.errors.DatabaseUnavailable`.  No
-message carries a piece of the DSN's password.
+:mod:`outbox_core.connect_errors` classifies a failed attempt (for the relay too); the
+SDK's reading is ``_CONNECT_ERRORS``: rejected credentials are
+:class:`~consumer_sdk.errors.AuthenticationFailed` (fatal: never retried, the service
+that embeds the SDK sees it), other refusals :class:`~consumer_sdk.errors.FatalError`,
+an unparsable DSN :class:`~consumer_sdk.errors.ConfigError`, the rest (unreachable,
+starting up, too many clients) :class:`~consumer_sdk.errors.DatabaseUnavailable`,
+retried with back-off.  No message carries a piece of the DSN's password.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import psycopg
 
 from consumer_sdk.errors import AuthenticationFailed, ConfigError, DatabaseUnavailable, FatalError
-from consumer_sdk.secrets import scrub
+from outbox_core.connect_errors import ConnectFailure, classify_connect_error
 
-_TRANSIENT_FATAL = re.compile(
-    r"starting up|shutting down|in recovery|recovery mode|not yet accepting connections|"
-    r"too many (connections|clients)|remaining connection slots|"
-    r"terminating connection|administrator command|cannot connect now", re.IGNORECASE)
-_AUTH = re.compile(r"password authentication failed|authentication failed|no pg_hba.conf entry|"
-                   r"password is required|role \".*\" does not exist", re.IGNORECASE)
+_CONNECT_ERRORS: dict[ConnectFailure, type[Exception]] = {
+    ConnectFailure.UNREACHABLE: DatabaseUnavailable,
+    ConnectFailure.CREDENTIALS: AuthenticationFailed,
+    ConnectFailure.REFUSED: FatalError,
+    ConnectFailure.INVALID_DSN: ConfigError,
+}
 
 
 def translate_connect_error(exc: psycopg.Error, dsn: str = "") -> Exception:
-    """The SDK error for a failed connection attempt."""
-    text = str(exc).strip()
-    if isinstance(exc, psycopg.ProgrammingError):  # libpq could not parse the DSN
-        return ConfigError(f"invalid PostgreSQL connection string: {scrub(text, dsn=dsn)}".splitlines()[0])
-    if "FATAL:" in text and not _TRANSIENT_FATAL.search(text):
-        detail = text.split("FATAL:", 1)[1].strip().splitlines()[0]
-        if _AUTH.search(detail):
-            return AuthenticationFailed(f"the database rejected the credentials: {scrub(detail, dsn=dsn)}")
-        return FatalError(f"the database refused the connection: {scrub(detail, dsn=dsn)}")
-    first = text.splitlines()[0] if text else type(exc).__name__
-    return DatabaseUnavailable(f"database unreachable: {scrub(first, dsn=dsn)}")
+    """The SDK error for a failed connection attempt (see ``_CONNECT_ERRORS``)."""
+    failed = classify_connect_error(exc, dsn=dsn)
+    return _CONNECT_ERRORS[failed.kind](failed.message)
 
 
 def connect(dsn: str, *, application_name: str, connect_timeout_s: int = 5) -> psycopg.Connection[Any]:

@@ -14,9 +14,9 @@ from typing import Any
 import psycopg
 import psycopg.errors
 
-from consumer_sdk._sql import query
 from consumer_sdk.errors import SchemaMissing
 from consumer_sdk.outbox import OutboxEvent, prepare, require_transaction
+from outbox_core.queries import query
 
 
 async def write_events(conn: psycopg.AsyncConnection[Any], events: Sequence[OutboxEvent]) -> list[uuid.UUID]:

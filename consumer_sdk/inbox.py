@@ -56,6 +56,7 @@ from consumer_sdk.processor import BatchHandler, DeadLetterSink, Policies, Proce
 from consumer_sdk.replays import with_replays
 from consumer_sdk.retention import RetentionFinding, check_retention, report_retention
 from consumer_sdk.store import ConnectionFactory, PgInboxStore, cleanup_inbox, connect_factory
+from outbox_core.backoff import backoff_s
 
 #: The handler: apply one message with ``conn``, inside the consumer's transaction.
 #: Never commit.  Raise to roll back and retry; raise PermanentError to dead-letter now.
@@ -271,7 +272,7 @@ class InboxConsumer:
 
     def _db_backoff_s(self, failures: int) -> float:
         c = self.config
-        return float(min(c.db_backoff_max_s, c.db_backoff_initial_s * 2 ** min(failures - 1, 30)))
+        return backoff_s(failures, initial_s=c.db_backoff_initial_s, max_s=c.db_backoff_max_s, jitter=0)
 
     # -- offsets --------------------------------------------------------------------------
 

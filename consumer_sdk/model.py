@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from outbox_core.backoff import ceiling_s
+
 #: What happens to a message a policy rejects: sent to the dead-letter topic and
 #: acknowledged, acknowledged with a log line only, or the consumer stops before it.
 Action = Literal["dead_letter", "skip", "stop"]
@@ -146,8 +148,8 @@ class RetryPolicy:
 
     def delay_s(self, failed_attempt: int) -> float:
         """Seconds to wait after attempt ``failed_attempt`` failed."""
-        exponent = min(max(failed_attempt - 1, 0), 64)
-        return float(min(self.backoff_max_s, self.backoff_initial_s * self.backoff_multiplier**exponent))
+        return ceiling_s(failed_attempt, initial_s=self.backoff_initial_s, max_s=self.backoff_max_s,
+                         multiplier=self.backoff_multiplier)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,9 +32,9 @@ import psycopg.errors
 import structlog
 from psycopg.pq import TransactionStatus
 
-from consumer_sdk._sql import query
 from consumer_sdk.errors import InvalidEvent, SchemaMissing, TransactionRequired
 from consumer_sdk.model import EVENT_ID_HEADER
+from outbox_core.queries import query
 
 _log = structlog.get_logger("consumer_sdk.outbox")
 

@@ -1,130 +1,28 @@
-"""Secrets never leave the SDK: masking for reprs, logs and errors.
-
-A DSN's password and every librdkafka property whose name marks a secret
-(``sasl.password``, ``ssl.key.password``, ``sasl.oauthbearer.config``, ...) are shown
-as ``***``.  The relay masks DSNs and free text with this module's ``mask_dsn`` and
-``mask_text`` (the SDK never imports the relay; the relay may import the SDK); both are
-checked by the same kind of property tests.
-"""
+"""The SDK's secret masking: :mod:`outbox_core.secrets` (one copy of the rules, shared with
+the relay), with :func:`validate_dsn` raising the SDK's :class:`~consumer_sdk.errors.ConfigError`."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
-from typing import Any
-from urllib.parse import quote
-
-import psycopg.conninfo
-
 from consumer_sdk.errors import ConfigError
+from outbox_core import secrets as _core
+from outbox_core.secrets import (
+    MASK,
+    SECRET_MARKERS,
+    is_secret,
+    mask_dsn,
+    mask_text,
+    masked_properties,
+    safe_repr,
+    scrub,
+)
 
-SECRET_MARKERS = ("password", "secret", "passphrase", "sasl.oauthbearer.config", "key.pem", "token")
-MASK = "***"
-
-_URI_SCHEME = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")
-# In free text a URI ends at white space; \S* backtracks to the token's last "@".
-_TEXT_URI_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*:)(\S*)(@)")
-_TEXT_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.?)*'?|\S+)", re.IGNORECASE)
-_TEXT_QUERY_PASSWORD = re.compile(r"(password=)[^&\s]*", re.IGNORECASE)
-# A whole key=value DSN: a quoted value may be unterminated; an unquoted one runs to
-# the next "key=" (libpq would stop at a space, but the rest is still the password's).
-_DSN_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.?)*'?|.*?(?=\s+\w+\s*=|\s*$))",
-                              re.IGNORECASE | re.DOTALL)
-_DSN_QUERY_PASSWORD = re.compile(r"(password=)[^&]*", re.IGNORECASE)
-_QUOTED = re.compile(r"""(["'])(.*?)\1""", re.DOTALL)
-_LIBPQ_LITERALS = frozenset({"=", "]", ":", "/"})
-
-
-def is_secret(name: str) -> bool:
-    """True for a property or option whose value must never be shown."""
-    lowered = name.lower()
-    return any(marker in lowered for marker in SECRET_MARKERS)
-
-
-def mask_dsn(dsn: str) -> str:
-    """The DSN with its password replaced by ``***`` (URI or key=value form).
-
-    In a URI everything from the first ":" of the user info to the LAST "@" goes,
-    so an unencoded "@", "/" or ":" in a password cannot leave a piece of it visible.
-    """
-    scheme = _URI_SCHEME.match(dsn)
-    if scheme is None:
-        return _DSN_KV_PASSWORD.sub(rf"\1{MASK}", dsn)
-    rest = dsn[scheme.end():]
-    userinfo, at, host = rest.rpartition("@")
-    if at and ":" in userinfo:
-        rest = f"{userinfo.split(':', 1)[0]}:{MASK}@{host}"
-    return dsn[: scheme.end()] + _DSN_QUERY_PASSWORD.sub(rf"\1{MASK}", rest)
-
-
-def mask_text(text: str) -> str:
-    """Masks anything that looks like a DSN password inside free text."""
-    masked = _TEXT_URI_PASSWORD.sub(rf"\1{MASK}\3", text)
-    masked = _TEXT_KV_PASSWORD.sub(rf"\1{MASK}", masked)
-    return _TEXT_QUERY_PASSWORD.sub(rf"\1{MASK}", masked)
-
-
-def masked_properties(props: Mapping[str, Any]) -> dict[str, Any]:
-    """librdkafka properties with every secret's value replaced by ``***``."""
-    return {name: (MASK if is_secret(str(name)) else value) for name, value in props.items()}
-
-
-def scrub(text: str, *, dsn: str = "", properties: Mapping[str, Any] | None = None) -> str:
-    """``text`` (an error message) with the DSN's password, the secret properties' values
-    and every quoted fragment the masked DSN does not show replaced by ``***``."""
-    for name, value in (properties or {}).items():
-        if is_secret(str(name)) and isinstance(value, str) and value:
-            text = text.replace(value, MASK)
-    if not dsn:
-        return mask_text(text)
-    for password in _passwords(dsn):
-        text = text.replace(password, MASK)
-    visible = mask_dsn(dsn)
-
-    def hide(match: re.Match[str]) -> str:
-        quote, token = match.group(1), match.group(2)
-        shown = token in visible or token in _LIBPQ_LITERALS
-        return match.group(0) if shown else f"{quote}{MASK}{quote}"
-
-    return _QUOTED.sub(hide, mask_text(text))
-
-
-def _passwords(dsn: str) -> list[str]:
-    """The DSN's password as libpq reads it (and percent-encoded), when it parses."""
-    try:
-        password = psycopg.conninfo.conninfo_to_dict(dsn).get("password")
-    except (psycopg.Error, UnicodeError, ValueError):
-        return []
-    if not isinstance(password, str) or not password:
-        return []
-    return [password, quote(password, safe="")]
+__all__ = ["MASK", "SECRET_MARKERS", "is_secret", "mask_dsn", "mask_text", "masked_properties",
+           "safe_repr", "scrub", "validate_dsn"]
 
 
 def validate_dsn(dsn: str, *, option: str = "dsn") -> None:
     """Reject a DSN libpq cannot parse, with :class:`ConfigError` showing no piece of its password."""
-    where = f"{option} is not a valid PostgreSQL connection string"
-    if "\x00" in dsn:
-        raise ConfigError(f"{where}: it contains a NUL character")
     try:
-        parts = psycopg.conninfo.conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError as exc:
-        raise ConfigError(f"{where}: {scrub(str(exc).strip(), dsn=dsn)}".splitlines()[0]) from None
-    except UnicodeError:
-        raise ConfigError(f"{where}: it is not valid UTF-8 text") from None
-    port = str(parts.get("port", "5432") or "")
-    if not all(p.isdigit() and 0 < int(p) < 65536 for p in port.split(",")):
-        raise ConfigError(scrub(f"{where}: port {port!r} is not a TCP port number", dsn=dsn))
-
-
-def safe_repr(obj: Any, fields: Mapping[str, Any]) -> str:
-    """``Class(name=value, ...)`` with ``dsn`` masked and secret properties hidden."""
-    shown = []
-    for name, value in fields.items():
-        if name == "dsn" and isinstance(value, str):
-            value = mask_dsn(value)
-        elif isinstance(value, Mapping) and name.endswith("properties"):
-            value = masked_properties(value)
-        elif is_secret(name):
-            value = MASK
-        shown.append(f"{name}={value!r}")
-    return f"{type(obj).__name__}({', '.join(shown)})"
+        _core.validate_dsn(dsn, option=option)
+    except _core.InvalidDsn as exc:
+        raise ConfigError(str(exc)) from None

@@ -22,7 +22,6 @@ import psycopg.errors
 from psycopg.pq import TransactionStatus
 
 from consumer_sdk import _pg
-from consumer_sdk._sql import query
 from consumer_sdk.errors import (
     DatabaseUnavailable,
     FatalError,
@@ -31,6 +30,7 @@ from consumer_sdk.errors import (
     TransactionConflict,
 )
 from consumer_sdk.model import Claim, InboxMessage
+from outbox_core.queries import query
 
 ConnectionFactory = Callable[[], psycopg.Connection[Any]]
 

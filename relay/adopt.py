@@ -17,7 +17,7 @@ import psycopg
 from psycopg import sql
 
 from relay.errors import ConfigError, FatalError
-from relay.queries import parse_blocks, sql_dir, table_identifier
+from relay.queries import parse_blocks, sql_files, table_identifier
 
 DEFAULT_TOPIC_TEMPLATE = "outbox.event.{aggregatetype}"
 #: What ``--existing`` may say about the rows already in the table.
@@ -53,7 +53,7 @@ def topic_expression(template: str) -> sql.Composable:
 
 
 def _blocks() -> dict[str, str]:
-    return parse_blocks((sql_dir() / "adopt" / "debezium.sql").read_text())
+    return parse_blocks((sql_files() / "adopt" / "debezium.sql").read_text(encoding="utf-8"))
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from typing import Any
 import psycopg.conninfo
 
 # One masking for the relay and the SDK; re-exported: relay code imports them from here.
-from consumer_sdk.secrets import mask_dsn as mask_dsn
-from consumer_sdk.secrets import mask_text as mask_text
+from outbox_core.secrets import mask_dsn as mask_dsn
+from outbox_core.secrets import mask_text as mask_text
 from relay.errors import ConfigError
 
 ENV_PREFIX = "OUTBOX_RELAY_"

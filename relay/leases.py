@@ -5,7 +5,8 @@ counts the live replicas, (2) renews its leases by token (a lease that does not
 come back was taken over: the shard is lost at once), (3) gives back shards above
 its fair share once nothing of them is in flight, and (4) claims free or expired
 shards up to its fair share.  Lease math that needs time takes ``now`` (monotonic
-seconds) as an argument.
+seconds) as an argument; the local lease clock is :mod:`outbox_core.leases` (the jobs
+worker's too).
 """
 
 from __future__ import annotations
@@ -15,29 +16,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from outbox_core.leases import local_deadline
 from relay.model import Lease, ShardId, Token
 
 
 def fair_share(shards: int, live_replicas: int) -> int:
     """Shards one replica should hold: the ceiling, so every shard has a taker."""
     return math.ceil(shards / max(1, live_replicas))
-
-
-def safety_margin_s(lease_s: float) -> float:
-    """How long before the database's expiry a replica stops trusting its lease.
-
-    Covers the round trip of the renewal and a small clock-rate difference.
-    """
-    return min(1.0, lease_s * 0.1)
-
-
-def local_deadline(sent_at: float, lease_s: float) -> float:
-    """Monotonic time until which a lease renewed by a call sent at ``sent_at`` is trusted.
-
-    The database computed ``lease_until`` from its own clock *after* the call was
-    sent, so counting from ``sent_at`` errs on the safe side.
-    """
-    return sent_at + lease_s - safety_margin_s(lease_s)
 
 
 class LeaseStore(Protocol):

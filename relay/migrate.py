@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from importlib.resources.abc import Traversable
 from typing import Any
 
 import psycopg
@@ -18,7 +18,7 @@ from psycopg import sql
 
 from relay import store as store_mod
 from relay.errors import ConfigError, FatalError
-from relay.queries import query, sql_dir
+from relay.queries import query, sql_files
 
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 DEFAULT_SHARDS = 16
@@ -28,11 +28,11 @@ DEFAULT_SHARDS = 16
 class Migration:
     version: int
     name: str
-    path: Path
+    path: Traversable  # a file of the installed package (importlib.resources)
 
     @property
     def sql(self) -> str:
-        return self.path.read_text()
+        return self.path.read_text(encoding="utf-8")
 
     @property
     def checksum(self) -> str:
@@ -43,12 +43,12 @@ def migrations(*, partitioned: bool = False) -> list[Migration]:
     """The ordered migrations; with ``partitioned``, a file's ``.partitioned.sql`` variant
     replaces it where one exists."""
     found = []
-    folder = sql_dir() / "migrations"
-    for path in sorted(folder.glob("*.sql")):
+    folder = sql_files() / "migrations"
+    for path in sorted(folder.iterdir(), key=lambda p: p.name):
         match = _FILE.match(path.name)
         if match:
-            variant = path.with_name(f"{path.stem}.partitioned.sql")
-            chosen = variant if partitioned and variant.exists() else path
+            variant = folder / f"{path.name.removesuffix('.sql')}.partitioned.sql"
+            chosen = variant if partitioned and variant.is_file() else path
             found.append(Migration(int(match.group(1)), match.group(2), chosen))
     return found
 

@@ -28,7 +28,6 @@ of that (an earlier in-flight batch failing behind it) is counted in
 
 from __future__ import annotations
 
-import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from outbox_core.backoff import backoff_s
 from relay.leases import LeaseManager
 from relay.marker import Marker, MarkOutcome, MarkStore, mark_rows
 from relay.metrics import RelayMetrics, observe_many
@@ -76,12 +76,6 @@ class PumpPublisher(Protocol):
     def recreate(self) -> None: ...
     def send_dead_letter(self, row: OutboxRow, *, topic: str, reason: str, error: str,
                          attempts: int) -> str | None: ...
-
-
-def backoff_s(attempt: int, *, initial_s: float, max_s: float, rand: Callable[[], float] = random.random) -> float:
-    """Capped exponential back-off with full jitter over the upper half (attempt >= 1)."""
-    ceiling = min(max_s, initial_s * (2 ** max(0, attempt - 1)))
-    return float(ceiling / 2 + rand() * ceiling / 2)
 
 
 @dataclass(slots=True)

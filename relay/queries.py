@@ -2,21 +2,20 @@
 
 All runtime SQL lives in those files: a block starts with ``-- name: <name>``
 and runs to the next one.  Python never builds SQL from strings; dynamic
-identifiers go through :mod:`psycopg.sql`.  The loader is the SDK's (the relay
-may import the SDK; the SDK never imports the relay), so both read the same files
-the same way.
+identifiers go through :mod:`psycopg.sql`.  The loader is :mod:`outbox_core.queries`,
+shared with the SDK, so both read the same files the same way.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from consumer_sdk._sql import load, parse_blocks, query, sql_dir
+from outbox_core.queries import load, parse_blocks, query, sql_files
 
 if TYPE_CHECKING:
     from psycopg import sql
 
-__all__ = ["compose", "load", "parse_blocks", "query", "sql_dir", "table_identifier"]
+__all__ = ["compose", "load", "parse_blocks", "query", "sql_files", "table_identifier"]
 
 
 def table_identifier(table: str) -> sql.Identifier:

@@ -9,7 +9,6 @@ a server that refuses us for good (bad credentials, no such database or role) is
 
 from __future__ import annotations
 
-import re
 import select
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -21,9 +20,11 @@ import psycopg
 import psycopg.errors
 from psycopg.rows import dict_row, tuple_row
 
+from outbox_core.connect_errors import ConnectFailure, classify_connect_error
 from relay.config import mask_text
 from relay.errors import (
     AuthenticationFailed,
+    ConfigError,
     DatabaseReadOnly,
     DatabaseUnavailable,
     FatalError,
@@ -36,30 +37,21 @@ from relay.queries import compose, query
 
 NOTIFY_CHANNEL = "outbox_relay"
 
-# Connection-time refusals that are still worth waiting for.
-_TRANSIENT_FATAL = re.compile(
-    r"starting up|shutting down|in recovery|recovery mode|not yet accepting connections|"
-    r"too many (connections|clients)|remaining connection slots|"
-    r"terminating connection|administrator command|cannot connect now",
-    re.IGNORECASE,
-)
-_AUTH = re.compile(r"password authentication failed|authentication failed|no pg_hba.conf entry",
-                   re.IGNORECASE)
+# The relay's reading of a failed connection attempt (outbox_core.connect_errors classifies it,
+# for the SDK too): only an unreachable database is waited for; rejected credentials end the
+# process with exit code 4 (the DSN is read once, so retrying would resend the same password).
+_CONNECT_ERRORS: dict[ConnectFailure, type[Exception]] = {
+    ConnectFailure.UNREACHABLE: DatabaseUnavailable,
+    ConnectFailure.CREDENTIALS: AuthenticationFailed,
+    ConnectFailure.REFUSED: FatalError,
+    ConnectFailure.INVALID_DSN: ConfigError,
+}
 
 
-def translate_connect_error(exc: psycopg.OperationalError) -> Exception:
-    """Classify a failed connection attempt.
-
-    libpq gives no SQLSTATE for connection failures, so the classification
-    reads the server's FATAL message here, once, at the seam.
-    """
-    message = mask_text(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
-    if "FATAL:" in str(exc) and not _TRANSIENT_FATAL.search(str(exc)):
-        detail = str(exc).split("FATAL:", 1)[1].strip().splitlines()[0]
-        if _AUTH.search(detail):
-            return AuthenticationFailed(f"the database rejected the credentials: {mask_text(detail)}")
-        return FatalError(f"the database refused the connection: {mask_text(detail)}")
-    return DatabaseUnavailable(f"database unreachable: {message}")
+def translate_connect_error(exc: psycopg.Error, dsn: str = "") -> Exception:
+    """The relay's error for a failed connection attempt (see ``_CONNECT_ERRORS``)."""
+    failed = classify_connect_error(exc, dsn=dsn)
+    return _CONNECT_ERRORS[failed.kind](failed.message)
 
 
 def connect(dsn: str, *, application_name: str = "outbox-relay", autocommit: bool = True,
@@ -72,8 +64,8 @@ def connect(dsn: str, *, application_name: str = "outbox-relay", autocommit: boo
             application_name=application_name,
             connect_timeout=connect_timeout_s,
         )
-    except psycopg.OperationalError as exc:
-        raise translate_connect_error(exc) from None
+    except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
+        raise translate_connect_error(exc, dsn) from None
 
 
 @contextmanager

@@ -17,9 +17,9 @@ from typing import Any
 import psycopg
 import psycopg.errors
 
-from consumer_sdk._sql import query
 from consumer_sdk.errors import DatabaseUnavailable, FatalError, SchemaMissing, TransactionConflict
 from consumer_sdk.jobs.errors import InvalidJob
+from outbox_core.queries import query
 
 ConnectionT = psycopg.Connection[Any]
 

@@ -16,9 +16,9 @@ from typing import Any, Literal, TypeVar
 
 import psycopg
 
-from consumer_sdk._sql import query
 from consumer_sdk.jobs.events import EventType, JobFacts, job_event
 from consumer_sdk.outbox import prepare
+from outbox_core.queries import query
 
 T = TypeVar("T")
 Fetch = Literal["one", "all", "none"]

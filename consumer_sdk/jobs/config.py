@@ -112,12 +112,3 @@ class WorkerConfig:
         also resets the server's idle timer on the handler's connection (``fence_keepalive``),
         so it lives as long as the lease is renewed."""
         return max(1000, int(self.lease_duration_s * 1000))
-
-
-def local_deadline(sent_at: float, lease_s: float) -> float:
-    """Monotonic time until which a lease renewed by a call sent at ``sent_at`` is trusted.
-
-    The database computed ``lease_until`` after the call was sent, so counting
-    from ``sent_at`` errs on the safe side; the margin covers clock-rate drift.
-    """
-    return sent_at + lease_s - min(1.0, lease_s * 0.1)

@@ -16,6 +16,7 @@ from typing import Literal
 
 from consumer_sdk.errors import PermanentError
 from consumer_sdk.jobs.errors import LeaseLost
+from outbox_core.backoff import backoff_s, ceiling_s
 
 Verdict = Literal["retry", "fail_permanent", "fail_exhausted", "lost"]
 
@@ -43,12 +44,11 @@ class Backoff:
             raise ValueError("jitter must be within [0, 1]")
 
     def ceiling_s(self, failed_attempt: int) -> float:
-        exponent = min(max(failed_attempt - 1, 0), 64)
-        return float(min(self.max_s, self.initial_s * self.multiplier**exponent))
+        return ceiling_s(failed_attempt, initial_s=self.initial_s, max_s=self.max_s, multiplier=self.multiplier)
 
     def delay_s(self, failed_attempt: int, rand: Callable[[], float] = random.random) -> float:
-        ceiling = self.ceiling_s(failed_attempt)
-        return ceiling * (1.0 - self.jitter * rand())
+        return backoff_s(failed_attempt, initial_s=self.initial_s, max_s=self.max_s, multiplier=self.multiplier,
+                         jitter=self.jitter, rand=rand)
 
 
 def verdict(exc: BaseException, *, attempts: int, max_attempts: int) -> Verdict:

@@ -40,7 +40,7 @@ import structlog
 from consumer_sdk.errors import FatalError, OutboxSdkError
 from consumer_sdk.jobs import queue as jobq
 from consumer_sdk.jobs._conn import ConnectionFactory, ConnSlot, connect_factory
-from consumer_sdk.jobs.config import WorkerConfig, local_deadline
+from consumer_sdk.jobs.config import WorkerConfig
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.executor import Executor, Handler
 from consumer_sdk.jobs.fairness import RoundRobin, plan
@@ -48,6 +48,7 @@ from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import ClaimedJob, JobId, Lane, Take
 from consumer_sdk.jobs.reconciler import Reconciler, record_reaped
 from consumer_sdk.jobs.wake import Listener
+from outbox_core.leases import local_deadline
 
 _FINAL_GRACE_S = 5.0
 #: How long the dispatcher plans from the lanes it last read (updated by its own claims)

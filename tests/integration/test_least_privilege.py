@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import psycopg
 import psycopg.errors
@@ -30,7 +31,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from relay import migrate
-from relay.queries import sql_dir
+from relay.queries import sql_files
 from tests.fixtures.broker import read_all
 from tests.fixtures.outbox import (
     RelayThread,
@@ -44,7 +45,7 @@ from tests.fixtures.outbox import (
 )
 from tests.fixtures.procs import wait_until
 
-ROLE_SCRIPT = sql_dir() / "roles" / "outbox_relay_role.sql"  # sql/ here, in a wheel too
+ROLE_SCRIPT = sql_files() / "roles" / "outbox_relay_role.sql"  # package data: here and in a wheel
 
 
 @dataclass(frozen=True)
@@ -347,7 +348,7 @@ def test_the_deploy_example_login_runs_the_relay(outbox_db: str, broker, topic) 
     import yaml
     from psycopg.conninfo import conninfo_to_dict
 
-    secret = yaml.safe_load((sql_dir().parent / "deploy" / "k8s" / "secret.example.yaml").read_text())
+    secret = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "secret.example.yaml").read_text())
     user = conninfo_to_dict(secret["stringData"]["dsn"])["user"]
     apply_role_script(outbox_db)
     with psycopg.connect(outbox_db, autocommit=True) as conn:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from relay.leases import LeaseManager, fair_share, local_deadline, safety_margin_s
+from outbox_core.leases import local_deadline, safety_margin_s
+from relay.leases import LeaseManager, fair_share
 from relay.model import Lease, ShardId, Token
 
 

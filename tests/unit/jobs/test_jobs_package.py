@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 
 import consumer_sdk.jobs as jobs
-from consumer_sdk import _sql
 from consumer_sdk.errors import OutboxSdkError
 from consumer_sdk.jobs import JobsMetrics
+from outbox_core import queries as _sql
 
 PACKAGE = Path(jobs.__file__).resolve().parent
 SOURCES = sorted(PACKAGE.glob("*.py"))
@@ -82,7 +82,7 @@ def test_errors_subclass_the_sdk_root_and_the_public_api_resolves():
 
 
 def test_the_migration_is_idempotent_by_construction():
-    text = (_sql.sql_dir() / "migrations" / "0005_jobs.sql").read_text()
+    text = (_sql.sql_files() / "migrations" / "0005_jobs.sql").read_text()
     for statement in re.findall(r"^CREATE (?:UNIQUE )?(TABLE|INDEX) (\w+ \w+ \w+)?", text, re.MULTILINE):
         assert statement[1].startswith("IF NOT EXISTS"), statement
     assert text.count("CREATE TRIGGER") == text.count("DROP TRIGGER IF EXISTS")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import consumer_sdk
-from consumer_sdk import _sql
 from consumer_sdk.metrics import ConsumerMetrics
+from outbox_core import queries as _sql
 
 PACKAGE = Path(consumer_sdk.__file__).resolve().parent
 SOURCES = sorted(PACKAGE.glob("*.py"))
@@ -57,7 +57,7 @@ def test_query_loader_rejects_duplicates_and_names_missing_queries():
         _sql.parse_blocks("-- name: a\nSELECT 1\n-- name: a\nSELECT 2\n")
     with pytest.raises(KeyError, match="nope"):
         _sql.query("inbox", "nope")
-    assert (_sql.sql_dir() / "migrations" / "0004_inbox.sql").is_file()
+    assert (_sql.sql_files() / "migrations" / "0004_inbox.sql").is_file()
 
 
 def test_metrics_share_one_prefix():

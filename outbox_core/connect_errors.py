@@ -1,0 +1,95 @@
+"""What a failed PostgreSQL connection attempt means, decided once for the relay and the SDK.
+
+libpq gives no SQLSTATE for connection failures, so the classification reads the
+server's ``FATAL`` message (and libpq's own text) here, at one seam:
+
+========================  =====================================================  ===========
+:class:`ConnectFailure`   what was said                                          retry?
+========================  =====================================================  ===========
+``INVALID_DSN``           libpq could not parse the connection string             no
+``CREDENTIALS``           password or pg_hba rejection, missing role,             no
+                          no password supplied
+``REFUSED``               any other ``FATAL`` (no such database, ...)             no
+``UNREACHABLE``           no answer, starting up, shutting down, in recovery,     yes
+                          too many clients, terminated: everything else
+========================  =====================================================  ===========
+
+Each caller maps the kind onto its own exception types, explicitly (``relay/store.py``,
+``consumer_sdk/_pg.py``).  Both treat rejected credentials as fatal: a DSN is read once
+at start, so the next attempt would send the same password; the relay exits with code 4,
+the SDK raises its ``AuthenticationFailed`` to the service that embeds it.  Messages carry
+no piece of the DSN's password (:func:`outbox_core.secrets.scrub`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+import psycopg
+
+from outbox_core.secrets import scrub
+
+__all__ = ["ConnectFailure", "FailedConnect", "classify_connect_error"]
+
+
+class ConnectFailure(StrEnum):
+    INVALID_DSN = "invalid_dsn"
+    CREDENTIALS = "credentials"
+    REFUSED = "refused"
+    UNREACHABLE = "unreachable"
+
+
+_PREFIX = {
+    ConnectFailure.INVALID_DSN: "invalid PostgreSQL connection string",
+    ConnectFailure.CREDENTIALS: "the database rejected the credentials",
+    ConnectFailure.REFUSED: "the database refused the connection",
+    ConnectFailure.UNREACHABLE: "database unreachable",
+}
+
+# Connection-time refusals that are still worth waiting for.
+_TRANSIENT_FATAL = re.compile(
+    r"starting up|shutting down|in recovery|recovery mode|not yet accepting connections|"
+    r"too many (connections|clients)|remaining connection slots|"
+    r"terminating connection|administrator command|cannot connect now", re.IGNORECASE)
+_CREDENTIALS = re.compile(r"password authentication failed|authentication failed|no pg_hba.conf entry|"
+                          r"password is required|role \".*\" does not exist", re.IGNORECASE)
+# libpq's own words when the server asks for a password the DSN does not hold (no FATAL).
+_NO_PASSWORD = re.compile(r"fe_sendauth: no password supplied", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class FailedConnect:
+    """A classified connection failure: its ``kind`` and a one-line, masked ``message``."""
+
+    kind: ConnectFailure
+    detail: str
+
+    @property
+    def retriable(self) -> bool:
+        return self.kind is ConnectFailure.UNREACHABLE
+
+    @property
+    def message(self) -> str:
+        return f"{_PREFIX[self.kind]}: {self.detail}"
+
+
+def classify_connect_error(exc: BaseException, *, dsn: str = "") -> FailedConnect:
+    """Classify ``exc``, raised by ``psycopg.connect(dsn, ...)``; see the module's table."""
+    text = str(exc).strip()
+
+    def masked(line: str) -> str:
+        return scrub(line, dsn=dsn)
+
+    if isinstance(exc, psycopg.ProgrammingError):  # libpq could not parse the DSN
+        # Masked whole, then cut: a quoted token libpq choked on may run past the first line.
+        return FailedConnect(ConnectFailure.INVALID_DSN, (masked(text).splitlines() or [""])[0])
+    if "FATAL:" in text and not _TRANSIENT_FATAL.search(text):
+        detail = text.split("FATAL:", 1)[1].strip().splitlines()[0]
+        kind = ConnectFailure.CREDENTIALS if _CREDENTIALS.search(detail) else ConnectFailure.REFUSED
+        return FailedConnect(kind, masked(detail))
+    first = text.splitlines()[0] if text else type(exc).__name__
+    if _NO_PASSWORD.search(text):
+        return FailedConnect(ConnectFailure.CREDENTIALS, masked(first))
+    return FailedConnect(ConnectFailure.UNREACHABLE, masked(first))
