@@ -29,8 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tenacity import RetryCallState, wait_exponential_jitter
-
+from outbox_core.backoff import backoff_s
 from relay import __version__
 from relay.config import (
     Settings,
@@ -44,7 +43,7 @@ from relay.http import HealthServer
 from relay.janitor import Janitor
 from relay.leases import LeaseManager
 from relay.metrics import RelayMetrics
-from relay.publisher import Publisher
+from relay.publisher import BrokerState, Publisher
 from relay.pump import Pump
 from relay.replay import Replayer
 from relay.replay_store import ReplayStore
@@ -95,8 +94,6 @@ class Relay:
         self._empty_claims = 0
         self._next_poll = 0.0
         self._woken = False
-        self._wait = wait_exponential_jitter(multiplier=settings.backoff_initial_s,
-                                             max=settings.backoff_max_s, jitter=settings.backoff_initial_s)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -205,9 +202,8 @@ class Relay:
 
     def _next_wait(self) -> float:
         self._db_failures += 1
-        state = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
-        state.attempt_number = self._db_failures
-        return float(self._wait(state))
+        return backoff_s(self._db_failures, initial_s=self.settings.backoff_initial_s,
+                         max_s=self.settings.backoff_max_s)
 
     def _db_ok(self) -> None:
         if not self.db_up:
@@ -236,17 +232,17 @@ class Relay:
         self.metrics.database_up.set(0)
         self.store.reset()  # the mark connection resets itself, on its own thread
 
-    def _client_error(self, state: str, message: str, fatal: bool) -> None:
+    def _client_error(self, state: BrokerState, message: str, fatal: bool) -> None:
         if fatal:
             self.fatal = FatalError(message)
             self.stop()
             return
-        if state == "unreachable":
+        if state is BrokerState.UNREACHABLE:
             if self.broker_up:
                 self.log.warning("broker_unavailable", error=message)
             self.broker_up = False
             self.metrics.broker_up.set(0)
-        elif state == "fatal":
+        elif state is BrokerState.FATAL:
             self.log.error("producer_fatal", error=message)
         else:
             self.log.debug("kafka_client_error", error=message)

@@ -64,9 +64,9 @@ class DatabaseReadOnly(DatabaseUnavailable):
     """The database is read-only (a standby, or a primary during failover); waiting for a writable one."""
 
 
-class BrokerUnavailable(RetriableError):
-    """The Kafka cluster cannot be reached right now."""
-
-
 class LeaseLost(RelayError):
-    """This replica no longer holds the lease it wrote under (its token is stale)."""
+    """This replica no longer holds the lease it wrote under (its token is stale).
+
+    Raised by the exactly-once mode's recovery when its fenced mark finds the shard taken over;
+    the shard worker reports it as fenced.  (An unreachable broker is no exception: the
+    producer's error callback reports it as a :class:`relay.publisher.BrokerState`.)"""

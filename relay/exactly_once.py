@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay.errors import LeaseLost
 from relay.exactly_once_shard import Headers, Job, Result, ShardWorker, ensure_position_topic
 from relay.leases import LeaseManager
 from relay.marker import MarkStore
@@ -50,10 +51,6 @@ from relay.publisher import BadRow, DeliveryCallback, Outcome, Publisher, encode
 INIT_RETRY_INITIAL_S = 0.5
 INIT_RETRY_MAX_S = 10.0
 MAX_ROWS_PER_TRANSACTION = 20_000
-
-
-class LeaseLost(Exception):
-    """Recovery found the lease taken over (its fenced mark held nothing)."""
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from relay.errors import ConfigError
+from relay.errors import ConfigError, LeaseLost
 from relay.model import OutboxRow, RowId, ShardId, Token
 from relay.publisher import _KAFKA_LOG, Outcome, classify
 
@@ -200,7 +200,7 @@ class ShardWorker:
             return Result(self, init=True, fenced=err.code() in FENCED_CODES, broken=True,
                           error=err.str())
         except Exception as exc:  # noqa: BLE001 - a database or timeout error: retried later
-            return Result(self, init=True, fenced=type(exc).__name__ == "LeaseLost",
+            return Result(self, init=True, fenced=isinstance(exc, LeaseLost),
                           broken=True, error=f"{type(exc).__name__}: {exc}")
         return Result(self, init=True, ok=True)
 

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -46,6 +47,15 @@ FATAL_CLIENT_CODES = {
 
 #: Client errors that mean every broker is gone right now.
 UNREACHABLE_CODES = {KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE}
+
+
+class BrokerState(StrEnum):
+    """What a client error (librdkafka's ``error_cb``) says about the Kafka cluster."""
+
+    CONFIG = "config"            # the configuration is wrong (FATAL_CLIENT_CODES): the process stops
+    FATAL = "fatal"              # librdkafka's fatal error: the producer cannot go on
+    UNREACHABLE = "unreachable"  # every broker is gone right now (UNREACHABLE_CODES): waited for
+    ERROR = "error"              # anything else: librdkafka retries on its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +145,7 @@ _KAFKA_LOG.addHandler(logging.NullHandler())  # state changes are reported throu
 _KAFKA_LOG.propagate = False
 
 DeliveryCallback = Callable[[OutboxRow, Outcome], None]
-ErrorCallback = Callable[[str, str, bool], None]  # (state, message, fatal)
+ErrorCallback = Callable[[BrokerState, str, bool], None]  # (state, message, fatal)
 
 
 class Publisher:
@@ -167,13 +177,13 @@ class Publisher:
     def _error_cb(self, error: KafkaError) -> None:
         code = error.code()
         if code in FATAL_CLIENT_CODES:
-            self._on_client_error("config", f"{FATAL_CLIENT_CODES[code]}: {error.str()}", True)
+            self._on_client_error(BrokerState.CONFIG, f"{FATAL_CLIENT_CODES[code]}: {error.str()}", True)
         elif error.fatal():
-            self._on_client_error("fatal", error.str(), False)
+            self._on_client_error(BrokerState.FATAL, error.str(), False)
         elif code in UNREACHABLE_CODES:
-            self._on_client_error("unreachable", error.str(), False)
+            self._on_client_error(BrokerState.UNREACHABLE, error.str(), False)
         else:
-            self._on_client_error("error", error.str(), False)
+            self._on_client_error(BrokerState.ERROR, error.str(), False)
 
     def send(self, row: OutboxRow, on_delivery: DeliveryCallback) -> Outcome | None:
         """Queue one row.  Returns an Outcome at once when it cannot be queued, else None."""

@@ -8,6 +8,7 @@ import structlog
 
 from relay.app import Relay
 from relay.config import build_settings
+from relay.publisher import BrokerState
 
 
 class Clock:
@@ -48,7 +49,7 @@ def test_the_first_seconds_after_a_five_minute_broker_outage_are_healthy() -> No
     clock = Clock()
     relay = relay_at(clock)
     clock.now += 10
-    relay._client_error("unreachable", "all brokers down", fatal=False)
+    relay._client_error(BrokerState.UNREACHABLE, "all brokers down", fatal=False)
     for _ in range(30):  # five minutes down: readiness's business, not liveness's
         clock.now += 10
         assert healthy(relay, clock)
