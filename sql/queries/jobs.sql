@@ -200,8 +200,9 @@ SET status = 'running',
     heartbeat_at = coalesce(%(now)s::timestamptz, now()),
     attempts = j.attempts + 1,
     started_at = coalesce(j.started_at, coalesce(%(now)s::timestamptz, now()))
-FROM picked
-WHERE j.id = picked.id
+-- By primary key: a join with picked (planned for ~30 rows) made the planner hash-join a
+-- sequential scan of the whole table, a claim growing with every finished job kept.
+WHERE j.id = ANY (ARRAY(SELECT picked.id FROM picked))
 RETURNING j.id, j.run_id, j.owner_id, j.queue, j.kind, j.lease_token, j.attempts, j.max_attempts,
           coalesce(j.payload, (SELECT r.goal FROM runs AS r WHERE r.id = j.run_id))::text
               AS payload_text,

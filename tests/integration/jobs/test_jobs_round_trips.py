@@ -14,6 +14,7 @@ from psycopg.pq import TransactionStatus
 
 from consumer_sdk.jobs import LeaseLost, NewJob, enqueue
 from consumer_sdk.jobs import queue as jobq
+from consumer_sdk.jobs._db import q
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.model import Take
 from tests.integration.jobs._support import at, rows
@@ -76,3 +77,16 @@ def test_a_fenced_transaction_with_one_write_costs_three_round_trips(conn, jobs_
         tx.execute("INSERT INTO no_such_table VALUES (1)")
     assert conn.info.transaction_status == TransactionStatus.IDLE
     assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)]
+
+
+def test_a_claim_updates_by_primary_key_not_by_scanning_the_table(conn):
+    """The claim's UPDATE joined the picked ids; planned for ~30 rows, it hash-joined a
+    sequential scan of every job, finished ones included (a claim growing with the table)."""
+    enqueue(conn, [NewJob(owner_id=f"o{i % 50}", queue="bulk", kind="work", payload={"i": i})
+                   for i in range(5000)], now=at(0))
+    conn.execute("ANALYZE jobs")
+    params = {"queues": ["bulk"] * 3, "owners": ["o1", "o2", "o3"], "wants": [1, 1, 1],
+              "limits": [jobq.NO_OWNER_LIMIT] * 3, "worker": "A", "lease_s": 10.0, "now": at(1)}
+    plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + q("claim"), params).fetchall())  # claims nothing
+    assert "Seq Scan on jobs" not in plan, plan
+    assert "jobs_pkey" in plan, plan
