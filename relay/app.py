@@ -1,24 +1,33 @@
-"""Composition root: builds the adapters from settings, runs the loop, handles signals.
+"""Composition root: builds the parts from settings, starts and stops them, supervises.
 
-The loop only ticks: heartbeat the leases when due, refresh the backlog gauges
-when due, run the pump once, then wait (on a notification, a delivery report or
-the next due time).  Failures of the database are waited out with capped
-exponential back-off and jitter, logged once per state change.
+The relay supervises; the loop owner decides.  Each turn of :meth:`Relay.run`: heartbeat
+the leases when due, refresh the backlog gauges when due, then one turn of the loop
+(relay/loop.py: claim when due, run the pump and the replayer once) and its wait (on a
+notification, a delivery report, a mark or the next due time).  Failures of the database
+are waited out here, with capped exponential back-off and jitter (:meth:`_next_wait`),
+logged once per state change; signals, /healthz and /readyz are answered here too.
 
-Threads, and the connections each one owns (nothing else crosses between them):
+Every long-lived part has ``start()`` and an idempotent ``stop(timeout_s)``; those that
+loop on the caller's thread have ``run_once()``.  Threads, and the connections each owns
+(nothing else crosses between them):
 
 * the loop (the caller of :meth:`Relay.run`): the main Store connection
-  ``outbox-relay:<owner>`` (claims, leases, dead-letter moves, backlog) and its LISTEN
-  connection while idle; the Producer (``relay.publisher``; its delivery reports run on
-  this thread, inside ``poll``); the pump, the lease manager, the stall tracker, the
-  replayer.
-* the mark thread (``relay.marker.Marker``): ``outbox-relay:<owner>:mark``; it receives
-  (tokens, rows) and hands back a Future per mark, applied by the loop in batch order.
+  ``outbox-relay:<owner>`` (claims, leases, dead-letter moves, backlog); the LISTEN
+  connection ``outbox-relay-listen`` with the wake-up lock (``relay.wakeup.Wakeup``);
+  the Producer (``relay.publisher``; its delivery reports run on this thread, inside
+  ``poll``); the loop owner (``relay.loop.Loop``), the pump, the lease manager, the stall
+  tracker, the replayer (``outbox-relay:<owner>:replay``).
+* the mark thread (``relay.marker.Marker``, started by ``Pump.start``):
+  ``outbox-relay:<owner>:mark``; it receives (tokens, rows) from the pump and hands back
+  a Future per mark, applied by the pump in batch order on the loop's thread.
 * the cleanup thread (``relay.janitor.Janitor``, when retention is set or the outbox is
-  partitioned): ``outbox-relay:<owner>:cleanup``; shares nothing but the stop event.
+  partitioned): ``outbox-relay:<owner>:cleanup``; shares nothing with the loop.
+* exactly-once mode (``relay.exactly_once``): a thread per held shard with its
+  transactional producer; batches and results cross through queues, and recovery marks
+  on ``outbox-relay:<owner>:exactly-once`` under a lock.
 * the health server (``relay.http``): no connection; it calls ``health``/``ready``, which
   read a few numbers the loop writes.
-* librdkafka's own threads, behind the Producer.
+* librdkafka's own threads, behind the producers.
 """
 
 from __future__ import annotations
@@ -42,15 +51,14 @@ from relay.errors import ConfigError, DatabaseReadOnly, DatabaseUnavailable, Fat
 from relay.http import HealthServer
 from relay.janitor import Janitor
 from relay.leases import LeaseManager
+from relay.loop import Loop
 from relay.metrics import RelayMetrics
 from relay.publisher import BrokerState, Publisher
 from relay.pump import Pump
 from relay.replay import Replayer
 from relay.replay_store import ReplayStore
 from relay.store import Store, check_not_transaction_pooled
-
-#: First poll delay after the relay found work; doubles up to the poll interval.
-BUSY_POLL_BASE_S = 0.005
+from relay.wakeup import Wakeup
 
 
 class Relay:
@@ -69,14 +77,16 @@ class Relay:
         self.store = self._store("")
         # Marks run on their own connection while the pump claims (see relay/pump.py).
         self.mark_store = self._store(":mark")
+        # LISTEN and the wake-up lock, on a connection of their own (relay/wakeup.py).
+        self.wakeup = Wakeup(settings.dsn, on_statement=self.metrics.db_statements.inc)
         self.publisher: Publisher | None = None
         self.exactly_once: Any = None  # relay/exactly_once.py's publisher, in that mode
         self.pump: Pump | None = None
+        self.loop: Loop | None = None  # wake, sleep and claim decisions (relay/loop.py)
         self.replayer: Replayer | None = None  # replays (relay/replay.py), built at start
         self.leases: LeaseManager | None = None
         self.http: HealthServer | None = None
         self.janitor: Janitor | None = None
-        self._janitor_thread: threading.Thread | None = None
         self.fatal: RelayError | None = None
         self.stop_signal: str | None = None
         self.pending = 0
@@ -91,9 +101,6 @@ class Relay:
         self._next_backlog = 0.0
         self._db_failures = 0
         self._db_down_event = ""
-        self._empty_claims = 0
-        self._next_poll = 0.0
-        self._woken = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -161,6 +168,8 @@ class Relay:
                         on_statement=self.metrics.db_statements.inc, table=s.table),
             self.publisher, owner=s.owner, nshards=nshards, metrics=self.metrics, log=self.log,
             clock=self.clock, lose=self.leases.lose)
+        self.loop = Loop(pump=self.pump, wakeup=self.wakeup, leases=self.leases,
+                         poll_interval_s=s.poll_interval_s, replayer=self.replayer, clock=self.clock)
         partitioned = s.table == "outbox" and self._retry_db(self.store.is_partitioned)
         if s.cleanup_retention_s or partitioned:
             # A partitioned outbox always gets its coming days' partitions created.
@@ -231,6 +240,7 @@ class Relay:
         self.db_up = False
         self.metrics.database_up.set(0)
         self.store.reset()  # the mark connection resets itself, on its own thread
+        self.wakeup.close()  # the wake-up lock goes with its connection
 
     def _client_error(self, state: BrokerState, message: str, fatal: bool) -> None:
         if fatal:
@@ -258,16 +268,17 @@ class Relay:
         try:
             if self.pump is None and not self.stopping:
                 self.start()
-            if self.janitor is not None and self._janitor_thread is None:
-                self._janitor_thread = self.janitor.start(self._stop)
-            while not self.stopping and self.pump is not None:
+            if self.pump is not None:
+                self.pump.start()
+            if self.janitor is not None:
+                self.janitor.start()
+            while not self.stopping and self.loop is not None:
                 try:
                     self._tick()
                     self._db_ok()
                 except DatabaseUnavailable as exc:
                     self._db_down(exc)
-                    assert self.pump is not None
-                    self.pump.request_rewind()
+                    self.loop.database_lost()
                     self._wait_serving(self._next_wait())
             if self.fatal is not None:
                 self._release_quietly()
@@ -276,23 +287,23 @@ class Relay:
             return 0
         finally:
             if self.pump is not None:
-                self.pump.close()
+                self.pump.stop(10.0)
             if self.exactly_once is not None:
-                self.exactly_once.close()
+                self.exactly_once.stop(10.0)
             if self.replayer is not None:
                 self.replayer.stop()
             self.store.close()
             self.mark_store.close()
-            if self._janitor_thread is not None and self.janitor is not None:
-                self._stop.set()
-                self._janitor_thread.join(30)
-                self.janitor.store.close()
+            self.wakeup.close()
+            if self.janitor is not None:
+                self.janitor.stop(30.0)
             if self.http is not None:
-                self.http.stop()
+                self.http.stop(5.0)
             self.stopped.set()
 
     def _tick(self) -> None:
-        assert self.pump is not None and self.leases is not None
+        """Supervise (leases and backlog gauges when due), then one turn of the loop."""
+        assert self.loop is not None and self.pump is not None and self.leases is not None
         now = self.clock()
         self.last_tick = now
         if self.leases.due(now):
@@ -311,65 +322,13 @@ class Relay:
             self.metrics.pending_rows.set(self.pending)
             self.metrics.oldest_pending_age.set(oldest)
             self.metrics.retrying_rows.set(retrying)
-        # Asleep, the relay claims only when woken or when the poll interval is up, not
-        # at every heartbeat: about one claim per poll interval when idle.
-        claim = not self.store.sleeping or self._woken or now >= self._next_poll
-        if claim and self.store.sleeping:
-            self._next_poll = now + self.settings.poll_interval_s
-            self._woken = False
-        result = self.pump.run_once(claim=claim)
-        if self.replayer is not None:
-            self.replayer.run_once(self.leases.usable(now))
+        result = self.loop.run_once(now)
         if result.acked:
             self._broker_ok()
         if result.marked or result.failed:
             self.log.debug("batch_settled", marked=result.marked, failed=result.failed,
                            fenced=result.fenced, in_flight=self.pump.rows_in_flight())
-        if result.claimed:
-            self._empty_claims = 0
-            if self.store.sleeping:
-                self.store.set_sleeping(False)
-        elif not self.pump.busy():
-            self._empty_claims += 1
-        if result.claimed == 0:
-            self._idle_wait(now)
-        if not self.store.sleeping:
-            self._next_poll = 0.0
-
-    def _idle_wait(self, now: float) -> None:
-        """Wait for the next thing to do.
-
-        Recently busy, the relay polls on its own, from 5 ms doubling up to the poll
-        interval, and writers pay nothing.  Idle for about the poll interval, it goes to
-        sleep: takes the wake-up lock (writers then NOTIFY, see
-        sql/migrations/0003_notify.sql), claims once more and waits on LISTEN, with the
-        poll interval as the fallback.
-        """
-        assert self.pump is not None and self.leases is not None
-        next_poll = self._next_poll if self.store.sleeping else now + self.settings.poll_interval_s
-        until = min(next_poll, self.leases.next_due(), self._next_backlog)
-        if self.pump.claim_not_before > now:
-            until = min(until, self.pump.claim_not_before)
-        timeout = max(0.0, until - self.clock())
-        if self.replayer is not None and self.replayer.busy() and not self.pump.busy():
-            self.replayer.wait(min(timeout, 0.05))
-            return
-        if self.pump.busy():
-            self.pump.wait(min(timeout, 0.05))
-            return
-        if self.pump.rewind_requested and self.pump.idle():
-            return
-        if not self.store.sleeping:
-            delay = BUSY_POLL_BASE_S * 2 ** min(self._empty_claims, 20)
-            if delay < self.settings.poll_interval_s:
-                timeout = min(timeout, delay)
-            elif self.store.set_sleeping(True):
-                self.pump.caught_up = False  # one more claim: a commit may have raced the lock
-                return
-            # else: writers are mid-transaction or a peer sleeps (and writers notify us all)
-        if self.store.wait_for_notification(timeout):
-            self.pump.caught_up = False
-            self._woken = True
+        self.loop.wait(now, wake_by=min(self.leases.next_due(), self._next_backlog))
 
     def _wait_serving(self, seconds: float) -> None:
         """Sleep ``seconds`` (stop-aware) while still serving delivery reports."""

@@ -86,6 +86,7 @@ class TransactionalPublisher:
         self._retry: dict[ShardId, tuple[float, float]] = {}  # shard -> (not before, last wait)
         self._immediate: list[tuple[DeliveryCallback, OutboxRow, Outcome]] = []
         self._closing: list[ShardWorker] = []
+        self._stopped = False
 
     @staticmethod
     def prepare(config: dict[str, str], position_topic: str, nshards: int) -> None:
@@ -158,7 +159,16 @@ class TransactionalPublisher:
         return self._plain.send_dead_letter(row, topic=topic, reason=reason, error=error,
                                             attempts=attempts)
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def start(self) -> None:
+        """Nothing to start: a shard's worker thread starts when its lease is held (on
+        the pump's thread, inside ``send``/``poll``)."""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Close every shard's worker (waiting up to ``timeout_s`` for their threads) and
+        the recovery connection.  Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         for shard in list(self._shards):
             self._close_shard(shard, "closing")
         deadline = self._clock() + timeout_s

@@ -90,8 +90,9 @@ class HealthServer:
             self._thread = threading.Thread(target=self._serve, name="outbox-relay-http", daemon=True)
             self._thread.start()
 
-    def stop(self) -> None:
-        """Stop serving and close every connection.  Idempotent."""
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving (waiting up to ``timeout_s`` for the thread) and close every
+        connection.  Idempotent."""
         if self._stopping.is_set():
             return
         self._stopping.set()
@@ -100,7 +101,7 @@ class HealthServer:
         except OSError:
             pass
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout_s)
             self._thread = None
         for conn in list(self._conns.values()):
             self._close(conn)

@@ -5,8 +5,9 @@ never blocked, and its WHERE clause never matches an unpublished row.  A
 partitioned outbox is kept by whole partitions instead (relay/partitions.py):
 the coming days are created, past days dropped once fully published.
 
-In ``run`` the janitor works in its own thread on its own connection
-(:meth:`Janitor.run_forever`): a long cleanup round never delays a claim.
+In the relay the janitor works in its own thread on its own connection
+(:meth:`Janitor.start`, :meth:`Janitor.stop`): a long cleanup round never delays a claim.
+``outbox-relay cleanup`` calls :meth:`Janitor.run_once` itself.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Janitor:
         self.interval_s = interval_s
         self.metrics = metrics
         self.max_batches = max_batches
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def run_once(self) -> int:
         """Maintain partitions (if partitioned), then delete up to ``max_batches`` batches of
@@ -67,11 +70,29 @@ class Janitor:
                 break
         return total
 
-    def run_forever(self, stop: threading.Event) -> None:
-        """Run a round every ``interval_s`` until ``stop``; database errors are logged and
-        waited out (the next round reconnects), never raised."""
+    def start(self) -> None:
+        """Run a round every ``interval_s`` on a thread of its own until :meth:`stop`.
+        Idempotent; a stopped janitor does not start again."""
+        if self._thread is None and not self._stopping.is_set():
+            self._thread = threading.Thread(target=self._run, name="outbox-relay-janitor",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop after the round under way (up to ``timeout_s``) and close the connection.
+        Idempotent."""
+        if self._stopping.is_set() and self._thread is None:
+            return
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        self.store.close()
+
+    def _run(self) -> None:
+        """Database errors are logged and waited out (the next round reconnects), never raised."""
         down = False
-        while not stop.is_set():
+        while not self._stopping.is_set():
             try:
                 self.run_once()
                 if down and self.log is not None:
@@ -85,10 +106,4 @@ class Janitor:
             except RelayError as exc:  # e.g. no DELETE privilege: says so each round
                 if self.log is not None:
                     self.log.error("cleanup_failed", error=str(exc))
-            stop.wait(self.interval_s)
-
-    def start(self, stop: threading.Event) -> threading.Thread:
-        thread = threading.Thread(target=self.run_forever, args=(stop,), name="outbox-relay-janitor",
-                                  daemon=True)
-        thread.start()
-        return thread
+            self._stopping.wait(self.interval_s)

@@ -48,19 +48,30 @@ class Marker:
         self.owner = owner
         self.max_rows = max_rows
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="outbox-relay-mark", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        """Start the mark thread.  Idempotent; a stopped marker does not start again."""
+        if self._thread is None and not self._stopped:
+            self._thread = threading.Thread(target=self._run, name="outbox-relay-mark", daemon=True)
+            self._thread.start()
 
     def submit(self, tokens: dict[ShardId, Token], rows: list[OutboxRow]) -> Future[MarkOutcome]:
+        """Queue a mark (run once the thread is started); its outcome comes in the future."""
         future: Future[MarkOutcome] = Future()
         self._queue.put(_Job(dict(tokens), rows, future))
         return future
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
         """Finish what was submitted, then stop the thread (a daemon: a mark stuck on an
-        unreachable database does not hold the process after ``timeout_s``)."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+        unreachable database does not hold the process after ``timeout_s``).  Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         held_back: _Job | None = None  # taken from the queue but not mergeable

@@ -110,7 +110,8 @@ class PendingMark:
 
 
 class Pump:
-    """Claims, produces and marks.  ``run_once`` never blocks for long; the caller waits."""
+    """Claims, produces and marks.  ``run_once`` never blocks for long; the loop
+    (relay/loop.py) decides when to claim and waits.  ``start()`` starts the mark thread."""
 
     def __init__(
         self,
@@ -191,6 +192,11 @@ class Pump:
     def request_rewind(self) -> None:
         self.rewind_requested = True
 
+    def expect_new_rows(self) -> None:
+        """Rows may have committed since the last claim found the backlog drained (a
+        notification, or the race with the wake-up lock): the next claim looks again."""
+        self.caught_up = False
+
     def idle(self) -> bool:
         """Nothing in flight and the last claim found the backlog drained."""
         return not self.busy() and (self.caught_up or not self.leases.leases)
@@ -227,10 +233,15 @@ class Pump:
         else:
             self.publisher.poll(timeout_s)
 
-    def close(self) -> None:
-        """Stop the mark thread (after the marks already submitted)."""
+    def start(self) -> None:
+        """Start the mark thread (with a ``mark_store``).  Idempotent."""
         if self._marker is not None:
-            self._marker.close()
+            self._marker.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the mark thread (after the marks already submitted).  Idempotent."""
+        if self._marker is not None:
+            self._marker.stop(timeout_s)
 
     def _rewind(self, now: float) -> None:
         """Back to "nothing seen": the next claim takes every pending row of the shards.

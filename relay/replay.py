@@ -120,8 +120,9 @@ class Replayer:
     def start(self) -> None:
         self._stopped = False
 
-    def stop(self) -> None:
-        """Forget what is in flight (its rows go out again after a restart).  Idempotent."""
+    def stop(self, timeout_s: float = 0.0) -> None:
+        """Forget what is in flight (its rows go out again after a restart) and close the
+        connection.  Idempotent; no thread of its own, so ``timeout_s`` is not waited."""
         if self._stopped:
             return
         self._stopped = True

@@ -1,4 +1,4 @@
-"""The PostgreSQL side: claim, mark, leases, listen.
+"""The PostgreSQL side: claim, mark, leases (LISTEN and the wake-up lock: relay/wakeup.py).
 
 Only this module (and the migration runner) talks to psycopg.  Driver errors are
 translated at this seam into :mod:`relay.errors` types: a server that cannot be
@@ -9,8 +9,6 @@ a server that refuses us for good (bad credentials, no such database or role) is
 
 from __future__ import annotations
 
-import select
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -34,8 +32,6 @@ from relay.errors import (
 )
 from relay.model import Claimed, Cursor, Lease, OutboxRow, RowId, ShardId, Token
 from relay.queries import compose, query
-
-NOTIFY_CHANNEL = "outbox_relay"
 
 # The relay's reading of a failed connection attempt (outbox_core.connect_errors classifies it,
 # for the SDK too): only an unreachable database is waited for; rejected credentials end the
@@ -141,7 +137,7 @@ def _encode_value(payload_text: str | None, payload_bytes: bytes | None) -> byte
 
 
 class Store:
-    """One autocommit connection for claims, marks and leases, plus one that LISTENs.
+    """One autocommit connection for claims, marks and leases.
 
     Owned by the pump's thread; not thread-safe.  ``now`` overrides the database
     clock in lease and retry arithmetic (tests); None means ``now()`` in SQL.
@@ -156,10 +152,8 @@ class Store:
         self._on_statement = on_statement
         self._application_name = application_name[:63]
         self._conn: psycopg.Connection[Any] | None = None
-        self._listen: psycopg.Connection[Any] | None = None
         self.now = now
         self.queries = 0  # statements sent, for the idle-cost figures
-        self.sleeping = False  # holds the wake-up lock on the LISTEN connection
 
     # -- connections -----------------------------------------------------------------------
 
@@ -174,15 +168,12 @@ class Store:
         return self._conn
 
     def close(self) -> None:
-        self.sleeping = False
-        for conn in (self._conn, self._listen):
-            if conn is not None and not conn.closed:
-                try:
-                    conn.close()
-                except psycopg.Error:
-                    pass
+        if self._conn is not None and not self._conn.closed:
+            try:
+                self._conn.close()
+            except psycopg.Error:
+                pass
         self._conn = None
-        self._listen = None
 
     def reset(self) -> None:
         """Drop connections after an error; the next call reconnects."""
@@ -371,65 +362,3 @@ class Store:
 
     def shard_table(self) -> list[dict[str, Any]]:
         return self._fetch("leases", "shard_table", {"now": self.now})
-
-    # -- notifications --------------------------------------------------------------------
-
-    def set_sleeping(self, sleeping: bool) -> bool:
-        """Take (True) or release (False) the wake-up lock on the LISTEN connection.
-
-        While a relay holds it, writers NOTIFY (sql/migrations/0003_notify.sql).
-        Returns whether this relay now holds it.  A broken connection loses it.
-        """
-        with translated():
-            try:
-                listen = self._listening()
-                self.queries += 1
-                self._on_statement()
-                if sleeping:
-                    row = listen.execute(query("relay", "go_to_sleep")).fetchone()
-                    self.sleeping = bool(row and row[0])
-                else:
-                    listen.execute(query("relay", "wake_up"))
-                    self.sleeping = False
-                return self.sleeping
-            except (psycopg.OperationalError, psycopg.InterfaceError):
-                self._drop_listen()
-                raise
-
-    def _listening(self) -> psycopg.Connection[Any]:
-        if self._listen is None or self._listen.closed:
-            self._listen = connect(self._dsn, application_name="outbox-relay-listen")
-            self.queries += 1
-            self._on_statement()
-            self._listen.execute(query("relay", "listen"))
-        return self._listen
-
-    def _drop_listen(self) -> None:
-        self.sleeping = False  # the session lock goes with the connection
-        if self._listen is not None:
-            try:
-                self._listen.close()
-            except psycopg.Error:
-                pass
-        self._listen = None
-
-    def wait_for_notification(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` for a NOTIFY on the outbox channel.
-
-        Returns True when one arrived.  A broken listening connection is reopened
-        on the next call; meanwhile the caller's poll keeps working.
-        """
-        with translated():
-            try:
-                listen = self._listening()
-                # Anything already buffered counts; then wait on the socket.
-                if any(True for _ in listen.notifies(timeout=0)):
-                    return True
-                ready, _, _ = select.select([listen.fileno()], [], [], max(0.0, timeout_s))
-                if not ready:
-                    return False
-                return any(True for _ in listen.notifies(timeout=0))
-            except (psycopg.OperationalError, psycopg.InterfaceError, OSError):
-                self._drop_listen()
-                time.sleep(min(timeout_s, 0.5))
-                return False

@@ -41,12 +41,13 @@ class GatedStore:
 def test_batches_queued_behind_a_running_mark_share_one_statement() -> None:
     store = GatedStore(held={0, 1})
     marker = Marker(store, "me")
+    marker.start()
     first = marker.submit({ShardId(0): Token(1)}, [row(1)])
     assert store.entered.wait(10)  # the first mark is running
     queued = [marker.submit({ShardId(0): Token(1)}, [row(2)]),
               marker.submit({ShardId(1): Token(7)}, [row(3, shard=1), row(4, shard=1)])]
     store.gate.set()
-    marker.close()
+    marker.stop()
     assert first.result()[1] == {1}
     # Each batch gets back only its own ids, though they were marked together.
     assert [f.result()[1] for f in queued] == [{2}, {3, 4}]
@@ -56,12 +57,13 @@ def test_batches_queued_behind_a_running_mark_share_one_statement() -> None:
 def test_a_changed_token_is_never_merged_into_the_same_statement() -> None:
     store = GatedStore(held={0})
     marker = Marker(store, "me")
+    marker.start()
     marker.submit({ShardId(0): Token(1)}, [row(1)])
     assert store.entered.wait(10)
     a = marker.submit({ShardId(0): Token(1)}, [row(2)])
     b = marker.submit({ShardId(0): Token(2)}, [row(3)])  # the lease was taken again meanwhile
     store.gate.set()
-    marker.close()
+    marker.stop()
     assert a.result()[1] == {2} and b.result()[1] == {3}
     assert store.calls == [({0: 1}, [1]), ({0: 1}, [2]), ({0: 2}, [3])]
 
@@ -69,19 +71,38 @@ def test_a_changed_token_is_never_merged_into_the_same_statement() -> None:
 def test_an_error_reaches_every_batch_of_the_failed_statement_and_the_next_one_runs() -> None:
     store = GatedStore(held={0}, fail_on=1)
     marker = Marker(store, "me")
+    marker.start()
     failed = marker.submit({ShardId(0): Token(1)}, [row(1)])
     store.gate.set()
     with pytest.raises(DatabaseUnavailable):
         failed.result(timeout=10)
     later = marker.submit({ShardId(0): Token(1)}, [row(2)])
     assert later.result(timeout=10)[1] == {2}
-    marker.close()
+    marker.stop()
 
 
 def test_lost_shards_come_back_as_not_held() -> None:
     store: Any = GatedStore(held=set())
     store.gate.set()
     marker = Marker(store, "me")
+    marker.start()
     held, marked, _ = marker.submit({ShardId(0): Token(1)}, [row(1)]).result(timeout=10)
-    marker.close()
+    marker.stop()
     assert held == set() and marked == set()
+
+
+def test_nothing_is_marked_before_start_and_stop_is_idempotent() -> None:
+    store: Any = GatedStore(held={0})
+    store.gate.set()
+    marker = Marker(store, "me")
+    queued = marker.submit({ShardId(0): Token(1)}, [row(1)])
+    assert not queued.done() and store.calls == []  # no thread yet
+    marker.start()
+    marker.start()  # a second start is a no-op: one mark thread
+    assert queued.result(timeout=10)[1] == {1}
+    marker.stop(5.0)
+    marker.stop(5.0)  # idempotent
+    marker.start()  # a stopped marker stays stopped
+    late = marker.submit({ShardId(0): Token(1)}, [row(2)])
+    assert not late.done() and store.calls == [({0: 1}, [1])]
+    assert [t.name for t in threading.enumerate()].count("outbox-relay-mark") == 0

@@ -1,0 +1,148 @@
+"""The relay loop's owner: when to claim, when to wait, when to sleep and when to wake.
+
+Each turn (:meth:`Loop.run_once`) decides whether to claim, runs the pump once (settle,
+collect marks, claim and produce) and the replayer once, and keeps the loop's own state:
+how long the relay has found nothing, whether it sleeps.  Then :meth:`Loop.wait` waits
+for the next thing to do:
+
+* busy (rows in flight, or replays): on delivery reports or the oldest mark, 50 ms at most;
+* recently busy: the relay polls on its own, from 5 ms doubling up to the poll interval,
+  and writers pay nothing;
+* idle for about the poll interval: it goes to sleep: takes the wake-up lock (writers
+  then NOTIFY, see sql/migrations/0003_notify.sql), claims once more (a commit may have
+  raced the lock) and waits on LISTEN; asleep it claims when woken by a notification or
+  when the poll interval is up, about one claim per poll interval;
+* never past the pump's own back-off (``claim_not_before``: publish failures, stalled
+  partitions) nor past the caller's next due time (lease heartbeat, backlog gauges).
+
+The composition root (relay/app.py) supervises: signals, probes, the database going away
+and coming back, leases and backlog when due.  It never reads or writes the pump's
+claim state; the loop does, on the loop's thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from relay.model import BatchResult, Lease
+
+#: First poll delay after the relay found work; doubles up to the poll interval.
+BUSY_POLL_BASE_S = 0.005
+#: The longest a busy loop waits on delivery reports, marks or replays before a new turn.
+BUSY_WAIT_S = 0.05
+
+
+class LoopPump(Protocol):
+    claim_not_before: float
+    rewind_requested: bool
+
+    def run_once(self, *, claim: bool = True) -> BatchResult: ...
+    def busy(self) -> bool: ...
+    def idle(self) -> bool: ...
+    def wait(self, timeout_s: float) -> None: ...
+    def expect_new_rows(self) -> None: ...
+    def request_rewind(self) -> None: ...
+
+
+class LoopWakeup(Protocol):
+    sleeping: bool
+
+    def set_sleeping(self, sleeping: bool) -> bool: ...
+    def wait(self, timeout_s: float) -> bool: ...
+    def close(self) -> None: ...
+
+
+class LoopReplayer(Protocol):
+    def run_once(self, leases: Sequence[Lease]) -> Any: ...
+    def busy(self) -> bool: ...
+    def wait(self, timeout_s: float) -> None: ...
+
+
+class LoopLeases(Protocol):
+    def usable(self, now: float) -> list[Lease]: ...
+
+
+class Loop:
+    """Wake, sleep and claim decisions for one replica.  Driven by the loop's thread."""
+
+    def __init__(self, *, pump: LoopPump, wakeup: LoopWakeup, leases: LoopLeases,
+                 poll_interval_s: float, replayer: LoopReplayer | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pump = pump
+        self.wakeup = wakeup
+        self.leases = leases
+        self.replayer = replayer
+        self.poll_interval_s = poll_interval_s
+        self.clock = clock
+        self.empty_claims = 0  # claims in a row that found nothing, while nothing is in flight
+        self.next_poll = 0.0  # asleep: when the next claim is due without a notification
+        self.woken = False  # asleep: a notification came; claim on the next turn
+        self.last = BatchResult()  # what the last turn did
+
+    @property
+    def sleeping(self) -> bool:
+        return self.wakeup.sleeping
+
+    def run_once(self, now: float) -> BatchResult:
+        """One turn: claim when due, settle, mark, replay.  Never blocks for long."""
+        # Asleep, the relay claims only when woken or when the poll interval is up, not
+        # at every heartbeat: about one claim per poll interval when idle.
+        sleeping = self.wakeup.sleeping
+        claim = not sleeping or self.woken or now >= self.next_poll
+        if claim and sleeping:
+            self.next_poll = now + self.poll_interval_s
+            self.woken = False
+        result = self.pump.run_once(claim=claim)
+        if self.replayer is not None:
+            self.replayer.run_once(self.leases.usable(now))
+        self.last = result
+        return result
+
+    def wait(self, now: float, *, wake_by: float) -> None:
+        """After the turn that started at ``now``: wake up if it found rows, else wait for
+        the next thing to do, until ``wake_by`` at the latest."""
+        if self.last.claimed:
+            self.empty_claims = 0
+            if self.wakeup.sleeping:
+                self.wakeup.set_sleeping(False)
+        elif not self.pump.busy():
+            self.empty_claims += 1
+        if self.last.claimed == 0:
+            self._idle_wait(now, wake_by)
+        if not self.wakeup.sleeping:
+            self.next_poll = 0.0
+
+    def database_lost(self) -> None:
+        """The database went away: the next claim starts from "nothing seen", and the
+        wake-up lock went with its connection."""
+        self.pump.request_rewind()
+        self.wakeup.close()
+
+    def _idle_wait(self, now: float, wake_by: float) -> None:
+        pump = self.pump
+        next_poll = self.next_poll if self.wakeup.sleeping else now + self.poll_interval_s
+        until = min(next_poll, wake_by)
+        if pump.claim_not_before > now:
+            until = min(until, pump.claim_not_before)
+        timeout = max(0.0, until - self.clock())
+        if self.replayer is not None and self.replayer.busy() and not pump.busy():
+            self.replayer.wait(min(timeout, BUSY_WAIT_S))
+            return
+        if pump.busy():
+            pump.wait(min(timeout, BUSY_WAIT_S))
+            return
+        if pump.rewind_requested and pump.idle():
+            return
+        if not self.wakeup.sleeping:
+            delay = BUSY_POLL_BASE_S * 2 ** min(self.empty_claims, 20)
+            if delay < self.poll_interval_s:
+                timeout = min(timeout, delay)
+            elif self.wakeup.set_sleeping(True):
+                pump.expect_new_rows()  # one more claim: a commit may have raced the lock
+                return
+            # else: writers are mid-transaction or a peer sleeps (and writers notify us all)
+        if self.wakeup.wait(timeout):
+            pump.expect_new_rows()
+            self.woken = True
