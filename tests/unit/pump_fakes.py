@@ -7,11 +7,15 @@ database, no broker).  They follow the real contracts closely enough to be hones
 * ``Publisher``: queues rows and acknowledges them on ``poll``, except those of the
   partition named ``leaderless`` (that partition has no leader: no report comes).
 * ``Leases``: holds ``usable_shards``, trusted and never fenced.
+
+And for the loop owner's tests: a fake ``Clock``, the ``Wakeup`` adapter, a ``RetryStore``
+with back-off, dead letters and fencing, a ``FailingPublisher`` and ``LosingLeases``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from relay.model import Claimed, Cursor, Lease, OutboxRow, RowId, ShardId, Token
@@ -103,3 +107,159 @@ class Leases:
 class Log:
     def __getattr__(self, name: str) -> Any:
         return lambda *a, **k: None
+
+
+# -- the loop owner's fakes (tests/unit/test_loop.py): a fake clock, the wake-up
+# adapter, and a store, publisher and leases with failures, back-off and fencing. ------
+
+
+class Clock:
+    """Monotonic time that only moves when a wait says so."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.t = start
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += max(0.0, seconds)
+
+
+class Wakeup:
+    """relay.wakeup.Wakeup's contract: the lock is granted unless ``grant`` is False;
+    writers notify only while some relay sleeps; a wait without a notification lasts its
+    whole timeout on ``clock``."""
+
+    def __init__(self, clock: Clock, *, grant: bool = True) -> None:
+        self.clock = clock
+        self.grant = grant
+        self.sleeping = False
+        self.notified = False
+        self.waits: list[float] = []
+        self.sleeps = 0  # times the lock was taken
+        self.closed = 0
+
+    def set_sleeping(self, sleeping: bool) -> bool:
+        self.sleeping = sleeping and self.grant
+        self.sleeps += self.sleeping
+        return self.sleeping
+
+    def notify(self) -> None:
+        """A writer commits: NOTIFY goes out only while the lock is held."""
+        self.notified = self.notified or self.sleeping
+
+    def wait(self, timeout_s: float) -> bool:
+        self.waits.append(timeout_s)
+        if self.notified:
+            self.notified = False
+            return True
+        self.clock.advance(timeout_s)
+        return False
+
+    def close(self) -> None:
+        self.sleeping = False
+        self.closed += 1
+
+
+class RetryStore(Store):
+    """``Store`` plus what the real queries do on failure: ``record_failure`` counts the
+    attempt and keeps the row (and its key's later rows) out of claims for ``backoff_s``;
+    ``dead_letter`` moves it; every fenced write on a shard in ``fenced`` does nothing
+    (mark: the shard is missing from the held ones; the others: None/False)."""
+
+    def __init__(self, rows: Iterable[OutboxRow], clock: Clock) -> None:
+        super().__init__(rows)
+        self.clock = clock
+        self.not_before: dict[RowId, float] = {}
+        self.failures: list[tuple[RowId, int, float, float]] = []  # (row, attempts, at, until)
+        self.dead: list[tuple[RowId, str]] = []
+        self.fenced: set[ShardId] = set()
+        self.claims = 0
+
+    def add(self, r: OutboxRow) -> None:
+        self.pending[r.id] = r
+
+    def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int, **_: Any) -> Claimed:
+        self.claims += 1
+        now = self.clock()
+        everything = self.pending
+        waiting = [everything[i] for i, t in self.not_before.items() if t > now and i in everything]
+
+        def held_back(r: OutboxRow) -> bool:  # in back-off, or behind a row of its key that is
+            return any(w.id == r.id or (w.key is not None and w.key == r.key and w.id < r.id)
+                       for w in waiting)
+
+        self.pending = {i: r for i, r in everything.items() if not held_back(r)}
+        try:
+            return super().claim(shards=shards, nshards=nshards, after=after, limit=limit)
+        finally:
+            self.pending = everything
+
+    def mark_published(self, *, owner: str, leases: Any, rows: Any) -> tuple[set[ShardId], set[RowId]]:
+        held = {lease.shard for lease in leases} - self.fenced
+        _, marked = super().mark_published(owner=owner, leases=[lease for lease in leases
+                                                                 if lease.shard in held],
+                                           rows=[r for r in rows if r.shard in held])
+        return held, marked
+
+    def record_failure(self, *, owner: str, lease: Lease, row: OutboxRow, error: str,
+                       backoff_s: float) -> int | None:
+        if lease.shard in self.fenced:
+            return None
+        stored = self.pending[row.id]
+        self.pending[row.id] = replace(stored, attempts=stored.attempts + 1)
+        self.not_before[row.id] = self.clock() + backoff_s
+        self.failures.append((row.id, stored.attempts + 1, self.clock(), self.not_before[row.id]))
+        return stored.attempts + 1
+
+    def dead_letter(self, *, owner: str, lease: Lease, row: OutboxRow, reason: str,
+                    error: str) -> bool:
+        if lease.shard in self.fenced:
+            return False
+        del self.pending[row.id]
+        self.dead.append((row.id, reason))
+        return True
+
+
+class FailingPublisher(Publisher):
+    """``Publisher`` whose reports for a row come from ``outcomes[row id]`` (one per send,
+    then success); records when each row was sent and its dead letters."""
+
+    def __init__(self, clock: Clock, outcomes: dict[int, list[Outcome]] | None = None) -> None:
+        super().__init__()
+        self.clock = clock
+        self.outcomes = outcomes or {}
+        self.sent_at: list[tuple[RowId, float]] = []
+        self.dead_letters: list[tuple[RowId, str, str]] = []
+
+    def send(self, r: OutboxRow, on_delivery: Any) -> Outcome | None:
+        self.sent_at.append((r.id, self.clock()))
+        return super().send(r, on_delivery)
+
+    def poll(self, timeout_s: float) -> int:
+        served, self.queued = self.queued, []
+        for r, callback in served:
+            planned = self.outcomes.get(r.id)
+            callback(r, planned.pop(0) if planned else Outcome(ok=True))
+        return len(served)
+
+    def send_dead_letter(self, r: OutboxRow, *, topic: str, reason: str, error: str,
+                         attempts: int) -> str | None:
+        self.dead_letters.append((r.id, topic, reason))
+        return None
+
+
+class LosingLeases(Leases):
+    """``Leases`` that record what a fenced write lost (and stop offering it)."""
+
+    def __init__(self, shards: Iterable[int] = (0, 1)) -> None:
+        super().__init__(shards)
+        self.lost: list[tuple[set[ShardId], str]] = []
+
+    def lose(self, shards: Any, why: str) -> None:
+        gone = set(shards)
+        self.lost.append((gone, why))
+        self.usable_shards -= gone
+        for shard in gone:
+            self.leases.pop(shard, None)

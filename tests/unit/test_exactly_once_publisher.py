@@ -158,3 +158,14 @@ def test_a_fenced_transaction_loses_the_lease_and_closes_the_producer(setup) -> 
     assert leases.lost == [ShardId(0)]
     publisher.poll(0)
     assert worker.closed and not publisher.ready(ShardId(0))
+
+
+def test_stop_closes_every_worker_once(setup: Any) -> None:
+    publisher, _leases, _seen = setup
+    publisher.start()
+    worker = FakeWorker.made[0]
+    publisher.stop(1.0)
+    assert worker.closed
+    worker.closed = False
+    publisher.stop(1.0)  # idempotent
+    assert not worker.closed and not publisher._shards  # noqa: SLF001

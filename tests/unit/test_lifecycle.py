@@ -1,0 +1,116 @@
+"""One lifecycle for every long-lived part of the relay: ``start()``, then ``stop(timeout_s)``
+that may be called again (and before ``start``) without effect; what runs a thread has
+none left after ``stop``.  (The mark thread: tests/unit/test_marker.py; the exactly-once
+publisher: tests/unit/test_exactly_once_publisher.py.)"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from relay.http import HealthServer
+from relay.janitor import Janitor
+from relay.metrics import RelayMetrics
+from relay.pump import Pump
+from relay.replay import Replayer
+from tests.unit.pump_fakes import Leases, Log, Publisher, Store, row
+
+
+def _threads(name: str) -> int:
+    return sum(1 for t in threading.enumerate() if t.name == name and t.is_alive())
+
+
+class CleanupStore:
+    def __init__(self) -> None:
+        self.rounds = threading.Event()
+        self.closed = 0
+
+    def cleanup_batch(self, *, retention_s: float, limit: int, after: Any = None) -> tuple[int, Any]:
+        self.rounds.set()
+        return 0, None
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_the_janitor_runs_rounds_on_its_thread_until_stopped_once() -> None:
+    store = CleanupStore()
+    janitor = Janitor(store, retention_s=60, batch=10, interval_s=30)
+    janitor.start()
+    janitor.start()  # one thread
+    assert store.rounds.wait(10)
+    assert _threads("outbox-relay-janitor") == 1
+    janitor.stop(5.0)  # wakes it from its 30 s pause at once
+    janitor.stop(5.0)
+    assert _threads("outbox-relay-janitor") == 0
+    assert store.closed == 1
+    janitor.start()  # a stopped janitor stays stopped
+    assert _threads("outbox-relay-janitor") == 0
+
+
+def test_a_janitor_never_started_stops_and_closes_its_connection() -> None:
+    store = CleanupStore()
+    janitor = Janitor(store, retention_s=None, batch=10, interval_s=1)
+    janitor.stop(1.0)
+    janitor.stop(1.0)
+    assert store.closed == 1 and not store.rounds.is_set()
+
+
+def test_the_pump_starts_and_stops_its_mark_thread_once() -> None:
+    store, mark_store = Store([row(1, 0)]), Store([])
+    pump = Pump(store=store, publisher=Publisher(), leases=Leases(), nshards=2,  # type: ignore[arg-type]
+                batch_size=10, pipeline_depth=1, max_attempts=3, backoff_initial_s=0.1,
+                backoff_max_s=1.0, metrics=RelayMetrics(), log=Log(), mark_store=mark_store)
+    before = _threads("outbox-relay-mark")
+    pump.start()
+    pump.start()
+    assert _threads("outbox-relay-mark") == before + 1
+    mark_store.pending = store.pending  # one database behind both connections
+    pump.run_once()  # claims row 1
+    pump.run_once()  # acknowledged: marked on the mark thread
+    pump.stop(5.0)  # after the marks already submitted
+    pump.stop(5.0)
+    assert _threads("outbox-relay-mark") == before
+    assert mark_store.marked == [1]
+
+
+def test_the_health_server_stops_once() -> None:
+    server = HealthServer(host="127.0.0.1", port=0, registry=CollectorRegistry(),
+                          health=lambda: (True, {}), ready=lambda: (True, {}))
+    server.start()
+    server.start()
+    assert _threads("outbox-relay-http") == 1
+    server.stop(5.0)
+    server.stop(5.0)
+    assert _threads("outbox-relay-http") == 0
+
+
+class ReplayStore:
+    def __init__(self) -> None:
+        self.closed = 0
+        self.looked = 0
+
+    def active_replays(self) -> list[dict[str, Any]]:
+        self.looked += 1
+        return []
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_the_replayer_stops_once_and_does_nothing_after() -> None:
+    store = ReplayStore()
+    replayer = Replayer(store, Publisher(), owner="me", nshards=2,  # type: ignore[arg-type]
+                        metrics=RelayMetrics(), log=Log())
+    replayer.start()
+    replayer.run_once([])
+    assert store.looked == 1
+    replayer.stop(1.0)
+    replayer.stop(1.0)
+    assert store.closed == 1
+    replayer.run_once([])
+    assert store.looked == 1  # stopped: no more statements
