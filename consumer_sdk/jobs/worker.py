@@ -391,12 +391,8 @@ def _after_claim(lanes: list[Lane], takes: list[Take], claimed: list[ClaimedJob]
         return []
     got = Counter((job.queue, job.owner_id) for job in claimed)
     owners = Counter(job.owner_id for job in claimed)
-    left: list[Lane] = []
-    for lane in lanes:  # a new Lane only for the few whose owner was served (a round's CPU counts)
-        more = owners.get(lane.owner_id, 0)
-        if more:
-            lane = Lane(queue=lane.queue, owner_id=lane.owner_id,
-                        ready=lane.ready - got.get((lane.queue, lane.owner_id), 0), running=lane.running + more)
-        if lane.ready > 0:
-            left.append(lane)
-    return left
+    # A new Lane only for the few lanes whose owner was served: this runs every round.
+    left = [lane if lane.owner_id not in owners else
+            Lane(queue=lane.queue, owner_id=lane.owner_id, ready=lane.ready - got.get((lane.queue, lane.owner_id), 0),
+                 running=lane.running + owners[lane.owner_id]) for lane in lanes]
+    return [lane for lane in left if lane.ready > 0]
