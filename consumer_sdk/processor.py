@@ -1,9 +1,12 @@
 """The core of the dedup consumer: settle records exactly once in effect.
 
-For each batch, one database transaction: the batch's inbox rows are inserted in one
-statement (``(consumer, event_id)`` ``ON CONFLICT DO NOTHING``, which says for each
-record whether it is new, a duplicate or a mismatch), then the handler is called, with
-the same connection, for each new record, each in a savepoint of its own.  The
+First, one statement outside any transaction reads the inbox rows already committed for
+the records' events: a record found with its body's hash is a duplicate, settled without a
+transaction (a redelivered batch costs that one statement).  Then, for each batch, one
+database transaction: the rest of the batch's inbox rows are inserted in one statement
+(``(consumer, event_id)`` ``ON CONFLICT DO NOTHING``, which says for each record whether
+it is new, a duplicate or a mismatch), then the handler is called, with the same
+connection, for each new record, each in a savepoint of its own.  The
 guarantees kept here:
 
 * The inbox row and the handler's writes commit together or not at all, so a
