@@ -13,7 +13,7 @@ table is :class:`SchemaMissing`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime
 from typing import Any, cast
 
@@ -43,6 +43,13 @@ def connect_factory(dsn: str, *, application_name: str = "outbox-consumer",
         return _pg.connect(dsn, application_name=application_name, connect_timeout_s=connect_timeout_s)
 
     return connect
+
+
+def pipelined(conn: psycopg.Connection[Any]) -> AbstractContextManager[Any]:
+    """``conn.pipeline()`` (statements sent together, one round trip at its end), or, with a
+    libpq older than 14 (no pipeline mode), a block that sends each statement at once: the
+    same statements and answers, one round trip each."""
+    return conn.pipeline() if psycopg.capabilities.has_pipeline() else nullcontext()
 
 
 class PgInboxStore:
@@ -135,7 +142,7 @@ class PgInboxStore:
                 # leaves pipeline mode before any other statement and before the handler runs:
                 # handlers never see pipeline mode.  (Not conn.transaction(): in pipeline mode it
                 # nests pipelines of its own, which would stay on for the handler.)
-                pipeline = self._pipeline = conn.pipeline()
+                pipeline = self._pipeline = pipelined(conn)
                 pipeline.__enter__()
                 conn.execute(query("inbox", "begin"))
             yield conn

@@ -37,6 +37,7 @@ from consumer_sdk.jobs.model import (
     Take,
     Token,
 )
+from consumer_sdk.store import pipelined
 
 #: An owner limit this large never binds (the default: no per-owner limit); claims of such
 #: owners skip the owners' advisory locks (see claim()).
@@ -110,7 +111,7 @@ def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: flo
     # must be a later statement than the locks, see jobs.sql).
     with translated():
         try:
-            with conn.pipeline():
+            with pipelined(conn):
                 conn.execute(q("claim_begin"))
                 locks = conn.execute(q("lock_owners"), {"owners": owners})
             locked = {r[0] for r in locks.fetchall()}
@@ -118,7 +119,7 @@ def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: flo
             if not mine:
                 conn.rollback()
                 return []
-            with conn.pipeline():
+            with pipelined(conn):
                 claimed = conn.execute(q("claim"), _claim_params(mine, worker, lease_s, now))
                 conn.execute(q("claim_commit"))
             rows = claimed.fetchall()

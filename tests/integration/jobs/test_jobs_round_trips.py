@@ -90,3 +90,19 @@ def test_a_claim_updates_by_primary_key_not_by_scanning_the_table(conn):
     plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + q("claim"), params).fetchall())  # claims nothing
     assert "Seq Scan on jobs" not in plan, plan
     assert "jobs_pkey" in plan, plan
+
+
+def test_without_pipeline_mode_a_fenced_transaction_and_a_claim_still_work(conn, jobs_db, monkeypatch):
+    """libpq < 14 has no pipeline mode: the statements go one by one, with the same effects."""
+    monkeypatch.setattr(psycopg.capabilities, "has_pipeline", lambda check=False: False)
+    conn.execute("CREATE TABLE rt_effects (job_id bigint, token bigint)")
+    _enqueue(conn, 1)
+    with RoundTrips(conn) as trips:
+        (job,) = jobq.claim(conn, worker="A", takes=[Take(queue="interactive", owner_id="o1", n=1,
+                                                           owner_limit=1)], lease_s=10, now=at(1))
+    assert trips.count == 4
+    ctx = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(2))
+    with RoundTrips(conn) as trips, ctx.fenced_transaction() as tx:
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, job.token))
+    assert trips.count == 4 and conn.info.transaction_status == TransactionStatus.IDLE
+    assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)]
