@@ -30,6 +30,20 @@ SELECT event_id::text AS event_id, extract(epoch FROM published_at)::float8 AS p
 FROM outbox
 WHERE published_at IS NOT NULL AND event_id = ANY(%(event_ids)s::uuid[])
 
+-- name: bench_now
+SELECT clock_timestamp() AS now
+
+-- name: bench_drain_span
+-- A drain's rate from the marks' own timestamps: rows marked after the first mark
+-- of the run, over the time from that mark to the last one.
+WITH span AS (
+    SELECT min(published_at) AS t0, max(published_at) AS t1
+    FROM outbox WHERE published_at >= %(since)s::timestamptz
+)
+SELECT (SELECT count(*) FROM outbox WHERE published_at > span.t0) AS rows_after_first,
+       extract(epoch FROM span.t1 - span.t0)::float8 AS span_s
+FROM span
+
 -- name: bench_reset
 TRUNCATE outbox
 
