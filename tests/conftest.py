@@ -50,10 +50,17 @@ from tests.fixtures.pg import (
     embedded_pg_version,
     pg_from_env,
 )
+from tests.fixtures.pg_user import prepare as prepare_pg_user
 from tests.fixtures.procs import Proc
 from tests.fixtures.proxy import TcpProxy
 
 pytest_plugins = ["tests.fixtures.outbox"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Run as root (CI), prepare the unprivileged user the embedded PostgreSQL runs as
+    (the product itself never creates users nor changes file modes)."""
+    prepare_pg_user()
 
 _MAX_IDENT = 63
 

@@ -9,10 +9,9 @@ import re
 import urllib.error
 import urllib.request
 
-from relay.embedded.procs import free_port
 from tests.fixtures.broker import create_topic
 from tests.fixtures.outbox import insert_rows, migrated, relay_cmd, relay_env, wait_drained
-from tests.fixtures.procs import wait_until
+from tests.fixtures.procs import free_port, wait_until
 
 
 def get(port: int, path: str) -> tuple[int, str]:

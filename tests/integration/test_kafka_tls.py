@@ -31,7 +31,8 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from relay.embedded.broker import _TANSU_ENV, KafkaRecord, TansuBroker
+from outbox_embedded.broker import _TANSU_ENV, TansuBroker
+from tests.fixtures.broker import KafkaRecord
 from tests.fixtures.certs import OPENSSL, make_ca, make_server_cert
 from tests.fixtures.outbox import check_delivery, insert_rows, relay_cmd, relay_env, wait_drained
 from tests.fixtures.procs import Proc, free_port, wait_until

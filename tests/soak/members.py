@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 
 from consumer_sdk import OutboxEvent, write_events
-from relay.embedded.procs import Proc, free_port
+from tests.fixtures.procs import Proc, free_port
 from tests.soak.config import ROOT, STOP_TIMEOUT_S, TOPIC
 
 # ---------------------------------------------------------------------------------------

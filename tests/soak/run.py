@@ -16,9 +16,10 @@ from pathlib import Path
 import psycopg
 
 from relay import migrate
-from relay.embedded.broker import TansuBroker, create_topic, tansu_broker_behind_proxy
-from relay.embedded.pg import EmbeddedPgServer, embedded_pg
-from relay.embedded.proxy import TcpProxy
+from tests.fixtures.broker import TansuBroker, create_topic, tansu_broker_behind_proxy
+from tests.fixtures.pg import EmbeddedPgServer, embedded_pg
+from tests.fixtures.pg_user import prepare as prepare_pg_user
+from tests.fixtures.proxy import TcpProxy
 from tests.soak.config import (
     DLQ_TOPIC,
     JOB_EVERY,
@@ -78,6 +79,7 @@ class Soak(FaultInjection, Verification):
     # -- set-up ---------------------------------------------------------------------------
 
     def setup(self) -> None:
+        prepare_pg_user()  # run as root: the user the embedded PostgreSQL runs as
         self.pg = embedded_pg()
         self.dsn = self.pg.create_database("soak")
         with psycopg.connect(self.pg.admin_dsn, autocommit=True) as conn:

@@ -7,8 +7,8 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from relay.embedded.pg import EmbeddedPgServer
-from relay.embedded.proxy import TcpProxy
+from tests.fixtures.pg import EmbeddedPgServer
+from tests.fixtures.proxy import TcpProxy
 from tests.soak.config import SoakConfig, SoakReport
 from tests.soak.members import Member, Writers
 

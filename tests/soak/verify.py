@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
-from relay.embedded.broker import KafkaRecord
+from tests.fixtures.broker import KafkaRecord
 from tests.soak.config import (
     _KAFKA_LOG,
     DLQ_TOPIC,

