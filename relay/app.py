@@ -104,9 +104,12 @@ class Relay:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Ask the loop to drain and exit.  Idempotent; safe from signal handlers."""
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Ask the loop to drain and exit.  Idempotent; safe from signal handlers (without
+        ``timeout_s``); with it, also wait up to ``timeout_s`` for ``run`` to finish."""
         self._stop.set()
+        if timeout_s is not None:
+            self.stopped.wait(timeout_s)
 
     @property
     def stopping(self) -> bool:

@@ -114,3 +114,17 @@ def test_the_replayer_stops_once_and_does_nothing_after() -> None:
     assert store.closed == 1
     replayer.run_once([])
     assert store.looked == 1  # stopped: no more statements
+
+
+def test_a_relay_stopped_before_it_runs_starts_nothing_and_stops_once() -> None:
+    from relay.app import Relay
+    from relay.config import build_settings
+
+    settings = build_settings({"dsn": "postgresql://u@127.0.0.1:1/db",
+                               "bootstrap_servers": "127.0.0.1:1"})
+    relay = Relay(settings, log=Log())
+    relay.stop()
+    relay.stop()
+    assert relay.run() == 0  # nothing connected: the DSN's port is closed
+    assert relay.stopped.is_set() and relay.pump is None and relay.loop is None
+    relay.stop(1.0)  # returns at once: run has finished
