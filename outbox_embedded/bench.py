@@ -126,6 +126,7 @@ class Bench:
             self.load(dsn, self.args.rows)
             store, mark_store = Store(dsn), Store(dsn)
             marker = Marker(mark_store, "bench")
+            marker.start()
             try:
                 leases = store.claim_shards(owner="bench", limit=4096, lease_s=600)
                 tokens = {ShardId(s): Token(t) for s, t in leases.items()}
@@ -147,7 +148,7 @@ class Bench:
                     moved += len(marking.popleft().result()[1])
                 elapsed = time.perf_counter() - started
             finally:
-                marker.close()
+                marker.stop()
                 store.close()
                 mark_store.close()
         return moved / elapsed

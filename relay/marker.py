@@ -58,11 +58,10 @@ class Marker:
             self._thread.start()
 
     def submit(self, tokens: dict[ShardId, Token], rows: list[OutboxRow]) -> Future[MarkOutcome]:
-        """Queue a mark; its outcome comes in the future.  A marker not started yet starts
-        here (a tool's one-off use); a stopped one marks nothing more."""
+        """Queue a mark (run once the thread is started; a stopped marker marks nothing
+        more); its outcome comes in the future."""
         future: Future[MarkOutcome] = Future()
         self._queue.put(_Job(dict(tokens), rows, future))
-        self.start()
         return future
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -74,8 +73,6 @@ class Marker:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout_s)
-
-    close = stop  # the bench's name for it
 
     def _run(self) -> None:
         held_back: _Job | None = None  # taken from the queue but not mergeable

@@ -96,10 +96,12 @@ def test_one_mark_thread_and_stop_is_idempotent() -> None:
     store.gate.set()
     marker = Marker(store, "me")
     assert "outbox-relay-mark" not in [t.name for t in threading.enumerate()]  # not in __init__
+    early = marker.submit({ShardId(0): Token(1)}, [row(1)])
+    assert not early.done() and store.calls == []  # queued until the thread starts
     marker.start()
     marker.start()  # a second start is a no-op: one mark thread
     assert [t.name for t in threading.enumerate()].count("outbox-relay-mark") == 1
-    assert marker.submit({ShardId(0): Token(1)}, [row(1)]).result(timeout=10)[1] == {1}
+    assert early.result(timeout=10)[1] == {1}
     marker.stop(5.0)
     marker.stop(5.0)  # idempotent
     marker.start()  # a stopped marker stays stopped
