@@ -3,10 +3,12 @@
 ``outbox_core`` imports neither ``relay`` nor ``consumer_sdk`` (``outbox_core/ruff.toml``),
 and neither of those imports the other's private modules (their ``ruff.toml``):
 
-* :mod:`outbox_core.queries`: the SQL files (``sql/``: migrations, named queries, role
-  scripts, adoption; ``outbox_core/sql`` in a wheel, found with :mod:`importlib.resources`);
+* :mod:`outbox_core.queries`: the SQL files (``outbox_core/sql/``: migrations, named
+  queries, role scripts, adoption), found with :mod:`importlib.resources`;
 * :mod:`outbox_core.connect_errors`: what a failed PostgreSQL connection attempt means;
 * :mod:`outbox_core.secrets`: masking of DSN passwords and secret properties;
 * :mod:`outbox_core.leases`: the local lease clock (until when a renewed lease is trusted);
 * :mod:`outbox_core.backoff`: the one capped exponential back-off with jitter.
+
+A path such as ``sql/queries/relay.sql`` in a comment means ``outbox_core/sql/queries/relay.sql``.
 """

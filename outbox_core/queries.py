@@ -1,10 +1,10 @@
-"""Named SQL blocks from the ``sql/`` folder (``migrations/``, ``queries/``, ``roles/``, ``adopt/``).
+"""Named SQL blocks from the package's ``sql/`` folder, found with :mod:`importlib.resources`.
 
-A wheel holds the folder as package data, ``outbox_core/sql`` (found with
-:mod:`importlib.resources`); a source checkout or an editable install reads the
-repository's top-level ``sql/``.  A block starts with ``-- name: <name>`` and runs to
-the next one; parameters are psycopg named placeholders.  Neither the relay nor the
-SDK keeps SQL in Python strings: both read these files through this module.
+The SQL files live inside this package (``outbox_core/sql/``: ``migrations/``,
+``queries/``, ``roles/``, ``adopt/``), so a wheel, an editable install and the
+repository find them the same way.  A block starts with ``-- name: <name>`` and runs
+to the next one; parameters are psycopg named placeholders.  Neither the relay nor
+the SDK keeps SQL in Python strings: both read these files through this module.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import functools
 import re
 from importlib.resources import files
 from importlib.resources.abc import Traversable
-from pathlib import Path
 
 __all__ = ["load", "parse_blocks", "query", "sql_files"]
 
@@ -22,12 +21,10 @@ _NAME = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 
 def sql_files() -> Traversable:
     """The folder holding ``migrations/``, ``queries/``, ``roles/`` and ``adopt/``."""
-    packaged = files(__package__ or "outbox_core") / "sql"
-    checkout = Path(__file__).resolve().parent.parent / "sql"
-    for folder in (packaged, checkout):
-        if (folder / "queries").is_dir():
-            return folder
-    raise FileNotFoundError("the sql/ folder is missing from this installation")
+    folder = files(__package__ or "outbox_core") / "sql"
+    if not (folder / "queries").is_dir():
+        raise FileNotFoundError("outbox_core/sql/queries is missing from this installation")
+    return folder
 
 
 def parse_blocks(text: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Relay an existing Debezium-style outbox table (sql/adopt/debezium.sql).
+"""Relay an existing Debezium-style outbox table (outbox_core/sql/adopt/debezium.sql).
 
 Writers keep their table and their INSERTs; the relay adds its bookkeeping columns
 (with defaults) and reads and marks through a view in the native layout.  Every

@@ -1,4 +1,4 @@
-"""Apply (or print) the ordered migrations in ``sql/migrations``.
+"""Apply (or print) the ordered migrations in ``outbox_core/sql/migrations``.
 
 Each file is idempotent and applied in its own transaction under an advisory
 lock; applied versions are recorded in ``outbox_schema_migrations`` with a

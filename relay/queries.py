@@ -1,4 +1,4 @@
-"""Named SQL blocks from ``sql/queries/*.sql``, loaded once.
+"""Named SQL blocks from ``outbox_core/sql/queries/*.sql``, loaded once.
 
 All runtime SQL lives in those files: a block starts with ``-- name: <name>``
 and runs to the next one.  Python never builds SQL from strings; dynamic

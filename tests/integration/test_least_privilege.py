@@ -1,4 +1,4 @@
-"""The relay under its least-privilege role (sql/roles/outbox_relay_role.sql), issue 9.
+"""The relay under its least-privilege role (outbox_core/sql/roles/outbox_relay_role.sql), issue 9.
 
 The role script runs as the schema owner; a LOGIN role that is a member of the
 NOLOGIN group role ``outbox_relay`` then runs the relay (publish, mark, retry,

@@ -126,7 +126,7 @@ class Soak(FaultInjection, Verification):
             return False, f"consumer_sdk.jobs does not import: {type(exc).__name__}: {exc}"
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             if conn.execute("SELECT to_regclass('jobs')").fetchone() == (None,):
-                return False, "no jobs table (sql/migrations/0005_jobs.sql missing)"
+                return False, "no jobs table (outbox_core/sql/migrations/0005_jobs.sql missing)"
         return True, ""
 
     def _member(self, name: str, role: str, build: Callable[[Member], tuple[list[str], dict[str, str]]]) -> None:

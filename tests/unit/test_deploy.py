@@ -654,7 +654,7 @@ def test_k8s_secrets_come_from_mounted_files() -> None:
     assert config.KAFKA_ENV_PREFIX + "SASL_PASSWORD_FILE" in names
 
 
-ROLE_SCRIPT = ROOT / "sql" / "roles" / "outbox_relay_role.sql"
+ROLE_SCRIPT = ROOT / "outbox_core" / "sql" / "roles" / "outbox_relay_role.sql"
 
 
 def login_roles_of_role_script() -> set[str]:

@@ -39,11 +39,13 @@ def _imports_under(folder: Path) -> list[tuple[Path, str]]:
     return found
 
 
-def test_the_sql_files_are_found_in_the_checkout_or_as_package_data() -> None:
+def test_the_sql_files_live_in_the_package_and_are_found_as_resources() -> None:
     folder = queries.sql_files()
-    assert Path(str(folder)) in (ROOT / "sql", Path(str(files("outbox_core") / "sql")))
+    assert Path(str(folder)) == ROOT / "outbox_core" / "sql"
+    assert folder == files("outbox_core") / "sql"
     for sub in ("migrations", "queries", "roles", "adopt"):
         assert (folder / sub).is_dir(), sub
+    assert not (ROOT / "sql").exists(), "one copy of the SQL files: outbox_core/sql/"
     assert queries.query("relay", "claim_batch").strip()
 
 

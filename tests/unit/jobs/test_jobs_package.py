@@ -29,7 +29,7 @@ def test_every_named_query_used_exists_and_every_block_is_used():
     blocks = _sql.load("jobs")
     used |= set(blocks) & constants  # names passed on to q() through a helper
     assert used <= set(blocks), used - set(blocks)
-    assert set(blocks) - used == set(), "unused blocks in sql/queries/jobs.sql"
+    assert set(blocks) - used == set(), "unused blocks in outbox_core/sql/queries/jobs.sql"
 
 
 def test_queries_use_named_parameters_and_take_now_where_they_read_the_clock():
