@@ -1,0 +1,45 @@
+"""The wake-up adapter (relay/wakeup.py) on a real PostgreSQL: writers notify only while a
+relay sleeps (holds the wake-up lock), one relay sleeps at a time, and the lock goes
+with the connection (sql/migrations/0003_notify.sql)."""
+
+from __future__ import annotations
+
+import time
+
+from relay.wakeup import Wakeup
+from tests.fixtures.outbox import insert_rows
+
+
+def test_a_sleeping_relay_is_woken_by_a_commit_and_an_awake_one_costs_writers_nothing(outbox_db):
+    wakeup = Wakeup(outbox_db)
+    try:
+        assert not wakeup.wait(0.05)  # listening now; nothing written
+        insert_rows(outbox_db, "orders", 3)  # awake: the trigger's lock probe succeeds, no NOTIFY
+        assert not wakeup.wait(0.3)
+        assert wakeup.set_sleeping(True) and wakeup.sleeping
+        started = time.monotonic()
+        insert_rows(outbox_db, "orders", 3)
+        assert wakeup.wait(10.0)
+        assert time.monotonic() - started < 5.0  # woken by the commit, not by the timeout
+        assert not wakeup.set_sleeping(False) and not wakeup.sleeping
+        insert_rows(outbox_db, "orders", 1)
+        assert not wakeup.wait(0.3)
+        assert wakeup.queries >= 3  # LISTEN, sleep, wake: counted for the idle-cost figures
+    finally:
+        wakeup.close()
+
+
+def test_one_relay_sleeps_at_a_time_and_the_lock_goes_with_its_connection(outbox_db):
+    first, second = Wakeup(outbox_db), Wakeup(outbox_db)
+    try:
+        assert first.set_sleeping(True)
+        assert not second.set_sleeping(True)  # a peer sleeps: writers notify everyone anyway
+        insert_rows(outbox_db, "orders", 1)
+        assert second.wait(10.0)  # it listens too, so it is woken as well
+        first.close()
+        first.close()  # idempotent
+        assert not first.sleeping
+        assert second.set_sleeping(True)  # the lock went with first's connection
+    finally:
+        first.close()
+        second.close()
