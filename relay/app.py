@@ -283,6 +283,8 @@ class Relay:
                     self._db_down(exc)
                     self.loop.database_lost()
                     self._wait_serving(self._next_wait())
+            if self.janitor is not None:
+                self.janitor.stop(0.0)  # no new cleanup round while draining; joined below
             if self.fatal is not None:
                 self._release_quietly()
                 raise self.fatal

@@ -79,18 +79,25 @@ class Janitor:
             self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop after the round under way (up to ``timeout_s``) and close the connection.
-        Idempotent."""
-        if self._stopping.is_set() and self._thread is None:
-            return
+        """Stop after the round under way, waiting for it up to ``timeout_s`` (0: only ask).
+        The thread closes its connection as it ends; a janitor never started closes it
+        here.  Idempotent."""
+        first = not self._stopping.is_set()
         self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
-        self.store.close()
+        if self._thread is None:
+            if first:
+                self.store.close()
+            return
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         """Database errors are logged and waited out (the next round reconnects), never raised."""
+        try:
+            self._rounds()
+        finally:
+            self.store.close()  # the connection is this thread's
+
+    def _rounds(self) -> None:
         down = False
         while not self._stopping.is_set():
             try:

@@ -52,6 +52,34 @@ def test_the_janitor_runs_rounds_on_its_thread_until_stopped_once() -> None:
     assert _threads("outbox-relay-janitor") == 0
 
 
+class GatedCleanupStore(CleanupStore):
+    """A round that runs until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.calls = 0
+
+    def cleanup_batch(self, *, retention_s: float, limit: int, after: Any = None) -> tuple[int, Any]:
+        self.calls += 1
+        self.rounds.set()
+        assert self.gate.wait(10)
+        return 0, None
+
+
+def test_stop_without_waiting_lets_the_round_finish_then_the_thread_closes_its_connection() -> None:
+    store = GatedCleanupStore()
+    janitor = Janitor(store, retention_s=60, batch=10, interval_s=0)
+    janitor.start()
+    assert store.rounds.wait(10)  # a round is under way
+    janitor.stop(0.0)  # the relay's loop has ended: only ask (the drain is not held up)
+    assert _threads("outbox-relay-janitor") == 1 and store.closed == 0
+    store.gate.set()
+    janitor.stop(5.0)  # the relay's teardown: wait for it
+    assert _threads("outbox-relay-janitor") == 0
+    assert store.closed == 1 and store.calls == 1  # no round after the stop
+
+
 def test_a_janitor_never_started_stops_and_closes_its_connection() -> None:
     store = CleanupStore()
     janitor = Janitor(store, retention_s=None, batch=10, interval_s=1)
