@@ -119,14 +119,13 @@ def test_a_sigstopped_worker_resumed_after_losing_its_lease_writes_nothing(jobs_
     assert scalar(jobs_db, "SELECT result->>'finished_by' FROM jobs WHERE id = %s", (job_id,)) == "B"
 
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "jobs_bench.py"
 
 
 def test_owner_limits_hold_under_kills_and_the_bench_reports(pg_server, spawn):
-    """Test 8: bench/jobs_bench.py, small: 2 worker processes, one SIGKILLed and replaced every
+    """Test 8: python -m outbox_embedded.jobs_bench, small: 2 worker processes, one SIGKILLed and replaced every
     1.5 s, owner limit 2, running jobs per owner sampled every 20 ms; every job finishes,
     none completes twice, the limit is reached and never exceeded."""
-    cmd = [sys.executable, str(BENCH), "--dsn", pg_server.dsn("postgres"), "--seconds", "6",
+    cmd = [sys.executable, "-m", "outbox_embedded.jobs_bench", "--dsn", pg_server.dsn("postgres"), "--seconds", "6",
            "--rate", "80", "--workers", "2", "--concurrency", "3", "--owners", "4",
            "--owner-limit", "2", "--hold-ms", "40", "--lease-s", "1", "--kill-every-s", "1.5",
            "--drain-timeout-s", "30"]

@@ -1,4 +1,4 @@
-"""A tiny run of bench/sdk_bench.py, so the SDK benchmark cannot rot.  Its figures are not
+"""A tiny run of `python -m outbox_embedded.sdk_bench`, so the SDK benchmark cannot rot.  Its figures are not
 asserted against the issue's targets here: benchmarks are not tests."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ VARIANTS = ["naive_new", "naive_redelivered", "inbox_batch_new", "inbox_batch_re
 def test_sdk_bench_runs_every_variant_and_reports_ratios(pg_server, broker, tmp_path):
     out = tmp_path / "sdk-bench.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "sdk_bench.py"), "--dsn", pg_server.admin_dsn,
+        [sys.executable, "-m", "outbox_embedded.sdk_bench", "--dsn", pg_server.admin_dsn,
          "--bootstrap-servers", broker.bootstrap, "--messages", "300", "--single-messages", "60",
          "--batch-size", "100", "--partitions", "2", "--jobs", "60", "--threads", "2", "--runs", "1",
          "--json", str(out)],

@@ -1,7 +1,7 @@
 """SDK benchmark (issue 19): InboxConsumer and WorkerPool next to naive baselines, in one run.
 
-    .venv/bin/python bench/sdk_bench.py                       # embedded PostgreSQL + tansu
-    .venv/bin/python bench/sdk_bench.py --dsn postgresql://postgres@127.0.0.1:5432/postgres \
+    .venv/bin/python -m outbox_embedded.sdk_bench                       # embedded PostgreSQL + tansu
+    .venv/bin/python -m outbox_embedded.sdk_bench --dsn postgresql://postgres@127.0.0.1:5432/postgres \
         --bootstrap-servers 127.0.0.1:9092 --runs 3 --json sdk-bench.json
 
 Variants run round-robin, ``--runs`` times each; each figure is the median.  Ratios are
@@ -47,17 +47,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import psycopg
+import structlog
+from confluent_kafka import Consumer, Producer, TopicPartition
 
-import psycopg  # noqa: E402
-import structlog  # noqa: E402
-from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
-
-from consumer_sdk import InboxConfig, InboxConsumer, InboxMessage  # noqa: E402
-from consumer_sdk.jobs import JobContext, NewJob, WorkerConfig, WorkerPool, enqueue  # noqa: E402
-from outbox_core.queries import query  # noqa: E402
+from consumer_sdk import InboxConfig, InboxConsumer, InboxMessage
+from consumer_sdk.jobs import JobContext, NewJob, WorkerConfig, WorkerPool, enqueue
+from outbox_embedded.queries import query
 
 KAFKA = {"fetch.wait.max.ms": 50, "logger": logging.getLogger("sdk_bench.kafka")}
 

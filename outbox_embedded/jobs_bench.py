@@ -1,8 +1,8 @@
 """Jobs benchmark (test 8 of the issue): throughput at a steady rate while workers are killed,
 next to the numbers that must stay at zero.  Not part of the test suite (a smoke run is).
 
-    python bench/jobs_bench.py --dsn postgresql://postgres@127.0.0.1:5432/test --seconds 30
-    python bench/jobs_bench.py --seconds 20 --rate 300 --workers 3 --kill-every-s 4   # embedded PG
+    python python -m outbox_embedded.jobs_bench --dsn postgresql://postgres@127.0.0.1:5432/test --seconds 30
+    python python -m outbox_embedded.jobs_bench --seconds 20 --rate 300 --workers 3 --kill-every-s 4   # embedded PG
 
 It creates (and drops) its own database on the server of --dsn (or $OUTBOX_TEST_DSN, else an
 embedded PostgreSQL), starts --workers worker processes, enqueues --rate jobs/s for --seconds
@@ -33,16 +33,11 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import psycopg
 
-import psycopg  # noqa: E402
-
-from consumer_sdk.jobs import JobContext, NewJob, WorkerConfig, WorkerPool, enqueue  # noqa: E402
+from consumer_sdk.jobs import JobContext, NewJob, WorkerConfig, WorkerPool, enqueue
 
 BENCH_DDL = """
 CREATE TABLE IF NOT EXISTS bench_effects (job_id bigint NOT NULL, token bigint NOT NULL);
@@ -103,7 +98,7 @@ class Fleet:
 
     def spawn(self) -> subprocess.Popen[bytes]:
         self.generation += 1
-        cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--dsn", self.dsn,
+        cmd = [sys.executable, "-m", "outbox_embedded.jobs_bench", "worker", "--dsn", self.dsn,
                "--name", f"w{self.generation}-{uuid.uuid4().hex[:6]}", "--concurrency",
                str(self.args.concurrency), "--owner-limit", str(self.args.owner_limit),
                "--lease-s", str(self.args.lease_s)]
