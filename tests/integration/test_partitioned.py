@@ -43,8 +43,10 @@ def test_relay_works_on_a_partitioned_outbox_and_cleanup_drops_old_days(db_dsn, 
                    message="the relay did not create the coming days' partitions")
         insert_rows(db_dsn, topic, 3000, keys=50, start=3000, per_tx=500)
         wait_drained(db_dsn, timeout_s=60)
-        assert relay.metrics.registry.get_sample_value("outbox_relay_events_published_total",
-                                                       {"topic": topic}) == 6000
+        # The counter moves on the pump's thread just after the mark commits: wait for it.
+        wait_until(lambda: relay.metrics.registry.get_sample_value(
+            "outbox_relay_events_published_total", {"topic": topic}) == 6000,
+            timeout_s=10, message="outbox_relay_events_published_total")
     assert scalar(db_dsn, f"SELECT count(*) FROM {today}") == 6000  # noqa: S608
     assert scalar(db_dsn, "SELECT count(*) FROM outbox_default") == 0
     expected = all_event_ids(db_dsn)

@@ -56,8 +56,10 @@ def test_poison_rows_are_dead_lettered_and_nothing_else_waits(outbox_db, broker,
             wait_drained(outbox_db, timeout_s=90)
             dead = wait_until(lambda: (d := dead_letters(outbox_db)) and len(d) == 4 and d, timeout_s=30)
             registry = r.metrics.registry
-            assert registry.get_sample_value("outbox_relay_dead_lettered_total",
-                                             {"reason": "message_too_large"}) == 2
+            # The counter moves just after the dead-letter move commits: wait for it.
+            wait_until(lambda: registry.get_sample_value(
+                "outbox_relay_dead_lettered_total", {"reason": "message_too_large"}) == 2,
+                timeout_s=10, message="outbox_relay_dead_lettered_total{reason=message_too_large}")
     reasons = {d["key"]: d["reason"] for d in dead}
     assert reasons == {"big": "message_too_large", "huge": "message_too_large",
                        "hdr": "bad_headers", "lost": "unknown_topic"}
