@@ -112,26 +112,35 @@ class HealthServer:
     # -- the loop (one thread) -------------------------------------------------------------
 
     def _serve(self) -> None:
-        while not self._stopping.is_set():
-            now = self._clock()
-            soonest = min((c.deadline for c in self._conns.values()), default=now + 1.0)
-            for key, mask in self._selector.select(timeout=max(0.0, min(1.0, soonest - now))):
-                if key.data == "listen":
-                    self._accept()
-                elif key.data == "wake":
-                    return
-                else:
-                    conn = self._conns.get(key.fd)
-                    if conn is None:
-                        continue
-                    if mask & selectors.EVENT_READ:
-                        self._read(conn)
-                    elif mask & selectors.EVENT_WRITE:
-                        self._write(conn)
-            now = self._clock()
-            for conn in [c for c in self._conns.values() if c.deadline <= now]:
-                self.timed_out += 1
-                self._close(conn)
+        while self.run_once():
+            pass
+
+    def run_once(self, timeout_s: float = 1.0) -> bool:
+        """One round of the server's loop: wait up to ``timeout_s`` (less when a connection's
+        deadline comes first) for sockets that are ready, serve them, close connections
+        past their deadline.  Returns False once ``stop`` was asked."""
+        if self._stopping.is_set():
+            return False
+        now = self._clock()
+        soonest = min((c.deadline for c in self._conns.values()), default=now + timeout_s)
+        for key, mask in self._selector.select(timeout=max(0.0, min(timeout_s, soonest - now))):
+            if key.data == "listen":
+                self._accept()
+            elif key.data == "wake":
+                return False
+            else:
+                conn = self._conns.get(key.fd)
+                if conn is None:
+                    continue
+                if mask & selectors.EVENT_READ:
+                    self._read(conn)
+                elif mask & selectors.EVENT_WRITE:
+                    self._write(conn)
+        now = self._clock()
+        for conn in [c for c in self._conns.values() if c.deadline <= now]:
+            self.timed_out += 1
+            self._close(conn)
+        return not self._stopping.is_set()
 
     def _accept(self) -> None:
         while True:

@@ -50,6 +50,8 @@ class Marker:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._held_back: _Job | None = None  # taken from the queue but not mergeable
+        self._stop_taken = False  # the thread took the stop request from the queue
 
     def start(self) -> None:
         """Start the mark thread.  Idempotent; a stopped marker does not start again."""
@@ -74,30 +76,47 @@ class Marker:
             self._queue.put(None)
             self._thread.join(timeout_s)
 
+    def run_once(self, timeout_s: float | None = None) -> int:
+        """Mark the next submitted batch, merged with the batches queued behind it whose
+        lease tokens agree, in one statement.  Waits up to ``timeout_s`` for a batch (None:
+        until one comes).  Returns the rows of the statement: 0 when nothing came or when
+        it took the stop request instead (``stopped`` tells)."""
+        job = self._held_back
+        self._held_back = None
+        if job is None:
+            try:
+                job = self._queue.get(timeout=timeout_s)
+            except queue.Empty:
+                return 0
+        if job is None:
+            self._stop_taken = True
+            return 0
+        jobs, tokens, size = [job], dict(job.tokens), len(job.rows)
+        while size < self.max_rows:
+            try:
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                self._stop_taken = True  # after this statement
+                break
+            if any(tokens.get(shard, token) != token for shard, token in nxt.tokens.items()):
+                self._held_back = nxt  # a shard's lease changed between the two batches
+                break
+            jobs.append(nxt)
+            tokens.update(nxt.tokens)
+            size += len(nxt.rows)
+        self._mark(jobs, tokens)
+        return size
+
+    @property
+    def stopped(self) -> bool:
+        """The stop request was taken: everything submitted before it is marked."""
+        return self._stop_taken
+
     def _run(self) -> None:
-        held_back: _Job | None = None  # taken from the queue but not mergeable
-        stopping = False
-        while not stopping:
-            job = held_back if held_back is not None else self._queue.get()
-            held_back = None
-            if job is None:
-                return
-            jobs, tokens, size = [job], dict(job.tokens), len(job.rows)
-            while size < self.max_rows:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    stopping = True
-                    break
-                if any(tokens.get(shard, token) != token for shard, token in nxt.tokens.items()):
-                    held_back = nxt  # a shard's lease changed between the two batches
-                    break
-                jobs.append(nxt)
-                tokens.update(nxt.tokens)
-                size += len(nxt.rows)
-            self._mark(jobs, tokens)
+        while not self._stop_taken:
+            self.run_once()
 
     def _mark(self, jobs: list[_Job], tokens: dict[ShardId, Token]) -> None:
         leases = [Lease(shard, token, 0.0) for shard, token in tokens.items()]

@@ -5,6 +5,7 @@ publisher: tests/unit/test_exactly_once_publisher.py.)"""
 
 from __future__ import annotations
 
+import socket
 import threading
 from typing import Any
 
@@ -115,6 +116,29 @@ def test_the_health_server_stops_once() -> None:
     server.stop(5.0)
     server.stop(5.0)
     assert _threads("outbox-relay-http") == 0
+
+
+def test_the_health_server_answers_when_its_loop_is_turned_by_hand() -> None:
+    server = HealthServer(host="127.0.0.1", port=0, registry=CollectorRegistry(),
+                          health=lambda: (False, {"why": "test"}), ready=lambda: (True, {}))
+    try:
+        client = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        client.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        for _ in range(20):  # accept, read the request, write the answer: a few rounds
+            assert server.run_once(timeout_s=0.05)
+            client.setblocking(False)
+            try:
+                answer += client.recv(4096)
+            except BlockingIOError:
+                pass
+            if b"\r\n\r\n" in answer and answer.endswith(b"}"):
+                break
+        client.close()
+        assert answer.startswith(b"HTTP/1.1 503") and b'"why": "test"' in answer
+    finally:
+        server.stop(1.0)
+    assert not server.run_once(timeout_s=0.01)  # stopped: the loop ends
 
 
 class ReplayStore:

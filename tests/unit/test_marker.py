@@ -108,3 +108,31 @@ def test_one_mark_thread_and_stop_is_idempotent() -> None:
     late = marker.submit({ShardId(0): Token(1)}, [row(2)])
     assert not late.done() and store.calls == [({0: 1}, [1])]
     assert [t.name for t in threading.enumerate()].count("outbox-relay-mark") == 0
+
+
+def test_run_once_marks_one_merged_statement_per_call_without_a_thread() -> None:
+    store = GatedStore(held={0, 1})
+    store.gate.set()
+    marker = Marker(store, "me", max_rows=3)  # never started: the test turns the loop
+    assert marker.run_once(timeout_s=0.01) == 0  # nothing submitted
+    futures = [marker.submit({ShardId(0): Token(1)}, [row(1), row(2)]),
+               marker.submit({ShardId(0): Token(1)}, [row(3)]),   # merged: 3 rows, the limit
+               marker.submit({ShardId(0): Token(1)}, [row(4)]),   # the next statement
+               marker.submit({ShardId(0): Token(2)}, [row(5)])]   # a new token: its own
+    assert marker.run_once() == 3
+    assert marker.run_once() == 1
+    assert marker.run_once() == 1
+    assert store.calls == [({0: 1}, [1, 2, 3]), ({0: 1}, [4]), ({0: 2}, [5])]
+    assert [f.result()[1] for f in futures] == [{1, 2}, {3}, {4}, {5}]
+    assert marker.run_once(timeout_s=0.01) == 0 and not marker.stopped
+
+
+def test_the_thread_marks_everything_submitted_before_stop_then_ends() -> None:
+    store = GatedStore(held={0})
+    store.gate.set()
+    marker = Marker(store, "me")
+    futures = [marker.submit({ShardId(0): Token(1)}, [row(i)]) for i in range(5)]
+    marker.start()
+    marker.stop()
+    assert marker.stopped
+    assert set().union(*(f.result()[1] for f in futures)) == {0, 1, 2, 3, 4}
