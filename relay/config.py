@@ -21,8 +21,11 @@ from typing import Any
 import psycopg.conninfo
 
 # One masking for the relay and the SDK; re-exported: relay code imports them from here.
+from outbox_core.secrets import is_secret as is_secret
 from outbox_core.secrets import mask_dsn as mask_dsn
 from outbox_core.secrets import mask_text as mask_text
+from outbox_core.secrets import masked_properties as masked_properties
+from outbox_core.secrets import scrub
 from relay.errors import ConfigError
 
 ENV_PREFIX = "OUTBOX_RELAY_"
@@ -61,9 +64,6 @@ DEFAULT_PRODUCER = {
     "linger.ms": "1",
     "compression.type": "none",
 }
-
-#: Substrings that mark a librdkafka property or DSN field as secret.
-SECRET_MARKERS = ("password", "secret", "passphrase", "sasl.oauthbearer.config", "key.pem")
 
 _KAFKA_PROPERTY = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
 
@@ -335,16 +335,16 @@ def validate_dsn(dsn: str) -> None:
     try:
         fields = psycopg.conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
-        raise ConfigError(f"{where}: {_scrub(str(exc).strip(), dsn)}") from None
+        raise ConfigError(f"{where}: {scrub(str(exc).strip(), dsn=dsn)}") from None
     except UnicodeError:  # surrogates from undecodable bytes in the environment
         raise ConfigError(f"{where}: it is not valid UTF-8 text") from None
     port = str(fields.get("port", "5432") or "")
     if not all(part.isdigit() and 0 < int(part) < 65536 for part in port.split(",")):
-        raise ConfigError(_scrub(f"{where}: port {port!r} is not a TCP port number", dsn))
+        raise ConfigError(scrub(f"{where}: port {port!r} is not a TCP port number", dsn=dsn))
     sslmode = fields.get("sslmode")
     if sslmode is not None and sslmode not in _SSLMODES:
-        raise ConfigError(_scrub(
-            f"{where}: sslmode {sslmode!r} is not one of {', '.join(sorted(_SSLMODES))}", dsn))
+        raise ConfigError(scrub(
+            f"{where}: sslmode {sslmode!r} is not one of {', '.join(sorted(_SSLMODES))}", dsn=dsn))
 
 
 def build_settings(
@@ -416,28 +416,3 @@ def max_message_bytes(config: Mapping[str, str]) -> int:
                           "is not a number") from None
 
 
-def is_secret(name: str) -> bool:
-    lowered = name.lower()
-    return any(marker in lowered for marker in SECRET_MARKERS)
-
-
-_QUOTED = re.compile(r"""(["'])(.*?)\1""", re.DOTALL)
-_LIBPQ_LITERALS = frozenset({"=", "]", ":", "/"})  # quoted by libpq's own message texts
-
-
-def _scrub(message: str, dsn: str) -> str:
-    """A parser message about ``dsn`` with every quoted fragment that the masked DSN
-    does not show replaced by ``***`` (libpq quotes the token it choked on, and that
-    token may be a piece of the password)."""
-    visible = mask_dsn(dsn)
-
-    def hide(match: re.Match[str]) -> str:
-        quote, token = match.group(1), match.group(2)
-        shown = token in visible or token in _LIBPQ_LITERALS
-        return match.group(0) if shown else f"{quote}***{quote}"
-
-    return _QUOTED.sub(hide, mask_text(message))
-
-
-def masked_properties(props: Mapping[str, str]) -> dict[str, str]:
-    return {name: ("***" if is_secret(name) else value) for name, value in props.items()}
