@@ -165,7 +165,9 @@ class Relay:
                          backoff_max_s=s.backoff_max_s, metrics=self.metrics, log=self.log,
                          clock=self.clock, dead_letter_topic=s.dead_letter_topic,
                          mark_store=self.mark_store, batch_max_bytes=s.batch_max_bytes,
-                         max_message_bytes=max_message_bytes(producer_config(s)))
+                         max_message_bytes=max_message_bytes(producer_config(s)),
+                         claim_interval_s=s.claim_interval_s,
+                         claim_interval_max_s=max(s.claim_interval_s, s.claim_interval_max_s))
         self.replayer = Replayer(
             ReplayStore(s.dsn, application_name=f"outbox-relay:{s.owner}:replay"[:63],
                         on_statement=self.metrics.db_statements.inc, table=s.table),
@@ -198,7 +200,8 @@ class Relay:
         """A store (connection) of this replica, named ``outbox-relay:<owner><role>``."""
         s = self.settings
         return Store(s.dsn, application_name=f"outbox-relay:{s.owner}{role}",
-                     on_statement=self.metrics.db_statements.inc, table=s.table)
+                     on_statement=self.metrics.db_statements.inc, table=s.table,
+                     keep_published=s.keep_published)
 
     def _retry_db(self, call: Callable[[], Any]) -> Any:
         """Run ``call`` until the database answers; fatal errors propagate."""

@@ -34,6 +34,11 @@ KAFKA_ENV_PREFIX = ENV_PREFIX + "KAFKA_"
 DEFAULT_BATCH_SIZE = 1000
 DEFAULT_BATCH_MAX_BYTES = 4 << 20  # 4 MiB of payload per batch, 16 MiB in flight by default
 DEFAULT_POLL_INTERVAL_S = 1.0
+#: After a claim that caught up, the next one waits at least this long, at most the
+#: maximum: the pump stretches the wait while claims find only a few rows (a steady trickle
+#: is claimed a few rows at a time, not one claim per row) and shortens it as they fill.
+DEFAULT_CLAIM_INTERVAL_S = 0.005
+DEFAULT_CLAIM_INTERVAL_MAX_S = 0.05
 DEFAULT_METRICS_PORT = 9464
 DEFAULT_CONSOLE_HOST = "127.0.0.1"
 DEFAULT_CONSOLE_PORT = 8089
@@ -102,6 +107,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError("must be a number of seconds, 0 or more")
+    return value
+
+
 def _flag(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -150,6 +162,12 @@ OPTIONS: tuple[Option, ...] = (
            help="rows claimed per batch"),
     Option(name="poll_interval_s", parse=_positive_float, default=DEFAULT_POLL_INTERVAL_S,
            help="fallback poll interval when no notification arrives, seconds"),
+    Option(name="claim_interval_s", parse=_seconds, default=DEFAULT_CLAIM_INTERVAL_S,
+           help="after a claim that found the backlog drained, the next claim waits at least "
+                "this long (0: at once); a full batch is followed at once"),
+    Option(name="claim_interval_max_s", parse=_seconds, default=DEFAULT_CLAIM_INTERVAL_MAX_S,
+           help="the longest wait after a drained claim, reached while claims find only a "
+                "few rows: bounds the latency a low write rate pays for a cheap relay"),
     Option(name="pipeline_depth", parse=_positive_int, default=DEFAULT_PIPELINE_DEPTH,
            help="batches in flight to the broker at once"),
     Option(name="batch_max_bytes", parse=_positive_int, default=DEFAULT_BATCH_MAX_BYTES,
@@ -191,6 +209,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(name="cleanup_retention_s", parse=_positive_float, default=None,
            help="when set, run deletes published rows older than this, seconds",
            commands=("run", "cleanup")),
+    Option(name="keep_published", parse=_flag, default="true", commands=("run",),
+           help="keep published rows, marked with published_at, for replays and the "
+                "retention cleanup; false deletes each row once the broker acknowledged it "
+                "(about 10x less database work per row; nothing left to replay from)"),
     Option(name="cleanup_interval_s", parse=_positive_float, default=DEFAULT_CLEANUP_INTERVAL_S,
            help="how often run's built-in cleanup runs, seconds"),
     Option(name="cleanup_batch", parse=_positive_int, default=DEFAULT_CLEANUP_BATCH,
@@ -230,6 +252,8 @@ class Settings:
     kafka_properties: Mapping[str, str] = field(default_factory=dict)
     batch_size: int = DEFAULT_BATCH_SIZE
     poll_interval_s: float = DEFAULT_POLL_INTERVAL_S
+    claim_interval_s: float = DEFAULT_CLAIM_INTERVAL_S
+    claim_interval_max_s: float = DEFAULT_CLAIM_INTERVAL_MAX_S
     pipeline_depth: int = DEFAULT_PIPELINE_DEPTH
     batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES
     metrics_port: int = DEFAULT_METRICS_PORT
@@ -256,6 +280,7 @@ class Settings:
     console_actions: bool = False
     console_token: str | None = None
     exactly_once: bool = False
+    keep_published: bool = True
     exactly_once_position_topic: str = DEFAULT_EXACTLY_ONCE_POSITION_TOPIC
     exactly_once_transactional_id_prefix: str = DEFAULT_EXACTLY_ONCE_TRANSACTIONAL_ID_PREFIX
     exactly_once_pipeline_depth: int = DEFAULT_EXACTLY_ONCE_PIPELINE_DEPTH
@@ -385,6 +410,11 @@ def build_settings(
             f"--heartbeat-interval-s ({heartbeat}) must be shorter than --lease-duration-s ({lease})"
         )
     parsed["heartbeat_interval_s"] = heartbeat
+    if parsed.get("keep_published") is False and parsed.get("cleanup_retention_s"):
+        raise ConfigError(
+            "--keep-published false deletes rows as they are published: there is nothing for "
+            "--cleanup-retention-s to keep; set one or the other"
+        )
     parsed["owner"] = parsed.get("owner") or default_owner()
     if kafka_properties:
         parsed["kafka_properties"] = dict(kafka_properties)

@@ -72,6 +72,10 @@ class Outcome:
     offset: int = -1
 
 
+#: The outcome of every acknowledged row: one shared value (nothing reads an acknowledged
+#: row's partition or offset), not a new frozen dataclass per delivery report.
+DELIVERED = Outcome(ok=True)
+
 #: ``send``'s answer when the producer's local queue has no room: not a failure of the
 #: row; the pump stops producing the batch and claims the rest again later.
 QUEUE_FULL = Outcome(ok=False, error_class="queue_full",
@@ -194,8 +198,7 @@ class Publisher:
 
         def report(err: KafkaError | None, msg: Message) -> None:
             if err is None:
-                on_delivery(row, Outcome(ok=True, partition=msg.partition() or 0,
-                                         offset=msg.offset() or 0))
+                on_delivery(row, DELIVERED)
             else:
                 on_delivery(row, classify(err))
 

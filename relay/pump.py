@@ -59,6 +59,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 1_000_000  # librdkafka's message.max.bytes default
 SWEEP_INTERVAL_S = 10.0  # a full pass, and a look for foreign xids, at most this often when caught up
 STALLED_ROWS_MAX = 10_000  # rows waiting on stalled partitions before claims stop altogether
 STALLED_CLAIM_PAUSE_S = 0.5  # a claim that found only rows held by a stall waits this long
+PACED_CLAIM_ROWS = 8  # a drained claim finding fewer rows stretches the wait before the next
+PACE_STEP = 1.5  # how much one claim stretches or shortens that wait
 
 
 class PumpStore(MarkStore, Protocol):
@@ -133,11 +135,19 @@ class Pump:
         mark_store: MarkStore | None = None,
         batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        claim_interval_s: float = 0.0,
+        claim_interval_max_s: float = 0.0,
     ) -> None:
         """``mark_store``: a second connection to mark on in the background (None: mark
         synchronously on ``store``).  ``batch_max_bytes``: payload bytes per claim (the
         row that crosses it is the last); ``max_message_bytes``: the producer's limit,
-        above which a row is dead-lettered by its size, its payload never fetched."""
+        above which a row is dead-lettered by its size, its payload never fetched.
+        ``claim_interval_s``, ``claim_interval_max_s``: after a claim that caught up, the
+        next one waits between these: claims paced to the arrival rate, each taking what
+        committed meanwhile (:meth:`_pace`)."""
+        self.claim_interval_s = claim_interval_s
+        self.claim_interval_max_s = max(claim_interval_s, claim_interval_max_s)
+        self.pace_s = claim_interval_s
         self.batch_max_bytes = batch_max_bytes
         self.max_message_bytes = max_message_bytes
         self.dead_letter_topic = dead_letter_topic
@@ -170,6 +180,7 @@ class Pump:
         self.draining = False
         self.last_marked_at = clock()
         self.totals = BatchResult()
+        self._carried = BatchResult()  # settled inside wait(), reported by the next run_once
 
     # -- state ----------------------------------------------------------------------------
 
@@ -205,7 +216,7 @@ class Pump:
 
     def run_once(self, *, claim: bool = True) -> BatchResult:
         """Settle finished batches, then (when ``claim``) claim and produce one more."""
-        result = BatchResult()
+        result, self._carried = self._carried, BatchResult()
         self.publisher.poll(0)
         now = self.clock()
         self._track_stalls(now)
@@ -225,13 +236,25 @@ class Pump:
         return result
 
     def wait(self, timeout_s: float) -> None:
-        """Serve delivery reports while rows are in flight (returns early on one), or
-        wait for the oldest mark when every produced row is reported."""
-        timeout_s = max(0.0, timeout_s)
-        if self.marking and all(batch.done for batch in self.in_flight):
-            wait_futures([self.marking[0].future], timeout=timeout_s)
-        else:
-            self.publisher.poll(timeout_s)
+        """Serve delivery reports while rows are in flight, or wait for the oldest mark
+        when every produced row is reported.  Returns on the first of them while a claim
+        is due (the loop claims again as soon as the pipeline has room); while the next
+        claim is paced (:meth:`_pace`), settles batches and applies marks here until
+        ``timeout_s``, so a paced claim costs one turn of the loop, not one per report."""
+        deadline = self.clock() + max(0.0, timeout_s)
+        while True:
+            remaining = max(0.0, deadline - self.clock())
+            if self.marking and all(batch.done for batch in self.in_flight):
+                wait_futures([self.marking[0].future], timeout=remaining)
+            elif self.in_flight or self.marking:
+                self.publisher.poll(remaining)
+            else:
+                return
+            now = self.clock()
+            if now >= deadline or now >= self.claim_not_before or self.stalls.partitions:
+                return
+            self._settle_done(self._carried, now)
+            self._collect_marks(self._carried)
 
     def start(self) -> None:
         """Start the mark thread (with a ``mark_store``).  Idempotent."""
@@ -324,6 +347,10 @@ class Pump:
         self.metrics.claim_duration.observe(time.perf_counter() - started)
         window = snapshot if snapshot is not None else self.cursor.cur
         self.caught_up = len(rows) < self.batch_size and not cut
+        if self.caught_up:
+            self._pace(len(rows), now)
+        else:
+            self.pace_s = self.claim_interval_s
         if self.caught_up:  # the window is exhausted: next, what committed after it
             self.cursor = Cursor.after_snapshot(window)
         else:
@@ -374,6 +401,20 @@ class Pump:
             self.claim_not_before = self.clock() + STALLED_CLAIM_PAUSE_S
         if batch.rows:
             self.in_flight.append(batch)
+
+    def _pace(self, found: int, now: float) -> None:
+        """After a claim that drained the backlog: wait before the next one, longer while
+        claims find fewer than ``PACED_CLAIM_ROWS`` rows, shorter as they find more.  A
+        steady trickle is then claimed a few rows at a time (at 1,000 events/s about every
+        8 ms, at 100 events/s every ``claim_interval_max_s``), instead of once per delivery
+        report or mark; a backlog (a full claim) resets the wait to the shortest."""
+        if not self.claim_interval_s:
+            return
+        if found < PACED_CLAIM_ROWS:
+            self.pace_s = min(self.pace_s * PACE_STEP, self.claim_interval_max_s)
+        else:
+            self.pace_s = max(self.pace_s / PACE_STEP, self.claim_interval_s)
+        self.claim_not_before = max(self.claim_not_before, now + self.pace_s)
 
     # -- settling -------------------------------------------------------------------------
 
@@ -538,7 +579,7 @@ class Pump:
     def drain(self, timeout_s: float) -> BatchResult:
         """Stop claiming; wait up to ``timeout_s`` for in-flight reports; mark what was acked."""
         self.draining = True
-        result = BatchResult()
+        result, self._carried = self._carried, BatchResult()
         deadline = self.clock() + timeout_s
         while self.in_flight and self.clock() < deadline:
             self.publisher.poll(min(0.1, max(0.0, deadline - self.clock())))

@@ -128,14 +128,6 @@ def _backend_pid(conn: psycopg.Connection[Any]) -> int:
     return int(row[0])
 
 
-def _encode_value(payload_text: str | None, payload_bytes: bytes | None) -> bytes | None:
-    if payload_bytes is not None:
-        return bytes(payload_bytes)
-    if payload_text is not None:
-        return payload_text.encode()
-    return None
-
-
 class Store:
     """One autocommit connection for claims, marks and leases.
 
@@ -146,9 +138,12 @@ class Store:
     def __init__(self, dsn: str, *, now: datetime | None = None,
                  application_name: str = "outbox-relay",
                  on_statement: Callable[[], None] = lambda: None,
-                 table: str = "outbox") -> None:
+                 table: str = "outbox", keep_published: bool = True) -> None:
+        """``keep_published`` False: a mark deletes the acknowledged rows instead of
+        setting their ``published_at``."""
         self._dsn = dsn
         self.table = table
+        self._mark_query = "mark_published" if keep_published else "delete_published"
         self._on_statement = on_statement
         self._application_name = application_name[:63]
         self._conn: psycopg.Connection[Any] | None = None
@@ -182,18 +177,23 @@ class Store:
     def _fetch(self, group: str, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
         return self._execute(group, name, params, dict_row)
 
-    def _fetch_tuples(self, group: str, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        """Like _fetch, as plain tuples (the claim's hot path)."""
-        return self._execute(group, name, params, tuple_row)
+    def _fetch_tuples(self, group: str, name: str, *, params: dict[str, Any],
+                      binary: bool = False) -> list[tuple[Any, ...]]:
+        """Like _fetch, as plain tuples (the claim's hot path); ``binary``: results in
+        PostgreSQL's binary format (a bytea payload comes as its bytes, not as hex)."""
+        return self._execute(group, name, params, tuple_row, binary=binary)
 
-    def _execute(self, group: str, name: str, params: dict[str, Any], row_factory: Any) -> list[Any]:
+    def _execute(self, group: str, name: str, params: dict[str, Any], row_factory: Any,
+                 *, binary: bool = False) -> list[Any]:
         with translated():
             try:
                 cur = self.conn.cursor(row_factory=row_factory)
                 self.queries += 1
                 self._on_statement()
-                cur.execute(compose(group, name, table=self.table), params)
-                return cur.fetchall() if cur.description else []
+                cur.execute(compose(group, name, table=self.table), params, binary=binary)
+                # Not ``cur.description``: it builds a Column object per column each time.
+                result = cur.pgresult
+                return cur.fetchall() if result is not None and result.nfields else []
             except (psycopg.OperationalError, psycopg.InterfaceError,
                     psycopg.errors.ReadOnlySqlTransaction):
                 self.reset()
@@ -219,7 +219,7 @@ class Store:
         ``limit`` rows and the row that crosses ``budget_bytes`` of payload; rows larger
         than ``max_bytes`` come without their payload (``value`` None, ``size`` set)."""
         all_shards = len(shards) == nshards
-        found = self._fetch_tuples("relay", "claim_batch", {
+        found = self._fetch_tuples("relay", "claim_batch", binary=True, params={
             "cur": after.cur,
             "prev_xmax": str(after.prev_xmax),
             "prev_xip": [str(x) for x in after.prev_xip],
@@ -235,18 +235,14 @@ class Store:
         })
         snapshot: str | None = None
         if after.cur is None and found and found[-1][0] is None:
-            snapshot = found.pop()[7]
-        # Column order of claim_batch: id, event_id, topic, key, payload_text, payload_bytes,
-        # headers_text, xid, attempts, shard, created_epoch, size, running.
-        rows = [
-            OutboxRow(RowId(r[0]), r[1], r[2], r[3], _encode_value(r[4], r[5]), r[6],
-                      int(r[7]), ShardId(r[9]), r[8], r[10], r[11])
-            for r in found
-        ]
+            snapshot = found.pop()[5]
+        # claim_batch's columns are OutboxRow's, then the running byte count.
+        make = OutboxRow._make
+        rows = [make(r[:11]) for r in found]
         # The query's two branches come out in (xid, id) order; keep that a guarantee
         # of this method, not of the executor (linear on sorted input).
         rows.sort(key=_xid_id)
-        cut = bool(found) and len(found) < limit and max(int(r[12]) for r in found) >= budget_bytes
+        cut = bool(found) and len(found) < limit and max(r[11] for r in found) >= budget_bytes
         return Claimed(rows, snapshot, cut)
 
     def restamp_foreign(self) -> int:
@@ -257,10 +253,11 @@ class Store:
 
     def mark_published(self, *, owner: str, leases: Sequence[Lease],
                        rows: Sequence[OutboxRow]) -> tuple[set[ShardId], set[RowId]]:
-        """Mark acknowledged rows; returns (shards still held, ids marked)."""
+        """Mark acknowledged rows (or delete them, see ``keep_published``); returns (shards
+        still held, ids marked)."""
         if not rows:
             return {lease.shard for lease in leases}, set()
-        (result,) = self._fetch("relay", "mark_published", {
+        (result,) = self._fetch("relay", self._mark_query, {
             "owner": owner,
             "held_shards": [lease.shard for lease in leases],
             "held_tokens": [lease.token for lease in leases],

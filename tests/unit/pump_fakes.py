@@ -15,7 +15,6 @@ with back-off, dead letters and fencing, a ``FailingPublisher`` and ``LosingLeas
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any
 
 from relay.model import Claimed, Cursor, Lease, OutboxRow, RowId, ShardId, Token
@@ -208,7 +207,7 @@ class RetryStore(Store):
         if lease.shard in self.fenced:
             return None
         stored = self.pending[row.id]
-        self.pending[row.id] = replace(stored, attempts=stored.attempts + 1)
+        self.pending[row.id] = stored._replace(attempts=stored.attempts + 1)
         self.not_before[row.id] = self.clock() + backoff_s
         self.failures.append((row.id, stored.attempts + 1, self.clock(), self.not_before[row.id]))
         return stored.attempts + 1

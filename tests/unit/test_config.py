@@ -66,6 +66,10 @@ def test_build_settings_parses_units_and_defaults() -> None:
         ({"dsn": DSN, "bootstrap_servers": "k", "metrics_port": "70000"}, "--metrics-port"),
         ({"dsn": DSN, "bootstrap_servers": "k", "lease_duration_s": "3",
           "heartbeat_interval_s": "5"}, "must be shorter"),
+        ({"dsn": DSN, "bootstrap_servers": "k", "claim_interval_s": "-0.1"}, "--claim-interval-s"),
+        ({"dsn": DSN, "bootstrap_servers": "k", "keep_published": "maybe"}, "--keep-published"),
+        ({"dsn": DSN, "bootstrap_servers": "k", "keep_published": "false",
+          "cleanup_retention_s": "60"}, "nothing for --cleanup-retention-s to keep"),
     ],
 )
 def test_bad_options_name_the_option(values, fragment) -> None:

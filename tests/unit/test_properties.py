@@ -14,6 +14,7 @@ import re
 import string
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 from urllib.parse import quote
@@ -410,15 +411,17 @@ class FakeCursor:
     def __init__(self, conn: FakeConnection) -> None:
         self.conn = conn
         self.description: Any = None
+        self.pgresult: Any = None  # what the store reads: whether the statement returned rows
         self.rowcount = 0
         self._rows: list[dict[str, Any]] = []
 
-    def execute(self, statement: Any, params: Any = None) -> FakeCursor:
+    def execute(self, statement: Any, params: Any = None, binary: bool = False) -> FakeCursor:
         names = [name for name, known in self.conn.statements if known == statement]
         assert names, f"not a named query: {statement!r}"
         self.conn.sent.append((names[0], params))
         self._rows = CANNED.get(names[0], [])
         self.description = [("x",)]
+        self.pgresult = SimpleNamespace(nfields=1)
         return self
 
     def fetchall(self) -> list[dict[str, Any]]:
@@ -437,7 +440,7 @@ class FakeConnection:
     def cursor(self, row_factory: Any = None) -> FakeCursor:
         return FakeCursor(self)
 
-    def execute(self, statement: Any, params: Any = None) -> FakeCursor:
+    def execute(self, statement: Any, params: Any = None, binary: bool = False) -> FakeCursor:
         return FakeCursor(self).execute(statement, params)
 
     def close(self) -> None:

@@ -15,7 +15,8 @@
 --                                                restamp_foreign (xid); the
 --                                                column privilege also allows the row
 --                                                locks of cleanup_batch (FOR UPDATE)
---                          DELETE                dead_letter (moves a row), cleanup_batch
+--                          DELETE                dead_letter (moves a row), cleanup_batch,
+--                                                delete_published (--keep-published false)
 --   outbox_dead_letters    SELECT, INSERT        dead_letter (INSERT ... RETURNING id),
 --                                                status, dead-letters list / show
 --   outbox_relay_shards    SELECT, UPDATE (owner, lease_until, token)
