@@ -5,12 +5,15 @@ Figures (each the median of ``--runs`` runs):
 1. database floor: claim + mark batches with the relay's own queries, no Kafka;
 2. producer floor: confluent-kafka producing the same payloads with the relay's settings;
 3. relay drain: a real ``outbox-relay run`` process draining the backlog, and its ratio to
-   min(1, 2);
+   min(1, 2), to the physical floor and to a naive relay (outbox_embedded/baselines.py); the
+   same with ``--keep-published false`` (rows deleted once acknowledged, not marked);
 4. latency at a steady write rate: commit -> acknowledged-and-marked (``published_at``), and
    in a second pass with a consumer running, commit -> its receipt (and -> ack again), p50/p95/p99;
+   the relay's CPU (% of a core) and claims per second at ``--rate`` and at ``--low-rate``;
 5. the relay process's peak RSS while draining, and its CPU and SQL statements per second idle;
 6. drain throughput with ``--published-rows`` already-published rows in the table, over an
-   empty table.
+   empty table;
+7. scale-out: the drain with 1, 2 and 4 replicas on one database (``--replicas``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--notify-clients", type=int, default=8,
                    help="concurrent writers (pgbench) for the NOTIFY cost figure (0 skips it)")
     p.add_argument("--notify-s", type=float, default=5.0, help="duration of each pgbench run")
+    p.add_argument("--low-rate", type=float, default=100.0,
+                   help="events/s of the second steady run (relay CPU at a low rate; 0 skips it)")
+    p.add_argument("--replicas", default="1,2,4",
+                   help="replica counts of the scale-out drain, comma-separated ('' skips it)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures here")
 
 
@@ -197,15 +204,22 @@ class Bench:
                 up = _wait(lambda: scrape("outbox_relay_build_info") > 0, 60, proc)
                 _wait(lambda: scrape("outbox_relay_events_published_total") > 0, 60, proc)
                 started_count, cpu_first = scrape("outbox_relay_events_published_total"), _cpu_s(proc.pid)
+                first_mark = scrape("outbox_relay_last_publish_timestamp_seconds")
                 # Polled slowly: every scrape renders /metrics on the relay's cores, and
                 # at 50 a second that was a fifth of its CPU in a drain. The rate comes
                 # from the marks' own timestamps, not from when a scrape saw the end.
                 done = _wait(lambda: scrape("outbox_relay_events_published_total") >= self.args.rows,
                              600, proc, interval_s=DRAIN_POLL_S)
                 cpu_drain = _cpu_s(proc.pid) - cpu_first  # start-up (imports, connections) excluded
+                last_mark = scrape("outbox_relay_last_publish_timestamp_seconds")
                 with psycopg.connect(dsn, autocommit=True) as conn:
                     span = conn.execute(query("bench", "bench_drain_span"), {"since": since}).fetchone()
-                if span and span[1] and span[1] > 0:
+                deleted = env_extra.get("keep_published") == "false"
+                if deleted and last_mark > first_mark and started_count < self.args.rows:
+                    # Rows are deleted, not marked: the relay's own clock at its first and
+                    # last mark (the gauge of the last mark's time) gives the span instead.
+                    rate = (self.args.rows - started_count) / (last_mark - first_mark)
+                elif not deleted and span and span[1] and span[1] > 0:
                     rate = span[0] / span[1]  # rows marked after the first mark / its span
                 else:  # everything in one mark: as fast as the first scrape could tell
                     rate = self.args.rows / max(done - up, 1e-3)
@@ -217,14 +231,17 @@ class Bench:
 
     # -- 4. latency ---------------------------------------------------------------------------
 
-    def latency(self, *, consumer: bool, stalled_writer: bool = False) -> dict[str, dict[str, float]]:
+    def latency(self, *, consumer: bool, stalled_writer: bool = False,
+                rate: float | None = None) -> dict[str, Any]:
         """A real relay process (its own interpreter, as deployed) under a steady write load.
 
         With ``consumer``, a consumer of the topic runs too (in this process) and its
         receipts are timed.  On a small machine it is not free: its fetches keep the
         broker busy on the cores the relay and the database share, so the bench runs the
         pass twice and reports commit -> ack from both.  With ``stalled_writer``, a
-        session wrote one outbox row and sits idle in transaction for the whole run."""
+        session wrote one outbox row and sits idle in transaction for the whole run.
+        ``relay_cpu_percent``: the relay process's CPU while the writes ran, in % of a core."""
+        rate = self.args.rate if rate is None else rate
         with self.fresh_db() as dsn, contextlib.ExitStack() as held:
             if stalled_writer:
                 stalled = held.enter_context(psycopg.connect(dsn))
@@ -241,8 +258,15 @@ class Bench:
                 if consumer:
                     reader.start()
                 try:
-                    committed = _write_steadily(dsn, topic, self.args.rate, self.args.latency_s,
+                    cpu0, t0 = _cpu_s(proc.pid), time.monotonic()
+                    claims0 = scrape("outbox_relay_claim_duration_seconds_count")
+                    statements0 = scrape("outbox_relay_db_statements_total")
+                    committed = _write_steadily(dsn, topic, rate, self.args.latency_s,
                                                 self.args.payload_bytes, self.args.keys)
+                    took = time.monotonic() - t0
+                    cpu_percent = 100 * (_cpu_s(proc.pid) - cpu0) / took
+                    claims_per_s = (scrape("outbox_relay_claim_duration_seconds_count") - claims0) / took
+                    statements_per_s = (scrape("outbox_relay_db_statements_total") - statements0) / took
                     if consumer:
                         _wait(lambda: len(received) >= len(committed), 60, proc)
                     else:
@@ -258,7 +282,35 @@ class Bench:
         warm = sorted(committed, key=committed.__getitem__)[len(committed) // 10:]  # skip warm-up
         ack = [(marked[e] - committed[e]) * 1000 for e in warm if e in marked]
         got = [(received[e] - committed[e]) * 1000 for e in warm if e in received]
-        return {"latency_ack_ms": percentiles(ack), "latency_consumer_ms": percentiles(got) if consumer else {}}
+        return {"latency_ack_ms": percentiles(ack), "latency_consumer_ms": percentiles(got) if consumer else {},
+                "relay_cpu_percent": round(cpu_percent, 2), "rate": rate,
+                "claims_per_s": round(claims_per_s, 1), "statements_per_s": round(statements_per_s, 1)}
+
+    # -- scale-out: several replicas on one database -----------------------------------------
+
+    def scale_out(self, replicas: int) -> float:
+        """Drain ``--rows`` with ``replicas`` relay processes sharing the shards; the rate
+        from the marks' own timestamps (the first mark to the last)."""
+        with self.fresh_db() as dsn:
+            self.load(dsn, self.args.rows)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                since = conn.execute(query("bench", "bench_now")).fetchone()[0]  # type: ignore[index]
+            with contextlib.ExitStack() as stack:
+                procs = [stack.enter_context(relay_process(dsn, self.bootstrap,
+                                                           batch_size=str(self.args.batch_size)))
+                         for _ in range(replicas)]
+
+                def published() -> float:
+                    return sum(scrape("outbox_relay_events_published_total") for _, scrape in procs)
+
+                first = _wait(lambda: published() > 0, 600, procs[0][0])
+                done = _wait(lambda: published() >= self.args.rows, 600, procs[0][0],
+                             interval_s=DRAIN_POLL_S)
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    span = conn.execute(query("bench", "bench_drain_span"), {"since": since}).fetchone()
+        if span and span[1] and span[1] > 0:
+            return float(span[0] / span[1])
+        return float(self.args.rows / max(done - first, DRAIN_POLL_S))  # all in one mark: as seen
 
 
     # -- bloat: cleanup on against cleanup off ---------------------------------------------
@@ -482,8 +534,15 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         f"{base['naive_relay_cpu_us_per_row']:.1f} µs CPU/row; this relay "
         f"{relay_cpu:.1f} µs CPU/row, {relay_rate / base['naive_relay_events_per_s']:.2f} x naive, "
         f"{relay_rate / base['physical_floor_events_per_s']:.2f} x the physical floor")
+    deleting = [bench.relay_drain(keep_published="false") for _ in range(runs)]
+    delete_rate = median([d["events_per_s"] for d in deleting])
+    delete_cpu = median([d["cpu_us_per_row"] for d in deleting])
+    say(f"  --keep-published false {delete_rate:7.0f} events/s, {delete_cpu:.1f} µs CPU/row: "
+        f"{delete_rate / base['naive_relay_events_per_s']:.2f} x naive, "
+        f"{delete_rate / base['physical_floor_events_per_s']:.2f} x the physical floor")
     exactly_once_ratio = _exactly_once_ratio(bench, runs, relay_rate, say)  # issue 20
     alone = bench.latency(consumer=False)
+    low = bench.latency(consumer=False, rate=args.low_rate) if args.low_rate else None
     stalled = bench.latency(consumer=False, stalled_writer=True)
     watched = bench.latency(consumer=True)
     lat = {"latency_ack_ms": alone["latency_ack_ms"],
@@ -494,7 +553,11 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     def show(label: str, figures: dict[str, float]) -> str:
         return f"  {label:<21}p50 {figures['p50']} ms  p95 {figures['p95']} ms  p99 {figures['p99']} ms"
 
-    say(show("commit->ack (marked)", lat["latency_ack_ms"]) + f" at {args.rate:g} events/s")
+    say(show("commit->ack (marked)", lat["latency_ack_ms"]) + f" at {args.rate:g} events/s, "
+        f"relay CPU {alone['relay_cpu_percent']:.1f} % of a core, {alone['claims_per_s']:.0f} claims/s")
+    if low is not None:
+        say(show("", low["latency_ack_ms"]) + f" at {args.low_rate:g} events/s, "
+            f"relay CPU {low['relay_cpu_percent']:.1f} % of a core, {low['claims_per_s']:.0f} claims/s")
     say(show("  a consumer running", lat["latency_ack_with_consumer_ms"]))
     say(show("  a writer idle in tx", stalled["latency_ack_ms"])
         + f"  = {stalled_ratio:.2f} x p99 without it")
@@ -509,10 +572,18 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         "ratio_to_relay_shaped_floor": round(relay_rate / floor, 3),
         "ratio_to_naive": round(relay_rate / base["naive_relay_events_per_s"], 3),
         "relay_cpu_us_per_row": round(relay_cpu, 1),
+        "keep_published_false": {
+            "relay_events_per_s": round(delete_rate, 1),
+            "ratio_to_naive": round(delete_rate / base["naive_relay_events_per_s"], 3),
+            "ratio_to_floor": round(delete_rate / base["physical_floor_events_per_s"], 3),
+            "relay_cpu_us_per_row": round(delete_cpu, 1)},
         **{k: round(v, 1) for k, v in base.items()},
         "exactly_once_ratio": exactly_once_ratio,
         **lat,
         "stalled_writer": {"latency_ack_ms": stalled["latency_ack_ms"], "p99_ratio": stalled_ratio},
+        "steady": [{"events_per_s": r["rate"], "relay_cpu_percent": r["relay_cpu_percent"],
+                    "claims_per_s": r["claims_per_s"], "statements_per_s": r["statements_per_s"],
+                    "latency_ack_ms": r["latency_ack_ms"]} for r in (alone, low) if r is not None],
         "peak_rss_mb": round(max(d["peak_rss_mb"] for d in drains), 1),
         "idle_queries_per_s": round(drains[0].get("idle_queries_per_s", float("nan")), 2),
         "idle_cpu_percent": round(drains[0].get("idle_cpu_percent", float("nan")), 2),
@@ -520,6 +591,13 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     say(f"  peak RSS            {result['peak_rss_mb']:10.1f} MB")
     say(f"  idle                {result['idle_queries_per_s']:10.2f} statements/s, "
         f"{result['idle_cpu_percent']:.2f} % of a core")
+    counts = [int(n) for n in args.replicas.split(",") if n.strip()]
+    if counts:
+        scale = {n: median([bench.scale_out(n) for _ in range(runs)]) for n in counts}
+        result["scale_out_events_per_s"] = {str(n): round(r, 1) for n, r in scale.items()}
+        say("  scale-out drain     " + ", ".join(
+            f"{n} replica{'s' if n > 1 else ''} {r:.0f}/s ({r / scale[counts[0]]:.2f} x)"
+            for n, r in scale.items()))
     if args.bloat_rows:
         on, off = bench.bloat(cleanup=True), bench.bloat(cleanup=False)
         result["bloat"] = {"rows_passed": args.bloat_rows,

@@ -12,7 +12,8 @@ KEYS = ["relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_pe
         "ratio_to_floor", "latency_ack_ms", "latency_consumer_ms", "peak_rss_mb",
         "idle_queries_per_s", "idle_cpu_percent", "published_rows_slowdown", "bloat",
         "notify_writer_cost", "stalled_writer", "exactly_once_ratio", "physical_floor_events_per_s",
-        "naive_relay_events_per_s", "ratio_to_naive", "relay_cpu_us_per_row"]
+        "naive_relay_events_per_s", "ratio_to_naive", "relay_cpu_us_per_row",
+        "keep_published_false", "steady", "scale_out_events_per_s"]
 
 
 def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_path):
@@ -21,7 +22,8 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
         relay_cmd("bench", "--dsn", pg_server.admin_dsn, "--bootstrap-servers", broker.bootstrap,
                   "--rows", "2000", "--runs", "1", "--rate", "200", "--latency-s", "2",
                   "--idle-s", "1", "--published-rows", "5000", "--bloat-rows", "4000",
-                  "--notify-clients", "2", "--notify-s", "1", "--json", str(out)),
+                  "--notify-clients", "2", "--notify-s", "1", "--low-rate", "50",
+                  "--replicas", "1,2", "--json", str(out)),
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(out.read_text())
@@ -35,4 +37,10 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
         assert set(figure) == {"p50", "p95", "p99"}
         assert 0 < figure["p50"] <= figure["p99"]
     assert figures["stalled_writer"]["p99_ratio"] > 0
+    assert figures["keep_published_false"]["relay_events_per_s"] > 0
+    assert [s["events_per_s"] for s in figures["steady"]] == [200, 50]
+    for steady in figures["steady"]:
+        assert steady["relay_cpu_percent"] > 0 and steady["claims_per_s"] > 0
+    assert set(figures["scale_out_events_per_s"]) == {"1", "2"}
+    assert all(rate > 0 for rate in figures["scale_out_events_per_s"].values())
     assert "relay drain" in result.stdout and "x min(floors)" in result.stdout
