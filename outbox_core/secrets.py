@@ -35,6 +35,9 @@ _DSN_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.?)*'?|.*?(?=\s+\
                               re.IGNORECASE | re.DOTALL)
 _DSN_QUERY_PASSWORD = re.compile(r"(password=)[^&]*", re.IGNORECASE)
 _QUOTED = re.compile(r"""(["'])(.*?)\1""", re.DOTALL)
+# libpq's message for a bad %-escape in a URI quotes the token from the escape on, which
+# may itself start with a quote: the whole rest of that line is hidden.
+_BAD_PERCENT = re.compile(r'(invalid percent-encoded token: ")(.*)(")')
 _LIBPQ_LITERALS = frozenset({"=", "]", ":", "/"})
 
 
@@ -82,6 +85,7 @@ def scrub(text: str, *, dsn: str = "", properties: Mapping[str, Any] | None = No
         return mask_text(text)
     for password in _passwords(dsn):
         text = text.replace(password, MASK)
+    text = _BAD_PERCENT.sub(rf"\1{MASK}\3", text)
     visible = mask_dsn(dsn)
 
     def hide(match: re.Match[str]) -> str:
@@ -93,14 +97,23 @@ def scrub(text: str, *, dsn: str = "", properties: Mapping[str, Any] | None = No
 
 
 def _passwords(dsn: str) -> list[str]:
-    """The DSN's password as libpq reads it (and percent-encoded), when it parses."""
+    """The DSN's password as libpq reads it (and percent-encoded), when it parses; and
+    as written in a URI's user info, which an error about a DSN that does not parse (a
+    password with a bad percent-escape) may quote."""
+    found = []
+    scheme = _URI_SCHEME.match(dsn)
+    if scheme is not None:
+        userinfo, at, _ = dsn[scheme.end():].rpartition("@")
+        if at and ":" in userinfo:
+            found.append(userinfo.split(":", 1)[1])
     try:
         password = psycopg.conninfo.conninfo_to_dict(dsn).get("password")
     except (psycopg.Error, UnicodeError, ValueError):
-        return []
-    if not isinstance(password, str) or not password:
-        return []
-    return [password, quote(password, safe="")]
+        password = None
+    if isinstance(password, str) and password:
+        found += [password, quote(password, safe="")]
+    # Longest first: a password that contains another form of itself is replaced whole.
+    return sorted({p for p in found if p}, key=len, reverse=True)
 
 
 def validate_dsn(dsn: str, *, option: str = "dsn") -> None:

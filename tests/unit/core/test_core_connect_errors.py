@@ -82,3 +82,19 @@ def test_messages_show_no_piece_of_the_password() -> None:
     assert "hunter2" not in classify_connect_error(exc, dsn=dsn).message
     assert "hunter2" not in str(relay_store.translate_connect_error(exc, dsn))
     assert "hunter2" not in str(_pg.translate_connect_error(exc, dsn))
+
+
+@pytest.mark.parametrize("dsn", [
+    'postgresql://:"§%@db/app',  # found by the SDK's property test (2026-12-02)
+    'postgresql://:"§%@db/app?application_name=a@b',
+    "postgresql://u:pa%zzss@db/app",
+])
+def test_a_bad_percent_escape_in_the_password_is_not_quoted_back(dsn: str) -> None:
+    """libpq quotes the token from a bad %-escape on; it is a piece of the password."""
+    with pytest.raises(psycopg.ProgrammingError) as info:
+        psycopg.conninfo.conninfo_to_dict(dsn)
+    failed = classify_connect_error(info.value, dsn=dsn)
+    assert failed.kind is ConnectFailure.INVALID_DSN
+    password = dsn.split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
+    for piece in (password[i:i + 2] for i in range(len(password) - 1)):
+        assert piece not in failed.message, failed.message
