@@ -28,7 +28,6 @@ from consumer_sdk.jobs import queue
 from consumer_sdk.jobs._db import ConnectionT, first_line, q
 from consumer_sdk.jobs.errors import LeaseLost
 from consumer_sdk.jobs.model import ClaimedJob, Lease
-from consumer_sdk.store import pipelined
 
 _MESSAGES = {
     "lease_lost": "the job's lease was lost (expired and taken over, or finished elsewhere)",
@@ -140,13 +139,12 @@ class JobContext:
         self.check()
         conn = self.conn
         try:
-            # BEGIN and the fence's lock in one round trip (a pipeline, left before the handler
-            # runs); then the handler's statements; then COMMIT, or ROLLBACK on any exception.
-            with pipelined(conn):
-                conn.execute(q("fenced_begin"))
-                held = queue.holds_later(conn, self.lease, now=self._db_now())
+            # BEGIN and the fence's lock in one round trip (one simple query, see
+            # queue.fence_begin); then the handler's statements; then COMMIT, or ROLLBACK on
+            # any exception.
+            held = queue.fence_begin(conn, self.lease, now=self._db_now())
             try:
-                if held.fetchone() is None:
+                if not held:
                     self.cancel("lease_lost")
                     self.check()
                 self._fenced_depth += 1

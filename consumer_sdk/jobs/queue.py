@@ -14,13 +14,17 @@ to the outbox in the same transaction (``events_topic``).
 
 from __future__ import annotations
 
+import functools
 import uuid
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import psycopg
+import psycopg.errors
+from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from consumer_sdk.errors import SchemaMissing
@@ -172,7 +176,9 @@ def heartbeat(conn: ConnectionT, *, worker: str, leases: Sequence[Lease], lease_
     """Renew these leases in one statement.
 
     Returns, for each lease NOT renewed, the job's status (``cancelled``, ``queued``
-    after a takeover... or None when the row is gone); renewed ones are absent.
+    after a takeover... or None when the row is gone); renewed ones are absent, and so
+    are jobs this same lease already completed (nothing was lost: the completion won the
+    race with this heartbeat).
     """
     if not leases:
         return {}
@@ -197,6 +203,60 @@ def holds_later(conn: ConnectionT, lease: Lease, *, now: datetime | None = None)
     says so once the pipeline is synced."""
     params = {"id": lease.job_id, "worker": lease.worker, "token": lease.token, "now": now}
     return conn.execute(q("fenced_lock"), params)
+
+
+def fence_begin(conn: ConnectionT, lease: Lease, *, now: datetime | None = None) -> bool:
+    """BEGIN and :func:`holds` in one round trip; True when ``lease`` holds the job.
+
+    Either way a transaction is left open (the caller commits or rolls it back).  One
+    simple query runs the connection's prepared copy of ``fenced_lock`` (less client CPU
+    than a pipeline, no planning on the server); the first call on a connection prepares
+    it (one round trip more, once).  Where it cannot be kept prepared (a pooler that moves
+    sessions between servers), BEGIN and ``fenced_lock`` go in a pipeline.  Driver errors
+    are raised as they are: the caller translates them.
+    """
+    text = _bare("fence_begin_prepared").format(id=int(lease.job_id), token=int(lease.token),
+                                            worker=_literal(lease.worker),
+                                            now="NULL" if now is None else sql.quote(now))
+    for _attempt in range(2):
+        if conn not in _FENCE_PREPARED:
+            _prepare_fence(conn)
+        try:
+            cur = conn.execute(text.encode())
+        except psycopg.errors.InvalidSqlStatementName:  # DISCARD ALL, or another server session
+            conn.rollback()  # BEGIN went through: leave the aborted transaction
+            _FENCE_PREPARED.discard(conn)
+            continue
+        # psycopg leaves the cursor on the first result (BEGIN's): the lock's is the next one.
+        return bool(cur.nextset()) and cur.fetchone() is not None
+    with pipelined(conn):
+        conn.execute(q("fenced_begin"))
+        held = holds_later(conn, lease, now=now)
+    return held.fetchone() is not None
+
+
+#: Connections known to hold the prepared fence (see fence_begin).
+_FENCE_PREPARED: weakref.WeakSet[ConnectionT] = weakref.WeakSet()
+
+
+def _prepare_fence(conn: ConnectionT) -> None:
+    try:
+        conn.execute(_bare("fence_prepare").encode())
+    except psycopg.errors.DuplicatePreparedStatement:
+        pass
+    _FENCE_PREPARED.add(conn)
+
+
+@functools.cache
+def _bare(name: str) -> str:
+    """A named block without its comment lines: sent as text on every call."""
+    return "\n".join(line for line in q(name).splitlines() if not line.lstrip().startswith("--"))
+
+
+@functools.lru_cache(maxsize=256)
+def _literal(text: str) -> str:
+    """A string as an SQL literal (worker ids repeat: quoted once)."""
+    return sql.quote(text)
 
 
 def put_result(conn: ConnectionT, lease: Lease, key: str, value: Any, *,
@@ -225,6 +285,32 @@ def fail(conn: ConnectionT, lease: Lease, *, reason: DeadReason, error: str, err
     """Mark the job failed and write its dead letter, in one statement; None when the lease was lost."""
     params = {**_fence(lease, now), "reason": reason, "error": error, "error_type": error_type}
     return _terminal(conn, "fail", params, lease.job_id, "job.failed", events_topic)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A success waiting for its completion: the job, the token it ran under, its result
+    already encoded as JSON text (see :func:`complete_many`)."""
+
+    job_id: JobId
+    token: Token
+    result_json: str
+
+
+def complete_many(conn: ConnectionT, *, worker: str, done: Sequence[Done],
+                  now: datetime | None = None) -> dict[JobId, JobFacts]:
+    """Mark these jobs succeeded in one statement, each fenced as :func:`complete` is.
+
+    Returns the facts of the jobs completed; a job absent from them lost its lease.
+    """
+    if not done:
+        return {}
+    params = {"ids": [d.job_id for d in done], "tokens": [d.token for d in done],
+              "results": [d.result_json for d in done], "worker": worker, "now": now}
+    with translated():
+        rows = conn.execute(q("complete_many"), params).fetchall()
+    return {JobId(r[0]): JobFacts(job_id=JobId(r[0]), queue=r[1], kind=r[2], run_id=r[3], attempts=r[4],
+                                  traceparent=r[5], tracestate=r[6], age_s=r[7]) for r in rows}
 
 
 def retry(conn: ConnectionT, lease: Lease, *, error: str, error_type: str | None, backoff_s: float,

@@ -281,13 +281,35 @@ WITH renewed AS (
     RETURNING j.id
 )
 SELECT h.id, r.id IS NOT NULL AS held, j.status
-FROM unnest(%(ids)s::bigint[]) AS h(id)
+FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS h(id, token)
 LEFT JOIN renewed AS r ON r.id = h.id
 LEFT JOIN jobs AS j ON j.id = h.id
+-- A job this very lease completed (its completion committed while the heartbeat was on
+-- its way) lost nothing: it is left out, neither renewed nor lost.
+WHERE NOT (r.id IS NULL AND j.status = 'succeeded' AND j.lease_owner = %(worker)s
+           AND j.lease_token = h.token)
 
 -- name: fenced_begin
--- JobContext.fenced_transaction sends BEGIN itself, in one pipeline with fenced_lock.
+-- JobContext.fenced_transaction sends BEGIN itself, in one pipeline with fenced_lock
+-- (the fallback of fence_begin_prepared, see below).
 BEGIN
+
+-- name: fence_prepare
+-- fenced_lock as a prepared statement of the connection (created on first use, again
+-- after DISCARD ALL or a reconnect): fence_begin_prepared runs it.
+PREPARE outbox_jobs_fence_v1 (bigint, text, bigint, timestamptz) AS
+SELECT 1 AS held
+FROM jobs
+WHERE id = $1 AND lease_owner = $2 AND lease_token = $3
+  AND status = 'running' AND lease_until > coalesce($4, now())
+FOR KEY SHARE
+
+-- name: fence_begin_prepared
+-- BEGIN and fenced_lock in one simple query: one round trip without pipeline mode
+-- (psycopg's pipeline costs more client CPU than the statement) and no planning (the
+-- prepared statement).  Not psycopg placeholders: jobs.queue.fence_begin fills {id},
+-- {token} with integers and {worker}, {now} with literals quoted by psycopg.sql.quote.
+BEGIN; EXECUTE outbox_jobs_fence_v1 ({id}, {worker}, {token}, {now})
 
 -- name: fenced_lock
 -- The first statement of a handler's fenced transaction (JobContext.fenced_transaction).
@@ -322,6 +344,21 @@ SET status = 'succeeded', result = %(result)s::jsonb, lease_until = NULL,
 WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
   AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
 RETURNING j.queue, j.kind, j.run_id, j.attempts, j.traceparent, j.tracestate,
+          extract(epoch FROM j.finished_at - j.created_at)::float8 AS age_s
+
+-- name: complete_many
+-- The successes a worker process collected since its last round, in one statement,
+-- each fenced like complete (owner, token, running, unexpired lease).  A job missing
+-- from the rows lost its lease before its completion was written.
+UPDATE jobs AS j
+SET status = 'succeeded', result = d.result::jsonb, lease_until = NULL,
+    finished_at = coalesce(%(now)s::timestamptz, now())
+FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[], %(results)s::text[]) AS d(id, token, result)
+-- j.id = ANY: probed through the primary key, never a join planned over the whole table.
+WHERE j.id = ANY (%(ids)s::bigint[]) AND j.id = d.id AND j.lease_owner = %(worker)s
+  AND j.lease_token = d.token
+  AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
+RETURNING j.id, j.queue, j.kind, j.run_id, j.attempts, j.traceparent, j.tracestate,
           extract(epoch FROM j.finished_at - j.created_at)::float8 AS age_s
 
 -- name: retry

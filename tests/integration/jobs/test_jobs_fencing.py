@@ -17,6 +17,7 @@ import pytest
 from consumer_sdk.jobs import LeaseLost, accept, cancel_run, run_status
 from consumer_sdk.jobs import queue as jobq
 from consumer_sdk.jobs.context import JobContext
+from consumer_sdk.jobs.model import Take
 from tests.fixtures.procs import wait_until
 from tests.integration.jobs._support import at, claim_next, rows, scalar
 
@@ -125,3 +126,37 @@ def test_cancellation_waits_for_an_open_fenced_transaction(conn, jobs_db):
     with pytest.raises(LeaseLost):
         with ctx.fenced_transaction():
             pass
+
+
+def test_a_heartbeat_that_meets_its_own_completion_reports_nothing_lost(conn):
+    """The heartbeat lists the leases of running attempts, then renews them; an attempt whose
+    completion commits in between was reported as a lost lease (a false warning, and the
+    attempt cancelled), although the job succeeded under that very lease."""
+    _run(conn)
+    (a,) = claim_next(conn, "A", now=at(0), lease_s=10)
+    assert jobq.complete(conn, a.lease, result="done", now=at(1)) is not None
+    assert jobq.heartbeat(conn, worker="A", leases=[a.lease], lease_s=10, now=at(2)) == {}
+    # A takeover's completion is still a lost lease for the stale owner.
+    _other = accept(conn, owner_id="owner-1", request_key="req-2", kind="work", body={})
+    (b,) = claim_next(conn, "A", now=at(3), lease_s=10)
+    (b2,) = claim_next(conn, "B", now=at(14), lease_s=10)
+    assert jobq.complete(conn, b2.lease, result="B's", now=at(15)) is not None
+    assert jobq.heartbeat(conn, worker="A", leases=[b.lease], lease_s=10, now=at(15)) == {b.id: "succeeded"}
+
+
+def test_completions_in_one_statement_are_fenced_one_by_one(conn):
+    for key in ("r1", "r2", "r3"):
+        accept(conn, owner_id="owner-1", request_key=key, kind="work", body={})
+    a1, a2, a3 = jobq.claim(conn, worker="A", takes=[Take("interactive", "owner-1", 3, jobq.NO_OWNER_LIMIT)],
+                            lease_s=10, now=at(0))
+    (b1,) = claim_next(conn, "B", now=at(10.5), lease_s=10)  # every lease expired; B takes a1 over
+    assert b1.id == a1.id
+    done = [jobq.Done(a.id, a.token, '"ok"') for a in (a1, a2, a3)]
+    assert jobq.complete_many(conn, worker="A", done=done, now=at(11)) == {}  # every lease ran out
+    (b2,) = claim_next(conn, "B", now=at(11), lease_s=10)
+    facts = jobq.complete_many(conn, worker="B", done=[jobq.Done(b1.id, b1.token, '{"n": 1}'),
+                                                         jobq.Done(b2.id, b2.token + 1, '"stale"')],
+                               now=at(12))
+    assert list(facts) == [b1.id] and facts[b1.id].attempts == 2
+    assert rows(conn.info.dsn, "SELECT id, status, result FROM jobs ORDER BY id") == [
+        (a1.id, "succeeded", {"n": 1}), (a2.id, "running", None), (a3.id, "queued", None)]

@@ -1,5 +1,6 @@
 """Issue 19: a job's statements in round trips on the real database.  A fenced transaction
-with one write costs three (BEGIN with the fence's lock, the write, COMMIT; before: four),
+with one write costs three (BEGIN with the fence's prepared lock in one simple query, the
+write, COMMIT; before: four; the first on a connection prepares the lock, one more),
 and a claim two (BEGIN with the owners' locks, the claim with COMMIT; before: four), or
 one when no owner limit can bind (the claim alone), still
 refusing a stale lease and leaving no transaction open either way."""
@@ -60,11 +61,15 @@ def test_a_fenced_transaction_with_one_write_costs_three_round_trips(conn, jobs_
     (job,) = jobq.claim(conn, worker="A", takes=[Take(queue="interactive", owner_id="o1", n=1, owner_limit=1)],
                         lease_s=10, now=at(1))
     ctx = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(2))
+    with RoundTrips(conn) as first, ctx.fenced_transaction() as tx:  # prepares the fence: once
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, job.token))
+    assert first.count == 4 and any("PREPARE" in text for text in first.sent)
     with RoundTrips(conn) as trips, ctx.fenced_transaction() as tx:
         tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, job.token))
-    assert trips.count == 3
+    assert trips.count == 3, trips.sent
+    assert not any("PREPARE" in text for text in trips.sent)
     assert conn.info.transaction_status == TransactionStatus.IDLE
-    assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)]
+    assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)] * 2
 
     late = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(20))  # the lease ran out
     with pytest.raises(LeaseLost), late.fenced_transaction() as tx:
@@ -76,7 +81,13 @@ def test_a_fenced_transaction_with_one_write_costs_three_round_trips(conn, jobs_
         tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, -2))
         tx.execute("INSERT INTO no_such_table VALUES (1)")
     assert conn.info.transaction_status == TransactionStatus.IDLE
-    assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)]
+    assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)] * 2
+
+    conn.execute("DEALLOCATE ALL")  # the prepared fence is gone: found out, prepared again
+    with RoundTrips(conn) as trips, ctx.fenced_transaction() as tx:
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, job.token))
+    assert trips.count == 6 and conn.info.transaction_status == TransactionStatus.IDLE
+    assert rows(jobs_db, "SELECT count(*) FROM rt_effects") == [(3,)]
 
 
 def test_a_claim_updates_by_primary_key_not_by_scanning_the_table(conn):
@@ -102,7 +113,25 @@ def test_without_pipeline_mode_a_fenced_transaction_and_a_claim_still_work(conn,
                                                            owner_limit=1)], lease_s=10, now=at(1))
     assert trips.count == 4
     ctx = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(2))
-    with RoundTrips(conn) as trips, ctx.fenced_transaction() as tx:
+    with RoundTrips(conn) as trips, ctx.fenced_transaction() as tx:  # the fence needs no pipeline
         tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, job.token))
-    assert trips.count == 4 and conn.info.transaction_status == TransactionStatus.IDLE
+    assert trips.count == 4 and conn.info.transaction_status == TransactionStatus.IDLE  # with PREPARE
+    assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)]
+
+
+def test_where_the_fence_cannot_stay_prepared_it_goes_in_a_pipeline(conn, jobs_db, monkeypatch):
+    """A pooler that moves sessions between servers loses prepared statements: the fence
+    falls back to BEGIN and the lock in a pipeline, fenced all the same."""
+    monkeypatch.setattr(jobq, "_prepare_fence", lambda conn: None)  # never really prepared
+    conn.execute("CREATE TABLE rt_effects (job_id bigint, token bigint)")
+    _enqueue(conn, 1)
+    (job,) = jobq.claim(conn, worker="A", takes=[Take(queue="interactive", owner_id="o1", n=1,
+                                                       owner_limit=1)], lease_s=10, now=at(1))
+    ctx = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(2))
+    with ctx.fenced_transaction() as tx:
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, job.token))
+    late = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(20))
+    with pytest.raises(LeaseLost), late.fenced_transaction() as tx:
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, -1))
+    assert conn.info.transaction_status == TransactionStatus.IDLE
     assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)]
