@@ -51,6 +51,8 @@ class JobContext:
         self._reason: str | None = None
         self._lock = threading.Lock()
         self._fenced_depth = 0
+        #: The handler succeeded and the pool writes the completion with its next round.
+        self.completing = False
 
     @property
     def conn(self) -> ConnectionT:

@@ -7,6 +7,11 @@ was cancelled because its lease was lost (or the run cancelled), nothing is
 written at all; every write is fenced anyway, and a write that matches no row
 is reported as ``lost``.  Database errors while writing are logged and left to
 the lease: the job is reaped and retried after it expires.
+
+A success can be handed to ``complete_later`` instead of being written here (the
+worker pool writes the successes of several jobs in one statement, see
+:meth:`~consumer_sdk.jobs.worker.WorkerPool.run_once`): the attempt's outcome is then
+``completing`` and its log line is written with the completion.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from psycopg.pq import TransactionStatus
 
 from consumer_sdk.errors import OutboxSdkError
 from consumer_sdk.jobs import queue, waits
+from consumer_sdk.jobs._db import to_json
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.errors import InvalidJob, PermanentJobError
 from consumer_sdk.jobs.metrics import JobsMetrics
@@ -30,6 +36,10 @@ from consumer_sdk.jobs.retry import Backoff, describe, verdict
 
 #: A handler: do the job's work for ``ctx``; return its result or a WaitFor, or raise.
 Handler = Callable[[JobContext], Any]
+
+#: Takes a success to write later (the attempt, its result as JSON text, the handler's
+#: duration); False when it cannot, and the executor writes it at once.
+CompleteLater = Callable[[JobContext, str, float], bool]
 
 #: Reasons for which the worker no longer has the right to write anything.
 NO_AUTHORITY = frozenset({"lease_lost", "lease_unconfirmed", "cancelled", "fence_ended"})
@@ -41,7 +51,8 @@ class Executor:
     def __init__(self, *, handlers: Mapping[str, Handler], backoff: Backoff, metrics: JobsMetrics,
                  log: Any, events_topic: str | None, db_now: Callable[[], datetime | None],
                  on_retry: Callable[[float], None] = lambda delay_s: None,
-                 rand: Callable[[], float] = random.random) -> None:
+                 rand: Callable[[], float] = random.random,
+                 complete_later: CompleteLater | None = None) -> None:
         self.handlers = handlers
         self.backoff = backoff
         self.metrics = metrics
@@ -50,6 +61,9 @@ class Executor:
         self.db_now = db_now
         self.on_retry = on_retry
         self.rand = rand
+        #: Successes go there unless terminal events are written (they need the job's own
+        #: transaction).
+        self.complete_later = complete_later if not events_topic else None
 
     def run(self, ctx: JobContext) -> Outcome:
         """Call the handler and write what it came to; returns what was written."""
@@ -58,6 +72,7 @@ class Executor:
                             token=job.token, trace_id=trace_id(job.traceparent))
         handler = self.handlers.get(job.kind)
         started = time.monotonic()
+        later: _Later | None = None
         try:
             if handler is None:
                 raise PermanentJobError(f"no handler is registered for kind {job.kind!r}")
@@ -67,10 +82,16 @@ class Executor:
             outcome = self._after_error(ctx, exc, log)
         else:
             _tidy(ctx)
-            outcome = self._after_return(ctx, value, log)
+            found = self._after_return(ctx, value, log)
+            later, outcome = (found, "completing") if isinstance(found, _Later) else (None, found)
         finally:
             elapsed = time.monotonic() - started
             self.metrics.handler_duration.labels(job.queue).observe(elapsed)
+        if later is not None:
+            assert self.complete_later is not None
+            if self.complete_later(ctx, later.result_json, elapsed):
+                return "completing"
+            outcome = self._write(ctx, log, lambda: self._complete(ctx, later.result_json))
         if outcome == "lost":
             self.metrics.leases_lost.labels(job.queue, ctx.cancel_reason or "write_refused").inc()
         log.info("job_attempt_finished", outcome=outcome, duration_s=round(elapsed, 4),
@@ -79,13 +100,16 @@ class Executor:
 
     # -- outcomes -----------------------------------------------------------------------
 
-    def _after_return(self, ctx: JobContext, value: Any, log: Any) -> Outcome:
+    def _after_return(self, ctx: JobContext, value: Any, log: Any) -> Outcome | _Later:
         if ctx.cancel_reason in NO_AUTHORITY:
             return "lost"
         try:
             if isinstance(value, WaitFor):
                 return self._write(ctx, log, lambda: self._park(ctx, value))
-            return self._write(ctx, log, lambda: self._complete(ctx, value))
+            result_json = to_json(value, what="result")
+            if self.complete_later is not None:
+                return _Later(result_json)
+            return self._write(ctx, log, lambda: self._complete(ctx, result_json))
         except InvalidJob as exc:  # the result or wait cannot be stored: it never will be
             return self._fail(ctx, "permanent_error", exc, log)
 
@@ -122,8 +146,8 @@ class Executor:
             log.warning("lease_lost", detail="a fenced write matched no row")
         return outcome
 
-    def _complete(self, ctx: JobContext, value: Any) -> Outcome:
-        facts = queue.complete(ctx.conn, ctx.lease, result=value, now=self.db_now(),
+    def _complete(self, ctx: JobContext, result_json: str) -> Outcome:
+        facts = queue.complete(ctx.conn, ctx.lease, result_json=result_json, now=self.db_now(),
                                events_topic=self.events_topic)
         if facts is None:
             return "lost"
@@ -159,6 +183,15 @@ class Executor:
 
     def _release(self, ctx: JobContext) -> Outcome:
         return "released" if queue.release(ctx.conn, ctx.lease, now=self.db_now()) else "lost"
+
+
+class _Later:
+    """A success to hand to ``complete_later``: its result, encoded."""
+
+    __slots__ = ("result_json",)
+
+    def __init__(self, result_json: str) -> None:
+        self.result_json = result_json
 
 
 def trace_id(traceparent: str | None) -> str | None:

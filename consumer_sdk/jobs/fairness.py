@@ -13,10 +13,11 @@ processes.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from consumer_sdk.jobs.model import Lane, Take
+from consumer_sdk.jobs.model import ClaimedJob, Lane, Take
 
 LaneKey = tuple[str, str]
 
@@ -110,3 +111,17 @@ class RoundRobin:
         if excess > 0:
             for key in list(self.last_served)[:excess]:
                 del self.last_served[key]
+
+
+def after_claim(lanes: list[Lane], takes: list[Take], claimed: list[ClaimedJob]) -> list[Lane]:
+    """The lanes as they stand after this claim; [] (read them again) when it got less than
+    planned: the lanes were stale, another worker was faster, or a limit bound."""
+    if len(claimed) < sum(take.n for take in takes):
+        return []
+    got = Counter((job.queue, job.owner_id) for job in claimed)
+    owners = Counter(job.owner_id for job in claimed)
+    # A new Lane only for the few lanes whose owner was served: this runs every round.
+    left = [lane if lane.owner_id not in owners else
+            Lane(queue=lane.queue, owner_id=lane.owner_id, ready=lane.ready - got.get((lane.queue, lane.owner_id), 0),
+                 running=lane.running + owners[lane.owner_id]) for lane in lanes]
+    return [lane for lane in left if lane.ready > 0]

@@ -24,7 +24,8 @@ TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 DeadReason = Literal["permanent_error", "attempts_exhausted", "lease_expired"]
 
 #: What a worker did with one claimed job.
-Outcome = Literal["succeeded", "retried", "failed", "waiting", "requeued", "released", "lost"]
+Outcome = Literal["succeeded", "retried", "failed", "waiting", "requeued", "released", "lost",
+                  "completing"]
 
 #: Well-known queues; any name matching ``[A-Za-z0-9_.:-]{1,64}`` works.
 INTERACTIVE = "interactive"

@@ -15,6 +15,7 @@ to the outbox in the same transaction (``events_topic``).
 from __future__ import annotations
 
 import functools
+import json
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -100,16 +101,30 @@ def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: flo
     serialize the count of an owner's running jobs under its limit; when no take has a
     limit that can bind (``owner_limit >= NO_OWNER_LIMIT``), the claim is one statement.
     """
+    return complete_and_claim(conn, worker=worker, done=(), takes=takes, lease_s=lease_s, now=now)[1]
+
+
+def complete_and_claim(conn: ConnectionT, *, worker: str, done: Sequence[Done], takes: Sequence[Take],
+                       lease_s: float, now: datetime | None = None
+                       ) -> tuple[dict[JobId, JobFacts], list[ClaimedJob]]:
+    """:func:`complete_many` and :func:`claim` in the claim's one statement.
+
+    A dispatcher writes the successes its pool collected since the last round and claims
+    for the free slots at once: one round trip without an owner limit, else two (the
+    owners' locks first), the completions in the claim's transaction.  Returns (the
+    completed jobs' facts, the claimed jobs).
+    """
+    takes = [t for t in takes if t.n > 0]
     if not takes:
-        return []
+        return complete_many(conn, worker=worker, done=done, now=now), []
     if conn.info.transaction_status != TransactionStatus.IDLE:
         raise RuntimeError("jobs.queue.claim() opens its own transaction: call it outside one")
     if all(t.owner_limit >= NO_OWNER_LIMIT for t in takes):
         # No owner limit can bind, so there is no count to serialize: the claim alone, one
         # statement and one round trip (SKIP LOCKED still keeps claimers off each other's rows).
         with translated():
-            rows = conn.execute(q("claim"), _claim_params(takes, worker, lease_s, now)).fetchall()
-        return [_claimed(row, worker) for row in rows]
+            rows = conn.execute(q("claim"), _claim_params(takes, done, worker, lease_s, now)).fetchall()
+        return _split(rows, worker)
     owners = sorted({t.owner_id for t in takes})
     # Two round trips: BEGIN with lock_owners, then claim with COMMIT (pipelines; the claim
     # must be a later statement than the locks, see jobs.sql).
@@ -119,12 +134,12 @@ def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: flo
                 conn.execute(q("claim_begin"))
                 locks = conn.execute(q("lock_owners"), {"owners": owners})
             locked = {r[0] for r in locks.fetchall()}
-            mine = [t for t in takes if t.owner_id in locked and t.n > 0]
-            if not mine:
+            mine = [t for t in takes if t.owner_id in locked]
+            if not mine and not done:
                 conn.rollback()
-                return []
+                return {}, []
             with pipelined(conn):
-                claimed = conn.execute(q("claim"), _claim_params(mine, worker, lease_s, now))
+                claimed = conn.execute(q("claim"), _claim_params(mine, done, worker, lease_s, now))
                 conn.execute(q("claim_commit"))
             rows = claimed.fetchall()
         except BaseException:
@@ -134,14 +149,31 @@ def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: flo
                 except psycopg.Error:
                     pass
             raise
-    return [_claimed(row, worker) for row in rows]
+    return _split(rows, worker)
 
 
-def _claim_params(takes: Sequence[Take], worker: str, lease_s: float, now: datetime | None) -> dict[str, Any]:
-    takes = [t for t in takes if t.n > 0]
-    return {"queues": [t.queue for t in takes], "owners": [t.owner_id for t in takes],
-            "wants": [t.n for t in takes], "limits": [t.owner_limit for t in takes],
-            "worker": worker, "lease_s": lease_s, "now": now}
+def _split(rows: Sequence[Sequence[Any]], worker: str) -> tuple[dict[JobId, JobFacts], list[ClaimedJob]]:
+    """The claim's rows: the completed jobs' facts, the claimed jobs."""
+    facts: dict[JobId, JobFacts] = {}
+    claimed: list[ClaimedJob] = []
+    for r in rows:
+        if r[0] == "claimed":
+            claimed.append(_claimed(r[1:], worker))
+        else:
+            facts[JobId(r[1])] = JobFacts(job_id=JobId(r[1]), run_id=r[2], queue=r[4], kind=r[5],
+                                          attempts=r[7], traceparent=r[10], tracestate=r[11], age_s=r[14])
+    return facts, claimed
+
+
+def _claim_params(takes: Sequence[Take], done: Sequence[Done], worker: str, lease_s: float,
+                  now: datetime | None) -> dict[str, Any]:
+    return {"takes": json.dumps([[t.queue, t.owner_id, t.n, t.owner_limit] for t in takes if t.n > 0]),
+            "done": _done_json(done), "worker": worker, "lease_s": lease_s, "now": now}
+
+
+def _done_json(done: Sequence[Done]) -> str:
+    """[[id, token, result], ...] with each result's JSON text as it is."""
+    return "[" + ",".join(f"[{int(d.job_id)},{int(d.token)},{d.result_json}]" for d in done) + "]"
 
 
 def _claimed(r: Sequence[Any], worker: str) -> ClaimedJob:
@@ -274,9 +306,11 @@ def results(conn: ConnectionT, job_id: JobId) -> dict[str, Any]:
 
 
 def complete(conn: ConnectionT, lease: Lease, *, result: Any = None, now: datetime | None = None,
-             events_topic: str | None = None) -> JobFacts | None:
-    """Mark the job succeeded with ``result``; None when the lease was lost."""
-    params = {**_fence(lease, now), "result": to_json(result, what="result")}
+             events_topic: str | None = None, result_json: str | None = None) -> JobFacts | None:
+    """Mark the job succeeded with ``result`` (or ``result_json``, already encoded); None when
+    the lease was lost."""
+    encoded = result_json if result_json is not None else to_json(result, what="result")
+    params = {**_fence(lease, now), "result": encoded}
     return _terminal(conn, "complete", params, lease.job_id, "job.succeeded", events_topic)
 
 
@@ -305,11 +339,16 @@ def complete_many(conn: ConnectionT, *, worker: str, done: Sequence[Done],
     """
     if not done:
         return {}
-    params = {"ids": [d.job_id for d in done], "tokens": [d.token for d in done],
-              "results": [d.result_json for d in done], "worker": worker, "now": now}
     with translated():
-        rows = conn.execute(q("complete_many"), params).fetchall()
-    return {JobId(r[0]): JobFacts(job_id=JobId(r[0]), queue=r[1], kind=r[2], run_id=r[3], attempts=r[4],
+        return _done_facts(conn.execute(q("complete_many"), _done_params(done, worker, now)).fetchall())
+
+
+def _done_params(done: Sequence[Done], worker: str, now: datetime | None) -> dict[str, Any]:
+    return {"done": _done_json(done), "worker": worker, "now": now}
+
+
+def _done_facts(rows: Sequence[Sequence[Any]]) -> dict[JobId, JobFacts]:
+    return {JobId(r[0]): JobFacts(job_id=JobId(r[0]), run_id=r[1], queue=r[2], kind=r[3], attempts=r[4],
                                   traceparent=r[5], tracestate=r[6], age_s=r[7]) for r in rows}
 
 

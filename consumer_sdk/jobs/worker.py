@@ -3,18 +3,22 @@
 Threads, each with its own connection:
 
 * the dispatcher: on a wake-up (NOTIFY, a relayed event via :meth:`WorkerPool.wake`,
-  a finished job while work is left, a retry falling due) or every
+  finished jobs while work is left, a retry falling due) or every
   ``poll_interval_s``, reaps expired leases (at most every quarter lease or poll
   interval), lists the ready lanes, plans with
-  :mod:`consumer_sdk.jobs.fairness` and claims in one short transaction; runs
+  :mod:`consumer_sdk.jobs.fairness` and claims in one short transaction, in the same
+  round trip as the completions of the jobs that succeeded since the last round; runs
   the reconciler every ``reconcile_interval_s``;
 * ``max_concurrency`` executors: one claimed job at a time, the handler on the
-  executor's connection (see :class:`~consumer_sdk.jobs.context.JobContext`);
-* the heartbeat: every ``heartbeat_interval_s``, renews the leases of every running job
-  in one statement; a job not renewed is cancelled cooperatively (its handler's
-  ``ctx.check()`` raises LeaseLost) and nothing more is written for it; when the
-  database cannot be reached, a job is cancelled once its local deadline passes;
+  executor's connection (see :class:`~consumer_sdk.jobs.context.JobContext`); a
+  success is handed to the dispatcher (its lease still held and renewed) and the slot
+  is free at once; every other outcome is written by the executor;
+* the heartbeat (:mod:`consumer_sdk.jobs.heartbeat`): every ``heartbeat_interval_s``,
+  renews every lease of the pool in one statement, cancels the attempts that lost one;
 * the listener (``listen=True``): LISTEN outbox_jobs, a wake-up per notification.
+
+Completions are written per round, not per job: see :mod:`consumer_sdk.jobs.completions`
+for what that means on a crash.
 
 No transaction is ever held while a handler runs, except the handler's own
 fenced transactions.  Lifecycle: :meth:`start`, :meth:`run_once` (one dispatch
@@ -30,7 +34,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from queue import SimpleQueue
 from typing import Any
@@ -40,12 +43,14 @@ import structlog
 from consumer_sdk.errors import FatalError, OutboxSdkError
 from consumer_sdk.jobs import queue as jobq
 from consumer_sdk.jobs._conn import ConnectionFactory, ConnSlot, connect_factory
+from consumer_sdk.jobs.completions import Completions
 from consumer_sdk.jobs.config import WorkerConfig
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.executor import Executor, Handler
-from consumer_sdk.jobs.fairness import RoundRobin, plan
+from consumer_sdk.jobs.fairness import RoundRobin, after_claim, plan
+from consumer_sdk.jobs.heartbeat import Heartbeat
 from consumer_sdk.jobs.metrics import JobsMetrics
-from consumer_sdk.jobs.model import ClaimedJob, JobId, Lane, Take
+from consumer_sdk.jobs.model import ClaimedJob, JobId, Lane
 from consumer_sdk.jobs.reconciler import Reconciler, record_reaped
 from consumer_sdk.jobs.wake import Listener
 from outbox_core.leases import local_deadline
@@ -54,6 +59,8 @@ _FINAL_GRACE_S = 5.0
 #: How long the dispatcher plans from the lanes it last read (updated by its own claims)
 #: before asking the database again; listing lanes is the costliest statement of a round.
 _LANES_TTL_S = 0.25
+#: A success waits at most this long for a round to write its completion.
+_COMPLETE_WITHIN_S = 0.02
 
 
 class WorkerPool:
@@ -76,18 +83,27 @@ class WorkerPool:
         self._rr = RoundRobin()
         self._executor = Executor(handlers=handlers, backoff=config.backoff, metrics=self.metrics,
                                   log=self.log, events_topic=config.events_topic, db_now=db_now,
-                                  on_retry=self._retry_scheduled, rand=rand)
+                                  on_retry=self._retry_scheduled, rand=rand,
+                                  complete_later=self._complete_later)
         self.reconciler = Reconciler(queues=config.queues, metrics=self.metrics, log=self.log,
                                      events_topic=config.events_topic, db_now=db_now)
+        self.outcomes: Counter[str] = Counter()
         self._lock = threading.Condition()
+        #: Every attempt whose lease this pool holds: running, or done and completing.
         self._running: dict[JobId, JobContext] = {}
+        #: Attempts running a handler, per queue (the slots taken), and in all.
         self._busy: Counter[str] = Counter()
+        self._executing = 0
+        #: Successes waiting for the next round (see _complete_later).
+        self._done = Completions(lock=self._lock, running=self._running, metrics=self.metrics, log=self.log,
+                                 outcomes=self.outcomes, clock=clock, within_s=_COMPLETE_WITHIN_S)
+        self._sleeping_until = 0.0  # when the dispatcher wakes up at the latest
+        self._dispatching = False  # the dispatcher loop runs (else executors complete their jobs)
         self._work: SimpleQueue[JobContext | None] = SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._hb_stop = threading.Event()
         self._dispatch_slot = ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms)
-        self._hb_slot = ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms)
         self._listener = Listener(self._connect, self.wake, log=self.log) if config.listen else None
         self._threads: dict[str, list[threading.Thread]] = {}
         self._next_reconcile = 0.0
@@ -95,8 +111,7 @@ class WorkerPool:
         self._lanes: list[Lane] = []
         self._lanes_until = 0.0
         self._lanes_stale = threading.Event()
-        #: Free slots that make a finished job wake the dispatcher (a quarter of the pool).
-        self._wake_free = max(1, config.max_concurrency // 4)
+        self._wake_free = max(1, config.max_concurrency // 4)  # free slots worth a round
         #: Expired leases are reaped at most this often (and by every reconcile): a lease
         #: expires by lease_duration_s, so a quarter of it delays a takeover by little.
         self._reap_interval_s = min(config.poll_interval_s, config.lease_duration_s / 4)
@@ -107,10 +122,10 @@ class WorkerPool:
         self._stopped = False
         #: The fatal error that stopped claiming (AuthenticationFailed, ...), else None.
         self.error: FatalError | None = None
-        self.outcomes: Counter[str] = Counter()
-        self._keepalive_pool = ThreadPoolExecutor(max_workers=max(1, min(4, config.max_concurrency)),
-                                                  thread_name_prefix="jobs-fence-keepalive")
-        self._keepalives: dict[JobId, Future[bool]] = {}
+        self._hb = Heartbeat(slot=ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms),
+                             worker_id=self.worker_id, lease_s=config.lease_duration_s,
+                             max_concurrency=config.max_concurrency, running=self.running, metrics=self.metrics,
+                             log=self.log, clock=clock, db_now=db_now)
         self.rounds = 0  # dispatch rounds completed (tests wait on it)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -123,7 +138,8 @@ class WorkerPool:
         self.metrics.workers_capacity.set(self.config.max_concurrency)
         self._threads["executor"] = [self._thread(self._executor_loop, f"jobs-exec-{i}")
                                      for i in range(self.config.max_concurrency)]
-        self._threads["heartbeat"] = [self._thread(self._heartbeat_loop, "jobs-heartbeat")]
+        self._threads["heartbeat"] = [self._thread(
+            lambda: self._hb.loop(self.config.heartbeat_every_s, self._hb_stop), "jobs-heartbeat")]
         self._threads["dispatch"] = [self._thread(self._dispatch_loop, "jobs-dispatch")]
         if self._listener is not None:
             self._listener.start()
@@ -136,8 +152,7 @@ class WorkerPool:
         return self._listener is not None and self._listener.connected.is_set()
 
     def _thread(self, target: Callable[[], None], name: str) -> threading.Thread:
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        thread.start()
+        (thread := threading.Thread(target=target, name=name, daemon=True)).start()
         return thread
 
     def wake(self, queue: str | None = None) -> None:
@@ -158,7 +173,7 @@ class WorkerPool:
         drain = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         if not self._wait_idle(drain):
             with self._lock:
-                left = list(self._running.values())
+                left = [ctx for ctx in self._running.values() if not ctx.completing]
             for ctx in left:
                 ctx.cancel("shutdown")
             self._wait_idle(_FINAL_GRACE_S)
@@ -166,18 +181,31 @@ class WorkerPool:
             self._work.put(None)
         for thread in self._threads.get("executor", []):
             thread.join(_FINAL_GRACE_S)
+        self._final_completions()
         self._hb_stop.set()
         for thread in self._threads.get("heartbeat", []):
             thread.join(_FINAL_GRACE_S)
         if self._listener is not None:
             self._listener.stop()
         self._dispatch_slot.close()
-        self._keepalive_pool.shutdown(wait=False, cancel_futures=True)
+        self._hb.close()
         self.log.info("pool_stopped", outcomes=dict(self.outcomes))
 
     def _wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no handler runs (successes may still wait for their completion)."""
         with self._lock:
-            return self._lock.wait_for(lambda: not self._running, timeout=timeout_s)
+            return self._lock.wait_for(lambda: self._executing == 0, timeout=timeout_s)
+
+    def _final_completions(self) -> None:
+        """On stop, after the executors: write the successes still waiting (a failure leaves
+        them to their leases: they run again, see consumer_sdk.jobs.completions)."""
+        for _ in range(3 if len(self._done) else 0):
+            try:
+                self._write_completions(self._dispatch_slot.get())
+                break
+            except OutboxSdkError as exc:
+                self.log.warning("completions_failed", error=str(exc), jobs=len(self._done))
+                self._dispatch_slot.close()
 
     # -- state ----------------------------------------------------------------------------
 
@@ -210,12 +238,12 @@ class WorkerPool:
             record_reaped(jobq.reap_expired(conn, now=self._db_now(),
                                             events_topic=self.config.events_topic),
                           self.metrics, self.log)
-        busy = self.busy_by_queue()
+        busy, claimed = self.busy_by_queue(), 0
         if self._stopping.is_set() or sum(busy.values()) >= self.config.max_concurrency:
             self._more_work = True
-            self.rounds += 1
-            return 0
-        claimed = self._claim(conn, busy)
+            self._write_completions(conn)  # a round without a claim still writes the successes
+        else:
+            claimed = self._claim(conn, busy)
         self.rounds += 1
         return claimed
 
@@ -235,11 +263,12 @@ class WorkerPool:
         takes = plan(lanes, queues=self.config.queues, busy=busy, limits=self._limits,
                      last_served=self._rr.last_served)
         sent_at = self._clock()
-        claimed = jobq.claim(conn, worker=self.worker_id, takes=takes, lease_s=self.config.lease_duration_s,
-                             now=self._db_now())
+        claimed = self._done.write_with(lambda done: jobq.complete_and_claim(
+            conn, worker=self.worker_id, done=done, takes=takes, lease_s=self.config.lease_duration_s,
+            now=self._db_now()))
         self._rr.record(dict.fromkeys((job.queue, job.owner_id) for job in claimed), sent_at)
         self._more_work = sum(lane.ready for lane in lanes) > len(claimed)
-        self._lanes = _after_claim(lanes, takes, claimed)
+        self._lanes = after_claim(lanes, takes, claimed)
         deadline = local_deadline(sent_at, self.config.lease_duration_s)
         for job in claimed:
             self._launch(job, deadline)
@@ -250,6 +279,7 @@ class WorkerPool:
         with self._lock:
             self._running[job.id] = ctx
             self._busy[job.queue] += 1
+            self._executing += 1
             busy = self._busy[job.queue]
         self.metrics.claimed.labels(job.queue).inc()
         self.metrics.workers_busy.labels(job.queue).set(busy)
@@ -257,6 +287,7 @@ class WorkerPool:
 
     def _dispatch_loop(self) -> None:
         pause_s = 0.1
+        self._dispatching = True
         while not self._stopping.is_set():
             self._wake.clear()
             try:
@@ -265,6 +296,7 @@ class WorkerPool:
             except FatalError as exc:  # rejected credentials, ...: a person has to act
                 self.error = exc
                 self.log.error("pool_failed", error=str(exc), error_type=type(exc).__name__)
+                self._dispatching = False  # running jobs write their own completions
                 self._stopping.set()
                 break
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything
@@ -275,14 +307,22 @@ class WorkerPool:
                 self._stopping.wait(pause_s)
                 pause_s = min(pause_s * 2, self.config.poll_interval_s)
                 continue
-            self._wake.wait(self._wait_s())
-        self._dispatch_slot.close()
+            with self._lock:  # against _complete_later: a success due sooner wakes us
+                wait_s = self._wait_s()
+                self._sleeping_until = self._clock() + wait_s
+            self._wake.wait(wait_s)
+        self._dispatching = False
+        if self.error is not None:
+            self._dispatch_slot.close()  # stop() writes what is left on it otherwise
 
     def _wait_s(self) -> float:
         now = self._clock()
         due = min(now + self.config.poll_interval_s, self._next_reconcile)
         if self._next_due is not None:
             due = min(due, self._next_due)
+        flush_due = self._done.due
+        if flush_due is not None:
+            due = min(due, flush_due)
         return max(0.0, due - now)
 
     def _retry_scheduled(self, delay_s: float) -> None:
@@ -313,86 +353,47 @@ class WorkerPool:
             self.outcomes["not_started"] += 1
             return
         try:
-            self.outcomes[self._executor.run(ctx)] += 1
+            outcome = self._executor.run(ctx)
+            if outcome != "completing":  # counted when written
+                self.outcomes[outcome] += 1
         except Exception:  # noqa: BLE001 - an executor thread must survive anything
             self.log.exception("job_executor_crashed", job_id=ctx.job.id)
 
     def _finish(self, ctx: JobContext) -> None:
+        self._hb.forget(ctx.job.id)
         with self._lock:
-            self._running.pop(ctx.job.id, None)
-            self._keepalives.pop(ctx.job.id, None)
+            if not ctx.completing:
+                self._running.pop(ctx.job.id, None)
             self._busy[ctx.job.queue] -= 1
+            self._executing -= 1
             busy = self._busy[ctx.job.queue]
-            free = self.config.max_concurrency - len(self._running)
+            free = self.config.max_concurrency - self._executing
             free_all = self.config.max_concurrency
             self._lock.notify_all()
         self.metrics.workers_busy.labels(ctx.job.queue).set(busy)
+        if self._stopping.is_set():
+            return
         # Claim for several free slots per round trip rather than one per finished job; never
-        # leave every slot idle waiting for that.
-        if self._more_work and not self._stopping.is_set() and (free >= self._wake_free or free == free_all):
+        # leave every slot idle waiting for that (nor a success, see _complete_later).
+        if (self._more_work or ctx.completing) and (free >= self._wake_free or free == free_all):
             self._wake.set()
 
-    # -- heartbeat ------------------------------------------------------------------------
+    # -- completions ----------------------------------------------------------------------
 
-    def _heartbeat_loop(self) -> None:
-        try:
-            while not self._hb_stop.wait(self.config.heartbeat_every_s):
-                self.heartbeat_once()
-        finally:
-            self._hb_slot.close()
+    def _complete_later(self, ctx: JobContext, result_json: str, duration_s: float) -> bool:
+        """The executor's success, written by the next round (False: write it yourself)."""
+        if not self._dispatching or self._stopping.is_set():
+            return False
+        with self._lock:  # the dispatcher computes its wait under it: it saw `due`, or we see its wait
+            if self._done.add(ctx, result_json, duration_s, wake_before=self._sleeping_until):
+                self._wake.set()
+        return True
+
+    def _write_completions(self, conn: Any) -> None:
+        if len(self._done):
+            self._done.write_with(lambda done: (jobq.complete_many(
+                conn, worker=self.worker_id, done=done, now=self._db_now()), None))
 
     def heartbeat_once(self) -> int:
         """Renew every running job's lease; cancel the attempts that lost it.  Returns how many."""
-        contexts = [c for c in self.running() if not c.cancelled or c.cancel_reason == "shutdown"]
-        if not contexts:
-            return 0
-        sent_at = self._clock()
-        try:
-            lost = jobq.heartbeat(self._hb_slot.get(), worker=self.worker_id,
-                                  leases=[c.lease for c in contexts], lease_s=self.config.lease_duration_s,
-                                  now=self._db_now())
-        except OutboxSdkError as exc:
-            self.metrics.heartbeat_failures.inc()
-            self.log.warning("heartbeat_failed", error=str(exc), jobs=len(contexts))
-            expired = [c for c in contexts if sent_at >= c.deadline]
-            return sum(self._lose(c, "lease_unconfirmed") for c in expired)
-        deadline = local_deadline(sent_at, self.config.lease_duration_s)
-        count = 0
-        for ctx in contexts:
-            if ctx.job.id in lost:
-                count += self._lose(ctx, "cancelled" if lost[ctx.job.id] == "cancelled" else "lease_lost")
-            else:
-                ctx.deadline = deadline
-                self._keep_fence_alive(ctx)
-        return count
-
-    def _keep_fence_alive(self, ctx: JobContext) -> None:
-        """The lease was renewed: let the job's open fenced transaction live on (off this thread,
-        which must never wait for a handler's statement)."""
-        if not ctx.in_fenced_transaction:
-            return
-        with self._lock:
-            pending = self._keepalives.get(ctx.job.id)
-            if pending is not None and not pending.done():
-                return
-            self._keepalives[ctx.job.id] = self._keepalive_pool.submit(ctx.keep_fence_alive)
-
-    def _lose(self, ctx: JobContext, reason: str) -> int:
-        if not ctx.cancel(reason):
-            return 0
-        self.log.warning("lease_lost", job_id=ctx.job.id, token=ctx.job.token, reason=reason)
-        return 1
-
-
-def _after_claim(lanes: list[Lane], takes: list[Take], claimed: list[ClaimedJob]) -> list[Lane]:
-    """The lanes as they stand after this claim; [] (read them again) when it got less than
-    planned: the lanes were stale, another worker was faster, or a limit bound."""
-    if len(claimed) < sum(take.n for take in takes):
-        return []
-    got = Counter((job.queue, job.owner_id) for job in claimed)
-    owners = Counter(job.owner_id for job in claimed)
-    # A new Lane only for the few lanes whose owner was served: this runs every round.
-    left = [lane if lane.owner_id not in owners else
-            Lane(queue=lane.queue, owner_id=lane.owner_id, ready=lane.ready - got.get((lane.queue, lane.owner_id), 0),
-                 running=lane.running + owners[lane.owner_id]) for lane in lanes]
-    return [lane for lane in left if lane.ready > 0]
+        return self._hb.once()

@@ -17,7 +17,7 @@ from consumer_sdk.jobs import LeaseLost, NewJob, enqueue
 from consumer_sdk.jobs import queue as jobq
 from consumer_sdk.jobs._db import q
 from consumer_sdk.jobs.context import JobContext
-from consumer_sdk.jobs.model import Take
+from consumer_sdk.jobs.model import JobId, Take, Token
 from tests.integration.jobs._support import at, rows
 from tests.integration.sdk._support import RoundTrips
 
@@ -96,11 +96,17 @@ def test_a_claim_updates_by_primary_key_not_by_scanning_the_table(conn):
     enqueue(conn, [NewJob(owner_id=f"o{i % 50}", queue="bulk", kind="work", payload={"i": i})
                    for i in range(5000)], now=at(0))
     conn.execute("ANALYZE jobs")
-    params = {"queues": ["bulk"] * 3, "owners": ["o1", "o2", "o3"], "wants": [1, 1, 1],
-              "limits": [jobq.NO_OWNER_LIMIT] * 3, "worker": "A", "lease_s": 10.0, "now": at(1)}
+    takes = [Take("bulk", owner, 1, jobq.NO_OWNER_LIMIT) for owner in ("o1", "o2", "o3")]
+    done = [jobq.Done(JobId(i), Token(1), "null") for i in (1, 2)]
+    params = jobq._claim_params(takes, done, "A", 10.0, at(1))
     plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + q("claim"), params).fetchall())  # claims nothing
     assert "Seq Scan on jobs" not in plan, plan
     assert "jobs_pkey" in plan, plan
+    # The completions (in the claim, or alone) probe an index too: the primary key or the
+    # small one of running jobs, never every job kept.
+    plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + q("complete_many"),
+                                                 jobq._done_params(done, "A", at(1))).fetchall())
+    assert "Seq Scan on jobs" not in plan and ("jobs_pkey" in plan or "jobs_running_idx" in plan), plan
 
 
 def test_without_pipeline_mode_a_fenced_transaction_and_a_claim_still_work(conn, jobs_db, monkeypatch):

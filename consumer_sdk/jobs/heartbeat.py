@@ -1,0 +1,101 @@
+"""A worker pool's heartbeat: every running attempt's lease renewed in one statement.
+
+Every ``heartbeat_interval_s`` the pool's heartbeat thread calls :meth:`Heartbeat.once`:
+one statement renews the leases of every attempt the pool holds (running a handler, or
+succeeded and waiting for its completion).  An attempt not renewed is cancelled
+cooperatively (its handler's ``ctx.check()`` raises LeaseLost) and nothing more is
+written for it; when the database cannot be reached, an attempt is cancelled once its
+local deadline passes.  A renewed attempt inside a fenced transaction gets a keep-alive
+on its own connection (off this thread, which must never wait for a handler's statement).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
+from typing import Any
+
+from consumer_sdk.errors import OutboxSdkError
+from consumer_sdk.jobs import queue as jobq
+from consumer_sdk.jobs._conn import ConnSlot
+from consumer_sdk.jobs.context import JobContext
+from consumer_sdk.jobs.metrics import JobsMetrics
+from consumer_sdk.jobs.model import JobId
+from outbox_core.leases import local_deadline
+
+
+class Heartbeat:
+    """Renews the leases of ``running()``; owns its connection and the keep-alive threads."""
+
+    def __init__(self, *, slot: ConnSlot, worker_id: str, lease_s: float, max_concurrency: int,
+                 running: Callable[[], list[JobContext]], metrics: JobsMetrics, log: Any,
+                 clock: Callable[[], float], db_now: Callable[[], datetime | None]) -> None:
+        self._slot = slot
+        self.worker_id = worker_id
+        self.lease_s = lease_s
+        self._running = running
+        self.metrics = metrics
+        self.log = log
+        self._clock = clock
+        self._db_now = db_now
+        self._lock = threading.Lock()
+        self._keepalive_pool = ThreadPoolExecutor(max_workers=max(1, min(4, max_concurrency)),
+                                                  thread_name_prefix="jobs-fence-keepalive")
+        self._keepalives: dict[JobId, Future[bool]] = {}
+
+    def loop(self, every_s: float, stop: threading.Event) -> None:
+        try:
+            while not stop.wait(every_s):
+                self.once()
+        finally:
+            self._slot.close()
+
+    def close(self) -> None:
+        self._keepalive_pool.shutdown(wait=False, cancel_futures=True)
+
+    def forget(self, job_id: JobId) -> None:
+        """The attempt's handler ended: no keep-alive is pending for it any more."""
+        with self._lock:
+            self._keepalives.pop(job_id, None)
+
+    def once(self) -> int:
+        """Renew every running job's lease; cancel the attempts that lost it.  Returns how many."""
+        contexts = [c for c in self._running() if not c.cancelled or c.cancel_reason == "shutdown"]
+        if not contexts:
+            return 0
+        sent_at = self._clock()
+        try:
+            lost = jobq.heartbeat(self._slot.get(), worker=self.worker_id, leases=[c.lease for c in contexts],
+                                  lease_s=self.lease_s, now=self._db_now())
+        except OutboxSdkError as exc:
+            self.metrics.heartbeat_failures.inc()
+            self.log.warning("heartbeat_failed", error=str(exc), jobs=len(contexts))
+            expired = [c for c in contexts if sent_at >= c.deadline]
+            return sum(self._lose(c, "lease_unconfirmed") for c in expired)
+        deadline = local_deadline(sent_at, self.lease_s)
+        count = 0
+        for ctx in contexts:
+            if ctx.job.id in lost:
+                count += self._lose(ctx, "cancelled" if lost[ctx.job.id] == "cancelled" else "lease_lost")
+            else:
+                ctx.deadline = deadline
+                self._keep_fence_alive(ctx)
+        return count
+
+    def _keep_fence_alive(self, ctx: JobContext) -> None:
+        """The lease was renewed: let the job's open fenced transaction live on."""
+        if not ctx.in_fenced_transaction:
+            return
+        with self._lock:
+            pending = self._keepalives.get(ctx.job.id)
+            if pending is not None and not pending.done():
+                return
+            self._keepalives[ctx.job.id] = self._keepalive_pool.submit(ctx.keep_fence_alive)
+
+    def _lose(self, ctx: JobContext, reason: str) -> int:
+        if not ctx.cancel(reason):
+            return 0
+        self.log.warning("lease_lost", job_id=ctx.job.id, token=ctx.job.token, reason=reason)
+        return 1
