@@ -86,7 +86,7 @@ class Executor:
             later, outcome = (found, "completing") if isinstance(found, _Later) else (None, found)
         finally:
             elapsed = time.monotonic() - started
-            self.metrics.handler_duration.labels(job.queue).observe(elapsed)
+            self.metrics.per_queue(job.queue)[2].observe(elapsed)
         if later is not None:
             assert self.complete_later is not None
             if self.complete_later(ctx, later.result_json, elapsed):

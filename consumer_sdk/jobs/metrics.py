@@ -9,6 +9,8 @@ a worker really saw (a lost lease).
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 AGE_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600)
@@ -66,10 +68,31 @@ class JobsMetrics:
         self.waiting = Gauge("outbox_jobs_waiting", "Jobs parked in 'waiting'.", ["queue"], registry=r)
         self.heartbeat_failures = Counter(
             "outbox_jobs_heartbeat_failures", "Heartbeats that failed to reach the database.", registry=r)
+        # Children looked up once (labels are bounded: queues and statuses; never removed).
+        self._per_queue: dict[str, tuple[Any, Any, Any]] = {}
+        self._per_terminal: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def observe_terminal(self, queue: str, status: str, *, age_s: float | None, attempts: int) -> None:
         """A job reached ``status`` (succeeded, failed, cancelled) ``age_s`` after it was accepted."""
-        self.finished.labels(queue, status).inc()
+        finished, age, tries = self._terminal(queue, status)
+        finished.inc()
         if age_s is not None:
-            self.accept_to_terminal.labels(queue, status).observe(max(0.0, age_s))
-        self.attempts.labels(queue).observe(attempts)
+            age.observe(max(0.0, age_s))
+        tries.observe(attempts)
+
+    def per_queue(self, queue: str) -> tuple[Any, Any, Any]:
+        """(claimed, workers_busy, handler_duration) of ``queue``: the children a pool updates
+        for every job, looked up once (``labels()`` takes a lock and builds a key each call)."""
+        found = self._per_queue.get(queue)
+        if found is None:
+            found = self._per_queue[queue] = (self.claimed.labels(queue), self.workers_busy.labels(queue),
+                                              self.handler_duration.labels(queue))
+        return found
+
+    def _terminal(self, queue: str, status: str) -> tuple[Any, Any, Any]:
+        found = self._per_terminal.get((queue, status))
+        if found is None:
+            found = self._per_terminal[(queue, status)] = (
+                self.finished.labels(queue, status), self.accept_to_terminal.labels(queue, status),
+                self.attempts.labels(queue))
+        return found

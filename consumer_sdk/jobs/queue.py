@@ -123,7 +123,7 @@ def complete_and_claim(conn: ConnectionT, *, worker: str, done: Sequence[Done], 
         # No owner limit can bind, so there is no count to serialize: the claim alone, one
         # statement and one round trip (SKIP LOCKED still keeps claimers off each other's rows).
         with translated():
-            rows = conn.execute(q("claim"), _claim_params(takes, done, worker, lease_s, now)).fetchall()
+            rows = conn.execute(_bare("claim"), _claim_params(takes, done, worker, lease_s, now)).fetchall()
         return _split(rows, worker)
     owners = sorted({t.owner_id for t in takes})
     # Two round trips: BEGIN with lock_owners, then claim with COMMIT (pipelines; the claim
@@ -139,7 +139,7 @@ def complete_and_claim(conn: ConnectionT, *, worker: str, done: Sequence[Done], 
                 conn.rollback()
                 return {}, []
             with pipelined(conn):
-                claimed = conn.execute(q("claim"), _claim_params(mine, done, worker, lease_s, now))
+                claimed = conn.execute(_bare("claim"), _claim_params(mine, done, worker, lease_s, now))
                 conn.execute(q("claim_commit"))
             rows = claimed.fetchall()
         except BaseException:
@@ -281,7 +281,8 @@ def _prepare_fence(conn: ConnectionT) -> None:
 
 @functools.cache
 def _bare(name: str) -> str:
-    """A named block without its comment lines: sent as text on every call."""
+    """A named block without its comment lines: sent as text on every call (and the claim
+    is longer than the 4 kB up to which psycopg caches a query's parsing)."""
     return "\n".join(line for line in q(name).splitlines() if not line.lstrip().startswith("--"))
 
 
@@ -340,7 +341,7 @@ def complete_many(conn: ConnectionT, *, worker: str, done: Sequence[Done],
     if not done:
         return {}
     with translated():
-        return _done_facts(conn.execute(q("complete_many"), _done_params(done, worker, now)).fetchall())
+        return _done_facts(conn.execute(_bare("complete_many"), _done_params(done, worker, now)).fetchall())
 
 
 def _done_params(done: Sequence[Done], worker: str, now: datetime | None) -> dict[str, Any]:

@@ -269,21 +269,25 @@ class WorkerPool:
         self._rr.record(dict.fromkeys((job.queue, job.owner_id) for job in claimed), sent_at)
         self._more_work = sum(lane.ready for lane in lanes) > len(claimed)
         self._lanes = after_claim(lanes, takes, claimed)
-        deadline = local_deadline(sent_at, self.config.lease_duration_s)
-        for job in claimed:
-            self._launch(job, deadline)
+        if claimed:
+            self._launch(claimed, local_deadline(sent_at, self.config.lease_duration_s))
         return len(claimed)
 
-    def _launch(self, job: ClaimedJob, deadline: float) -> None:
-        ctx = JobContext(job, deadline=deadline, db_now=self._db_now)
+    def _launch(self, claimed: list[ClaimedJob], deadline: float) -> None:
+        contexts = [JobContext(job, deadline=deadline, db_now=self._db_now) for job in claimed]
+        queues = Counter(job.queue for job in claimed)
         with self._lock:
-            self._running[job.id] = ctx
-            self._busy[job.queue] += 1
-            self._executing += 1
-            busy = self._busy[job.queue]
-        self.metrics.claimed.labels(job.queue).inc()
-        self.metrics.workers_busy.labels(job.queue).set(busy)
-        self._work.put(ctx)
+            for ctx in contexts:
+                self._running[ctx.job.id] = ctx
+            self._busy.update(queues)
+            self._executing += len(contexts)
+            busy = {queue: self._busy[queue] for queue in queues}
+        for queue, n in queues.items():
+            claimed_total, workers_busy, _ = self.metrics.per_queue(queue)
+            claimed_total.inc(n)
+            workers_busy.set(busy[queue])
+        for ctx in contexts:
+            self._work.put(ctx)
 
     def _dispatch_loop(self) -> None:
         pause_s = 0.1
@@ -316,14 +320,10 @@ class WorkerPool:
             self._dispatch_slot.close()  # stop() writes what is left on it otherwise
 
     def _wait_s(self) -> float:
+        """Until the next poll, reconcile, retry due or completion due, whichever comes first."""
         now = self._clock()
-        due = min(now + self.config.poll_interval_s, self._next_reconcile)
-        if self._next_due is not None:
-            due = min(due, self._next_due)
-        flush_due = self._done.due
-        if flush_due is not None:
-            due = min(due, flush_due)
-        return max(0.0, due - now)
+        dues = (now + self.config.poll_interval_s, self._next_reconcile, self._next_due, self._done.due)
+        return max(0.0, min(due for due in dues if due is not None) - now)
 
     def _retry_scheduled(self, delay_s: float) -> None:
         due = self._clock() + delay_s
@@ -370,7 +370,7 @@ class WorkerPool:
             free = self.config.max_concurrency - self._executing
             free_all = self.config.max_concurrency
             self._lock.notify_all()
-        self.metrics.workers_busy.labels(ctx.job.queue).set(busy)
+        self.metrics.per_queue(ctx.job.queue)[1].set(busy)
         if self._stopping.is_set():
             return
         # Claim for several free slots per round trip rather than one per finished job; never
