@@ -27,7 +27,12 @@ Workers (``--jobs`` trivial jobs; the handler writes one row):
 * naive: ``--threads`` threads, each looping claim one (SKIP LOCKED, running, token + 1),
   write one row, set succeeded: three statements a job;
 * WorkerPool with ``max_concurrency=--threads``, the row written through
-  ``ctx.fenced_transaction()``.
+  ``ctx.fenced_transaction()``; the bench checks its progress every 20 ms (its own
+  polling took ~10 % of the process's CPU at 5 ms), so a run may end up to 20 ms late.
+
+Each round runs both worker variants back to back: the report gives the ratio of every
+round (``worker_pool_vs_naive_per_run``) besides the medians, and the pool's jobs per
+dispatcher round (``jobs_per_claim_round``).
 
 The last line on stdout is the JSON report (also written to ``--json``).
 """
@@ -272,10 +277,10 @@ def sdk_workers(dsn: str, *, queue: str, threads: int, count: int) -> dict[str, 
     pool = WorkerPool(config, {"bench": handler})
     with Measure() as m:
         pool.start()
-        while pool.outcomes["succeeded"] < count:  # a Counter the executors update: cheap to read
-            time.sleep(0.005)
+        while pool.outcomes["succeeded"] < count:  # a Counter the pool updates: cheap to read
+            time.sleep(0.02)
     pool.stop()
-    return m.figures(count)
+    return {**m.figures(count), "jobs_per_round": count / max(1, pool.rounds)}
 
 
 def jobs_round(args: argparse.Namespace, dsn: str, run: int, results: dict[str, list[dict[str, float]]]) -> None:
@@ -293,7 +298,8 @@ def jobs_round(args: argparse.Namespace, dsn: str, run: int, results: dict[str, 
             conn.execute(q("vacuum_jobs"))
         figures = call(queue)
         results.setdefault(name, []).append(figures)
-        print(f"  run {run + 1} {name:13} {figures['rate']:10.0f} jobs/s {figures['cpu_us']:7.1f} us CPU/job",
+        extra = f" {figures['jobs_per_round']:5.1f} jobs/round" if "jobs_per_round" in figures else ""
+        print(f"  run {run + 1} {name:13} {figures['rate']:10.0f} jobs/s {figures['cpu_us']:7.1f} us CPU/job{extra}",
               flush=True)
 
 
@@ -316,6 +322,12 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, float]
         "inbox_batch_bh_redelivered_vs_naive": ratio("inbox_batch_bh_redelivered", "naive_redelivered"),
         "worker_pool_vs_naive": ratio("worker_pool", "naive_workers"),
     }
+    if "worker_pool" in results and "naive_workers" in results:
+        report["ratios"]["worker_pool_vs_naive_per_run"] = [
+            round(p["rate"] / n["rate"], 3) for p, n in zip(results["worker_pool"], results["naive_workers"],
+                                                             strict=True)]
+        report["jobs_per_claim_round"] = round(statistics.median(
+            r["jobs_per_round"] for r in results["worker_pool"]), 1)
     return report
 
 

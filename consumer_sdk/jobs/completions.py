@@ -119,4 +119,3 @@ class Completions:
         with self._lock:
             for p in pending:
                 self._running.pop(p.ctx.job.id, None)
-            self._lock.notify_all()

@@ -98,6 +98,13 @@ class Executor:
                  reason=ctx.cancel_reason)
         return outcome
 
+    def give_back(self, ctx: JobContext) -> Outcome:
+        """A job cancelled before its handler started: released when the pool stops (the
+        attempt not counted), else lost (its lease is gone: nothing is written)."""
+        if ctx.cancel_reason != "shutdown":
+            return "lost"
+        return self._write(ctx, self.log.bind(job_id=ctx.job.id), lambda: self._release(ctx))
+
     # -- outcomes -----------------------------------------------------------------------
 
     def _after_return(self, ctx: JobContext, value: Any, log: Any) -> Outcome | _Later:

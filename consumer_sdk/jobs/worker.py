@@ -9,7 +9,8 @@ Threads, each with its own connection:
   :mod:`consumer_sdk.jobs.fairness` and claims in one short transaction, in the same
   round trip as the completions of the jobs that succeeded since the last round; runs
   the reconciler every ``reconcile_interval_s``;
-* ``max_concurrency`` executors: one claimed job at a time, the handler on the
+* ``max_concurrency`` executors: one claimed job at a time, from the pool's line
+  (:mod:`consumer_sdk.jobs.line`: short jobs are claimed ahead), the handler on the
   executor's connection (see :class:`~consumer_sdk.jobs.context.JobContext`); a
   success is handed to the dispatcher (its lease still held and renewed) and the slot
   is free at once; every other outcome is written by the executor;
@@ -35,7 +36,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from queue import SimpleQueue
 from typing import Any
 
 import structlog
@@ -49,6 +49,7 @@ from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.executor import Executor, Handler
 from consumer_sdk.jobs.fairness import RoundRobin, after_claim, plan
 from consumer_sdk.jobs.heartbeat import Heartbeat
+from consumer_sdk.jobs.line import Line
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import ClaimedJob, JobId, Lane
 from consumer_sdk.jobs.reconciler import Reconciler, record_reaped
@@ -88,18 +89,16 @@ class WorkerPool:
         self.reconciler = Reconciler(queues=config.queues, metrics=self.metrics, log=self.log,
                                      events_topic=config.events_topic, db_now=db_now)
         self.outcomes: Counter[str] = Counter()
-        self._lock = threading.Condition()
-        #: Every attempt whose lease this pool holds: running, or done and completing.
+        lock = threading.RLock()
+        self._lock = threading.Condition(lock)  # stop() waits on it for an idle line
+        #: Every attempt whose lease this pool holds: lined up, running, or completing.
         self._running: dict[JobId, JobContext] = {}
-        #: Attempts running a handler, per queue (the slots taken), and in all.
-        self._busy: Counter[str] = Counter()
-        self._executing = 0
+        self._line = Line(queues=config.queues, limits=config.limits, ready=threading.Condition(lock))
         #: Successes waiting for the next round (see _complete_later).
         self._done = Completions(lock=self._lock, running=self._running, metrics=self.metrics, log=self.log,
                                  outcomes=self.outcomes, clock=clock, within_s=_COMPLETE_WITHIN_S)
         self._sleeping_until = 0.0  # when the dispatcher wakes up at the latest
         self._dispatching = False  # the dispatcher loop runs (else executors complete their jobs)
-        self._work: SimpleQueue[JobContext | None] = SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._hb_stop = threading.Event()
@@ -175,10 +174,10 @@ class WorkerPool:
             with self._lock:
                 left = [ctx for ctx in self._running.values() if not ctx.completing]
             for ctx in left:
-                ctx.cancel("shutdown")
+                ctx.cancel("shutdown")  # lined-up jobs are given back without running
             self._wait_idle(_FINAL_GRACE_S)
-        for _ in self._threads.get("executor", []):
-            self._work.put(None)
+        with self._lock:
+            self._line.close()
         for thread in self._threads.get("executor", []):
             thread.join(_FINAL_GRACE_S)
         self._final_completions()
@@ -192,9 +191,9 @@ class WorkerPool:
         self.log.info("pool_stopped", outcomes=dict(self.outcomes))
 
     def _wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no handler runs (successes may still wait for their completion)."""
+        """Wait until no job waits or runs (successes may still wait for their completion)."""
         with self._lock:
-            return self._lock.wait_for(lambda: self._executing == 0, timeout=timeout_s)
+            return self._lock.wait_for(lambda: self._line.total == 0, timeout=timeout_s)
 
     def _final_completions(self) -> None:
         """On stop, after the executors: write the successes still waiting (a failure leaves
@@ -211,7 +210,7 @@ class WorkerPool:
 
     def busy_by_queue(self) -> dict[str, int]:
         with self._lock:
-            return {q: n for q, n in self._busy.items() if n > 0}
+            return {q: n for q, n in self._line.running.items() if n > 0}
 
     def running(self) -> list[JobContext]:
         with self._lock:
@@ -238,12 +237,13 @@ class WorkerPool:
             record_reaped(jobq.reap_expired(conn, now=self._db_now(),
                                             events_topic=self.config.events_topic),
                           self.metrics, self.log)
-        busy, claimed = self.busy_by_queue(), 0
-        if self._stopping.is_set() or sum(busy.values()) >= self.config.max_concurrency:
+        with self._lock:
+            held, full, claimed = dict(self._line.held), self._line.total >= self._line.capacity, 0
+        if self._stopping.is_set() or full:
             self._more_work = True
             self._write_completions(conn)  # a round without a claim still writes the successes
         else:
-            claimed = self._claim(conn, busy)
+            claimed = self._claim(conn, held)
         self.rounds += 1
         return claimed
 
@@ -258,10 +258,10 @@ class WorkerPool:
             self._lanes_until = now + min(_LANES_TTL_S, self.config.poll_interval_s)
         return self._lanes
 
-    def _claim(self, conn: Any, busy: dict[str, int]) -> int:
+    def _claim(self, conn: Any, held: dict[str, int]) -> int:
         lanes = self._ready_lanes(conn)
-        takes = plan(lanes, queues=self.config.queues, busy=busy, limits=self._limits,
-                     last_served=self._rr.last_served)
+        takes = plan(lanes, queues=self.config.queues, busy=held, limits=self._line.ahead if self._line.depth
+                     else self._limits, last_served=self._rr.last_served)
         sent_at = self._clock()
         claimed = self._done.write_with(lambda done: jobq.complete_and_claim(
             conn, worker=self.worker_id, done=done, takes=takes, lease_s=self.config.lease_duration_s,
@@ -275,19 +275,12 @@ class WorkerPool:
 
     def _launch(self, claimed: list[ClaimedJob], deadline: float) -> None:
         contexts = [JobContext(job, deadline=deadline, db_now=self._db_now) for job in claimed]
-        queues = Counter(job.queue for job in claimed)
         with self._lock:
             for ctx in contexts:
                 self._running[ctx.job.id] = ctx
-            self._busy.update(queues)
-            self._executing += len(contexts)
-            busy = {queue: self._busy[queue] for queue in queues}
-        for queue, n in queues.items():
-            claimed_total, workers_busy, _ = self.metrics.per_queue(queue)
-            claimed_total.inc(n)
-            workers_busy.set(busy[queue])
-        for ctx in contexts:
-            self._work.put(ctx)
+            self._line.add(contexts)
+        for queue, n in Counter(job.queue for job in claimed).items():
+            self.metrics.per_queue(queue)[0].inc(n)
 
     def _dispatch_loop(self) -> None:
         pause_s = 0.1
@@ -336,14 +329,18 @@ class WorkerPool:
     def _executor_loop(self) -> None:
         with ConnSlot(self._connect, idle_ms=self.config.idle_in_transaction_ms) as slot:
             while True:
-                ctx = self._work.get()
+                with self._lock:
+                    ctx = self._line.take()
+                    busy = self._line.running[ctx.job.queue] if ctx is not None else 0
                 if ctx is None:
                     return
+                self.metrics.per_queue(ctx.job.queue)[1].set(busy)
+                started = time.monotonic()
                 try:
                     self._execute(ctx, slot)
                 finally:
                     slot.tidy()
-                    self._finish(ctx)
+                    self._finish(ctx, time.monotonic() - started)
 
     def _execute(self, ctx: JobContext, slot: ConnSlot) -> None:
         try:
@@ -353,32 +350,28 @@ class WorkerPool:
             self.outcomes["not_started"] += 1
             return
         try:
-            outcome = self._executor.run(ctx)
+            outcome = self._executor.give_back(ctx) if ctx.cancelled else self._executor.run(ctx)
             if outcome != "completing":  # counted when written
                 self.outcomes[outcome] += 1
         except Exception:  # noqa: BLE001 - an executor thread must survive anything
             self.log.exception("job_executor_crashed", job_id=ctx.job.id)
 
-    def _finish(self, ctx: JobContext) -> None:
+    def _finish(self, ctx: JobContext, duration_s: float) -> None:
         self._hb.forget(ctx.job.id)
         with self._lock:
             if not ctx.completing:
                 self._running.pop(ctx.job.id, None)
-            self._busy[ctx.job.queue] -= 1
-            self._executing -= 1
-            busy = self._busy[ctx.job.queue]
-            free = self.config.max_concurrency - self._executing
-            free_all = self.config.max_concurrency
-            self._lock.notify_all()
+            self._line.done(ctx, duration_s)
+            busy, free, idle = self._line.running[ctx.job.queue], self._line.capacity - self._line.total, \
+                self._line.total == 0
+            # A round for several free places rather than one per finished job (with a line:
+            # when half of it is gone); never leave every slot idle (nor a success) waiting.
+            enough = free >= (self.config.max_concurrency if self._line.depth else self._wake_free)
+            if idle:
+                self._lock.notify_all()
         self.metrics.per_queue(ctx.job.queue)[1].set(busy)
-        if self._stopping.is_set():
-            return
-        # Claim for several free slots per round trip rather than one per finished job; never
-        # leave every slot idle waiting for that (nor a success, see _complete_later).
-        if (self._more_work or ctx.completing) and (free >= self._wake_free or free == free_all):
+        if not self._stopping.is_set() and (self._more_work or ctx.completing) and (enough or idle):
             self._wake.set()
-
-    # -- completions ----------------------------------------------------------------------
 
     def _complete_later(self, ctx: JobContext, result_json: str, duration_s: float) -> bool:
         """The executor's success, written by the next round (False: write it yourself)."""
