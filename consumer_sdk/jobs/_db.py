@@ -48,6 +48,8 @@ def translated() -> Iterator[None]:
 
 def to_json(value: Any, *, what: str = "value") -> str:
     """Compact JSON text for a jsonb parameter; :class:`InvalidJob` when not encodable."""
+    if value is None:  # most handlers return nothing: no encoder for that
+        return "null"
     try:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:

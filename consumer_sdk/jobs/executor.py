@@ -68,8 +68,7 @@ class Executor:
     def run(self, ctx: JobContext) -> Outcome:
         """Call the handler and write what it came to; returns what was written."""
         job = ctx.job
-        log = self.log.bind(job_id=job.id, queue=job.queue, kind=job.kind, attempt=job.attempts,
-                            token=job.token, trace_id=trace_id(job.traceparent))
+        log = _JobLog(self.log, job)  # bound on first use: a success handed on logs nothing here
         handler = self.handlers.get(job.kind)
         started = time.monotonic()
         later: _Later | None = None
@@ -190,6 +189,22 @@ class Executor:
 
     def _release(self, ctx: JobContext) -> Outcome:
         return "released" if queue.release(ctx.conn, ctx.lease, now=self.db_now()) else "lost"
+
+
+class _JobLog:
+    """The executor's logger bound to one job's fields, bound only when something is logged."""
+
+    __slots__ = ("_base", "_job", "_bound")
+
+    def __init__(self, base: Any, job: Any) -> None:
+        self._base, self._job, self._bound = base, job, None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._bound is None:
+            job = self._job
+            self._bound = self._base.bind(job_id=job.id, queue=job.queue, kind=job.kind, attempt=job.attempts,
+                                          token=job.token, trace_id=trace_id(job.traceparent))
+        return getattr(self._bound, name)
 
 
 class _Later:

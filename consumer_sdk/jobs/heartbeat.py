@@ -57,6 +57,8 @@ class Heartbeat:
 
     def forget(self, job_id: JobId) -> None:
         """The attempt's handler ended: no keep-alive is pending for it any more."""
+        if job_id not in self._keepalives:  # the usual case, without the lock
+            return
         with self._lock:
             self._keepalives.pop(job_id, None)
 
