@@ -12,10 +12,12 @@ from consumer_sdk.jobs import (
     Backoff,
     JobContext,
     JobsMetrics,
+    NewJob,
     PermanentJobError,
     TransientJobError,
     accept,
     cancel_run,
+    enqueue,
     run_status,
 )
 from consumer_sdk.jobs import cli as jobs_cli
@@ -184,3 +186,29 @@ def test_stop_gives_running_jobs_back_without_counting_the_attempt(conn, pools, 
     state = run_status(conn, run.run_id)
     assert (state.status, state.attempts) == ("queued", 0)
     assert pool.outcomes["released"] == 1
+
+
+def test_stop_gives_lined_up_jobs_back_without_running_them(conn, pools, jobs_db):
+    """Short jobs are claimed ahead (consumer_sdk/jobs/line.py): on stop, the jobs waiting in
+    the pool's line are released without their handler ever running, the attempt not counted."""
+    ran: list[str] = []
+
+    def fast(ctx: JobContext) -> Any:
+        ran.append("fast")
+
+    def slow(ctx: JobContext) -> Any:
+        ran.append("slow")
+        while True:
+            ctx.sleep(0.05)
+
+    enqueue(conn, [NewJob(owner_id="o", queue="interactive", kind="fast", payload={}) for _ in range(40)])
+    enqueue(conn, [NewJob(owner_id="o", queue="interactive", kind="slow", payload={}) for _ in range(10)])
+    pool = pools({"fast": fast, "slow": slow}, max_concurrency=2, poll_interval_s=0.2)
+    wait_until(lambda: ran.count("slow") == 2 and scalar(
+        jobs_db, "SELECT count(*) FROM jobs WHERE status = 'running'") > 2, timeout_s=20,
+        message=lambda: f"no job lined up: ran {len(ran)}")
+    pool.stop(drain_timeout_s=0.3)
+    assert ran.count("slow") == 2 and ran.count("fast") == 40
+    assert rows(jobs_db, "SELECT status, attempts, count(*) FROM jobs WHERE kind = 'slow' "
+                         "GROUP BY status, attempts") == [("queued", 0, 10)]
+    assert pool.outcomes["released"] >= 3 and pool.outcomes["succeeded"] == 40
