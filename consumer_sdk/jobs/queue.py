@@ -14,7 +14,6 @@ to the outbox in the same transaction (``events_topic``).
 
 from __future__ import annotations
 
-import functools
 import json
 import uuid
 import weakref
@@ -25,7 +24,6 @@ from typing import Any
 
 import psycopg
 import psycopg.errors
-from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from consumer_sdk.errors import SchemaMissing
@@ -123,7 +121,7 @@ def complete_and_claim(conn: ConnectionT, *, worker: str, done: Sequence[Done], 
         # No owner limit can bind, so there is no count to serialize: the claim alone, one
         # statement and one round trip (SKIP LOCKED still keeps claimers off each other's rows).
         with translated():
-            rows = conn.execute(_bare("claim"), _claim_params(takes, done, worker, lease_s, now)).fetchall()
+            rows = conn.execute(q("claim"), _claim_params(takes, done, worker, lease_s, now)).fetchall()
         return _split(rows, worker)
     owners = sorted({t.owner_id for t in takes})
     # Two round trips: BEGIN with lock_owners, then claim with COMMIT (pipelines; the claim
@@ -139,7 +137,7 @@ def complete_and_claim(conn: ConnectionT, *, worker: str, done: Sequence[Done], 
                 conn.rollback()
                 return {}, []
             with pipelined(conn):
-                claimed = conn.execute(_bare("claim"), _claim_params(mine, done, worker, lease_s, now))
+                claimed = conn.execute(q("claim"), _claim_params(mine, done, worker, lease_s, now))
                 conn.execute(q("claim_commit"))
             rows = claimed.fetchall()
         except BaseException:
@@ -247,9 +245,9 @@ def fence_begin(conn: ConnectionT, lease: Lease, *, now: datetime | None = None)
     sessions between servers), BEGIN and ``fenced_lock`` go in a pipeline.  Driver errors
     are raised as they are: the caller translates them.
     """
-    text = _bare("fence_begin_prepared").format(id=int(lease.job_id), token=int(lease.token),
-                                            worker=_literal(lease.worker),
-                                            now="NULL" if now is None else sql.quote(now))
+    if now is not None:  # a test's clock: only the pipeline takes it as a parameter
+        return _fence_begin_pipelined(conn, lease, now=now)
+    text = q("fence_begin_prepared").format(id=int(lease.job_id), token=int(lease.token))
     for _attempt in range(2):
         if conn not in _FENCE_PREPARED:
             _prepare_fence(conn)
@@ -261,6 +259,10 @@ def fence_begin(conn: ConnectionT, lease: Lease, *, now: datetime | None = None)
             continue
         # psycopg leaves the cursor on the first result (BEGIN's): the lock's is the next one.
         return bool(cur.nextset()) and cur.fetchone() is not None
+    return _fence_begin_pipelined(conn, lease, now=now)
+
+
+def _fence_begin_pipelined(conn: ConnectionT, lease: Lease, *, now: datetime | None) -> bool:
     with pipelined(conn):
         conn.execute(q("fenced_begin"))
         held = holds_later(conn, lease, now=now)
@@ -273,23 +275,10 @@ _FENCE_PREPARED: weakref.WeakSet[ConnectionT] = weakref.WeakSet()
 
 def _prepare_fence(conn: ConnectionT) -> None:
     try:
-        conn.execute(_bare("fence_prepare").encode())
+        conn.execute(q("fence_prepare").encode())
     except psycopg.errors.DuplicatePreparedStatement:
         pass
     _FENCE_PREPARED.add(conn)
-
-
-@functools.cache
-def _bare(name: str) -> str:
-    """A named block without its comment lines: sent as text on every call (and the claim
-    is longer than the 4 kB up to which psycopg caches a query's parsing)."""
-    return "\n".join(line for line in q(name).splitlines() if not line.lstrip().startswith("--"))
-
-
-@functools.lru_cache(maxsize=256)
-def _literal(text: str) -> str:
-    """A string as an SQL literal (worker ids repeat: quoted once)."""
-    return sql.quote(text)
 
 
 def put_result(conn: ConnectionT, lease: Lease, key: str, value: Any, *,
@@ -341,7 +330,7 @@ def complete_many(conn: ConnectionT, *, worker: str, done: Sequence[Done],
     if not done:
         return {}
     with translated():
-        return _done_facts(conn.execute(_bare("complete_many"), _done_params(done, worker, now)).fetchall())
+        return _done_facts(conn.execute(q("complete_many"), _done_params(done, worker, now)).fetchall())
 
 
 def _done_params(done: Sequence[Done], worker: str, now: datetime | None) -> dict[str, Any]:

@@ -325,20 +325,23 @@ BEGIN
 
 -- name: fence_prepare
 -- fenced_lock as a prepared statement of the connection (created on first use, again
--- after DISCARD ALL or a reconnect): fence_begin_prepared runs it.
-PREPARE outbox_jobs_fence_v1 (bigint, text, bigint, timestamptz) AS
+-- after DISCARD ALL or a reconnect): fence_begin_prepared runs it.  Without the worker:
+-- every claim gives a job a new lease_token, so (id, token) names one claim, and the
+-- statement takes numbers only (and the NULL of "the database's clock").
+PREPARE outbox_jobs_fence_v2 (bigint, bigint, timestamptz) AS
 SELECT 1 AS held
 FROM jobs
-WHERE id = $1 AND lease_owner = $2 AND lease_token = $3
-  AND status = 'running' AND lease_until > coalesce($4, now())
+WHERE id = $1 AND lease_token = $2
+  AND status = 'running' AND lease_until > coalesce($3, now())
 FOR KEY SHARE
 
 -- name: fence_begin_prepared
 -- BEGIN and fenced_lock in one simple query: one round trip without pipeline mode
 -- (psycopg's pipeline costs more client CPU than the statement) and no planning (the
--- prepared statement).  Not psycopg placeholders: jobs.queue.fence_begin fills {id},
--- {token} with integers and {worker}, {now} with literals quoted by psycopg.sql.quote.
-BEGIN; EXECUTE outbox_jobs_fence_v1 ({id}, {worker}, {token}, {now})
+-- prepared statement).  A simple query takes no parameters: jobs.queue.fence_begin
+-- fills {id} and {token} with the integers of the lease (int(), never text), and uses
+-- the pipeline instead when a test fixes the clock.
+BEGIN; EXECUTE outbox_jobs_fence_v2 ({id}, {token}, NULL)
 
 -- name: fenced_lock
 -- The first statement of a handler's fenced transaction (JobContext.fenced_transaction).

@@ -58,17 +58,33 @@ def test_a_claim_inside_the_callers_transaction_is_refused(conn):
 def test_a_fenced_transaction_with_one_write_costs_three_round_trips(conn, jobs_db):
     conn.execute("CREATE TABLE rt_effects (job_id bigint, token bigint)")
     _enqueue(conn, 1)
-    (job,) = jobq.claim(conn, worker="A", takes=[Take(queue="interactive", owner_id="o1", n=1, owner_limit=1)],
-                        lease_s=10, now=at(1))
-    ctx = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(2))
+    # On the database's clock (production): BEGIN and the prepared fence in one simple query.
+    enqueue(conn, [NewJob(owner_id="o2", queue="interactive", kind="work", payload={})])
+    (live,) = jobq.claim(conn, worker="A", takes=[Take(queue="interactive", owner_id="o2", n=1,
+                                                       owner_limit=1)], lease_s=60)
+    live_ctx = ctx = JobContext(live, conn, deadline=float("inf"))
     with RoundTrips(conn) as first, ctx.fenced_transaction() as tx:  # prepares the fence: once
-        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, job.token))
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (live.id, live.token))
     assert first.count == 4 and any("PREPARE" in text for text in first.sent)
     with RoundTrips(conn) as trips, ctx.fenced_transaction() as tx:
-        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, job.token))
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (live.id, live.token))
     assert trips.count == 3, trips.sent
     assert not any("PREPARE" in text for text in trips.sent)
     assert conn.info.transaction_status == TransactionStatus.IDLE
+    assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(live.id, live.token)] * 2
+    conn.execute("DELETE FROM rt_effects")
+
+    # On a test's clock: BEGIN and the fence's lock in a pipeline, three round trips too.
+    (job,) = jobq.claim(conn, worker="A", takes=[Take(queue="interactive", owner_id="o1", n=1, owner_limit=2)],
+                        lease_s=10, now=at(1))
+    ctx = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(2))
+    with RoundTrips(conn) as trips, ctx.fenced_transaction() as tx:
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, job.token))
+    assert trips.count == 3, trips.sent
+    assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)]
+    ctx = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(2))
+    with ctx.fenced_transaction() as tx:
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, job.token))
     assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)] * 2
 
     late = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(20))  # the lease ran out
@@ -84,8 +100,8 @@ def test_a_fenced_transaction_with_one_write_costs_three_round_trips(conn, jobs_
     assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)] * 2
 
     conn.execute("DEALLOCATE ALL")  # the prepared fence is gone: found out, prepared again
-    with RoundTrips(conn) as trips, ctx.fenced_transaction() as tx:
-        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, job.token))
+    with RoundTrips(conn) as trips, live_ctx.fenced_transaction() as tx:
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (live.id, live.token))
     assert trips.count == 6 and conn.info.transaction_status == TransactionStatus.IDLE
     assert rows(jobs_db, "SELECT count(*) FROM rt_effects") == [(3,)]
 
