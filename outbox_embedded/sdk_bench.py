@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import json
 import logging
 import statistics
@@ -82,7 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--runs", type=int, default=3, help="round-robin repetitions (median shown)")
     p.add_argument("--only", choices=("consumer", "jobs"), default=None)
+    p.add_argument("--variants", default=None,
+                   help="comma-separated consumer variants to run (of naive, inbox_batch, inbox_batch_bh, "
+                        "naive_single, inbox_single; default: all)")
+    p.add_argument("--phases", default="new,redelivered", help="comma-separated: new, redelivered")
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--profile-dir", default=None,
+                   help="write a cProfile (wall clock) of each InboxConsumer run to this folder")
     return p.parse_args(argv)
 
 
@@ -178,13 +185,39 @@ def naive_consumer(dsn: str, bootstrap: str, topic: str, partitions: int, *, inb
     return m.figures(count)
 
 
+def naive_single_consumer(dsn: str, bootstrap: str, topic: str, partitions: int, *, inbox: str, group: str,
+                          count: int) -> dict[str, float]:
+    """The same, one transaction per message (BEGIN, the inbox row, the effect, COMMIT), the
+    offsets committed after each poll: the one-at-a-time reference."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
+                         "auto.offset.reset": "earliest", **KAFKA})
+    consumer.assign([TopicPartition(topic, p) for p in range(partitions)])
+    seen = 0
+    with psycopg.connect(dsn) as conn, Measure() as m:
+        while seen < count:
+            msgs = [msg for msg in consumer.consume(500, timeout=1.0) if msg.error() is None]
+            for msg in msgs:
+                event_id = _event_id(msg)
+                with conn.transaction():
+                    if conn.execute(q("naive_inbox_one"), {
+                            "consumer": inbox, "event_id": event_id, "topic": msg.topic(),
+                            "partition": msg.partition(), "offset": msg.offset()}).fetchone():
+                        conn.execute(q("effect"), {"event_id": event_id, "consumer": inbox,
+                                                   "n": json.loads(msg.value() or b"null")["n"]})
+            if msgs:
+                consumer.commit(asynchronous=False)
+            seen += len(msgs)
+    consumer.close()
+    return m.figures(count)
+
+
 def _event_id(msg: Any) -> uuid.UUID:
     raw = dict(msg.headers() or [])["event_id"]
     return uuid.UUID(raw.decode() if isinstance(raw, bytes) else str(raw))
 
 
 def sdk_consumer(dsn: str, bootstrap: str, topic: str, *, inbox: str, group: str, batch_size: int,
-                 count: int, batched: bool = False) -> dict[str, float]:
+                 count: int, batched: bool = False, profile: str | None = None) -> dict[str, float]:
     def handler(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
         conn.execute(q("effect"), {"event_id": message.event_id, "consumer": inbox,
                                    "n": message.json()["n"]})
@@ -200,12 +233,19 @@ def sdk_consumer(dsn: str, bootstrap: str, topic: str, *, inbox: str, group: str
         conn.execute(q("rebind"), {"consumer": inbox, "group": group})
     consumer = InboxConsumer(config, batch_handler=batch_handler) if batched else InboxConsumer(config, handler)
     consumer.start()
+    profiler = cProfile.Profile() if profile else None
     try:
         with Measure() as m:
+            if profiler is not None:
+                profiler.enable()
             while consumer.totals.settled < count:
                 consumer.run_once()
+            if profiler is not None:
+                profiler.disable()
     finally:
         consumer.close()
+    if profiler is not None and profile:
+        profiler.dump_stats(profile)
     if consumer.totals.settled != count:
         raise RuntimeError(f"{inbox}: settled {consumer.totals.settled} of {count}")
     return m.figures(count)
@@ -216,33 +256,52 @@ def consumer_round(args: argparse.Namespace, dsn: str, bootstrap: str, run: int,
     """One round of every consumer variant, on new messages then on redeliveries."""
     tag = uuid.uuid4().hex[:6]
     topics = {}
-    for size, count in (("big", args.messages), ("small", args.single_messages)):
+    chosen = set(args.variants.split(",")) if args.variants else None
+    sizes = [("big", args.messages)] if chosen is None or chosen - {"inbox_single", "naive_single"} else []
+    if chosen is None or chosen & {"inbox_single", "naive_single"}:
+        sizes.append(("small", args.single_messages))
+    for size, count in sizes:
         topics[size] = f"sdk-bench-{size}-{tag}"
         from outbox_embedded.broker import create_topic
 
         create_topic(bootstrap, topics[size], partitions=args.partitions)
         produce(bootstrap, topics[size], count, args.payload_bytes)
-    variants: list[tuple[str, Callable[[str, str], dict[str, float]]]] = [
-        ("naive", lambda inbox, group: naive_consumer(
+    variants: list[tuple[str, Callable[[str, str, str | None], dict[str, float]]]] = [
+        ("naive", lambda inbox, group, _profile: naive_consumer(
             dsn, bootstrap, topics["big"], args.partitions, inbox=inbox, group=group, count=args.messages)),
-        ("inbox_batch", lambda inbox, group: sdk_consumer(
+        ("inbox_batch", lambda inbox, group, profile: sdk_consumer(
             dsn, bootstrap, topics["big"], inbox=inbox, group=group, batch_size=args.batch_size,
-            count=args.messages)),
-        ("inbox_batch_bh", lambda inbox, group: sdk_consumer(
+            count=args.messages, profile=profile)),
+        ("inbox_batch_bh", lambda inbox, group, profile: sdk_consumer(
             dsn, bootstrap, topics["big"], inbox=inbox, group=group, batch_size=args.batch_size,
-            count=args.messages, batched=True)),
-        ("inbox_single", lambda inbox, group: sdk_consumer(
-            dsn, bootstrap, topics["small"], inbox=inbox, group=group, batch_size=1,
+            count=args.messages, batched=True, profile=profile)),
+        ("naive_single", lambda inbox, group, _profile: naive_single_consumer(
+            dsn, bootstrap, topics["small"], args.partitions, inbox=inbox, group=group,
             count=args.single_messages)),
+        ("inbox_single", lambda inbox, group, profile: sdk_consumer(
+            dsn, bootstrap, topics["small"], inbox=inbox, group=group, batch_size=1,
+            count=args.single_messages, profile=profile)),
     ]
+    if chosen is not None:
+        unknown = chosen - {name for name, _ in variants}
+        if unknown:
+            raise SystemExit(f"unknown variant(s): {', '.join(sorted(unknown))}")
+        variants = [v for v in variants if v[0] in chosen]
     order = variants[run % len(variants):] + variants[: run % len(variants)]
-    for phase in ("new", "redelivered"):
+    for phase in args.phases.split(","):
         for name, call in order:
             inbox = f"bench-{name}-{tag}"
-            figures = call(inbox, f"{inbox}-{phase}")
+            figures = call(inbox, f"{inbox}-{phase}", _profile_path(args, name, phase, run))
             results.setdefault(f"{name}_{phase}", []).append(figures)
             print(f"  run {run + 1} {name:13} {phase:11} {figures['rate']:10.0f} msg/s "
                   f"{figures['cpu_us']:7.1f} us CPU/msg", flush=True)
+
+
+def _profile_path(args: argparse.Namespace, name: str, phase: str, run: int) -> str | None:
+    if not args.profile_dir:
+        return None
+    Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+    return str(Path(args.profile_dir) / f"{name}_{phase}_{run + 1}.prof")
 
 
 # -- workers -----------------------------------------------------------------------------
@@ -320,6 +379,8 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, float]
         "inbox_batch_redelivered_vs_naive": ratio("inbox_batch_redelivered", "naive_redelivered"),
         "inbox_batch_bh_new_vs_naive": ratio("inbox_batch_bh_new", "naive_new"),
         "inbox_batch_bh_redelivered_vs_naive": ratio("inbox_batch_bh_redelivered", "naive_redelivered"),
+        "inbox_single_new_vs_naive_single": ratio("inbox_single_new", "naive_single_new"),
+        "inbox_single_redelivered_vs_naive_single": ratio("inbox_single_redelivered", "naive_single_redelivered"),
         "worker_pool_vs_naive": ratio("worker_pool", "naive_workers"),
     }
     if "worker_pool" in results and "naive_workers" in results:

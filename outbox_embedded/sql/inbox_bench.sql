@@ -22,6 +22,13 @@ FROM unnest(%(event_ids)s::uuid[], %(topics)s::text[], %(partitions)s::int[], %(
 ON CONFLICT (consumer, event_id) DO NOTHING
 RETURNING event_id
 
+-- name: naive_inbox_one
+-- The naive one-at-a-time consumer: one message's inbox row, returned when new.
+INSERT INTO outbox_inbox (consumer, event_id, payload_sha256, topic, kafka_partition, kafka_offset)
+VALUES (%(consumer)s, %(event_id)s, NULL, %(topic)s, %(partition)s, %(offset)s)
+ON CONFLICT (consumer, event_id) DO NOTHING
+RETURNING event_id
+
 -- name: naive_effects
 INSERT INTO bench_effects (event_id, consumer, n)
 SELECT e.event_id, %(consumer)s, e.n

@@ -10,8 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 VARIANTS = ["naive_new", "naive_redelivered", "inbox_batch_new", "inbox_batch_redelivered",
-            "inbox_batch_bh_new", "inbox_batch_bh_redelivered", "inbox_single_new",
-            "inbox_single_redelivered", "naive_workers", "worker_pool"]
+            "inbox_batch_bh_new", "inbox_batch_bh_redelivered", "naive_single_new", "naive_single_redelivered",
+            "inbox_single_new", "inbox_single_redelivered", "naive_workers", "worker_pool"]
 
 
 def test_sdk_bench_runs_every_variant_and_reports_ratios(pg_server, broker, tmp_path):
@@ -29,3 +29,18 @@ def test_sdk_bench_runs_every_variant_and_reports_ratios(pg_server, broker, tmp_
         assert report["figures"][name]["rate"] > 0 and report["figures"][name]["cpu_us"] > 0, name
     assert all(value > 0 for value in report["ratios"].values()), report["ratios"]
     assert "worker_pool_vs_naive" in result.stdout
+
+
+def test_sdk_bench_runs_only_the_variants_and_phases_asked(pg_server, broker, tmp_path):
+    out = tmp_path / "sdk-bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_embedded.sdk_bench", "--dsn", pg_server.admin_dsn,
+         "--bootstrap-servers", broker.bootstrap, "--single-messages", "40", "--partitions", "2",
+         "--runs", "1", "--only", "consumer", "--variants", "naive_single,inbox_single", "--phases", "new",
+         "--profile-dir", str(tmp_path / "prof"), "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["figures"]) == {"naive_single_new", "inbox_single_new"}
+    assert report["ratios"]["inbox_single_new_vs_naive_single"] > 0
+    assert (tmp_path / "prof" / "inbox_single_new_1.prof").exists()
