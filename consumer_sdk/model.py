@@ -87,7 +87,10 @@ class InvalidEventId(ValueError):
 
 def parse_event_id(record: KafkaRecord) -> uuid.UUID:
     """The record's ``event_id`` as a UUID; :class:`InvalidEventId` when missing or malformed."""
-    raw = record.header(EVENT_ID_HEADER)
+    return _parse_event_id(record.header(EVENT_ID_HEADER))
+
+
+def _parse_event_id(raw: bytes | None) -> uuid.UUID:
     if raw is None:
         raise InvalidEventId("the message has no event_id header")
     try:
@@ -96,10 +99,28 @@ def parse_event_id(record: KafkaRecord) -> uuid.UUID:
         raise InvalidEventId(f"the event_id header is not a UUID: {raw[:64]!r}") from None
 
 
-def to_message(record: KafkaRecord) -> InboxMessage:
-    """Validate a record into an :class:`InboxMessage` (:class:`InvalidEventId` otherwise)."""
+def scan_event_id(record: KafkaRecord, replay_header: str) -> tuple[uuid.UUID | InvalidEventId, bool]:
+    """One pass over the headers: the event id (or why it is invalid, as :func:`parse_event_id`
+    says) and whether header ``replay_header`` has a value (the last of each counts, as in
+    :attr:`InboxMessage.headers`).  What the duplicate check needs, without a message."""
+    raw: bytes | None = None
+    replayed = False
+    for name, value in record.headers:
+        if name == EVENT_ID_HEADER:
+            raw = value
+        elif name == replay_header:
+            replayed = value is not None
+    try:
+        return _parse_event_id(raw), replayed
+    except InvalidEventId as exc:
+        return exc, replayed
+
+
+def to_message(record: KafkaRecord, event_id: uuid.UUID | None = None) -> InboxMessage:
+    """Validate a record into an :class:`InboxMessage` (:class:`InvalidEventId` otherwise);
+    ``event_id``: the record's, parsed already."""
     return InboxMessage(
-        event_id=parse_event_id(record),
+        event_id=parse_event_id(record) if event_id is None else event_id,
         topic=record.topic,
         partition=record.partition,
         offset=record.offset,

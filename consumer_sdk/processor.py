@@ -35,6 +35,7 @@ fakes of :mod:`consumer_sdk.testing` implement them.
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -60,6 +61,7 @@ from consumer_sdk.model import (
     KafkaRecord,
     RetryPolicy,
     payload_sha256,
+    scan_event_id,
     to_message,
 )
 from consumer_sdk.replays import REPLAY_HEADER
@@ -77,6 +79,7 @@ Handler = Callable[[Any, InboxMessage], None]
 BatchHandler = Callable[[Any, Sequence[InboxMessage]], None]
 
 _MAX_ERROR_CHARS = 2000
+_ABSENT = object()
 
 
 class InboxStore(Protocol):
@@ -174,7 +177,15 @@ class Processor:
         self._on_settled = on_settled
         self._known: dict[Any, bytes | None] = {}  # of the current process() call
         self._lookup_pays = True  # the last lookup found duplicates, or a claim met one since
-        self._prepared: dict[int, InboxMessage | InvalidEventId] = {}  # id(record) -> parsed, idem
+        self._prepared: dict[int, InboxMessage | InvalidEventId] = {}  # id(record) -> message, idem
+        # id(record) -> (event id or why not, replayed): parsed once a process() call; a message
+        # is built only for the records that go into a transaction (not for known duplicates)
+        self._scanned: dict[int, tuple[uuid.UUID | InvalidEventId, bool]] = {}
+        # A store that can defer a COMMIT to the next transaction's first round trip (see
+        # PgInboxStore.transaction): one round trip less per transaction, one at a time.
+        self._deferring = callable(getattr(store, "sync", None))
+        self._applied: Counter[str] = Counter()  # committed in this process() call, for the metrics
+        self._dropped: Counter[str] = Counter()
 
     def process(self, records: Sequence[KafkaRecord], result: BatchResult | None = None) -> BatchResult:
         """Settle ``records`` in order; returns what happened (added to ``result`` when given,
@@ -185,31 +196,67 @@ class Processor:
         """
         result = result if result is not None else BatchResult()
         rest = list(records)
-        self._prepared = {id(record): _prepare(record) for record in rest}
+        self._scanned = {id(record): scan_event_id(record, REPLAY_HEADER) for record in rest}
         try:
             self._known = self._applied_before(rest)
             self._settle_all(rest, result)
+            self._sync()
+        except BaseException:
+            self._sync_quietly()
+            raise
         finally:
             self._prepared = {}
+            self._scanned = {}
             self._known = {}
+            self._publish_counts()
         return result
 
-    def _settle_all(self, rest: list[KafkaRecord], result: BatchResult) -> None:
-        while rest:
-            chunk = rest if self._batch_size is None else rest[: self._batch_size]
-            settled, halt = self._transaction(chunk, result, attempt=1)
-            self._settle(rest[:settled], result)
-            rest = rest[settled:]
+    def _settle_all(self, records: list[KafkaRecord], result: BatchResult) -> None:
+        """Transactions of ``batch_size`` records, in order; each one's COMMIT deferred to the
+        next one's first round trip while more follow (``on_settled`` once it is confirmed)."""
+        done, total = 0, len(records)
+        step = total if self._batch_size is None else self._batch_size
+        while done < total:
+            chunk = records[done:done + step]
+            settled, halt = self._transaction(chunk, result, attempt=1, settle=True,
+                                              defer=done + len(chunk) < total)
+            done += settled
             if halt is None:
                 continue
+            self._sync()  # the records before the halt are settled before anything else happens
             if halt.blocked:
                 assert isinstance(halt.error, DeadLetterBlocked)
                 raise halt.error
             if halt.stop:
-                raise self._stopped(rest[0], halt)
-            self._retry_alone(rest[0], halt.error, result)
-            self._settle(rest[:1], result)
-            rest = rest[1:]
+                raise self._stopped(records[done], halt)
+            self._retry_alone(records[done], halt.error, result)
+            self._settle(records[done:done + 1], result)
+            done += 1
+
+    def _sync(self) -> None:
+        if self._deferring:
+            self._store.sync()  # type: ignore[attr-defined]
+
+    def _sync_quietly(self) -> None:
+        """On the way out with an error: commit a deferred COMMIT (its transaction completed),
+        or roll it back when even that fails; the error in flight is the one reported."""
+        if not self._deferring or not self._store.commit_pending:  # type: ignore[attr-defined]
+            return
+        try:
+            self._store.sync()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - its records stay unsettled; the original error propagates
+            self._store.discard()  # type: ignore[attr-defined]
+
+    def _publish_counts(self) -> None:
+        """The metrics and the log line of what this process() call committed (once, not per message)."""
+        for topic, n in self._applied.items():
+            self._metrics.processed.labels(self.consumer, topic).inc(n)
+        for topic, n in self._dropped.items():
+            self._metrics.duplicates.labels(self.consumer, topic).inc(n)
+        if self._dropped:
+            self._log.debug("duplicate_dropped", count=sum(self._dropped.values()), topics=dict(self._dropped))
+        self._applied.clear()
+        self._dropped.clear()
 
     def _applied_before(self, records: Sequence[KafkaRecord]) -> dict[Any, bytes | None]:
         """The inbox rows already committed for these records' events (event id -> body hash),
@@ -221,11 +268,8 @@ class Processor:
         lookup = getattr(self._store, "applied_before", None)
         if lookup is None or not records or not self._lookup_pays:
             return {}
-        ids = []
-        for record in records:
-            prepared = self._prepare(record)
-            if isinstance(prepared, InboxMessage) and prepared.header(REPLAY_HEADER) is None:
-                ids.append(prepared.event_id)
+        ids = [event_id for event_id, replayed in map(self._scan, records)
+               if not replayed and not isinstance(event_id, InvalidEventId)]
         if not ids:
             return {}
         found: dict[Any, bytes | None] = lookup(consumer=self.consumer, event_ids=ids)
@@ -235,84 +279,116 @@ class Processor:
         self._lookup_pays = bool(found)
         return found
 
+    def _scan(self, record: KafkaRecord) -> tuple[uuid.UUID | InvalidEventId, bool]:
+        found = self._scanned.get(id(record))
+        return found if found is not None else scan_event_id(record, REPLAY_HEADER)
+
     def _prepare(self, record: KafkaRecord) -> InboxMessage | InvalidEventId:
         found = self._prepared.get(id(record))
-        return found if found is not None else _prepare(record)
+        if found is None:
+            event_id = self._scan(record)[0]
+            found = event_id if isinstance(event_id, InvalidEventId) else to_message(record, event_id)
+            self._prepared[id(record)] = found
+        return found
 
-    def _known_duplicate(self, message: InboxMessage | InvalidEventId) -> bool:
-        if not self._known or not isinstance(message, InboxMessage) or message.event_id not in self._known:
+    def _known_duplicate(self, record: KafkaRecord, event_id: uuid.UUID | InvalidEventId, replayed: bool) -> bool:
+        """Found by the lookup with this body's hash (hashed only when found)."""
+        if replayed or isinstance(event_id, InvalidEventId):
             return False
-        return message.header(REPLAY_HEADER) is None and \
-            self._known[message.event_id] == payload_sha256(message.value)
+        digest = self._known.get(event_id, _ABSENT)
+        return digest is not _ABSENT and digest == payload_sha256(record.value)
 
     # -- one transaction --------------------------------------------------------------
 
-    def _transaction(self, records: Sequence[KafkaRecord], result: BatchResult,
-                     *, attempt: int) -> tuple[int, _Halt | None]:
-        """Apply records until one halts; commit what came before it.  Returns (count, halt)."""
-        prepared = [self._prepare(record) for record in records]
-        valid = [m for m in prepared if isinstance(m, InboxMessage)]
-        batched = bool(valid) and len({m.event_id for m in valid}) == len(valid)
+    def _transaction(self, records: Sequence[KafkaRecord], result: BatchResult, *, attempt: int,
+                     settle: bool = False, defer: bool = False) -> tuple[int, _Halt | None]:
+        """Apply records until one halts; commit what came before it.  Returns (count, halt).
+
+        Once the commit is confirmed (at once, or with the next transaction's first round trip
+        when ``defer``), the counts are taken and, with ``settle``, those records settled."""
+        scans = [self._scan(record) for record in records]
+        ids = [event_id for event_id, _ in scans if not isinstance(event_id, InvalidEventId)]
+        batched = bool(ids) and len(set(ids)) == len(ids)
         applied: Counter[str] = Counter()
         duplicates: Counter[str] = Counter()
         halt: _Halt | None = None
         settled = 0
-        known = [self._known_duplicate(m) for m in prepared] if batched else [False] * len(records)
+        known = [self._known_duplicate(record, *scan) for record, scan in zip(records, scans, strict=True)] \
+            if batched and self._known else [False] * len(records)
+
+        def committed() -> None:  # true only now that the transaction committed
+            self._count(applied, duplicates, result)
+            if settle:
+                self._settle(records[:settled], result)
+
+        if all(known):  # redelivered, every one: nothing to claim, apply or commit
+            duplicates.update(record.topic for record in records)
+            settled = len(records)
+            self._after_commits(committed)
+            return settled, None
+        prepared = [self._prepare(record) for record in records]
+        valid = [m for m in prepared if isinstance(m, InboxMessage)]
         try:
-            if all(known):  # redelivered, every one: nothing to claim, apply or commit
-                for record in records:
-                    duplicates[record.topic] += 1
-                settled = len(records)
+            if self._deferring:
+                with self._store.transaction(on_commit=committed,  # type: ignore[call-arg]
+                                             defer_commit=defer) as conn:
+                    settled, halt = self._apply(conn, records, prepared, valid, batched, known, result,
+                                                applied, duplicates, attempt)
             else:
-                settled, halt = self._apply(records, prepared, valid, batched, known, result, applied,
-                                            duplicates, attempt)
+                with self._store.transaction() as conn:
+                    settled, halt = self._apply(conn, records, prepared, valid, batched, known, result,
+                                                applied, duplicates, attempt)
+                committed()
         except _Alone as alone:  # a lone record's handler failed: its transaction rolled back
-            applied.clear()
-            duplicates.clear()
-            halt = alone.halt
-        for topic, n in applied.items():  # true only now that the transaction committed
-            self._metrics.processed.labels(self.consumer, topic).inc(n)
-        for topic, n in duplicates.items():
-            self._metrics.duplicates.labels(self.consumer, topic).inc(n)
-        result.applied += sum(applied.values())
-        if duplicates:  # one line per transaction, not per message
-            result.duplicates += sum(duplicates.values())
-            self._log.debug("duplicate_dropped", count=sum(duplicates.values()), topics=dict(duplicates))
+            return 0, alone.halt
         return settled, halt
 
-    def _apply(self, records: Sequence[KafkaRecord], prepared: Sequence[InboxMessage | InvalidEventId],
+    def _after_commits(self, callback: Callable[[], None]) -> None:
+        """``callback`` now, or after the deferred COMMIT before it was confirmed (order kept)."""
+        if self._deferring:
+            self._store.after_commit(callback)  # type: ignore[attr-defined]
+        else:
+            callback()
+
+    def _count(self, applied: Counter[str], duplicates: Counter[str], result: BatchResult) -> None:
+        if applied:
+            self._applied.update(applied)
+            result.applied += sum(applied.values())
+        if duplicates:
+            self._dropped.update(duplicates)
+            result.duplicates += sum(duplicates.values())
+
+    def _apply(self, conn: Any, records: Sequence[KafkaRecord], prepared: Sequence[InboxMessage | InvalidEventId],
                valid: Sequence[InboxMessage], batched: bool, known: Sequence[bool], result: BatchResult,
                applied: Counter[str], duplicates: Counter[str], attempt: int) -> tuple[int, _Halt | None]:
-        """The transaction of :meth:`_transaction` (``known``: duplicates found before it)."""
+        """The body of :meth:`_transaction`'s transaction (``known``: duplicates found before it)."""
         halt: _Halt | None = None
         settled = 0
-        with self._store.transaction() as conn:
-            claims: list[Claim | None] = [None] * len(records)
-            if batched:
-                unknown = [m for m, k in zip(prepared, known, strict=True) if isinstance(m, InboxMessage) and not k]
-                found = iter(self._store.claim_many(consumer=self.consumer, messages=unknown,
-                                                    digests=[payload_sha256(m.value) for m in unknown]))
-                claims = [None if not isinstance(m, InboxMessage) else "duplicate" if k else next(found)
-                          for m, k in zip(prepared, known, strict=True)]
-                if not self._lookup_pays and "duplicate" in claims:
-                    self._lookup_pays = True  # a redelivery: look duplicates up before the next batch
-            alone = batched and len(records) == 1  # no savepoint: its failure rolls back everything
-            if self._batch_handler is not None and batched and len(valid) == len(records) > 1 \
-                    and self._apply_batch(conn, valid, claims):
-                for record, claim in zip(records, claims, strict=True):
-                    (applied if claim == "new" else duplicates)[record.topic] += 1
-                settled = len(records)
-            else:
-                for index, record in enumerate(records):
-                    halt = self._step(conn, record, prepared[index], claims[index], result, applied,
-                                      duplicates, attempt, alone=alone)
-                    if halt is not None:
-                        if batched:  # the rows of the records from here on were claimed for nothing
-                            self._store.unclaim(consumer=self.consumer, event_ids=[
-                                m.event_id for m, c in zip(prepared[index:], claims[index:], strict=True)
-                                if c == "new" and isinstance(m, InboxMessage)])
-                        break
-                    settled += 1
+        claims: list[Claim | None] = [None] * len(records)
+        if batched:
+            unknown = [m for m, k in zip(prepared, known, strict=True) if isinstance(m, InboxMessage) and not k]
+            found = iter(self._store.claim_many(consumer=self.consumer, messages=unknown,
+                                                digests=[payload_sha256(m.value) for m in unknown]))
+            claims = [None if not isinstance(m, InboxMessage) else "duplicate" if k else next(found)
+                      for m, k in zip(prepared, known, strict=True)]
+            if not self._lookup_pays and "duplicate" in claims:
+                self._lookup_pays = True  # a redelivery: look duplicates up before the next batch
+        alone = batched and len(records) == 1  # no savepoint: its failure rolls back everything
+        if self._batch_handler is not None and batched and len(valid) == len(records) > 1 \
+                and self._apply_batch(conn, valid, claims):
+            for record, claim in zip(records, claims, strict=True):
+                (applied if claim == "new" else duplicates)[record.topic] += 1
+            return len(records), None
+        for index, record in enumerate(records):
+            halt = self._step(conn, record, prepared[index], claims[index], result, applied,
+                              duplicates, attempt, alone=alone)
+            if halt is not None:
+                if batched:  # the rows of the records from here on were claimed for nothing
+                    self._store.unclaim(consumer=self.consumer, event_ids=[
+                        m.event_id for m, c in zip(prepared[index:], claims[index:], strict=True)
+                        if c == "new" and isinstance(m, InboxMessage)])
+                break
+            settled += 1
         return settled, halt
 
     def _apply_batch(self, conn: Any, messages: Sequence[InboxMessage], claims: Sequence[Claim | None]) -> bool:
@@ -475,13 +551,6 @@ class Processor:
             f"{halt.reason}: {describe(halt.error)} "
             f"(topic {record.topic}, partition {record.partition}, offset {record.offset})",
             reason=halt.reason, topic=record.topic, partition=record.partition, offset=record.offset)
-
-
-def _prepare(record: KafkaRecord) -> InboxMessage | InvalidEventId:
-    try:
-        return to_message(record)
-    except InvalidEventId as exc:
-        return exc
 
 
 def _one_of(batch_handler: BatchHandler) -> Handler:

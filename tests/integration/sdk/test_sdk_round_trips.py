@@ -1,9 +1,10 @@
 """Issue 19: what one message costs in round trips on the real PostgreSQL inbox.  One at a
-time, a new message costs three (BEGIN with the claim, the handler's statement, COMMIT)
-and a redelivered poll one lookup in all; a batch costs BEGIN with the claim, the batch
-handler's savepoint and statement and COMMIT, whatever its size (before: a redelivered
-batch cost BEGIN, the claim and COMMIT; a new message, BEGIN apart).  The lookup is
-skipped while lookups find nothing (new messages), until a claim meets a duplicate."""
+time, a new message costs two (the previous message's COMMIT, BEGIN and its claim in one
+simple query; the handler's statement) and a poll one more (its last COMMIT), and a
+redelivered poll one lookup in all; a batch costs BEGIN with the claim, the batch handler's
+savepoint and statement and COMMIT, whatever its size (before: a redelivered batch cost
+BEGIN, the claim and COMMIT; a new message one at a time three, and four before that).  The
+lookup is skipped while lookups find nothing (new messages), until a claim meets a duplicate."""
 
 from __future__ import annotations
 
@@ -65,9 +66,9 @@ def _count(sdk_db: str, *, batch_size: int | None, batched: bool, n: int) -> tup
     return new.count, again.count, n
 
 
-def test_one_message_at_a_time_costs_three_round_trips_and_a_redelivered_poll_one(sdk_db):
+def test_one_message_at_a_time_costs_two_round_trips_and_a_redelivered_poll_one(sdk_db):
     new, again, n = _count(sdk_db, batch_size=1, batched=False, n=5)
-    assert new == 3 * n  # BEGIN+claim, the handler, COMMIT per message
+    assert new == 2 * n + 1  # [COMMIT;] BEGIN; claim, then the handler, per message; the last COMMIT
     assert again == 1
 
 
@@ -78,7 +79,10 @@ def test_a_batch_costs_four_round_trips_whatever_its_size(sdk_db):
 
 
 def test_without_pipeline_mode_the_same_statements_go_one_by_one(sdk_db, monkeypatch):
-    """libpq < 14 has no pipeline mode: BEGIN goes alone (one round trip more), same answers."""
+    """libpq < 14 has no pipeline mode: a batch's BEGIN goes alone (one round trip more), same
+    answers; one at a time needs no pipeline (a simple query carries COMMIT, BEGIN and the claim)."""
     monkeypatch.setattr(psycopg.capabilities, "has_pipeline", lambda check=False: False)
+    new, again, _ = _count(sdk_db, batch_size=None, batched=True, n=20)
+    assert new == 5 and again == 1
     new, again, n = _count(sdk_db, batch_size=1, batched=False, n=3)
-    assert new == 4 * n and again == 1
+    assert new == 2 * n + 1 and again == 1
