@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
@@ -16,9 +16,14 @@ METADATA_TIMEOUT_S = 10.0
 
 def record_of(msg: Message) -> KafkaRecord:
     """Detach a confluent-kafka message from the client."""
-    raw = msg.headers() or []
-    pairs = raw.items() if isinstance(raw, dict) else raw
-    headers = tuple((name, value.encode() if isinstance(value, str) else value) for name, value in pairs)
+    raw = msg.headers()
+    if not raw:
+        headers: tuple[tuple[str, bytes | None], ...] = ()
+    elif type(raw) is list and all(type(v) is bytes or v is None for _, v in raw):
+        headers = cast("tuple[tuple[str, bytes | None], ...]", tuple(raw))  # librdkafka's pairs, as they are
+    else:
+        pairs = raw.items() if isinstance(raw, dict) else raw
+        headers = tuple((name, value.encode() if isinstance(value, str) else value) for name, value in pairs)
     key, value = msg.key(), msg.value()
     return KafkaRecord(topic=msg.topic() or "", partition=msg.partition() or 0, offset=msg.offset() or 0,
                        key=key.encode() if isinstance(key, str) else key,

@@ -26,12 +26,12 @@ class OffsetBook:
 
     def settle(self, records: Sequence[KafkaRecord]) -> set[TopicPart]:
         """Record settled messages; returns the partitions they belong to."""
-        parts: set[TopicPart] = set()
-        for record in records:
-            key = (record.topic, record.partition)
-            self.applied[key] = max(self.applied.get(key, 0), record.offset + 1)
-            parts.add(key)
-        return parts
+        # A partition's records come in offset order: its last one is its position.
+        last = {(record.topic, record.partition): record.offset for record in records}
+        applied = self.applied
+        for key, offset in last.items():
+            applied[key] = max(applied.get(key, 0), offset + 1)
+        return set(last)
 
     def due(self, only: set[TopicPart] | None = None) -> dict[TopicPart, int]:
         """Applied positions Kafka has not acknowledged yet (of ``only`` when given)."""
