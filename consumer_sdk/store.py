@@ -151,7 +151,12 @@ class PgInboxStore:
         commits nothing: its ``on_commit`` runs after the deferred one before it.
 
         An exception that leaves the connection broken is :class:`DatabaseUnavailable`
-        (the rollback could not happen; nothing committed)."""
+        (the rollback could not happen; nothing committed), and so is a connection lost
+        while a COMMIT was deferred (never a silent reconnection: the records after it
+        would be settled past it)."""
+        if self._pending is not None and (self._conn is None or self._conn.closed or self._conn.broken):
+            self.reset()
+            raise DatabaseUnavailable("connection lost with a COMMIT deferred: whether it committed is unknown")
         conn = self.conn
         self._tx = conn
         self._savepoint = False
@@ -205,7 +210,10 @@ class PgInboxStore:
         if self._tx is not None:
             raise RuntimeError("sync() runs between transactions")
         pending, self._pending = self._pending, None
-        conn = self.conn
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:  # never self.conn: a new connection would
+            self.reset()  # answer COMMIT (with a warning) for a transaction lost with the old one
+            raise DatabaseUnavailable("connection lost with a COMMIT deferred: whether it committed is unknown")
         with self.translated():
             status = conn.execute(query("inbox", "commit")).statusmessage
         _check_committed(status)

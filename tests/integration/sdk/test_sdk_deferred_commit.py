@@ -12,7 +12,7 @@ import psycopg
 import pytest
 import structlog
 
-from consumer_sdk.errors import FatalError
+from consumer_sdk.errors import DatabaseUnavailable, FatalError
 from consumer_sdk.metrics import ConsumerMetrics
 from consumer_sdk.model import InboxMessage, KafkaRecord
 from consumer_sdk.processor import Policies, Processor
@@ -111,5 +111,44 @@ def test_a_redelivered_record_after_deferred_commits_settles_in_order(sdk_db):
         result = processor.process(mixed)
         assert (result.applied, result.duplicates) == (2, 1)
         assert settled == first + first[:1] + mixed
+    finally:
+        store.close()
+
+
+def test_a_connection_lost_with_a_deferred_commit_fails_the_next_transaction(sdk_db):
+    """Never reconnect silently over a deferred COMMIT: its callbacks would be dropped and the
+    records after it settled past it (their offsets ahead of an unconfirmed commit)."""
+    store = PgInboxStore(connect_factory(sdk_db))
+    confirmed: list[str] = []
+    message = InboxMessage(event_id=uuid.uuid4(), topic="t", partition=0, offset=0, key=None,
+                           value=b"{}", headers={})
+    try:
+        with store.transaction(on_commit=lambda: confirmed.append("first"), defer_commit=True):
+            assert store.claim(consumer="lost", message=message, payload_sha256=None) == "new"
+        store.conn.close()
+        with pytest.raises(DatabaseUnavailable):
+            with store.transaction(on_commit=lambda: confirmed.append("second")):
+                pytest.fail("a transaction began on a new connection")
+        assert confirmed == [] and not store.commit_pending
+        assert _inbox(sdk_db, "lost") == set()  # the deferred transaction never committed
+    finally:
+        store.close()
+
+
+def test_sync_never_sends_the_deferred_commit_on_a_new_connection(sdk_db):
+    """A COMMIT outside any transaction answers COMMIT (with a warning): sent on a new
+    connection it would confirm a transaction that was lost with the old one."""
+    store = PgInboxStore(connect_factory(sdk_db))
+    confirmed: list[str] = []
+    message = InboxMessage(event_id=uuid.uuid4(), topic="t", partition=0, offset=0, key=None,
+                           value=b"{}", headers={})
+    try:
+        with store.transaction(on_commit=lambda: confirmed.append("first"), defer_commit=True):
+            store.claim(consumer="lost-sync", message=message, payload_sha256=None)
+        store.conn.close()
+        with pytest.raises(DatabaseUnavailable):
+            store.sync()
+        assert confirmed == [] and not store.commit_pending
+        assert _inbox(sdk_db, "lost-sync") == set()
     finally:
         store.close()
