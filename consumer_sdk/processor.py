@@ -14,7 +14,10 @@ guarantees kept here:
 * A record is *settled* (its offset may be committed) only after the transaction
   that applied it committed, or after it was durably dead-lettered or skipped.
   ``on_settled`` is called with each settled prefix, in order, so offsets never
-  run ahead of the database.
+  run ahead of the database.  With a store that can defer a COMMIT (``sync``), the
+  transactions of one call but the last send their COMMIT with the next one's first
+  round trip; their records are settled when the server confirmed it, and not at all
+  when that round trip failed (a redelivery finds their rows if they did commit).
 * A handler failure rolls back only its own savepoint, and the inbox rows of the records
   from it on are deleted again before the commit: the records before it commit (their
   handlers ran once), the failing record is retried alone (its own transaction per
