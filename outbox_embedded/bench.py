@@ -667,7 +667,9 @@ def _say(text: str) -> None:
 def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from outbox_embedded.demo import services
 
-    with services(args) as (dsn, bootstrap):
+    # Durable: PostgreSQL's defaults (fsync, synchronous commit, full-page writes on), as
+    # the relay meets them in production; the tests' embedded server runs without them.
+    with services(args, durable=True) as (dsn, bootstrap):
         admin = _admin_dsn(dsn)
         result = run(args, admin, bootstrap)
     if args.json_path:

@@ -43,8 +43,9 @@ class Tally:
 
 
 @contextlib.contextmanager
-def services(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
-    """Yield (dsn, bootstrap); embedded ones are stopped on exit."""
+def services(args: argparse.Namespace, *, durable: bool = False) -> Iterator[tuple[str, str]]:
+    """Yield (dsn, bootstrap); embedded ones are stopped on exit.  ``durable``: the embedded
+    PostgreSQL keeps fsync, synchronous commit and full-page writes on (benchmarks)."""
     from outbox_embedded import broker, pg
 
     with contextlib.ExitStack() as stack:
@@ -52,7 +53,7 @@ def services(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         bootstrap = getattr(args, "bootstrap_servers", None)
         if not dsn:
             print("starting an embedded PostgreSQL ...", flush=True)
-            server = pg.embedded_pg()
+            server = pg.embedded_pg(durable=durable)
             stack.callback(server.close)
             dsn = server.create_database("outbox_demo_" + uuid.uuid4().hex[:8])
         if not bootstrap:

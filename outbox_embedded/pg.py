@@ -60,6 +60,9 @@ _SERVER_SETTINGS = {
     "max_prepared_transactions": "10",
     "shared_buffers": "128MB",
 }
+#: What a durable server keeps at PostgreSQL's defaults: a benchmark's commits and
+#: marks then pay for the WAL flush and the full-page writes, as in production.
+_NOT_DURABLE = ("fsync", "synchronous_commit", "full_page_writes")
 
 _LIVE: set[EmbeddedPgServer] = set()
 _LIVE_LOCK = threading.Lock()
@@ -329,7 +332,11 @@ class EmbeddedPgServer(PgServer):
     restartable = True
     external = False
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, *, durable: bool = False) -> None:
+        """``durable``: fsync, synchronous_commit and full_page_writes at PostgreSQL's
+        defaults (on), for benchmarks; tests run without them."""
+        self.settings = {k: v for k, v in _SERVER_SETTINGS.items()
+                         if not (durable and k in _NOT_DURABLE)}
         if port is None:
             port = free_port()
         elif not port_is_free(port):
@@ -395,7 +402,7 @@ class EmbeddedPgServer(PgServer):
                 cmd += ["-k", str(self.base_dir)]
             else:
                 cmd += ["-c", "unix_socket_directories="]
-            for key, value in _SERVER_SETTINGS.items():
+            for key, value in self.settings.items():
                 cmd += ["-c", f"{key}={value}"]
             offset = self.log_path.stat().st_size if self.log_path.exists() else 0
             self._proc = Proc(
@@ -483,9 +490,10 @@ class EmbeddedPgServer(PgServer):
         shutil.rmtree(self.base_dir, ignore_errors=True)
 
 
-def embedded_pg(port: int | None = None) -> EmbeddedPgServer:
-    """initdb a fresh cluster in a temp dir and start it on `port` (a free one by default)."""
-    return EmbeddedPgServer(port)
+def embedded_pg(port: int | None = None, *, durable: bool = False) -> EmbeddedPgServer:
+    """initdb a fresh cluster in a temp dir and start it on `port` (a free one by default);
+    ``durable``: with fsync, synchronous commit and full-page writes on (benchmarks)."""
+    return EmbeddedPgServer(port, durable=durable)
 
 
 @atexit.register

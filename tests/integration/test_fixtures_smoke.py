@@ -296,3 +296,17 @@ def test_wait_until() -> None:
     assert wait_until(lambda: next(calls) >= 3, timeout_s=5, interval_s=0.001)
     with pytest.raises(AssertionError, match="never true"):
         wait_until(lambda: False, timeout_s=0.1, message="never true")
+
+
+def test_a_durable_embedded_server_flushes_like_a_default_postgresql() -> None:
+    """The bench's server (issue 18: "fsync and synchronous commit on"); the tests' is not."""
+    from outbox_embedded.pg import embedded_pg
+
+    server = embedded_pg(durable=True)
+    try:
+        with psycopg.connect(server.create_database("smoke_durable"), autocommit=True) as conn:
+            shown = [conn.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
+                     for name in ("fsync", "synchronous_commit", "full_page_writes")]
+        assert shown == ["on", "on", "on"]
+    finally:
+        server.close()
