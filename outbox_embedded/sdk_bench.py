@@ -384,7 +384,7 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, float]
         "worker_pool_vs_naive": ratio("worker_pool", "naive_workers"),
     }
     if "worker_pool" in results and "naive_workers" in results:
-        report["ratios"]["worker_pool_vs_naive_per_run"] = [
+        report["worker_pool_vs_naive_per_run"] = [
             round(p["rate"] / n["rate"], 3) for p, n in zip(results["worker_pool"], results["naive_workers"],
                                                              strict=True)]
         report["jobs_per_claim_round"] = round(statistics.median(

@@ -28,6 +28,7 @@ def test_sdk_bench_runs_every_variant_and_reports_ratios(pg_server, broker, tmp_
     for name in VARIANTS:
         assert report["figures"][name]["rate"] > 0 and report["figures"][name]["cpu_us"] > 0, name
     assert all(value > 0 for value in report["ratios"].values()), report["ratios"]
+    assert len(report["worker_pool_vs_naive_per_run"]) == 1 and report["jobs_per_claim_round"] > 0
     assert "worker_pool_vs_naive" in result.stdout
 
 
