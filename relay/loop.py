@@ -107,8 +107,8 @@ class Loop:
             self.empty_claims = 0
             if self.wakeup.sleeping:
                 self.wakeup.set_sleeping(False)
-        elif not self.pump.busy():
-            self.empty_claims += 1
+        elif self.last.claims and not self.pump.busy():
+            self.empty_claims += 1  # a claim ran and found nothing (not a paced turn)
         if self.last.claimed == 0:
             self._idle_wait(now, wake_by)
         if not self.wakeup.sleeping:
@@ -138,7 +138,11 @@ class Loop:
         if not self.wakeup.sleeping:
             delay = BUSY_POLL_BASE_S * 2 ** min(self.empty_claims, 20)
             if delay < self.poll_interval_s:
-                timeout = min(timeout, delay)
+                # The later of the back-off and the paced claim (waking before the claim is
+                # due runs no claim), never past the caller's due time or the poll interval.
+                due_in = max(0.0, pump.claim_not_before - self.clock())
+                cap = max(0.0, min(next_poll, wake_by) - self.clock())
+                timeout = min(cap, max(delay, due_in))
             elif self.wakeup.set_sleeping(True):
                 pump.expect_new_rows()  # one more claim: a commit may have raced the lock
                 return

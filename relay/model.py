@@ -96,6 +96,7 @@ class Lease:
 class BatchResult:
     """What one run of the pump did; tests and metrics read it."""
 
+    claims: int = 0  # claim statements run (none in a turn whose claim was not due)
     claimed: int = 0
     produced: int = 0
     acked: int = 0
@@ -107,6 +108,7 @@ class BatchResult:
     errors: list[str] = field(default_factory=list)
 
     def add(self, other: BatchResult) -> None:
+        self.claims += other.claims
         self.claimed += other.claimed
         self.produced += other.produced
         self.acked += other.acked

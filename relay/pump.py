@@ -345,6 +345,7 @@ class Pump:
             shards=sorted(shards), nshards=self.nshards, after=self.cursor, limit=self.batch_size,
             max_bytes=self.max_message_bytes, budget_bytes=self.batch_max_bytes)
         self.metrics.claim_duration.observe(time.perf_counter() - started)
+        result.claims += 1
         window = snapshot if snapshot is not None else self.cursor.cur
         self.caught_up = len(rows) < self.batch_size and not cut
         if self.caught_up:

@@ -198,3 +198,25 @@ def test_losing_the_database_rewinds_and_drops_the_wake_up_lock() -> None:
     assert not r.pump.rewind_requested
     r.loop.database_lost()
     assert r.pump.rewind_requested and not r.wakeup.sleeping and r.wakeup.closed == 1
+
+
+def seconds_awake_after_the_last_row(*, paced: bool) -> float:
+    r = Relay()
+    if paced:
+        r.pump.claim_interval_s = r.pump.pace_s = 0.005
+        r.pump.claim_interval_max_s = 0.05
+    r.store.add(row(1, 0))
+    r.turn_until(lambda: r.store.marked == [1])
+    marked_at = r.clock()
+    r.turn_until(lambda: r.wakeup.sleeping)
+    return r.clock() - marked_at
+
+
+def test_paced_claims_do_not_send_the_relay_to_sleep_sooner() -> None:
+    """After its last row the relay polls on its own, the wait doubling up to the poll
+    interval, before it takes the wake-up lock (and writers start paying for NOTIFY).
+    With paced claims the turns between two claims counted as empty claims and the pace's
+    short waits cut the doubling short: it slept after 0.2 s instead of about 1.3 s."""
+    unpaced = seconds_awake_after_the_last_row(paced=False)
+    assert unpaced > POLL_S
+    assert seconds_awake_after_the_last_row(paced=True) >= 0.9 * unpaced
