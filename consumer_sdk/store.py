@@ -154,9 +154,8 @@ class PgInboxStore:
         (the rollback could not happen; nothing committed), and so is a connection lost
         while a COMMIT was deferred (never a silent reconnection: the records after it
         would be settled past it)."""
-        if self._pending is not None and (self._conn is None or self._conn.closed or self._conn.broken):
-            self.reset()
-            raise DatabaseUnavailable("connection lost with a COMMIT deferred: whether it committed is unknown")
+        if self._pending is not None:
+            self._deferred_connection()
         conn = self.conn
         self._tx = conn
         self._savepoint = False
@@ -209,16 +208,23 @@ class PgInboxStore:
             return
         if self._tx is not None:
             raise RuntimeError("sync() runs between transactions")
+        conn = self._deferred_connection()
         pending, self._pending = self._pending, None
-        conn = self._conn
-        if conn is None or conn.closed or conn.broken:  # never self.conn: a new connection would
-            self.reset()  # answer COMMIT (with a warning) for a transaction lost with the old one
-            raise DatabaseUnavailable("connection lost with a COMMIT deferred: whether it committed is unknown")
         with self.translated():
             status = conn.execute(query("inbox", "commit")).statusmessage
         _check_committed(status)
         for callback in pending:
             callback()
+
+    def _deferred_connection(self) -> psycopg.Connection[Any]:
+        """The connection a deferred COMMIT waits on.  Gone, it is :class:`DatabaseUnavailable`
+        (after a reset that drops the COMMIT's callbacks), never ``self.conn``: a new
+        connection would answer COMMIT (with a warning) for a transaction lost with the old."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            self.reset()
+            raise DatabaseUnavailable("connection lost with a COMMIT deferred: whether it committed is unknown")
+        return conn
 
     def after_commit(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` now, or after the deferred COMMIT's callbacks when one waits."""

@@ -156,12 +156,18 @@ class Measure:
 # -- consumers ---------------------------------------------------------------------------
 
 
-def naive_consumer(dsn: str, bootstrap: str, topic: str, partitions: int, *, inbox: str, group: str,
-                   count: int) -> dict[str, float]:
-    """The ~40-line dedup consumer a team writes itself."""
+def _assigned_consumer(bootstrap: str, topic: str, partitions: int, group: str) -> Consumer:
+    """The naive consumers' Kafka side: every partition assigned, offsets committed by hand."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
                          "auto.offset.reset": "earliest", **KAFKA})
     consumer.assign([TopicPartition(topic, p) for p in range(partitions)])
+    return consumer
+
+
+def naive_consumer(dsn: str, bootstrap: str, topic: str, partitions: int, *, inbox: str, group: str,
+                   count: int) -> dict[str, float]:
+    """The ~40-line dedup consumer a team writes itself."""
+    consumer = _assigned_consumer(bootstrap, topic, partitions, group)
     seen = 0
     with psycopg.connect(dsn) as conn, Measure() as m:
         while seen < count:
@@ -189,9 +195,7 @@ def naive_single_consumer(dsn: str, bootstrap: str, topic: str, partitions: int,
                           count: int) -> dict[str, float]:
     """The same, one transaction per message (BEGIN, the inbox row, the effect, COMMIT), the
     offsets committed after each poll: the one-at-a-time reference."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
-                         "auto.offset.reset": "earliest", **KAFKA})
-    consumer.assign([TopicPartition(topic, p) for p in range(partitions)])
+    consumer = _assigned_consumer(bootstrap, topic, partitions, group)
     seen = 0
     with psycopg.connect(dsn) as conn, Measure() as m:
         while seen < count:

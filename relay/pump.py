@@ -348,14 +348,12 @@ class Pump:
         result.claims += 1
         window = snapshot if snapshot is not None else self.cursor.cur
         self.caught_up = len(rows) < self.batch_size and not cut
-        if self.caught_up:
-            self._pace(len(rows), now)
-        else:
-            self.pace_s = self.claim_interval_s
         if self.caught_up:  # the window is exhausted: next, what committed after it
             self.cursor = Cursor.after_snapshot(window)
+            self._pace(len(rows), now)
         else:
             self.cursor = self.cursor.advanced(rows[-1], window)
+            self.pace_s = self.claim_interval_s
         if not rows:
             return
         self.metrics.batch_size.observe(len(rows))
