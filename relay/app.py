@@ -315,6 +315,12 @@ class Relay:
         now = self.clock()
         self.last_tick = now
         if self.leases.due(now):
+            late_s = now - self.leases.next_due()
+            if self.leases.next_due() and late_s > self.leases.heartbeat_s:
+                # The loop thread was held up (CPU starvation, a pause): leases may have
+                # expired meanwhile, and the lease_lost that may follow has this cause.
+                self.log.warning("heartbeat_late", late_s=round(late_s, 3),
+                                 lease_duration_s=self.leases.lease_s)
             change = self.leases.run_once(self.pump.busy_shards())
             if change.acquired or change.released or change.lost:
                 self.log.info("leases_changed", acquired=change.acquired, released=change.released,
