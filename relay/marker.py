@@ -127,6 +127,9 @@ class Marker:
             for job in jobs:
                 job.future.set_exception(exc)
             return
+        if len(jobs) == 1:  # the usual case: no set of ids to build
+            jobs[0].future.set_result((held, marked, took))
+            return
         for job in jobs:
             mine = {row.id for row in job.rows} & marked
             job.future.set_result((held, mine, took))

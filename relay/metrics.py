@@ -6,8 +6,9 @@ values are bounded (topics, error classes, reasons): never keys, payloads or ids
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_right
 from collections.abc import Iterable
+from math import fsum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -34,15 +35,21 @@ def observe_many(histogram: Histogram, values: Iterable[float]) -> None:
         for value in values:
             histogram.observe(value)
         return
-    counts = [0] * len(bounds)
-    amount = 0.0
-    for value in values:
-        counts[bisect_left(bounds, value)] += 1  # first bound >= value, as observe() does
-        amount += value
-    for i, count in enumerate(counts):
-        if count:
-            buckets[i].inc(count)
-    total.inc(amount)
+    ordered = sorted(values)
+    if not ordered:
+        return
+    # observe() counts a value in the first bucket whose bound is >= it: over the sorted
+    # values, bucket i gets those above bound i-1 and at most bound i (bisects, not a
+    # Python step per value).
+    below = 0
+    for bound, bucket in zip(bounds, buckets, strict=True):
+        upto = bisect_right(ordered, bound)
+        if upto > below:
+            bucket.inc(upto - below)
+            below = upto
+        if below == len(ordered):
+            break
+    total.inc(fsum(ordered))
 
 
 class RelayMetrics:

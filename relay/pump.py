@@ -29,11 +29,12 @@ of that (an earlier in-flight batch failing behind it) is counted in
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Protocol
 
 from outbox_core.backoff import backoff_s
@@ -51,7 +52,7 @@ from relay.model import (
     ShardId,
     Token,
 )
-from relay.publisher import QUEUE_FULL, DeliveryCallback, Outcome
+from relay.publisher import DELIVERED, QUEUE_FULL, DeliveryCallback, Outcome
 from relay.stalls import Stalls
 
 DEFAULT_BATCH_MAX_BYTES = 4 << 20  # payload bytes per claim; 4 in flight: 16 MiB
@@ -61,6 +62,7 @@ STALLED_ROWS_MAX = 10_000  # rows waiting on stalled partitions before claims st
 STALLED_CLAIM_PAUSE_S = 0.5  # a claim that found only rows held by a stall waits this long
 PACED_CLAIM_ROWS = 8  # a drained claim finding fewer rows stretches the wait before the next
 PACE_STEP = 1.5  # how much one claim stretches or shortens that wait
+CREATED, TOPIC = attrgetter("created_epoch"), attrgetter("topic")
 
 
 class PumpStore(MarkStore, Protocol):
@@ -90,9 +92,13 @@ class InFlight:
     waiting: int = 0
     produced_at: float = 0.0  # monotonic
 
+    failures: int = 0  # outcomes that are not a delivery
+
     def report(self, row: OutboxRow, outcome: Outcome) -> None:
         self.outcomes[row.id] = outcome
         self.waiting -= 1
+        if outcome is not DELIVERED:
+            self.failures += 1
 
     @property
     def done(self) -> bool:
@@ -360,39 +366,46 @@ class Pump:
         result.claimed += len(rows)
         batch = InFlight(tokens={lease.shard: lease.token for lease in usable},
                          produced_at=self.clock())
+        # The loop below runs once per row: names bound once, checks that cannot apply
+        # skipped (no stall, no failed key), the lease deadlines looked up in a dict.
+        deadlines = {lease.shard: lease.deadline_monotonic for lease in usable}
+        clock, stalls, send, report = self.clock, self.stalls, self.publisher.send, batch.report
+        max_message_bytes = self.max_message_bytes
+        produced = batch.rows
         blocked: set[str] = set()
-        deferred = held = 0
+        deferred = held = sent = 0
         for index, row in enumerate(rows):
-            if self.stalls.holds(row):
+            if (stalls.partitions or stalls.held) and stalls.holds(row):
                 held += 1  # its partition or its key waits: claimed again after the stall
                 continue
-            if not self.leases.trusted(row.shard, self.clock()):
+            if deadlines.get(row.shard, 0.0) <= clock():
                 deferred += 1  # lease may be gone: produce nothing more from this shard
                 continue
-            if row.key is not None and row.key in blocked:
+            if blocked and row.key in blocked:
                 deferred += 1  # an earlier row of this key failed in this batch
                 continue
-            batch.rows.append(row)
+            produced.append(row)
             batch.waiting += 1
-            if row.size > self.max_message_bytes:
+            if row.size > max_message_bytes:
                 immediate: Outcome | None = Outcome(
                     ok=False, error_class="message_too_large", permanent=True, hopeless=True,
                     message=f"payload of {row.size} bytes is over the producer's "
-                            f"message.max.bytes ({self.max_message_bytes})")
+                            f"message.max.bytes ({max_message_bytes})")
             else:
-                immediate = self.publisher.send(row, batch.report)
+                immediate = send(row, report)
+            if immediate is None:
+                sent += 1
+                continue
             if immediate is QUEUE_FULL:  # nothing more fits: the rest waits for a rewind
-                batch.rows.pop()
+                produced.pop()
                 batch.waiting -= 1
                 deferred += len(rows) - index
                 self.metrics.queue_full.inc()
                 break
-            if immediate is not None:
-                batch.report(row, immediate)
-                if row.key is not None:
-                    blocked.add(row.key)
-            else:
-                result.produced += 1
+            report(row, immediate)
+            if row.key is not None:
+                blocked.add(row.key)
+        result.produced += sent
         if deferred:
             self.caught_up = False
             self.request_rewind()
@@ -441,6 +454,12 @@ class Pump:
         self.in_flight = kept
 
     def _settle(self, batch: InFlight, result: BatchResult) -> None:
+        if not batch.failures and not self.failed_keys:  # every row delivered: no look at each
+            result.acked += len(batch.rows)
+            if batch.rows:
+                self._mark(batch, batch.rows)
+            self.transient_streak = 0
+            return
         acked: list[OutboxRow] = []
         failed: list[OutboxRow] = []
         for row in batch.rows:
@@ -498,14 +517,12 @@ class Pump:
             self.last_marked_at = self.clock()
             self.metrics.last_publish.set(self.wall_clock())
         now_wall = self.wall_clock()
-        per_topic: dict[str, int] = {}
-        latencies: list[float] = []
-        for row in acked:
-            if row.id in marked:
-                per_topic[row.topic] = per_topic.get(row.topic, 0) + 1
-                latencies.append(max(0.0, now_wall - row.created_epoch))
+        done = acked if len(marked) == len(acked) else [row for row in acked if row.id in marked]
+        latencies = [now_wall - epoch for epoch in map(CREATED, done)]
+        if latencies and min(latencies) < 0.0:  # a writer's clock ahead of this one
+            latencies = [max(0.0, latency) for latency in latencies]
         observe_many(self.metrics.commit_to_ack, latencies)
-        for topic, count in per_topic.items():
+        for topic, count in Counter(map(TOPIC, done)).items():
             self.metrics.published.labels(topic).inc(count)
 
     def _handle_failures(self, batch: InFlight, failed: list[OutboxRow], result: BatchResult) -> None:
