@@ -9,7 +9,7 @@ a server that refuses us for good (bad credentials, no such database or role) is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from operator import itemgetter
@@ -86,9 +86,19 @@ def translated() -> Iterator[None]:
         raise DatabaseUnavailable(f"database connection lost: {mask_text(str(exc).strip())}") from exc
 
 
+def int_array(values: Iterable[int]) -> str:
+    """Integers as a PostgreSQL array literal (``{1,2,3}``), for a parameter the query
+    casts (``%(ids)s::bigint[]``).  psycopg dumps a Python list element by element, in
+    Python, after a pass to pick the element type: for a mark of a few rows that was
+    half the mark's client CPU (175 against 90 µs, measured).  A value, never SQL text:
+    anything but integers fails the server's cast."""
+    return "{" + ",".join(map(str, values)) + "}"
+
+
 #: OutboxRow's (xid, id), and claim_batch's running byte count: C getters, as they run per row.
 _XID_ID = itemgetter(OutboxRow._fields.index("xid"), OutboxRow._fields.index("id"))
 _RUNNING_BYTES = itemgetter(len(OutboxRow._fields))
+_ID, _SHARD = itemgetter(OutboxRow._fields.index("id")), itemgetter(OutboxRow._fields.index("shard"))
 
 
 def check_not_transaction_pooled(dsn: str, *, application_name: str = "outbox-relay-probe") -> None:
@@ -224,9 +234,9 @@ class Store:
         found = self._fetch_tuples("relay", "claim_batch", binary=True, params={
             "cur": after.cur,
             "prev_xmax": str(after.prev_xmax),
-            "prev_xip": [str(x) for x in after.prev_xip],
+            "prev_xip": int_array(after.prev_xip),
             "nshards": nshards,
-            "shards": list(shards),
+            "shards": int_array(shards),
             "all_shards": all_shards,
             "after_xid": str(after.xid),
             "after_id": after.id,
@@ -259,15 +269,15 @@ class Store:
         still held, ids marked)."""
         if not rows:
             return {lease.shard for lease in leases}, set()
-        (result,) = self._fetch("relay", self._mark_query, {
+        ((held, marked),) = self._fetch_tuples("relay", self._mark_query, binary=True, params={
             "owner": owner,
-            "held_shards": [lease.shard for lease in leases],
-            "held_tokens": [lease.token for lease in leases],
-            "ids": [row.id for row in rows],
-            "row_shards": [row.shard for row in rows],
+            "held_shards": int_array(lease.shard for lease in leases),
+            "held_tokens": int_array(lease.token for lease in leases),
+            "ids": int_array(map(_ID, rows)),
+            "row_shards": int_array(map(_SHARD, rows)),
             "now": self.now,
         })
-        return set(result["held"]), set(result["marked"])  # ShardId and RowId are ints
+        return set(held), set(marked)  # ShardId and RowId are ints
 
     def record_failure(self, *, owner: str, lease: Lease, row: OutboxRow, error: str,
                        backoff_s: float) -> int | None:
@@ -337,8 +347,8 @@ class Store:
         if not leases:
             return {}
         rows = self._fetch("leases", "renew_leases", {
-            "owner": owner, "shards": [lease.shard for lease in leases],
-            "tokens": [lease.token for lease in leases], "lease_s": lease_s, "now": self.now,
+            "owner": owner, "shards": int_array(lease.shard for lease in leases),
+            "tokens": int_array(lease.token for lease in leases), "lease_s": lease_s, "now": self.now,
         })
         return {ShardId(r["shard"]): Token(r["token"]) for r in rows}
 
@@ -354,8 +364,8 @@ class Store:
         if not leases:
             return set()
         rows = self._fetch("leases", "release_shards", {
-            "owner": owner, "shards": [lease.shard for lease in leases],
-            "tokens": [lease.token for lease in leases],
+            "owner": owner, "shards": int_array(lease.shard for lease in leases),
+            "tokens": int_array(lease.token for lease in leases),
         })
         return {ShardId(r["shard"]) for r in rows}
 
