@@ -27,6 +27,7 @@ import psycopg.errors
 from psycopg.pq import TransactionStatus
 
 from consumer_sdk.errors import SchemaMissing
+from consumer_sdk.jobs import _wire
 from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
 from consumer_sdk.jobs.events import EventType, JobFacts, write_job_event
 from consumer_sdk.jobs.model import (
@@ -238,27 +239,25 @@ def holds_later(conn: ConnectionT, lease: Lease, *, now: datetime | None = None)
 def fence_begin(conn: ConnectionT, lease: Lease, *, now: datetime | None = None) -> bool:
     """BEGIN and :func:`holds` in one round trip; True when ``lease`` holds the job.
 
-    Either way a transaction is left open (the caller commits or rolls it back).  One
-    simple query runs the connection's prepared copy of ``fenced_lock`` (less client CPU
-    than a pipeline, no planning on the server); the first call on a connection prepares
-    it (one round trip more, once).  Where it cannot be kept prepared (a pooler that moves
-    sessions between servers), BEGIN and ``fenced_lock`` go in a pipeline.  Driver errors
-    are raised as they are: the caller translates them.
+    Either way a transaction is left open (the caller commits or rolls it back).  BEGIN
+    and the connection's prepared copy of ``fenced_lock`` go in one libpq pipeline
+    (:mod:`consumer_sdk.jobs._wire`: the least client CPU, no planning on the server);
+    the first call on a connection prepares it (one round trip more, once).  Where it
+    cannot be kept prepared (a pooler that moves sessions between servers) or libpq has
+    no pipeline mode, BEGIN and ``fenced_lock`` go through psycopg.  Driver errors are
+    raised as they are: the caller translates them.
     """
-    if now is not None:  # a test's clock: only the pipeline takes it as a parameter
+    if not _wire.available(conn):
         return _fence_begin_pipelined(conn, lease, now=now)
-    text = q("fence_begin_prepared").format(id=int(lease.job_id), token=int(lease.token))
+    params = [b"%d" % lease.job_id, b"%d" % lease.token, None if now is None else now.isoformat().encode()]
     for _attempt in range(2):
         if conn not in _FENCE_PREPARED:
             _prepare_fence(conn)
         try:
-            cur = conn.execute(text.encode())
+            return _wire.begin_and_execute(conn, _BEGIN, FENCE_STATEMENT, params) > 0
         except psycopg.errors.InvalidSqlStatementName:  # DISCARD ALL, or another server session
             conn.rollback()  # BEGIN went through: leave the aborted transaction
             _FENCE_PREPARED.discard(conn)
-            continue
-        # psycopg leaves the cursor on the first result (BEGIN's): the lock's is the next one.
-        return bool(cur.nextset()) and cur.fetchone() is not None
     return _fence_begin_pipelined(conn, lease, now=now)
 
 
@@ -271,6 +270,9 @@ def _fence_begin_pipelined(conn: ConnectionT, lease: Lease, *, now: datetime | N
 
 #: Connections known to hold the prepared fence (see fence_begin).
 _FENCE_PREPARED: weakref.WeakSet[ConnectionT] = weakref.WeakSet()
+#: The prepared fence's name, as ``fence_prepare`` in jobs.sql creates it.
+FENCE_STATEMENT = b"outbox_jobs_fence_v2"
+_BEGIN = q("fenced_begin").encode()
 
 
 def _prepare_fence(conn: ConnectionT) -> None:

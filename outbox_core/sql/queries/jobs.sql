@@ -319,29 +319,24 @@ WHERE NOT (r.id IS NULL AND j.status = 'succeeded' AND j.lease_owner = %(worker)
            AND j.lease_token = h.token)
 
 -- name: fenced_begin
--- JobContext.fenced_transaction sends BEGIN itself, in one pipeline with fenced_lock
--- (the fallback of fence_begin_prepared, see below).
+-- JobContext.fenced_transaction sends BEGIN itself, in one pipeline with the prepared
+-- fence (fence_prepare), or with fenced_lock where it cannot stay prepared.
 BEGIN
 
 -- name: fence_prepare
 -- fenced_lock as a prepared statement of the connection (created on first use, again
--- after DISCARD ALL or a reconnect): fence_begin_prepared runs it.  Without the worker:
--- every claim gives a job a new lease_token, so (id, token) names one claim, and the
--- statement takes numbers only (and the NULL of "the database's clock").
+-- after DISCARD ALL or a reconnect).  jobs.queue.fence_begin executes it by its name
+-- (jobs.queue.FENCE_STATEMENT: keep the two the same) with fenced_begin, in one libpq
+-- pipeline (consumer_sdk/jobs/_wire.py): one round trip, no planning, and less client
+-- CPU than psycopg's pipeline or cursor.  Parameters: job id, lease token, now (NULL:
+-- the database's clock).  Without the worker: every claim gives a job a new
+-- lease_token, so (id, token) names one claim.
 PREPARE outbox_jobs_fence_v2 (bigint, bigint, timestamptz) AS
 SELECT 1 AS held
 FROM jobs
 WHERE id = $1 AND lease_token = $2
   AND status = 'running' AND lease_until > coalesce($3, now())
 FOR KEY SHARE
-
--- name: fence_begin_prepared
--- BEGIN and fenced_lock in one simple query: one round trip without pipeline mode
--- (psycopg's pipeline costs more client CPU than the statement) and no planning (the
--- prepared statement).  A simple query takes no parameters: jobs.queue.fence_begin
--- fills {id} and {token} with the integers of the lease (int(), never text), and uses
--- the pipeline instead when a test fixes the clock.
-BEGIN; EXECUTE outbox_jobs_fence_v2 ({id}, {token}, NULL)
 
 -- name: fenced_lock
 -- The first statement of a handler's fenced transaction (JobContext.fenced_transaction).

@@ -157,3 +157,27 @@ def test_where_the_fence_cannot_stay_prepared_it_goes_in_a_pipeline(conn, jobs_d
         tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, -1))
     assert conn.info.transaction_status == TransactionStatus.IDLE
     assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)]
+
+
+def test_a_fence_that_fails_on_the_server_leaves_the_connection_usable(conn, jobs_db):
+    """The fence's pipeline (BEGIN and the prepared lock, below psycopg's cursor) raises the
+    server's error as psycopg would, and leaves the connection idle, out of pipeline mode."""
+    conn.execute("CREATE TABLE rt_effects (job_id bigint, token bigint)")
+    enqueue(conn, [NewJob(owner_id="o1", queue="interactive", kind="work", payload={})])
+    (job,) = jobq.claim(conn, worker="A", takes=[Take(queue="interactive", owner_id="o1", n=1,
+                                                       owner_limit=1)], lease_s=60)
+    ctx = JobContext(job, conn, deadline=float("inf"))
+    conn.execute("SET lock_timeout = '50ms'")
+    with psycopg.connect(jobs_db) as other:  # a takeover's FOR UPDATE, held
+        other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (job.id,))
+        with pytest.raises(psycopg.errors.LockNotAvailable), ctx.fenced_transaction() as tx:
+            tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, -1))
+    assert conn.info.transaction_status == TransactionStatus.IDLE
+    assert conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF and not ctx.cancelled
+    with ctx.fenced_transaction() as tx:
+        tx.execute("INSERT INTO rt_effects VALUES (%s, %s)", (job.id, job.token))
+    assert rows(jobs_db, "SELECT job_id, token FROM rt_effects") == [(job.id, job.token)]
+
+
+def test_the_fence_statement_is_the_one_jobs_sql_prepares():
+    assert q("fence_prepare").startswith(f"PREPARE {jobq.FENCE_STATEMENT.decode()} (")
