@@ -12,6 +12,8 @@ from consumer_sdk import _pg
 from consumer_sdk.jobs._db import ConnectionT, q, translated
 
 ConnectionFactory = Callable[[], ConnectionT]
+#: Transaction states with a transaction left open (to roll back).
+_OPEN = frozenset({TransactionStatus.INTRANS, TransactionStatus.INERROR})
 
 
 def connect_factory(dsn: str, *, application_name: str, connect_timeout_s: int = 5) -> ConnectionFactory:
@@ -59,7 +61,7 @@ class ConnSlot:
         if conn.closed or conn.broken:
             self.close()
             return
-        if conn.info.transaction_status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
+        if conn.pgconn.transaction_status in _OPEN:  # the int: no ConnectionInfo, no enum a job
             try:
                 conn.rollback()
             except psycopg.Error:

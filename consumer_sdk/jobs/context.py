@@ -47,8 +47,8 @@ class JobContext:
         self._conn = conn
         self.deadline = deadline  # monotonic seconds until which the lease is trusted locally
         self._db_now = db_now
-        self._cancel = threading.Event()
-        self._reason: str | None = None
+        self._reason: str | None = None  # set once, under _lock: the attempt is cancelled
+        self._woken: threading.Event | None = None  # for sleep(); made by its first call
         self._lock = threading.Lock()
         self._fenced_depth = 0
         #: The handler succeeded and the pool writes the completion with its next round.
@@ -99,7 +99,7 @@ class JobContext:
 
     @property
     def cancelled(self) -> bool:
-        return self._cancel.is_set()
+        return self._reason is not None
 
     @property
     def cancel_reason(self) -> str | None:
@@ -108,21 +108,27 @@ class JobContext:
     def cancel(self, reason: str) -> bool:
         """Ask the handler to stop (first reason wins); True when this call cancelled it."""
         with self._lock:
-            if self._cancel.is_set():
+            if self._reason is not None:
                 return False
             self._reason = reason
-            self._cancel.set()
-            return True
+            woken = self._woken
+        if woken is not None:
+            woken.set()
+        return True
 
     def check(self) -> None:
         """Raise :class:`LeaseLost` when the attempt was cancelled; call it between steps."""
-        if self._cancel.is_set():
-            reason = self._reason or "lease_lost"
+        reason = self._reason
+        if reason is not None:
             raise LeaseLost(f"job {self.job.id}: {_MESSAGES.get(reason, reason)}", reason=reason)
 
     def sleep(self, seconds: float) -> None:
         """Wait up to ``seconds``, waking at once on cancellation (then raise LeaseLost)."""
-        self._cancel.wait(max(0.0, seconds))
+        with self._lock:
+            woken = self._woken = self._woken or threading.Event()
+            if self._reason is not None:
+                woken.set()
+        woken.wait(max(0.0, seconds))
         self.check()
 
     # -- fenced writes ------------------------------------------------------------------

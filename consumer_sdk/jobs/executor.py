@@ -43,6 +43,8 @@ CompleteLater = Callable[[JobContext, str, float], bool]
 
 #: Reasons for which the worker no longer has the right to write anything.
 NO_AUTHORITY = frozenset({"lease_lost", "lease_unconfirmed", "cancelled", "fence_ended"})
+#: Transaction states with a transaction left open (to roll back).
+_OPEN = frozenset({TransactionStatus.INTRANS, TransactionStatus.INERROR})
 
 
 class Executor:
@@ -227,7 +229,7 @@ def _tidy(ctx: JobContext) -> None:
     conn = ctx.conn
     if conn.closed or conn.broken:
         return
-    if conn.info.transaction_status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
+    if conn.pgconn.transaction_status in _OPEN:  # the int: no ConnectionInfo, no enum a job
         try:
             conn.rollback()
         except psycopg.Error:

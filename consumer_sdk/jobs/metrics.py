@@ -56,6 +56,7 @@ class JobsMetrics:
         self.handler_duration = Histogram(
             "outbox_jobs_handler_duration_seconds", "Time a handler ran, per attempt.", ["queue"],
             buckets=DURATION_BUCKETS_S, registry=r)
+        #: A worker pool reads its own count when scraped (set_function), per queue it serves.
         self.workers_busy = Gauge("outbox_jobs_workers_busy", "Jobs this pool is running now.", ["queue"],
                                   registry=r)
         self.workers_capacity = Gauge("outbox_jobs_workers_capacity", "Jobs this pool may run at once.",
@@ -82,7 +83,7 @@ class JobsMetrics:
 
     def per_queue(self, queue: str) -> tuple[Any, Any, Any]:
         """(claimed, workers_busy, handler_duration) of ``queue``: the children a pool updates
-        for every job, looked up once (``labels()`` takes a lock and builds a key each call)."""
+        often, looked up once (``labels()`` takes a lock and builds a key each call)."""
         found = self._per_queue.get(queue)
         if found is None:
             found = self._per_queue[queue] = (self.claimed.labels(queue), self.workers_busy.labels(queue),

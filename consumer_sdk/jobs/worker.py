@@ -36,6 +36,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 import structlog
@@ -135,6 +136,8 @@ class WorkerPool:
             return
         self._started = True
         self.metrics.workers_capacity.set(self.config.max_concurrency)
+        for queue in self.config.queues:  # read when scraped: no update per job
+            self.metrics.workers_busy.labels(queue).set_function(partial(self._line.running.__getitem__, queue))
         self._threads["executor"] = [self._thread(self._executor_loop, f"jobs-exec-{i}")
                                      for i in range(self.config.max_concurrency)]
         self._threads["heartbeat"] = [self._thread(
@@ -328,19 +331,27 @@ class WorkerPool:
 
     def _executor_loop(self) -> None:
         with ConnSlot(self._connect, idle_ms=self.config.idle_in_transaction_ms) as slot:
-            while True:
-                with self._lock:
-                    ctx = self._line.take()
-                    busy = self._line.running[ctx.job.queue] if ctx is not None else 0
-                if ctx is None:
-                    return
-                self.metrics.per_queue(ctx.job.queue)[1].set(busy)
-                started = time.monotonic()
-                try:
-                    self._execute(ctx, slot)
-                finally:
-                    slot.tidy()
-                    self._finish(ctx, time.monotonic() - started)
+            ended: tuple[JobContext, float] | None = None  # the job just run: finished with the next take
+            try:
+                while True:
+                    with self._lock:  # one section a job: finish the last one, take the next
+                        if ended is not None and self._finish_locked(*ended):
+                            self._wake.set()  # before take() may wait: that round fills this line
+                        ended, ctx = None, self._line.take()
+                    if ctx is None:
+                        return
+                    started = time.monotonic()
+                    try:
+                        self._execute(ctx, slot)
+                    finally:
+                        slot.tidy()
+                        self._hb.forget(ctx.job.id)
+                        ended = ctx, time.monotonic() - started
+            finally:
+                if ended is not None:  # a BaseException left the loop
+                    with self._lock:
+                        if self._finish_locked(*ended):
+                            self._wake.set()
 
     def _execute(self, ctx: JobContext, slot: ConnSlot) -> None:
         try:
@@ -356,22 +367,18 @@ class WorkerPool:
         except Exception:  # noqa: BLE001 - an executor thread must survive anything
             self.log.exception("job_executor_crashed", job_id=ctx.job.id)
 
-    def _finish(self, ctx: JobContext, duration_s: float) -> None:
-        self._hb.forget(ctx.job.id)
-        with self._lock:
-            if not ctx.completing:
-                self._running.pop(ctx.job.id, None)
-            self._line.done(ctx, duration_s)
-            busy, free, idle = self._line.running[ctx.job.queue], self._line.capacity - self._line.total, \
-                self._line.total == 0
-            # A round for several free places rather than one per finished job (with a line:
-            # when half of it is gone); never leave every slot idle (nor a success) waiting.
-            enough = free >= (self.config.max_concurrency if self._line.depth else self._wake_free)
-            if idle:
-                self._lock.notify_all()
-        self.metrics.per_queue(ctx.job.queue)[1].set(busy)
-        if not self._stopping.is_set() and (self._more_work or ctx.completing) and (enough or idle):
-            self._wake.set()
+    def _finish_locked(self, ctx: JobContext, duration_s: float) -> bool:
+        """A handler ended (under the lock); True when the dispatcher should be woken."""
+        if not ctx.completing:
+            self._running.pop(ctx.job.id, None)
+        self._line.done(ctx, duration_s)
+        free, idle = self._line.capacity - self._line.total, self._line.total == 0
+        # A round for several free places rather than one per finished job (with a line:
+        # when half of it is gone); never leave every slot idle (nor a success) waiting.
+        enough = free >= (self.config.max_concurrency if self._line.depth else self._wake_free)
+        if idle:
+            self._lock.notify_all()
+        return not self._stopping.is_set() and (self._more_work or ctx.completing) and (enough or idle)
 
     def _complete_later(self, ctx: JobContext, result_json: str, duration_s: float) -> bool:
         """The executor's success, written by the next round (False: write it yourself)."""

@@ -66,6 +66,25 @@ def test_a_job_runs_and_succeeds_with_its_result_and_metrics(conn, pools):
     assert sample("outbox_jobs_workers_capacity") == 2
 
 
+def test_the_busy_gauge_is_the_pools_running_count_when_scraped(conn, pools):
+    release = threading.Event()
+
+    def slow(ctx: JobContext) -> Any:
+        release.wait(10)
+        return None
+
+    metrics = JobsMetrics()
+    pools({"slow": slow}, metrics=metrics)
+    busy = lambda: metrics.registry.get_sample_value("outbox_jobs_workers_busy",  # noqa: E731
+                                                     {"queue": "interactive"})
+    assert busy() == 0
+    run = _accept(conn, "k1", "slow")
+    wait_until(lambda: busy() == 1, timeout_s=10, message=lambda: f"busy: {busy()}")
+    release.set()
+    assert _terminal(conn, run).status == "succeeded"
+    wait_until(lambda: busy() == 0, timeout_s=5, message=lambda: f"busy: {busy()}")
+
+
 def test_transient_errors_are_retried_with_backoff_until_success(conn, pools):
     calls: list[int] = []
 
