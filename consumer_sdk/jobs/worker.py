@@ -3,23 +3,21 @@
 Threads, each with its own connection:
 
 * the dispatcher: on a wake-up (NOTIFY, a relayed event via :meth:`WorkerPool.wake`,
-  finished jobs while work is left, a retry falling due) or every
-  ``poll_interval_s``, reaps expired leases (at most every quarter lease or poll
-  interval), lists the ready lanes, plans with
-  :mod:`consumer_sdk.jobs.fairness` and claims in one short transaction, in the same
-  round trip as the completions of the jobs that succeeded since the last round; runs
-  the reconciler every ``reconcile_interval_s``;
+  finished jobs while work is left, a retry falling due) or every ``poll_interval_s``,
+  reaps expired leases (at most every quarter lease or poll interval), lists the ready
+  lanes, plans with :mod:`consumer_sdk.jobs.fairness` and claims in one short
+  transaction, in the same round trip as the completions of the jobs that succeeded
+  since the last round; runs the reconciler every ``reconcile_interval_s``;
 * ``max_concurrency`` executors: one claimed job at a time, from the pool's line
-  (:mod:`consumer_sdk.jobs.line`: short jobs are claimed ahead), the handler on the
-  executor's connection (see :class:`~consumer_sdk.jobs.context.JobContext`); a
-  success is handed to the dispatcher (its lease still held and renewed) and the slot
-  is free at once; every other outcome is written by the executor;
+  (:mod:`consumer_sdk.jobs.line`: short jobs are claimed ahead; one lock section finishes a
+  job and takes the next), the handler on the executor's connection (see
+  :class:`~consumer_sdk.jobs.context.JobContext`); a success is handed to the dispatcher
+  (its lease still held and renewed); every other outcome is written by the executor;
 * the heartbeat (:mod:`consumer_sdk.jobs.heartbeat`): every ``heartbeat_interval_s``,
   renews every lease of the pool in one statement, cancels the attempts that lost one;
 * the listener (``listen=True``): LISTEN outbox_jobs, a wake-up per notification.
 
-Completions are written per round, not per job: see :mod:`consumer_sdk.jobs.completions`
-for what that means on a crash.
+Completions are written per round: see :mod:`consumer_sdk.jobs.completions` on crashes.
 
 No transaction is ever held while a handler runs, except the handler's own
 fenced transactions.  Lifecycle: :meth:`start`, :meth:`run_once` (one dispatch
@@ -335,9 +333,12 @@ class WorkerPool:
             try:
                 while True:
                     with self._lock:  # one section a job: finish the last one, take the next
-                        if ended is not None and self._finish_locked(*ended):
-                            self._wake.set()  # before take() may wait: that round fills this line
-                        ended, ctx = None, self._line.take()
+                        wake = ended is not None and self._finish_locked(*ended)
+                        ended, ctx = None, None if wake else self._line.take()
+                    if wake:  # outside the lock (the dispatcher takes it at once), before take() waits
+                        self._wake.set()
+                        with self._lock:
+                            ctx = self._line.take()
                     if ctx is None:
                         return
                     started = time.monotonic()
@@ -348,10 +349,9 @@ class WorkerPool:
                         self._hb.forget(ctx.job.id)
                         ended = ctx, time.monotonic() - started
             finally:
-                if ended is not None:  # a BaseException left the loop
+                if ended is not None:  # a BaseException left the loop (the next poll sees the place)
                     with self._lock:
-                        if self._finish_locked(*ended):
-                            self._wake.set()
+                        self._finish_locked(*ended)
 
     def _execute(self, ctx: JobContext, slot: ConnSlot) -> None:
         try:
@@ -391,8 +391,8 @@ class WorkerPool:
 
     def _write_completions(self, conn: Any) -> None:
         if len(self._done):
-            self._done.write_with(lambda done: (jobq.complete_many(
-                conn, worker=self.worker_id, done=done, now=self._db_now()), None))
+            self._done.write_with(lambda done: (jobq.complete_many(conn, worker=self.worker_id, done=done,
+                                                                   now=self._db_now()), None))
 
     def heartbeat_once(self) -> int:
         """Renew every running job's lease; cancel the attempts that lost it.  Returns how many."""
