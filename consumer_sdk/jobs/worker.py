@@ -333,9 +333,9 @@ class WorkerPool:
             try:
                 while True:
                     with self._lock:  # one section a job: finish the last one, take the next
-                        wake = ended is not None and self._finish_locked(*ended)
+                        wake = ended is not None and self._finish_locked(*ended) and not self._wake.is_set()
                         ended, ctx = None, None if wake else self._line.take()
-                    if wake:  # outside the lock (the dispatcher takes it at once), before take() waits
+                    if wake:  # none pending (else its round sees this): outside the lock, before take()
                         self._wake.set()
                         with self._lock:
                             ctx = self._line.take()
