@@ -29,10 +29,18 @@ _PIPELINE_ABORTED = pq.ExecStatus.PIPELINE_ABORTED
 _PIPELINE_OFF = pq.PipelineStatus.OFF
 
 
+#: The psycopg internals this module uses (tested with psycopg 3.3): a release without
+#: them makes :func:`available` false, and the fence goes through psycopg's own pipeline.
+#: tests/unit/jobs/test_jobs_wire.py fails when that happens, so it is seen, not silent.
+INTERNALS = (hasattr(generators, "send") and hasattr(generators, "fetch_many")
+             and hasattr(psycopg.Connection, "wait"))
+
+
 def available(conn: psycopg.Connection[Any]) -> bool:
     """True when ``conn`` can take :func:`begin_and_execute` (libpq 14 or later, no pipeline
-    of psycopg's open on it)."""
-    return psycopg.capabilities.has_pipeline() and conn.pgconn.pipeline_status == _PIPELINE_OFF
+    of psycopg's open on it, the psycopg internals it uses present)."""
+    return (INTERNALS and hasattr(conn, "lock") and psycopg.capabilities.has_pipeline()
+            and conn.pgconn.pipeline_status == _PIPELINE_OFF)
 
 
 def begin_and_execute(conn: psycopg.Connection[Any], begin: bytes, statement: bytes,

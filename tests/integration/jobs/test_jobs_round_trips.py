@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
 
-from consumer_sdk.jobs import LeaseLost, NewJob, enqueue
+from consumer_sdk.jobs import LeaseLost, NewJob, _wire, enqueue
 from consumer_sdk.jobs import queue as jobq
 from consumer_sdk.jobs._db import q
 from consumer_sdk.jobs.context import JobContext
@@ -181,3 +181,9 @@ def test_a_fence_that_fails_on_the_server_leaves_the_connection_usable(conn, job
 
 def test_the_fence_statement_is_the_one_jobs_sql_prepares():
     assert q("fence_prepare").startswith(f"PREPARE {jobq.FENCE_STATEMENT.decode()} (")
+
+
+def test_a_connection_takes_the_fence_pipeline(conn):
+    """The fast path is the one the other tests here exercise (the connection's lock is an
+    instance attribute: only a real connection shows it)."""
+    assert _wire.available(conn)
