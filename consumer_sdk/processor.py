@@ -220,9 +220,12 @@ class Processor:
         done, total = 0, len(records)
         step = total if self._batch_size is None else self._batch_size
         while done < total:
-            chunk = records[done:done + step]
-            settled, halt = self._transaction(chunk, result, attempt=1, settle=True,
-                                              defer=done + len(chunk) < total)
+            if step == 1:
+                settled, halt = self._one(records[done], result, defer=done + 1 < total)
+            else:
+                chunk = records[done:done + step]
+                settled, halt = self._transaction(chunk, result, attempt=1, settle=True,
+                                                  defer=done + len(chunk) < total)
             done += settled
             if halt is None:
                 continue
@@ -345,6 +348,53 @@ class Processor:
         except _Alone as alone:  # a lone record's handler failed: its transaction rolled back
             return 0, alone.halt
         return settled, halt
+
+    def _one(self, record: KafkaRecord, result: BatchResult, *, defer: bool) -> tuple[int, _Halt | None]:
+        """:meth:`_transaction` of one record (``settle``, first attempt), without its batch
+        machinery: one message at a time spends its client CPU in the driver, not here.
+
+        The same steps in the same transaction: the claim, then the handler when the event is
+        new (no savepoint: its failure rolls the transaction back); the counts are taken and
+        the record settled once the COMMIT is confirmed.  Whatever this path does not cover
+        (an invalid event id, a duplicate found by the lookup, a store that cannot defer a
+        COMMIT) goes through :meth:`_transaction`."""
+        event_id, replayed = self._scan(record)
+        if isinstance(event_id, InvalidEventId) or not self._deferring \
+                or (self._known and self._known_duplicate(record, event_id, replayed)):
+            return self._transaction([record], result, attempt=1, settle=True, defer=defer)
+        message = self._prepare(record)
+        assert isinstance(message, InboxMessage)
+        claim: Claim | None = None
+        halt: _Halt | None = None
+
+        def committed() -> None:  # true only now that the transaction committed
+            if halt is not None:
+                return
+            if claim == "new":
+                self._applied[record.topic] += 1
+                result.applied += 1
+            elif claim == "duplicate":
+                self._dropped[record.topic] += 1
+                result.duplicates += 1
+            self._settle((record,), result)
+
+        try:
+            with self._store.transaction(on_commit=committed, defer_commit=defer) as conn:  # type: ignore[call-arg]
+                claim = self._store.claim(consumer=self.consumer, message=message,
+                                          payload_sha256=payload_sha256(message.value))
+                if claim == "new":
+                    try:
+                        self._call(conn, message)
+                    except _HandlerFailed as failed:
+                        self._handler_failed(record, failed.error, 1, result)
+                        raise _Alone(_Halt(failed.error, "handler_error", stop=False)) from failed
+                elif claim == "duplicate":
+                    self._lookup_pays = True  # a redelivery: look duplicates up before the next poll
+                else:
+                    halt = self._mismatch(record, message, result)
+        except _Alone as alone:  # the handler failed: its transaction rolled back
+            return 0, alone.halt
+        return (0, halt) if halt is not None else (1, None)
 
     def _after_commits(self, callback: Callable[[], None]) -> None:
         """``callback`` now, or after the deferred COMMIT before it was confirmed (order kept)."""

@@ -441,7 +441,8 @@ class PgInboxStore:
                                      {"consumer": consumer, "event_ids": list(event_ids)})
 
     def in_failed_transaction(self) -> bool:
-        return self._begun and self._active.info.transaction_status == TransactionStatus.INERROR
+        # pgconn's status: conn.info builds an object and an enum at every call (once a message)
+        return self._begun and self._active.pgconn.transaction_status == TransactionStatus.INERROR
 
     # -- retention --------------------------------------------------------------------
 
