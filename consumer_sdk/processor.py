@@ -355,13 +355,21 @@ class Processor:
 
         The same steps in the same transaction: the claim, then the handler when the event is
         new (no savepoint: its failure rolls the transaction back); the counts are taken and
-        the record settled once the COMMIT is confirmed.  Whatever this path does not cover
-        (an invalid event id, a duplicate found by the lookup, a store that cannot defer a
-        COMMIT) goes through :meth:`_transaction`."""
+        the record settled once the COMMIT is confirmed.  A duplicate found by the lookup
+        settles after the deferred COMMIT before it, with no transaction.  What this path does
+        not cover (an invalid event id, a store that commits at once) goes through
+        :meth:`_transaction`."""
         event_id, replayed = self._scan(record)
-        if isinstance(event_id, InvalidEventId) or not self._deferring \
-                or (self._known and self._known_duplicate(record, event_id, replayed)):
+        if isinstance(event_id, InvalidEventId) or not self._deferring:
             return self._transaction([record], result, attempt=1, settle=True, defer=defer)
+        if self._known and self._known_duplicate(record, event_id, replayed):
+            def dropped() -> None:  # redelivered: nothing to claim, apply or commit
+                self._dropped[record.topic] += 1
+                result.duplicates += 1
+                self._settle((record,), result)
+
+            self._after_commits(dropped)
+            return 1, None
         message = self._prepare(record)
         assert isinstance(message, InboxMessage)
         claim: Claim | None = None

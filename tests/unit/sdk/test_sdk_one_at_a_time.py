@@ -1,5 +1,6 @@
 """One message at a time (``batch_size=1``) with a store that defers each COMMIT to the next
-transaction, as PgInboxStore does: the processor takes a lean path for each record there.
+transaction and looks duplicates up before a poll, as PgInboxStore does: the processor takes a
+lean path for each record there.
 Every outcome must be the one of the general path (a store that commits at once): the same
 records settled in the same order, the same counts, handler calls, dead letters and inbox
 rows.  On the in-memory fakes (no sockets)."""
@@ -7,7 +8,7 @@ rows.  On the in-memory fakes (no sockets)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import astuple
 from typing import Any
@@ -64,6 +65,12 @@ class DeferringStore(FakeInboxStore):
 
     def discard(self) -> None:
         self._pending = None
+
+    def applied_before(self, *, consumer: str, event_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, bytes | None]:
+        """The lookup before a poll (PgInboxStore's), so that duplicates it finds take that path."""
+        if self._pending is not None:
+            raise RuntimeError("applied_before() runs with no deferred COMMIT")
+        return {e: self.rows[(consumer, e)] for e in event_ids if (consumer, e) in self.rows}
 
 
 class Handler:
