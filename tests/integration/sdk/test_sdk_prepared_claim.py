@@ -19,7 +19,6 @@ from consumer_sdk.model import InboxMessage, KafkaRecord
 from consumer_sdk.processor import Policies, Processor
 from consumer_sdk.store import PgInboxStore, connect_factory
 from consumer_sdk.testing import FakeDeadLetters, make_record
-from outbox_core.queries import query
 
 EFFECTS = "CREATE TABLE IF NOT EXISTS prepared_effects (event_id uuid NOT NULL, n int NOT NULL)"
 PREPARED = "SELECT name FROM pg_prepared_statements WHERE name = 'outbox_inbox_claim_v1'"
@@ -79,24 +78,5 @@ def test_a_vanished_prepared_claim_is_retried_with_the_plain_claim_and_applies_o
         assert settled == records
         assert _effects(sdk_db, records) == [0, 1, 2, 3]
         assert store.conn.execute(PREPARED).fetchone() is None  # not prepared again on this store
-    finally:
-        store.close()
-
-
-def test_a_session_that_holds_the_prepared_claim_already_keeps_it(sdk_db):
-    """A session pooler can hand over a server session prepared by an earlier client: the
-    statement's text is the same (its name carries a version), so it is used as it is."""
-    def connect() -> psycopg.Connection[Any]:
-        conn = connect_factory(sdk_db)()
-        conn.execute(query("inbox", "claim_prepare"))
-        return conn
-
-    store = PgInboxStore(connect)
-    store.conn.execute(EFFECTS)
-    settled: list[KafkaRecord] = []
-    records = [make_record(value={"n": n}, offset=n) for n in range(10, 13)]
-    try:
-        assert _processor(store, insert_n, settled).process(records).applied == 3
-        assert settled == records and _effects(sdk_db, records) == [10, 11, 12]
     finally:
         store.close()
