@@ -70,10 +70,6 @@ class PgInboxStore:
         # transaction's first round trip (or sync()) sends it; then these run, in order.
         self._pending: list[Callable[[], None]] | None = None
         self._client: psycopg.ClientCursor[Any] | None = None  # for BEGIN (and COMMIT) with a claim
-        # The connection holding the prepared claim (claim_prepare), and whether to keep
-        # preparing it: not after it vanished once (a pooler moving sessions, DISCARD ALL).
-        self._prepared_on: psycopg.Connection[Any] | None = None
-        self._prepare_claims = True
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -95,7 +91,6 @@ class PgInboxStore:
         conn, self._conn = self._conn, None
         self._pending = None
         self._client = None
-        self._prepared_on = None
         if conn is not None:
             try:
                 conn.close()
@@ -337,23 +332,12 @@ class PgInboxStore:
         return "duplicate" if found[0] == payload_sha256 else "mismatch"
 
     def _first_claim(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> Any:
-        """[COMMIT;] BEGIN; claim, in one round trip; returns the claim's row (None: a conflict).
-
-        The claim is the connection's prepared statement (no parsing or planning on the
-        server) once :meth:`_prepared` could prepare it.  Should it have vanished meanwhile,
-        the round trip fails as any other (its deferred COMMIT's outcome unknown, the records
-        unsettled) with :class:`TransactionConflict`, retried with the plain claim."""
+        """[COMMIT;] BEGIN; claim, in one round trip; returns the claim's row (None: a conflict)."""
         if self._client is None or self._client.connection is not conn:
             self._client = psycopg.ClientCursor(conn)
         cursor = self._client
-        prepared = self._prepared(conn)
         try:
-            cursor.execute(self._prefix() + query("inbox", "claim_prepared" if prepared else "claim"), params)
-        except psycopg.errors.InvalidSqlStatementName as exc:
-            self._first_failed()
-            self._prepared_on = None
-            self._prepare_claims = False
-            raise TransactionConflict(f"the prepared claim vanished: {_first_line(exc)}") from exc
+            cursor.execute(self._prefix() + query("inbox", "claim"), params)
         except BaseException:
             self._first_failed()
             raise
@@ -361,20 +345,6 @@ class PgInboxStore:
         while cursor.nextset():
             pass
         return cursor.fetchone()
-
-    def _prepared(self, conn: psycopg.Connection[Any]) -> bool:
-        """Whether ``conn`` holds the prepared claim, preparing it (one round trip, once per
-        connection) when it is idle: no deferred COMMIT, no transaction begun."""
-        if self._prepared_on is conn:
-            return True
-        if not self._prepare_claims or self._pending is not None or self._begun:
-            return False
-        try:
-            conn.execute(query("inbox", "claim_prepare"))
-        except psycopg.errors.DuplicatePreparedStatement:  # a session handed over with it (same text)
-            pass
-        self._prepared_on = conn
-        return True
 
     def claim_many(self, *, consumer: str, messages: Sequence[InboxMessage],
                    digests: Sequence[bytes | None]) -> list[Claim]:

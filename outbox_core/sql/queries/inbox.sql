@@ -17,23 +17,6 @@ VALUES
 ON CONFLICT (consumer, event_id) DO NOTHING
 RETURNING true AS inserted
 
--- name: claim_prepare
--- claim as a prepared statement of the connection (PgInboxStore prepares it once per
--- connection, outside any transaction): claim_prepared runs it with no parsing or planning
--- on the server.  The same statement as claim, parameters in the same order.
-PREPARE outbox_inbox_claim_v1 (text, uuid, bytea, text, integer, bigint, timestamptz) AS
-INSERT INTO outbox_inbox
-    (consumer, event_id, payload_sha256, topic, kafka_partition, kafka_offset, received_at)
-VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, now()))
-ON CONFLICT (consumer, event_id) DO NOTHING
-RETURNING true AS inserted
-
--- name: claim_prepared
--- The connection's prepared claim, sent after [COMMIT;] BEGIN; in one simple query (its
--- parameters bound by psycopg's ClientCursor).
-EXECUTE outbox_inbox_claim_v1 (%(consumer)s, %(event_id)s, %(payload_sha256)s, %(topic)s, %(partition)s,
-                               %(offset)s, %(now)s)
-
 -- name: claim_batch
 -- (The arrays go in binary format: a fifth of the client CPU of text arrays.)
 -- The claim of a whole batch in one statement (event ids unique within it): inserts the
