@@ -16,6 +16,17 @@ ConnectionFactory = Callable[[], ConnectionT]
 _OPEN = frozenset({TransactionStatus.INTRANS, TransactionStatus.INERROR})
 
 
+def roll_back_open(conn: ConnectionT) -> bool:
+    """Roll back a transaction left open on ``conn``; False when that rollback failed.
+    The state is read from libpq (the int: no ConnectionInfo, no enum a job)."""
+    if conn.pgconn.transaction_status in _OPEN:
+        try:
+            conn.rollback()
+        except psycopg.Error:
+            return False
+    return True
+
+
 def connect_factory(dsn: str, *, application_name: str, connect_timeout_s: int = 5) -> ConnectionFactory:
     """A factory of autocommit connections to ``dsn``."""
 
@@ -61,11 +72,8 @@ class ConnSlot:
         if conn.closed or conn.broken:
             self.close()
             return
-        if conn.pgconn.transaction_status in _OPEN:  # the int: no ConnectionInfo, no enum a job
-            try:
-                conn.rollback()
-            except psycopg.Error:
-                self.close()
+        if not roll_back_open(conn):
+            self.close()
 
     def close(self) -> None:
         conn, self._conn = self._conn, None

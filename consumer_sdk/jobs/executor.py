@@ -22,11 +22,9 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-import psycopg
-from psycopg.pq import TransactionStatus
-
 from consumer_sdk.errors import OutboxSdkError
 from consumer_sdk.jobs import queue, waits
+from consumer_sdk.jobs._conn import roll_back_open
 from consumer_sdk.jobs._db import to_json
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.errors import InvalidJob, PermanentJobError
@@ -43,8 +41,6 @@ CompleteLater = Callable[[JobContext, str, float], bool]
 
 #: Reasons for which the worker no longer has the right to write anything.
 NO_AUTHORITY = frozenset({"lease_lost", "lease_unconfirmed", "cancelled", "fence_ended"})
-#: Transaction states with a transaction left open (to roll back).
-_OPEN = frozenset({TransactionStatus.INTRANS, TransactionStatus.INERROR})
 
 
 class Executor:
@@ -229,10 +225,7 @@ def _tidy(ctx: JobContext) -> None:
     conn = ctx.conn
     if conn.closed or conn.broken:
         return
-    if conn.pgconn.transaction_status in _OPEN:  # the int: no ConnectionInfo, no enum a job
-        try:
-            conn.rollback()
-        except psycopg.Error:
-            return
+    if not roll_back_open(conn):
+        return
     if not conn.autocommit:
         conn.autocommit = True
