@@ -315,13 +315,13 @@ class Relay:
         now = self.clock()
         self.last_tick = now
         if self.leases.due(now):
-            late_s = now - self.leases.next_due()
-            if self.db_up and self.leases.next_due() and late_s > self.leases.heartbeat_s:
+            due = self.leases.next_due()  # 0 before the first heartbeat: nothing to be late for
+            if self.db_up and due and now - due > self.leases.heartbeat_s:
                 # The loop thread was held up (CPU starvation, a pause): leases may have
                 # expired meanwhile, and the lease_lost that may follow has this cause.
                 # (Not while the database is away: retries wait out their back-off, and
                 # database_unavailable already said why, once.)
-                self.log.warning("heartbeat_late", late_s=round(late_s, 3),
+                self.log.warning("heartbeat_late", late_s=round(now - due, 3),
                                  lease_duration_s=self.leases.lease_s)
             change = self.leases.run_once(self.pump.busy_shards())
             if change.acquired or change.released or change.lost:
