@@ -15,7 +15,9 @@ Marks run on a second connection, in a single background thread, while the pump
 claims and produces the next batches: a batch's mark and the next claim then cost
 the database's two statements at once instead of one after the other.  Marks are
 applied (leases lost to fencing, metrics) on the pump's thread, in batch order; a
-batch awaiting its mark still counts as in flight, so no rewind claims its rows again.
+batch awaiting its mark still counts as in flight, so no rewind claims its rows again,
+and against the pipeline depth, so a crash republishes at most ``pipeline_depth``
+batches.
 
 Per-key order: the producer is idempotent, so rows of one partition reach the
 broker in produce order.  When a row fails, no later row of its key is produced
@@ -322,8 +324,9 @@ class Pump:
             self.metrics.stalled_rows.remove(topic, str(partition))
 
     def _may_claim(self, now: float) -> bool:
-        return (self._active_batches(now) < self.pipeline_depth
-                and len(self.marking) < self.pipeline_depth
+        # Batches waiting for their mark count too: a crash republishes every row
+        # produced and not yet marked, and that window is ``pipeline_depth`` batches.
+        return (self._active_batches(now) + len(self.marking) < self.pipeline_depth
                 and sum(self.stalls.partitions.values()) < STALLED_ROWS_MAX
                 and not self.rewind_requested
                 and now >= self.claim_not_before)
