@@ -61,6 +61,8 @@ class Completions:
         self._pending: list[Pending] = []
         #: When the oldest success must be written at the latest (None: none waits).
         self.due: float | None = None
+        #: The owners of the jobs the last write completed, with how many each.
+        self.last_written: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -80,6 +82,7 @@ class Completions:
         in line if ``write`` raises."""
         with self._lock:
             pending, self._pending, self.due = self._pending, [], None
+        self.last_written = Counter()
         lost = [p for p in pending if p.ctx.cancel_reason in NO_AUTHORITY]
         if lost:  # not written at all: the pool knows their lease lost
             self.settle(lost, {})
@@ -93,6 +96,7 @@ class Completions:
                     self.due = self._clock() + self.within_s
             raise
         self.settle(pending, facts)
+        self.last_written = Counter(p.ctx.job.owner_id for p in pending if p.ctx.job.id in facts)
         return rest
 
     def settle(self, pending: list[Pending], facts: Mapping[JobId, JobFacts]) -> None:

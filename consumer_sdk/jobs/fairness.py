@@ -125,3 +125,22 @@ def after_claim(lanes: list[Lane], takes: list[Take], claimed: list[ClaimedJob])
             Lane(queue=lane.queue, owner_id=lane.owner_id, ready=lane.ready - got.get((lane.queue, lane.owner_id), 0),
                  running=lane.running + owners[lane.owner_id]) for lane in lanes]
     return [lane for lane in left if lane.ready > 0]
+
+
+def after_round(lanes: list[Lane], takes: list[Take], claimed: list[ClaimedJob], written: Mapping[str, int],
+                limits: Limits) -> tuple[list[Lane], bool]:
+    """The lanes after a round that claimed ``claimed`` and completed this pool's jobs of
+    ``written`` (owner: jobs), and True when one of those owners had ready work that its
+    limit held back: a claim now can start it (the round's own statement still counted
+    the jobs it completed as running), so another round should run at once."""
+    after = after_claim(lanes, takes, claimed)  # [] when they must be read again
+    unblocked = False
+    adjusted = []
+    for lane in after or lanes:
+        done = written.get(lane.owner_id, 0)
+        if done:
+            unblocked = unblocked or (lane.ready > 0 and lane.running >= limits.for_owner(lane.owner_id))
+            lane = Lane(queue=lane.queue, owner_id=lane.owner_id, ready=lane.ready,
+                        running=max(0, lane.running - done))
+        adjusted.append(lane)
+    return (adjusted if after else []), unblocked

@@ -46,7 +46,7 @@ from consumer_sdk.jobs.completions import Completions
 from consumer_sdk.jobs.config import WorkerConfig
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.executor import Executor, Handler
-from consumer_sdk.jobs.fairness import RoundRobin, after_claim, plan
+from consumer_sdk.jobs.fairness import RoundRobin, after_round, plan
 from consumer_sdk.jobs.heartbeat import Heartbeat
 from consumer_sdk.jobs.line import Line
 from consumer_sdk.jobs.metrics import JobsMetrics
@@ -104,8 +104,7 @@ class WorkerPool:
         self._dispatch_slot = ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms)
         self._listener = Listener(self._connect, self.wake, log=self.log) if config.listen else None
         self._threads: dict[str, list[threading.Thread]] = {}
-        self._next_reconcile = 0.0
-        self._next_reap = 0.0
+        self._next_reconcile = self._next_reap = 0.0
         self._lanes: list[Lane] = []
         self._lanes_until = 0.0
         self._lanes_stale = threading.Event()
@@ -114,10 +113,8 @@ class WorkerPool:
         #: expires by lease_duration_s, so a quarter of it delays a takeover by little.
         self._reap_interval_s = min(config.poll_interval_s, config.lease_duration_s / 4)
         self._next_due: float | None = None
-        self._more_work = False
-        self._schema_checked = False
-        self._started = False
-        self._stopped = False
+        self._more_work = self._schema_checked = False
+        self._started = self._stopped = False
         #: The fatal error that stopped claiming (AuthenticationFailed, ...), else None.
         self.error: FatalError | None = None
         self._hb = Heartbeat(slot=ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms),
@@ -261,15 +258,17 @@ class WorkerPool:
 
     def _claim(self, conn: Any, held: dict[str, int]) -> int:
         lanes = self._ready_lanes(conn)
-        takes = plan(lanes, queues=self.config.queues, busy=held, limits=self._line.ahead if self._line.depth
-                     else self._limits, last_served=self._rr.last_served)
+        limits = self._line.ahead if self._line.depth else self._limits
+        takes = plan(lanes, queues=self.config.queues, busy=held, limits=limits, last_served=self._rr.last_served)
         sent_at = self._clock()
         claimed = self._done.write_with(lambda done: jobq.complete_and_claim(
             conn, worker=self.worker_id, done=done, takes=takes, lease_s=self.config.lease_duration_s,
             now=self._db_now()))
         self._rr.record(dict.fromkeys((job.queue, job.owner_id) for job in claimed), sent_at)
         self._more_work = sum(lane.ready for lane in lanes) > len(claimed)
-        self._lanes = after_claim(lanes, takes, claimed)
+        self._lanes, unblocked = after_round(lanes, takes, claimed, self._done.last_written, limits)
+        if unblocked:  # an owner its limit held back has room now: the next round runs at once
+            self._wake.set()
         if claimed:
             self._launch(claimed, local_deadline(sent_at, self.config.lease_duration_s))
         return len(claimed)

@@ -81,3 +81,16 @@ def test_the_owner_limit_holds_across_pools(conn, pools, jobs_db):
     wait_until(lambda: scalar(jobs_db, "SELECT count(*) FROM jobs WHERE status = 'succeeded'") == 90,
                timeout_s=40, message="not all jobs completed")
     assert max(peak.values()) == 2, peak  # reached, never exceeded
+
+
+def test_an_owner_at_its_limit_gets_the_freed_slot_without_waiting_for_a_poll(conn, pools, jobs_db):
+    """One owner, limit 1, 12 jobs, polls and reconciles every 30 s: each job's completion
+    must lead straight to the claim of the next (the owner's running count seen by the
+    round that wrote the completion still included it), not to a wait for the poll."""
+    enqueue(conn, [NewJob(owner_id="limited", queue="bulk", kind="small", payload={"i": i})
+                   for i in range(12)])
+    started: dict[str, float] = {}
+    pools(_handlers(started), max_concurrency=3, owner_limit=1, poll_interval_s=30.0,
+          reconcile_interval_s=30.0, listen=False)
+    wait_until(lambda: scalar(jobs_db, "SELECT count(*) FROM jobs WHERE status = 'succeeded'") == 12,
+               timeout_s=20, message="the limited owner's next job waited for a poll")

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from consumer_sdk.errors import PermanentError
 from consumer_sdk.jobs import AdmissionPolicy, Backoff, InvalidJob, LeaseLost, WaitFor, WorkerConfig
-from consumer_sdk.jobs.fairness import Limits, RoundRobin, plan
-from consumer_sdk.jobs.model import Lane
+from consumer_sdk.jobs.fairness import Limits, RoundRobin, after_round, plan
+from consumer_sdk.jobs.model import Lane, Take
 from consumer_sdk.jobs.retry import describe, verdict
 
 QUEUES = ("interactive", "bulk")
@@ -54,6 +54,25 @@ def test_owner_limits_count_running_jobs_in_every_queue():
     takes = plan(lanes, queues=QUEUES, busy={}, limits=limits, last_served={})
     assert sum(t.n for t in takes) == 2 and all(t.owner_limit == 3 for t in takes)
     assert limits.for_owner("vip") == 10
+
+
+def test_a_round_frees_its_completed_owners_room_and_says_when_a_held_back_owner_can_go():
+    limits = Limits(max_concurrency=4, owner_limit=2)
+    lanes = [Lane("bulk", "held", ready=10, running=2), Lane("bulk", "free", ready=3, running=0),
+             Lane("interactive", "held", ready=1, running=2)]
+    left, unblocked = after_round(lanes, [], [], {"held": 1}, limits)
+    assert unblocked
+    assert [(lane.queue, lane.owner_id, lane.running) for lane in left] == [
+        ("bulk", "held", 1), ("bulk", "free", 0), ("interactive", "held", 1)]
+    takes = plan(left, queues=QUEUES, busy={}, limits=limits, last_served={})
+    assert sum(t.n for t in takes if t.owner_id == "held") == 1
+    # An owner under its limit was not held back: no extra round for it.
+    assert after_round(lanes, [], [], {"free": 1}, limits) == (lanes, False)
+    assert after_round(lanes, [], [], {}, limits) == (lanes, False)
+    # Lanes that must be read again (a claim got less than planned) stay unread, and the
+    # held-back owner still gets its round.
+    short = [Take("bulk", "free", 2, 2)]
+    assert after_round(lanes, short, [], {"held": 1}, limits) == ([], True)
 
 
 def test_round_robin_memory_is_bounded_and_forgets_the_oldest():
