@@ -64,6 +64,7 @@ STALLED_ROWS_MAX = 10_000  # rows waiting on stalled partitions before claims st
 STALLED_CLAIM_PAUSE_S = 0.5  # a claim that found only rows held by a stall waits this long
 PACED_CLAIM_ROWS = 8  # a drained claim finding fewer rows stretches the wait before the next
 PACE_STEP = 1.5  # how much one claim stretches or shortens that wait
+INLINE_MARK_ROWS = 64  # a drained window's batch up to this size is marked on the pump's thread
 CREATED, TOPIC = attrgetter("created_epoch"), attrgetter("topic")
 
 
@@ -486,13 +487,23 @@ class Pump:
             self.transient_streak = 0
 
     def _mark(self, batch: InFlight, acked: list[OutboxRow]) -> None:
-        """Mark ``acked`` in the background (or at once without a mark store)."""
-        if self._marker is not None:
-            future = self._marker.submit(batch.tokens, acked)
+        """Mark ``acked`` in the background, or at once on this thread: without a mark
+        store, or when nothing could run meanwhile (a small batch of a drained window,
+        nothing else in flight or marking: the next claim is paced).  Handing such a
+        mark to the mark thread and waiting for it costs two thread wake-ups for no
+        overlap.  Either way a failed mark raises in :meth:`_collect_marks`."""
+        marker = self._marker
+        if marker is not None and not (self.caught_up and len(acked) <= INLINE_MARK_ROWS
+                                       and not self.in_flight and not self.marking):
+            future = marker.submit(batch.tokens, acked)
         else:
             leases = [Lease(shard, token, 0.0) for shard, token in batch.tokens.items()]
             future = Future()
-            future.set_result(mark_rows(self.store, self.leases.owner, leases, acked))
+            try:  # the mark thread is idle: nothing is marking
+                future.set_result(mark_rows(self.store if marker is None else marker.store,
+                                            self.leases.owner, leases, acked))
+            except Exception as exc:  # like the mark thread's: raised in _collect_marks
+                future.set_exception(exc)
         self.marking.append(PendingMark(batch, acked, future))
 
     def _collect_marks(self, result: BatchResult) -> None:
