@@ -185,6 +185,11 @@ class Pump:
         self.retry_wakeup: float | None = None
         self.transient_streak = 0
         self.failed_keys: set[str] = set()
+        #: Rows the broker refused as too large beside other rows (row: shard): a broker
+        #: refuses a whole record batch for one record over its limit, so each is sent
+        #: again alone before the refusal counts as its own (``isolated``: sent alone).
+        self.suspects: dict[RowId, ShardId] = {}
+        self.isolated: set[RowId] = set()
         self.stalls = Stalls(partition_of=publisher.partition_of)
         self.draining = False
         self.last_marked_at = clock()
@@ -288,6 +293,10 @@ class Pump:
         self.cursor = START
         self.rewind_requested = False
         self.failed_keys.clear()
+        if self.suspects:  # rows of shards given away are another replica's to isolate
+            held = self.leases.leases
+            self.suspects = {i: shard for i, shard in self.suspects.items() if shard in held}
+            self.isolated &= self.suspects.keys()
         rewound = getattr(self.publisher, "rewound", None)  # exactly-once: failed shards resume
         if rewound is not None:
             rewound()
@@ -388,6 +397,10 @@ class Pump:
             if blocked and row.key in blocked:
                 deferred += 1  # an earlier row of this key failed in this batch
                 continue
+            alone = bool(self.suspects) and row.id in self.suspects
+            if alone and (produced or self.in_flight):
+                deferred += len(rows) - index  # sent alone: first of a claim, nothing in flight
+                break
             produced.append(row)
             batch.waiting += 1
             if row.size > max_message_bytes:
@@ -399,6 +412,10 @@ class Pump:
                 immediate = send(row, report)
             if immediate is None:
                 sent += 1
+                if alone:  # nothing more until its report: no record batch shares it
+                    self.isolated.add(row.id)
+                    deferred += len(rows) - index - 1
+                    break
                 continue
             if immediate is QUEUE_FULL:  # nothing more fits: the rest waits for a rewind
                 produced.pop()
@@ -458,6 +475,10 @@ class Pump:
         self.in_flight = kept
 
     def _settle(self, batch: InFlight, result: BatchResult) -> None:
+        if self.isolated:
+            for row in batch.rows:
+                if row.id in self.isolated and batch.outcomes[row.id].ok:
+                    self._cleared(row.id)
         if not batch.failures and not self.failed_keys:  # every row delivered: no look at each
             result.acked += len(batch.rows)
             if batch.rows:
@@ -548,9 +569,17 @@ class Pump:
             outcome = batch.outcomes[row.id]
             self.metrics.publish_errors.labels(outcome.error_class).inc()
             recreate = recreate or outcome.fatal
+            if (outcome.error_class == "message_too_large" and not outcome.hopeless
+                    and row.id not in self.isolated):
+                # The broker refused the record batch the row was in: maybe for another
+                # record.  Retried alone before it counts (see _claim_and_send).
+                self.suspects[row.id] = row.shard
+                transient = True
+                continue
             if not outcome.permanent:
                 transient = True
                 continue
+            self._cleared(row.id)
             result.errors.append(f"{outcome.error_class}: {outcome.message}")
             self._permanent_failure(batch, row, outcome, result)
         if transient:
@@ -563,6 +592,11 @@ class Pump:
         if recreate:
             self.log.error("producer_recreated", reason="fatal idempotent-producer error")
             self.publisher.recreate()
+
+    def _cleared(self, row_id: RowId) -> None:
+        """A suspect row's own outcome is known: it is no longer sent alone."""
+        self.suspects.pop(row_id, None)
+        self.isolated.discard(row_id)
 
     def _permanent_failure(self, batch: InFlight, row: OutboxRow, outcome: Outcome,
                            result: BatchResult) -> None:
