@@ -27,8 +27,11 @@ class MarkStore(Protocol):
                        rows: list[OutboxRow]) -> tuple[set[ShardId], set[RowId]]: ...
 
 
-def mark_rows(store: MarkStore, owner: str, leases: list[Lease], rows: list[OutboxRow]) -> MarkOutcome:
+def mark_rows(store: MarkStore, owner: str, tokens: dict[ShardId, Token], rows: list[OutboxRow]) -> MarkOutcome:
+    """Mark ``rows``, fenced by the lease ``tokens`` of their shards (the mark thread's
+    statement, and the pump's own when it marks on its thread)."""
     started = time.perf_counter()
+    leases = [Lease(shard, token, 0.0) for shard, token in tokens.items()]
     held, marked = store.mark_published(owner=owner, leases=leases, rows=rows)
     return held, marked, time.perf_counter() - started
 
@@ -119,10 +122,9 @@ class Marker:
             self.run_once()
 
     def _mark(self, jobs: list[_Job], tokens: dict[ShardId, Token]) -> None:
-        leases = [Lease(shard, token, 0.0) for shard, token in tokens.items()]
         rows = [row for job in jobs for row in job.rows]
         try:
-            held, marked, took = mark_rows(self.store, self.owner, leases, rows)
+            held, marked, took = mark_rows(self.store, self.owner, tokens, rows)
         except Exception as exc:  # handed to the pump's thread, which handles it
             for job in jobs:
                 job.future.set_exception(exc)

@@ -518,11 +518,10 @@ class Pump:
                                        and not self.in_flight and not self.marking):
             future = marker.submit(batch.tokens, acked)
         else:
-            leases = [Lease(shard, token, 0.0) for shard, token in batch.tokens.items()]
             future = Future()
             try:  # the mark thread is idle: nothing is marking
                 future.set_result(mark_rows(self.store if marker is None else marker.store,
-                                            self.leases.owner, leases, acked))
+                                            self.leases.owner, batch.tokens, acked))
             except Exception as exc:  # like the mark thread's: raised in _collect_marks
                 future.set_exception(exc)
         self.marking.append(PendingMark(batch, acked, future))

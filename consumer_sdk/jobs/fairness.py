@@ -134,6 +134,8 @@ def after_round(lanes: list[Lane], takes: list[Take], claimed: list[ClaimedJob],
     limit held back: a claim now can start it (the round's own statement still counted
     the jobs it completed as running), so another round should run at once."""
     after = after_claim(lanes, takes, claimed)  # [] when they must be read again
+    if not written:  # the usual round of a pool without owner limits in play: nothing to adjust
+        return after, False
     unblocked = False
     adjusted = []
     for lane in after or lanes:

@@ -26,6 +26,7 @@ from consumer_sdk import (
 from consumer_sdk.metrics import ConsumerMetrics
 from consumer_sdk.model import BatchResult, KafkaRecord, RetryPolicy
 from consumer_sdk.processor import Policies, Processor
+from consumer_sdk.store import PgInboxStore
 from consumer_sdk.testing import FakeDeadLetters, FakeInboxStore, make_record
 
 
@@ -48,19 +49,13 @@ class DeferringStore(FakeInboxStore):
         elif on_commit is not None:
             on_commit()
 
-    @property
-    def commit_pending(self) -> bool:
-        return self._pending is not None
+    # The store's own rules over ``_pending``, not a copy of them.
+    commit_pending = PgInboxStore.commit_pending
+    after_commit = PgInboxStore.after_commit
 
     def sync(self) -> None:
         pending, self._pending = self._pending, None
         for callback in pending or ():
-            callback()
-
-    def after_commit(self, callback: Callable[[], None]) -> None:
-        if self._pending is not None:
-            self._pending.append(callback)
-        else:
             callback()
 
     def discard(self) -> None:
