@@ -62,7 +62,12 @@ class InboxConfig:
     allows, so a letter as large as its source record goes); ``check_dead_letter_topics``
     refuses to start when a dead-letter topic is missing.  ``inbox_retention_s`` None
     keeps inbox rows forever; otherwise it must exceed the topics' retention
-    (checked at start when ``check_retention``).
+    (checked at start when ``check_retention``).  In a batch, a per-message handler runs
+    with no savepoint while nothing fails; when one fails, the transaction rolls back and
+    the handlers of the messages before it run again (their first run's writes were rolled
+    back), so keep a handler's effects outside the database idempotent, or set
+    ``savepoint_per_message`` (one round trip more per message) to run each successful
+    handler once.
     """
 
     name: str
@@ -88,6 +93,7 @@ class InboxConfig:
     check_retention: bool = True
     #: replay ids (``outbox-relay replay``) whose events are applied once more (consumer_sdk/replays.py)
     apply_replays: Sequence[str] = ()
+    savepoint_per_message: bool = False
     db_backoff_initial_s: float = DEFAULT_DB_BACKOFF_INITIAL_S
     db_backoff_max_s: float = DEFAULT_DB_BACKOFF_MAX_S
 

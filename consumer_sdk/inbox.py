@@ -153,7 +153,8 @@ class InboxConsumer:
             policies=Policies(retry=self.config.retry, on_invalid_event_id=self.config.on_invalid_event_id,
                               on_payload_mismatch=self.config.on_payload_mismatch),
             metrics=self.metrics, log=self.log, sleep=self._sleep, on_settled=self._settled,
-            batch_size=self.config.batch_size, batch_handler=self._batch_handler)
+            batch_size=self.config.batch_size, batch_handler=self._batch_handler,
+            savepoint_per_message=self.config.savepoint_per_message)
         self._consumer = self._new_consumer()
         if self._own_dead_letters is not None and self.config.check_dead_letter_topics \
                 and self.config.may_dead_letter():

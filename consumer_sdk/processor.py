@@ -6,8 +6,9 @@ transaction (a redelivered batch costs that one statement).  Then, for each batc
 database transaction: the rest of the batch's inbox rows are inserted in one statement
 (``(consumer, event_id)`` ``ON CONFLICT DO NOTHING``, which says for each record whether
 it is new, a duplicate or a mismatch), then the handler is called, with the same
-connection, for each new record, each in a savepoint of its own.  The
-guarantees kept here:
+connection, for each new record.  With a store whose transaction carries the handler's
+writes (``handler_writes_roll_back``, the PostgreSQL one), no savepoint is set while
+nothing fails: one round trip per message less (unless ``savepoint_per_message``).  The guarantees kept here:
 
 * The inbox row and the handler's writes commit together or not at all, so a
   redelivered event finds its row and is dropped (counted as a duplicate).
@@ -23,6 +24,12 @@ guarantees kept here:
   handlers ran once), the failing record is retried alone (its own transaction per
   attempt, with back-off), and the records after it are processed afterwards, in order.
   Nothing is lost and nothing applied twice, and per-partition order holds.
+* Without savepoints (``handler_writes_roll_back``), a handler failure rolls the whole
+  transaction back instead, and the records before the failing one are applied again in
+  a transaction of their own: their handlers run a second time (the first run's writes
+  were rolled back), as after a failed batch handler.  The failure counts as the failing
+  record's first attempt, and a record dead-lettered or skipped by policy before it is
+  not sent or counted again.  The rest is as above.
 * A policy that says ``stop`` raises :class:`ConsumerStopped` after the records
   before the offending one were committed and settled.
 
@@ -142,11 +149,13 @@ class _HandlerFailed(Exception):
 
 
 class _Alone(Exception):
-    """A lone record's handler failed: roll its whole transaction back (it had no savepoint)."""
+    """A handler with no savepoint failed: roll its whole transaction back.  ``index``: the
+    failing record's position in the transaction (the records before it are applied again)."""
 
-    def __init__(self, halt: _Halt) -> None:
+    def __init__(self, halt: _Halt, index: int = 0) -> None:
         super().__init__(halt.reason)
         self.halt = halt
+        self.index = index
 
 
 def describe(error: BaseException) -> str:
@@ -162,7 +171,7 @@ class Processor:
                  dead_letters: DeadLetterSink, policies: Policies, metrics: ConsumerMetrics,
                  log: Any, sleep: Callable[[float], None],
                  on_settled: Callable[[Sequence[KafkaRecord]], None], batch_size: int | None = None,
-                 batch_handler: BatchHandler | None = None) -> None:
+                 batch_handler: BatchHandler | None = None, savepoint_per_message: bool = False) -> None:
         self.consumer = consumer
         self._batch_size = batch_size  # records per transaction (None: all that process() gets)
         self._store = store
@@ -189,6 +198,10 @@ class Processor:
         self._deferring = callable(getattr(store, "sync", None))
         self._applied: Counter[str] = Counter()  # committed in this process() call, for the metrics
         self._dropped: Counter[str] = Counter()
+        # No savepoint per message while nothing fails: the store's transaction carries the
+        # handler's writes, so a failure can roll everything back (see _Alone).
+        self._optimistic = bool(getattr(store, "handler_writes_roll_back", False)) and not savepoint_per_message
+        self._judged: set[int] = set()  # id(record): dead-lettered or skipped in this process() call
 
     def process(self, records: Sequence[KafkaRecord], result: BatchResult | None = None) -> BatchResult:
         """Settle ``records`` in order; returns what happened (added to ``result`` when given,
@@ -211,6 +224,7 @@ class Processor:
             self._prepared = {}
             self._scanned = {}
             self._known = {}
+            self._judged.clear()
             self._publish_counts()
         return result
 
@@ -345,8 +359,13 @@ class Processor:
                     settled, halt = self._apply(conn, records, prepared, valid, batched, known, result,
                                                 applied, duplicates, attempt)
                 committed()
-        except _Alone as alone:  # a lone record's handler failed: its transaction rolled back
-            return 0, alone.halt
+        except _Alone as alone:  # a handler failed: the whole transaction rolled back
+            if alone.index == 0:
+                return 0, alone.halt
+            # The records before it went well: apply them again, in a transaction of their own.
+            settled, halt = self._transaction(records[:alone.index], result, attempt=attempt,
+                                              settle=settle, defer=defer)
+            return settled, halt if halt is not None else alone.halt
         return settled, halt
 
     def _one(self, record: KafkaRecord, result: BatchResult, *, defer: bool) -> tuple[int, _Halt | None]:
@@ -434,15 +453,20 @@ class Processor:
                       for m, k in zip(prepared, known, strict=True)]
             if not self._lookup_pays and "duplicate" in claims:
                 self._lookup_pays = True  # a redelivery: look duplicates up before the next batch
-        alone = batched and len(records) == 1  # no savepoint: its failure rolls back everything
+        # No savepoint: a handler failure rolls back everything (see _Alone).
+        alone = batched and (len(records) == 1 or self._optimistic)
         if self._batch_handler is not None and batched and len(valid) == len(records) > 1 \
                 and self._apply_batch(conn, valid, claims):
             for record, claim in zip(records, claims, strict=True):
                 (applied if claim == "new" else duplicates)[record.topic] += 1
             return len(records), None
         for index, record in enumerate(records):
-            halt = self._step(conn, record, prepared[index], claims[index], result, applied,
-                              duplicates, attempt, alone=alone)
+            try:
+                halt = self._step(conn, record, prepared[index], claims[index], result, applied,
+                                  duplicates, attempt, alone=alone)
+            except _Alone as failed:
+                failed.index = index
+                raise
             if halt is not None:
                 if batched:  # the rows of the records from here on were claimed for nothing
                     self._store.unclaim(consumer=self.consumer, event_ids=[
@@ -477,6 +501,8 @@ class Processor:
     def _step(self, conn: Any, record: KafkaRecord, prepared: InboxMessage | InvalidEventId,
               claim: Claim | None, result: BatchResult, applied: Counter[str], duplicates: Counter[str],
               attempt: int, *, alone: bool = False) -> _Halt | None:
+        if id(record) in self._judged:  # dead-lettered or skipped in a transaction rolled back since
+            return None
         if isinstance(prepared, InvalidEventId):
             self._metrics.invalid.labels(self.consumer, record.topic).inc()
             result.invalid += 1
@@ -540,6 +566,7 @@ class Processor:
             self._metrics.skipped.labels(self.consumer, record.topic, reason).inc()
             result.skipped += 1
             self._log.warning("message_skipped", reason=reason, **_where(record))
+        self._judged.add(id(record))
         return None
 
     def _handler_failed(self, record: KafkaRecord, error: BaseException, attempt: int,

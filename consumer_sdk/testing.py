@@ -43,10 +43,16 @@ InboxKey = tuple[str, uuid.UUID]
 
 
 class FakeInboxStore:
-    """The inbox as a dict, with transactions and savepoints as snapshots."""
+    """The inbox as a dict, with transactions and savepoints as snapshots.
 
-    def __init__(self, connection: Any = None) -> None:
+    ``handler_writes_roll_back``: say that the handler's writes on ``connection`` roll back
+    with the transaction, as with :class:`~consumer_sdk.store.PgInboxStore`; the processor
+    then sets no savepoint per message and, when a handler fails, runs the handlers of the
+    records before it again.  Off by default: a stub connection keeps what a handler did."""
+
+    def __init__(self, connection: Any = None, *, handler_writes_roll_back: bool = False) -> None:
         self.connection = connection
+        self.handler_writes_roll_back = handler_writes_roll_back
         self.rows: dict[InboxKey, bytes | None] = {}
         self._snapshots: list[dict[InboxKey, bytes | None]] = []
 
@@ -136,8 +142,9 @@ class FakeInbox:
 
     def __init__(self, handler: Handler | None = None, *, connection: Any = None, name: str = "test",
                  retry: RetryPolicy | None = None, policies: Policies | None = None,
-                 metrics: ConsumerMetrics | None = None, batch_handler: BatchHandler | None = None) -> None:
-        self.store = FakeInboxStore(connection)
+                 metrics: ConsumerMetrics | None = None, batch_handler: BatchHandler | None = None,
+                 handler_writes_roll_back: bool = False) -> None:
+        self.store = FakeInboxStore(connection, handler_writes_roll_back=handler_writes_roll_back)
         self.dead_letters = FakeDeadLetters()
         self.metrics = metrics if metrics is not None else ConsumerMetrics()
         self.sleeps: list[float] = []

@@ -66,6 +66,9 @@ def test_a_member_joins_and_another_leaves_mid_stream_effects_stay_exactly_once(
     effects = effect_counts(sdk_db)
     assert set(effects) == set(ids)
     assert set(effects.values()) == {1}
-    assert applied["a"] + applied["b"] == N
+    # Handler runs that returned: each event once, plus the events before a failing one in
+    # its batch, whose first run rolled back with the failure and ran again (no savepoints).
+    failing = [n for n in range(N) if n % 199 == 0]
+    assert N <= applied["a"] + applied["b"] <= N + len(failing) * (config.batch_size - 1)
     assert a.sample("outbox_consumer_rebalances_total", consumer=config.name, kind="revoke") >= 1
     assert b.sample("outbox_consumer_rebalances_total", consumer=config.name, kind="assign") >= 2

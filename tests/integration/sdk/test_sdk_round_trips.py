@@ -3,7 +3,9 @@ time, a new message costs two (the previous message's COMMIT, BEGIN and its clai
 simple query; the handler's statement) and a poll one more (its last COMMIT), and a
 redelivered poll one lookup in all; a batch costs BEGIN with the claim, the batch handler's
 savepoint and statement and COMMIT, whatever its size (before: a redelivered batch cost
-BEGIN, the claim and COMMIT; a new message one at a time three, and four before that).  The
+BEGIN, the claim and COMMIT; a new message one at a time three, and four before that).  A
+batch with a per-message handler costs one round trip per new message, plus BEGIN with the
+claim and COMMIT (before: a savepoint per message too).  The
 lookup is skipped while lookups find nothing (new messages), until a claim meets a duplicate."""
 
 from __future__ import annotations
@@ -75,6 +77,14 @@ def test_one_message_at_a_time_costs_two_round_trips_and_a_redelivered_poll_one(
 def test_a_batch_costs_four_round_trips_whatever_its_size(sdk_db):
     new, again, _ = _count(sdk_db, batch_size=None, batched=True, n=50)
     assert new == 4  # BEGIN+claim, the batch handler's savepoint, its statement, COMMIT
+    assert again == 1
+
+
+def test_a_batch_with_a_per_message_handler_costs_one_round_trip_per_new_message(sdk_db):
+    """No savepoint per message while nothing fails (before: a savepoint and the handler's
+    statement each, 2n + 2)."""
+    new, again, n = _count(sdk_db, batch_size=None, batched=False, n=20)
+    assert new == n + 2  # BEGIN+claim, the handler's statement per message, COMMIT
     assert again == 1
 
 
