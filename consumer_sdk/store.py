@@ -24,7 +24,7 @@ import psycopg
 import psycopg.errors
 from psycopg.pq import TransactionStatus
 
-from consumer_sdk import _pg
+from consumer_sdk import _pg, _wire
 from consumer_sdk.errors import (
     DatabaseUnavailable,
     FatalError,
@@ -36,6 +36,16 @@ from consumer_sdk.model import Claim, InboxMessage
 from outbox_core.queries import query
 
 ConnectionFactory = Callable[[], psycopg.Connection[Any]]
+
+#: The claim prepared on the connection, as ``claim_prepare`` in inbox.sql names it.
+CLAIM_STATEMENT = b"outbox_inbox_claim_v1"
+#: After the prepared claim was gone this many times in a row (prepared again each time, and
+#: gone again before a claim could use it: a pooler that moves sessions between servers),
+#: the store claims through a cursor for good.  A single loss (DISCARD ALL; psycopg's
+#: DEALLOCATE ALL after a rollback) costs one round trip more, then it is prepared again.
+_PREPARED_LOSSES_MAX = 3
+_COMMIT = b"COMMIT"
+_BEGIN = b"BEGIN"
 
 
 def connect_factory(dsn: str, *, application_name: str = "outbox-consumer",
@@ -74,6 +84,8 @@ class PgInboxStore:
         # transaction's first round trip (or sync()) sends it; then these run, in order.
         self._pending: list[Callable[[], None]] | None = None
         self._client: psycopg.ClientCursor[Any] | None = None  # for BEGIN (and COMMIT) with a claim
+        self._prepared_on: psycopg.Connection[Any] | None = None  # holds the prepared claim
+        self._prepared_losses = 0
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -95,6 +107,7 @@ class PgInboxStore:
         conn, self._conn = self._conn, None
         self._pending = None
         self._client = None
+        self._prepared_on = None
         if conn is not None:
             try:
                 conn.close()
@@ -336,7 +349,12 @@ class PgInboxStore:
         return "duplicate" if found[0] == payload_sha256 else "mismatch"
 
     def _first_claim(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> Any:
-        """[COMMIT;] BEGIN; claim, in one round trip; returns the claim's row (None: a conflict)."""
+        """[COMMIT;] BEGIN; claim, in one round trip; returns the claim's row (None: a conflict).
+
+        The prepared claim in one libpq pipeline where it can (see :mod:`consumer_sdk._wire`),
+        else one simple query with the parameters bound on the client."""
+        if self._claim_prepared(conn):
+            return self._first_claim_prepared(conn, params)
         if self._client is None or self._client.connection is not conn:
             self._client = psycopg.ClientCursor(conn)
         cursor = self._client
@@ -349,6 +367,49 @@ class PgInboxStore:
         while cursor.nextset():
             pass
         return cursor.fetchone()
+
+    def _claim_prepared(self, conn: psycopg.Connection[Any]) -> bool:
+        """True when ``conn`` holds the prepared claim, preparing it when it can (never with a
+        COMMIT deferred: its transaction is still open)."""
+        if self._prepared_on is conn:
+            return True
+        if self._pending is not None or self._prepared_losses >= _PREPARED_LOSSES_MAX \
+                or not _wire.available(conn):
+            return False
+        try:
+            conn.execute(query("inbox", "claim_prepare").encode())
+        except psycopg.errors.DuplicatePreparedStatement:
+            pass
+        self._prepared_on = conn
+        return True
+
+    def _first_claim_prepared(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> Any:
+        digest, now = params["payload_sha256"], params["now"]
+        values = [params["consumer"].encode(), str(params["event_id"]).encode(),
+                  None if digest is None else b"\\x" + digest.hex().encode(), params["topic"].encode(),
+                  b"%d" % params["partition"], b"%d" % params["offset"],
+                  None if now is None else now.isoformat().encode()]
+        leading = (_COMMIT, _BEGIN) if self._pending is not None else (_BEGIN,)
+        try:
+            results = _wire.send_before(conn, leading, CLAIM_STATEMENT, values)
+            _wire.raise_first_error(conn, results[:len(leading)])
+        except BaseException:
+            self._first_failed()
+            raise
+        status = results[0].command_status
+        self._confirmed(status.decode() if status is not None else None)
+        claim = results[len(leading)]
+        if _wire.failed(claim):
+            try:
+                _wire.raise_first_error(conn, [claim])
+            except psycopg.errors.InvalidSqlStatementName:  # DISCARD ALL, or another server session
+                conn.rollback()  # the transaction BEGIN opened, aborted by the claim
+                self._begun = False
+                self._prepared_on = None
+                self._prepared_losses += 1
+                return self._first_claim(conn, params)
+        self._prepared_losses = 0
+        return (True,) if claim.ntuples else None
 
     def claim_many(self, *, consumer: str, messages: Sequence[InboxMessage],
                    digests: Sequence[bytes | None]) -> list[Claim]:

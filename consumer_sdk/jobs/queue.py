@@ -26,8 +26,8 @@ import psycopg
 import psycopg.errors
 from psycopg.pq import TransactionStatus
 
+from consumer_sdk import _wire
 from consumer_sdk.errors import SchemaMissing
-from consumer_sdk.jobs import _wire
 from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
 from consumer_sdk.jobs.events import EventType, JobFacts, write_job_event
 from consumer_sdk.jobs.model import (
@@ -241,7 +241,7 @@ def fence_begin(conn: ConnectionT, lease: Lease, *, now: datetime | None = None)
 
     Either way a transaction is left open (the caller commits or rolls it back).  BEGIN
     and the connection's prepared copy of ``fenced_lock`` go in one libpq pipeline
-    (:mod:`consumer_sdk.jobs._wire`: the least client CPU, no planning on the server);
+    (:mod:`consumer_sdk._wire`: the least client CPU, no planning on the server);
     the first call on a connection prepares it (one round trip more, once).  Where it
     cannot be kept prepared (a pooler that moves sessions between servers) or libpq has
     no pipeline mode, BEGIN and ``fenced_lock`` go through psycopg.  Driver errors are

@@ -17,6 +17,19 @@ VALUES
 ON CONFLICT (consumer, event_id) DO NOTHING
 RETURNING true AS inserted
 
+-- name: claim_prepare
+-- claim as a prepared statement of the connection (created on first use, again after
+-- DISCARD ALL or a reconnect).  PgInboxStore executes it by its name (store.CLAIM_STATEMENT:
+-- keep the two the same) after the deferred COMMIT and BEGIN, in one libpq pipeline
+-- (consumer_sdk/_wire.py): one round trip and the least client CPU.  Parameters:
+-- consumer, event id, body hash, topic, partition, offset, now (NULL: the database's clock).
+PREPARE outbox_inbox_claim_v1 (text, uuid, bytea, text, integer, bigint, timestamptz) AS
+INSERT INTO outbox_inbox
+    (consumer, event_id, payload_sha256, topic, kafka_partition, kafka_offset, received_at)
+VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, now()))
+ON CONFLICT (consumer, event_id) DO NOTHING
+RETURNING true AS inserted
+
 -- name: claim_batch
 -- (The arrays go in binary format: a fifth of the client CPU of text arrays.)
 -- The claim of a whole batch in one statement (event ids unique within it): inserts the

@@ -327,7 +327,7 @@ BEGIN
 -- fenced_lock as a prepared statement of the connection (created on first use, again
 -- after DISCARD ALL or a reconnect).  jobs.queue.fence_begin executes it by its name
 -- (jobs.queue.FENCE_STATEMENT: keep the two the same) with fenced_begin, in one libpq
--- pipeline (consumer_sdk/jobs/_wire.py): one round trip, no planning, and less client
+-- pipeline (consumer_sdk/_wire.py): one round trip, no planning, and less client
 -- CPU than psycopg's pipeline or cursor.  Parameters: job id, lease token, now (NULL:
 -- the database's clock).  Without the worker: every claim gives a job a new
 -- lease_token, so (id, token) names one claim.

@@ -13,7 +13,8 @@ import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
 
-from consumer_sdk.jobs import LeaseLost, NewJob, _wire, enqueue
+from consumer_sdk import _wire
+from consumer_sdk.jobs import LeaseLost, NewJob, enqueue
 from consumer_sdk.jobs import queue as jobq
 from consumer_sdk.jobs._db import q
 from consumer_sdk.jobs.context import JobContext

@@ -1,11 +1,11 @@
-"""The fence's libpq pipeline (consumer_sdk.jobs._wire) leans on psycopg internals; when a
+"""The fence's libpq pipeline (consumer_sdk._wire) leans on psycopg internals; when a
 psycopg release drops them the fence falls back to psycopg's pipeline, and this says so."""
 
 from __future__ import annotations
 
 import psycopg
 
-from consumer_sdk.jobs import _wire
+from consumer_sdk import _wire
 
 
 def test_the_psycopg_internals_the_fence_uses_are_there() -> None:

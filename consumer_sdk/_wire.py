@@ -1,14 +1,17 @@
-"""Statements sent with libpq's own calls, below psycopg's cursor: the fence's first round trip.
+"""Statements sent with libpq's own calls, below psycopg's cursor: one round trip that opens
+a transaction and runs a prepared statement.
 
-A fenced transaction opens with BEGIN and the fence's lock (see
-:func:`consumer_sdk.jobs.queue.fence_begin`), once per job.  Through a cursor, that
-round trip cost the client about twice its libpq calls (the cursor, the query's
-conversion, the prepared-statement cache, the result sets): issue 19 measured it at
-about 40 µs of CPU a job.  Here BEGIN and the prepared lock go in one libpq pipeline
-(extended protocol, one Sync: one round trip), the lock's values as parameters, and
-the results are read with psycopg's own non-blocking generators under the
-connection's lock, as psycopg does for ``commit()``: the same waits, interruptions and
-notifications, no SQL built from values.
+Two callers, each once per job or message: the jobs' fence (BEGIN and the fence's lock,
+see :func:`consumer_sdk.jobs.queue.fence_begin`) and the inbox's first claim of a
+transaction (the previous transaction's deferred COMMIT, BEGIN and the claim, see
+:class:`consumer_sdk.store.PgInboxStore`).  Through a cursor, such a round trip cost the
+client about twice its libpq calls (the cursor, the query's conversion, the
+prepared-statement cache, the result sets): issue 19 measured it at about 40 µs of CPU a
+job.  Here the statements without parameters and the prepared one go in one libpq
+pipeline (extended protocol, one Sync: one round trip), the prepared statement's values
+as text parameters, and the results are read with psycopg's own non-blocking generators
+under the connection's lock, as psycopg does for ``commit()``: the same waits,
+interruptions and notifications, no SQL built from values.
 
 Driver errors are raised as psycopg errors (the caller translates them).  The
 connection is left outside pipeline mode, with the transaction open (or failed) when
@@ -47,25 +50,45 @@ def begin_and_execute(conn: psycopg.Connection[Any], begin: bytes, statement: by
                       params: Sequence[bytes | None]) -> int:
     """Send ``begin`` and the prepared ``statement`` (text parameters) in one round trip;
     returns how many rows the statement returned.  Check :func:`available` first."""
+    results = send_before(conn, (begin,), statement, params)
+    raise_first_error(conn, results)
+    rows: int = results[1].ntuples
+    return rows
+
+
+def send_before(conn: psycopg.Connection[Any], leading: Sequence[bytes], statement: bytes,
+                params: Sequence[bytes | None]) -> list[pq.abc.PGresult]:
+    """Send ``leading`` (statements without parameters), then the prepared ``statement`` (text
+    parameters), in one round trip; returns their results in order (then the Sync's).  An
+    error is a result here, not an exception (see :func:`raise_first_error`): the caller
+    learns what the statements before it did.  Check :func:`available` first."""
     pgconn = conn.pgconn
     with conn.lock:
         pgconn.enter_pipeline_mode()
         try:
-            pgconn.send_query_params(begin, None)
+            for sql in leading:
+                pgconn.send_query_params(sql, None)
             pgconn.send_query_prepared(statement, params)
             pgconn.pipeline_sync()
             conn.wait(generators.send(pgconn))
             # One fetch per statement (each ends with libpq's NULL), one for the Sync.
-            results = [result for _ in range(3) for result in conn.wait(generators.fetch_many(pgconn))]
+            return [result for _ in range(len(leading) + 2) for result in conn.wait(generators.fetch_many(pgconn))]
         finally:
             _leave_pipeline(conn)
+
+
+def failed(result: pq.abc.PGresult) -> bool:
+    """The statement of ``result`` failed, or was skipped after a failure."""
+    return result.status in (_FATAL_ERROR, _PIPELINE_ABORTED)
+
+
+def raise_first_error(conn: psycopg.Connection[Any], results: Sequence[pq.abc.PGresult]) -> None:
+    """Raise the first failure among ``results`` as a psycopg error."""
     for result in results:
         if result.status == _FATAL_ERROR:
             raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
         if result.status == _PIPELINE_ABORTED:  # not expected without an error before it
-            raise psycopg.errors.InternalError("the fence's pipeline was aborted")
-    rows: int = results[1].ntuples
-    return rows
+            raise psycopg.errors.InternalError("the pipeline was aborted")
 
 
 def _leave_pipeline(conn: psycopg.Connection[Any]) -> None:
