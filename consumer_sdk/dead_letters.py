@@ -1,4 +1,4 @@
-"""The dead-letter topic: the :class:`~consumer_sdk.processor.DeadLetterSink` adapter for Kafka.
+"""The dead-letter topic: the :class:`~consumer_sdk.rejections.DeadLetterSink` adapter for Kafka.
 
 A dead letter keeps the original key, value and headers (``event_id`` included,
 so a replay is deduplicated by the inbox) and adds ``dlq_*`` headers saying why

@@ -52,7 +52,8 @@ from consumer_sdk.metrics import ConsumerMetrics
 from consumer_sdk.model import BatchResult, DeadLetter, InboxMessage, KafkaRecord
 from consumer_sdk.offsets import OffsetBook, TopicPart
 from consumer_sdk.parking import ParkingLot
-from consumer_sdk.processor import BatchHandler, DeadLetterSink, Policies, Processor
+from consumer_sdk.processor import BatchHandler, Processor
+from consumer_sdk.rejections import DeadLetterSink, Policies
 from consumer_sdk.replays import with_replays
 from consumer_sdk.retention import RetentionFinding, check_retention, report_retention
 from consumer_sdk.store import ConnectionFactory, PgInboxStore, cleanup_inbox, connect_factory

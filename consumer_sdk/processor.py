@@ -39,8 +39,9 @@ one record at a time (``batch_handler(conn, [message])``), with the rules above.
 that carries one event id twice claims record by record inside the savepoints.
 
 This module depends on two small protocols only (:class:`InboxStore`,
-:class:`DeadLetterSink`); the PostgreSQL and Kafka adapters and the in-memory
-fakes of :mod:`consumer_sdk.testing` implement them.
+:class:`~consumer_sdk.rejections.DeadLetterSink`); the PostgreSQL and Kafka adapters and
+the in-memory fakes of :mod:`consumer_sdk.testing` implement them.  What happens to a
+record that is not applied (dead letter, skip, stop) is :mod:`consumer_sdk.rejections`.
 """
 
 from __future__ import annotations
@@ -49,31 +50,29 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from consumer_sdk.errors import (
-    ConsumerStopped,
     DatabaseUnavailable,
     DeadLetterBlocked,
-    DeadLetterFailed,
     HandlerTransactionFailed,
     PermanentError,
 )
 from consumer_sdk.metrics import ConsumerMetrics
 from consumer_sdk.model import (
-    Action,
     BatchResult,
     Claim,
     DeadLetter,
     InboxMessage,
     InvalidEventId,
     KafkaRecord,
-    RetryPolicy,
     payload_sha256,
     scan_event_id,
     to_message,
 )
+from consumer_sdk.rejections import DeadLetterSink as DeadLetterSink
+from consumer_sdk.rejections import Halt, Rejections, describe
+from consumer_sdk.rejections import Policies as Policies
 from consumer_sdk.replays import REPLAY_HEADER
 
 #: A handler: apply one message with the given connection, inside the consumer's
@@ -88,7 +87,6 @@ Handler = Callable[[Any, InboxMessage], None]
 #: concerns its own message only.
 BatchHandler = Callable[[Any, Sequence[InboxMessage]], None]
 
-_MAX_ERROR_CHARS = 2000
 _ABSENT = object()
 
 
@@ -115,32 +113,6 @@ class InboxStore(Protocol):
         """True when the current transaction can no longer commit (a swallowed database error)."""
 
 
-class DeadLetterSink(Protocol):
-    """Where rejected messages go.  ``send`` returns once the letter is durable."""
-
-    def send(self, letter: DeadLetter) -> None:
-        """Deliver ``letter`` or raise :class:`~consumer_sdk.errors.DeadLetterFailed`."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Policies:
-    """The service's choices for handler failures and malformed or suspicious messages."""
-
-    retry: RetryPolicy = RetryPolicy()
-    on_invalid_event_id: Action = "dead_letter"
-    on_payload_mismatch: Action = "dead_letter"
-
-
-@dataclass(frozen=True, slots=True)
-class _Halt:
-    """Why a transaction stopped before a record: a handler failure, or a ``stop`` policy."""
-
-    error: BaseException
-    reason: str
-    stop: bool
-    blocked: bool = False
-
-
 class _HandlerFailed(Exception):
     def __init__(self, error: BaseException, index: int = 0) -> None:
         super().__init__(str(error))
@@ -152,16 +124,10 @@ class _Alone(Exception):
     """A handler with no savepoint failed: roll its whole transaction back.  ``index``: the
     failing record's position in the transaction (the records before it are applied again)."""
 
-    def __init__(self, halt: _Halt, index: int = 0) -> None:
+    def __init__(self, halt: Halt, index: int = 0) -> None:
         super().__init__(halt.reason)
         self.halt = halt
         self.index = index
-
-
-def describe(error: BaseException) -> str:
-    """``Type: message``, bounded, for logs and dead-letter headers."""
-    text = f"{type(error).__name__}: {error}"
-    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
 
 
 class Processor:
@@ -181,7 +147,8 @@ class Processor:
                 raise TypeError("give a handler or a batch_handler")
             handler = _one_of(batch_handler)
         self._handler = handler
-        self._dead_letters = dead_letters
+        self._rejections = Rejections(consumer=consumer, dead_letters=dead_letters, policies=policies,
+                                      metrics=metrics, log=log)
         self._policies = policies
         self._metrics = metrics
         self._log = log
@@ -201,7 +168,6 @@ class Processor:
         # No savepoint per message while nothing fails: the store's transaction carries the
         # handler's writes, so a failure can roll everything back (see _Alone).
         self._optimistic = bool(getattr(store, "handler_writes_roll_back", False)) and not savepoint_per_message
-        self._judged: set[int] = set()  # id(record): dead-lettered or skipped in this process() call
 
     def process(self, records: Sequence[KafkaRecord], result: BatchResult | None = None) -> BatchResult:
         """Settle ``records`` in order; returns what happened (added to ``result`` when given,
@@ -224,7 +190,7 @@ class Processor:
             self._prepared = {}
             self._scanned = {}
             self._known = {}
-            self._judged.clear()
+            self._rejections.judged.clear()
             self._publish_counts()
         return result
 
@@ -248,7 +214,7 @@ class Processor:
                 assert isinstance(halt.error, DeadLetterBlocked)
                 raise halt.error
             if halt.stop:
-                raise self._stopped(records[done], halt)
+                raise self._rejections.stopped(records[done], halt)
             self._retry_alone(records[done], halt.error, result)
             self._settle(records[done:done + 1], result)
             done += 1
@@ -321,7 +287,7 @@ class Processor:
     # -- one transaction --------------------------------------------------------------
 
     def _transaction(self, records: Sequence[KafkaRecord], result: BatchResult, *, attempt: int,
-                     settle: bool = False, defer: bool = False) -> tuple[int, _Halt | None]:
+                     settle: bool = False, defer: bool = False) -> tuple[int, Halt | None]:
         """Apply records until one halts; commit what came before it.  Returns (count, halt).
 
         Once the commit is confirmed (at once, or with the next transaction's first round trip
@@ -331,7 +297,7 @@ class Processor:
         batched = bool(ids) and len(set(ids)) == len(ids)
         applied: Counter[str] = Counter()
         duplicates: Counter[str] = Counter()
-        halt: _Halt | None = None
+        halt: Halt | None = None
         settled = 0
         known = [self._known_duplicate(record, *scan) for record, scan in zip(records, scans, strict=True)] \
             if batched and self._known else [False] * len(records)
@@ -368,7 +334,7 @@ class Processor:
             return settled, halt if halt is not None else alone.halt
         return settled, halt
 
-    def _one(self, record: KafkaRecord, result: BatchResult, *, defer: bool) -> tuple[int, _Halt | None]:
+    def _one(self, record: KafkaRecord, result: BatchResult, *, defer: bool) -> tuple[int, Halt | None]:
         """:meth:`_transaction` of one record (``settle``, first attempt), without its batch
         machinery: one message at a time spends its client CPU in the driver, not here.
 
@@ -392,7 +358,7 @@ class Processor:
         message = self._prepare(record)
         assert isinstance(message, InboxMessage)
         claim: Claim | None = None
-        halt: _Halt | None = None
+        halt: Halt | None = None
 
         def committed() -> None:  # true only now that the transaction committed
             if halt is not None:
@@ -413,12 +379,12 @@ class Processor:
                     try:
                         self._call(conn, message)
                     except _HandlerFailed as failed:
-                        self._handler_failed(record, failed.error, 1, result)
-                        raise _Alone(_Halt(failed.error, "handler_error", stop=False)) from failed
+                        self._rejections.handler_failed(record, failed.error, 1, result)
+                        raise _Alone(Halt(failed.error, "handler_error", stop=False)) from failed
                 elif claim == "duplicate":
                     self._lookup_pays = True  # a redelivery: look duplicates up before the next poll
                 else:
-                    halt = self._mismatch(record, message, result)
+                    halt = self._rejections.mismatch(record, message, result)
         except _Alone as alone:  # the handler failed: its transaction rolled back
             return 0, alone.halt
         return (0, halt) if halt is not None else (1, None)
@@ -440,9 +406,9 @@ class Processor:
 
     def _apply(self, conn: Any, records: Sequence[KafkaRecord], prepared: Sequence[InboxMessage | InvalidEventId],
                valid: Sequence[InboxMessage], batched: bool, known: Sequence[bool], result: BatchResult,
-               applied: Counter[str], duplicates: Counter[str], attempt: int) -> tuple[int, _Halt | None]:
+               applied: Counter[str], duplicates: Counter[str], attempt: int) -> tuple[int, Halt | None]:
         """The body of :meth:`_transaction`'s transaction (``known``: duplicates found before it)."""
-        halt: _Halt | None = None
+        halt: Halt | None = None
         settled = 0
         claims: list[Claim | None] = [None] * len(records)
         if batched:
@@ -500,14 +466,11 @@ class Processor:
 
     def _step(self, conn: Any, record: KafkaRecord, prepared: InboxMessage | InvalidEventId,
               claim: Claim | None, result: BatchResult, applied: Counter[str], duplicates: Counter[str],
-              attempt: int, *, alone: bool = False) -> _Halt | None:
-        if id(record) in self._judged:  # dead-lettered or skipped in a transaction rolled back since
+              attempt: int, *, alone: bool = False) -> Halt | None:
+        if id(record) in self._rejections.judged:  # dead-lettered or skipped in a transaction rolled back since
             return None
         if isinstance(prepared, InvalidEventId):
-            self._metrics.invalid.labels(self.consumer, record.topic).inc()
-            result.invalid += 1
-            self._log.warning("invalid_event_id", error=str(prepared), **_where(record))
-            return self._reject(record, "invalid_event_id", prepared, self._policies.on_invalid_event_id, result)
+            return self._rejections.invalid(record, prepared, result)
         message = prepared
         try:
             if claim is None:  # claimed here, in the record's savepoint
@@ -522,8 +485,8 @@ class Processor:
                 with self._store.attempt():
                     self._call(conn, message)
         except _HandlerFailed as failed:
-            self._handler_failed(record, failed.error, attempt, result)
-            halt = _Halt(failed.error, "handler_error", stop=False)
+            self._rejections.handler_failed(record, failed.error, attempt, result)
+            halt = Halt(failed.error, "handler_error", stop=False)
             if alone and claim == "new":
                 raise _Alone(halt) from failed
             return halt
@@ -532,7 +495,7 @@ class Processor:
         elif claim == "duplicate":
             duplicates[record.topic] += 1
         else:
-            return self._mismatch(record, message, result)
+            return self._rejections.mismatch(record, message, result)
         return None
 
     def _call(self, conn: Any, message: InboxMessage) -> None:
@@ -543,38 +506,12 @@ class Processor:
         if self._store.in_failed_transaction():
             raise _HandlerFailed(HandlerTransactionFailed())
 
-    # -- outcomes ---------------------------------------------------------------------
+    # -- outcomes (consumer_sdk.rejections) -------------------------------------------
 
-    def _mismatch(self, record: KafkaRecord, message: InboxMessage, result: BatchResult) -> _Halt | None:
-        self._metrics.payload_mismatches.labels(self.consumer, record.topic).inc()
-        result.mismatches += 1
-        self._log.error("payload_mismatch", event_id=str(message.event_id),
-                        hint="a producer reused an event_id for a different body", **_where(record))
-        error = PermanentError(f"event_id {message.event_id} was applied before with a different payload")
-        return self._reject(record, "payload_mismatch", error, self._policies.on_payload_mismatch, result)
-
-    def _reject(self, record: KafkaRecord, reason: str, error: BaseException, action: Action,
-                result: BatchResult) -> _Halt | None:
-        if action == "stop":
-            return _Halt(error, reason, stop=True)
-        if action == "dead_letter":
-            try:
-                self._dead_letter(record, reason, error, 0, result)
-            except DeadLetterBlocked as blocked:  # commit the records before it first
-                return _Halt(blocked, reason, stop=False, blocked=True)
-        else:
-            self._metrics.skipped.labels(self.consumer, record.topic, reason).inc()
-            result.skipped += 1
-            self._log.warning("message_skipped", reason=reason, **_where(record))
-        self._judged.add(id(record))
-        return None
-
-    def _handler_failed(self, record: KafkaRecord, error: BaseException, attempt: int,
-                        result: BatchResult) -> None:
-        self._metrics.handler_errors.labels(self.consumer, record.topic).inc()
-        result.handler_errors += 1
-        self._log.warning("handler_failed", attempt=attempt, error=describe(error),
-                          permanent=isinstance(error, PermanentError), **_where(record))
+    def send_dead_letter(self, letter: DeadLetter, result: BatchResult) -> None:
+        """Send ``letter``; on failure raise :class:`DeadLetterBlocked` (never retriable here:
+        retrying the batch would run the handler again).  The caller settles the record."""
+        self._rejections.send_dead_letter(letter, result)
 
     def _retry_alone(self, record: KafkaRecord, error: BaseException, result: BatchResult) -> None:
         """Retry one failed record in its own transactions until it settles or the policy gives up."""
@@ -582,7 +519,7 @@ class Processor:
         attempt = 1
         while True:
             if isinstance(error, PermanentError) or not retry.allows(attempt + 1):
-                self._exhausted(record, error, attempt, result)
+                self._rejections.exhausted(record, error, attempt, result)
                 return
             self._sleep(retry.delay_s(attempt))
             attempt += 1
@@ -590,55 +527,14 @@ class Processor:
             if halt is None:
                 return
             if halt.stop:
-                raise self._stopped(record, halt)
+                raise self._rejections.stopped(record, halt)
             error = halt.error
-
-    def _exhausted(self, record: KafkaRecord, error: BaseException, attempts: int,
-                   result: BatchResult) -> None:
-        reason = "permanent_error" if isinstance(error, PermanentError) else "retries_exhausted"
-        if self._policies.retry.then == "stop":
-            raise self._stopped(record, _Halt(error, reason, stop=True))
-        self._dead_letter(record, reason, error, attempts, result)
-
-    def _dead_letter(self, record: KafkaRecord, reason: str, error: BaseException, attempts: int,
-                     result: BatchResult) -> None:
-        letter = DeadLetter(record=record, consumer=self.consumer, reason=reason,
-                            error=describe(error), error_type=type(error).__name__, attempts=attempts)
-        self.send_dead_letter(letter, result)
-
-    def send_dead_letter(self, letter: DeadLetter, result: BatchResult) -> None:
-        """Send ``letter``; on failure raise :class:`DeadLetterBlocked` (never retriable here:
-        retrying the batch would run the handler again).  The caller settles the record."""
-        record = letter.record
-        try:
-            self._dead_letters.send(letter)
-        except DeadLetterFailed as exc:
-            self._metrics.dead_letter_failures.labels(self.consumer, record.topic).inc()
-            self._log.error("dead_letter_failed", reason=letter.reason, error=str(exc),
-                            hint="the partition is paused until the letter is sent; see the "
-                                 "OutboxConsumerDeadLetterFailures runbook", **_where(record))
-            raise DeadLetterBlocked(
-                f"the dead letter of {record.topic}[{record.partition}]@{record.offset} could not be "
-                f"produced ({exc}); the partition is paused and the letter retried, the handler is "
-                "not run again", letter=letter, topic=record.topic, partition=record.partition,
-                offset=record.offset) from exc
-        self._metrics.dead_lettered.labels(self.consumer, record.topic, letter.reason).inc()
-        result.dead_lettered += 1
-        result.dead_letters.append(letter)
-        self._log.error("message_dead_lettered", reason=letter.reason, attempts=letter.attempts,
-                        error=letter.error, **_where(record))
 
     def _settle(self, records: Sequence[KafkaRecord], result: BatchResult) -> None:
         if records:
             result.settled += len(records)
             self._on_settled(records)
 
-    def _stopped(self, record: KafkaRecord, halt: _Halt) -> ConsumerStopped:
-        self._log.error("consumer_stopping", reason=halt.reason, error=describe(halt.error), **_where(record))
-        return ConsumerStopped(
-            f"{halt.reason}: {describe(halt.error)} "
-            f"(topic {record.topic}, partition {record.partition}, offset {record.offset})",
-            reason=halt.reason, topic=record.topic, partition=record.partition, offset=record.offset)
 
 
 def _one_of(batch_handler: BatchHandler) -> Handler:
@@ -646,7 +542,3 @@ def _one_of(batch_handler: BatchHandler) -> Handler:
         batch_handler(conn, [message])
 
     return one
-
-
-def _where(record: KafkaRecord) -> dict[str, Any]:
-    return {"topic": record.topic, "partition": record.partition, "offset": record.offset}

@@ -37,7 +37,8 @@ from consumer_sdk.model import (
     KafkaRecord,
     RetryPolicy,
 )
-from consumer_sdk.processor import BatchHandler, Handler, Policies, Processor
+from consumer_sdk.processor import BatchHandler, Handler, Processor
+from consumer_sdk.rejections import Policies
 
 InboxKey = tuple[str, uuid.UUID]
 
