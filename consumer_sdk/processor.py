@@ -8,7 +8,8 @@ database transaction: the rest of the batch's inbox rows are inserted in one sta
 it is new, a duplicate or a mismatch), then the handler is called, with the same
 connection, for each new record.  With a store whose transaction carries the handler's
 writes (``handler_writes_roll_back``, the PostgreSQL one), no savepoint is set while
-nothing fails: one round trip per message less (unless ``savepoint_per_message``).  The guarantees kept here:
+nothing fails: one round trip per message less (unless ``savepoint_per_message``).  The
+guarantees kept here:
 
 * The inbox row and the handler's writes commit together or not at all, so a
   redelivered event finds its row and is dropped (counted as a duplicate).
