@@ -46,6 +46,14 @@ def available(conn: psycopg.Connection[Any]) -> bool:
             and conn.pgconn.pipeline_status == _PIPELINE_OFF)
 
 
+def prepare(conn: psycopg.Connection[Any], sql: bytes) -> None:
+    """Run ``sql``, a ``PREPARE``; a statement of that name already on the connection is kept."""
+    try:
+        conn.execute(sql)
+    except psycopg.errors.DuplicatePreparedStatement:
+        pass
+
+
 def begin_and_execute(conn: psycopg.Connection[Any], begin: bytes, statement: bytes,
                       params: Sequence[bytes | None]) -> int:
     """Send ``begin`` and the prepared ``statement`` (text parameters) in one round trip;

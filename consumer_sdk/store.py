@@ -376,10 +376,7 @@ class PgInboxStore:
         if self._pending is not None or self._prepared_losses >= _PREPARED_LOSSES_MAX \
                 or not _wire.available(conn):
             return False
-        try:
-            conn.execute(query("inbox", "claim_prepare").encode())
-        except psycopg.errors.DuplicatePreparedStatement:
-            pass
+        _wire.prepare(conn, query("inbox", "claim_prepare").encode())
         self._prepared_on = conn
         return True
 

@@ -276,10 +276,7 @@ _BEGIN = q("fenced_begin").encode()
 
 
 def _prepare_fence(conn: ConnectionT) -> None:
-    try:
-        conn.execute(q("fence_prepare").encode())
-    except psycopg.errors.DuplicatePreparedStatement:
-        pass
+    _wire.prepare(conn, q("fence_prepare").encode())
     _FENCE_PREPARED.add(conn)
 
 

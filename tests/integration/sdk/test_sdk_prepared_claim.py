@@ -1,11 +1,13 @@
 """Issue 19: one message at a time, the claim that opens each transaction goes as the
 connection's prepared statement, after the deferred COMMIT and BEGIN in one libpq pipeline
 (consumer_sdk/_wire.py), not as a simple query bound on the client.  When the prepared
-statement is gone (DISCARD ALL, DEALLOCATE, a pooler), that message is claimed through a
-cursor, nothing is lost or applied twice, and after two losses the store stops preparing."""
+statement is gone (DISCARD ALL, DEALLOCATE, a pooler), it is prepared again and the claim
+retried, nothing is lost or applied twice, and after three losses in a row the store claims
+through a cursor for good."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -41,9 +43,25 @@ def _records(n: int) -> list[KafkaRecord]:
 
 
 def _effects(store: PgInboxStore, records: list[KafkaRecord]) -> dict[int, int]:
-    ns = [__import__("json").loads(r.value)["n"] for r in records]
+    ns = [json.loads(r.value)["n"] for r in records]
     rows = store.conn.execute("SELECT n, count(*) FROM pc_effects WHERE n = ANY(%s) GROUP BY n", (ns,)).fetchall()
     return dict(rows)
+
+
+def _prepared(store: PgInboxStore) -> int:
+    row = store.conn.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = %s",
+                             (CLAIM_STATEMENT.decode(),)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _deallocate(store: PgInboxStore) -> None:
+    """Drop the prepared claim, as DISCARD ALL (or psycopg's DEALLOCATE ALL) would."""
+    store.conn.execute(f"DEALLOCATE {CLAIM_STATEMENT.decode()}")
+
+
+def _text_claims(trips: RoundTrips) -> list[str]:
+    return [s for s in trips.sent if "INSERT INTO outbox_inbox" in s]
 
 
 def test_one_at_a_time_claims_with_the_prepared_statement(sdk_db):
@@ -55,21 +73,9 @@ def test_one_at_a_time_claims_with_the_prepared_statement(sdk_db):
             assert processor.process(batch).applied == 5
         assert trips.count == 2 * 5 + 1
         assert not [s for s in trips.sent if "outbox_inbox" in s], trips.sent  # no claim text sent
-        assert store.conn.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = %s",
-                                  (CLAIM_STATEMENT.decode(),)).fetchone() == (1,)
+        assert _prepared(store) == 1
     finally:
         store.close()
-
-
-def _prepared(store: PgInboxStore) -> int:
-    row = store.conn.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = %s",
-                             (CLAIM_STATEMENT.decode(),)).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def _text_claims(trips: RoundTrips) -> list[str]:
-    return [s for s in trips.sent if "INSERT INTO outbox_inbox" in s]
 
 
 def test_a_lost_prepared_claim_is_prepared_again_without_losing_or_doubling(sdk_db):
@@ -79,7 +85,7 @@ def test_a_lost_prepared_claim_is_prepared_again_without_losing_or_doubling(sdk_
         processor.process(first)
         for round_ in range(3):
             assert _prepared(store) == 1
-            store.conn.execute(f"DEALLOCATE {CLAIM_STATEMENT.decode()}")  # as DISCARD ALL would
+            _deallocate(store)
             batch = [make_record(value={"n": 1000 * (round_ + 1) + i}, offset=i) for i in range(4)]
             with RoundTrips(store.conn) as trips:
                 result = processor.process(batch)
@@ -98,7 +104,7 @@ def test_losses_in_a_row_turn_the_prepared_claim_off(sdk_db):
     try:
         processor.process(_records(6))
         store._prepared_losses = 2  # two losses in a row already (a pooler moving sessions)
-        store.conn.execute(f"DEALLOCATE {CLAIM_STATEMENT.decode()}")
+        _deallocate(store)
         batch = [make_record(value={"n": 500 + i}, offset=i) for i in range(4)]
         with RoundTrips(store.conn) as trips:
             assert processor.process(batch).applied == 4
