@@ -33,6 +33,7 @@ from relay.errors import (
 )
 from relay.model import Claimed, Cursor, Lease, OutboxRow, RowId, ShardId, Token
 from relay.queries import compose, query
+from relay.wire import INTERNALS, Prepared
 
 # The relay's reading of a failed connection attempt (outbox_core.connect_errors classifies it,
 # for the SDK too): only an unreachable database is waited for; rejected credentials end the
@@ -156,6 +157,10 @@ class Store:
         self._dsn = dsn
         self.table = table
         self._mark_query = "mark_published" if keep_published else "delete_published"
+        # The two statements of every claim cycle, as prepared statements below the cursor
+        # (relay/wire.py); None: through the cursor, like every other statement.
+        self._claim_statement = Prepared("relay", "claim_batch", table=table) if INTERNALS else None
+        self._mark_statement = Prepared("relay", self._mark_query, table=table) if INTERNALS else None
         self._on_statement = on_statement
         self._application_name = application_name[:63]
         self._conn: psycopg.Connection[Any] | None = None
@@ -197,15 +202,31 @@ class Store:
 
     def _execute(self, group: str, name: str, params: dict[str, Any], row_factory: Any,
                  *, binary: bool = False) -> list[Any]:
+        with self._statement() as conn:
+            cur = conn.cursor(row_factory=row_factory)
+            cur.execute(compose(group, name, table=self.table), params, binary=binary)
+            # Not ``cur.description``: it builds a Column object per column each time.
+            result = cur.pgresult
+            return cur.fetchall() if result is not None and result.nfields else []
+
+    def _run(self, statement: Prepared | None, group: str, name: str,
+             params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """A claim-cycle statement's rows as tuples (binary format), prepared when it can be."""
+        if statement is None:
+            return self._fetch_tuples(group, name, params=params, binary=True)
+        with self._statement() as conn:
+            return statement.run(conn, params)
+
+    @contextmanager
+    def _statement(self) -> Iterator[psycopg.Connection[Any]]:
+        """The connection for one statement, counted; errors translated, and a connection
+        that failed (or reached a read-only server) dropped."""
         with translated():
             try:
-                cur = self.conn.cursor(row_factory=row_factory)
+                conn = self.conn
                 self.queries += 1
                 self._on_statement()
-                cur.execute(compose(group, name, table=self.table), params, binary=binary)
-                # Not ``cur.description``: it builds a Column object per column each time.
-                result = cur.pgresult
-                return cur.fetchall() if result is not None and result.nfields else []
+                yield conn
             except (psycopg.OperationalError, psycopg.InterfaceError,
                     psycopg.errors.ReadOnlySqlTransaction):
                 self.reset()
@@ -231,7 +252,7 @@ class Store:
         ``limit`` rows and the row that crosses ``budget_bytes`` of payload; rows larger
         than ``max_bytes`` come without their payload (``value`` None, ``size`` set)."""
         all_shards = len(shards) == nshards
-        found = self._fetch_tuples("relay", "claim_batch", binary=True, params={
+        found = self._run(self._claim_statement, "relay", "claim_batch", {
             "cur": after.cur,
             "prev_xmax": str(after.prev_xmax),
             "prev_xip": int_array(after.prev_xip),
@@ -269,7 +290,7 @@ class Store:
         still held, ids marked)."""
         if not rows:
             return {lease.shard for lease in leases}, set()
-        ((held, marked),) = self._fetch_tuples("relay", self._mark_query, binary=True, params={
+        ((held, marked),) = self._run(self._mark_statement, "relay", self._mark_query, {
             "owner": owner,
             "held_shards": int_array(lease.shard for lease in leases),
             "held_tokens": int_array(lease.token for lease in leases),

@@ -39,6 +39,7 @@ from relay.errors import ConfigError
 from relay.model import Cursor, Lease, OutboxRow, RowId, ShardId, Token
 from relay.publisher import BadRow, Publisher, encode_headers
 from relay.store import Store
+from relay.wire import Prepared
 
 PROPERTIES = settings(max_examples=200, deadline=None,
                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -464,7 +465,14 @@ def test_the_store_sends_only_named_queries_with_input_as_parameters(
         return
     fake = FakeConnection(table)
     lease = Lease(ShardId(0), Token(1), 0.0)
-    with mock.patch("relay.store.connect", return_value=fake):
+
+    def prepared_run(statement: Prepared, conn: FakeConnection, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        # The claim and the mark go as prepared statements (relay/wire.py): what is prepared
+        # is the named block, placeholders renumbered (tests/unit/test_relay_wire.py).
+        block = queries.compose(statement.group, statement.query, table=statement.table)
+        return [tuple(r.values()) for r in FakeCursor(conn).execute(block, params).fetchall()]
+
+    with mock.patch("relay.store.connect", return_value=fake), mock.patch.object(Prepared, "run", prepared_run):
         store = Store("postgresql://x/y", table=table)
         store.claim(shards=[ShardId(0)], nshards=16, after=Cursor(0, 0), limit=10)
         store.mark_published(owner=owner, leases=[lease], rows=[row("{}")])
