@@ -1,6 +1,7 @@
 """The PostgreSQL side: claim, mark, leases (LISTEN and the wake-up lock: relay/wakeup.py).
 
-Only this module (and the migration runner) talks to psycopg.  Driver errors are
+Only this module (with relay/wire.py, which sends its claim and mark as prepared
+statements, and the migration runner) talks to psycopg.  Driver errors are
 translated at this seam into :mod:`relay.errors` types: a server that cannot be
 reached is :class:`DatabaseUnavailable` (waited for), and so is a read-only one
 (SQLSTATE 25006: a hot standby, or a failover in progress: :class:`DatabaseReadOnly`);
