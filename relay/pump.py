@@ -62,7 +62,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 1_000_000  # librdkafka's message.max.bytes default
 SWEEP_INTERVAL_S = 10.0  # a full pass, and a look for foreign xids, at most this often when caught up
 STALLED_ROWS_MAX = 10_000  # rows waiting on stalled partitions before claims stop altogether
 STALLED_CLAIM_PAUSE_S = 0.5  # a claim that found only rows held by a stall waits this long
-PACED_CLAIM_ROWS = 8  # a drained claim finding fewer rows stretches the wait before the next
+PACED_CLAIM_ROWS = 10  # a drained claim finding fewer rows stretches the wait before the next
 PACE_STEP = 1.5  # how much one claim stretches or shortens that wait
 INLINE_MARK_ROWS = 64  # a drained window's batch up to this size is marked on the pump's thread
 CREATED, TOPIC = attrgetter("created_epoch"), attrgetter("topic")
@@ -439,7 +439,7 @@ class Pump:
         """After a claim that drained the backlog: wait before the next one, longer while
         claims find fewer than ``PACED_CLAIM_ROWS`` rows, shorter as they find more.  A
         steady trickle is then claimed a few rows at a time (at 1,000 events/s about every
-        8 ms, at 100 events/s every ``claim_interval_max_s``), instead of once per delivery
+        9.5 ms, at 100 events/s every ``claim_interval_max_s``), instead of once per delivery
         report or mark; a backlog (a full claim) resets the wait to the shortest."""
         if not self.claim_interval_s:
             return
