@@ -13,7 +13,9 @@ Figures (each the median of ``--runs`` runs):
 5. the relay process's peak RSS while draining, and its CPU and SQL statements per second idle;
 6. drain throughput with ``--published-rows`` already-published rows in the table, over an
    empty table;
-7. scale-out: the drain with 1, 2 and 4 replicas on one database (``--replicas``).
+7. scale-out: the drain with 1, 2 and 4 replicas on one database (``--replicas``), once
+   they hold their shares of the shards, and again from their start-up (shards handed over
+   while the backlog drains).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from relay.model import Cursor, ShardId
 from relay.store import Store
 
 DRAIN_POLL_S = 0.25  # how often a drain asks the relay's /metrics whether it is done
+SPREAD_TIMEOUT_S = 120.0  # replicas that started hold their shares of the shards within this
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -288,17 +291,28 @@ class Bench:
 
     # -- scale-out: several replicas on one database -----------------------------------------
 
-    def scale_out(self, replicas: int) -> float:
+    def scale_out(self, replicas: int, *, settled: bool = True) -> float:
         """Drain ``--rows`` with ``replicas`` relay processes sharing the shards; the rate
-        from the marks' own timestamps (the first mark to the last)."""
+        from the marks' own timestamps (the first mark to the last).
+
+        ``settled``: the replicas start first and the backlog is written (one transaction)
+        once each holds its share of the shards: how fast N replicas drain.  Otherwise the
+        backlog is there first and the replicas start one after the other: the first takes
+        every shard and hands shares over as the others come, which with a drain of a few
+        seconds is most of the run (the figure before issue 18's seventh pass)."""
         with self.fresh_db() as dsn:
-            self.load(dsn, self.args.rows)
+            if not settled:
+                self.load(dsn, self.args.rows)
             with psycopg.connect(dsn, autocommit=True) as conn:
                 since = conn.execute(query("bench", "bench_now")).fetchone()[0]  # type: ignore[index]
             with contextlib.ExitStack() as stack:
                 procs = [stack.enter_context(relay_process(dsn, self.bootstrap,
                                                            batch_size=str(self.args.batch_size)))
                          for _ in range(replicas)]
+                if settled:
+                    _wait(lambda: _shards_spread(dsn, replicas), SPREAD_TIMEOUT_S, procs[0][0],
+                          interval_s=0.2)
+                    self.load(dsn, self.args.rows, vacuum=False)
 
                 def published() -> float:
                     return sum(scrape("outbox_relay_events_published_total") for _, scrape in procs)
@@ -311,7 +325,6 @@ class Bench:
         if span and span[1] and span[1] > 0:
             return float(span[0] / span[1])
         return float(self.args.rows / max(done - first, DRAIN_POLL_S))  # all in one mark: as seen
-
 
     # -- bloat: cleanup on against cleanup off ---------------------------------------------
 
@@ -403,6 +416,14 @@ def relay_process(dsn: str, bootstrap: str, **env_extra: str) -> Iterator[tuple[
             proc.wait(30)
         finally:
             proc.close()
+
+
+def _shards_spread(dsn: str, replicas: int) -> bool:
+    """Every one of ``replicas`` relays holds a live lease on its fair share of the shards."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(query("bench", "bench_shard_spread")).fetchone()
+    owners, fewest, most, shards = row if row is not None else (0, 0, 0, 0)
+    return bool(owners == replicas and fewest >= shards // replicas and most <= -(-shards // replicas))
 
 
 def _reached(scrape: Callable[[str], float], count: int) -> bool:
@@ -593,11 +614,13 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         f"{result['idle_cpu_percent']:.2f} % of a core")
     counts = [int(n) for n in args.replicas.split(",") if n.strip()]
     if counts:
-        scale = {n: median([bench.scale_out(n) for _ in range(runs)]) for n in counts}
-        result["scale_out_events_per_s"] = {str(n): round(r, 1) for n, r in scale.items()}
-        say("  scale-out drain     " + ", ".join(
-            f"{n} replica{'s' if n > 1 else ''} {r:.0f}/s ({r / scale[counts[0]]:.2f} x)"
-            for n, r in scale.items()))
+        for key, label, settled in (("scale_out_events_per_s", "scale-out drain", True),
+                                    ("scale_out_startup_events_per_s", "  from start-up", False)):
+            scale = {n: median([bench.scale_out(n, settled=settled) for _ in range(runs)]) for n in counts}
+            result[key] = {str(n): round(r, 1) for n, r in scale.items()}
+            say(f"  {label:18}" + ", ".join(
+                f"{n} replica{'s' if n > 1 else ''} {r:.0f}/s ({r / scale[counts[0]]:.2f} x)"
+                for n, r in scale.items()))
     if args.bloat_rows:
         on, off = bench.bloat(cleanup=True), bench.bloat(cleanup=False)
         result["bloat"] = {"rows_passed": args.bloat_rows,

@@ -78,3 +78,16 @@ FOR UPDATE SKIP LOCKED
 
 -- name: bench_min_mark
 UPDATE bench_min SET published_at = now() WHERE id = ANY(%(ids)s::bigint[])
+
+-- name: bench_shard_spread
+-- How the shards' live leases are spread: owners, the fewest and the most shards one
+-- holds, and the shard count (the scale-out figure waits for every replica's share).
+WITH held AS (
+    SELECT owner, count(*) AS n
+    FROM outbox_relay_shards
+    WHERE owner IS NOT NULL AND lease_until > now()
+    GROUP BY owner
+)
+SELECT count(*) AS owners, coalesce(min(n), 0) AS fewest, coalesce(max(n), 0) AS most,
+       (SELECT count(*) FROM outbox_relay_shards) AS shards
+FROM held

@@ -13,7 +13,7 @@ KEYS = ["relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_pe
         "idle_queries_per_s", "idle_cpu_percent", "published_rows_slowdown", "bloat",
         "notify_writer_cost", "stalled_writer", "exactly_once_ratio", "physical_floor_events_per_s",
         "naive_relay_events_per_s", "ratio_to_naive", "relay_cpu_us_per_row",
-        "keep_published_false", "steady", "scale_out_events_per_s"]
+        "keep_published_false", "steady", "scale_out_events_per_s", "scale_out_startup_events_per_s"]
 
 
 def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_path):
@@ -41,6 +41,7 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
     assert [s["events_per_s"] for s in figures["steady"]] == [200, 50]
     for steady in figures["steady"]:
         assert steady["relay_cpu_percent"] > 0 and steady["claims_per_s"] > 0
-    assert set(figures["scale_out_events_per_s"]) == {"1", "2"}
-    assert all(rate > 0 for rate in figures["scale_out_events_per_s"].values())
+    for scale_out in ("scale_out_events_per_s", "scale_out_startup_events_per_s"):
+        assert set(figures[scale_out]) == {"1", "2"}
+        assert all(rate > 0 for rate in figures[scale_out].values())
     assert "relay drain" in result.stdout and "x min(floors)" in result.stdout
