@@ -158,10 +158,12 @@ class Store:
         self._dsn = dsn
         self.table = table
         self._mark_query = "mark_published" if keep_published else "delete_published"
-        # The two statements of every claim cycle, as prepared statements below the cursor
-        # (relay/wire.py); None: through the cursor, like every other statement.
-        self._claim_statement = Prepared("relay", "claim_batch", table=table) if INTERNALS else None
-        self._mark_statement = Prepared("relay", self._mark_query, table=table) if INTERNALS else None
+        # The two statements of every claim cycle, sent as prepared statements below the
+        # cursor (relay/wire.py) while ``prepared_cycle``; else through the cursor, like
+        # every other statement.
+        self._claim_statement = Prepared("relay", "claim_batch", table=table)
+        self._mark_statement = Prepared("relay", self._mark_query, table=table)
+        self.prepared_cycle = INTERNALS
         self._on_statement = on_statement
         self._application_name = application_name[:63]
         self._conn: psycopg.Connection[Any] | None = None
@@ -212,11 +214,10 @@ class Store:
         except psycopg.Error as exc:
             self._failed(exc)
 
-    def _run(self, statement: Prepared | None, group: str, name: str,
-             params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    def _run(self, statement: Prepared, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """A claim-cycle statement's rows as tuples (binary format), prepared when it can be."""
-        if statement is None:
-            return self._fetch_tuples(group, name, params=params, binary=True)
+        if not self.prepared_cycle:
+            return self._fetch_tuples(statement.group, statement.query, params=params, binary=True)
         try:
             return statement.run(self._counted(), params)
         except psycopg.Error as exc:
@@ -259,7 +260,7 @@ class Store:
         ``limit`` rows and the row that crosses ``budget_bytes`` of payload; rows larger
         than ``max_bytes`` come without their payload (``value`` None, ``size`` set)."""
         all_shards = len(shards) == nshards
-        found = self._run(self._claim_statement, "relay", "claim_batch", {
+        found = self._run(self._claim_statement, {
             "cur": after.cur,
             "prev_xmax": str(after.prev_xmax),
             "prev_xip": int_array(after.prev_xip),
@@ -297,7 +298,7 @@ class Store:
         still held, ids marked)."""
         if not rows:
             return {lease.shard for lease in leases}, set()
-        ((held, marked),) = self._run(self._mark_statement, "relay", self._mark_query, {
+        ((held, marked),) = self._run(self._mark_statement, {
             "owner": owner,
             "held_shards": int_array(lease.shard for lease in leases),
             "held_tokens": int_array(lease.token for lease in leases),

@@ -23,7 +23,7 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 def _cursor_store(dsn: str, **kwargs: object) -> Store:
     """A store whose claim and mark go through psycopg's cursor, as before relay/wire.py."""
     store = Store(dsn, **kwargs)  # type: ignore[arg-type]
-    store._claim_statement = store._mark_statement = None
+    store.prepared_cycle = False
     return store
 
 
