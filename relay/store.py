@@ -371,6 +371,9 @@ class Store:
     def forget_replica(self, *, owner: str) -> None:
         self._fetch("leases", "forget_replica", {"owner": owner})
 
+    def notify_shards(self, *, owner: str) -> None:
+        self._fetch("leases", "notify_shards", {"owner": owner})
+
     def renew(self, *, owner: str, leases: Sequence[Lease],
               lease_s: float) -> dict[ShardId, Token]:
         if not leases:

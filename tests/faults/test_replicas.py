@@ -49,9 +49,9 @@ CREATE TRIGGER audit_lease AFTER UPDATE ON outbox_relay_shards FOR EACH ROW
 
 
 def start_relay(spawn: Callable[..., Proc], dsn: str, bootstrap: str, owner: str, *,
-                lease_s: float = LEASE_S, **extra: object) -> Proc:
+                lease_s: float = LEASE_S, heartbeat_s: float = HEARTBEAT_S, **extra: object) -> Proc:
     env = relay_env(dsn, bootstrap, owner=owner, lease_duration_s=lease_s,
-                    heartbeat_interval_s=HEARTBEAT_S, batch_size=BATCH, pipeline_depth=DEPTH, **extra)
+                    heartbeat_interval_s=heartbeat_s, batch_size=BATCH, pipeline_depth=DEPTH, **extra)
     return spawn(relay_cmd("run"), env=env, name=owner)
 
 
@@ -208,3 +208,52 @@ def test_replicas_join_and_leave_while_traffic_flows(outbox_db, broker, topic, s
     r2.sigterm(), r3.sigterm()
     assert r2.wait(30) == 0 and r3.wait(30) == 0
     verify(outbox_db, broker.bootstrap, topic, max_duplicates=0)
+
+
+def _first_time(check: Callable[[], bool], *, timeout_s: float, message: str) -> float:
+    """The monotonic time at which ``check`` first held, polled every 20 ms."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return time.monotonic()
+        time.sleep(0.02)
+    raise AssertionError(message)
+
+
+def test_shards_change_hands_at_once_when_a_replica_joins_or_leaves(outbox_db, broker, topic, spawn):
+    # Heartbeats 3 s apart.  Before issue 18's eighth pass a joiner got its share at its
+    # second heartbeat, never sooner than 3 s after its first (the holder gave shards back
+    # at its own heartbeat, and only those with nothing in flight), and the shards given
+    # back published nothing until then.  Now the holder is told at once, gives back what
+    # has settled and the rest as it settles, and tells the joiner, which claims at once.
+    lease_s, heartbeat_s = 9.0, 3.0
+
+    def registered(owner: str) -> bool:
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            return conn.execute("SELECT 1 FROM outbox_relay_replicas WHERE owner = %s",
+                                (owner,)).fetchone() is not None
+
+    with Writer(outbox_db, topic) as writer:
+        r1 = start_relay(spawn, outbox_db, broker.bootstrap, "r1", lease_s=lease_s, heartbeat_s=heartbeat_s)
+        wait_owners(outbox_db, {"r1"})
+        wait_until(lambda: writer.written >= 2_000, timeout_s=60)
+        r2 = start_relay(spawn, outbox_db, broker.bootstrap, "r2", lease_s=lease_s, heartbeat_s=heartbeat_s)
+        joined = _first_time(lambda: registered("r2"), timeout_s=60, message="r2 never heartbeat")
+        shared = _first_time(lambda: owners(outbox_db) == {"r1": SHARDS // 2, "r2": SHARDS // 2},
+                             timeout_s=30, message=f"no even split: {owners(outbox_db)}")
+        time.sleep(1.0)  # both publish for a while
+        r1.sigterm()
+        asked_to_stop = time.monotonic()
+        taken = _first_time(lambda: owners(outbox_db) == {"r2": SHARDS}, timeout_s=30,
+                            message=f"r1's shards not taken: {owners(outbox_db)}")
+        assert r1.wait(30) == 0
+    wait_drained(outbox_db, timeout_s=120)
+    r2.sigterm()
+    assert r2.wait(30) == 0
+    print(f"hand-over: r2 heartbeat -> even split {shared - joined:.2f} s; "
+          f"r1 SIGTERM -> r2 holds all {taken - asked_to_stop:.2f} s")
+    assert shared - joined <= 1.5, (shared - joined, r1.log_tail())
+    assert taken - asked_to_stop <= 2.0, (taken - asked_to_stop, r2.log_tail())
+    assert published_total(r1) > 0 and published_total(r2) > 0
+    # Handing over settled shards redelivers nothing; every row arrives in key order.
+    verify(outbox_db, broker.bootstrap, topic, max_duplicates=0, explain=lambda: redelivery_causes([r1, r2]))

@@ -22,7 +22,7 @@ class Log:
 
 
 class Leases:
-    heartbeat_s, lease_s, leases = 1.0, 3.0, {}
+    heartbeat_s, lease_s, leases, releasing = 1.0, 3.0, {}, frozenset()
 
     def __init__(self, clock: list[float]) -> None:
         self.clock = clock
@@ -46,6 +46,8 @@ def relay_with(log: Log, clock: list[float]) -> Relay:
     relay.pump = SimpleNamespace(busy_shards=set, rows_in_flight=lambda: 0)  # type: ignore[assignment]
     relay.loop = SimpleNamespace(run_once=lambda now: BatchResult(),  # type: ignore[assignment]
                                  wait=lambda now, wake_by: None)
+    relay.wakeup = SimpleNamespace(moved=False, shards_moved=lambda: False,  # type: ignore[assignment]
+                                   close=lambda: None)
     relay._next_backlog = float("inf")
     return relay
 

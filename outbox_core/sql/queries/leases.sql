@@ -54,6 +54,13 @@ FROM unnest(%(shards)s::int[], %(tokens)s::bigint[]) AS h(shard, token)
 WHERE s.shard = h.shard AND s.token = h.token AND s.owner = %(owner)s
 RETURNING s.shard
 
+-- name: notify_shards
+-- Tell the other replicas that shards changed hands (given back, or wanted by a
+-- replica below its fair share): each runs its heartbeat at once instead of at its
+-- next interval.  Delivered on the relays' LISTEN connections (relay/wakeup.py); the
+-- payload is the sender, which ignores its own.
+SELECT pg_notify('outbox_relay_shards', %(owner)s)
+
 -- name: shard_table
 SELECT shard, owner, lease_until, token,
        (lease_until IS NOT NULL AND lease_until > coalesce(%(now)s::timestamptz, now())) AS live
