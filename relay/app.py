@@ -319,6 +319,13 @@ class Relay:
         assert self.loop is not None and self.pump is not None and self.leases is not None
         now = self.clock()
         self.last_tick = now
+        if self.db_up and (self.wakeup.moved or now >= self._next_shards_look):
+            # A peer gave shards back or wants some (relay/leases.py): heartbeat now.  Before
+            # the heartbeat, so that the first one finds this relay listening already: a
+            # peer answering its notice before then would not be heard.
+            self._next_shards_look = now + SHARDS_LOOK_S
+            if self.wakeup.shards_moved():
+                self.leases.hurry()
         if self.leases.due(now):
             due = self.leases.next_due()  # 0 before the first heartbeat: nothing to be late for
             if self.db_up and due and now - due > self.leases.heartbeat_s:
@@ -337,11 +344,6 @@ class Relay:
                 self.metrics.leases_acquired.inc(len(change.acquired))
                 self.pump.request_rewind()
             self.metrics.leases_held.set(len(self.leases.leases))
-        if self.db_up and (self.wakeup.moved or now >= self._next_shards_look):
-            # A peer gave shards back or wants some (relay/leases.py): heartbeat now.
-            self._next_shards_look = now + SHARDS_LOOK_S
-            if self.wakeup.shards_moved():
-                self.leases.hurry()
         if now >= self._next_backlog:
             self._next_backlog = now + self.settings.backlog_interval_s
             self.pending, oldest, retrying = self.store.backlog()

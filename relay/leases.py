@@ -30,6 +30,9 @@ from relay.model import Lease, ShardId, Token
 
 #: The soonest a heartbeat runs again after one when a peer asks for it early.
 EARLY_HEARTBEAT_GAP_S = 0.05
+#: A replica left short of its share by a change of the live count looks again this soon,
+#: once, in case the notice of the shards given back to it was missed.
+SHORT_RECHECK_S = 0.5
 
 
 def fair_share(shards: int, live_replicas: int) -> int:
@@ -159,6 +162,8 @@ class LeaseManager:
         self._live_seen = change.live_replicas
         if change.released or short:
             self._store.notify_shards(owner=self.owner)
+        if short:
+            self._next_heartbeat = min(self._next_heartbeat, sent_at + SHORT_RECHECK_S)
         return change
 
     def release_settled(self, busy_shards: set[ShardId]) -> list[ShardId]:

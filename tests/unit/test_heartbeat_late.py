@@ -85,3 +85,19 @@ def test_no_heartbeat_late_while_the_database_is_away() -> None:
     clock[0] += 8.0
     relay._tick()
     assert len(late(log)) == 1
+
+
+def test_the_first_tick_listens_for_shard_notices_before_its_first_heartbeat() -> None:
+    # A peer answers this relay's first heartbeat (its notice that it is below its share)
+    # by giving shards back and saying so: this relay must be listening by then.  The
+    # CI run of 2026-12-02 16:05 lost that race (an even split after 3.0 s, not 0.1).
+    log, clock = Log(), [100.0]
+    relay = relay_with(log, clock)
+    calls: list[str] = []
+    relay.wakeup = SimpleNamespace(moved=False, close=lambda: None,  # type: ignore[assignment]
+                                   shards_moved=lambda: calls.append("listen") or False)
+    heartbeat = relay.leases.run_once
+    relay.leases.run_once = lambda busy: calls.append("heartbeat") or heartbeat(busy)  # type: ignore[method-assign]
+    relay._db_ok()
+    relay._tick()
+    assert calls == ["listen", "heartbeat"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from outbox_core.leases import local_deadline, safety_margin_s
-from relay.leases import LeaseManager, fair_share
+from relay.leases import SHORT_RECHECK_S, LeaseManager, fair_share
 from relay.model import Lease, ShardId, Token
 
 
@@ -147,6 +147,7 @@ def test_a_joiner_gets_its_share_at_once_not_at_the_holders_next_heartbeat() -> 
     store.now = 1.0
     assert b.run_once(set()).acquired == []
     assert store.notices == ["b"]  # below its share after the live count changed
+    assert b.next_due() == 1.0 + SHORT_RECHECK_S  # and it looks again soon, once
     assert not a.due(store.now)  # its next heartbeat is at 3.0
     a.hurry()
     assert a.due(store.now)
