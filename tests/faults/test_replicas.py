@@ -258,3 +258,35 @@ def test_shards_change_hands_at_once_when_a_replica_joins_or_leaves(outbox_db, b
     assert published_total(r1) > 0 and published_total(r2) > 0
     # Handing over settled shards redelivers nothing; every row arrives in key order.
     verify(outbox_db, broker.bootstrap, topic, max_duplicates=0, explain=lambda: redelivery_causes([r1, r2]))
+
+
+def test_a_relay_restarted_under_its_own_name_resumes_at_once(outbox_db, broker, topic, spawn):
+    # A sidecar container restarted in its pod (OOM-killed, a failed liveness probe) comes
+    # back under the same owner name.  Before, its shards waited for the dead process's
+    # leases to expire (10-15 s after the kill here); now the new process takes them at
+    # its first heartbeat, each with the next token.
+    lease_s, heartbeat_s = 15.0, 5.0
+
+    def retaken() -> bool:
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            return conn.execute("SELECT count(*) FROM outbox_relay_shards WHERE owner = 'pod-1' "
+                                "AND token >= 2 AND lease_until > now()").fetchone()[0] == SHARDS
+
+    with Writer(outbox_db, topic) as writer:
+        first = start_relay(spawn, outbox_db, broker.bootstrap, "pod-1", lease_s=lease_s, heartbeat_s=heartbeat_s)
+        wait_owners(outbox_db, {"pod-1"})
+        wait_until(lambda: writer.written >= 2_000, timeout_s=60)
+        first.sigkill()
+        killed = time.monotonic()
+        second = start_relay(spawn, outbox_db, broker.bootstrap, "pod-1", lease_s=lease_s, heartbeat_s=heartbeat_s)
+        resumed = _first_time(retaken, timeout_s=60, message="the restarted relay never took its shards")
+        both = writer.written + 2_000
+        wait_until(lambda: writer.written >= both, timeout_s=60)
+    wait_drained(outbox_db, timeout_s=120)
+    second.sigterm()
+    assert second.wait(30) == 0
+    print(f"restart under the same name: shards taken {resumed - killed:.2f} s after the kill")
+    assert resumed - killed < 8.0, (resumed - killed, second.log_tail())
+    assert published_total(second) > 0
+    # The killed process's unacknowledged batches are published again: at most its window.
+    verify(outbox_db, broker.bootstrap, topic, max_duplicates=BATCH * DEPTH)

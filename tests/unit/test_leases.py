@@ -44,7 +44,7 @@ class FakeLeaseStore:
                 out[ShardId(lease.shard)] = Token(token)
         return out
 
-    def claim_shards(self, *, owner, limit, lease_s):
+    def claim_shards(self, *, owner, limit, lease_s, held=None):
         out = {}
         for shard, (o, until, token) in sorted(self.table.items()):
             if len(out) >= limit:
