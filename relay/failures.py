@@ -6,9 +6,10 @@ back-off before the next claim.  A record batch the broker refused as too large 
 have been refused for another record in it: each of its rows becomes a *suspect*, sent
 again alone (``isolated``) before the refusal counts as its own.  A permanent failure
 records an attempt with its own back-off (the row, and every later row of its key,
-waits), or past ``max_attempts`` moves the row to the dead-letter topic and marks it
-``dead_lettered`` (the console and ``outbox-relay dead-letters`` show why).  Every write
-is fenced like the mark: one that finds the shard taken over loses its lease.
+waits), or past ``max_attempts`` moves the row, in one statement, to
+``outbox_dead_letters`` with the error (produced to ``--dead-letter-topic`` first, when
+set).  Every write is fenced like the mark: one that finds the shard taken over loses
+its lease.  See README, "Rows that cannot be published".
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ class Failures:
 
     def handle(self, batch: InFlight, failed: list[OutboxRow], result: BatchResult) -> float | None:
         """The rows of ``batch`` the broker did not take (the pump rewinds after them).
-        Returns how long the next claim waits when one failure may pass by itself (a
-        transient error, a refused record batch), else None."""
+        Returns the time (the pump's clock) before which no claim runs when one failure
+        may pass by itself (a transient error, a refused record batch), else None."""
         result.failed += len(failed)
         transient = False
         recreate = False
@@ -84,16 +85,18 @@ class Failures:
             self.cleared(row.id)
             result.errors.append(f"{outcome.error_class}: {outcome.message}")
             self._permanent(batch, row, outcome, result)
+        not_before = None
+        if transient:
+            self.transient_streak += 1
+            wait = backoff_s(self.transient_streak, initial_s=self.backoff_initial_s,
+                             max_s=self.backoff_max_s)
+            not_before = self.clock() + wait
+            self.log.warning("publish_failed", rows=len(failed), retry_in_s=round(wait, 3),
+                             error=batch.outcomes[failed[0].id].message)
         if recreate:
             self.log.error("producer_recreated", reason="fatal idempotent-producer error")
             self.publisher.recreate()
-        if not transient:
-            return None
-        self.transient_streak += 1
-        wait = backoff_s(self.transient_streak, initial_s=self.backoff_initial_s, max_s=self.backoff_max_s)
-        self.log.warning("publish_failed", rows=len(failed), retry_in_s=round(wait, 3),
-                         error=batch.outcomes[failed[0].id].message)
-        return wait
+        return not_before
 
     def cleared(self, row_id: RowId) -> None:
         """A suspect row's own outcome is known: it is no longer sent alone."""

@@ -453,9 +453,9 @@ class Pump:
             self._mark(batch, acked)
         if failed:
             self.request_rewind()
-            pause_s = failures.handle(batch, failed, result)
-            if pause_s is not None:
-                self.claim_not_before = self.clock() + pause_s
+            not_before = failures.handle(batch, failed, result)
+            if not_before is not None:
+                self.claim_not_before = not_before
         else:
             failures.transient_streak = 0
 
