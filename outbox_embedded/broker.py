@@ -253,6 +253,9 @@ class TansuBroker(Broker):
                 "memory://tansu/",
             ]
             env = {k: v for k, v in os.environ.items() if k not in _TANSU_ENV}
+            # Its warnings and errors (a refused produce, a storage error) in its log, which
+            # tests print when a broker loses sight of events; quiet otherwise.
+            env.setdefault("RUST_LOG", "warn")
             self._proc = Proc(
                 cmd,
                 env=env,

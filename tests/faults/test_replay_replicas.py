@@ -13,7 +13,7 @@ import psycopg
 
 from consumer_sdk import InboxConsumer, InboxMessage
 from tests.faults.test_replicas import start_relay, wait_owners
-from tests.fixtures.broker import create_topic, read_all
+from tests.fixtures.broker import create_topic, offset_gaps, read_all
 from tests.fixtures.outbox import (
     all_event_ids,
     check_delivery,
@@ -94,6 +94,13 @@ def test_replay_across_three_relays_with_one_killed(outbox_db, broker, topic, sp
     delivery = check_delivery(replayed, expected)
     assert delivery.missing == set()
     assert delivery.order_violations == []
+    # The originals precede their replayed copies in each partition, so they were all read
+    # (what a stop at the count left unread is the tail, replayed copies).  Checked here,
+    # not only through the consumers below: a missing original then shows as such, with
+    # the partitions' offsets (a gap: the reader skipped; none: the broker never served it).
+    originals = check_delivery([r for r in records if "replay_id" not in r.headers], expected)
+    assert originals.missing == set(), (len(originals.missing), offset_gaps(records),
+                                        getattr(broker, "log_tail", str)())
 
     opted = ConsumerThread(InboxConsumer(make_config(
         outbox_db, broker, topic, batch_size=500, apply_replays=(str(replay_id),)), _handler("opted"))).start()

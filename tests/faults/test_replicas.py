@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import psycopg
 
-from tests.fixtures.broker import create_topic, read_all
+from tests.fixtures.broker import create_topic, offset_gaps, read_all
 from tests.fixtures.outbox import (
     HeldTransaction,
     Writer,
@@ -101,11 +101,12 @@ def published_total(proc: Proc) -> int:
 
 
 def verify(dsn: str, bootstrap: str, topic: str, *, max_duplicates: int,
-           explain: Callable[[], list[str]] = list) -> None:
+           explain: Callable[[], list[str]] = list, broker_log: Callable[[], str] = str) -> None:
     expected = all_event_ids(dsn)
     records = read_all(bootstrap, topic, expected=expected, timeout_s=90, extra_wait_s=1)
     delivery = check_delivery(records, expected)
-    assert delivery.missing == set(), (len(delivery.missing), _missing_rows(dsn, delivery.missing), explain())
+    assert delivery.missing == set(), (len(delivery.missing), _missing_rows(dsn, delivery.missing),
+                                       offset_gaps(records), explain(), broker_log())
     assert delivery.order_violations == []
     assert delivery.duplicates <= max_duplicates, (delivery.duplicates, explain())
 
@@ -139,7 +140,8 @@ def test_three_replicas_share_fifty_thousand_rows_in_key_order(outbox_db, broker
     shares = [published_total(r) for r in relays]
     assert sum(shares) >= 50_000
     assert min(shares) >= 50_000 * 0.15, shares  # each replica did a real part of the work
-    verify(outbox_db, broker.bootstrap, topic, max_duplicates=0, explain=lambda: redelivery_causes(relays))
+    verify(outbox_db, broker.bootstrap, topic, max_duplicates=0, explain=lambda: redelivery_causes(relays),
+           broker_log=getattr(broker, "log_tail", str))
 
 
 def test_a_paused_replica_writes_nothing_after_the_takeover(outbox_db, proxied_broker, topic_name, spawn):
