@@ -60,6 +60,10 @@ from relay.replay_store import ReplayStore
 from relay.store import Store, check_not_transaction_pooled
 from relay.wakeup import Wakeup
 
+#: How often a busy relay looks for a peer's notice that shards change hands (a
+#: non-blocking read of the LISTEN connection; an idle one is woken by it).
+SHARDS_LOOK_S = 0.1
+
 
 class Relay:
     """One relay replica.  ``start()`` validates and connects; ``run()`` loops until ``stop()``."""
@@ -78,7 +82,7 @@ class Relay:
         # Marks run on their own connection while the pump claims (see relay/pump.py).
         self.mark_store = self._store(":mark")
         # LISTEN and the wake-up lock, on a connection of their own (relay/wakeup.py).
-        self.wakeup = Wakeup(settings.dsn, on_statement=self.metrics.db_statements.inc)
+        self.wakeup = Wakeup(settings.dsn, owner=settings.owner, on_statement=self.metrics.db_statements.inc)
         self.publisher: Publisher | None = None
         self.exactly_once: Any = None  # relay/exactly_once.py's publisher, in that mode
         self.pump: Pump | None = None
@@ -99,6 +103,7 @@ class Relay:
         # last mark, so the minutes of an outage never count against the relay.
         self._deps_up_at = self.last_tick
         self._next_backlog = 0.0
+        self._next_shards_look = 0.0
         self._db_failures = 0
         self._db_down_event = ""
 
@@ -314,6 +319,13 @@ class Relay:
         assert self.loop is not None and self.pump is not None and self.leases is not None
         now = self.clock()
         self.last_tick = now
+        if self.db_up and (self.wakeup.moved or now >= self._next_shards_look):
+            # A peer gave shards back or wants some (relay/leases.py): heartbeat now.  Before
+            # the heartbeat, so that the first one finds this relay listening already: a
+            # peer answering its notice before then would not be heard.
+            self._next_shards_look = now + SHARDS_LOOK_S
+            if self.wakeup.shards_moved():
+                self.leases.hurry()
         if self.leases.due(now):
             due = self.leases.next_due()  # 0 before the first heartbeat: nothing to be late for
             if self.db_up and due and now - due > self.leases.heartbeat_s:
@@ -339,6 +351,13 @@ class Relay:
             self.metrics.oldest_pending_age.set(oldest)
             self.metrics.retrying_rows.set(retrying)
         result = self.loop.run_once(now)
+        if self.leases.releasing:
+            released = self.leases.release_settled(self.pump.busy_shards())
+            if released:
+                self.log.info("leases_changed", acquired=[], released=released, lost=[],
+                              held=sorted(self.leases.leases),
+                              live_replicas=self.leases.live_replicas)
+                self.metrics.leases_held.set(len(self.leases.leases))
         if result.acked:
             self._broker_ok()
         if result.marked or result.failed:

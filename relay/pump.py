@@ -35,11 +35,11 @@ from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, Protocol
 
-from outbox_core.backoff import backoff_s
+from relay.failures import FailurePublisher, Failures, FailureStore
+from relay.inflight import InFlight, PendingMark
 from relay.leases import LeaseManager
 from relay.marker import Marker, MarkOutcome, MarkStore, mark_rows
 from relay.metrics import RelayMetrics, observe_many
@@ -48,13 +48,10 @@ from relay.model import (
     BatchResult,
     Claimed,
     Cursor,
-    Lease,
     OutboxRow,
-    RowId,
     ShardId,
-    Token,
 )
-from relay.publisher import DELIVERED, QUEUE_FULL, DeliveryCallback, Outcome
+from relay.publisher import QUEUE_FULL, DeliveryCallback, Outcome
 from relay.stalls import Stalls
 
 DEFAULT_BATCH_MAX_BYTES = 4 << 20  # payload bytes per claim; 4 in flight: 16 MiB
@@ -68,56 +65,16 @@ INLINE_MARK_ROWS = 64  # a drained window's batch up to this size is marked on t
 CREATED, TOPIC = attrgetter("created_epoch"), attrgetter("topic")
 
 
-class PumpStore(MarkStore, Protocol):
+class PumpStore(MarkStore, FailureStore, Protocol):
     def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int,
               max_bytes: int, budget_bytes: int) -> Claimed: ...
     def restamp_foreign(self) -> int: ...
-    def record_failure(self, *, owner: str, lease: Lease, row: OutboxRow, error: str, backoff_s: float) -> int | None: ...
-    def dead_letter(self, *, owner: str, lease: Lease, row: OutboxRow, reason: str, error: str) -> bool: ...
 
 
-class PumpPublisher(Protocol):
+class PumpPublisher(FailurePublisher, Protocol):
     def send(self, row: OutboxRow, on_delivery: DeliveryCallback) -> Outcome | None: ...
     def poll(self, timeout_s: float) -> int: ...
     def partition_of(self, row: OutboxRow) -> int | None: ...
-    def recreate(self) -> None: ...
-    def send_dead_letter(self, row: OutboxRow, *, topic: str, reason: str, error: str,
-                         attempts: int) -> str | None: ...
-
-
-@dataclass(slots=True)
-class InFlight:
-    """One produced batch waiting for its delivery reports."""
-
-    tokens: dict[ShardId, Token]
-    rows: list[OutboxRow] = field(default_factory=list)
-    outcomes: dict[RowId, Outcome] = field(default_factory=dict)
-    waiting: int = 0
-    produced_at: float = 0.0  # monotonic
-
-    failures: int = 0  # outcomes that are not a delivery
-
-    def report(self, row: OutboxRow, outcome: Outcome) -> None:
-        self.outcomes[row.id] = outcome
-        self.waiting -= 1
-        if outcome is not DELIVERED:
-            self.failures += 1
-
-    @property
-    def done(self) -> bool:
-        return self.waiting <= 0
-
-    def shards(self) -> set[ShardId]:
-        return {row.shard for row in self.rows}
-
-
-@dataclass(slots=True)
-class PendingMark:
-    """A settled batch whose acknowledged rows are being marked."""
-
-    batch: InFlight
-    acked: list[OutboxRow]
-    future: Future[MarkOutcome]
 
 
 class Pump:
@@ -159,16 +116,12 @@ class Pump:
         self.pace_s = claim_interval_s
         self.batch_max_bytes = batch_max_bytes
         self.max_message_bytes = max_message_bytes
-        self.dead_letter_topic = dead_letter_topic
         self.store = store
         self.publisher = publisher
         self.leases = leases
         self.nshards = nshards
         self.batch_size = batch_size
         self.pipeline_depth = pipeline_depth
-        self.max_attempts = max_attempts
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
         self.metrics = metrics
         self.log = log
         self.clock = clock
@@ -182,14 +135,11 @@ class Pump:
         self.caught_up = False
         self.claim_not_before = 0.0
         self.next_sweep = clock() + SWEEP_INTERVAL_S
-        self.retry_wakeup: float | None = None
-        self.transient_streak = 0
         self.failed_keys: set[str] = set()
-        #: Rows the broker refused as too large beside other rows (row: shard): a broker
-        #: refuses a whole record batch for one record over its limit, so each is sent
-        #: again alone before the refusal counts as its own (``isolated``: sent alone).
-        self.suspects: dict[RowId, ShardId] = {}
-        self.isolated: set[RowId] = set()
+        self.failures = Failures(store=store, publisher=publisher, leases=leases, metrics=metrics,
+                                 log=log, clock=clock, max_attempts=max_attempts,
+                                 backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
+                                 dead_letter_topic=dead_letter_topic)
         self.stalls = Stalls(partition_of=publisher.partition_of)
         self.draining = False
         self.last_marked_at = clock()
@@ -237,12 +187,13 @@ class Pump:
         self._settle_done(result, now)
         self._collect_marks(result)
         if not self._active(now):
-            due_retry = self.retry_wakeup is not None and now >= self.retry_wakeup
+            failures = self.failures
+            due_retry = failures.retry_wakeup is not None and now >= failures.retry_wakeup
             due_sweep = self.caught_up and now >= self.next_sweep and not self.stalls.partitions
             if self.rewind_requested or due_retry or due_sweep:
                 self._rewind(now)
                 if due_retry:
-                    self.retry_wakeup = None
+                    failures.retry_wakeup = None
         if claim and not self.draining and self._may_claim(now):
             self._claim_and_send(result, now)
         self.metrics.in_flight.set(self.rows_in_flight())
@@ -293,10 +244,7 @@ class Pump:
         self.cursor = START
         self.rewind_requested = False
         self.failed_keys.clear()
-        if self.suspects:  # rows of shards given away are another replica's to isolate
-            held = self.leases.leases
-            self.suspects = {i: shard for i, shard in self.suspects.items() if shard in held}
-            self.isolated &= self.suspects.keys()
+        self.failures.keep_shards(self.leases.leases)
         rewound = getattr(self.publisher, "rewound", None)  # exactly-once: failed shards resume
         if rewound is not None:
             rewound()
@@ -383,7 +331,7 @@ class Pump:
         # skipped (no stall, no failed key), the lease deadlines looked up in a dict.
         deadlines = {lease.shard: lease.deadline_monotonic for lease in usable}
         clock, stalls, send, report = self.clock, self.stalls, self.publisher.send, batch.report
-        max_message_bytes = self.max_message_bytes
+        max_message_bytes, suspects = self.max_message_bytes, self.failures.suspects
         produced = batch.rows
         blocked: set[str] = set()
         deferred = held = sent = 0
@@ -397,7 +345,7 @@ class Pump:
             if blocked and row.key in blocked:
                 deferred += 1  # an earlier row of this key failed in this batch
                 continue
-            alone = bool(self.suspects) and row.id in self.suspects
+            alone = bool(suspects) and row.id in suspects
             if alone and (produced or self.in_flight):
                 deferred += len(rows) - index  # sent alone: first of a claim, nothing in flight
                 break
@@ -413,7 +361,7 @@ class Pump:
             if immediate is None:
                 sent += 1
                 if alone:  # nothing more until its report: no record batch shares it
-                    self.isolated.add(row.id)
+                    self.failures.isolated.add(row.id)
                     deferred += len(rows) - index - 1
                     break
                 continue
@@ -475,15 +423,16 @@ class Pump:
         self.in_flight = kept
 
     def _settle(self, batch: InFlight, result: BatchResult) -> None:
-        if self.isolated:
+        failures = self.failures
+        if failures.isolated:
             for row in batch.rows:
-                if row.id in self.isolated and batch.outcomes[row.id].ok:
-                    self._cleared(row.id)
+                if row.id in failures.isolated and batch.outcomes[row.id].ok:
+                    failures.cleared(row.id)
         if not batch.failures and not self.failed_keys:  # every row delivered: no look at each
             result.acked += len(batch.rows)
             if batch.rows:
                 self._mark(batch, batch.rows)
-            self.transient_streak = 0
+            failures.transient_streak = 0
             return
         acked: list[OutboxRow] = []
         failed: list[OutboxRow] = []
@@ -503,9 +452,12 @@ class Pump:
         if acked:
             self._mark(batch, acked)
         if failed:
-            self._handle_failures(batch, failed, result)
+            self.request_rewind()
+            not_before = failures.handle(batch, failed, result)
+            if not_before is not None:
+                self.claim_not_before = not_before
         else:
-            self.transient_streak = 0
+            failures.transient_streak = 0
 
     def _mark(self, batch: InFlight, acked: list[OutboxRow]) -> None:
         """Mark ``acked`` in the background, or at once on this thread: without a mark
@@ -558,84 +510,6 @@ class Pump:
         observe_many(self.metrics.commit_to_ack, latencies)
         for topic, count in Counter(map(TOPIC, done)).items():
             self.metrics.published.labels(topic).inc(count)
-
-    def _handle_failures(self, batch: InFlight, failed: list[OutboxRow], result: BatchResult) -> None:
-        result.failed += len(failed)
-        self.request_rewind()
-        transient = False
-        recreate = False
-        for row in failed:
-            outcome = batch.outcomes[row.id]
-            self.metrics.publish_errors.labels(outcome.error_class).inc()
-            recreate = recreate or outcome.fatal
-            if (outcome.error_class == "message_too_large" and not outcome.hopeless
-                    and row.id not in self.isolated):
-                # The broker refused the record batch the row was in: maybe for another
-                # record.  Retried alone before it counts (see _claim_and_send).
-                self.suspects[row.id] = row.shard
-                transient = True
-                continue
-            if not outcome.permanent:
-                transient = True
-                continue
-            self._cleared(row.id)
-            result.errors.append(f"{outcome.error_class}: {outcome.message}")
-            self._permanent_failure(batch, row, outcome, result)
-        if transient:
-            self.transient_streak += 1
-            wait = backoff_s(self.transient_streak, initial_s=self.backoff_initial_s,
-                             max_s=self.backoff_max_s)
-            self.claim_not_before = self.clock() + wait
-            self.log.warning("publish_failed", rows=len(failed), retry_in_s=round(wait, 3),
-                             error=batch.outcomes[failed[0].id].message)
-        if recreate:
-            self.log.error("producer_recreated", reason="fatal idempotent-producer error")
-            self.publisher.recreate()
-
-    def _cleared(self, row_id: RowId) -> None:
-        """A suspect row's own outcome is known: it is no longer sent alone."""
-        self.suspects.pop(row_id, None)
-        self.isolated.discard(row_id)
-
-    def _permanent_failure(self, batch: InFlight, row: OutboxRow, outcome: Outcome,
-                           result: BatchResult) -> None:
-        lease = Lease(row.shard, batch.tokens[row.shard], 0.0)
-        attempts = max(row.attempts + 1, self.max_attempts if outcome.hopeless else 0)
-        if attempts >= self.max_attempts and self.dead_letter_topic:
-            problem = self.publisher.send_dead_letter(row, topic=self.dead_letter_topic,
-                                                      reason=outcome.error_class,
-                                                      error=outcome.message, attempts=attempts)
-            if problem is not None:  # not moved: retried later, never in neither place
-                outcome = Outcome(ok=False, error_class=outcome.error_class, message=problem,
-                                  permanent=True)
-                attempts = self.max_attempts - 1
-        if attempts >= self.max_attempts:
-            if self.store.dead_letter(owner=self.leases.owner, lease=lease, row=row,
-                                      reason=outcome.error_class, error=outcome.message):
-                result.dead_lettered += 1
-                self.metrics.dead_lettered.labels(outcome.error_class).inc()
-                self.log.error("row_dead_lettered", row_id=row.id, event_id=row.event_id,
-                               topic=row.topic, reason=outcome.error_class,
-                               error=outcome.message, attempts=attempts)
-            else:
-                result.fenced += 1
-                self.metrics.fenced_writes.inc()
-                self.leases.lose([row.shard], "dead_letter_fenced")
-            return
-        wait = backoff_s(attempts, initial_s=self.backoff_initial_s, max_s=self.backoff_max_s)
-        recorded = self.store.record_failure(owner=self.leases.owner, lease=lease, row=row,
-                                             error=f"{outcome.error_class}: {outcome.message}",
-                                             backoff_s=wait)
-        if recorded is None:
-            result.fenced += 1
-            self.metrics.fenced_writes.inc()
-            self.leases.lose([row.shard], "record_failure_fenced")
-            return
-        self.metrics.attempts.labels(outcome.error_class).inc()
-        wakeup = self.clock() + wait
-        self.retry_wakeup = wakeup if self.retry_wakeup is None else min(self.retry_wakeup, wakeup)
-        self.log.warning("row_failed", row_id=row.id, topic=row.topic, reason=outcome.error_class,
-                         error=outcome.message, attempts=recorded, retry_in_s=round(wait, 3))
 
     # -- shutdown -------------------------------------------------------------------------
 

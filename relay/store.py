@@ -371,6 +371,9 @@ class Store:
     def forget_replica(self, *, owner: str) -> None:
         self._fetch("leases", "forget_replica", {"owner": owner})
 
+    def notify_shards(self, *, owner: str) -> None:
+        self._fetch("leases", "notify_shards", {"owner": owner})
+
     def renew(self, *, owner: str, leases: Sequence[Lease],
               lease_s: float) -> dict[ShardId, Token]:
         if not leases:
@@ -381,11 +384,15 @@ class Store:
         })
         return {ShardId(r["shard"]): Token(r["token"]) for r in rows}
 
-    def claim_shards(self, *, owner: str, limit: int, lease_s: float) -> dict[ShardId, Token]:
+    def claim_shards(self, *, owner: str, limit: int, lease_s: float,
+                     held: Sequence[ShardId] | None = None) -> dict[ShardId, Token]:
+        """Free or expired shards; with ``held`` (the shards this process holds), also the
+        ones a previous process of the same owner name left leased (see leases.sql)."""
         if limit <= 0:
             return {}
         rows = self._fetch("leases", "claim_shards", {
             "owner": owner, "limit": limit, "lease_s": lease_s, "now": self.now,
+            "reclaim": held is not None, "held": int_array(held or ()),
         })
         return {ShardId(r["shard"]): Token(r["token"]) for r in rows}
 

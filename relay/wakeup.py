@@ -6,6 +6,10 @@ lock, writers NOTIFY on the outbox channel (sql/migrations/0003_notify.sql), and
 sleeping relay waits on the connection's socket.  Awake, nobody holds the lock and
 writers pay nothing.  The loop (relay/loop.py) decides when to sleep and wake; this
 module only talks to PostgreSQL.
+
+The same connection listens for the replicas' notices that shards change hands
+(``outbox_relay_shards``, relay/leases.py): :meth:`Wakeup.shards_moved` takes them
+without waiting, and :meth:`Wakeup.wait` returns early on one.
 """
 
 from __future__ import annotations
@@ -17,18 +21,24 @@ from typing import Any
 
 import psycopg
 
+from relay.errors import RetriableError
 from relay.queries import query
 from relay.store import connect, translated
 
 NOTIFY_CHANNEL = "outbox_relay"
+SHARDS_CHANNEL = "outbox_relay_shards"
 
 
 class Wakeup:
     """The LISTEN connection and the wake-up lock.  Owned by the loop's thread; not thread-safe."""
 
-    def __init__(self, dsn: str, *, application_name: str = "outbox-relay-listen",
+    def __init__(self, dsn: str, *, application_name: str = "outbox-relay-listen", owner: str = "",
                  on_statement: Callable[[], None] = lambda: None) -> None:
+        """``owner``: this replica, whose own notices about shards are not news."""
         self._dsn = dsn
+        self._owner = owner
+        self._woken = False  # an outbox notification taken by shards_moved, for wait()
+        self._moved = False  # a peer's notice that shards change hands, for shards_moved()
         self._application_name = application_name[:63]
         self._on_statement = on_statement
         self._conn: psycopg.Connection[Any] | None = None
@@ -65,22 +75,58 @@ class Wakeup:
         with translated():
             try:
                 listen = self._listening()
-                # Anything already buffered counts; then wait on the socket.
-                if any(True for _ in listen.notifies(timeout=0)):
-                    return True
+                # Anything already buffered counts; then wait on the socket.  A peer's
+                # notice about shards ends the wait too (without counting as a wake-up):
+                # the caller's next turn runs the heartbeat it asks for.
+                moved = self._moved
+                self._take(listen)
+                if self._woken or (self._moved and not moved):
+                    return self._woke()
                 ready, _, _ = select.select([listen.fileno()], [], [], max(0.0, timeout_s))
-                if not ready:
-                    return False
-                return any(True for _ in listen.notifies(timeout=0))
+                if ready:
+                    self._take(listen)
+                return self._woke()
             except (psycopg.OperationalError, psycopg.InterfaceError, OSError):
                 self.close()
                 time.sleep(min(timeout_s, 0.5))
                 return False
 
+    def shards_moved(self) -> bool:
+        """Without waiting: did a peer say shards change hands since the last call?
+        Opens the listening connection if needed; a broken one is dropped (the next call
+        reconnects) and reads as no notice: the heartbeat's interval still holds."""
+        try:
+            self._take(self._listening())
+        except RetriableError:  # could not connect
+            return False
+        except (psycopg.OperationalError, psycopg.InterfaceError, OSError):
+            self.close()
+            return False
+        moved, self._moved = self._moved, False
+        return moved
+
+    @property
+    def moved(self) -> bool:
+        """A notice that shards change hands was read and not yet taken."""
+        return self._moved
+
+    def _take(self, listen: psycopg.Connection[Any]) -> None:
+        """Read every notification already arrived, sorted by channel."""
+        for note in listen.notifies(timeout=0):
+            if note.channel == SHARDS_CHANNEL:
+                self._moved = self._moved or note.payload != self._owner
+            else:
+                self._woken = True
+
+    def _woke(self) -> bool:
+        woken, self._woken = self._woken, False
+        return woken
+
     def close(self) -> None:
         """Drop the connection (the session lock goes with it).  Idempotent; the next
         call reconnects."""
         self.sleeping = False
+        self._woken = self._moved = False
         if self._conn is not None:
             try:
                 self._conn.close()
@@ -93,6 +139,8 @@ class Wakeup:
             self._conn = connect(self._dsn, application_name=self._application_name)
             self._count()
             self._conn.execute(query("relay", "listen"))
+            self._count()
+            self._conn.execute(query("relay", "listen_shards"))
         return self._conn
 
     def _count(self) -> None:

@@ -74,7 +74,8 @@ def test_a_takeover_waits_for_an_in_progress_mark(db_dsn):
                 b.execute("SET lock_timeout = '300ms'")
                 try:
                     b.execute(query("leases", "claim_shards"), {
-                        "owner": "B", "limit": 1, "lease_s": 10, "now": T0 + timedelta(seconds=11)})
+                        "owner": "B", "limit": 1, "lease_s": 10, "now": T0 + timedelta(seconds=11),
+                        "reclaim": False, "held": "{}"})
                     claimed = b.execute("SELECT owner FROM outbox_relay_shards").fetchone()
                 except psycopg.errors.LockNotAvailable:
                     claimed = None
@@ -82,3 +83,36 @@ def test_a_takeover_waits_for_an_in_progress_mark(db_dsn):
             assert claimed == ("A",) or claimed is None
     finally:
         a.close()
+
+
+def test_a_restarted_process_of_the_same_name_resumes_its_leases_at_once_unless_one_lives(db_dsn):
+    # A container restarted in its pod keeps its owner name (host name and pid 1).  Its new
+    # process takes the old one's leases at once, with new tokens, when no live session
+    # holds the name's advisory lock; never while one does (a paused process, or two
+    # relays given one --owner), and never shards this process holds itself.
+    dsn = migrated(db_dsn, shards=4)
+    old, new, other = Store(dsn), Store(dsn), Store(dsn)
+    try:
+        assert at(old, 0).claim_shards(owner="pod-1", limit=2, lease_s=10, held=[]) == {
+            ShardId(0): Token(1), ShardId(1): Token(1)}
+        # The old process lives (its connection holds the name's lock): nothing reclaimed,
+        # only the free shards.
+        assert at(new, 1).claim_shards(owner="pod-1", limit=4, lease_s=10, held=[]) == {
+            ShardId(2): Token(1), ShardId(3): Token(1)}
+        # A claim that does not ask to reclaim never does.
+        old.close()
+        assert at(other, 2).claim_shards(owner="pod-1", limit=4, lease_s=10) == {}
+        # The old process is gone with its connection: the new one takes its leases now (not
+        # at t=10), with new tokens, and leaves the ones it holds alone.
+        assert at(new, 2).claim_shards(owner="pod-1", limit=4, lease_s=10, held=[ShardId(2), ShardId(3)]) == {
+            ShardId(0): Token(2), ShardId(1): Token(2)}
+        tokens = dict(new.conn.execute("SELECT shard, token FROM outbox_relay_shards").fetchall())
+        assert tokens == {0: 2, 1: 2, 2: 1, 3: 1}
+        # The old process's late writes are fenced by the new tokens.
+        assert old.renew(owner="pod-1", leases=[Lease(ShardId(0), Token(1), 0)], lease_s=10) == {}
+        # Another owner's live leases are never taken this way.
+        assert at(other, 3).claim_shards(owner="pod-2", limit=4, lease_s=10, held=[]) == {}
+    finally:
+        old.close()
+        new.close()
+        other.close()

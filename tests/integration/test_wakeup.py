@@ -47,3 +47,31 @@ def test_one_relay_sleeps_at_a_time_and_the_lock_goes_with_its_connection(outbox
     finally:
         first.close()
         second.close()
+
+
+def test_a_peers_notice_about_shards_is_read_without_waiting_and_ends_a_wait(outbox_db):
+    from relay.store import Store
+
+    store = Store(outbox_db, application_name="outbox-relay:a")
+    a, b = Wakeup(outbox_db, owner="a"), Wakeup(outbox_db, owner="b")
+    try:
+        assert not a.shards_moved() and not b.shards_moved()  # both listening now
+        store.notify_shards(owner="a")
+        wait_until(lambda: b.shards_moved(), timeout_s=10, message="b never saw a's notice")
+        assert not b.shards_moved()  # taken once
+        assert not a.shards_moved()  # its own notice is not news
+        # A notice ends a wait early without counting as a wake-up (no claim is due for it).
+        store.notify_shards(owner="a")
+        started = time.monotonic()
+        assert not b.wait(10.0)
+        assert time.monotonic() - started < 5.0
+        assert b.moved and b.shards_moved()
+        # A writer's wake-up read while looking for notices is kept for the next wait.
+        assert b.set_sleeping(True)
+        insert_rows(outbox_db, "orders", 1)
+        wait_until(lambda: b.shards_moved() or b._woken, timeout_s=10, message="no wake-up read")
+        assert b.wait(0.0)
+    finally:
+        a.close()
+        b.close()
+        store.close()

@@ -22,7 +22,7 @@ class Log:
 
 
 class Leases:
-    heartbeat_s, lease_s, leases = 1.0, 3.0, {}
+    heartbeat_s, lease_s, leases, releasing = 1.0, 3.0, {}, frozenset()
 
     def __init__(self, clock: list[float]) -> None:
         self.clock = clock
@@ -46,6 +46,8 @@ def relay_with(log: Log, clock: list[float]) -> Relay:
     relay.pump = SimpleNamespace(busy_shards=set, rows_in_flight=lambda: 0)  # type: ignore[assignment]
     relay.loop = SimpleNamespace(run_once=lambda now: BatchResult(),  # type: ignore[assignment]
                                  wait=lambda now, wake_by: None)
+    relay.wakeup = SimpleNamespace(moved=False, shards_moved=lambda: False,  # type: ignore[assignment]
+                                   close=lambda: None)
     relay._next_backlog = float("inf")
     return relay
 
@@ -83,3 +85,19 @@ def test_no_heartbeat_late_while_the_database_is_away() -> None:
     clock[0] += 8.0
     relay._tick()
     assert len(late(log)) == 1
+
+
+def test_the_first_tick_listens_for_shard_notices_before_its_first_heartbeat() -> None:
+    # A peer answers this relay's first heartbeat (its notice that it is below its share)
+    # by giving shards back and saying so: this relay must be listening by then.  The
+    # CI run of 2026-12-02 16:05 lost that race (an even split after 3.0 s, not 0.1).
+    log, clock = Log(), [100.0]
+    relay = relay_with(log, clock)
+    calls: list[str] = []
+    relay.wakeup = SimpleNamespace(moved=False, close=lambda: None,  # type: ignore[assignment]
+                                   shards_moved=lambda: calls.append("listen") or False)
+    heartbeat = relay.leases.run_once
+    relay.leases.run_once = lambda busy: calls.append("heartbeat") or heartbeat(busy)  # type: ignore[method-assign]
+    relay._db_ok()
+    relay._tick()
+    assert calls == ["listen", "heartbeat"]

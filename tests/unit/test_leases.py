@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from outbox_core.leases import local_deadline, safety_margin_s
-from relay.leases import LeaseManager, fair_share
+from relay.leases import SHORT_RECHECK_S, LeaseManager, fair_share
 from relay.model import Lease, ShardId, Token
 
 
@@ -29,6 +29,7 @@ class FakeLeaseStore:
         self.table: dict[int, tuple[str | None, float, int]] = {s: (None, 0.0, 0) for s in range(shards)}
         self.now = 0.0
         self.replicas: dict[str, float] = {}
+        self.notices: list[str] = []  # notify_shards, by sender
 
     def heartbeat_replica(self, *, owner: str, ttl_s: float, stalled: str = "{}") -> int:
         self.replicas[owner] = self.now + ttl_s
@@ -43,7 +44,7 @@ class FakeLeaseStore:
                 out[ShardId(lease.shard)] = Token(token)
         return out
 
-    def claim_shards(self, *, owner, limit, lease_s):
+    def claim_shards(self, *, owner, limit, lease_s, held=None):
         out = {}
         for shard, (o, until, token) in sorted(self.table.items()):
             if len(out) >= limit:
@@ -64,6 +65,9 @@ class FakeLeaseStore:
 
     def forget_replica(self, *, owner):
         self.replicas.pop(owner, None)
+
+    def notify_shards(self, *, owner):
+        self.notices.append(owner)
 
 
 def manager(store: FakeLeaseStore, owner: str, clock) -> LeaseManager:
@@ -130,3 +134,81 @@ def test_usable_excludes_expired_and_releasing_leases() -> None:
     m.releasing = {ShardId(2)}
     assert [lease.shard for lease in m.usable(10.0)] == [1]
     assert m.trusted(ShardId(2), 10.0) and not m.trusted(ShardId(0), 10.0)
+
+
+def test_a_joiner_gets_its_share_at_once_not_at_the_holders_next_heartbeat() -> None:
+    # Nothing moves the clock: every step below is driven by a notice, as the relays'
+    # LISTEN connections deliver them (relay/app.py hurries the heartbeat on one).
+    store = FakeLeaseStore(8)
+    clock = lambda: store.now  # noqa: E731
+    a, b = manager(store, "a", clock), manager(store, "b", clock)
+    a.run_once(set())
+    assert store.notices == []  # a lone replica at its share says nothing
+    store.now = 1.0
+    assert b.run_once(set()).acquired == []
+    assert store.notices == ["b"]  # below its share after the live count changed
+    assert b.next_due() == 1.0 + SHORT_RECHECK_S  # and it looks again soon, once
+    assert not a.due(store.now)  # its next heartbeat is at 3.0
+    a.hurry()
+    assert a.due(store.now)
+    change = a.run_once({ShardId(7)})  # shard 7 has rows in flight
+    assert change.released == [4, 5, 6]
+    assert store.notices == ["b", "a"]
+    b.hurry()
+    assert not b.due(store.now)  # not sooner than EARLY_HEARTBEAT_GAP_S after its last
+    store.now += 0.05
+    assert b.due(store.now)
+    assert b.run_once(set()).acquired == [4, 5, 6]
+    assert a.release_settled({ShardId(7)}) == []  # still in flight: kept, no notice
+    assert store.notices == ["b", "a"]
+    assert a.release_settled(set()) == [7]  # settled: given back at once
+    assert store.notices == ["b", "a", "a"] and a.releasing == set()
+    b.hurry()
+    store.now += 0.05
+    assert b.due(store.now)
+    assert b.run_once(set()).acquired == [7]
+    assert sorted(a.leases) == [0, 1, 2, 3] and sorted(b.leases) == [4, 5, 6, 7]
+    assert a.release_settled(set()) == []  # nothing being given back: no statement
+
+
+def test_uneven_shares_do_not_keep_asking() -> None:
+    # 16 shards over 3 replicas: shares of 6 leave one replica at 4 for good; it asks once
+    # (when the live count changed), not at every heartbeat.
+    store = FakeLeaseStore(16)
+    clock = lambda: store.now  # noqa: E731
+    replicas = [manager(store, owner, clock) for owner in "abc"]
+    for _ in range(4):
+        for m in replicas:
+            m.run_once(set())
+        store.now += 3.0
+    assert sorted(len(m.leases) for m in replicas) == [4, 6, 6]
+    asked = len(store.notices)
+    for _ in range(5):
+        for m in replicas:
+            m.run_once(set())
+        store.now += 3.0
+    assert len(store.notices) == asked
+
+
+def test_a_stopping_replica_tells_its_peers_and_a_lost_release_is_a_lost_lease() -> None:
+    store = FakeLeaseStore(4)
+    clock = lambda: store.now  # noqa: E731
+    lost: list[tuple[int, str]] = []
+    a = LeaseManager(store, owner="a", shards=4, lease_s=10.0, heartbeat_s=3.0, clock=clock,
+                     on_lost=lambda shard, why: lost.append((shard, why)))
+    a.hurry()  # before the first heartbeat: it is due anyway
+    assert a.next_due() == 0.0
+    a.run_once(set())
+    a.hurry()  # right after one: not sooner than EARLY_HEARTBEAT_GAP_S
+    assert not a.due(store.now + 0.01) and a.due(store.now + 0.05)
+    b = manager(store, "b", clock)
+    b.run_once(set())
+    store.now = 3.0
+    a.run_once({ShardId(2), ShardId(3)})
+    assert a.releasing == {2, 3}
+    store.table[3] = ("b", 13.0, 9)  # taken over meanwhile (an expired lease, a paused a)
+    assert a.release_settled(set()) == [2]
+    assert lost == [(3, "release_rejected")] and ShardId(3) not in a.leases
+    notices = len(store.notices)
+    assert a.release_all() == [0, 1]
+    assert store.notices[notices:] == ["a"]

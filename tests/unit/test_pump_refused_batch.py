@@ -57,7 +57,7 @@ def test_rows_refused_beside_an_oversized_record_are_sent_again_alone_and_delive
     assert batches[0][0] == 1 and len(batches[0]) > 1
     assert [1] in batches[1:]
     assert [i for i, *_ in relay.store.failures] == []
-    assert relay.pump.suspects == {} and relay.pump.isolated == set()
+    assert relay.pump.failures.suspects == {} and relay.pump.failures.isolated == set()
 
 
 def test_the_oversized_row_uses_one_attempt_per_refusal_alone() -> None:

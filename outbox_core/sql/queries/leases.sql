@@ -31,13 +31,30 @@ WHERE s.shard = h.shard AND s.token = h.token AND s.owner = %(owner)s
 RETURNING s.shard, s.token, extract(epoch FROM s.lease_until)::float8 AS lease_until_epoch
 
 -- name: claim_shards
--- Unowned or expired shards, at most %(limit)s, each with a new token.
-WITH free AS (
-    SELECT shard FROM outbox_relay_shards
-    WHERE owner IS NULL OR lease_until <= coalesce(%(now)s::timestamptz, now())
-    ORDER BY shard
+-- Unowned or expired shards, at most %(limit)s, each with a new token.  With
+-- %(reclaim)s, also the shards still leased to this owner's name that this process
+-- does not hold (%(held)s): a previous process of the same name, when this one holds
+-- the name's session advisory lock (classid 726374, objid hashtext(owner); taken here
+-- on the relay's main connection and kept until it closes).  A container restarted in
+-- its pod keeps its name (host name and pid 1), and its old process's connections, so
+-- its lock, went with it: the new process resumes at once instead of waiting out the
+-- lease.  While another live session holds the lock (a paused process, two relays
+-- given one --owner), nothing is reclaimed.  The claim's new token fences whatever the
+-- old process left behind either way.
+WITH me AS MATERIALIZED (
+    SELECT %(reclaim)s::boolean AND (
+        EXISTS (SELECT 1 FROM pg_locks AS l
+                WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted
+                  AND l.classid = 726374 AND l.objsubid = 2
+                  AND l.objid = (hashtext(%(owner)s)::bigint & 4294967295)::oid)
+        OR pg_try_advisory_lock(726374, hashtext(%(owner)s))) AS sole
+), free AS (
+    SELECT s.shard FROM outbox_relay_shards AS s CROSS JOIN me
+    WHERE s.owner IS NULL OR s.lease_until <= coalesce(%(now)s::timestamptz, now())
+       OR (me.sole AND s.owner = %(owner)s AND s.shard <> ALL(%(held)s::int[]))
+    ORDER BY s.shard
     LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF s SKIP LOCKED
 )
 UPDATE outbox_relay_shards AS s
 SET owner = %(owner)s,
@@ -53,6 +70,13 @@ SET owner = NULL, lease_until = NULL
 FROM unnest(%(shards)s::int[], %(tokens)s::bigint[]) AS h(shard, token)
 WHERE s.shard = h.shard AND s.token = h.token AND s.owner = %(owner)s
 RETURNING s.shard
+
+-- name: notify_shards
+-- Tell the other replicas that shards changed hands (given back, or wanted by a
+-- replica below its fair share): each runs its heartbeat at once instead of at its
+-- next interval.  Delivered on the relays' LISTEN connections (relay/wakeup.py); the
+-- payload is the sender, which ignores its own.
+SELECT pg_notify('outbox_relay_shards', %(owner)s)
 
 -- name: shard_table
 SELECT shard, owner, lease_until, token,

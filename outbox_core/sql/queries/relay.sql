@@ -213,6 +213,10 @@ SET synchronous_commit = off
 -- name: listen
 LISTEN outbox_relay
 
+-- name: listen_shards
+-- Shards changing hands between replicas (leases.sql's notify_shards).
+LISTEN outbox_relay_shards
+
 -- name: go_to_sleep
 -- On the LISTEN connection: false when writers are mid-transaction or another
 -- relay already sleeps (see sql/migrations/0003_notify.sql).
