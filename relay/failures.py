@@ -109,8 +109,7 @@ class Failures:
             self.suspects = {i: shard for i, shard in self.suspects.items() if shard in held}
             self.isolated &= self.suspects.keys()
 
-    def _permanent(self, batch: InFlight, row: OutboxRow, outcome: Outcome,
-                           result: BatchResult) -> None:
+    def _permanent(self, batch: InFlight, row: OutboxRow, outcome: Outcome, result: BatchResult) -> None:
         lease = Lease(row.shard, batch.tokens[row.shard], 0.0)
         attempts = max(row.attempts + 1, self.max_attempts if outcome.hopeless else 0)
         if attempts >= self.max_attempts and self.dead_letter_topic:

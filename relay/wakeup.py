@@ -27,15 +27,24 @@ from relay.store import connect, translated
 
 NOTIFY_CHANNEL = "outbox_relay"
 SHARDS_CHANNEL = "outbox_relay_shards"
+#: A LISTEN connection that could not be opened for :meth:`Wakeup.shards_moved` is tried
+#: again after this back-off, doubled at each failure up to the cap: the loop looks for
+#: notices every 0.1 s, and each attempt is a connection the server must refuse (a
+#: database at its connection limit) that the loop's thread waits on.
+REOPEN_BACKOFF_S, REOPEN_BACKOFF_MAX_S = 1.0, 30.0
 
 
 class Wakeup:
     """The LISTEN connection and the wake-up lock.  Owned by the loop's thread; not thread-safe."""
 
     def __init__(self, dsn: str, *, application_name: str = "outbox-relay-listen", owner: str = "",
-                 on_statement: Callable[[], None] = lambda: None) -> None:
+                 on_statement: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``owner``: this replica, whose own notices about shards are not news."""
         self._dsn = dsn
+        self._clock = clock
+        self._reopen_at = 0.0  # shards_moved opens no connection before then (clock)
+        self._reopen_backoff_s = 0.0
         self._owner = owner
         self._woken = False  # an outbox notification taken by shards_moved, for wait()
         self._moved = False  # a peer's notice that shards change hands, for shards_moved()
@@ -93,15 +102,19 @@ class Wakeup:
 
     def shards_moved(self) -> bool:
         """Without waiting: did a peer say shards change hands since the last call?
-        Opens the listening connection if needed; a broken one is dropped (the next call
-        reconnects) and reads as no notice: the heartbeat's interval still holds."""
+        Opens the listening connection if needed, but after a failure to open or read it
+        not before a back-off (``REOPEN_BACKOFF_S``, doubling); meanwhile, and on a
+        failure, it reads as no notice: the heartbeat's interval still holds."""
+        if (self._conn is None or self._conn.closed) and self._clock() < self._reopen_at:
+            return False
         try:
             self._take(self._listening())
-        except RetriableError:  # could not connect
+        except (RetriableError, psycopg.OperationalError, psycopg.InterfaceError, OSError):
+            self.close()  # could not connect, or the connection broke
+            self._reopen_backoff_s = min(REOPEN_BACKOFF_MAX_S, max(REOPEN_BACKOFF_S, 2 * self._reopen_backoff_s))
+            self._reopen_at = self._clock() + self._reopen_backoff_s
             return False
-        except (psycopg.OperationalError, psycopg.InterfaceError, OSError):
-            self.close()
-            return False
+        self._reopen_backoff_s = 0.0
         moved, self._moved = self._moved, False
         return moved
 

@@ -75,3 +75,29 @@ def test_a_peers_notice_about_shards_is_read_without_waiting_and_ends_a_wait(out
         a.close()
         b.close()
         store.close()
+
+
+def test_a_listening_connection_that_cannot_be_opened_is_tried_again_after_a_back_off(monkeypatch):
+    # The loop looks for peers' notices every 0.1 s (relay/app.py).  A LISTEN connection
+    # that cannot be opened (a database at its connection limit, a port refusing) must not
+    # be asked for at every look: each attempt is a connection the server must refuse, and
+    # the loop's thread waits on it.
+    from outbox_embedded.procs import free_port
+    from relay import wakeup as wakeup_module
+
+    attempts: list[float] = []
+    real_connect = wakeup_module.connect
+
+    def counting_connect(*args, **kwargs):
+        attempts.append(now[0])
+        return real_connect(*args, **kwargs)
+
+    monkeypatch.setattr(wakeup_module, "connect", counting_connect)
+    now = [1000.0]
+    wakeup = Wakeup(f"postgresql://relay@127.0.0.1:{free_port()}/outbox", clock=lambda: now[0])
+    for _ in range(600):  # one minute of looks, 0.1 s apart, on a port nobody listens on
+        assert wakeup.shards_moved() is False
+        now[0] += 0.1
+    gaps = [round(b - a, 1) for a, b in zip(attempts, attempts[1:], strict=False)]
+    assert 4 <= len(attempts) <= 8, attempts  # 1, 2, 4, 8, 16, 30 s apart: not 600
+    assert gaps == sorted(gaps) and gaps[0] >= 1.0 and max(gaps) <= 30.0, gaps
