@@ -10,7 +10,9 @@ Callers and their settings:
 * the relay's publish retries (``relay/pump.py``) and its database reconnects
   (``relay/app.py``): ``--backoff-initial-s`` / ``--backoff-max-s``, multiplier 2, jitter 0.5;
 * the jobs worker's retries (``consumer_sdk/jobs/retry.py``: :class:`Backoff`);
-* the inbox consumer's database reconnects (``consumer_sdk/inbox.py``): jitter 0.
+* the inbox consumer's database reconnects (``consumer_sdk/inbox.py``): jitter 0;
+* the relay's LISTEN connection for shard notices (``relay/wakeup.py``): the ceiling,
+  1 s to 30 s.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from typing import Any
 
 import psycopg
 
+from outbox_core.backoff import ceiling_s
 from relay.errors import RetriableError
 from relay.queries import query
 from relay.store import connect, translated
@@ -44,7 +45,7 @@ class Wakeup:
         self._dsn = dsn
         self._clock = clock
         self._reopen_at = 0.0  # shards_moved opens no connection before then (clock)
-        self._reopen_backoff_s = 0.0
+        self._reopen_failures = 0  # in a row, for the back-off
         self._owner = owner
         self._woken = False  # an outbox notification taken by shards_moved, for wait()
         self._moved = False  # a peer's notice that shards change hands, for shards_moved()
@@ -111,10 +112,11 @@ class Wakeup:
             self._take(self._listening())
         except (RetriableError, psycopg.OperationalError, psycopg.InterfaceError, OSError):
             self.close()  # could not connect, or the connection broke
-            self._reopen_backoff_s = min(REOPEN_BACKOFF_MAX_S, max(REOPEN_BACKOFF_S, 2 * self._reopen_backoff_s))
-            self._reopen_at = self._clock() + self._reopen_backoff_s
+            self._reopen_failures += 1
+            self._reopen_at = self._clock() + ceiling_s(self._reopen_failures, initial_s=REOPEN_BACKOFF_S,
+                                                        max_s=REOPEN_BACKOFF_MAX_S)
             return False
-        self._reopen_backoff_s = 0.0
+        self._reopen_failures = 0
         moved, self._moved = self._moved, False
         return moved
 
