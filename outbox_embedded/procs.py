@@ -9,7 +9,9 @@ behind (a SIGKILL of the parent itself cannot be covered).
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
+import random
 import re
 import signal
 import socket
@@ -34,11 +36,64 @@ _LIVE: set[Proc] = set()
 _LIVE_LOCK = threading.Lock()
 
 
+_RESERVED: dict[int, int] = {}  # port -> fd of its held lock file
+_RESERVED_LOCK = threading.Lock()
+_LOWEST_PORT = 15000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port on `host` that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """Return a free TCP port on `host`, reserved for this process until it exits.
+
+    A server started by a child (a JVM takes seconds to bind) must not lose its port in the
+    meantime. A port the OS picks with bind(0) comes from the ephemeral range, where any
+    outgoing connection of any process may take it as its source port and where another
+    process's bind(0) may pick it again. So the port is drawn outside the ephemeral range,
+    and reserved with an flock on a file in the temp directory that every caller of this
+    function, in every process, respects; the lock goes away with the process.
+    """
+    for port in _candidate_ports():
+        if port in _RESERVED:
+            continue
+        fd = _lock_port(port)
+        if fd is None:
+            continue
+        if port_is_free(port, host):
+            with _RESERVED_LOCK:
+                _RESERVED[port] = fd
+            return port
+        os.close(fd)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no usable range: let the OS pick
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _candidate_ports(attempts: int = 200) -> list[int]:
+    """Random ports between 15000 and the start of the ephemeral range."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    if low - _LOWEST_PORT < 1000:
+        return []
+    return random.sample(range(_LOWEST_PORT, low), attempts)
+
+
+def _lock_port(port: int) -> int | None:
+    """The fd of an exclusive flock on the port's lock file, or None when another holds it."""
+    lock_dir = Path(tempfile.gettempdir()) / "outbox-ports"
+    try:
+        if not lock_dir.is_dir():
+            lock_dir.mkdir(exist_ok=True)
+            lock_dir.chmod(0o1777)  # users of one machine share the reservations
+        fd = os.open(lock_dir / str(port), os.O_RDONLY | os.O_CREAT, 0o666)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
