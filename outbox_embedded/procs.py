@@ -48,8 +48,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     meantime. A port the OS picks with bind(0) comes from the ephemeral range, where any
     outgoing connection of any process may take it as its source port and where another
     process's bind(0) may pick it again. So the port is drawn outside the ephemeral range,
-    and reserved with an flock on a file in the temp directory that every caller of this
-    function, in every process, respects; the lock goes away with the process.
+    and reserved with an flock on a file in the user's directory under the temp directory,
+    which every caller of this function, in every process of the user, respects; the lock
+    goes away with the process.
     """
     for port in _candidate_ports():
         if port in _RESERVED:
@@ -80,12 +81,11 @@ def _candidate_ports(attempts: int = 200) -> list[int]:
 
 def _lock_port(port: int) -> int | None:
     """The fd of an exclusive flock on the port's lock file, or None when another holds it."""
-    lock_dir = Path(tempfile.gettempdir()) / "outbox-ports"
+    # One directory per user: the processes that start servers run as one user.
+    lock_dir = Path(tempfile.gettempdir()) / f"outbox-ports-{os.getuid()}"
     try:
-        if not lock_dir.is_dir():
-            lock_dir.mkdir(exist_ok=True)
-            lock_dir.chmod(0o1777)  # users of one machine share the reservations
-        fd = os.open(lock_dir / str(port), os.O_RDONLY | os.O_CREAT, 0o666)
+        lock_dir.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(lock_dir / str(port), os.O_RDONLY | os.O_CREAT, 0o600)
     except OSError:
         return None
     try:
