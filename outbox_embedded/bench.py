@@ -40,7 +40,12 @@ import psycopg
 
 from outbox_embedded.queries import query
 from relay import migrate
-from relay.config import DEFAULT_PIPELINE_DEPTH, build_settings, producer_config
+from relay.config import (
+    DEFAULT_MARK_CONNECTIONS,
+    DEFAULT_PIPELINE_DEPTH,
+    build_settings,
+    producer_config,
+)
 from relay.model import Cursor, ShardId
 from relay.store import Store
 
@@ -127,15 +132,15 @@ class Bench:
 
     def db_floor(self) -> float:
         """The relay's database work in the relay's shape: claims on one connection, marks
-        by the relay's own mark thread (relay/marker.py) on a second one, up to the pipeline
-        depth queued."""
-        from relay.marker import Marker, MarkOutcome
+        by the relay's own mark threads (relay/marker.py) on the default number of
+        connections of their own, up to the pipeline depth queued."""
+        from relay.marker import MarkLanes, MarkOutcome
         from relay.model import Token
 
         with self.fresh_db() as dsn:
             self.load(dsn, self.args.rows)
-            store, mark_store = Store(dsn), Store(dsn)
-            marker = Marker(mark_store, "bench")
+            store, mark_stores = Store(dsn), [Store(dsn) for _ in range(DEFAULT_MARK_CONNECTIONS)]
+            marker = MarkLanes(mark_stores, "bench")
             marker.start()
             try:
                 leases = store.claim_shards(owner="bench", limit=4096, lease_s=600)
@@ -160,7 +165,8 @@ class Bench:
             finally:
                 marker.stop()
                 store.close()
-                mark_store.close()
+                for mark_store in mark_stores:
+                    mark_store.close()
         return moved / elapsed
 
     # -- 2. producer floor -----------------------------------------------------------------

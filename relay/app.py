@@ -17,9 +17,10 @@ loop on the caller's thread have ``run_once()``.  Threads, and the connections e
   the Producer (``relay.publisher``; its delivery reports run on this thread, inside
   ``poll``); the loop owner (``relay.loop.Loop``), the pump, the lease manager, the stall
   tracker, the replayer (``outbox-relay:<owner>:replay``).
-* the mark thread (``relay.marker.Marker``, started by ``Pump.start``):
-  ``outbox-relay:<owner>:mark``; it receives (tokens, rows) from the pump and hands back
-  a Future per mark, applied by the pump in batch order on the loop's thread.
+* the mark threads (``relay.marker.MarkLanes``, started by ``Pump.start``), one per
+  ``--mark-connections``: ``outbox-relay:<owner>:mark``, ``...:mark2``; they receive
+  (tokens, rows) from the pump, split by shard, and hand back a Future per mark, applied by
+  the pump in batch order on the loop's thread.
 * the cleanup thread (``relay.janitor.Janitor``, when retention is set or the outbox is
   partitioned): ``outbox-relay:<owner>:cleanup``; shares nothing with the loop.
 * exactly-once mode (``relay.exactly_once``): a thread per held shard with its
@@ -79,8 +80,10 @@ class Relay:
         self._stop = threading.Event()
         self.stopped = threading.Event()
         self.store = self._store("")
-        # Marks run on their own connection while the pump claims (see relay/pump.py).
-        self.mark_store = self._store(":mark")
+        # Marks run on connections of their own while the pump claims (relay/marker.py):
+        # ":mark", then ":mark2" ... (each opened at its first mark).
+        self.mark_stores = [self._store(":mark" + (str(i + 1) if i else ""))
+                            for i in range(settings.mark_connections)]
         # LISTEN and the wake-up lock, on a connection of their own (relay/wakeup.py).
         self.wakeup = Wakeup(settings.dsn, owner=settings.owner, on_statement=self.metrics.db_statements.inc)
         self.publisher: Publisher | None = None
@@ -169,7 +172,7 @@ class Relay:
                          max_attempts=s.max_attempts, backoff_initial_s=s.backoff_initial_s,
                          backoff_max_s=s.backoff_max_s, metrics=self.metrics, log=self.log,
                          clock=self.clock, dead_letter_topic=s.dead_letter_topic,
-                         mark_store=self.mark_store, batch_max_bytes=s.batch_max_bytes,
+                         mark_store=self.mark_stores, batch_max_bytes=s.batch_max_bytes,
                          max_message_bytes=max_message_bytes(producer_config(s)),
                          claim_interval_s=s.claim_interval_s,
                          claim_interval_max_s=max(s.claim_interval_s, s.claim_interval_max_s))
@@ -250,7 +253,7 @@ class Relay:
             self._db_down_event = event
         self.db_up = False
         self.metrics.database_up.set(0)
-        self.store.reset()  # the mark connection resets itself, on its own thread
+        self.store.reset()  # the mark connections reset themselves, on their own threads
         self.wakeup.close()  # the wake-up lock goes with its connection
 
     def _client_error(self, state: BrokerState, message: str, fatal: bool) -> None:
@@ -306,7 +309,8 @@ class Relay:
             if self.replayer is not None:
                 self.replayer.stop()
             self.store.close()
-            self.mark_store.close()
+            for mark_store in self.mark_stores:
+                mark_store.close()
             self.wakeup.close()
             if self.janitor is not None:
                 self.janitor.stop(30.0)

@@ -11,9 +11,9 @@ commit order at the granularity of windows, and in (xid, id) order inside one
 (being given back, briefly untrusted) misses that window's rows: when it comes back
 the pump rewinds to "nothing seen" (every pending row of its shards) first.
 
-Marks run on a second connection, in a single background thread, while the pump
-claims and produces the next batches: a batch's mark and the next claim then cost
-the database's two statements at once instead of one after the other.  Marks are
+Marks run on connections of their own, in background threads (relay/marker.py), while
+the pump claims and produces the next batches: a batch's mark and the next claim then
+cost the database's statements at once instead of one after the other.  Marks are
 applied (leases lost to fencing, metrics) on the pump's thread, in batch order; a
 batch awaiting its mark still counts as in flight, so no rewind claims its rows again,
 and against the pipeline depth, so a crash republishes at most ``pipeline_depth``
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from operator import attrgetter
@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from relay.failures import FailurePublisher, Failures, FailureStore
 from relay.inflight import InFlight, PendingMark
 from relay.leases import LeaseManager
-from relay.marker import Marker, MarkOutcome, MarkStore, mark_rows
+from relay.marker import MarkLanes, MarkOutcome, MarkStore, mark_rows
 from relay.metrics import RelayMetrics, observe_many
 from relay.model import (
     START,
@@ -79,7 +79,7 @@ class PumpPublisher(FailurePublisher, Protocol):
 
 class Pump:
     """Claims, produces and marks.  ``run_once`` never blocks for long; the loop
-    (relay/loop.py) decides when to claim and waits.  ``start()`` starts the mark thread."""
+    (relay/loop.py) decides when to claim and waits.  ``start()`` starts the mark threads."""
 
     def __init__(
         self,
@@ -98,14 +98,14 @@ class Pump:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         dead_letter_topic: str | None = None,
-        mark_store: MarkStore | None = None,
+        mark_store: MarkStore | Sequence[MarkStore] | None = None,
         batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         claim_interval_s: float = 0.0,
         claim_interval_max_s: float = 0.0,
     ) -> None:
-        """``mark_store``: a second connection to mark on in the background (None: mark
-        synchronously on ``store``).  ``batch_max_bytes``: payload bytes per claim (the
+        """``mark_store``: connections to mark on in the background, one or several
+        (:class:`relay.marker.MarkLanes`; None: mark synchronously on ``store``).  ``batch_max_bytes``: payload bytes per claim (the
         row that crosses it is the last); ``max_message_bytes``: the producer's limit,
         above which a row is dead-lettered by its size, its payload never fetched.
         ``claim_interval_s``, ``claim_interval_max_s``: after a claim that caught up, the
@@ -130,7 +130,12 @@ class Pump:
         self.cursor_shards: set[ShardId] = set()  # claimed in every claim since the last rewind
         self.in_flight: deque[InFlight] = deque()
         self.marking: deque[PendingMark] = deque()
-        self._marker = Marker(mark_store, leases.owner) if mark_store is not None else None
+        mark_stores: list[MarkStore] = []
+        if isinstance(mark_store, Sequence):
+            mark_stores.extend(mark_store)
+        elif mark_store is not None:
+            mark_stores.append(mark_store)
+        self._marker = MarkLanes(mark_stores, leases.owner, log=log) if mark_stores else None
         self.rewind_requested = True  # the first claim starts from "nothing seen"
         self.caught_up = False
         self.claim_not_before = 0.0
@@ -222,12 +227,12 @@ class Pump:
             self._collect_marks(self._carried)
 
     def start(self) -> None:
-        """Start the mark thread (with a ``mark_store``).  Idempotent."""
+        """Start the mark threads (with a ``mark_store``).  Idempotent."""
         if self._marker is not None:
             self._marker.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the mark thread (after the marks already submitted).  Idempotent."""
+        """Stop the mark threads (after the marks already submitted).  Idempotent."""
         if self._marker is not None:
             self._marker.stop(timeout_s)
 
@@ -471,7 +476,7 @@ class Pump:
             future = marker.submit(batch.tokens, acked)
         else:
             future = Future()
-            try:  # the mark thread is idle: nothing is marking
+            try:  # the mark threads are idle: nothing is marking
                 future.set_result(mark_rows(self.store if marker is None else marker.store,
                                             self.leases.owner, batch.tokens, acked))
             except Exception as exc:  # like the mark thread's: raised in _collect_marks

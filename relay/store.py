@@ -190,6 +190,12 @@ class Store:
                 pass
         self._conn = None
 
+    def ping(self) -> None:
+        """Open the connection if it is not, and make one round trip (the mark lanes' probe
+        of a connection before they give it work: relay/marker.py).  Raises the relay's
+        database errors."""
+        self._fetch("relay", "backend_pid", {})
+
     def reset(self) -> None:
         """Drop connections after an error; the next call reconnects."""
         self.close()

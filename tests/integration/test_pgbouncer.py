@@ -45,13 +45,13 @@ def _pgbouncer_bin() -> str:
 
 @pytest.fixture
 def pgbouncer(db_dsn: str, tmp_path: Path, spawn: Callable[..., Proc]) -> Iterator[Callable[[str], str]]:
-    """Factory: ``pgbouncer(pool_mode)`` starts PgBouncer in front of ``db_dsn``'s server and
-    returns ``db_dsn`` through it."""
+    """Factory: ``pgbouncer(pool_mode, pool_size=4)`` starts PgBouncer in front of ``db_dsn``'s
+    server and returns ``db_dsn`` through it."""
     binary = _pgbouncer_bin()
     target = conninfo_to_dict(db_dsn)
     user = str(target.get("user") or "postgres")
 
-    def start(pool_mode: str) -> str:
+    def start(pool_mode: str, pool_size: int = 4) -> str:
         port = free_port()
         (tmp_path / "users.txt").write_text(f'"{user}" ""\n')
         ini = tmp_path / f"pgbouncer-{pool_mode}.ini"
@@ -61,7 +61,7 @@ def pgbouncer(db_dsn: str, tmp_path: Path, spawn: Callable[..., Proc]) -> Iterat
             "[pgbouncer]\n"
             f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
             f"auth_type = trust\nauth_file = {tmp_path / 'users.txt'}\n"
-            f"pool_mode = {pool_mode}\ndefault_pool_size = 4\nmax_client_conn = 100\n"
+            f"pool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 100\n"
             "ignore_startup_parameters = options\n")
         ini.chmod(0o644)
         tmp_path.chmod(0o755)
@@ -124,6 +124,26 @@ def test_relay_runs_behind_a_session_pooler(outbox_db, pgbouncer, broker, topic)
     with RelayThread(pooled, broker.bootstrap) as r:
         wait_drained(outbox_db, timeout_s=60)
         assert r.relay.fatal is None
+    delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60),
+                              expected)
+    assert not delivery.missing and not delivery.order_violations
+
+
+def test_a_pool_with_no_server_for_the_second_mark_connection_only_slows_the_relay(
+        outbox_db, pgbouncer, broker, topic):
+    # Room for the claims', the LISTEN, the replays' and the first mark connection: the
+    # second mark connection's probe waits for a server that never comes free, and the relay
+    # marks everything on the first (relay/marker.py), instead of a mark stuck behind it.
+    pooled = pgbouncer("session", pool_size=4)
+    insert_rows(outbox_db, topic, 6000, keys=20)
+    expected = all_event_ids(outbox_db)
+    with RelayThread(pooled, broker.bootstrap, batch_size=500, owner="small-pool") as r:
+        wait_drained(outbox_db, timeout_s=90)
+        assert r.relay.fatal is None
+        with psycopg.connect(outbox_db, autocommit=True) as conn:  # directly, not through the pool
+            apps = {row[0] for row in conn.execute(
+                "SELECT application_name FROM pg_stat_activity WHERE datname = current_database()")}
+        assert "outbox-relay:small-pool:mark" in apps and "outbox-relay:small-pool:mark2" not in apps, apps
     delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60),
                               expected)
     assert not delivery.missing and not delivery.order_violations
