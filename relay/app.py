@@ -43,6 +43,7 @@ from outbox_core.backoff import backoff_s
 from relay import __version__
 from relay.config import (
     Settings,
+    mark_connections,
     mask_dsn,
     masked_properties,
     max_message_bytes,
@@ -83,7 +84,7 @@ class Relay:
         # Marks run on connections of their own while the pump claims (relay/marker.py):
         # ":mark", then ":mark2" ... (each opened at its first mark).
         self.mark_stores = [self._store(":mark" + (str(i + 1) if i else ""))
-                            for i in range(settings.mark_connections)]
+                            for i in range(mark_connections(settings))]
         # LISTEN and the wake-up lock, on a connection of their own (relay/wakeup.py).
         self.wakeup = Wakeup(settings.dsn, owner=settings.owner, on_statement=self.metrics.db_statements.inc)
         self.publisher: Publisher | None = None

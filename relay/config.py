@@ -45,9 +45,13 @@ DEFAULT_CONSOLE_PORT = 8089
 DEFAULT_METRICS_HOST = "0.0.0.0"  # noqa: S104 - a sidecar's probes come from the kubelet
 DEFAULT_LEASE_DURATION_S = 10.0
 DEFAULT_PIPELINE_DEPTH = 4
-#: Connections marking at once: two used both cores of this project's machines while
-#: draining (relay-shaped database floor 32,262 -> 53,081 rows/s; a third added nothing).
+#: Connections marking at once (0: automatic, see :func:`mark_connections`): two used both
+#: cores of this project's machines while draining (relay-shaped database floor 32,262 ->
+#: 53,081 rows/s; a third added nothing).  In exactly-once mode the marks are not what
+#: bounds the drain (the shards' Kafka transactions are), and a second mark thread cost it
+#: 8 % (22,199 -> 20,320 events/s, 3 rounds each): one there.
 DEFAULT_MARK_CONNECTIONS = 2
+DEFAULT_EXACTLY_ONCE_MARK_CONNECTIONS = 1
 MAX_MARK_CONNECTIONS = 8
 DEFAULT_DRAIN_TIMEOUT_S = 15.0
 DEFAULT_BACKOFF_INITIAL_S = 0.2
@@ -106,8 +110,8 @@ def _positive_int(text: str) -> int:
 
 def _mark_connections(text: str) -> int:
     value = int(text)
-    if not 1 <= value <= MAX_MARK_CONNECTIONS:
-        raise ValueError(f"must be an integer from 1 to {MAX_MARK_CONNECTIONS}")
+    if not 0 <= value <= MAX_MARK_CONNECTIONS:
+        raise ValueError(f"must be an integer from 0 (automatic) to {MAX_MARK_CONNECTIONS}")
     return value
 
 
@@ -181,9 +185,11 @@ OPTIONS: tuple[Option, ...] = (
                 "few rows: bounds the latency a low write rate pays for a cheap relay"),
     Option(name="pipeline_depth", parse=_positive_int, default=DEFAULT_PIPELINE_DEPTH,
            help="batches in flight to the broker at once"),
-    Option(name="mark_connections", parse=_mark_connections, default=DEFAULT_MARK_CONNECTIONS,
+    Option(name="mark_connections", parse=_mark_connections, default=0,
            help="connections marking acknowledged rows at once while draining (a shard's "
-                "marks stay in order; the second opens only when a large batch is split)"),
+                "marks stay in order; the second opens only when a large batch is split); "
+                f"0: {DEFAULT_MARK_CONNECTIONS}, or {DEFAULT_EXACTLY_ONCE_MARK_CONNECTIONS} "
+                "with --exactly-once"),
     Option(name="batch_max_bytes", parse=_positive_int, default=DEFAULT_BATCH_MAX_BYTES,
            help="payload bytes per batch: memory is bounded by bytes, not rows (rows over "
                 "the producer's message.max.bytes are dead-lettered by size, never fetched)"),
@@ -269,7 +275,7 @@ class Settings:
     claim_interval_s: float = DEFAULT_CLAIM_INTERVAL_S
     claim_interval_max_s: float = DEFAULT_CLAIM_INTERVAL_MAX_S
     pipeline_depth: int = DEFAULT_PIPELINE_DEPTH
-    mark_connections: int = DEFAULT_MARK_CONNECTIONS
+    mark_connections: int = 0  # automatic: see mark_connections()
     batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES
     metrics_port: int = DEFAULT_METRICS_PORT
     metrics_host: str = DEFAULT_METRICS_HOST
@@ -434,6 +440,15 @@ def build_settings(
     if kafka_properties:
         parsed["kafka_properties"] = dict(kafka_properties)
     return Settings(**parsed)
+
+
+def mark_connections(settings: Settings) -> int:
+    """The mark connections the relay opens: ``--mark-connections``, or by default
+    :data:`DEFAULT_MARK_CONNECTIONS` (:data:`DEFAULT_EXACTLY_ONCE_MARK_CONNECTIONS` in
+    exactly-once mode)."""
+    if settings.mark_connections:
+        return settings.mark_connections
+    return DEFAULT_EXACTLY_ONCE_MARK_CONNECTIONS if settings.exactly_once else DEFAULT_MARK_CONNECTIONS
 
 
 def producer_config(settings: Settings) -> dict[str, str]:

@@ -7,6 +7,7 @@ from relay.config import (
     build_settings,
     env_values,
     kafka_env_properties,
+    mark_connections,
     mask_dsn,
     parse_kafka_property,
     producer_config,
@@ -68,6 +69,8 @@ def test_build_settings_parses_units_and_defaults() -> None:
           "heartbeat_interval_s": "5"}, "must be shorter"),
         ({"dsn": DSN, "bootstrap_servers": "k", "claim_interval_s": "-0.1"}, "--claim-interval-s"),
         ({"dsn": DSN, "bootstrap_servers": "k", "keep_published": "maybe"}, "--keep-published"),
+        ({"dsn": DSN, "bootstrap_servers": "k", "mark_connections": "9"}, "--mark-connections"),
+        ({"dsn": DSN, "bootstrap_servers": "k", "mark_connections": "-1"}, "--mark-connections"),
         ({"dsn": DSN, "bootstrap_servers": "k", "keep_published": "false",
           "cleanup_retention_s": "60"}, "nothing for --cleanup-retention-s to keep"),
     ],
@@ -146,3 +149,11 @@ def test_connection_failures_are_classified_by_what_the_server_said(server_says,
     error = translate_connect_error(psycopg.OperationalError(
         f'connection to server at "127.0.0.1", port 5432 failed: {server_says}'))
     assert type(error).__name__ == kind
+
+
+def test_mark_connections_are_two_by_default_one_in_exactly_once_mode_or_as_given() -> None:
+    base = {"dsn": DSN, "bootstrap_servers": "k:9092"}
+    assert mark_connections(build_settings(base)) == 2
+    assert mark_connections(build_settings({**base, "exactly_once": "true"})) == 1
+    assert mark_connections(build_settings({**base, "mark_connections": "1"})) == 1
+    assert mark_connections(build_settings({**base, "exactly_once": "true", "mark_connections": "3"})) == 3
