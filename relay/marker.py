@@ -9,10 +9,9 @@ as futures; the pump applies them on its own thread, in submission order.
 :class:`MarkLanes` runs several mark threads (``--mark-connections``, two by default).  A
 mark is a non-HOT update of every row it marks, about 20 µs of one backend's CPU a row on
 this project's machines: while draining, the one marking backend was the relay's bound
-(busy 90-98 % of a core, the second core half idle).  A large batch is split between the
-lanes by shard; a shard's rows always go to the lane still marking that shard's earlier
-rows, so the rows of a key are marked in the order they were claimed, as on one
-connection.
+(busy 69-98 % of a core, the second core half idle).  A large batch is split between the
+lanes by shard, and a shard's mark never starts before its previous one ended, so the rows
+of a key are marked in the order they were claimed, as on one connection.
 """
 
 from __future__ import annotations
@@ -220,7 +219,7 @@ class MarkLanes:
         self.probe_every_s = probe_every_s
         self.clock = clock
         self._lock = threading.Lock()
-        # The last part sent for each shard: its lane and its future.
+        # The last part sent for each shard still marking: its lane and its future.
         self._last: dict[ShardId, tuple[int, Future[MarkOutcome]]] = {}
         self._queued: list[int] = [0] * len(stores)  # rows submitted and not yet marked
         self.moves = 0  # shards sent to another lane while their last mark was running
@@ -269,17 +268,21 @@ class MarkLanes:
                     self._last[shard] = (lane, future)
                 self._queued[lane] += len(part)
                 parts.append((lane, len(part), shards, future))
-        for lane, count, _shards, future in parts:  # outside the lock: a done future calls back at once
-            future.add_done_callback(functools.partial(self._settled, lane, count))
+        for lane, count, shards, future in parts:  # outside the lock: a done future calls back at once
+            future.add_done_callback(functools.partial(self._settled, lane, count, shards))
         if len(parts) == 1:
             return parts[0][3]
         return _combined([(shards, future) for _lane, _count, shards, future in parts])
 
-    def _settled(self, lane: int, rows: int, future: Future[MarkOutcome]) -> None:
+    def _settled(self, lane: int, rows: int, shards: set[ShardId], future: Future[MarkOutcome]) -> None:
         with self._lock:
             if lane == 0 and future.exception() is None:
                 self._first_marked = True
             self._queued[lane] -= rows
+            for shard in shards:  # a done part holds its result: not kept past its shards' next
+                last = self._last.get(shard)
+                if last is not None and last[1] is future:
+                    del self._last[shard]
 
     def _home(self, shard: ShardId) -> int | None:
         """The lane still marking ``shard`` (under the lock)."""
