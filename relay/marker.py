@@ -188,7 +188,8 @@ class MarkLanes:
 
     :meth:`submit` splits a batch of :data:`SPLIT_ROWS` rows or more between the lanes by
     shard: a shard stays on the lane that marked it last, and shards move from the busiest
-    lane to the idlest when the split is uneven by more than a quarter of the batch.  A
+    lane to the idlest when the split is uneven by more than a quarter of the batch (never so
+    far that the idlest becomes the busiest).  A
     smaller batch goes whole to one lane.  A part whose shard was last sent to another lane
     that has not marked it yet waits for that mark (the part's ``after``): a shard's marks
     never run on two connections at once and commit in submission order, so a key's rows
@@ -318,11 +319,13 @@ class MarkLanes:
             gap = load[busy] - load[idle]
             if gap * 4 <= len(rows):
                 break
+            # A move never turns the idle lane into the busy one: the next batch would move
+            # the shard back (a wait each time) when a few shards cannot be evened out.
             movable = [(shard, per_shard[shard]) for shard, lane in assigned.items()
-                       if lane == busy and per_shard[shard] < gap]
+                       if lane == busy and per_shard[shard] * 2 <= gap]
             if not movable:
                 break
-            shard, count = max(movable, key=lambda item: min(item[1], gap - item[1]))
+            shard, count = max(movable, key=lambda item: item[1])
             assigned[shard] = idle
             load[busy] -= count
             load[idle] += count

@@ -248,6 +248,26 @@ def test_shards_moved_to_even_out_a_split_wait_for_their_earlier_marks() -> None
     assert len(on_b) == 2 and len(b.calls[0][1]) == 8
 
 
+def test_a_few_shards_that_cannot_be_evened_out_stay_put() -> None:
+    a, b = GatedStore(held=set(range(3))), GatedStore(held=set(range(3)))
+    lanes = MarkLanes([a, b], "me", split_rows=100)
+    lanes.start()
+    rng = random.Random(3)
+    futures = []
+    for n in range(30):  # three shards, 150-210 rows each, while both lanes are busy
+        batch = [row(1000 * n + 300 * s + i, shard=s) for s in range(3) for i in range(rng.randrange(150, 210))]
+        futures.append(lanes.submit(tokens_of(range(3)), batch))
+    moves_while_busy = lanes.moves
+    a.gate.set()
+    b.gate.set()
+    marked = set().union(*(future.result(timeout=10)[1] for future in futures))
+    lanes.stop()
+    # The first batch spreads the shards 2 / 1; after that no split can be evened out
+    # without swapping which lane is busier, so nothing moves (and nothing waits).
+    assert moves_while_busy == 0 and lanes.moves == 0
+    assert marked == {i for _, ids in a.calls + b.calls for i in ids} and len(marked) > 30 * 3 * 150
+
+
 def test_every_shard_is_marked_in_submission_order_under_random_delays() -> None:
     order: list[tuple[int, int]] = []  # (shard, row id) in the order statements ran
     lock = threading.Lock()
