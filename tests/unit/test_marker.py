@@ -14,6 +14,7 @@ import pytest
 from relay.errors import DatabaseUnavailable
 from relay.marker import Marker, MarkLanes
 from relay.model import Lease, OutboxRow, RowId, ShardId, Token
+from tests.fixtures.procs import wait_until
 
 
 def row(i: int, shard: int = 0) -> OutboxRow:
@@ -160,15 +161,6 @@ def open_store(held: set[int]) -> GatedStore:
     return store
 
 
-def until(predicate: Any, what: str) -> None:
-    wait = threading.Event()
-    for _ in range(1000):
-        if predicate():
-            return
-        wait.wait(0.01)
-    raise AssertionError(f"not reached in 10 s: {what}")
-
-
 def test_a_large_batch_is_split_by_shard_and_each_part_carries_only_its_tokens() -> None:
     a, b = open_store(set(range(4))), open_store(set(range(4)))
     lanes = MarkLanes([a, b], "me", split_rows=8)
@@ -205,7 +197,7 @@ def test_a_shard_stays_on_its_lane_while_it_marks_there() -> None:
     second = lanes.submit(tokens_of(range(4)), rows_over(4, 4, start=100))  # large, shard 0 again
     # Shard 0's rows of the second batch are queued behind its first, on a; the other
     # shards are free to go to b, and do.
-    until(lambda: len(b.calls) == 1, "b marked its part")
+    wait_until(lambda: len(b.calls) == 1, timeout_s=10, message="b marked its part")
     assert all(i % 4 != 0 for _, ids in b.calls for i in ids) and lanes.moves == 0
     a.gate.set()
     assert first.result(timeout=10)[1] == {0}
@@ -364,14 +356,14 @@ def test_a_connection_that_does_not_answer_gets_no_work_until_it_does() -> None:
     lanes.start()
     lanes.submit(tokens_of(range(4)), rows_over(4, 2)).result(timeout=10)
     assert b.pings == 0  # the first lane's connection marks before another one is opened
-    until(lambda: lanes._first_marked, "the first lane marked")
+    wait_until(lambda: lanes._first_marked, timeout_s=10, message="the first lane marked")
     for n in range(1, 4):  # large batches: b is probed, and meanwhile a marks everything
         assert lanes.submit(tokens_of(range(4)), rows_over(4, 2, start=10 * n)).result(timeout=10)[1] == \
             set(range(10 * n, 10 * n + 8))
-    until(lambda: b.pings == 1, "one probe")
+    wait_until(lambda: b.pings == 1, timeout_s=10, message="one probe")
     assert len(a.calls) == 4 and b.calls == [] and b.pings == 1  # one probe, still waiting
     b.answer.set()
-    until(lambda: lanes._ready[1], "the probe answered")
+    wait_until(lambda: lanes._ready[1], timeout_s=10, message="the probe answered")
     lanes.submit(tokens_of(range(4)), rows_over(4, 2, start=100)).result(timeout=10)
     lanes.stop()
     assert len(b.calls) == 1 and len(a.calls) == 5  # split between both from then on
@@ -393,16 +385,16 @@ def test_a_failed_probe_is_tried_again_later_and_logged() -> None:
     lanes = MarkLanes([a, b], "me", split_rows=2, log=Log(), probe_every_s=10.0, clock=lambda: now[0])
     lanes.start()
     lanes.submit(tokens_of(range(2)), rows_over(2, 2)).result(timeout=10)
-    until(lambda: lanes._first_marked, "the first lane marked")
+    wait_until(lambda: lanes._first_marked, timeout_s=10, message="the first lane marked")
     lanes.submit(tokens_of(range(2)), rows_over(2, 2, start=10)).result(timeout=10)
-    until(lambda: b.pings == 1 and not lanes._probing[1], "the first probe failed")
+    wait_until(lambda: b.pings == 1 and not lanes._probing[1], timeout_s=10, message="the first probe failed")
     lanes.submit(tokens_of(range(2)), rows_over(2, 2, start=20)).result(timeout=10)
     assert b.pings == 1  # not before probe_every_s
     assert events and events[0][0] == "mark_connection_unavailable" and "no server" in events[0][1]["error"]
     b.fail, now[0] = False, 11.0
     b.answer.set()
     lanes.submit(tokens_of(range(2)), rows_over(2, 2, start=30)).result(timeout=10)
-    until(lambda: lanes._ready[1], "the second probe answered")
+    wait_until(lambda: lanes._ready[1], timeout_s=10, message="the second probe answered")
     assert b.pings == 2 and events[-1][0] == "mark_connection_ready"
     lanes.submit(tokens_of(range(2)), rows_over(2, 2, start=40)).result(timeout=10)
     lanes.stop()
