@@ -109,7 +109,9 @@ class Loop:
                 self.wakeup.set_sleeping(False)
         elif self.last.claims and not self.pump.busy():
             self.empty_claims += 1  # a claim ran and found nothing (not a paced turn)
-        if self.last.claimed == 0:
+        if self.last.claimed == 0 or self.pump.claim_not_before > now:
+            # Nothing found, or the next claim is paced: a turn right away would claim
+            # nothing.  (A full batch is followed by the next claim at once.)
             self._idle_wait(now, wake_by)
         if not self.wakeup.sleeping:
             self.next_poll = 0.0
@@ -132,7 +134,13 @@ class Loop:
             return
         if pump.busy():
             pump.wait(min(timeout, BUSY_WAIT_S))
-            return
+            if pump.busy() or (self.replayer is not None and self.replayer.busy()):
+                return
+            # Everything settled before the next claim is due: wait for that here rather
+            # than in one more turn of the loop that would do nothing.
+            timeout = max(0.0, until - self.clock())
+            if timeout <= 0:
+                return
         if pump.rewind_requested and pump.idle():
             return
         if not self.wakeup.sleeping:

@@ -303,6 +303,15 @@ class Publisher:
         least a whole millisecond for any positive ``timeout_s`` (:func:`poll_timeout`)."""
         return int(self._producer.poll(poll_timeout(timeout_s)))
 
+    def wait_reports(self, timeout_s: float) -> int:
+        """Serve delivery reports until none is outstanding, or for ``timeout_s`` (rounded
+        like :meth:`poll`'s); returns how many are still outstanding.
+
+        One call into the client, where :meth:`poll` returns at each response: a paced
+        batch's rows go out in one request per partition (librdkafka sends one partition
+        per ProduceRequest), so waiting for them by ``poll`` took a call per response."""
+        return int(self._producer.flush(poll_timeout(timeout_s)))
+
     def in_flight(self) -> int:
         return len(self._producer)
 

@@ -146,6 +146,9 @@ class Pump:
                                  backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
                                  dead_letter_topic=dead_letter_topic)
         self.stalls = Stalls(partition_of=publisher.partition_of)
+        # Publishers that can wait for every outstanding report in one call (not the
+        # exactly-once one, whose reports come from its shard workers).
+        self._wait_reports: Callable[[float], int] | None = getattr(publisher, "wait_reports", None)
         self.draining = False
         self.last_marked_at = clock()
         self.totals = BatchResult()
@@ -210,14 +213,22 @@ class Pump:
         when every produced row is reported.  Returns on the first of them while a claim
         is due (the loop claims again as soon as the pipeline has room); while the next
         claim is paced (:meth:`_pace`), settles batches and applies marks here until
-        ``timeout_s``, so a paced claim costs one turn of the loop, not one per report."""
+        ``timeout_s``, so a paced claim costs one turn of the loop, not one per report.
+        Paced, with no mark running, it waits for every report in one call to the
+        publisher (``wait_reports``) rather than one per broker response."""
         deadline = self.clock() + max(0.0, timeout_s)
+        wait_reports = self._wait_reports
         while True:
             remaining = max(0.0, deadline - self.clock())
             if self.marking and all(batch.done for batch in self.in_flight):
                 wait_futures([self.marking[0].future], timeout=remaining)
             elif self.in_flight or self.marking:
-                self.publisher.poll(remaining)
+                paced_s = self.claim_not_before - self.clock()
+                if (wait_reports is not None and paced_s > 0 and not self.marking
+                        and not self.stalls.partitions):
+                    wait_reports(min(remaining, paced_s))
+                else:
+                    self.publisher.poll(remaining)
             else:
                 return
             now = self.clock()
