@@ -568,8 +568,8 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         f"{delete_rate / base['naive_relay_events_per_s']:.2f} x naive, "
         f"{delete_rate / base['physical_floor_events_per_s']:.2f} x the physical floor")
     exactly_once_ratio = _exactly_once_ratio(bench, runs, relay_rate, say)  # issue 20
-    alone = bench.latency(consumer=False)
-    low = bench.latency(consumer=False, rate=args.low_rate) if args.low_rate else None
+    alone = _steady(bench, runs)
+    low = _steady(bench, runs, rate=args.low_rate) if args.low_rate else None
     stalled = bench.latency(consumer=False, stalled_writer=True)
     watched = bench.latency(consumer=True)
     lat = {"latency_ack_ms": alone["latency_ack_ms"],
@@ -581,10 +581,12 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         return f"  {label:<21}p50 {figures['p50']} ms  p95 {figures['p95']} ms  p99 {figures['p99']} ms"
 
     say(show("commit->ack (marked)", lat["latency_ack_ms"]) + f" at {args.rate:g} events/s, "
-        f"relay CPU {alone['relay_cpu_percent']:.1f} % of a core, {alone['claims_per_s']:.0f} claims/s")
+        f"relay CPU {alone['relay_cpu_percent']:.1f} % of a core ({_runs(alone)}), "
+        f"{alone['claims_per_s']:.0f} claims/s")
     if low is not None:
         say(show("", low["latency_ack_ms"]) + f" at {args.low_rate:g} events/s, "
-            f"relay CPU {low['relay_cpu_percent']:.1f} % of a core, {low['claims_per_s']:.0f} claims/s")
+            f"relay CPU {low['relay_cpu_percent']:.1f} % of a core ({_runs(low)}), "
+            f"{low['claims_per_s']:.0f} claims/s")
     say(show("  a consumer running", lat["latency_ack_with_consumer_ms"]))
     say(show("  a writer idle in tx", stalled["latency_ack_ms"])
         + f"  = {stalled_ratio:.2f} x p99 without it")
@@ -609,6 +611,7 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         **lat,
         "stalled_writer": {"latency_ack_ms": stalled["latency_ack_ms"], "p99_ratio": stalled_ratio},
         "steady": [{"events_per_s": r["rate"], "relay_cpu_percent": r["relay_cpu_percent"],
+                    "relay_cpu_percent_runs": r["relay_cpu_percent_runs"],
                     "claims_per_s": r["claims_per_s"], "statements_per_s": r["statements_per_s"],
                     "latency_ack_ms": r["latency_ack_ms"]} for r in (alone, low) if r is not None],
         "peak_rss_mb": round(max(d["peak_rss_mb"] for d in drains), 1),
@@ -649,6 +652,24 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         say(f"  with {args.published_rows} published rows: {median(loaded):.0f} events/s "
             f"= {result['published_rows_slowdown']:.2f} x the empty table")
     return result
+
+
+def _steady(bench: Bench, runs: int, *, rate: float | None = None) -> dict[str, Any]:
+    """The steady run ``runs`` times, like every other figure: the median of each figure
+    (each percentile of commit -> ack on its own), and the CPU of every run.  One run's CPU
+    moved by a tenth or more from run to run on the same code."""
+    passes = [bench.latency(consumer=False, rate=rate) for _ in range(runs)]
+    cpu = [p["relay_cpu_percent"] for p in passes]
+    return {"rate": passes[0]["rate"], "relay_cpu_percent": round(median(cpu), 2),
+            "relay_cpu_percent_runs": cpu,
+            "claims_per_s": round(median([p["claims_per_s"] for p in passes]), 1),
+            "statements_per_s": round(median([p["statements_per_s"] for p in passes]), 1),
+            "latency_ack_ms": {k: round(median([p["latency_ack_ms"][k] for p in passes]), 2)
+                               for k in passes[0]["latency_ack_ms"]}}
+
+
+def _runs(steady: dict[str, Any]) -> str:
+    return "runs " + " / ".join(f"{cpu:.1f}" for cpu in steady["relay_cpu_percent_runs"])
 
 
 def _baselines(bench: Bench, runs: int) -> dict[str, float]:

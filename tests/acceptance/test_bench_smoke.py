@@ -41,6 +41,7 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
     assert [s["events_per_s"] for s in figures["steady"]] == [200, 50]
     for steady in figures["steady"]:
         assert steady["relay_cpu_percent"] > 0 and steady["claims_per_s"] > 0
+        assert steady["relay_cpu_percent_runs"] == [steady["relay_cpu_percent"]]  # --runs 1
     for scale_out in ("scale_out_events_per_s", "scale_out_startup_events_per_s"):
         assert set(figures[scale_out]) == {"1", "2"}
         assert all(rate > 0 for rate in figures[scale_out].values())
