@@ -10,6 +10,7 @@ a prefix, so a crash re-sends a suffix of it.
 from __future__ import annotations
 
 import psycopg
+import pytest
 
 from tests.fixtures.broker import read_all
 from tests.fixtures.outbox import (
@@ -34,10 +35,30 @@ CREATE TRIGGER audit_mark AFTER UPDATE OF published_at ON outbox FOR EACH ROW
   WHEN (OLD.published_at IS NULL AND NEW.published_at IS NOT NULL) EXECUTE FUNCTION audit_mark();
 """
 
+# The first mark connection made slow: each of its statements sleeps before it marks.  Its
+# shards then stay marking while later batches come, the split between the connections is
+# off, and shards move to the second one while their earlier mark is still running: the
+# moment when the second connection must wait for the first (without that wait, a moved
+# shard's later rows were marked during the first connection's sleep, before its earlier
+# rows).
+SLOW_FIRST_LANE = """
+CREATE FUNCTION slow_mark() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  PERFORM pg_sleep(0.02);
+  RETURN NULL;
+END $$;
+CREATE TRIGGER slow_mark BEFORE UPDATE OF published_at ON outbox FOR EACH STATEMENT
+  WHEN (current_setting('application_name') LIKE '%:mark') EXECUTE FUNCTION slow_mark();
+"""
 
-def test_a_backlog_is_marked_on_both_connections_each_key_in_claim_order(outbox_db, broker, topic):
+
+@pytest.mark.parametrize("slow_first_lane", [False, True], ids=["even", "slow_first_lane"])
+def test_a_backlog_is_marked_on_both_connections_each_key_in_claim_order(outbox_db, broker, topic,
+                                                                         slow_first_lane):
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         conn.execute(AUDIT)
+        if slow_first_lane:
+            conn.execute(SLOW_FIRST_LANE)
     insert_rows(outbox_db, topic, 30_000, keys=50, per_tx=3_000)
     expected = all_event_ids(outbox_db)
     with RelayThread(outbox_db, broker.bootstrap, batch_size=500, owner="lanes") as relay:
