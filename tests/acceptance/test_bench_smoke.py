@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+from pathlib import Path
 
 from tests.fixtures.outbox import relay_cmd
 
@@ -46,3 +48,33 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
         assert set(figures[scale_out]) == {"1", "2"}
         assert all(rate > 0 for rate in figures[scale_out].values())
     assert "relay drain" in result.stdout and "x min(floors)" in result.stdout
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bench_ab_runs_both_trees_in_turn_and_writes_every_run(pg_server, broker, tmp_path):
+    """The A/B harness behind the README's before/after tables, on this checkout against
+    itself: one round runs the steady figure on each tree and reports both."""
+    out = tmp_path / "ab.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_embedded.bench_ab", "--old", str(REPO), "--new", str(REPO),
+         "--dsn", pg_server.admin_dsn, "--bootstrap-servers", broker.bootstrap, "--rounds", "1",
+         "--what", "steady", "--rate", "200", "--latency-s", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(figures) == {"200/s relay CPU %", "200/s commit->ack p50 ms", "200/s commit->ack p99 ms",
+                            "200/s claims/s"}
+    for figure in figures.values():
+        assert len(figure["old"]) == len(figure["new"]) == 1
+        assert figure["old_median"] > 0 and figure["new_median"] > 0
+    assert "round 1 old" in result.stdout and "round 1 new" in result.stdout
+
+
+def test_bench_ab_refuses_a_tree_that_is_not_a_checkout(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_embedded.bench_ab", "--old", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 2
+    assert "not a checkout of this project" in result.stderr and "Traceback" not in result.stderr
