@@ -32,6 +32,10 @@ from relay.model import BatchResult, Lease
 BUSY_POLL_BASE_S = 0.005
 #: The longest a busy loop waits on delivery reports, marks or replays before a new turn.
 BUSY_WAIT_S = 0.05
+#: An awake relay's waits up to this long do not listen for notifications
+#: (:meth:`relay.wakeup.Wakeup.pause`): a peer's notice about shards is read within the
+#: 0.1 s at which the loop looks for one anyway.
+AWAKE_PAUSE_MAX_S = 0.1
 
 
 class LoopPump(Protocol):
@@ -51,6 +55,7 @@ class LoopWakeup(Protocol):
 
     def set_sleeping(self, sleeping: bool) -> bool: ...
     def wait(self, timeout_s: float) -> bool: ...
+    def pause(self, timeout_s: float) -> None: ...
     def close(self) -> None: ...
 
 
@@ -151,6 +156,11 @@ class Loop:
                 due_in = max(0.0, pump.claim_not_before - self.clock())
                 cap = max(0.0, min(next_poll, wake_by) - self.clock())
                 timeout = min(cap, max(delay, due_in))
+                if timeout <= AWAKE_PAUSE_MAX_S:
+                    # Awake: no writer notifies this relay, so nothing on the LISTEN
+                    # socket could end this wait early (a paced claim's, each ~10 ms).
+                    self.wakeup.pause(timeout)
+                    return
             elif self.wakeup.set_sleeping(True):
                 pump.expect_new_rows()  # one more claim: a commit may have raced the lock
                 return

@@ -136,6 +136,7 @@ class Wakeup:
         self.sleeping = False
         self.notified = False
         self.waits: list[float] = []
+        self.pauses: list[float] = []
         self.sleeps = 0  # times the lock was taken
         self.closed = 0
 
@@ -155,6 +156,11 @@ class Wakeup:
             return True
         self.clock.advance(timeout_s)
         return False
+
+    def pause(self, timeout_s: float) -> None:
+        """A wait that reads no notification (an awake relay's)."""
+        self.pauses.append(timeout_s)
+        self.clock.advance(timeout_s)
 
     def close(self) -> None:
         self.sleeping = False

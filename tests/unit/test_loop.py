@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay.loop import BUSY_POLL_BASE_S, Loop
+from relay.loop import AWAKE_PAUSE_MAX_S, BUSY_POLL_BASE_S, Loop
 from relay.metrics import RelayMetrics
 from relay.model import ShardId
 from relay.publisher import Outcome
@@ -68,8 +68,11 @@ def test_an_idle_relay_polls_faster_then_sleeps_after_one_more_claim() -> None:
     r.turn_until(lambda: r.wakeup.sleeping)
     # Recently busy it polls on its own, from 10 ms doubling, until the delay reaches the
     # poll interval: then it takes the wake-up lock instead of waiting.
+    # Awake, no writer notifies it: the short ones do not even read the LISTEN socket.
     doubling = [BUSY_POLL_BASE_S * 2 ** k for k in range(1, 8)]
-    assert r.wakeup.waits == pytest.approx(doubling)
+    assert r.wakeup.pauses + r.wakeup.waits == pytest.approx(doubling)
+    assert all(wait <= AWAKE_PAUSE_MAX_S for wait in r.wakeup.pauses)
+    assert all(wait > AWAKE_PAUSE_MAX_S for wait in r.wakeup.waits)
     assert r.wakeup.sleeps == 1
     claims = r.store.claims
     r.turn()  # one more claim: a commit may have raced the lock
@@ -242,3 +245,5 @@ def test_a_paced_trickle_costs_one_turn_of_the_loop_per_claim() -> None:
     assert 20 <= claims <= 150  # paced: several rows a claim
     assert r.turns <= claims + 5, f"{r.turns} turns for {claims} claims"
     assert r.store.marked == list(range(1, 301))
+    # Awake between paced claims: it waits without reading the LISTEN socket.
+    assert r.wakeup.pauses and not r.wakeup.waits
