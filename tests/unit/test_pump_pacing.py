@@ -13,11 +13,13 @@ from tests.unit.pump_fakes import Clock, Leases, Log, Publisher, Store, row
 MIN_S, MAX_S = 0.01, 0.05
 
 
-def paced_pump(store: Store, publisher: Publisher, clock: Clock, batch_size: int = 100) -> Pump:
+def paced_pump(store: Store, publisher: Publisher, clock: Clock, batch_size: int = 100, *,
+               paced: bool = True) -> Pump:
+    """The pump under test, its claims paced between MIN_S and MAX_S (``paced``), or not."""
     return Pump(store=store, publisher=publisher, leases=Leases(), nshards=2,  # type: ignore[arg-type]
                 batch_size=batch_size, pipeline_depth=4, max_attempts=3, backoff_initial_s=0.1,
                 backoff_max_s=1.0, metrics=RelayMetrics(), log=Log(), clock=clock,
-                claim_interval_s=MIN_S, claim_interval_max_s=MAX_S)
+                claim_interval_s=MIN_S if paced else 0.0, claim_interval_max_s=MAX_S if paced else 0.0)
 
 
 def add(store: Store, count: int) -> None:
@@ -78,9 +80,7 @@ def test_a_paced_wait_settles_reports_and_marks_without_a_turn() -> None:
 
 def test_without_pacing_a_wait_returns_on_the_first_report() -> None:
     clock, store, publisher = Clock(), Store([]), Publisher()
-    pump = Pump(store=store, publisher=publisher, leases=Leases(), nshards=2,  # type: ignore[arg-type]
-                batch_size=100, pipeline_depth=4, max_attempts=3, backoff_initial_s=0.1,
-                backoff_max_s=1.0, metrics=RelayMetrics(), log=Log(), clock=clock)
+    pump = paced_pump(store, publisher, clock, paced=False)
     add(store, 3)
     pump.run_once()
     pump.wait(0.005)
@@ -123,9 +123,7 @@ def test_a_claim_that_is_due_waits_for_reports_by_poll() -> None:
     """Not paced (a backlog): the wait returns on the first report, so the next claim
     is not held back by the slowest partition of the batch."""
     clock, store, publisher = Clock(), Store([]), ReportingPublisher()
-    pump = Pump(store=store, publisher=publisher, leases=Leases(), nshards=2,  # type: ignore[arg-type]
-                batch_size=100, pipeline_depth=4, max_attempts=3, backoff_initial_s=0.1,
-                backoff_max_s=1.0, metrics=RelayMetrics(), log=Log(), clock=clock)
+    pump = paced_pump(store, publisher, clock, paced=False)
     add(store, 3)
     pump.run_once()
     pump.wait(0.005)
