@@ -50,7 +50,7 @@ from consumer_sdk.model import (
     KafkaRecord,
     RetryPolicy,
 )
-from consumer_sdk.outbox import OutboxEvent, write_event, write_events
+from consumer_sdk.outbox import OutboxEvent, new_event_id, write_event, write_events
 from consumer_sdk.processor import BatchHandler
 from consumer_sdk.retention import RetentionFinding, retention_safe
 from consumer_sdk.store import PgInboxStore, cleanup_inbox
@@ -88,6 +88,7 @@ __all__ = [
     "TransactionConflict",
     "TransactionRequired",
     "cleanup_inbox",
+    "new_event_id",
     "retention_safe",
     "write_event",
     "write_event_async",

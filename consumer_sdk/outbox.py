@@ -12,7 +12,9 @@ Payloads: ``bytes`` (or ``bytearray``/``memoryview``) go to ``payload_bytes`` an
 reach Kafka unchanged; ``None`` is a tombstone; anything else is JSON-encoded into
 the ``payload`` jsonb column.  Headers are strings (or None).  ``event_id`` is a
 UUID generated here (or given) and returned; the relay sends it as the
-``event_id`` header.  A W3C trace context passed as ``traceparent``/``tracestate``
+``event_id`` header.  Generated ids are time-ordered (version 7, :func:`new_event_id`),
+like the table's own default: a batch's entries in the unique ``event_id`` index, which
+every insert and every mark writes, land on neighbouring pages.  A W3C trace context passed as ``traceparent``/``tracestate``
 travels in the headers of the same names.
 
 The asyncio twins live in :mod:`consumer_sdk.aio` and share :func:`prepare`.
@@ -21,7 +23,9 @@ The asyncio twins live in :mod:`consumer_sdk.aio` and share :func:`prepare`.
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,7 +51,7 @@ _MAX_TRACESTATE_CHARS = 512
 
 @dataclass(frozen=True, kw_only=True)
 class OutboxEvent:
-    """One event to write.  ``event_id`` is generated (UUID4) when not given."""
+    """One event to write.  ``event_id`` is generated (:func:`new_event_id`) when not given."""
 
     topic: str
     key: str | None
@@ -64,6 +68,24 @@ class Prepared:
 
     event_ids: list[uuid.UUID]
     params: dict[str, list[Any]]
+
+
+_TIME_MASK = (1 << 48) - 1
+_RAND_B_MASK = (1 << 62) - 1
+_VERSION_7 = 0x7 << 76
+_VARIANT_RFC = 0b10 << 62
+
+
+def new_event_id() -> uuid.UUID:
+    """A fresh event id: a version 7 UUID (RFC 9562), the Unix time in milliseconds in its
+    first 48 bits and 74 random bits after the version and variant, as PostgreSQL 18's
+    ``uuidv7()`` and the outbox's column default make them.  Ids made later sort later
+    (within one millisecond, in any order); like ``created_at``, an id tells when it was
+    made."""
+    millis = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")  # 80 bits: 12 for rand_a, 62 for rand_b
+    return uuid.UUID(int=((millis & _TIME_MASK) << 80) | _VERSION_7 | ((rand >> 68) << 64)
+                     | _VARIANT_RFC | (rand & _RAND_B_MASK))
 
 
 def valid_traceparent(value: str) -> bool:
@@ -123,7 +145,7 @@ def prepare(events: Iterable[OutboxEvent]) -> Prepared:
     }
     for event in events:
         _check(event)
-        event_id = event.event_id or uuid.uuid4()
+        event_id = event.event_id or new_event_id()
         text, raw = encode_payload(event.payload)
         ids.append(event_id)
         params["event_ids"].append(event_id)

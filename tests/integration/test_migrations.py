@@ -3,6 +3,8 @@ tool gets the same schema, for both layouts."""
 
 from __future__ import annotations
 
+import uuid
+
 import psycopg
 import pytest
 
@@ -50,3 +52,35 @@ def test_printed_script_gives_the_same_schema_as_migrate(pg_server, request, par
     finally:
         for name in names:
             pg_server.drop_database(name)
+
+
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_new_rows_get_time_ordered_event_ids(pg_server, request, partitioned):
+    """0009: the column default makes version 7 UUIDs (uuidv7() on PostgreSQL 18, the same
+    layout built from gen_random_uuid() before it), in the order the rows were written;
+    the file applies twice without harm."""
+    name = f"t_v7_{'p' if partitioned else 'n'}_{abs(hash(request.node.name)) % 10**6}"
+    dsn = pg_server.create_database(name)
+    try:
+        migrate.apply(dsn, partitioned=partitioned)
+        [v7] = [m for m in migrate.migrations(partitioned=partitioned) if m.name == "event_id_v7"]
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(v7.sql.encode())  # idempotent
+            version = conn.execute("SELECT current_setting('server_version_num')::int").fetchone()[0]
+            body = conn.execute("SELECT prosrc FROM pg_proc WHERE proname = 'outbox_uuid_v7'").fetchone()[0]
+            stamps, ids = [], []
+            for n in range(5):
+                conn.execute("SELECT pg_sleep(0.002)")  # ids of different milliseconds
+                stamps.append(conn.execute("SELECT clock_timestamp()").fetchone()[0])
+                ids.append(conn.execute("INSERT INTO outbox (topic, key, payload) VALUES ('t.v7', %s, '{}') "
+                                        "RETURNING event_id", (str(n),)).fetchone()[0])
+            stamps.append(conn.execute("SELECT clock_timestamp()").fetchone()[0])
+        assert ("uuidv7" in body) == (version >= 180000)
+        assert [(u.version, u.variant) for u in ids] == [(7, uuid.RFC_4122)] * 5
+        millis = [int(u.hex[:12], 16) for u in ids]
+        assert millis == sorted(millis) and len(set(millis)) == 5
+        # Each id's time lies between the clock readings taken around its insert.
+        for n, ms in enumerate(millis):
+            assert int(stamps[n].timestamp() * 1000) <= ms <= int(stamps[n + 1].timestamp() * 1000) + 1
+    finally:
+        pg_server.drop_database(name)

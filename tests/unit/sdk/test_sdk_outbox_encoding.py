@@ -10,7 +10,13 @@ import pytest
 from psycopg.pq import TransactionStatus
 
 from consumer_sdk import InvalidEvent, OutboxEvent, TransactionRequired, write_events
-from consumer_sdk.outbox import encode_payload, prepare, require_transaction, valid_traceparent
+from consumer_sdk.outbox import (
+    encode_payload,
+    new_event_id,
+    prepare,
+    require_transaction,
+    valid_traceparent,
+)
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -38,11 +44,31 @@ def test_prepare_keeps_order_and_generates_ids():
     given = uuid.uuid4()
     prepared = prepare([OutboxEvent(topic="a", key="k", payload={"n": 1}),
                         OutboxEvent(topic="b", key=None, payload=b"x", event_id=given)])
-    assert prepared.event_ids[1] == given and prepared.event_ids[0].version == 4
+    assert prepared.event_ids[1] == given and prepared.event_ids[0].version == 7
     assert prepared.params["topics"] == ["a", "b"] and prepared.params["keys"] == ["k", None]
     assert prepared.params["payloads"] == ['{"n":1}', None]
     assert prepared.params["payloads_bytes"] == [None, b"x"]
     assert [json.loads(h) for h in prepared.params["headers"]] == [{}, {}]
+
+
+def test_generated_ids_are_version_7_with_the_time_in_milliseconds(monkeypatch):
+    """RFC 9562's layout: 48 bits of Unix milliseconds, version 7, the RFC variant, and
+    the rest random, so ids of later milliseconds sort after earlier ones."""
+    clock = iter([1_796_000_000_123_456_789, 1_796_000_000_124_000_000])
+    monkeypatch.setattr("consumer_sdk.outbox.time.time_ns", lambda: next(clock))
+    first, second = new_event_id(), new_event_id()
+    assert (first.version, first.variant) == (7, uuid.RFC_4122)
+    assert int(first.hex[:12], 16) == 1_796_000_000_123
+    assert int(second.hex[:12], 16) == 1_796_000_000_124
+    assert first < second and str(first) < str(second)
+
+
+def test_generated_ids_within_one_millisecond_differ_in_their_random_bits(monkeypatch):
+    monkeypatch.setattr("consumer_sdk.outbox.time.time_ns", lambda: 1_796_000_000_123_000_000)
+    ids = {new_event_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    assert {int(u.hex[:12], 16) for u in ids} == {1_796_000_000_123}
+    assert {(u.version, u.variant) for u in ids} == {(7, uuid.RFC_4122)}
 
 
 @pytest.mark.parametrize("event", [
