@@ -59,3 +59,52 @@ def test_claims_use_the_pending_index(outbox_db):
     finally:
         held.rollback()
         held.close()
+
+
+def _probe_loops(dsn: str, cursor: Cursor) -> int:
+    """How many times the claim's per-key back-off probe ran (the correlated SubPlan on the
+    retrying index), from EXPLAIN ANALYZE."""
+    params = {"cur": cursor.cur, "prev_xmax": str(cursor.prev_xmax),
+              "prev_xip": [str(x) for x in cursor.prev_xip], "nshards": 1, "shards": [0],
+              "all_shards": True, "after_xid": str(cursor.xid), "after_id": cursor.id, "limit": 1000,
+              "now": None, "max_bytes": 1_000_000, "budget_bytes": 4 << 20}
+    query = compose("relay", "claim_batch")
+    text = query if isinstance(query, sql.Composed) else sql.SQL(query)  # type: ignore[arg-type]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        [(doc,)] = conn.execute(sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + text, params).fetchall()
+
+    def walk(node: dict) -> int:
+        probe = node.get("Index Name") == "outbox_retrying_idx" and node.get("Parent Relationship") == "SubPlan"
+        own = node.get("Actual Loops", 0) if probe else 0
+        return own + sum(walk(child) for child in node.get("Plans", []))
+
+    return walk(doc[0]["Plan"])
+
+
+def test_rows_pay_the_back_off_probe_only_while_some_row_is_in_back_off(outbox_db):
+    """A row waits while an earlier row of its key is in back-off; the per-key probe behind
+    that runs only when some row is in back-off at all (asked once per claim)."""
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("INSERT INTO outbox (topic, key, payload) SELECT 't', k, '{}' "
+                     "FROM unnest(ARRAY['a', 'a', 'b', 'c']) AS k")
+        first_a = conn.execute("SELECT min(id) FROM outbox WHERE key = 'a'").fetchone()[0]
+    store = Store(outbox_db)
+    try:
+        def claimed() -> list[str]:
+            rows = store.claim(shards=[ShardId(0)], nshards=1, after=Cursor(), limit=100).rows
+            return [row.key or "" for row in rows]
+
+        assert claimed() == ["a", "a", "b", "c"]
+        assert _probe_loops(outbox_db, Cursor()) == 0  # nothing in back-off: never run
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute("UPDATE outbox SET retry_at = now() + interval '1 hour', attempts = 1 "
+                         "WHERE id = %s", (first_a,))
+        assert claimed() == ["b", "c"]  # a's rows wait behind its first, the others do not
+        assert _probe_loops(outbox_db, Cursor()) > 0
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute("UPDATE outbox SET retry_at = now() - interval '1 second' WHERE id = %s",
+                         (first_a,))
+        assert claimed() == ["a", "a", "b", "c"]  # the retry is due: the key goes on, in order
+        assert _probe_loops(outbox_db, Cursor()) == 0
+    finally:
+        store.close()

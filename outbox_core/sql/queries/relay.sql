@@ -17,7 +17,9 @@
 -- a transaction held open elsewhere never holds a claim back, and the dead index
 -- entries of rows marked since it began are never walked.  The first branch's xids
 -- are all below prev_xmax, so the two branches in turn are (xid, id) order.
--- A row in back-off, and every later row of its key, waits.
+-- A row in back-off, and every later row of its key, waits.  Whether any row is in
+-- back-off is asked once per claim (an InitPlan on the tiny retrying index): when none is,
+-- as nearly always, no row pays the per-key probe (13 % of a 1,000-row claim).
 -- No row locks: shard leases give exclusivity, and SKIP LOCKED would let a
 -- replica step over a row that a stale owner had locked and publish the key's
 -- next row first.
@@ -51,7 +53,12 @@ WITH cur AS MATERIALIZED (
     WHERE pg_visible_in_snapshot(o.xid, (SELECT s FROM cur))
       AND (%(all_shards)s OR (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s = ANY(%(shards)s::int[]))
       AND (o.retry_at IS NULL OR o.retry_at <= coalesce(%(now)s::timestamptz, now()))
-      AND (o.key IS NULL OR NOT EXISTS (
+      AND (o.key IS NULL
+           OR NOT (SELECT EXISTS (
+               SELECT 1 FROM {table} AS w
+               WHERE w.published_at IS NULL AND w.retry_at IS NOT NULL
+                 AND w.retry_at > coalesce(%(now)s::timestamptz, now())))
+           OR NOT EXISTS (
           SELECT 1 FROM {table} AS b
           WHERE b.published_at IS NULL AND b.retry_at IS NOT NULL
             AND b.retry_at > coalesce(%(now)s::timestamptz, now())
