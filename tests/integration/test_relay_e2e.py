@@ -76,6 +76,11 @@ def test_message_carries_key_payload_headers_and_event_id(outbox_db, broker, top
         ("(NULL, 'k', '{}')", "topic"),
         ("('bad topic!', 'k', '{}')", "outbox_topic_valid"),
         ("('..', 'k', '{}')", "outbox_topic_valid"),
+        ("('.', 'k', '{}')", "outbox_topic_valid"),
+        ("('', 'k', '{}')", "outbox_topic_valid"),
+        ("('" + "x" * 250 + "', 'k', '{}')", "outbox_topic_valid"),
+        ("('tópico', 'k', '{}')", "outbox_topic_valid"),
+        ("('a/b', 'k', '{}')", "outbox_topic_valid"),
     ],
 )
 def test_schema_rejects_bad_rows_with_a_named_constraint(outbox_db, column_values, constraint):
@@ -85,6 +90,16 @@ def test_schema_rejects_bad_rows_with_a_named_constraint(outbox_db, column_value
         with pytest.raises(psycopg.errors.IntegrityError) as info:
             conn.execute(f"INSERT INTO outbox (topic, key, payload) VALUES {column_values}")  # noqa: S608
     assert constraint in str(info.value)
+
+
+def test_schema_accepts_every_topic_kafka_accepts(outbox_db):
+    import psycopg
+
+    topics = ["x" * 249, "...", "a", "Orders.v2_eu-1", "_internal", "-"]
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        for topic in topics:
+            conn.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, 'k', '{}')", (topic,))
+        assert [r[0] for r in conn.execute("SELECT topic FROM outbox ORDER BY id")] == topics
 
 
 def test_schema_rejects_headers_that_are_not_an_object_and_two_payloads(outbox_db):
