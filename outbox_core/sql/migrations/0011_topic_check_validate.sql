@@ -1,9 +1,0 @@
--- 0011: validate 0010's topic check against the rows already in the table.
---
--- Idempotent: safe to apply twice and readable by a DBA on its own.
---
--- A file of its own, so its own transaction: VALIDATE CONSTRAINT scans the table under a
--- SHARE UPDATE EXCLUSIVE lock, which lets writers and the relay go on meanwhile.  (A
--- script printed by `migrate --print` and run as one transaction holds 0010's lock
--- through this scan instead.)
-ALTER TABLE outbox VALIDATE CONSTRAINT outbox_topic_valid;
