@@ -45,12 +45,13 @@ DEFAULT_CONSOLE_PORT = 8089
 DEFAULT_METRICS_HOST = "0.0.0.0"  # noqa: S104 - a sidecar's probes come from the kubelet
 DEFAULT_LEASE_DURATION_S = 10.0
 DEFAULT_PIPELINE_DEPTH = 4
-#: Connections marking at once (0: automatic, see :func:`mark_connections`): two used both
-#: cores of this project's machines while draining (relay-shaped database floor 32,262 ->
-#: 53,081 rows/s; a third added nothing).  In exactly-once mode the marks are not what
-#: bounds the drain (the shards' Kafka transactions are), and a second mark thread cost it
-#: 8 % (22,199 -> 20,320 events/s, 3 rounds each): one there.
-DEFAULT_MARK_CONNECTIONS = 2
+#: Connections marking at once (0: automatic, see :func:`mark_connections`).  Two paid while
+#: a mark cost 20-30 us a row (relay-shaped database floor 32,262 -> 53,081 rows/s); since
+#: migration 0010 made the mark 2.5 x cheaper, a second mark connection only competes with
+#: the claim and the broker for the cores: the drain with one, 57,564 events/s, with two
+#: 51,595 (6 rounds alternating, one better in each; issue 18's twelfth pass).  In
+#: exactly-once mode the shards' Kafka transactions bound the drain: one there too.
+DEFAULT_MARK_CONNECTIONS = 1
 DEFAULT_EXACTLY_ONCE_MARK_CONNECTIONS = 1
 MAX_MARK_CONNECTIONS = 8
 DEFAULT_DRAIN_TIMEOUT_S = 15.0
@@ -187,7 +188,7 @@ OPTIONS: tuple[Option, ...] = (
            help="batches in flight to the broker at once"),
     Option(name="mark_connections", parse=_mark_connections, default=0,
            help="connections marking acknowledged rows at once while draining (a shard's "
-                "marks stay in order; the second opens only when a large batch is split); "
+                "marks stay in order; a second opens only when a large batch is split); "
                 f"0: {DEFAULT_MARK_CONNECTIONS}, or {DEFAULT_EXACTLY_ONCE_MARK_CONNECTIONS} "
                 "with --exactly-once"),
     Option(name="batch_max_bytes", parse=_positive_int, default=DEFAULT_BATCH_MAX_BYTES,

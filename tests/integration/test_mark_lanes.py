@@ -1,6 +1,7 @@
 """Marks on two connections (``--mark-connections``, relay/marker.py's MarkLanes, issue 18).
 
-A draining relay splits each large batch's mark between its two mark connections by shard.
+A draining relay with two mark connections (`--mark-connections 2`; one by default) splits each
+large batch's mark between them by shard.
 What must hold, on a real PostgreSQL and broker: both connections mark, every row reaches
 the broker once and in key order, and a key's rows are marked in the order they were
 claimed (its marks never run on two connections at once): what is marked of a key is always
@@ -61,7 +62,7 @@ def test_a_backlog_is_marked_on_both_connections_each_key_in_claim_order(outbox_
             conn.execute(SLOW_FIRST_LANE)
     insert_rows(outbox_db, topic, 30_000, keys=50, per_tx=3_000)
     expected = all_event_ids(outbox_db)
-    with RelayThread(outbox_db, broker.bootstrap, batch_size=500, owner="lanes") as relay:
+    with RelayThread(outbox_db, broker.bootstrap, batch_size=500, owner="lanes", mark_connections=2) as relay:
         wait_drained(outbox_db, timeout_s=180)
     assert relay.relay.fatal is None
     with psycopg.connect(outbox_db, autocommit=True) as conn:

@@ -137,7 +137,7 @@ def test_a_pool_with_no_server_for_the_second_mark_connection_only_slows_the_rel
     pooled = pgbouncer("session", pool_size=4)
     insert_rows(outbox_db, topic, 6000, keys=20)
     expected = all_event_ids(outbox_db)
-    with RelayThread(pooled, broker.bootstrap, batch_size=500, owner="small-pool") as r:
+    with RelayThread(pooled, broker.bootstrap, batch_size=500, owner="small-pool", mark_connections=2) as r:
         wait_drained(outbox_db, timeout_s=90)
         assert r.relay.fatal is None
         with psycopg.connect(outbox_db, autocommit=True) as conn:  # directly, not through the pool

@@ -151,9 +151,9 @@ def test_connection_failures_are_classified_by_what_the_server_said(server_says,
     assert type(error).__name__ == kind
 
 
-def test_mark_connections_are_two_by_default_one_in_exactly_once_mode_or_as_given() -> None:
+def test_mark_connections_are_one_by_default_and_in_exactly_once_mode_or_as_given() -> None:
     base = {"dsn": DSN, "bootstrap_servers": "k:9092"}
-    assert mark_connections(build_settings(base)) == 2
+    assert mark_connections(build_settings(base)) == 1
     assert mark_connections(build_settings({**base, "exactly_once": "true"})) == 1
-    assert mark_connections(build_settings({**base, "mark_connections": "1"})) == 1
+    assert mark_connections(build_settings({**base, "mark_connections": "2"})) == 2
     assert mark_connections(build_settings({**base, "exactly_once": "true", "mark_connections": "3"})) == 3
