@@ -14,8 +14,8 @@ the ``payload`` jsonb column.  Headers are strings (or None).  ``event_id`` is a
 UUID generated here (or given) and returned; the relay sends it as the
 ``event_id`` header.  Generated ids are time-ordered (version 7, :func:`new_event_id`),
 like the table's own default: a batch's entries in the unique ``event_id`` index, which
-every insert and every mark writes, land on neighbouring pages.  A W3C trace context passed as ``traceparent``/``tracestate``
-travels in the headers of the same names.
+every insert and every mark writes, land on neighbouring pages.  A W3C trace context
+passed as ``traceparent``/``tracestate`` travels in the headers of the same names.
 
 The asyncio twins live in :mod:`consumer_sdk.aio` and share :func:`prepare`.
 """
