@@ -17,17 +17,22 @@ from relay.store import Store
 SHARDS = 16
 
 
-def plan(dsn: str, cursor: Cursor) -> str:
+def explain(dsn: str, cursor: Cursor, *, options: str = "", nshards: int = SHARDS,
+            shards: tuple[int, ...] = (0, 1, 2)) -> list[tuple[object, ...]]:
+    """EXPLAIN (with ``options``, e.g. "(ANALYZE, FORMAT JSON)") of the claim from ``cursor``."""
     params = {"cur": cursor.cur, "prev_xmax": str(cursor.prev_xmax),
-              "prev_xip": [str(x) for x in cursor.prev_xip], "nshards": SHARDS,
-              "shards": [0, 1, 2], "all_shards": False, "after_xid": str(cursor.xid),
+              "prev_xip": [str(x) for x in cursor.prev_xip], "nshards": nshards,
+              "shards": list(shards), "all_shards": len(shards) == nshards, "after_xid": str(cursor.xid),
               "after_id": cursor.id, "limit": 1000, "now": None, "max_bytes": 1_000_000,
               "budget_bytes": 4 << 20}
     query = compose("relay", "claim_batch")
     text = query if isinstance(query, sql.Composed) else sql.SQL(query)  # type: ignore[arg-type]
     with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(sql.SQL("EXPLAIN ") + text, params).fetchall()
-    return "\n".join(r[0] for r in rows)
+        return conn.execute(sql.SQL("EXPLAIN " + options + " ") + text, params).fetchall()
+
+
+def plan(dsn: str, cursor: Cursor) -> str:
+    return "\n".join(str(r[0]) for r in explain(dsn, cursor))
 
 
 def test_claims_use_the_pending_index(outbox_db):
@@ -64,21 +69,14 @@ def test_claims_use_the_pending_index(outbox_db):
 def _probe_loops(dsn: str, cursor: Cursor) -> int:
     """How many times the claim's per-key back-off probe ran (the correlated SubPlan on the
     retrying index), from EXPLAIN ANALYZE."""
-    params = {"cur": cursor.cur, "prev_xmax": str(cursor.prev_xmax),
-              "prev_xip": [str(x) for x in cursor.prev_xip], "nshards": 1, "shards": [0],
-              "all_shards": True, "after_xid": str(cursor.xid), "after_id": cursor.id, "limit": 1000,
-              "now": None, "max_bytes": 1_000_000, "budget_bytes": 4 << 20}
-    query = compose("relay", "claim_batch")
-    text = query if isinstance(query, sql.Composed) else sql.SQL(query)  # type: ignore[arg-type]
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        [(doc,)] = conn.execute(sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + text, params).fetchall()
+    [(doc,)] = explain(dsn, cursor, options="(ANALYZE, FORMAT JSON)", nshards=1, shards=(0,))
 
     def walk(node: dict) -> int:
         probe = node.get("Index Name") == "outbox_retrying_idx" and node.get("Parent Relationship") == "SubPlan"
         own = node.get("Actual Loops", 0) if probe else 0
         return own + sum(walk(child) for child in node.get("Plans", []))
 
-    return walk(doc[0]["Plan"])
+    return walk(doc[0]["Plan"])  # type: ignore[index]
 
 
 def test_rows_pay_the_back_off_probe_only_while_some_row_is_in_back_off(outbox_db):

@@ -56,71 +56,61 @@ def test_printed_script_gives_the_same_schema_as_migrate(pg_server, request, par
 
 
 @pytest.mark.parametrize("partitioned", [False, True])
-def test_new_rows_get_time_ordered_event_ids(pg_server, request, partitioned):
+def test_new_rows_get_time_ordered_event_ids(db_dsn, partitioned):
     """0009: the column default makes version 7 UUIDs (uuidv7() on PostgreSQL 18, the same
     layout built from gen_random_uuid() before it), in the order the rows were written;
     the file applies twice without harm."""
-    name = f"t_v7_{'p' if partitioned else 'n'}_{abs(hash(request.node.name)) % 10**6}"
-    dsn = pg_server.create_database(name)
-    try:
-        migrate.apply(dsn, partitioned=partitioned)
-        [v7] = [m for m in migrate.migrations(partitioned=partitioned) if m.name == "event_id_v7"]
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(v7.sql.encode())  # idempotent
-            version = conn.execute("SELECT current_setting('server_version_num')::int").fetchone()[0]
-            body = conn.execute("SELECT prosrc FROM pg_proc WHERE proname = 'outbox_uuid_v7'").fetchone()[0]
-            stamps, ids = [], []
-            for n in range(5):
-                conn.execute("SELECT pg_sleep(0.002)")  # ids of different milliseconds
-                stamps.append(conn.execute("SELECT clock_timestamp()").fetchone()[0])
-                ids.append(conn.execute("INSERT INTO outbox (topic, key, payload) VALUES ('t.v7', %s, '{}') "
-                                        "RETURNING event_id", (str(n),)).fetchone()[0])
+    migrate.apply(db_dsn, partitioned=partitioned)
+    [v7] = [m for m in migrate.migrations(partitioned=partitioned) if m.name == "event_id_v7"]
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute(v7.sql.encode())  # idempotent
+        version = conn.execute("SELECT current_setting('server_version_num')::int").fetchone()[0]
+        body = conn.execute("SELECT prosrc FROM pg_proc WHERE proname = 'outbox_uuid_v7'").fetchone()[0]
+        stamps, ids = [], []
+        for n in range(5):
+            conn.execute("SELECT pg_sleep(0.002)")  # ids of different milliseconds
             stamps.append(conn.execute("SELECT clock_timestamp()").fetchone()[0])
-        assert ("uuidv7" in body) == (version >= 180000)
-        assert [(u.version, u.variant) for u in ids] == [(7, uuid.RFC_4122)] * 5
-        millis = [int(u.hex[:12], 16) for u in ids]
-        assert millis == sorted(millis) and len(set(millis)) == 5
-        # Each id's time lies between the clock readings taken around its insert.
-        for n, ms in enumerate(millis):
-            assert int(stamps[n].timestamp() * 1000) <= ms <= int(stamps[n + 1].timestamp() * 1000) + 1
-    finally:
-        pg_server.drop_database(name)
+            ids.append(conn.execute("INSERT INTO outbox (topic, key, payload) VALUES ('t.v7', %s, '{}') "
+                                    "RETURNING event_id", (str(n),)).fetchone()[0])
+        stamps.append(conn.execute("SELECT clock_timestamp()").fetchone()[0])
+    assert ("uuidv7" in body) == (version >= 180000)
+    assert [(u.version, u.variant) for u in ids] == [(7, uuid.RFC_4122)] * 5
+    millis = [int(u.hex[:12], 16) for u in ids]
+    assert millis == sorted(millis) and len(set(millis)) == 5
+    # Each id's time lies between the clock readings taken around its insert.
+    for n, ms in enumerate(millis):
+        assert int(stamps[n].timestamp() * 1000) <= ms <= int(stamps[n + 1].timestamp() * 1000) + 1
 
 
-def test_the_name_checks_are_validated_and_have_no_counted_repetition(pg_server, request):
+def test_the_name_checks_are_validated_and_have_no_counted_repetition(db_dsn):
     """0010/0011: Kafka's topic rule and the jobs' queue rule without '{1,249}' / '{1,64}'
     (the regex engine expands them into a state per count: 13.7 and 3.7 us on every
     insert and every update of a row), validated against rows that were there before,
     which stay."""
-    name = f"t_checks_{abs(hash(request.node.name)) % 10**6}"
-    dsn = pg_server.create_database(name)
-    try:
-        later = [m for m in migrate.migrations() if m.version >= 10]
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            for m in migrate.migrations():  # up to 0009 by hand, then rows, then the rest
-                if m.version < 10:
-                    with conn.transaction():
-                        conn.execute(m.sql.encode())
-            conn.execute("INSERT INTO outbox (topic, payload) SELECT 't.' || g, '{}' FROM generate_series(1, 50) AS g")
-            conn.execute("INSERT INTO jobs (queue, kind, owner_id, payload) "
-                         "SELECT 'q:' || g, 'k', 'o', '{}' FROM generate_series(1, 50) AS g")
-            for m in later + later:  # twice: idempotent
+    later = [m for m in migrate.migrations() if m.version >= 10]
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        for m in migrate.migrations():  # up to 0009 by hand, then rows, then the rest
+            if m.version < 10:
                 with conn.transaction():
                     conn.execute(m.sql.encode())
-            checks = dict(conn.execute(
-                "SELECT conname, (pg_get_constraintdef(oid), convalidated) FROM pg_constraint "
-                "WHERE conname IN ('outbox_topic_valid', 'jobs_queue_valid')").fetchall())
-            assert conn.execute("SELECT (SELECT count(*) FROM outbox), (SELECT count(*) FROM jobs)").fetchone() == (50, 50)
-            # The queue rule's edges (the topic's are in test_relay_e2e.py).
-            for queue in ("q" * 64, "a", "bulk:eu-1.v2_x"):
-                conn.execute("INSERT INTO jobs (queue, kind, owner_id, payload) VALUES (%s, 'k', 'o', '{}')", (queue,))
-            for queue in ("q" * 65, "", "a b", "tâche", "a/b"):
-                with pytest.raises(psycopg.errors.CheckViolation, match="jobs_queue_valid"):
-                    conn.execute("INSERT INTO jobs (queue, kind, owner_id, payload) VALUES (%s, 'k', 'o', '{}')",
-                                 (queue,))
-        (topic, topic_valid), (queue, queue_valid) = checks["outbox_topic_valid"], checks["jobs_queue_valid"]
-        assert topic_valid and queue_valid, checks
-        assert "{" not in topic and "length(topic) <= 249" in topic, topic
-        assert "{" not in queue and "length(queue) <= 64" in queue, queue
-    finally:
-        pg_server.drop_database(name)
+        conn.execute("INSERT INTO outbox (topic, payload) SELECT 't.' || g, '{}' FROM generate_series(1, 50) AS g")
+        conn.execute("INSERT INTO jobs (queue, kind, owner_id, payload) "
+                     "SELECT 'q:' || g, 'k', 'o', '{}' FROM generate_series(1, 50) AS g")
+        for m in later + later:  # twice: idempotent
+            with conn.transaction():
+                conn.execute(m.sql.encode())
+        checks = dict(conn.execute(
+            "SELECT conname, (pg_get_constraintdef(oid), convalidated) FROM pg_constraint "
+            "WHERE conname IN ('outbox_topic_valid', 'jobs_queue_valid')").fetchall())
+        assert conn.execute("SELECT (SELECT count(*) FROM outbox), (SELECT count(*) FROM jobs)").fetchone() == (50, 50)
+        # The queue rule's edges (the topic's are in test_relay_e2e.py).
+        for queue in ("q" * 64, "a", "bulk:eu-1.v2_x"):
+            conn.execute("INSERT INTO jobs (queue, kind, owner_id, payload) VALUES (%s, 'k', 'o', '{}')", (queue,))
+        for queue in ("q" * 65, "", "a b", "tâche", "a/b"):
+            with pytest.raises(psycopg.errors.CheckViolation, match="jobs_queue_valid"):
+                conn.execute("INSERT INTO jobs (queue, kind, owner_id, payload) VALUES (%s, 'k', 'o', '{}')",
+                             (queue,))
+    (topic, topic_valid), (queue, queue_valid) = checks["outbox_topic_valid"], checks["jobs_queue_valid"]
+    assert topic_valid and queue_valid, checks
+    assert "{" not in topic and "length(topic) <= 249" in topic, topic
+    assert "{" not in queue and "length(queue) <= 64" in queue, queue
