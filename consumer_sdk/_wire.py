@@ -1,15 +1,18 @@
 """Statements sent with libpq's own calls, below psycopg's cursor: one round trip that opens
-a transaction and runs a prepared statement.
+a transaction and runs a prepared statement, or runs a whole fenced transaction.
 
-Two callers, each once per job or message: the jobs' fence (BEGIN and the fence's lock,
-see :func:`consumer_sdk.jobs.queue.fence_begin`) and the inbox's first claim of a
+Three callers, each once per job or message: the jobs' fence (BEGIN and the fence's lock,
+see :func:`consumer_sdk.jobs.queue.fence_begin`), a job's one-statement fenced write
+(BEGIN, the raising fence, the statement, COMMIT, see
+:func:`consumer_sdk.jobs.fenced.fenced_execute`) and the inbox's first claim of a
 transaction (the previous transaction's deferred COMMIT, BEGIN and the claim, see
 :class:`consumer_sdk.store.PgInboxStore`).  Through a cursor, such a round trip cost the
 client about twice its libpq calls (the cursor, the query's conversion, the
 prepared-statement cache, the result sets): issue 19 measured it at about 40 µs of CPU a
 job.  Here the statements without parameters and the prepared one go in one libpq
 pipeline (extended protocol, one Sync: one round trip), the prepared statement's values
-as text parameters, and the results are read with psycopg's own non-blocking generators
+as text parameters, a caller's statement with its values as psycopg binds them for a
+cursor (:func:`bind`), and the results are read with psycopg's own non-blocking generators
 under the connection's lock, as psycopg does for ``commit()``: the same waits,
 interruptions and notifications, no SQL built from values.
 
@@ -20,12 +23,20 @@ BEGIN went through; a connection that cannot leave pipeline mode is closed.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 import psycopg.errors
 from psycopg import generators, pq
+from psycopg.abc import Buffer
+from psycopg.adapt import Transformer
+
+try:  # psycopg's own query conversion (server-side parameters), as its cursors use it
+    from psycopg._queries import PostgresQuery
+except ImportError:  # pragma: no cover - a psycopg without it: INTERNALS is false
+    PostgresQuery = None  # type: ignore[assignment,misc]
 
 _FATAL_ERROR = pq.ExecStatus.FATAL_ERROR
 _PIPELINE_ABORTED = pq.ExecStatus.PIPELINE_ABORTED
@@ -36,7 +47,18 @@ _PIPELINE_OFF = pq.PipelineStatus.OFF
 #: them makes :func:`available` false, and the fence goes through psycopg's own pipeline.
 #: tests/unit/jobs/test_jobs_wire.py fails when that happens, so it is seen, not silent.
 INTERNALS = (hasattr(generators, "send") and hasattr(generators, "fetch_many")
-             and hasattr(psycopg.Connection, "wait"))
+             and hasattr(psycopg.Connection, "wait") and PostgresQuery is not None)
+
+
+class Step(NamedTuple):
+    """One statement of a pipeline: SQL text, or a prepared statement's name (``prepared``),
+    with its parameters as libpq takes them."""
+
+    sql: bytes
+    params: Sequence[Buffer | None] | None = None
+    types: Sequence[int] | None = None
+    formats: Sequence[pq.Format] | None = None
+    prepared: bool = False
 
 
 def available(conn: psycopg.Connection[Any]) -> bool:
@@ -70,19 +92,47 @@ def send_before(conn: psycopg.Connection[Any], leading: Sequence[bytes], stateme
     parameters), in one round trip; returns their results in order (then the Sync's).  An
     error is a result here, not an exception (see :func:`raise_first_error`): the caller
     learns what the statements before it did.  Check :func:`available` first."""
+    return send_all(conn, [*(Step(sql) for sql in leading), Step(statement, params, prepared=True)])
+
+
+def send_all(conn: psycopg.Connection[Any], steps: Sequence[Step]) -> list[pq.abc.PGresult]:
+    """Send ``steps`` in one pipeline with one Sync (one round trip); returns their results in
+    order, then the Sync's.  After a failure the server skips the rest up to the Sync
+    (their results say ``PIPELINE_ABORTED``); an error is a result here, not an exception.
+    Check :func:`available` first."""
     pgconn = conn.pgconn
     with conn.lock:
         pgconn.enter_pipeline_mode()
         try:
-            for sql in leading:
-                pgconn.send_query_params(sql, None)
-            pgconn.send_query_prepared(statement, params)
+            for step in steps:
+                if step.prepared:
+                    pgconn.send_query_prepared(step.sql, step.params, param_formats=step.formats)
+                else:
+                    pgconn.send_query_params(step.sql, step.params, param_types=step.types,
+                                             param_formats=step.formats)
             pgconn.pipeline_sync()
             conn.wait(generators.send(pgconn))
             # One fetch per statement (each ends with libpq's NULL), one for the Sync.
-            return [result for _ in range(len(leading) + 2) for result in conn.wait(generators.fetch_many(pgconn))]
+            return [result for _ in range(len(steps) + 1) for result in conn.wait(generators.fetch_many(pgconn))]
         finally:
             _leave_pipeline(conn)
+
+
+#: One psycopg transformer per connection for :func:`bind` (as a cursor keeps one): its
+#: dumpers are looked up once per type, not once per call.
+_TRANSFORMERS: weakref.WeakKeyDictionary[psycopg.Connection[Any], Any] = weakref.WeakKeyDictionary()
+
+
+def bind(conn: psycopg.Connection[Any], query: Any, params: Any = None) -> Step:
+    """``query`` (a string, bytes or ``psycopg.sql`` composition with ``%s`` or ``%(name)s``
+    placeholders) and ``params`` as psycopg would send them from a cursor's ``execute``:
+    server-side parameters, each value dumped by the connection's adapters."""
+    tx = _TRANSFORMERS.get(conn)
+    if tx is None:
+        tx = _TRANSFORMERS[conn] = Transformer(conn)
+    converted = PostgresQuery(tx)
+    converted.convert(query, params)
+    return Step(converted.query, converted.params, converted.types, converted.formats)
 
 
 def failed(result: pq.abc.PGresult) -> bool:

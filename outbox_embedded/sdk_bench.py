@@ -27,11 +27,14 @@ Workers (``--jobs`` trivial jobs; the handler writes one row):
 * naive: ``--threads`` threads, each looping claim one (SKIP LOCKED, running, token + 1),
   write one row, set succeeded: three statements a job;
 * WorkerPool with ``max_concurrency=--threads``, the row written through
-  ``ctx.fenced_transaction()``; the bench checks its progress every 20 ms (its own
-  polling took ~10 % of the process's CPU at 5 ms), so a run may end up to 20 ms late.
+  ``ctx.fenced_transaction()`` (``worker_pool``: BEGIN with the fence, the insert, COMMIT)
+  or through ``ctx.fenced_execute()`` (``worker_pool_execute``: the same in one round
+  trip); the bench checks its progress every 20 ms (its own polling took ~10 % of the
+  process's CPU at 5 ms), so a run may end up to 20 ms late.
 
-Each round runs both worker variants back to back: the report gives the ratio of every
-round (``worker_pool_vs_naive_per_run``) besides the medians, and the pool's jobs per
+Each round runs the three worker variants back to back, in an order that rotates: the
+report gives each pool's ratio in every round (``worker_pool_vs_naive_per_run``,
+``worker_pool_execute_vs_naive_per_run``) besides the medians, and the pool's jobs per
 dispatcher round (``jobs_per_claim_round``).
 
 The last line on stdout is the JSON report (also written to ``--json``).
@@ -331,13 +334,16 @@ def naive_workers(dsn: str, *, queue: str, threads: int, count: int) -> dict[str
     return m.figures(count)
 
 
-def sdk_workers(dsn: str, *, queue: str, threads: int, count: int) -> dict[str, float]:
+def sdk_workers(dsn: str, *, queue: str, threads: int, count: int, one_trip: bool = False) -> dict[str, float]:
     def handler(ctx: JobContext) -> None:
         with ctx.fenced_transaction() as conn:
             conn.execute(q("job_effect"), {"id": ctx.job.id, "token": ctx.job.token})
 
+    def one_trip_handler(ctx: JobContext) -> None:
+        ctx.fenced_execute(q("job_effect"), {"id": ctx.job.id, "token": ctx.job.token})
+
     config = WorkerConfig(dsn=dsn, queues=[queue], max_concurrency=threads, poll_interval_s=1.0)
-    pool = WorkerPool(config, {"bench": handler})
+    pool = WorkerPool(config, {"bench": one_trip_handler if one_trip else handler})
     with Measure() as m:
         pool.start()
         while pool.outcomes["succeeded"] < count:  # a Counter the pool updates: cheap to read
@@ -350,8 +356,10 @@ def jobs_round(args: argparse.Namespace, dsn: str, run: int, results: dict[str, 
     variants: list[tuple[str, Callable[[str], dict[str, float]]]] = [
         ("naive_workers", lambda queue: naive_workers(dsn, queue=queue, threads=args.threads, count=args.jobs)),
         ("worker_pool", lambda queue: sdk_workers(dsn, queue=queue, threads=args.threads, count=args.jobs)),
+        ("worker_pool_execute", lambda queue: sdk_workers(dsn, queue=queue, threads=args.threads, count=args.jobs,
+                                                           one_trip=True)),
     ]
-    order = variants[run % 2:] + variants[: run % 2]
+    order = variants[run % 3:] + variants[: run % 3]
     for name, call in order:
         queue = f"bench-{uuid.uuid4().hex[:8]}"
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -362,7 +370,7 @@ def jobs_round(args: argparse.Namespace, dsn: str, run: int, results: dict[str, 
         figures = call(queue)
         results.setdefault(name, []).append(figures)
         extra = f" {figures['jobs_per_round']:5.1f} jobs/round" if "jobs_per_round" in figures else ""
-        print(f"  run {run + 1} {name:13} {figures['rate']:10.0f} jobs/s {figures['cpu_us']:7.1f} us CPU/job{extra}",
+        print(f"  run {run + 1} {name:19} {figures['rate']:10.0f} jobs/s {figures['cpu_us']:7.1f} us CPU/job{extra}",
               flush=True)
 
 
@@ -386,11 +394,13 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, float]
         "inbox_single_new_vs_naive_single": ratio("inbox_single_new", "naive_single_new"),
         "inbox_single_redelivered_vs_naive_single": ratio("inbox_single_redelivered", "naive_single_redelivered"),
         "worker_pool_vs_naive": ratio("worker_pool", "naive_workers"),
+        "worker_pool_execute_vs_naive": ratio("worker_pool_execute", "naive_workers"),
     }
-    if "worker_pool" in results and "naive_workers" in results:
-        report["worker_pool_vs_naive_per_run"] = [
-            round(p["rate"] / n["rate"], 3) for p, n in zip(results["worker_pool"], results["naive_workers"],
-                                                             strict=True)]
+    for pool in ("worker_pool", "worker_pool_execute"):
+        if pool in results and "naive_workers" in results:
+            report[f"{pool}_vs_naive_per_run"] = [
+                round(p["rate"] / n["rate"], 3) for p, n in zip(results[pool], results["naive_workers"], strict=True)]
+    if "worker_pool" in results:
         report["jobs_per_claim_round"] = round(statistics.median(
             r["jobs_per_round"] for r in results["worker_pool"]), 1)
     return report

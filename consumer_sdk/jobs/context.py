@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 import psycopg.errors
 
-from consumer_sdk.jobs import queue
+from consumer_sdk.jobs import fenced, queue
 from consumer_sdk.jobs._db import ConnectionT, first_line, q
 from consumer_sdk.jobs.errors import LeaseLost
 from consumer_sdk.jobs.model import ClaimedJob, Lease
@@ -166,13 +166,56 @@ class JobContext:
             conn.commit()
         except psycopg.Error as exc:
             _rollback(conn)  # BEGIN went through even when the fence's statement failed
-            ended = isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout)
-            if not (ended or self.cancelled or self.conn.broken or self.conn.closed):
-                raise  # the handler's own statement failed: its error, not the fence's
-            self.cancel("fence_ended" if ended else "lease_lost")  # the first reason wins
-            reason = self._reason or "lease_lost"
-            raise LeaseLost(f"job {self.job.id}: {_MESSAGES.get(reason, reason)}: {first_line(exc)}",
-                            reason=reason) from exc
+            translated = self._lost_or(exc)
+            if translated is exc:
+                raise
+            raise translated from exc
+
+    def fenced_execute(self, query: Any, params: Any = None) -> int:
+        """Run one writing statement in a fenced transaction of its own, in one round trip.
+
+        ``query`` and ``params`` are what ``conn.execute`` takes (one statement: a CTE can
+        write several tables).  BEGIN, the fence, the statement and COMMIT go to the server
+        together: the fence locks the job row as :meth:`fenced_transaction`'s does and, when
+        this attempt no longer holds the lease, raises there, so the statement and the
+        COMMIT are skipped.  Returns the statement's row count.  Raises :class:`LeaseLost`
+        (nothing written), or the statement's own error (nothing written).  Inside an open
+        :meth:`fenced_transaction` it runs in that transaction.
+
+        It costs a third of :meth:`fenced_transaction`'s round trips (one instead of BEGIN
+        with the fence, the statement, COMMIT): use it when the write is one statement and
+        its rows are not read back.  On a database without migration 0012, or a libpq
+        without pipeline mode, it runs as ``fenced_transaction`` plus ``execute``.
+        """
+        if self._fenced_depth > 0:
+            return self.conn.execute(query, params).rowcount
+        self.check()
+        conn = self.conn
+        try:
+            one_trip = fenced.one_trip_fence(conn)
+            if one_trip:
+                rows = fenced.fenced_execute(conn, self.lease, query, params, now=self._db_now())
+        except psycopg.Error as exc:
+            raise self._lost_or(exc) from exc
+        if not one_trip:
+            with self.fenced_transaction() as tx:
+                return tx.execute(query, params).rowcount
+        if rows is None:
+            self.cancel("lease_lost")
+            self.check()
+        return rows or 0
+
+    def _lost_or(self, exc: psycopg.Error) -> Exception:
+        """``exc`` as the handler should see it: its own error, or :class:`LeaseLost` when the
+        lease could not be proven any more (the server ended the transaction, the attempt
+        was cancelled, the connection broke)."""
+        ended = isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout)
+        if not (ended or self.cancelled or self.conn.broken or self.conn.closed):
+            return exc  # the handler's own statement failed: its error, not the fence's
+        self.cancel("fence_ended" if ended else "lease_lost")  # the first reason wins
+        reason = self._reason or "lease_lost"
+        return LeaseLost(f"job {self.job.id}: {_MESSAGES.get(reason, reason)}: {first_line(exc)}",
+                         reason=reason)
 
     @property
     def in_fenced_transaction(self) -> bool:
@@ -192,12 +235,12 @@ class JobContext:
 
     def put_result(self, key: str, value: Any) -> None:
         """Write one result by key (an idempotent upsert): inside the open fenced transaction,
-        or in a fenced transaction of its own."""
+        or in a fenced transaction of its own (:meth:`fenced_execute`, one round trip)."""
         if self._fenced_depth > 0:
             queue.put_result(self.conn, self.lease, key, value, now=self._db_now())
             return
-        with self.fenced_transaction() as conn:
-            queue.put_result(conn, self.lease, key, value, now=self._db_now())
+        query, params = queue.put_result_statement(self.lease, key, value, now=self._db_now())
+        self.fenced_execute(query, params)
 
     def results(self) -> dict[str, Any]:
         """The results written so far by any attempt of this job (to skip finished steps)."""

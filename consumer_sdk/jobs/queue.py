@@ -283,8 +283,14 @@ def _prepare_fence(conn: ConnectionT) -> None:
 def put_result(conn: ConnectionT, lease: Lease, key: str, value: Any, *,
                now: datetime | None = None) -> None:
     """Upsert one result by key; call it inside a fenced transaction."""
-    conn.execute(q("put_result"), {"id": lease.job_id, "key": key, "token": lease.token,
-                                   "value": to_json(value, what="result"), "now": now})
+    conn.execute(*put_result_statement(lease, key, value, now=now))
+
+
+def put_result_statement(lease: Lease, key: str, value: Any, *,
+                         now: datetime | None = None) -> tuple[str, dict[str, Any]]:
+    """:func:`put_result`'s statement and parameters (for :func:`fenced_execute`)."""
+    return q("put_result"), {"id": lease.job_id, "key": key, "token": lease.token,
+                             "value": to_json(value, what="result"), "now": now}
 
 
 def results(conn: ConnectionT, job_id: JobId) -> dict[str, Any]:

@@ -1,12 +1,13 @@
 """A jobs worker pool as a real process, for tests/faults/test_jobs_faults.py.
 
 Handlers:
-  steps  payload {"steps": n, "step_s": s, "in_tx": bool}: n steps, each sleeps s then, in
-         ONE fenced transaction, inserts an `effects` row and writes result "step-<i>" by
-         key; steps whose result exists (an earlier attempt committed them) are skipped.  So
-         every step's effect commits exactly once across attempts, takeovers and stale
-         owners.  With in_tx the sleep happens inside the fenced transaction (its row lock
-         held), after printing `in_tx step=<i>`.
+  steps  payload {"steps": n, "step_s": s, "in_tx": bool, "one_trip": bool}: n steps, each
+         sleeps s then, in ONE fenced transaction, inserts an `effects` row and writes result
+         "step-<i>" by key; steps whose result exists (an earlier attempt committed them) are
+         skipped.  So every step's effect commits exactly once across attempts, takeovers
+         and stale owners.  With in_tx the sleep happens inside the fenced transaction (its
+         row lock held), after printing `in_tx step=<i>`; with one_trip the effect and the
+         result are one statement through ctx.fenced_execute (one round trip).
   hold   payload {"hold_s": s}: records (job, owner) in `effects` (fenced), sleeps s.
 
 Logs JSON lines (structlog) to stdout; prints `worker_ready` once started.  SIGTERM stops
@@ -30,10 +31,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import structlog  # noqa: E402
+from psycopg.types.json import Jsonb  # noqa: E402
 
 from consumer_sdk.jobs import JobContext, WorkerConfig, WorkerPool  # noqa: E402
 
 EFFECT = "INSERT INTO effects (job_id, token, step, worker) VALUES (%s, %s, %s, %s)"
+EFFECT_AND_RESULT = """
+WITH effect AS (
+    INSERT INTO effects (job_id, token, step, worker) VALUES (%(id)s, %(token)s, %(step)s, %(worker)s)
+)
+INSERT INTO job_results (job_id, key, value, lease_token) VALUES (%(id)s, %(key)s, %(value)s, %(token)s)
+ON CONFLICT (job_id, key) DO UPDATE SET value = excluded.value, lease_token = excluded.lease_token
+"""
 
 
 def make_handlers(name: str) -> dict[str, Any]:
@@ -46,6 +55,12 @@ def make_handlers(name: str) -> dict[str, Any]:
                 continue
             if not body.get("in_tx"):
                 ctx.sleep(body["step_s"])
+            if body.get("one_trip"):  # the effect and the result in one fenced statement
+                ctx.fenced_execute(EFFECT_AND_RESULT, {"id": ctx.job.id, "token": ctx.job.token, "step": i,
+                                                       "worker": name, "key": key,
+                                                       "value": Jsonb({"step": i, "by": name})})
+                print(f"step_done job={ctx.job.id} step={i} token={ctx.job.token}", flush=True)
+                continue
             with ctx.fenced_transaction() as conn:
                 conn.execute(EFFECT, (ctx.job.id, ctx.job.token, i, name))
                 ctx.put_result(key, {"step": i, "by": name})

@@ -41,10 +41,11 @@ def start_worker(spawn: Callable[..., Proc], dsn: str, name: str, **opts: Any) -
     return proc
 
 
-def accept_steps(dsn: str, steps: int, step_s: float, in_tx: bool = False) -> tuple[Any, int]:
+def accept_steps(dsn: str, steps: int, step_s: float, in_tx: bool = False,
+                 one_trip: bool = False) -> tuple[Any, int]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         run = accept(conn, owner_id="tenant-1", request_key="r1", kind="steps",
-                     body={"steps": steps, "step_s": step_s, "in_tx": in_tx})
+                     body={"steps": steps, "step_s": step_s, "in_tx": in_tx, "one_trip": one_trip})
     return run.run_id, run.job_id
 
 
@@ -83,13 +84,16 @@ def test_a_sigkilled_worker_is_taken_over_after_its_lease_and_the_job_completes_
     assert result == {"steps": steps, "finished_by": "B"}
 
 
-@pytest.mark.parametrize("frozen", ["between_steps", "inside_fenced_transaction"])
+@pytest.mark.parametrize("frozen", ["between_steps", "inside_fenced_transaction", "between_one_trip_writes"])
 def test_a_sigstopped_worker_resumed_after_losing_its_lease_writes_nothing(jobs_db, spawn, frozen):
     """Frozen between two fenced transactions, the lease simply expires.  Frozen inside
     one, its row lock blocks the takeover until PostgreSQL ends the idle transaction
-    (idle_in_transaction_session_timeout = one lease); its writes are rolled back."""
+    (idle_in_transaction_session_timeout = one lease); its writes are rolled back.  Between
+    two ``fenced_execute`` writes (each one round trip, the fence raising when the lease
+    is gone): the same as between transactions."""
     steps, in_tx = 8, frozen == "inside_fenced_transaction"
-    _run_id, job_id = accept_steps(jobs_db, steps, step_s=0.3, in_tx=in_tx)
+    _run_id, job_id = accept_steps(jobs_db, steps, step_s=0.3, in_tx=in_tx,
+                                   one_trip=frozen == "between_one_trip_writes")
     a = start_worker(spawn, jobs_db, "A")
     if in_tx:
         a.wait_for_log("in_tx step=1", timeout_s=20)

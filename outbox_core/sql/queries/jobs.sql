@@ -338,6 +338,16 @@ WHERE id = $1 AND lease_token = $2
   AND status = 'running' AND lease_until > coalesce($3, now())
 FOR KEY SHARE
 
+-- name: fence_raise_prepare
+-- outbox_jobs_fence (migration 0012) as a prepared statement of the connection, for
+-- JobContext.fenced_execute: BEGIN, this, the handler's statement and COMMIT go in one
+-- libpq pipeline (jobs.fenced.fenced_execute; jobs.fenced.RAISING_FENCE_STATEMENT names it:
+-- keep the two the same).  When the lease is not held it raises, the pipeline aborts,
+-- and the statement and the COMMIT are skipped.  Parameters: job id, lease token, now
+-- (NULL: the database's clock).
+PREPARE outbox_jobs_fence_v3 (bigint, bigint, timestamptz) AS
+SELECT outbox_jobs_fence($1, $2, $3)
+
 -- name: fenced_lock
 -- The first statement of a handler's fenced transaction (JobContext.fenced_transaction).
 -- FOR KEY SHARE is the weakest row lock that still conflicts with FOR UPDATE, the

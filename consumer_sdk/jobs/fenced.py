@@ -1,0 +1,93 @@
+"""A job's one-statement fenced write in one round trip (``JobContext.fenced_execute``).
+
+BEGIN, migration 0012's raising fence (``outbox_jobs_fence``: the job row locked FOR KEY
+SHARE while this lease holds it, else an error), the statement and COMMIT go in one
+libpq pipeline (:mod:`consumer_sdk._wire`).  When the lease is not held the fence
+raises, the server skips the statement and the COMMIT up to the pipeline's Sync, and
+nothing is written.  :func:`consumer_sdk.jobs.queue.fence_begin` is the same fence for a
+transaction the handler writes in itself (three round trips).
+"""
+
+from __future__ import annotations
+
+import weakref
+from datetime import datetime
+from typing import Any
+
+import psycopg
+import psycopg.errors
+from psycopg import pq
+from psycopg.pq import TransactionStatus
+
+from consumer_sdk import _wire
+from consumer_sdk.jobs._db import ConnectionT, q
+from consumer_sdk.jobs.model import Lease
+
+_BEGIN = q("fenced_begin").encode()
+
+#: Connections known to hold the prepared raising fence (see fenced_execute); and those
+#: whose database has no outbox_jobs_fence yet (migration 0012 not applied): they take
+#: the three-round-trip path.
+_RAISING_FENCE_PREPARED: weakref.WeakSet[ConnectionT] = weakref.WeakSet()
+_NO_RAISING_FENCE: weakref.WeakSet[ConnectionT] = weakref.WeakSet()
+#: The prepared raising fence's name, as ``fence_raise_prepare`` in jobs.sql creates it.
+RAISING_FENCE_STATEMENT = b"outbox_jobs_fence_v3"
+_COMMIT = b"COMMIT"
+
+
+def one_trip_fence(conn: ConnectionT) -> bool:
+    """True when :func:`fenced_execute` can run on ``conn``: libpq's pipeline and psycopg's
+    internals are there (:func:`consumer_sdk._wire.available`), and the database has
+    ``outbox_jobs_fence`` (migration 0012).  The first call on a connection prepares the
+    fence (one round trip, once)."""
+    if conn in _NO_RAISING_FENCE or not _wire.available(conn):
+        return False
+    if conn not in _RAISING_FENCE_PREPARED:
+        try:
+            _wire.prepare(conn, q("fence_raise_prepare").encode())
+        except psycopg.errors.UndefinedFunction:
+            _NO_RAISING_FENCE.add(conn)
+            return False
+        _RAISING_FENCE_PREPARED.add(conn)
+    return True
+
+
+def fenced_execute(conn: ConnectionT, lease: Lease, query: Any, params: Any = None, *,
+                   now: datetime | None = None) -> int | None:
+    """BEGIN, the raising fence, ``query`` and COMMIT in one round trip (one libpq pipeline);
+    returns the statement's row count, or None when ``lease`` does not hold the job (then
+    nothing was written).  Check :func:`one_trip_fence` first.
+
+    The fence locks the job row FOR KEY SHARE before the statement runs, as
+    :func:`fence_begin` does; when it raises, the server skips the statement and the
+    COMMIT.  Any failure leaves no transaction open (it is rolled back here).  The
+    statement's own error, or the COMMIT's, is raised as psycopg raises it; so are
+    driver errors (the caller translates them).
+    """
+    fence = [b"%d" % lease.job_id, b"%d" % lease.token, None if now is None else now.isoformat().encode()]
+    statement = _wire.bind(conn, query, params)
+    for _attempt in range(2):
+        results = _wire.send_all(conn, [_wire.Step(_BEGIN), _wire.Step(RAISING_FENCE_STATEMENT, fence, prepared=True),
+                                        statement, _wire.Step(_COMMIT)])
+        if not any(_wire.failed(result) for result in results):
+            rows: int = results[2].command_tuples or 0
+            return rows
+        _end_failed(conn)
+        fenced = results[1]
+        if fenced.status == pq.ExecStatus.FATAL_ERROR:
+            error = psycopg.errors.error_from_result(fenced, encoding=conn.info.encoding)
+            if isinstance(error, psycopg.errors.RaiseException):
+                return None  # outbox_jobs_fence: not held
+            if isinstance(error, psycopg.errors.InvalidSqlStatementName):  # DISCARD ALL, another session
+                _RAISING_FENCE_PREPARED.discard(conn)
+                if not one_trip_fence(conn):
+                    raise error
+                continue
+        _wire.raise_first_error(conn, results)
+    raise psycopg.errors.InvalidSqlStatementName("the prepared fence vanished twice in a row")
+
+
+def _end_failed(conn: ConnectionT) -> None:
+    """Roll back what a failed pipeline left open (BEGIN went through)."""
+    if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
+        conn.rollback()
