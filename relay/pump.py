@@ -62,6 +62,10 @@ STALLED_CLAIM_PAUSE_S = 0.5  # a claim that found only rows held by a stall wait
 PACED_CLAIM_ROWS = 10  # a drained claim finding fewer rows stretches the wait before the next
 PACE_STEP = 1.5  # how much one claim stretches or shortens that wait
 INLINE_MARK_ROWS = 64  # a drained window's batch up to this size is marked on the pump's thread
+# Producing a batch takes milliseconds and a lease is trusted for seconds: the clock is read
+# for every row only while some lease's deadline is this close, else every LEASE_LOOK_ROWS rows.
+LEASE_NEAR_S = 1.0
+LEASE_LOOK_ROWS = 256
 CREATED, TOPIC = attrgetter("created_epoch"), attrgetter("topic")
 
 
@@ -344,18 +348,23 @@ class Pump:
         batch = InFlight(tokens={lease.shard: lease.token for lease in usable},
                          produced_at=self.clock())
         # The loop below runs once per row: names bound once, checks that cannot apply
-        # skipped (no stall, no failed key), the lease deadlines looked up in a dict.
+        # skipped (no stall, no failed key, no lease near its deadline), the lease
+        # deadlines looked up in a dict.
         deadlines = {lease.shard: lease.deadline_monotonic for lease in usable}
+        soonest = min(deadlines.values())
+        near = False
         clock, stalls, send, report = self.clock, self.stalls, self.publisher.send, batch.report
         max_message_bytes, suspects = self.max_message_bytes, self.failures.suspects
         produced = batch.rows
         blocked: set[str] = set()
         deferred = held = sent = 0
         for index, row in enumerate(rows):
+            if not near and not index % LEASE_LOOK_ROWS:
+                near = soonest - clock() < LEASE_NEAR_S
             if (stalls.partitions or stalls.held) and stalls.holds(row):
                 held += 1  # its partition or its key waits: claimed again after the stall
                 continue
-            if deadlines.get(row.shard, 0.0) <= clock():
+            if near and deadlines.get(row.shard, 0.0) <= clock():
                 deferred += 1  # lease may be gone: produce nothing more from this shard
                 continue
             if blocked and row.key in blocked:
