@@ -184,8 +184,9 @@ class JobContext:
 
         It costs a third of :meth:`fenced_transaction`'s round trips (one instead of BEGIN
         with the fence, the statement, COMMIT): use it when the write is one statement and
-        its rows are not read back.  On a database without migration 0012, or a libpq
-        without pipeline mode, it runs as ``fenced_transaction`` plus ``execute``.
+        its rows are not read back.  On a database without migration 0012, a libpq without
+        pipeline mode, or a connection that cannot keep a prepared statement (a pooler that
+        moves sessions between servers), it runs as ``fenced_transaction`` plus ``execute``.
         """
         if self._fenced_depth > 0:
             return self.conn.execute(query, params).rowcount
@@ -195,6 +196,8 @@ class JobContext:
             one_trip = fenced.one_trip_fence(conn)
             if one_trip:
                 rows = fenced.fenced_execute(conn, self.lease, query, params, now=self._db_now())
+        except fenced.OneTripUnavailable:
+            one_trip = False  # a pooler that moves sessions, or the function dropped: nothing written
         except psycopg.Error as exc:
             raise self._lost_or(exc) from exc
         if not one_trip:

@@ -20,7 +20,7 @@ from psycopg import pq
 from psycopg.pq import TransactionStatus
 
 from consumer_sdk import _wire
-from consumer_sdk.jobs._db import ConnectionT, q
+from consumer_sdk.jobs._db import ConnectionT, first_line, q
 from consumer_sdk.jobs.model import Lease
 
 _BEGIN = q("fenced_begin").encode()
@@ -33,6 +33,17 @@ _NO_RAISING_FENCE: weakref.WeakSet[ConnectionT] = weakref.WeakSet()
 #: The prepared raising fence's name, as ``fence_raise_prepare`` in jobs.sql creates it.
 RAISING_FENCE_STATEMENT = b"outbox_jobs_fence_v3"
 _COMMIT = b"COMMIT"
+#: After the prepared fence was gone this many times in a row (prepared again each time, and
+#: gone again before a write could use it: a pooler that moves sessions between servers),
+#: the connection takes the three-round-trip path for good.  A single loss (DISCARD ALL)
+#: costs a ROLLBACK and a PREPARE more, then it is prepared again.
+PREPARED_LOSSES_MAX = 3
+_LOSSES: weakref.WeakKeyDictionary[ConnectionT, int] = weakref.WeakKeyDictionary()
+
+
+class OneTripUnavailable(Exception):
+    """The connection cannot keep the prepared fence (see PREPARED_LOSSES_MAX) or the
+    database lost ``outbox_jobs_fence``: nothing was written; use a fenced transaction."""
 
 
 def one_trip_fence(conn: ConnectionT) -> bool:
@@ -56,7 +67,8 @@ def fenced_execute(conn: ConnectionT, lease: Lease, query: Any, params: Any = No
                    now: datetime | None = None) -> int | None:
     """BEGIN, the raising fence, ``query`` and COMMIT in one round trip (one libpq pipeline);
     returns the statement's row count, or None when ``lease`` does not hold the job (then
-    nothing was written).  Check :func:`one_trip_fence` first.
+    nothing was written).  Check :func:`one_trip_fence` first; :class:`OneTripUnavailable`
+    (nothing written) says to go the three-round-trip way from now on.
 
     The fence locks the job row FOR KEY SHARE before the statement runs, as
     :func:`fence_begin` does; when it raises, the server skips the statement and the
@@ -69,22 +81,27 @@ def fenced_execute(conn: ConnectionT, lease: Lease, query: Any, params: Any = No
     for _attempt in range(2):
         results = _wire.send_all(conn, [_wire.Step(_BEGIN), _wire.Step(RAISING_FENCE_STATEMENT, fence, prepared=True),
                                         statement, _wire.Step(_COMMIT)])
+        fenced = results[1]
+        if fenced.status != pq.ExecStatus.FATAL_ERROR:
+            _LOSSES.pop(conn, None)
         if not any(_wire.failed(result) for result in results):
             rows: int = results[2].command_tuples or 0
             return rows
         _end_failed(conn)
-        fenced = results[1]
         if fenced.status == pq.ExecStatus.FATAL_ERROR:
             error = psycopg.errors.error_from_result(fenced, encoding=conn.info.encoding)
             if isinstance(error, psycopg.errors.RaiseException):
                 return None  # outbox_jobs_fence: not held
             if isinstance(error, psycopg.errors.InvalidSqlStatementName):  # DISCARD ALL, another session
                 _RAISING_FENCE_PREPARED.discard(conn)
+                losses = _LOSSES[conn] = _LOSSES.get(conn, 0) + 1
+                if losses >= PREPARED_LOSSES_MAX:
+                    _NO_RAISING_FENCE.add(conn)
                 if not one_trip_fence(conn):
-                    raise error
+                    raise OneTripUnavailable(first_line(error))
                 continue
         _wire.raise_first_error(conn, results)
-    raise psycopg.errors.InvalidSqlStatementName("the prepared fence vanished twice in a row")
+    raise OneTripUnavailable("the prepared fence was gone twice in a row")
 
 
 def _end_failed(conn: ConnectionT) -> None:

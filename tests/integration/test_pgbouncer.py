@@ -1,4 +1,5 @@
-"""Issue 15, item 7: the relay behind PgBouncer.
+"""Issue 15, item 7: the relay behind PgBouncer (and, issue 19, a job's one-round-trip fenced
+write behind a transaction pooler).
 
 In transaction mode the relay's session state (LISTEN, the wake-up advisory lock,
 `synchronous_commit = off`) would land on borrowed server processes: it refuses to
@@ -147,3 +148,44 @@ def test_a_pool_with_no_server_for_the_second_mark_connection_only_slows_the_rel
     delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60),
                               expected)
     assert not delivery.missing and not delivery.order_violations
+
+
+def test_a_jobs_fenced_execute_behind_a_transaction_pooler_writes_once_and_stays_fenced(outbox_db, pgbouncer):
+    """JobContext.fenced_execute prepares its fence on the connection; a transaction pooler
+    moving a transaction to another server finds it missing there (prepared again, or
+    given up after PREPARED_LOSSES_MAX losses in a row for fenced_transaction's way).  The
+    writes still commit once each, fenced, and a lost lease still writes nothing."""
+    from consumer_sdk.jobs import LeaseLost, NewJob, enqueue
+    from consumer_sdk.jobs import queue as jobq
+    from consumer_sdk.jobs.context import JobContext
+    from consumer_sdk.jobs.model import Take
+
+    with psycopg.connect(outbox_db, autocommit=True) as direct:
+        direct.execute("CREATE TABLE pooled_effects (job_id bigint, token bigint, step int, "
+                       "server int NOT NULL DEFAULT pg_backend_pid())")
+        enqueue(direct, [NewJob(owner_id="o1", queue="interactive", kind="work", payload={})])
+        (job,) = jobq.claim(direct, worker="A", takes=[Take(queue="interactive", owner_id="o1", n=1,
+                                                             owner_limit=jobq.NO_OWNER_LIMIT)], lease_s=60)
+    pooled = pgbouncer("transaction", pool_size=2)
+    insert = "INSERT INTO pooled_effects (job_id, token, step) VALUES (%s, %s, %s)"
+    with psycopg.connect(pooled, autocommit=True, prepare_threshold=None) as conn, \
+            psycopg.connect(pooled) as other:
+        ctx = JobContext(job, conn, deadline=float("inf"))
+        for step in range(10):
+            # Every other write, another client holds a server for the length of it: the
+            # pooler gives this client's transaction the other one.
+            if step % 2:
+                other.execute("SELECT 1")
+            assert ctx.fenced_execute(insert, (job.id, job.token, step)) == 1
+            if step % 2:
+                other.commit()
+        with psycopg.connect(outbox_db, autocommit=True) as direct:  # taken over: a new token
+            direct.execute("UPDATE jobs SET lease_token = lease_token + 1 WHERE id = %s", (job.id,))
+        with pytest.raises(LeaseLost):
+            ctx.fenced_execute(insert, (job.id, job.token, 99))
+    with psycopg.connect(outbox_db, autocommit=True) as direct:
+        assert direct.execute("SELECT step, count(*) FROM pooled_effects GROUP BY step ORDER BY step"
+                              ).fetchall() == [(step, 1) for step in range(10)]
+        # The writes went through several server sessions: the fence prepared on one was
+        # missing on the next until each had it (or the connection gave it up).
+        assert direct.execute("SELECT count(DISTINCT server) FROM pooled_effects").fetchone()[0] > 1

@@ -250,3 +250,33 @@ def test_a_broken_connection_is_a_lost_lease(conn, jobs_db):
 
 def test_the_raising_fence_is_the_one_jobs_sql_prepares():
     assert q("fence_raise_prepare").startswith(f"PREPARE {fenced.RAISING_FENCE_STATEMENT.decode()} (")
+
+
+def test_a_fence_that_never_stays_prepared_is_given_up_for_fenced_transactions(conn, jobs_db, monkeypatch):
+    """A pooler that moves sessions between servers loses the prepared fence each time:
+    after PREPARED_LOSSES_MAX losses in a row the connection takes the three round trips
+    for good, every write still fenced and committed once."""
+    job = _job(conn, lease_s=60)
+    ctx = JobContext(job, conn, deadline=float("inf"))
+    real_send_all = fenced._wire.send_all
+
+    def another_server(c, steps):  # type: ignore[no-untyped-def]
+        c.execute("DEALLOCATE ALL")  # what the next server session would not have
+        return real_send_all(c, steps)
+
+    monkeypatch.setattr(fenced._wire, "send_all", another_server)
+    for step in range(1, 4):
+        assert ctx.fenced_execute(INSERT, {"id": job.id, "token": job.token, "step": step}) == 1
+        assert _idle(conn)
+    monkeypatch.setattr(fenced._wire, "send_all", real_send_all)
+    with RoundTrips(conn) as trips:
+        ctx.fenced_execute(INSERT, {"id": job.id, "token": job.token, "step": 4})
+    # fenced_transaction's way: BEGIN with its own fence, the statement, COMMIT (and its
+    # fence prepared again first: the DEALLOCATEs took it too).
+    assert not any("outbox_jobs_fence_v3" in text for text in trips.sent), trips.sent
+    assert trips.count == 4 and "outbox_jobs_fence_v2" in trips.sent[0], trips.sent
+    assert rows(jobs_db, "SELECT step FROM effects ORDER BY step") == [(1,), (2,), (3,), (4,)]
+    late = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(10**9))
+    with pytest.raises(LeaseLost):
+        late.fenced_execute(INSERT, {"id": job.id, "token": job.token, "step": 5})
+    assert rows(jobs_db, "SELECT count(*) FROM effects") == [(4,)]
