@@ -23,7 +23,6 @@ BEGIN went through; a connection that cannot leave pipeline mode is closed.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -118,19 +117,13 @@ def send_all(conn: psycopg.Connection[Any], steps: Sequence[Step]) -> list[pq.ab
             _leave_pipeline(conn)
 
 
-#: One psycopg transformer per connection for :func:`bind` (as a cursor keeps one): its
-#: dumpers are looked up once per type, not once per call.
-_TRANSFORMERS: weakref.WeakKeyDictionary[psycopg.Connection[Any], Any] = weakref.WeakKeyDictionary()
-
-
 def bind(conn: psycopg.Connection[Any], query: Any, params: Any = None) -> Step:
     """``query`` (a string, bytes or ``psycopg.sql`` composition with ``%s`` or ``%(name)s``
     placeholders) and ``params`` as psycopg would send them from a cursor's ``execute``:
-    server-side parameters, each value dumped by the connection's adapters."""
-    tx = _TRANSFORMERS.get(conn)
-    if tx is None:
-        tx = _TRANSFORMERS[conn] = Transformer(conn)
-    converted = PostgresQuery(tx)
+    server-side parameters, each value dumped by the connection's adapters.  A new
+    transformer each call, as each ``conn.execute`` makes a new cursor (one kept per
+    connection would hold the connection alive)."""
+    converted = PostgresQuery(Transformer(conn))
     converted.convert(query, params)
     return Step(converted.query, converted.params, converted.types, converted.formats)
 

@@ -71,7 +71,7 @@ def fenced_execute(conn: ConnectionT, lease: Lease, query: Any, params: Any = No
     (nothing written) says to go the three-round-trip way from now on.
 
     The fence locks the job row FOR KEY SHARE before the statement runs, as
-    :func:`fence_begin` does; when it raises, the server skips the statement and the
+    :func:`consumer_sdk.jobs.queue.fence_begin` does; when it raises, the server skips the statement and the
     COMMIT.  Any failure leaves no transaction open (it is rolled back here).  The
     statement's own error, or the COMMIT's, is raised as psycopg raises it; so are
     driver errors (the caller translates them).

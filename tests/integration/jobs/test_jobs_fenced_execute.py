@@ -280,3 +280,21 @@ def test_a_fence_that_never_stays_prepared_is_given_up_for_fenced_transactions(c
     with pytest.raises(LeaseLost):
         late.fenced_execute(INSERT, {"id": job.id, "token": job.token, "step": 5})
     assert rows(jobs_db, "SELECT count(*) FROM effects") == [(4,)]
+
+
+def test_a_closed_connection_is_not_kept_alive_by_the_one_trip_path(conn, jobs_db):
+    """What fenced_execute remembers about a connection (prepared fence, losses, the
+    statement's binding) does not keep it alive once the pool drops it."""
+    import gc
+    import weakref
+
+    job = _job(conn, lease_s=60)
+    mine = psycopg.connect(jobs_db, autocommit=True)
+    ctx = JobContext(job, mine, deadline=float("inf"))
+    ctx.fenced_execute(INSERT, {"id": job.id, "token": job.token, "step": 1})
+    assert mine in fenced._RAISING_FENCE_PREPARED
+    gone = weakref.ref(mine)
+    mine.close()
+    del ctx, mine
+    gc.collect()
+    assert gone() is None
