@@ -58,6 +58,7 @@ def test_only_the_run_command_quiets_it(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(relay.app, "Relay", FakeRelay)
     monkeypatch.setattr(relay.app, "install_signal_handlers", lambda relay: None)
     monkeypatch.setattr(cli, "quiet_garbage_collector", lambda: calls.append("quieted"))
+    monkeypatch.setattr(cli, "_configure_logs", lambda *args: None)  # the process's logs stay as they are
     env = {"OUTBOX_RELAY_DSN": "postgresql://relay@db.invalid/app",
            "OUTBOX_RELAY_BOOTSTRAP_SERVERS": "kafka.invalid:9092"}
     assert cli.main(["run"], env) == 0

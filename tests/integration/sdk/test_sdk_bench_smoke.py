@@ -11,7 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 VARIANTS = ["naive_new", "naive_redelivered", "inbox_batch_new", "inbox_batch_redelivered",
             "inbox_batch_bh_new", "inbox_batch_bh_redelivered", "naive_single_new", "naive_single_redelivered",
-            "inbox_single_new", "inbox_single_redelivered", "naive_workers", "worker_pool"]
+            "inbox_single_new", "inbox_single_redelivered", "naive_workers", "worker_pool",
+            "worker_pool_execute"]
 
 
 def test_sdk_bench_runs_every_variant_and_reports_ratios(pg_server, broker, tmp_path):
@@ -29,7 +30,8 @@ def test_sdk_bench_runs_every_variant_and_reports_ratios(pg_server, broker, tmp_
         assert report["figures"][name]["rate"] > 0 and report["figures"][name]["cpu_us"] > 0, name
     assert all(value > 0 for value in report["ratios"].values()), report["ratios"]
     assert len(report["worker_pool_vs_naive_per_run"]) == 1 and report["jobs_per_claim_round"] > 0
-    assert "worker_pool_vs_naive" in result.stdout
+    assert len(report["worker_pool_execute_vs_naive_per_run"]) == 1
+    assert "worker_pool_vs_naive" in result.stdout and "worker_pool_execute_vs_naive" in result.stdout
 
 
 def test_sdk_bench_runs_only_the_variants_and_phases_asked(pg_server, broker, tmp_path):
