@@ -23,7 +23,7 @@ def dispatch(command: str, args: argparse.Namespace, settings: Settings) -> int:
     log = logs.get()
     if command == "migrate":
         applied = migrate.apply(settings.dsn, shards=settings.shards, partitioned=args.partitioned,
-                                log=log)
+                                log=log, lock_timeout_s=settings.lock_timeout_s)
         print(f"migrations applied: {', '.join(applied) if applied else 'none (schema up to date)'}")
         if args.debezium_table:
             return _adopt(settings, args)

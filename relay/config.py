@@ -55,6 +55,7 @@ DEFAULT_MARK_CONNECTIONS = 1
 DEFAULT_EXACTLY_ONCE_MARK_CONNECTIONS = 1
 MAX_MARK_CONNECTIONS = 8
 DEFAULT_DRAIN_TIMEOUT_S = 15.0
+DEFAULT_LOCK_TIMEOUT_S = 5.0  # migrate: the longest a migration's lock request holds writers up
 DEFAULT_BACKOFF_INITIAL_S = 0.2
 DEFAULT_BACKOFF_MAX_S = 30.0
 DEFAULT_MAX_ATTEMPTS = 5
@@ -213,6 +214,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(name="shards", parse=_positive_int, default=None,
            help="shard count; must match the database's (set by migrate --shards)",
            commands=("run", "migrate", "reshard")),
+    Option(name="lock_timeout_s", parse=_positive_float, default=DEFAULT_LOCK_TIMEOUT_S,
+           help="migrate: how long a migration waits for a table lock before it gives up and "
+                "tries again (3 tries); writers queue behind that wait, so keep it short",
+           commands=("migrate",)),
     Option(name="lease_duration_s", parse=_positive_float, default=DEFAULT_LEASE_DURATION_S,
            help="how long a shard lease lasts without renewal, seconds"),
     Option(name="heartbeat_interval_s", parse=_positive_float, default=None,
@@ -285,6 +290,7 @@ class Settings:
     owner: str = ""
     table: str = "outbox"
     shards: int | None = None
+    lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
     lease_duration_s: float = DEFAULT_LEASE_DURATION_S
     heartbeat_interval_s: float = DEFAULT_LEASE_DURATION_S / 3
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from typing import Any
@@ -17,11 +18,13 @@ import psycopg
 from psycopg import sql
 
 from relay import store as store_mod
+from relay.config import DEFAULT_LOCK_TIMEOUT_S
 from relay.errors import ConfigError, FatalError
 from relay.queries import query, sql_files
 
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 DEFAULT_SHARDS = 16
+LOCK_TRIES = 3  # a migration's tries at its table locks (see apply)
 
 
 @dataclass(frozen=True)
@@ -65,11 +68,17 @@ def render(shards: int = DEFAULT_SHARDS, *, partitioned: bool = False) -> str:
 
 
 def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
-          log: Any = None) -> list[str]:
+          log: Any = None, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+          tries: int = LOCK_TRIES) -> list[str]:
     """Apply pending migrations and make sure the shard rows exist; returns what was applied.
 
     ``partitioned`` creates a day-partitioned outbox; it only applies to a database
     without an outbox yet (converting a live table is a job for its owner).
+
+    A migration that alters a live table waits for its lock at most ``lock_timeout_s``
+    (every writer of the table queues behind that wait), then is rolled back and tried
+    again, ``tries`` times; after the last it raises :class:`MigrationBlocked` naming
+    the sessions in old transactions that hold table locks.
     """
     applied_now: list[str] = []
     conn = store_mod.connect(dsn, application_name="outbox-relay-migrate", autocommit=False)
@@ -87,11 +96,7 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
                     if done[m.version] != m.checksum and log is not None:
                         log.warning("migration_changed", version=m.version, name=m.name)
                     continue
-                with conn.transaction():
-                    conn.execute(query("admin", "migration_lock"))
-                    conn.execute(m.sql.encode())  # a whole file: no parameters
-                    conn.execute(query("admin", "record_migration"),
-                                 {"version": m.version, "name": m.name, "checksum": m.checksum})
+                _apply_one(conn, m, lock_timeout_s=lock_timeout_s, tries=tries, log=log)
                 applied_now.append(m.path.name)
                 if log is not None:
                     log.info("migration_applied", version=m.version, name=m.name)
@@ -116,6 +121,43 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
     finally:
         conn.close()
     return applied_now
+
+
+class MigrationBlocked(FatalError):
+    """A migration could not take its locks: sessions in long transactions hold them.  Its
+    own exit code, so that a deploy script can tell "try again later" from a broken setup."""
+
+    exit_code = 6
+
+
+def _apply_one(conn: psycopg.Connection[Any], m: Migration, *, lock_timeout_s: float, tries: int,
+               log: Any) -> None:
+    """One migration in its own transaction, its lock waits bounded (see :func:`apply`)."""
+    timeout = {"lock_timeout": f"{max(1, round(lock_timeout_s * 1000))}ms"}
+    for attempt in range(1, tries + 1):
+        try:
+            with conn.transaction():
+                conn.execute(query("admin", "migration_lock"))  # another migrate: wait for it
+                conn.execute(query("admin", "migration_lock_timeout"), timeout)
+                conn.execute(m.sql.encode())  # a whole file: no parameters
+                conn.execute(query("admin", "record_migration"),
+                             {"version": m.version, "name": m.name, "checksum": m.checksum})
+            return
+        except psycopg.errors.LockNotAvailable:
+            if log is not None:
+                log.warning("migration_lock_wait", version=m.version, name=m.name, attempt=attempt,
+                            lock_timeout_s=lock_timeout_s)
+            if attempt < tries:
+                time.sleep(min(attempt, 5))  # a short transaction elsewhere ends meanwhile
+    with conn.transaction():
+        blockers = conn.execute(query("admin", "migration_blockers"), {"older_than_s": lock_timeout_s}).fetchall()
+    held = "; ".join(f"pid {pid} ({app}, {state}, transaction open {age:.0f} s)"
+                     for pid, app, state, age in blockers) or "none left now: run migrate again"
+    raise MigrationBlocked(
+        f"migration {m.path.name} could not take its table locks within {lock_timeout_s:g} s, "
+        f"{tries} times (writers waited at most that long each time). Sessions in older "
+        f"transactions holding table locks: {held}. End them or let them finish, then run "
+        f"migrate again (--lock-timeout-s waits longer)")
 
 
 def _partitioned(conn: psycopg.Connection[Any]) -> bool:

@@ -12,6 +12,26 @@ CREATE TABLE IF NOT EXISTS outbox_schema_migrations (
 -- Two replicas starting `migrate` at once take turns.
 SELECT pg_advisory_xact_lock(hashtext('outbox-relay-migrate'))
 
+-- name: migration_lock_timeout
+-- A migration's transaction waits this long for a table lock (ALTER TABLE takes ACCESS
+-- EXCLUSIVE: while it waits, every writer of the table queues behind it), then fails
+-- with lock_not_available and relay/migrate.py tries again.  Local to the transaction.
+SELECT set_config('lock_timeout', %(lock_timeout)s, true)
+
+-- name: migration_blockers
+-- After a migration gave up waiting: this database's other sessions whose transactions
+-- are older than one wait and hold a table lock, oldest first (what to end, or wait for).
+SELECT a.pid, coalesce(nullif(a.application_name, ''), 'no application_name') AS app,
+       coalesce(a.state, 'another role''s session') AS state,
+       extract(epoch FROM now() - a.xact_start)::float8 AS age_s
+FROM pg_stat_activity AS a
+WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+  AND a.xact_start < now() - make_interval(secs => %(older_than_s)s)
+  AND EXISTS (SELECT 1 FROM pg_locks AS l
+              WHERE l.pid = a.pid AND l.locktype = 'relation' AND l.granted)
+ORDER BY a.xact_start
+LIMIT 5
+
 -- name: applied_migrations
 SELECT version, name, checksum FROM outbox_schema_migrations ORDER BY version
 
