@@ -33,12 +33,17 @@ def test_cleanup_command_never_touches_pending_rows(outbox_db):
     assert scalar(outbox_db, "SELECT count(*) FROM outbox") == 300
 
 
+WRITER_ROWS_MAX = 8000
+
+
 def test_built_in_cleanup_under_a_running_relay_loses_nothing(outbox_db, broker, topic):
     stop = threading.Event()
     written = [0]
 
     def write() -> None:
-        while not stop.is_set():
+        # Bounded: the cleanup deletes at most 50 rows every 0.1 s whatever the machine, and
+        # an unbounded writer on a fast one could outrun the "fewer than half" wait below.
+        while not stop.is_set() and written[0] < WRITER_ROWS_MAX:
             insert_rows(outbox_db, topic, 100, keys=20, start=written[0])
             written[0] += 100
             stop.wait(0.01)
