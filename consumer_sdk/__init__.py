@@ -51,7 +51,7 @@ from consumer_sdk.model import (
     RetryPolicy,
 )
 from consumer_sdk.outbox import OutboxEvent, new_event_id, write_event, write_events
-from consumer_sdk.processor import BatchHandler
+from consumer_sdk.processor import BatchHandler, StatementsHandler
 from consumer_sdk.retention import RetentionFinding, retention_safe
 from consumer_sdk.store import PgInboxStore, cleanup_inbox
 
@@ -85,6 +85,7 @@ __all__ = [
     "RetriableError",
     "RetryPolicy",
     "SchemaMissing",
+    "StatementsHandler",
     "TransactionConflict",
     "TransactionRequired",
     "cleanup_inbox",

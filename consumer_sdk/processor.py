@@ -87,6 +87,13 @@ Handler = Callable[[Any, InboxMessage], None]
 #: (``batch_handler(conn, [message])``, each in its own savepoint), so that a failure
 #: concerns its own message only.
 BatchHandler = Callable[[Any, Sequence[InboxMessage]], None]
+#: A statements handler: the statements that apply one message, as ``(query, params)``
+#: pairs, computed from the message alone (it may be called more than once for one
+#: message; nothing it does outside the database is undone).  One at a time, the claim,
+#: these statements and the COMMIT go to the server in one round trip
+#: (:meth:`consumer_sdk.store.PgInboxStore.claim_and_apply`); anywhere else, and whenever
+#: that trip fails, the statements are executed as a handler would execute them.
+StatementsHandler = Callable[[InboxMessage], Sequence[tuple[Any, Any]]]
 
 _ABSENT = object()
 
@@ -138,16 +145,23 @@ class Processor:
                  dead_letters: DeadLetterSink, policies: Policies, metrics: ConsumerMetrics,
                  log: Any, sleep: Callable[[float], None],
                  on_settled: Callable[[Sequence[KafkaRecord]], None], batch_size: int | None = None,
-                 batch_handler: BatchHandler | None = None, savepoint_per_message: bool = False) -> None:
+                 batch_handler: BatchHandler | None = None, savepoint_per_message: bool = False,
+                 statements: StatementsHandler | None = None) -> None:
         self.consumer = consumer
         self._batch_size = batch_size  # records per transaction (None: all that process() gets)
         self._store = store
         self._batch_handler = batch_handler
-        if handler is None:
-            if batch_handler is None:
-                raise TypeError("give a handler or a batch_handler")
+        if sum(h is not None for h in (handler, batch_handler, statements)) != 1:
+            raise TypeError("give one of a handler, a batch_handler or a statements handler")
+        if statements is not None:
+            handler = _executing(statements)
+        elif handler is None:
+            assert batch_handler is not None
             handler = _one_of(batch_handler)
         self._handler = handler
+        # One at a time, a statements handler's transaction goes in one round trip when the
+        # store can send it so (PgInboxStore.claim_and_apply).
+        self._statements = statements if callable(getattr(store, "claim_and_apply", None)) else None
         self._rejections = Rejections(consumer=consumer, dead_letters=dead_letters, policies=policies,
                                       metrics=metrics, log=log)
         self._policies = policies
@@ -358,6 +372,11 @@ class Processor:
             return 1, None
         message = self._prepare(record)
         assert isinstance(message, InboxMessage)
+        if self._statements is not None:
+            if self._one_trip(record, message, result):
+                return 1, None
+            # Nothing written: the usual way says why (a duplicate, the statement's error).
+            return self._transaction([record], result, attempt=1, settle=True)
         claim: Claim | None = None
         halt: Halt | None = None
 
@@ -389,6 +408,27 @@ class Processor:
         except _Alone as alone:  # the handler failed: its transaction rolled back
             return 0, alone.halt
         return (0, halt) if halt is not None else (1, None)
+
+    def _one_trip(self, record: KafkaRecord, message: InboxMessage, result: BatchResult) -> bool:
+        """The statements handler's transaction in one round trip; True when it committed
+        (the record is counted and settled), False when nothing was written."""
+        assert self._statements is not None
+        try:
+            statements = _checked(self._statements(message))
+        except Exception:  # noqa: BLE001 - raised again by the usual way, under the policies
+            return False
+        self._sync()  # a COMMIT deferred before it, by a message that went the usual way
+        committed = self._store.claim_and_apply(  # type: ignore[attr-defined]
+            consumer=self.consumer, message=message, payload_sha256=payload_sha256(message.value),
+            statements=statements)
+        if committed is None:  # no pipeline mode here: the handler's way, deferred COMMITs and all
+            self._statements = None
+        if not committed:
+            return False
+        self._applied[record.topic] += 1
+        result.applied += 1
+        self._settle((record,), result)
+        return True
 
     def _after_commits(self, callback: Callable[[], None]) -> None:
         """``callback`` now, or after the deferred COMMIT before it was confirmed (order kept)."""
@@ -536,6 +576,27 @@ class Processor:
             result.settled += len(records)
             self._on_settled(records)
 
+
+
+def _checked(statements: Any) -> list[tuple[Any, Any]]:
+    """A statements handler's answer as a list of ``(query, params)`` pairs, or a TypeError
+    that says what came back instead."""
+    if isinstance(statements, (str, bytes)) or not isinstance(statements, Sequence):
+        raise TypeError(f"a statements handler returns a list of (query, params) pairs, not {type(statements).__name__}")
+    pairs = list(statements)
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise TypeError(f"a statements handler returns (query, params) pairs, not {pair!r:.80}")
+    return pairs
+
+
+def _executing(statements: StatementsHandler) -> Handler:
+    """A statements handler as a handler: each statement executed on the consumer's connection."""
+    def handler(conn: Any, message: InboxMessage) -> None:
+        for sql, params in _checked(statements(message)):
+            conn.execute(sql, params)
+
+    return handler
 
 
 def _one_of(batch_handler: BatchHandler) -> Handler:

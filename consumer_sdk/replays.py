@@ -40,6 +40,16 @@ class ReplayingInbox:
         result: Claim = self._store.claim(consumer=key, message=message, payload_sha256=payload_sha256)
         return result
 
+    def claim_and_apply(self, *, consumer: str, message: InboxMessage, payload_sha256: bytes | None,
+                        statements: Sequence[tuple[Any, Any]]) -> bool | None:
+        """The wrapped store's one-trip transaction (if it has one), under the event's inbox key."""
+        inner = getattr(self._store, "claim_and_apply", None)
+        if inner is None:  # a store without the path (the in-memory fakes): the usual way
+            return None
+        done: bool | None = inner(consumer=inbox_key(consumer, message, self.apply_replays), message=message,
+                                  payload_sha256=payload_sha256, statements=statements)
+        return done
+
     def claim_many(self, *, consumer: str, messages: Sequence[InboxMessage],
                    digests: Sequence[bytes | None]) -> list[Claim]:
         """``claim`` for a batch: one call of the wrapped store per inbox key, order kept."""

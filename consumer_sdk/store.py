@@ -408,6 +408,44 @@ class PgInboxStore:
         self._prepared_losses = 0
         return (True,) if claim.ntuples else None
 
+    def claim_and_apply(self, *, consumer: str, message: InboxMessage, payload_sha256: bytes | None,
+                        statements: Sequence[tuple[Any, Any]]) -> bool | None:
+        """A whole transaction in one round trip: BEGIN, the inbox row (``claim_strict``: a
+        conflict fails it), ``statements`` (``(query, params)`` pairs, bound as a cursor binds
+        them) and COMMIT, in one libpq pipeline with one Sync.  Runs between transactions,
+        with no COMMIT deferred.
+
+        True: committed.  False: nothing was written (the event was there already, a
+        statement or the COMMIT failed, a statement could not be bound) and no transaction
+        is left open; the caller takes the usual way, which says why.  None: this
+        connection cannot take the path (no libpq pipeline mode, or psycopg's internals
+        missing: :func:`consumer_sdk._wire.available`).  A broken connection is
+        :class:`DatabaseUnavailable`: whether the COMMIT happened is unknown (a redelivery
+        finds the inbox row if it did)."""
+        if self._tx is not None or self._pending is not None:
+            raise RuntimeError("claim_and_apply() runs between transactions, with no COMMIT deferred")
+        with self.translated():
+            conn = self.conn
+        if not _wire.available(conn):
+            return None
+        params = {"consumer": consumer, "event_id": message.event_id, "payload_sha256": payload_sha256,
+                  "topic": message.topic, "partition": message.partition, "offset": message.offset,
+                  "now": self._now()}
+        try:  # the handler's mistakes (a wrong parameter count, a value with no dumper) are its own
+            steps = [_wire.bind(conn, sql, args) for sql, args in statements]
+        except Exception:  # noqa: BLE001 - raised again where the usual way runs the statements
+            return False
+        with self.translated():
+            results = _wire.send_all(conn, [_wire.Step(_BEGIN), _wire.bind(conn, query("inbox", "claim_strict"), params),
+                                            *steps, _wire.Step(_COMMIT)])
+            if not any(_wire.failed(result) for result in results):
+                status = results[-2].command_status
+                _check_committed(status.decode() if status is not None else None)
+                return True
+            if conn.info.transaction_status != TransactionStatus.IDLE:
+                conn.rollback()
+        return False
+
     def claim_many(self, *, consumer: str, messages: Sequence[InboxMessage],
                    digests: Sequence[bytes | None]) -> list[Claim]:
         """:meth:`claim` for a batch of distinct events, in one statement (two when a

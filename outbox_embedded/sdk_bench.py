@@ -18,7 +18,9 @@ handler that inserts one row; every consumer reads every partition with ``assign
 * InboxConsumer, ``batch_size=500``, with that handler (``inbox_batch``) and with a batch
   handler inserting the batch's effect rows in one statement as the naive one does
   (``inbox_batch_bh``), and one message at a time (``batch_size=1``, on
-  ``--single-messages`` messages);
+  ``--single-messages`` messages) with the handler (``inbox_single``) and with a statements
+  handler returning the same insert (``inbox_single_statements``: the inbox row, the
+  insert and COMMIT in one round trip);
 * each on new messages and on redeliveries (the same topic read again by the same inbox
   under a new consumer group).
 
@@ -88,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", choices=("consumer", "jobs"), default=None)
     p.add_argument("--variants", default=None,
                    help="comma-separated consumer variants to run (of naive, inbox_batch, inbox_batch_bh, "
-                        "naive_single, inbox_single; default: all)")
+                        "naive_single, inbox_single, inbox_single_statements; default: all)")
     p.add_argument("--phases", default="new,redelivered", help="comma-separated: new, redelivered")
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--profile-dir", default=None,
@@ -224,10 +226,14 @@ def _event_id(msg: Any) -> uuid.UUID:
 
 
 def sdk_consumer(dsn: str, bootstrap: str, topic: str, *, inbox: str, group: str, batch_size: int,
-                 count: int, batched: bool = False, profile: str | None = None) -> dict[str, float]:
+                 count: int, batched: bool = False, statements: bool = False,
+                 profile: str | None = None) -> dict[str, float]:
     def handler(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
         conn.execute(q("effect"), {"event_id": message.event_id, "consumer": inbox,
                                    "n": message.json()["n"]})
+
+    def effect_statements(message: InboxMessage) -> list[tuple[Any, Any]]:
+        return [(q("effect"), {"event_id": message.event_id, "consumer": inbox, "n": message.json()["n"]})]
 
     def batch_handler(conn: psycopg.Connection[Any], messages: Sequence[InboxMessage]) -> None:
         conn.execute(q("naive_effects"), {"consumer": inbox, "event_ids": [m.event_id for m in messages],
@@ -238,7 +244,12 @@ def sdk_consumer(dsn: str, bootstrap: str, topic: str, *, inbox: str, group: str
                          check_retention=False, check_dead_letter_topics=False, kafka_properties=KAFKA)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(q("rebind"), {"consumer": inbox, "group": group})
-    consumer = InboxConsumer(config, batch_handler=batch_handler) if batched else InboxConsumer(config, handler)
+    if batched:
+        consumer = InboxConsumer(config, batch_handler=batch_handler)
+    elif statements:
+        consumer = InboxConsumer(config, statements=effect_statements)
+    else:
+        consumer = InboxConsumer(config, handler)
     consumer.start()
     profiler = cProfile.Profile() if profile else None
     try:
@@ -258,14 +269,18 @@ def sdk_consumer(dsn: str, bootstrap: str, topic: str, *, inbox: str, group: str
     return m.figures(count)
 
 
+#: The one-message-at-a-time variants (a smaller topic of their own).
+SINGLE = frozenset({"inbox_single", "naive_single", "inbox_single_statements"})
+
+
 def consumer_round(args: argparse.Namespace, dsn: str, bootstrap: str, run: int,
                    results: dict[str, list[dict[str, float]]]) -> None:
     """One round of every consumer variant, on new messages then on redeliveries."""
     tag = uuid.uuid4().hex[:6]
     topics = {}
     chosen = set(args.variants.split(",")) if args.variants else None
-    sizes = [("big", args.messages)] if chosen is None or chosen - {"inbox_single", "naive_single"} else []
-    if chosen is None or chosen & {"inbox_single", "naive_single"}:
+    sizes = [("big", args.messages)] if chosen is None or chosen - SINGLE else []
+    if chosen is None or chosen & SINGLE:
         sizes.append(("small", args.single_messages))
     for size, count in sizes:
         topics[size] = f"sdk-bench-{size}-{tag}"
@@ -288,6 +303,9 @@ def consumer_round(args: argparse.Namespace, dsn: str, bootstrap: str, run: int,
         ("inbox_single", lambda inbox, group, profile: sdk_consumer(
             dsn, bootstrap, topics["small"], inbox=inbox, group=group, batch_size=1,
             count=args.single_messages, profile=profile)),
+        ("inbox_single_statements", lambda inbox, group, profile: sdk_consumer(
+            dsn, bootstrap, topics["small"], inbox=inbox, group=group, batch_size=1,
+            count=args.single_messages, statements=True, profile=profile)),
     ]
     if chosen is not None:
         unknown = chosen - {name for name, _ in variants}
@@ -393,6 +411,8 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, float]
         "inbox_batch_bh_redelivered_vs_naive": ratio("inbox_batch_bh_redelivered", "naive_redelivered"),
         "inbox_single_new_vs_naive_single": ratio("inbox_single_new", "naive_single_new"),
         "inbox_single_redelivered_vs_naive_single": ratio("inbox_single_redelivered", "naive_single_redelivered"),
+        "inbox_single_statements_new_vs_naive_single": ratio("inbox_single_statements_new", "naive_single_new"),
+        "inbox_single_statements_new_vs_inbox_single": ratio("inbox_single_statements_new", "inbox_single_new"),
         "worker_pool_vs_naive": ratio("worker_pool", "naive_workers"),
         "worker_pool_execute_vs_naive": ratio("worker_pool_execute", "naive_workers"),
     }

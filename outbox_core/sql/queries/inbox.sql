@@ -30,6 +30,17 @@ VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, now()))
 ON CONFLICT (consumer, event_id) DO NOTHING
 RETURNING true AS inserted
 
+-- name: claim_strict
+-- The claim of a one-trip transaction (PgInboxStore.claim_and_apply): the same row as
+-- claim, with no ON CONFLICT, so that an event already applied fails this statement
+-- (unique_violation) and the server skips the handler's statements and the COMMIT sent
+-- after it in the same pipeline: nothing is written, and the message goes the usual way.
+INSERT INTO outbox_inbox
+    (consumer, event_id, payload_sha256, topic, kafka_partition, kafka_offset, received_at)
+VALUES
+    (%(consumer)s, %(event_id)s, %(payload_sha256)s, %(topic)s, %(partition)s, %(offset)s,
+     coalesce(%(now)s::timestamptz, now()))
+
 -- name: claim_batch
 -- (The arrays go in binary format: a fifth of the client CPU of text arrays.)
 -- The claim of a whole batch in one statement (event ids unique within it): inserts the

@@ -1,0 +1,239 @@
+"""Issue 19: a statements handler (``statements=``), one message at a time, on the real
+PostgreSQL inbox and broker.  The inbox row, the handler's statements and the COMMIT go in
+one round trip (a handler costs two); a duplicate, a failing statement or a failing COMMIT
+writes nothing there and the message goes the handler's way, which applies the policies."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+from typing import Any
+
+import psycopg
+import pytest
+import structlog
+
+from consumer_sdk import InboxMessage, RetryPolicy
+from consumer_sdk.errors import DatabaseUnavailable, FatalError
+from consumer_sdk.metrics import ConsumerMetrics
+from consumer_sdk.model import KafkaRecord
+from consumer_sdk.processor import Policies, Processor
+from consumer_sdk.replays import ReplayingInbox
+from consumer_sdk.store import PgInboxStore, connect_factory
+from consumer_sdk.testing import FakeDeadLetters, make_record
+from tests.fixtures.broker import read_all
+from tests.integration.sdk._support import (
+    RoundTrips,
+    effect_counts,
+    make_config,
+    publish_all,
+    wait_settled,
+    write_numbered,
+)
+
+EFFECTS = ("CREATE TABLE IF NOT EXISTS ot_effects (event_id uuid NOT NULL, n int NOT NULL, "
+           "CHECK (n <> 13), "
+           "CONSTRAINT ot_deferred UNIQUE (n) DEFERRABLE INITIALLY DEFERRED)")
+
+
+def _statements(message: InboxMessage) -> list[tuple[Any, Any]]:
+    n = message.json()["n"]
+    return [("INSERT INTO ot_effects VALUES (%s, %s)", (message.event_id, n))]
+
+
+class _Setup:
+    def __init__(self, dsn: str, statements: Any = _statements, retry: RetryPolicy | None = None) -> None:
+        self.store = PgInboxStore(connect_factory(dsn))
+        self.store.conn.execute(EFFECTS)
+        self.settled: list[KafkaRecord] = []
+        self.letters = FakeDeadLetters()
+        self.calls: Counter[int] = Counter()
+        self.consumer = f"ot-{uuid.uuid4().hex[:6]}"
+
+        def counted(message: InboxMessage) -> Any:
+            self.calls[message.json()["n"]] += 1
+            return statements(message)
+
+        self.processor = Processor(
+            consumer=self.consumer, store=self.store, handler=None, statements=counted,
+            dead_letters=self.letters, policies=Policies(retry=retry or RetryPolicy(max_attempts=1)),
+            metrics=ConsumerMetrics(), log=structlog.get_logger("tests.sdk"), sleep=lambda s: None,
+            on_settled=self.settled.extend, batch_size=1)
+
+    def effects(self) -> dict[int, int]:
+        rows = self.store.conn.execute("SELECT n, count(*) FROM ot_effects GROUP BY n").fetchall()
+        return {int(n): int(c) for n, c in rows}
+
+    def inbox_rows(self) -> int:
+        row = self.store.conn.execute("SELECT count(*) FROM outbox_inbox WHERE consumer = %s",
+                                      (self.consumer,)).fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+@pytest.fixture
+def setup(sdk_db: str) -> Any:
+    made: list[_Setup] = []
+
+    def make(**kwargs: Any) -> _Setup:
+        made.append(_Setup(sdk_db, **kwargs))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.store.conn.execute("DROP TABLE IF EXISTS ot_effects")
+        s.store.close()
+
+
+def test_one_message_at_a_time_costs_one_round_trip_and_commits(setup):
+    s = setup()
+    s.processor.process([make_record(value={"n": -i}, offset=i) for i in range(1, 4)])  # warm
+    records = [make_record(value={"n": i}, offset=10 + i) for i in range(5)]
+    with RoundTrips(s.store.conn) as trips:
+        result = s.processor.process(records)
+    assert result.applied == 5 and s.settled[-5:] == records
+    assert trips.count == 5  # BEGIN, the inbox row, the statement, COMMIT: one Sync a message
+    strict = [sent for sent in trips.sent if "INSERT INTO outbox_inbox" in sent]
+    assert len(strict) == 5 and not any("ON CONFLICT" in sent for sent in strict)  # claim_strict's
+    assert s.effects() == {n: 1 for n in [-1, -2, -3, 0, 1, 2, 3, 4]}
+    assert s.inbox_rows() == 8
+    assert s.store.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def test_a_redelivered_message_is_dropped_and_applied_once(setup):
+    s = setup()
+    records = [make_record(value={"n": i}, offset=i) for i in range(4)]
+    s.processor.process(records)
+    again = s.processor.process(records[:1])  # the one trip meets the inbox row: nothing written
+    assert again.duplicates == 1 and again.applied == 0
+    assert s.processor.process(records).duplicates == 4  # then the lookup before the poll finds them
+    assert s.effects() == {0: 1, 1: 1, 2: 1, 3: 1}
+    assert s.settled == records + records[:1] + records
+
+
+def test_a_reused_event_id_with_another_body_is_a_mismatch_and_dead_lettered(setup):
+    s = setup()
+    event_id = uuid.uuid4()
+    s.processor.process([make_record(value={"n": 1}, event_id=event_id, offset=0)])
+    result = s.processor.process([make_record(value={"n": 2}, event_id=event_id, offset=1)])
+    assert result.applied == 0
+    assert [letter.reason for letter in s.letters.letters] == ["payload_mismatch"]
+    assert s.effects() == {1: 1}
+
+
+def test_a_failing_statement_writes_nothing_and_goes_to_the_policies(setup):
+    s = setup(retry=RetryPolicy(max_attempts=2, backoff_initial_s=0.01))
+    records = [make_record(value={"n": n}, offset=i) for i, n in enumerate([12, 13, 14])]
+    result = s.processor.process(records)
+    assert result.applied == 2 and result.dead_lettered == 1
+    (letter,) = s.letters.letters
+    assert letter.reason == "retries_exhausted" and letter.attempts == 2
+    assert "ot_effects_n_check" in letter.error and letter.error_type == "CheckViolation"
+    assert s.effects() == {12: 1, 14: 1}
+    assert s.inbox_rows() == 2  # the failing event's row never committed
+    assert s.calls[13] == 3  # the one trip, then two attempts the handler's way
+    assert s.settled == records
+
+
+def test_a_commit_that_fails_writes_nothing_and_fails_as_a_handlers_would(setup):
+    """A deferred constraint fails at COMMIT, after every statement went through: nothing of the
+    trip is written, and the handler's way meets the same COMMIT error (a FatalError, not a
+    handler failure: the consumer stops there, the message unsettled)."""
+    s = setup()
+    first = make_record(value={"n": 7}, offset=0)
+    same_n = make_record(value={"n": 7}, offset=1)  # another event, the same n: the deferred UNIQUE
+    with pytest.raises(FatalError, match="ot_deferred"):
+        s.processor.process([first, same_n])
+    assert s.settled == [first]
+    assert s.calls[7] == 3  # the first message's trip; the second's trip, then the handler's way
+    assert s.effects() == {7: 1} and s.inbox_rows() == 1
+
+
+def test_a_statements_handler_that_raises_or_answers_wrongly_goes_to_the_policies(setup):
+    def statements(message: InboxMessage) -> Any:
+        n = message.json()["n"]
+        if n == 1:
+            raise ValueError("no statement for one")
+        if n == 2:
+            return "INSERT INTO ot_effects VALUES (1, 2)"  # a string, not a list of pairs
+        if n == 3:
+            return [("INSERT INTO ot_effects VALUES (%s, %s)", (message.event_id,))]  # a parameter short
+        return _statements(message)
+
+    s = setup(statements=statements)
+    records = [make_record(value={"n": n}, offset=n) for n in range(5)]
+    result = s.processor.process(records)
+    assert result.applied == 2 and result.dead_lettered == 3
+    assert {letter.record.offset: letter.error_type for letter in s.letters.letters} == {
+        1: "ValueError", 2: "TypeError", 3: "ProgrammingError"}
+    assert "list of (query, params) pairs" in s.letters.letters[1].error
+    assert s.effects() == {0: 1, 4: 1} and s.inbox_rows() == 2
+
+
+def test_a_connection_lost_before_the_trip_leaves_the_message_unsettled(setup, sdk_db):
+    s = setup()
+    s.processor.process([make_record(value={"n": 0}, offset=0)])
+    with psycopg.connect(sdk_db, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (s.store.conn.info.backend_pid,))
+    record = make_record(value={"n": 1}, offset=1)
+    with pytest.raises(DatabaseUnavailable):
+        s.processor.process([record])
+    assert record not in s.settled
+    assert s.processor.process([record]).applied == 1  # a new connection; applied once
+    assert s.effects() == {0: 1, 1: 1}
+
+
+def test_without_pipeline_mode_the_statements_go_the_handlers_way(setup, monkeypatch):
+    monkeypatch.setattr(psycopg.capabilities, "has_pipeline", lambda check=False: False)
+    s = setup()
+    # Warm: the first lookup, and psycopg's preparing of what it ran five times (a round trip).
+    s.processor.process([make_record(value={"n": -i}, offset=i) for i in range(1, 7)])
+    records = [make_record(value={"n": i}, offset=10 + i) for i in range(3)]
+    with RoundTrips(s.store.conn) as trips:
+        assert s.processor.process(records).applied == 3
+    assert trips.count == 2 * 3 + 1  # a handler's cost: [COMMIT;] BEGIN; claim, the statement; the last COMMIT
+    assert s.effects() == {**{-i: 1 for i in range(1, 7)}, 0: 1, 1: 1, 2: 1}
+
+
+def test_an_opted_in_replay_is_keyed_apart_in_the_one_trip(setup):
+    s = setup()
+    event_id = uuid.uuid4()
+    s.processor._store = ReplayingInbox(s.store, ["r1"])  # noqa: SLF001 - as InboxConsumer wraps it
+    original = make_record(value={"n": 1}, event_id=event_id, offset=0)
+    replayed = make_record(value={"n": 2}, event_id=event_id, offset=1, headers={"replay_id": "r1"})
+    assert s.processor.process([original, replayed]).applied == 2
+    keys = s.store.conn.execute("SELECT consumer FROM outbox_inbox WHERE event_id = %s ORDER BY 1",
+                                (event_id,)).fetchall()
+    assert keys == [(s.consumer,), (f"{s.consumer}/replay/r1",)]
+
+
+def test_the_consumer_applies_every_event_once_through_redelivery_and_failures(sdk_db, broker, sdk_topic,
+                                                                              run_consumer):
+    """InboxConsumer(statements=...), one at a time, every event reaching Kafka twice; one event
+    in ten fails its statement every time and is dead-lettered after its retries."""
+    n = 120
+    ids = write_numbered(sdk_db, sdk_topic, n)
+    publish_all(sdk_db, broker.bootstrap, times=2)
+    failing = {i for i in range(n) if i % 10 == 3}
+
+    def statements(message: InboxMessage) -> list[tuple[Any, Any]]:
+        i = message.json()["n"]
+        writes: list[tuple[Any, Any]] = [
+            ("INSERT INTO effects (event_id, consumer, n) VALUES (%s, %s, %s)", (message.event_id, "c", i))]
+        if i in failing:
+            writes.append(("SELECT 1 / (%s::int - %s::int)", (i, i)))
+        return writes
+
+    retry = RetryPolicy(max_attempts=2, backoff_initial_s=0.01, backoff_max_s=0.01)
+    config = make_config(sdk_db, broker, sdk_topic, batch_size=1, retry=retry)
+    thread = run_consumer(config, None, statements=statements)
+    wait_settled(thread, 2 * n)
+    thread.stop()
+    effects = effect_counts(sdk_db)
+    assert effects == {ids[i]: 1 for i in range(n) if i not in failing}
+    letters = read_all(broker.bootstrap, f"{sdk_topic}.dlq", expected=2 * len(failing), timeout_s=30,
+                       extra_wait_s=0.5)
+    assert {json.loads(r.value)["n"] for r in letters} == failing
+    assert {r.headers["dlq_reason"] for r in letters} == {b"retries_exhausted"}
+    assert thread.consumer.totals.applied == n - len(failing)
