@@ -66,7 +66,7 @@ INLINE_MARK_ROWS = 64  # a drained window's batch up to this size is marked on t
 # for every row only while some lease's deadline is this close, else every LEASE_LOOK_ROWS rows.
 LEASE_NEAR_S = 1.0
 LEASE_LOOK_ROWS = 256
-CREATED, TOPIC = attrgetter("created_epoch"), attrgetter("topic")
+CREATED, TOPIC, _SHARD = attrgetter("created_epoch"), attrgetter("topic"), attrgetter("shard")
 
 
 class PumpStore(MarkStore, FailureStore, Protocol):
@@ -496,9 +496,11 @@ class Pump:
             future = marker.submit(batch.tokens, acked)
         else:
             future = Future()
+            shards = set(map(_SHARD, acked))  # fenced by its rows' shards only, as the mark threads' parts are
+            tokens = {shard: token for shard, token in batch.tokens.items() if shard in shards}
             try:  # the mark threads are idle: nothing is marking
                 future.set_result(mark_rows(self.store if marker is None else marker.store,
-                                            self.leases.owner, batch.tokens, acked))
+                                            self.leases.owner, tokens, acked))
             except Exception as exc:  # like the mark thread's: raised in _collect_marks
                 future.set_exception(exc)
         self.marking.append(PendingMark(batch, acked, future))

@@ -83,3 +83,34 @@ def test_a_failed_inline_mark_raises_from_the_turn_and_its_rows_stay_pending() -
         assert sorted(store.pending) == [1, 2] and not pump.marking
     finally:
         pump.stop()
+
+
+class LeaseNoting(ThreadNoting):
+    """Notes the shards each mark was fenced by."""
+
+    def __init__(self, rows: Any) -> None:
+        super().__init__(rows)
+        self.fenced_by: list[list[int]] = []
+
+    def mark_published(self, *, owner: str, leases: Any, rows: Any) -> tuple[set[ShardId], set[RowId]]:
+        self.fenced_by.append(sorted(lease.shard for lease in leases))
+        return super().mark_published(owner=owner, leases=leases, rows=rows)
+
+
+def test_an_inline_mark_is_fenced_by_its_rows_shards_only() -> None:
+    """As the mark thread's parts are: a mark of rows of one shard locks and checks that
+    shard's lease row, not the sixteen the relay holds (before: every held lease, one
+    Lease object and four array elements each, and a FOR SHARE lock on each lease row)."""
+    store = LeaseNoting([row(i, 3) for i in range(1, 4)] + [row(i, 5) for i in range(4, 6)])
+    pump = Pump(store=store, publisher=Publisher(), leases=Leases(range(8)), nshards=8,  # type: ignore[arg-type]
+                batch_size=100, pipeline_depth=4, max_attempts=3, backoff_initial_s=0.1,
+                backoff_max_s=1.0, metrics=RelayMetrics(), log=Log(), mark_store=store)
+    pump.start()
+    try:
+        pump.run_once()
+        pump.run_once()
+        assert store.threads == [threading.current_thread().name]  # the inline path
+        assert store.fenced_by == [[3, 5]]
+        assert sorted(store.marked) == [1, 2, 3, 4, 5] and pump.totals.marked == 5
+    finally:
+        pump.stop()
