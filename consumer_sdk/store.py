@@ -39,6 +39,8 @@ ConnectionFactory = Callable[[], psycopg.Connection[Any]]
 
 #: The claim prepared on the connection, as ``claim_prepare`` in inbox.sql names it.
 CLAIM_STATEMENT = b"outbox_inbox_claim_v1"
+#: The strict claim of a one-trip transaction, as ``claim_strict_prepare`` names it.
+CLAIM_STRICT_STATEMENT = b"outbox_inbox_claim_strict_v1"
 #: After the prepared claim was gone this many times in a row (prepared again each time, and
 #: gone again before a claim could use it: a pooler that moves sessions between servers),
 #: the store claims through a cursor for good.  A single loss (DISCARD ALL; psycopg's
@@ -85,6 +87,7 @@ class PgInboxStore:
         self._pending: list[Callable[[], None]] | None = None
         self._client: psycopg.ClientCursor[Any] | None = None  # for BEGIN (and COMMIT) with a claim
         self._prepared_on: psycopg.Connection[Any] | None = None  # holds the prepared claim
+        self._strict_on: psycopg.Connection[Any] | None = None  # holds the prepared claim_strict
         self._prepared_losses = 0
 
     @property
@@ -108,6 +111,7 @@ class PgInboxStore:
         self._pending = None
         self._client = None
         self._prepared_on = None
+        self._strict_on = None
         if conn is not None:
             try:
                 conn.close()
@@ -381,11 +385,7 @@ class PgInboxStore:
         return True
 
     def _first_claim_prepared(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> Any:
-        digest, now = params["payload_sha256"], params["now"]
-        values = [params["consumer"].encode(), str(params["event_id"]).encode(),
-                  None if digest is None else b"\\x" + digest.hex().encode(), params["topic"].encode(),
-                  b"%d" % params["partition"], b"%d" % params["offset"],
-                  None if now is None else now.isoformat().encode()]
+        values = _claim_values(params)
         leading = (_COMMIT, _BEGIN) if self._pending is not None else (_BEGIN,)
         try:
             results = _wire.send_before(conn, leading, CLAIM_STATEMENT, values)
@@ -436,15 +436,35 @@ class PgInboxStore:
         except Exception:  # noqa: BLE001 - raised again where the usual way runs the statements
             return False
         with self.translated():
-            results = _wire.send_all(conn, [_wire.Step(_BEGIN), _wire.bind(conn, query("inbox", "claim_strict"), params),
-                                            *steps, _wire.Step(_COMMIT)])
+            if self._strict_prepared(conn):
+                claim = _wire.Step(CLAIM_STRICT_STATEMENT, _claim_values(params), prepared=True)
+            else:
+                claim = _wire.bind(conn, query("inbox", "claim_strict"), params)
+            results = _wire.send_all(conn, [_wire.Step(_BEGIN), claim, *steps, _wire.Step(_COMMIT)])
             if not any(_wire.failed(result) for result in results):
                 status = results[-2].command_status
                 _check_committed(status.decode() if status is not None else None)
+                if claim.prepared:
+                    self._prepared_losses = 0
                 return True
+            if claim.prepared and results[1].status == psycopg.pq.ExecStatus.FATAL_ERROR \
+                    and results[1].error_field(psycopg.pq.DiagnosticField.SQLSTATE) == b"26000":
+                self._strict_on = None  # invalid_sql_statement_name: DISCARD ALL, another server session
+                self._prepared_losses += 1
             if conn.info.transaction_status != TransactionStatus.IDLE:
                 conn.rollback()
         return False
+
+    def _strict_prepared(self, conn: psycopg.Connection[Any]) -> bool:
+        """True when ``conn`` holds the prepared ``claim_strict``, preparing it when it can (as
+        :meth:`_claim_prepared` does for the claim, under the same count of losses)."""
+        if self._strict_on is conn:
+            return True
+        if self._prepared_losses >= _PREPARED_LOSSES_MAX:
+            return False
+        _wire.prepare(conn, query("inbox", "claim_strict_prepare").encode())
+        self._strict_on = conn
+        return True
 
     def claim_many(self, *, consumer: str, messages: Sequence[InboxMessage],
                    digests: Sequence[bytes | None]) -> list[Claim]:
@@ -540,6 +560,15 @@ def cleanup_inbox(store: PgInboxStore, *, consumer: str, retention_s: float, bat
         if deleted < batch:
             break
     return total
+
+
+def _claim_values(params: dict[str, Any]) -> list[bytes | None]:
+    """A claim's parameters as the prepared claims take them: text, in their order."""
+    digest, now = params["payload_sha256"], params["now"]
+    return [params["consumer"].encode(), str(params["event_id"]).encode(),
+            None if digest is None else b"\\x" + digest.hex().encode(), params["topic"].encode(),
+            b"%d" % params["partition"], b"%d" % params["offset"],
+            None if now is None else now.isoformat().encode()]
 
 
 def _check_committed(status: str | None) -> None:

@@ -41,6 +41,14 @@ VALUES
     (%(consumer)s, %(event_id)s, %(payload_sha256)s, %(topic)s, %(partition)s, %(offset)s,
      coalesce(%(now)s::timestamptz, now()))
 
+-- name: claim_strict_prepare
+-- claim_strict as a prepared statement of the connection (store.CLAIM_STRICT_STATEMENT:
+-- keep the two the same), its parameters those of claim_prepare.
+PREPARE outbox_inbox_claim_strict_v1 (text, uuid, bytea, text, integer, bigint, timestamptz) AS
+INSERT INTO outbox_inbox
+    (consumer, event_id, payload_sha256, topic, kafka_partition, kafka_offset, received_at)
+VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, now()))
+
 -- name: claim_batch
 -- (The arrays go in binary format: a fifth of the client CPU of text arrays.)
 -- The claim of a whole batch in one statement (event ids unique within it): inserts the

@@ -20,7 +20,7 @@ from consumer_sdk.metrics import ConsumerMetrics
 from consumer_sdk.model import KafkaRecord
 from consumer_sdk.processor import Policies, Processor
 from consumer_sdk.replays import ReplayingInbox
-from consumer_sdk.store import PgInboxStore, connect_factory
+from consumer_sdk.store import CLAIM_STRICT_STATEMENT, PgInboxStore, connect_factory
 from consumer_sdk.testing import FakeDeadLetters, make_record
 from tests.fixtures.broker import read_all
 from tests.integration.sdk._support import (
@@ -94,8 +94,7 @@ def test_one_message_at_a_time_costs_one_round_trip_and_commits(setup):
         result = s.processor.process(records)
     assert result.applied == 5 and s.settled[-5:] == records
     assert trips.count == 5  # BEGIN, the inbox row, the statement, COMMIT: one Sync a message
-    strict = [sent for sent in trips.sent if "INSERT INTO outbox_inbox" in sent]
-    assert len(strict) == 5 and not any("ON CONFLICT" in sent for sent in strict)  # claim_strict's
+    assert not [sent for sent in trips.sent if "outbox_inbox" in sent]  # the prepared claim_strict
     assert s.effects() == {n: 1 for n in [-1, -2, -3, 0, 1, 2, 3, 4]}
     assert s.inbox_rows() == 8
     assert s.store.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
@@ -237,3 +236,46 @@ def test_the_consumer_applies_every_event_once_through_redelivery_and_failures(s
     assert {json.loads(r.value)["n"] for r in letters} == failing
     assert {r.headers["dlq_reason"] for r in letters} == {b"retries_exhausted"}
     assert thread.consumer.totals.applied == n - len(failing)
+
+
+def _strict_prepared(s: _Setup) -> int:
+    row = s.store.conn.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = %s",
+                               (CLAIM_STRICT_STATEMENT.decode(),)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_the_trip_claims_with_the_prepared_strict_claim(setup):
+    s = setup()
+    s.processor.process([make_record(value={"n": -1}, offset=0)])
+    with RoundTrips(s.store.conn) as trips:
+        assert s.processor.process([make_record(value={"n": i}, offset=1 + i) for i in range(3)]).applied == 3
+    assert trips.count == 3
+    assert not [sent for sent in trips.sent if "outbox_inbox" in sent], trips.sent  # no claim text sent
+    assert _strict_prepared(s) == 1
+
+
+def test_a_lost_prepared_strict_claim_sends_the_message_the_usual_way_then_is_prepared_again(setup):
+    s = setup()
+    s.processor.process([make_record(value={"n": -1}, offset=0)])
+    s.store.conn.execute(f"DEALLOCATE {CLAIM_STRICT_STATEMENT.decode()}")  # as DISCARD ALL would
+    batch = [make_record(value={"n": i}, offset=1 + i) for i in range(3)]
+    result = s.processor.process(batch)
+    assert (result.applied, result.settled) == (3, 3)
+    assert s.effects() == {-1: 1, 0: 1, 1: 1, 2: 1}
+    assert _strict_prepared(s) == 1
+    assert s.calls[0] == 2 and s.calls[1] == 1  # the lost one's trip, then the usual way; then one trip
+    assert s.store._prepared_losses == 0  # noqa: SLF001 - the next trip went through prepared
+
+
+def test_losses_in_a_row_turn_the_prepared_strict_claim_off_not_the_trip(setup):
+    s = setup()
+    s.processor.process([make_record(value={"n": -1}, offset=0)])
+    s.store._prepared_losses = 3  # noqa: SLF001 - a pooler that moves sessions between servers
+    s.store.reset()  # a new connection: nothing prepared on it
+    batch = [make_record(value={"n": i}, offset=1 + i) for i in range(3)]
+    with RoundTrips(s.store.conn) as trips:
+        assert s.processor.process(batch).applied == 3
+    assert trips.count == 3  # still one trip a message, the claim bound as text
+    assert len([sent for sent in trips.sent if "INSERT INTO outbox_inbox" in sent]) == 3
+    assert _strict_prepared(s) == 0
