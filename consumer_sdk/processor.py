@@ -160,8 +160,10 @@ class Processor:
             handler = _one_of(batch_handler)
         self._handler = handler
         # One at a time, a statements handler's transaction goes in one round trip when the
-        # store can send it so (PgInboxStore.claim_and_apply).
+        # store can send it so (PgInboxStore.claim_and_apply); in a batch, the statements of
+        # all its new messages go in one (PgInboxStore.execute_all).
         self._statements = statements if callable(getattr(store, "claim_and_apply", None)) else None
+        self._batch_statements = statements if callable(getattr(store, "execute_all", None)) else None
         self._rejections = Rejections(consumer=consumer, dead_letters=dead_letters, policies=policies,
                                       metrics=metrics, log=log)
         self._policies = policies
@@ -462,8 +464,9 @@ class Processor:
                 self._lookup_pays = True  # a redelivery: look duplicates up before the next batch
         # No savepoint: a handler failure rolls back everything (see _Alone).
         alone = batched and (len(records) == 1 or self._optimistic)
-        if self._batch_handler is not None and batched and len(valid) == len(records) > 1 \
-                and self._apply_batch(conn, valid, claims):
+        if batched and len(valid) == len(records) > 1 and (
+                (self._batch_handler is not None and self._apply_batch(conn, valid, claims))
+                or (self._batch_statements is not None and self._apply_statements(valid, claims))):
             for record, claim in zip(records, claims, strict=True):
                 (applied if claim == "new" else duplicates)[record.topic] += 1
             return len(records), None
@@ -501,6 +504,33 @@ class Processor:
             if isinstance(exc, DatabaseUnavailable):
                 raise  # the connection broke: the batch is retried as a whole
             self._log.info("batch_handler_failed", messages=len(fresh), error=describe(exc),
+                           hint="applying the batch one message at a time")
+            return False
+        return True
+
+    def _apply_statements(self, messages: Sequence[InboxMessage], claims: Sequence[Claim | None]) -> bool:
+        """The statements of every new message in one pipeline (one round trip), in one
+        savepoint; False (rolled back, or nothing sent) when something other than new or
+        duplicate came, when the statements handler raised or answered wrongly, or when a
+        statement failed: then the batch goes one message at a time, where each failure is
+        judged."""
+        assert self._batch_statements is not None
+        if any(claim not in ("new", "duplicate") for claim in claims):
+            return False
+        fresh = [m for m, claim in zip(messages, claims, strict=True) if claim == "new"]
+        if not fresh:
+            return True
+        if not self._store.can_pipeline():  # type: ignore[attr-defined]
+            self._batch_statements = None  # no pipeline mode here: one by one from now on
+            return False
+        try:
+            statements = [pair for message in fresh for pair in _checked(self._batch_statements(message))]
+            with self._store.attempt():
+                self._store.execute_all(statements)  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - one by one next, where each failure is judged
+            if isinstance(exc, DatabaseUnavailable):
+                raise  # the connection broke: the batch is retried as a whole
+            self._log.info("statements_batch_failed", messages=len(fresh), error=describe(exc),
                            hint="applying the batch one message at a time")
             return False
         return True

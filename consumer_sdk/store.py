@@ -455,6 +455,26 @@ class PgInboxStore:
                 conn.rollback()
         return False
 
+    def can_pipeline(self) -> bool:
+        """The open transaction's connection can take :meth:`execute_all`."""
+        return _wire.available(self._active)
+
+    def execute_all(self, statements: Sequence[tuple[Any, Any]]) -> None:
+        """``statements`` (``(query, params)`` pairs, bound as a cursor binds them) in the open
+        transaction, in one libpq pipeline with one Sync: one round trip.  The first failure
+        is raised as psycopg raises it (the server skipped the rest; roll back to a
+        savepoint, see :meth:`attempt`); a broken connection is :class:`DatabaseUnavailable`.
+        Check :meth:`can_pipeline` first."""
+        conn = self._active
+        steps = [_wire.bind(conn, sql, args) for sql, args in statements]
+        self._flush()
+        try:
+            results = _wire.send_all(conn, steps)
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            self.reset()
+            raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
+        _wire.raise_first_error(conn, results)
+
     def _strict_prepared(self, conn: psycopg.Connection[Any]) -> bool:
         """True when ``conn`` holds the prepared ``claim_strict``, preparing it when it can (as
         :meth:`_claim_prepared` does for the claim, under the same count of losses)."""

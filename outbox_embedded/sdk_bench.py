@@ -17,7 +17,8 @@ handler that inserts one row; every consumer reads every partition with ``assign
   synchronous offset commit;
 * InboxConsumer, ``batch_size=500``, with that handler (``inbox_batch``) and with a batch
   handler inserting the batch's effect rows in one statement as the naive one does
-  (``inbox_batch_bh``), and one message at a time (``batch_size=1``, on
+  (``inbox_batch_bh``), with a statements handler returning the same insert as the handler
+  (``inbox_batch_statements``: every new message's insert in one round trip), and one message at a time (``batch_size=1``, on
   ``--single-messages`` messages) with the handler (``inbox_single``) and with a statements
   handler returning the same insert (``inbox_single_statements``: the inbox row, the
   insert and COMMIT in one round trip);
@@ -90,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", choices=("consumer", "jobs"), default=None)
     p.add_argument("--variants", default=None,
                    help="comma-separated consumer variants to run (of naive, inbox_batch, inbox_batch_bh, "
-                        "naive_single, inbox_single, inbox_single_statements; default: all)")
+                        "inbox_batch_statements, naive_single, inbox_single, inbox_single_statements; "
+                        "default: all)")
     p.add_argument("--phases", default="new,redelivered", help="comma-separated: new, redelivered")
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--profile-dir", default=None,
@@ -297,6 +299,9 @@ def consumer_round(args: argparse.Namespace, dsn: str, bootstrap: str, run: int,
         ("inbox_batch_bh", lambda inbox, group, profile: sdk_consumer(
             dsn, bootstrap, topics["big"], inbox=inbox, group=group, batch_size=args.batch_size,
             count=args.messages, batched=True, profile=profile)),
+        ("inbox_batch_statements", lambda inbox, group, profile: sdk_consumer(
+            dsn, bootstrap, topics["big"], inbox=inbox, group=group, batch_size=args.batch_size,
+            count=args.messages, statements=True, profile=profile)),
         ("naive_single", lambda inbox, group, _profile: naive_single_consumer(
             dsn, bootstrap, topics["small"], args.partitions, inbox=inbox, group=group,
             count=args.single_messages)),
@@ -411,6 +416,9 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, float]
         "inbox_batch_bh_redelivered_vs_naive": ratio("inbox_batch_bh_redelivered", "naive_redelivered"),
         "inbox_single_new_vs_naive_single": ratio("inbox_single_new", "naive_single_new"),
         "inbox_single_redelivered_vs_naive_single": ratio("inbox_single_redelivered", "naive_single_redelivered"),
+        "inbox_batch_statements_new_vs_naive": ratio("inbox_batch_statements_new", "naive_new"),
+        "inbox_batch_statements_redelivered_vs_naive": ratio("inbox_batch_statements_redelivered",
+                                                             "naive_redelivered"),
         "inbox_single_statements_new_vs_naive_single": ratio("inbox_single_statements_new", "naive_single_new"),
         "inbox_single_statements_new_vs_inbox_single": ratio("inbox_single_statements_new", "inbox_single_new"),
         "worker_pool_vs_naive": ratio("worker_pool", "naive_workers"),

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[3]
 VARIANTS = ["naive_new", "naive_redelivered", "inbox_batch_new", "inbox_batch_redelivered",
             "inbox_batch_bh_new", "inbox_batch_bh_redelivered", "naive_single_new", "naive_single_redelivered",
             "inbox_single_new", "inbox_single_redelivered", "naive_workers", "worker_pool",
-            "worker_pool_execute", "inbox_single_statements_new", "inbox_single_statements_redelivered"]
+            "worker_pool_execute", "inbox_single_statements_new", "inbox_single_statements_redelivered",
+            "inbox_batch_statements_new", "inbox_batch_statements_redelivered"]
 
 
 def test_sdk_bench_runs_every_variant_and_reports_ratios(pg_server, broker, tmp_path):

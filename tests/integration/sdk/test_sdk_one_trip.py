@@ -1,7 +1,10 @@
-"""Issue 19: a statements handler (``statements=``), one message at a time, on the real
-PostgreSQL inbox and broker.  The inbox row, the handler's statements and the COMMIT go in
-one round trip (a handler costs two); a duplicate, a failing statement or a failing COMMIT
-writes nothing there and the message goes the handler's way, which applies the policies."""
+"""Issue 19: a statements handler (``statements=``) on the real PostgreSQL inbox and broker.
+One message at a time, the inbox row, the handler's statements and the COMMIT go in one
+round trip (a handler costs two); a duplicate, a failing statement or a failing COMMIT
+writes nothing there and the message goes the handler's way, which applies the policies.
+In a batch, the statements of all its new messages go in one round trip (a handler costs
+one a message); when one fails, the batch goes one message at a time, as after a failing
+batch handler."""
 
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ def _statements(message: InboxMessage) -> list[tuple[Any, Any]]:
 
 
 class _Setup:
-    def __init__(self, dsn: str, statements: Any = _statements, retry: RetryPolicy | None = None) -> None:
+    def __init__(self, dsn: str, statements: Any = _statements, retry: RetryPolicy | None = None,
+                 batch_size: int = 1) -> None:
         self.store = PgInboxStore(connect_factory(dsn))
         self.store.conn.execute(EFFECTS)
         self.settled: list[KafkaRecord] = []
@@ -59,7 +63,7 @@ class _Setup:
             consumer=self.consumer, store=self.store, handler=None, statements=counted,
             dead_letters=self.letters, policies=Policies(retry=retry or RetryPolicy(max_attempts=1)),
             metrics=ConsumerMetrics(), log=structlog.get_logger("tests.sdk"), sleep=lambda s: None,
-            on_settled=self.settled.extend, batch_size=1)
+            on_settled=self.settled.extend, batch_size=batch_size)
 
     def effects(self) -> dict[int, int]:
         rows = self.store.conn.execute("SELECT n, count(*) FROM ot_effects GROUP BY n").fetchall()
@@ -279,3 +283,50 @@ def test_losses_in_a_row_turn_the_prepared_strict_claim_off_not_the_trip(setup):
     assert trips.count == 3  # still one trip a message, the claim bound as text
     assert len([sent for sent in trips.sent if "INSERT INTO outbox_inbox" in sent]) == 3
     assert _strict_prepared(s) == 0
+
+
+def test_a_batch_sends_every_new_messages_statements_in_one_round_trip(setup):
+    s = setup(batch_size=100)
+    s.processor.process([make_record(value={"n": -i}, offset=i) for i in range(1, 4)])  # warm: the lookup
+    records = [make_record(value={"n": i}, offset=i) for i in range(20, 60)]
+    with RoundTrips(s.store.conn) as trips:
+        assert s.processor.process(records).applied == 40
+    assert trips.count == 4  # BEGIN with the claims, the savepoint, the 40 statements, COMMIT
+    assert s.effects() == {**{-i: 1 for i in range(1, 4)}, **{i: 1 for i in range(20, 60)}}
+    assert s.settled[-40:] == records
+    redelivered = s.processor.process(records[:20] + [make_record(value={"n": 100}, offset=99)])
+    assert (redelivered.duplicates, redelivered.applied) == (20, 1)
+    assert s.effects()[25] == 1 and s.effects()[100] == 1
+
+
+def test_a_failing_statement_in_a_batch_sends_it_one_message_at_a_time(setup):
+    s = setup(batch_size=100, retry=RetryPolicy(max_attempts=2, backoff_initial_s=0.01))
+    records = [make_record(value={"n": n}, offset=i) for i, n in enumerate(range(10, 20))]  # 13 fails
+    result = s.processor.process(records)
+    assert (result.applied, result.dead_lettered) == (9, 1)
+    (letter,) = s.letters.letters
+    assert letter.record is records[3] and letter.error_type == "CheckViolation"
+    assert s.effects() == {n: 1 for n in range(10, 20) if n != 13}
+    assert s.inbox_rows() == 9 and s.settled == records
+
+
+def test_a_batch_whose_statements_handler_raises_goes_one_message_at_a_time(setup):
+    def statements(message: InboxMessage) -> Any:
+        if message.json()["n"] == 2:
+            raise ValueError("no statement for two")
+        return _statements(message)
+
+    s = setup(statements=statements, batch_size=100)
+    records = [make_record(value={"n": n}, offset=n) for n in range(5)]
+    result = s.processor.process(records)
+    assert (result.applied, result.dead_lettered) == (4, 1)
+    assert s.letters.letters[0].error_type == "ValueError"
+    assert s.effects() == {0: 1, 1: 1, 3: 1, 4: 1}
+
+
+def test_without_pipeline_mode_a_batch_runs_the_statements_one_by_one(setup, monkeypatch):
+    monkeypatch.setattr(psycopg.capabilities, "has_pipeline", lambda check=False: False)
+    s = setup(batch_size=100)
+    records = [make_record(value={"n": i}, offset=i) for i in range(10)]
+    assert s.processor.process(records).applied == 10
+    assert s.effects() == {i: 1 for i in range(10)}
