@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import psycopg
+import psycopg.abc
 import psycopg.errors
 from psycopg import generators, pq
 from psycopg.abc import Buffer
@@ -117,15 +118,24 @@ def send_all(conn: psycopg.Connection[Any], steps: Sequence[Step]) -> list[pq.ab
             _leave_pipeline(conn)
 
 
-def bind(conn: psycopg.Connection[Any], query: Any, params: Any = None) -> Step:
+def bind(conn: psycopg.Connection[Any], query: Any, params: Any = None, *,
+         transformer: psycopg.abc.Transformer | None = None) -> Step:
     """``query`` (a string, bytes or ``psycopg.sql`` composition with ``%s`` or ``%(name)s``
     placeholders) and ``params`` as psycopg would send them from a cursor's ``execute``:
-    server-side parameters, each value dumped by the connection's adapters.  A new
-    transformer each call, as each ``conn.execute`` makes a new cursor (one kept per
-    connection would hold the connection alive)."""
-    converted = PostgresQuery(Transformer(conn))
+    server-side parameters, each value dumped by the connection's adapters.
+
+    Without ``transformer``, a new one each call, as each ``conn.execute`` makes a new
+    cursor.  A caller that binds many statements passes one (:func:`transformer`), as one
+    cursor reuses its own: it keeps the dumpers it found, half the cost of a bind.  Keep it
+    no longer than the connection (a transformer holds its connection alive)."""
+    converted = PostgresQuery(transformer if transformer is not None else Transformer(conn))
     converted.convert(query, params)
     return Step(converted.query, converted.params, converted.types, converted.formats)
+
+
+def transformer(conn: psycopg.Connection[Any]) -> psycopg.abc.Transformer:
+    """A transformer for :func:`bind` on ``conn`` (see there)."""
+    return Transformer(conn)
 
 
 def failed(result: pq.abc.PGresult) -> bool:

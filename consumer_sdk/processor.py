@@ -39,6 +39,13 @@ instead (in one savepoint); when it raises, that savepoint rolls back and the ba
 one record at a time (``batch_handler(conn, [message])``), with the rules above.  A batch
 that carries one event id twice claims record by record inside the savepoints.
 
+A statements handler (``statements``) returns the statements that apply a message instead
+of running them.  One at a time, the claim, those statements and the COMMIT go in one
+round trip (``PgInboxStore.claim_and_apply``), and in a batch the statements of all its
+new messages go in one, in a savepoint (``execute_all``).  Whenever that writes nothing or
+rolls back, the records go the handler's way, the statements executed one by one, under
+every rule above.
+
 This module depends on two small protocols only (:class:`InboxStore`,
 :class:`~consumer_sdk.rejections.DeadLetterSink`); the PostgreSQL and Kafka adapters and
 the in-memory fakes of :mod:`consumer_sdk.testing` implement them.  What happens to a

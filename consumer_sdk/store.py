@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any, cast
 
 import psycopg
+import psycopg.abc
 import psycopg.errors
 from psycopg.pq import TransactionStatus
 
@@ -88,6 +89,7 @@ class PgInboxStore:
         self._client: psycopg.ClientCursor[Any] | None = None  # for BEGIN (and COMMIT) with a claim
         self._prepared_on: psycopg.Connection[Any] | None = None  # holds the prepared claim
         self._strict_on: psycopg.Connection[Any] | None = None  # holds the prepared claim_strict
+        self._transformer: psycopg.abc.Transformer | None = None  # binds statements for self._conn (_wire.bind)
         self._prepared_losses = 0
 
     @property
@@ -112,6 +114,7 @@ class PgInboxStore:
         self._client = None
         self._prepared_on = None
         self._strict_on = None
+        self._transformer = None
         if conn is not None:
             try:
                 conn.close()
@@ -432,7 +435,8 @@ class PgInboxStore:
                   "topic": message.topic, "partition": message.partition, "offset": message.offset,
                   "now": self._now()}
         try:  # the handler's mistakes (a wrong parameter count, a value with no dumper) are its own
-            steps = [_wire.bind(conn, sql, args) for sql, args in statements]
+            binder = self._binder(conn)
+            steps = [_wire.bind(conn, sql, args, transformer=binder) for sql, args in statements]
         except Exception:  # noqa: BLE001 - raised again where the usual way runs the statements
             return False
         with self.translated():
@@ -466,7 +470,8 @@ class PgInboxStore:
         savepoint, see :meth:`attempt`); a broken connection is :class:`DatabaseUnavailable`.
         Check :meth:`can_pipeline` first."""
         conn = self._active
-        steps = [_wire.bind(conn, sql, args) for sql, args in statements]
+        binder = self._binder(conn)
+        steps = [_wire.bind(conn, sql, args, transformer=binder) for sql, args in statements]
         self._flush()
         try:
             results = _wire.send_all(conn, steps)
@@ -474,6 +479,14 @@ class PgInboxStore:
             self.reset()
             raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
         _wire.raise_first_error(conn, results)
+
+    def _binder(self, conn: psycopg.Connection[Any]) -> psycopg.abc.Transformer:
+        """The transformer that binds statements for ``conn``, kept while it is the store's
+        connection (dropped by :meth:`reset`): it keeps the dumpers it found."""
+        binder = self._transformer
+        if binder is None or binder.connection is not conn:
+            binder = self._transformer = _wire.transformer(conn)
+        return binder
 
     def _strict_prepared(self, conn: psycopg.Connection[Any]) -> bool:
         """True when ``conn`` holds the prepared ``claim_strict``, preparing it when it can (as

@@ -330,3 +330,19 @@ def test_without_pipeline_mode_a_batch_runs_the_statements_one_by_one(setup, mon
     records = [make_record(value={"n": i}, offset=i) for i in range(10)]
     assert s.processor.process(records).applied == 10
     assert s.effects() == {i: 1 for i in range(10)}
+
+
+def test_the_stores_binder_does_not_keep_a_dropped_connection_alive(setup):
+    """The transformer that binds the statements holds its connection: the store drops it
+    with the connection (a kept one leaked every connection once, see c98a812)."""
+    import gc
+    import weakref
+
+    s = setup()
+    s.processor.process([make_record(value={"n": 1}, offset=1)])
+    old = weakref.ref(s.store.conn)
+    s.store.reset()
+    gc.collect()
+    assert old() is None
+    assert s.processor.process([make_record(value={"n": 2}, offset=2)]).applied == 1  # a new one binds
+    assert s.effects() == {1: 1, 2: 1}
