@@ -16,7 +16,7 @@ these is not interrupted, but its fenced writes are still refused.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
@@ -188,25 +188,31 @@ class JobContext:
         pipeline mode, or a connection that cannot keep a prepared statement (a pooler that
         moves sessions between servers), it runs as ``fenced_transaction`` plus ``execute``.
         """
+        return self.fenced_statements([(query, params)])[0]
+
+    def fenced_statements(self, statements: Sequence[tuple[Any, Any]]) -> list[int]:
+        """:meth:`fenced_execute` for several writing statements, ``[(query, params), ...]``,
+        in one fenced transaction and one round trip; returns each one's row count.  The
+        first that fails is raised and nothing is written; so is :class:`LeaseLost`."""
         if self._fenced_depth > 0:
-            return self.conn.execute(query, params).rowcount
+            return [self.conn.execute(query, params).rowcount for query, params in statements]
         self.check()
         conn = self.conn
         try:
             one_trip = fenced.one_trip_fence(conn)
             if one_trip:
-                rows = fenced.fenced_execute(conn, self.lease, query, params, now=self._db_now())
+                counts = fenced.fenced_statements(conn, self.lease, statements, now=self._db_now())
         except fenced.OneTripUnavailable:
             one_trip = False  # a pooler that moves sessions, or the function dropped: nothing written
         except psycopg.Error as exc:
             raise self._lost_or(exc) from exc
         if not one_trip:
             with self.fenced_transaction() as tx:
-                return tx.execute(query, params).rowcount
-        if rows is None:
+                return [tx.execute(query, params).rowcount for query, params in statements]
+        if counts is None:
             self.cancel("lease_lost")
             self.check()
-        return rows or 0
+        return counts or [0] * len(statements)
 
     def _lost_or(self, exc: psycopg.Error) -> Exception:
         """``exc`` as the handler should see it: its own error, or :class:`LeaseLost` when the

@@ -1,4 +1,4 @@
-"""A job's one-statement fenced write in one round trip (``JobContext.fenced_execute``).
+"""A job's fenced write in one round trip (``JobContext.fenced_execute``, ``fenced_statements``).
 
 BEGIN, migration 0012's raising fence (``outbox_jobs_fence``: the job row locked FOR KEY
 SHARE while this lease holds it, else an error), the statement and COMMIT go in one
@@ -11,6 +11,7 @@ transaction the handler writes in itself (three round trips).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -67,26 +68,36 @@ def fenced_execute(conn: ConnectionT, lease: Lease, query: Any, params: Any = No
                    now: datetime | None = None) -> int | None:
     """BEGIN, the raising fence, ``query`` and COMMIT in one round trip (one libpq pipeline);
     returns the statement's row count, or None when ``lease`` does not hold the job (then
-    nothing was written).  Check :func:`one_trip_fence` first; :class:`OneTripUnavailable`
-    (nothing written) says to go the three-round-trip way from now on.
+    nothing was written).  See :func:`fenced_statements`."""
+    counts = fenced_statements(conn, lease, [(query, params)], now=now)
+    return None if counts is None else counts[0]
 
-    The fence locks the job row FOR KEY SHARE before the statement runs, as
-    :func:`consumer_sdk.jobs.queue.fence_begin` does; when it raises, the server skips the statement and the
-    COMMIT.  Any failure leaves no transaction open (it is rolled back here).  The
-    statement's own error, or the COMMIT's, is raised as psycopg raises it; so are
-    driver errors (the caller translates them).
+
+def fenced_statements(conn: ConnectionT, lease: Lease, statements: Sequence[tuple[Any, Any]], *,
+                      now: datetime | None = None) -> list[int] | None:
+    """BEGIN, the raising fence, ``statements`` (``(query, params)`` pairs) and COMMIT in one
+    round trip (one libpq pipeline); returns each statement's row count, or None when
+    ``lease`` does not hold the job (then nothing was written).  Check
+    :func:`one_trip_fence` first; :class:`OneTripUnavailable` (nothing written) says to go
+    the three-round-trip way from now on.
+
+    The fence locks the job row FOR KEY SHARE before the statements run, as
+    :func:`consumer_sdk.jobs.queue.fence_begin` does; when it raises, the server skips the
+    statements and the COMMIT.  Any failure leaves no transaction open (it is rolled back
+    here).  A statement's own error, or the COMMIT's, is raised as psycopg raises it
+    (nothing written); so are driver errors (the caller translates them).
     """
     fence = [b"%d" % lease.job_id, b"%d" % lease.token, None if now is None else now.isoformat().encode()]
-    statement = _wire.bind(conn, query, params)
+    binder = _wire.transformer(conn) if len(statements) > 1 else None  # one cursor's dumpers for all
+    steps = [_wire.bind(conn, query, params, transformer=binder) for query, params in statements]
     for _attempt in range(2):
         results = _wire.send_all(conn, [_wire.Step(_BEGIN), _wire.Step(RAISING_FENCE_STATEMENT, fence, prepared=True),
-                                        statement, _wire.Step(_COMMIT)])
+                                        *steps, _wire.Step(_COMMIT)])
         fenced = results[1]
         if fenced.status != pq.ExecStatus.FATAL_ERROR:
             _LOSSES.pop(conn, None)
         if not any(_wire.failed(result) for result in results):
-            rows: int = results[2].command_tuples or 0
-            return rows
+            return [result.command_tuples or 0 for result in results[2:2 + len(steps)]]
         _end_failed(conn)
         if fenced.status == pq.ExecStatus.FATAL_ERROR:
             error = psycopg.errors.error_from_result(fenced, encoding=conn.info.encoding)

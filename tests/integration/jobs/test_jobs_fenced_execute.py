@@ -298,3 +298,46 @@ def test_a_closed_connection_is_not_kept_alive_by_the_one_trip_path(conn, jobs_d
     del ctx, mine
     gc.collect()
     assert gone() is None
+
+
+def test_several_statements_go_in_one_round_trip_and_commit_together(conn, jobs_db):
+    job = _job(conn, lease_s=60)
+    ctx = JobContext(job, conn, deadline=float("inf"))
+    ctx.fenced_execute(INSERT, {"id": job.id, "token": job.token, "step": 0})  # prepares the fence
+    statements = [(INSERT, {"id": job.id, "token": job.token, "step": 1}),
+                  ("UPDATE effects SET step = step + 10 WHERE job_id = %s AND step < 2", (job.id,)),
+                  (INSERT, {"id": job.id, "token": job.token, "step": 3})]
+    with RoundTrips(conn) as trips:
+        assert ctx.fenced_statements(statements) == [1, 2, 1]  # each one's row count
+    assert trips.count == 1, trips.sent
+    assert _idle(conn)
+    assert rows(jobs_db, "SELECT step FROM effects ORDER BY step") == [(3,), (10,), (11,)]
+
+
+def test_several_statements_write_nothing_when_one_fails_or_the_lease_is_lost(conn, jobs_db):
+    job = _job(conn, now=at(0), lease_s=10)
+    ctx = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(1))
+    with pytest.raises(psycopg.errors.UndefinedTable):
+        ctx.fenced_statements([(INSERT, {"id": job.id, "token": job.token, "step": 1}),
+                               ("INSERT INTO no_such_table VALUES (%s)", (1,))])
+    assert not ctx.cancelled and _idle(conn)
+    late = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(11))
+    with pytest.raises(LeaseLost):
+        late.fenced_statements([(INSERT, {"id": job.id, "token": job.token, "step": 2}),
+                                (INSERT, {"id": job.id, "token": job.token, "step": 3})])
+    assert late.cancelled and _idle(conn)
+    assert rows(jobs_db, "SELECT step FROM effects") == []
+
+
+def test_several_statements_without_migration_0012_go_in_a_fenced_transaction(conn, jobs_db):
+    conn.execute("DROP FUNCTION outbox_jobs_fence(bigint, bigint, timestamptz)")
+    job = _job(conn, now=at(0), lease_s=10)
+    ctx = JobContext(job, conn, deadline=float("inf"), db_now=lambda: at(1))
+    ctx.fenced_execute(INSERT, {"id": job.id, "token": job.token, "step": 0})  # learns there is no 0012
+    with RoundTrips(conn) as trips:
+        assert ctx.fenced_statements([(INSERT, {"id": job.id, "token": job.token, "step": 1}),
+                                      (INSERT, {"id": job.id, "token": job.token, "step": 2})]) == [1, 1]
+    assert trips.count == 4, trips.sent  # BEGIN with the fence, each statement, COMMIT
+    with ctx.fenced_transaction():  # inside an open fenced transaction: in that transaction
+        assert ctx.fenced_statements([(INSERT, {"id": job.id, "token": job.token, "step": 3})]) == [1]
+    assert rows(jobs_db, "SELECT step FROM effects ORDER BY step") == [(0,), (1,), (2,), (3,)]
