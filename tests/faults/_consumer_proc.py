@@ -1,7 +1,9 @@
 """A dedup consumer as a real process, for tests/faults/test_consumer_kill.py.
 
 Applies each event by inserting a row into `effects` and incrementing `counters`
-(the handler of the SDK integration tests).  With ``--kill-probability p`` it
+(the handler of the SDK integration tests), through a handler or, with ``--statements``,
+a statements handler returning the same two statements (one round trip a message one at
+a time, one a batch in batch mode).  With ``--kill-probability p`` it
 SIGKILLs itself with probability p right after a database commit and before the
 matching Kafka offset commit: exactly the window the inbox exists for.  SIGTERM
 stops it gracefully.
@@ -38,6 +40,13 @@ def apply(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
                  "ON CONFLICT (name) DO UPDATE SET value = counters.value + 1")
 
 
+def statements(message: InboxMessage) -> list[tuple[str, Any]]:
+    """``apply`` as a statements handler."""
+    return [("INSERT INTO effects (event_id, consumer, n) VALUES (%s, 'c', %s)", (message.event_id, message.json()["n"])),
+            ("INSERT INTO counters (name, value) VALUES ('c', 1) "
+             "ON CONFLICT (name) DO UPDATE SET value = counters.value + 1", None)]
+
+
 class SelfKillingConsumer(InboxConsumer):
     """Dies by SIGKILL, at random, between a database commit and its offset commit."""
 
@@ -59,6 +68,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--kill-probability", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--statements", action="store_true", help="apply through a statements handler")
     args = parser.parse_args()
     random.seed(args.seed)
     config = InboxConfig(
@@ -67,10 +77,11 @@ def main() -> int:
         retry=RetryPolicy(max_attempts=3, backoff_initial_s=0.05, backoff_max_s=0.2),
         kafka_properties={"fetch.wait.max.ms": 50, "logger": logging.getLogger("kafka")},
     )
-    consumer = SelfKillingConsumer(config, apply)
+    consumer = SelfKillingConsumer(config, statements=statements) if args.statements \
+        else SelfKillingConsumer(config, apply)
     consumer.kill_probability = args.kill_probability
     signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
-    print("consumer_process_started", flush=True)
+    print(f"consumer_process_started handler={'statements' if args.statements else 'apply'}", flush=True)
     consumer.run()
     return 0
 

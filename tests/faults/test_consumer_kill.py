@@ -4,7 +4,9 @@ exists exactly once afterwards, and nothing is missing.
 Kills come two ways: from outside, when the effects reach a random count (anywhere in
 the loop: polling, inside the handler, inside a commit), and from the consumer itself,
 right after a database commit and before the Kafka offset commit (the window where only
-the inbox prevents a double apply)."""
+the inbox prevents a double apply).  Each process applies through a handler or through a
+statements handler (issue 19: the inbox row, the statements and COMMIT in one round trip),
+at random."""
 
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def test_sigkill_between_db_commit_and_offset_commit_many_times(db_dsn, broker, 
     def start(kill_probability: float) -> Proc:
         cmd = [sys.executable, str(RUNNER), "--dsn", dsn, "--bootstrap", broker.bootstrap, "--topic", topic,
                "--name", name, "--batch-size", str(rng.choice([1, 10, 100])),
-               "--kill-probability", str(kill_probability), "--seed", str(rng.randrange(1 << 30))]
+               "--kill-probability", str(kill_probability), "--seed", str(rng.randrange(1 << 30)),
+               *rng.choice([[], ["--statements"]])]  # a handler, or a statements handler (one round trip)
         return spawn(cmd, env={"PYTHONPATH": str(ROOT)}, name="consumer", cwd=ROOT)
 
     outside_kills = self_kills = 0
@@ -84,5 +87,8 @@ def test_sigkill_between_db_commit_and_offset_commit_many_times(db_dsn, broker, 
     with psycopg.connect(dsn, autocommit=True) as conn:
         inbox = conn.execute("SELECT count(*) FROM outbox_inbox WHERE consumer = %s", (name,)).fetchone()
     assert inbox == (TOTAL,)
+    # Both ways of applying were killed: a handler's and a statements handler's.
+    assert sum("handler=statements" in p.log_text() for p in procs) >= 3
+    assert sum("handler=apply" in p.log_text() for p in procs) >= 3
     # Redelivered copies of applied events really came, and were dropped.
     assert sum(p.log_text().count("duplicate_dropped") for p in procs) > 0
