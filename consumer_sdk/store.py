@@ -49,6 +49,7 @@ CLAIM_STRICT_STATEMENT = b"outbox_inbox_claim_strict_v1"
 _PREPARED_LOSSES_MAX = 3
 _COMMIT = b"COMMIT"
 _BEGIN = b"BEGIN"
+_ROLLBACK = b"ROLLBACK"
 
 
 def connect_factory(dsn: str, *, application_name: str = "outbox-consumer",
@@ -456,7 +457,9 @@ class PgInboxStore:
                 self._strict_on = None  # invalid_sql_statement_name: DISCARD ALL, another server session
                 self._prepared_losses += 1
             if conn.info.transaction_status != TransactionStatus.IDLE:
-                conn.rollback()
+                # Below psycopg, as the trip went: its rollback() would answer with DEALLOCATE
+                # ALL when it holds prepared statements, and take the prepared claims along.
+                _wire.raise_first_error(conn, _wire.send_all(conn, [_wire.Step(_ROLLBACK)]))
         return False
 
     def can_pipeline(self) -> bool:

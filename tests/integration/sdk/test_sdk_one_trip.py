@@ -346,3 +346,21 @@ def test_the_stores_binder_does_not_keep_a_dropped_connection_alive(setup):
     assert old() is None
     assert s.processor.process([make_record(value={"n": 2}, offset=2)]).applied == 1  # a new one binds
     assert s.effects() == {1: 1, 2: 1}
+
+
+def test_a_duplicates_trip_keeps_the_prepared_claims(setup):
+    """The failed trip is rolled back below psycopg: psycopg's own rollback() answers with
+    DEALLOCATE ALL once it holds prepared statements of its own, which took the prepared
+    strict claim along, and the next message went the usual way to prepare it again."""
+    s = setup()
+    for _ in range(6):  # psycopg prepares what it ran five times: it holds a statement now
+        s.store.conn.execute("SELECT count(*) FROM ot_effects WHERE n = %s", (0,))
+    records = [make_record(value={"n": i}, offset=i) for i in range(2)]
+    s.processor.process(records[:1])
+    assert s.processor.process(records[:1]).duplicates == 1  # the trip meets the inbox row
+    with RoundTrips(s.store.conn) as trips:
+        assert s.processor.process(records[1:]).applied == 1
+    # The lookup before the poll (a duplicate was seen), then one trip: the prepared strict
+    # claim was still there.
+    assert trips.count == 2, trips.sent
+    assert _strict_prepared(s) == 1 and s.calls[1] == 1
