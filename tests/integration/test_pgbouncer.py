@@ -189,3 +189,47 @@ def test_a_jobs_fenced_execute_behind_a_transaction_pooler_writes_once_and_stays
         # The writes went through several server sessions: the fence prepared on one was
         # missing on the next until each had it (or the connection gave it up).
         assert direct.execute("SELECT count(DISTINCT server) FROM pooled_effects").fetchone()[0] > 1
+
+
+def test_an_inbox_statements_handler_behind_a_transaction_pooler_applies_each_event_once(outbox_db, pgbouncer):
+    """A statements handler's one trip (issue 19) sends the prepared strict claim by name; a
+    transaction pooler moving a trip to another server finds it missing there (the message
+    goes the usual way and the claim is prepared again, or given up after the store's losses
+    in a row for the claim bound as text).  Each event is applied once, and a redelivery
+    of them all is dropped."""
+    import structlog
+
+    from consumer_sdk.metrics import ConsumerMetrics
+    from consumer_sdk.processor import Policies, Processor
+    from consumer_sdk.store import PgInboxStore, connect_factory
+    from consumer_sdk.testing import FakeDeadLetters, make_record
+    from tests.integration.sdk._support import migrate_sdk_db
+
+    migrate_sdk_db(outbox_db)
+    with psycopg.connect(outbox_db, autocommit=True) as direct:
+        direct.execute("CREATE TABLE pooled_inbox_effects (n int, server int NOT NULL DEFAULT pg_backend_pid())")
+    pooled = pgbouncer("transaction", pool_size=2)
+    store = PgInboxStore(connect_factory(pooled))
+    settled: list = []
+    processor = Processor(
+        consumer="pooled", store=store, handler=None, dead_letters=FakeDeadLetters(), policies=Policies(),
+        statements=lambda m: [("INSERT INTO pooled_inbox_effects (n) VALUES (%s)", (m.json()["n"],))],
+        metrics=ConsumerMetrics(), log=structlog.get_logger("tests"), sleep=lambda s: None,
+        on_settled=settled.extend, batch_size=1)
+    records = [make_record(value={"n": n}, offset=n) for n in range(12)]
+    try:
+        with psycopg.connect(pooled, prepare_threshold=None) as other:
+            for n, record in enumerate(records):
+                if n % 2:  # another client holds a server: this trip gets the other one
+                    other.execute("SELECT 1")
+                assert processor.process([record]).applied == 1
+                if n % 2:
+                    other.commit()
+        assert processor.process(records).duplicates == len(records)
+    finally:
+        store.close()
+    assert settled == records + records
+    with psycopg.connect(outbox_db, autocommit=True) as direct:
+        assert direct.execute("SELECT n, count(*) FROM pooled_inbox_effects GROUP BY n ORDER BY n"
+                              ).fetchall() == [(n, 1) for n in range(12)]
+        assert direct.execute("SELECT count(DISTINCT server) FROM pooled_inbox_effects").fetchone()[0] > 1
