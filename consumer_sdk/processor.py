@@ -580,6 +580,12 @@ class Processor:
         try:
             self._handler(conn, message)
         except Exception as exc:  # noqa: BLE001 - every handler error is the policy's to judge
+            lost_prepared = getattr(self._store, "lost_prepared", None)
+            if lost_prepared is not None and lost_prepared(exc):
+                # Not the handler's failure: the batch is retried whole, no attempt counted.
+                raise DatabaseUnavailable(f"a transaction pooler lost a statement psycopg had prepared "
+                                          f"({describe(exc)}); psycopg's automatic preparing is off "
+                                          f"from now on") from exc
             raise _HandlerFailed(exc) from exc
         if self._store.in_failed_transaction():
             raise _HandlerFailed(HandlerTransactionFailed())

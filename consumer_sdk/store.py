@@ -92,6 +92,7 @@ class PgInboxStore:
         self._strict_on: psycopg.Connection[Any] | None = None  # holds the prepared claim_strict
         self._transformer: psycopg.abc.Transformer | None = None  # binds statements for self._conn (_wire.bind)
         self._prepared_losses = 0
+        self._auto_prepare = True  # psycopg's automatic preparing; off once a pooler lost one (lost_prepared)
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -104,8 +105,25 @@ class PgInboxStore:
                 raise _pg.translate_connect_error(exc) from None
             if not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
                 conn.autocommit = True  # transactions come from conn.transaction() blocks only
+            if not self._auto_prepare:
+                conn.prepare_threshold = None
             self._conn = conn
         return self._conn
+
+    def lost_prepared(self, exc: BaseException) -> bool:
+        """True when ``exc`` says that one of psycopg's own prepared statements (``_pg3_...``)
+        was missing, or already there, on the server: a transaction pooler without
+        prepared-statement support (PgBouncer before 1.21, or later ones with
+        ``max_prepared_statements = 0``) moved the session between servers.  psycopg's
+        automatic preparing is then off for this store's connections from now on (the
+        inbox's own statements are prepared by name, and prepared again where missing)."""
+        if not isinstance(exc, (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)) \
+                or '"_pg3_' not in str(exc):
+            return False
+        self._auto_prepare = False
+        if self._conn is not None:
+            self._conn.prepare_threshold = None
+        return True
 
     def reset(self) -> None:
         """Drop the connection (after a failure); the next use reconnects.  A deferred COMMIT

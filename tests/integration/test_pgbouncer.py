@@ -233,3 +233,58 @@ def test_an_inbox_statements_handler_behind_a_transaction_pooler_applies_each_ev
         assert direct.execute("SELECT n, count(*) FROM pooled_inbox_effects GROUP BY n ORDER BY n"
                               ).fetchall() == [(n, 1) for n in range(12)]
         assert direct.execute("SELECT count(DISTINCT server) FROM pooled_inbox_effects").fetchone()[0] > 1
+
+
+@pytest.mark.parametrize("batch_size", [1, 10])
+def test_an_inbox_handler_behind_a_transaction_pooler_survives_psycopgs_own_prepared_statements(
+        outbox_db, pgbouncer, batch_size):
+    """psycopg prepares a statement it ran five times; behind a transaction pooler without
+    prepared-statement support (this PgBouncer) the name it prepared on one server is
+    unknown on the next, or taken there.  The handler running it failed, counted as an
+    attempt (and dead-lettered once the attempts ran out).  Now the first such error turns
+    psycopg's automatic preparing off for the store and retries the batch as a whole, as
+    for a database that went away (DatabaseUnavailable, no attempt counted); never again
+    after that."""
+    import structlog
+
+    from consumer_sdk.errors import DatabaseUnavailable
+    from consumer_sdk.metrics import ConsumerMetrics
+    from consumer_sdk.processor import Policies, Processor
+    from consumer_sdk.store import PgInboxStore, connect_factory
+    from consumer_sdk.testing import FakeDeadLetters, make_record
+    from tests.integration.sdk._support import migrate_sdk_db
+
+    migrate_sdk_db(outbox_db)
+    with psycopg.connect(outbox_db, autocommit=True) as direct:
+        direct.execute("CREATE TABLE pooled_handler_effects (n int, server int NOT NULL DEFAULT pg_backend_pid())")
+    pooled = pgbouncer("transaction", pool_size=2)
+    store = PgInboxStore(connect_factory(pooled))
+    processor = Processor(
+        consumer="pooled-h", store=store, dead_letters=FakeDeadLetters(), policies=Policies(),
+        handler=lambda conn, m: conn.execute("INSERT INTO pooled_handler_effects (n) VALUES (%s)",
+                                             (m.json()["n"],)),
+        metrics=ConsumerMetrics(), log=structlog.get_logger("tests"), sleep=lambda s: None,
+        on_settled=lambda records: None, batch_size=batch_size)
+    records = [make_record(value={"n": n}, offset=n) for n in range(60)]
+    unavailable: list[str] = []
+    try:
+        with psycopg.connect(pooled, prepare_threshold=None) as other:
+            for i in range(0, 60, 10):
+                if (i // 10) % 2:
+                    other.execute("SELECT 1")
+                try:
+                    result = processor.process(records[i:i + 10])
+                except DatabaseUnavailable as exc:  # the consumer's loop retries after a back-off
+                    unavailable.append(str(exc))
+                    result = processor.process(records[i:i + 10])
+                assert (result.applied, result.handler_errors) == (10, 0), result
+                if (i // 10) % 2:
+                    other.commit()
+                processor.process(records[i:i + 1])  # a redelivery: lookups from now on
+    finally:
+        store.close()
+    with psycopg.connect(outbox_db, autocommit=True) as direct:
+        assert direct.execute("SELECT count(*), count(DISTINCT n) FROM pooled_handler_effects").fetchone() == (60, 60)
+        assert direct.execute("SELECT count(DISTINCT server) FROM pooled_handler_effects").fetchone()[0] > 1
+    assert len(unavailable) == 1 and "automatic preparing is off" in unavailable[0], unavailable
+    assert store._auto_prepare is False  # noqa: SLF001
