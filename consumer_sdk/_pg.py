@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import psycopg.errors
 
 from consumer_sdk.errors import AuthenticationFailed, ConfigError, DatabaseUnavailable, FatalError
 from outbox_core.connect_errors import ConnectFailure, classify_connect_error
@@ -30,6 +31,17 @@ def translate_connect_error(exc: psycopg.Error, dsn: str = "") -> Exception:
     """The SDK error for a failed connection attempt (see ``_CONNECT_ERRORS``)."""
     failed = classify_connect_error(exc, dsn=dsn)
     return _CONNECT_ERRORS[failed.kind](failed.message)
+
+
+def lost_prepared_statement(exc: BaseException) -> bool:
+    """``exc`` says one of psycopg's own prepared statements (``_pg3_...``) was missing, or
+    already there, on the server: a transaction pooler without prepared-statement support
+    (PgBouncer before 1.21, or later ones with ``max_prepared_statements = 0``) moved the
+    session to another server after psycopg prepared a statement it had run five times.
+    Not the statement's failure: the caller turns psycopg's automatic preparing off
+    (``prepare_threshold = None``) and tries again, with no attempt counted."""
+    return isinstance(exc, (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)) \
+        and '"_pg3_' in str(exc)
 
 
 def connect(dsn: str, *, application_name: str, connect_timeout_s: int = 5) -> psycopg.Connection[Any]:

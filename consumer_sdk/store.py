@@ -111,14 +111,11 @@ class PgInboxStore:
         return self._conn
 
     def lost_prepared(self, exc: BaseException) -> bool:
-        """True when ``exc`` says that one of psycopg's own prepared statements (``_pg3_...``)
-        was missing, or already there, on the server: a transaction pooler without
-        prepared-statement support (PgBouncer before 1.21, or later ones with
-        ``max_prepared_statements = 0``) moved the session between servers.  psycopg's
-        automatic preparing is then off for this store's connections from now on (the
-        inbox's own statements are prepared by name, and prepared again where missing)."""
-        if not isinstance(exc, (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)) \
-                or '"_pg3_' not in str(exc):
+        """True when ``exc`` says a transaction pooler lost one of psycopg's own prepared
+        statements (:func:`consumer_sdk._pg.lost_prepared_statement`).  psycopg's automatic
+        preparing is then off for this store's connections from now on (the inbox's own
+        statements are prepared by name, and prepared again where missing)."""
+        if not _pg.lost_prepared_statement(exc):
             return False
         self._auto_prepare = False
         if self._conn is not None:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
+from consumer_sdk import _pg
 from consumer_sdk.errors import OutboxSdkError
 from consumer_sdk.jobs import queue, waits
 from consumer_sdk.jobs._conn import roll_back_open
@@ -122,6 +123,12 @@ class Executor:
         if ctx.cancel_reason in NO_AUTHORITY:
             return "lost"
         if ctx.cancel_reason == "shutdown":
+            return self._write(ctx, log, lambda: self._release(ctx))
+        if _pg.lost_prepared_statement(exc):  # a transaction pooler's doing, not the handler's
+            ctx.conn.prepare_threshold = None  # for this connection's next jobs too
+            log.warning("job_given_back", error=describe(exc, limit=300),
+                        hint="a transaction pooler lost a statement psycopg had prepared; psycopg's "
+                             "automatic preparing is off for this connection, the attempt not counted")
             return self._write(ctx, log, lambda: self._release(ctx))
         decision = verdict(exc, attempts=job.attempts, max_attempts=job.max_attempts)
         if decision == "lost":

@@ -231,3 +231,27 @@ def test_stop_gives_lined_up_jobs_back_without_running_them(conn, pools, jobs_db
     assert rows(jobs_db, "SELECT status, attempts, count(*) FROM jobs WHERE kind = 'slow' "
                          "GROUP BY status, attempts") == [("queued", 0, 10)]
     assert pool.outcomes["released"] >= 3 and pool.outcomes["succeeded"] == 40
+
+
+def test_a_pooler_that_lost_psycopgs_prepared_statement_gives_the_job_back_uncounted(conn, pools):
+    """Behind a transaction pooler without prepared-statement support, a statement psycopg
+    prepared on one server is missing on the next, and the handler running it raised:
+    counted as a failed attempt, retried, dead-lettered once the attempts ran out.  Now the
+    job is given back with its attempt not counted, and psycopg's automatic preparing is off
+    for the connection.  The error is raised here as psycopg raises it there;
+    tests/integration/test_pgbouncer.py meets the real one through PgBouncer (the inbox)."""
+    import psycopg
+
+    seen: list[tuple[int, Any]] = []
+
+    def work(ctx: JobContext) -> Any:
+        seen.append((ctx.job.attempts, ctx.conn.prepare_threshold))
+        if len(seen) == 1:
+            raise psycopg.errors.InvalidSqlStatementName('prepared statement "_pg3_3" does not exist')
+        return "ok"
+
+    pools({"work": work}, backoff=FAST_RETRY, poll_interval_s=0.2, max_concurrency=1)
+    run = _accept(conn, "k1", "work")
+    state = _terminal(conn, run)
+    assert (state.status, state.attempts, state.last_error) == ("succeeded", 1, None)
+    assert seen == [(1, 5), (1, None)]  # the same attempt number again; preparing off the second time
