@@ -497,23 +497,15 @@ class Processor:
         """The batch handler on all new messages in one savepoint; False (rolled back) when
         something other than new or duplicate came, or when it failed."""
         assert self._batch_handler is not None
-        if any(claim not in ("new", "duplicate") for claim in claims):
-            return False
-        fresh = [m for m, claim in zip(messages, claims, strict=True) if claim == "new"]
-        if not fresh:
-            return True
-        try:
+        batch_handler = self._batch_handler
+
+        def apply(fresh: list[InboxMessage]) -> None:
             with self._store.attempt():
-                self._batch_handler(conn, fresh)
+                batch_handler(conn, fresh)
                 if self._store.in_failed_transaction():
                     raise HandlerTransactionFailed()
-        except Exception as exc:  # noqa: BLE001 - one by one next, where each failure is judged
-            if isinstance(exc, DatabaseUnavailable):
-                raise  # the connection broke: the batch is retried as a whole
-            self._log.info("batch_handler_failed", messages=len(fresh), error=describe(exc),
-                           hint="applying the batch one message at a time")
-            return False
-        return True
+
+        return self._apply_fresh(messages, claims, apply, failed="batch_handler_failed")
 
     def _apply_statements(self, messages: Sequence[InboxMessage], claims: Sequence[Claim | None]) -> bool:
         """The statements of every new message in one pipeline (one round trip), in one
@@ -522,22 +514,41 @@ class Processor:
         statement failed: then the batch goes one message at a time, where each failure is
         judged."""
         assert self._batch_statements is not None
+        statements_of = self._batch_statements
+
+        def ready() -> bool:
+            if self._store.can_pipeline():  # type: ignore[attr-defined]
+                return True
+            self._batch_statements = None  # no pipeline mode here: one by one from now on
+            return False
+
+        def apply(fresh: list[InboxMessage]) -> None:
+            statements = [pair for message in fresh for pair in _checked(statements_of(message))]
+            with self._store.attempt():
+                self._store.execute_all(statements)  # type: ignore[attr-defined]
+
+        return self._apply_fresh(messages, claims, apply, failed="statements_batch_failed", ready=ready)
+
+    def _apply_fresh(self, messages: Sequence[InboxMessage], claims: Sequence[Claim | None],
+                     apply: Callable[[list[InboxMessage]], None], *, failed: str,
+                     ready: Callable[[], bool] = lambda: True) -> bool:
+        """``apply`` to the batch's new messages at once (its own savepoint); True when it
+        went through or nothing was new, False (one message at a time next) when something
+        other than new or duplicate came, when ``ready`` says no, or when ``apply`` failed
+        (logged as ``failed``).  A broken connection propagates: the batch is retried whole."""
         if any(claim not in ("new", "duplicate") for claim in claims):
             return False
         fresh = [m for m, claim in zip(messages, claims, strict=True) if claim == "new"]
         if not fresh:
             return True
-        if not self._store.can_pipeline():  # type: ignore[attr-defined]
-            self._batch_statements = None  # no pipeline mode here: one by one from now on
+        if not ready():
             return False
         try:
-            statements = [pair for message in fresh for pair in _checked(self._batch_statements(message))]
-            with self._store.attempt():
-                self._store.execute_all(statements)  # type: ignore[attr-defined]
+            apply(fresh)
         except Exception as exc:  # noqa: BLE001 - one by one next, where each failure is judged
             if isinstance(exc, DatabaseUnavailable):
                 raise  # the connection broke: the batch is retried as a whole
-            self._log.info("statements_batch_failed", messages=len(fresh), error=describe(exc),
+            self._log.info(failed, messages=len(fresh), error=describe(exc),
                            hint="applying the batch one message at a time")
             return False
         return True

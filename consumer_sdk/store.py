@@ -491,11 +491,8 @@ class PgInboxStore:
         binder = self._binder(conn)
         steps = [_wire.bind(conn, sql, args, transformer=binder) for sql, args in statements]
         self._flush()
-        try:
+        with self.translated():  # driver errors only: a statement's error is a result here
             results = _wire.send_all(conn, steps)
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            self.reset()
-            raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
         _wire.raise_first_error(conn, results)
 
     def _binder(self, conn: psycopg.Connection[Any]) -> psycopg.abc.Transformer:
