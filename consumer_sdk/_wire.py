@@ -23,6 +23,7 @@ BEGIN went through; a connection that cannot leave pipeline mode is closed.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -116,6 +117,70 @@ def send_all(conn: psycopg.Connection[Any], steps: Sequence[Step]) -> list[pq.ab
             return [result for _ in range(len(steps) + 1) for result in conn.wait(generators.fetch_many(pgconn))]
         finally:
             _leave_pipeline(conn)
+
+
+class Trips:
+    """Transactions sent one after another in one libpq pipeline, each ending with its own
+    Sync, their results read in order while later ones are still being sent: the server
+    works on the next transaction while the client prepares the one after it, with no
+    round trip between them.  Each ``send`` flushes its transaction; each ``receive`` waits
+    for the oldest one's results.  :meth:`close` leaves pipeline mode (results not read yet
+    are read and dropped first).  The connection's lock is held from the first ``send`` to
+    :meth:`close`: no other caller may use the connection meanwhile.  Check
+    :func:`available` first."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+        self._sizes: deque[int] = deque()  # statements of each transaction sent and not read
+        self._open = False
+
+    def __len__(self) -> int:
+        """Transactions sent whose results are not read yet."""
+        return len(self._sizes)
+
+    def send(self, steps: Sequence[Step]) -> None:
+        conn = self.conn
+        pgconn = conn.pgconn
+        if not self._open:
+            conn.lock.acquire()
+            self._open = True
+            pgconn.enter_pipeline_mode()
+        for step in steps:
+            if step.prepared:
+                pgconn.send_query_prepared(step.sql, step.params, param_formats=step.formats)
+            else:
+                pgconn.send_query_params(step.sql, step.params, param_types=step.types,
+                                         param_formats=step.formats)
+        pgconn.pipeline_sync()
+        self._sizes.append(len(steps))
+        conn.wait(generators.send(pgconn))
+
+    def receive(self) -> list[pq.abc.PGresult]:
+        """The results of the oldest transaction not read yet, in order, then its Sync's."""
+        count = self._sizes.popleft()
+        conn, pgconn = self.conn, self.conn.pgconn
+        return [result for _ in range(count + 1) for result in conn.wait(generators.fetch_many(pgconn))]
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        try:
+            while self._sizes:
+                self.receive()
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Leave pipeline mode at once (a connection with answers still pending is closed) and
+        give the connection's lock back: for a connection that is being dropped."""
+        if not self._open:
+            return
+        self._sizes.clear()
+        self._open = False
+        try:
+            _leave_pipeline(self.conn)
+        finally:
+            self.conn.lock.release()
 
 
 def bind(conn: psycopg.Connection[Any], query: Any, params: Any = None, *,

@@ -41,8 +41,10 @@ that carries one event id twice claims record by record inside the savepoints.
 
 A statements handler (``statements``) returns the statements that apply a message instead
 of running them.  One at a time, the claim, those statements and the COMMIT go in one
-round trip (``PgInboxStore.claim_and_apply``), and in a batch the statements of all its
-new messages go in one, in a savepoint (``execute_all``).  Whenever that writes nothing or
+round trip (``PgInboxStore.claim_and_apply``), chained: the transactions of a call's
+messages are sent ahead of their answers, each committing only when the one before it
+did (``send_trip``, :meth:`Processor._chain`).  In a batch the statements of all its
+new messages go in one round trip, in a savepoint (``execute_all``).  Whenever that writes nothing or
 rolls back, the records go the handler's way, the statements executed one by one, under
 every rule above.
 
@@ -103,6 +105,9 @@ BatchHandler = Callable[[Any, Sequence[InboxMessage]], None]
 StatementsHandler = Callable[[InboxMessage], Sequence[tuple[Any, Any]]]
 
 _ABSENT = object()
+#: One at a time, how many of a statements handler's transactions are sent ahead of their
+#: answers (see Processor._chain).  A failure sends those after it the usual way again.
+CHAIN_DEPTH = 16
 
 
 class InboxStore(Protocol):
@@ -170,6 +175,7 @@ class Processor:
         # store can send it so (PgInboxStore.claim_and_apply); in a batch, the statements of
         # all its new messages go in one (PgInboxStore.execute_all).
         self._statements = statements if callable(getattr(store, "claim_and_apply", None)) else None
+        self._chained = self._statements is not None and callable(getattr(store, "send_trip", None))
         self._batch_statements = statements if callable(getattr(store, "execute_all", None)) else None
         self._rejections = Rejections(consumer=consumer, dead_letters=dead_letters, policies=policies,
                                       metrics=metrics, log=log)
@@ -224,7 +230,16 @@ class Processor:
         done, total = 0, len(records)
         step = total if self._batch_size is None else self._batch_size
         while done < total:
-            if step == 1:
+            if step == 1 and self._chained:
+                settled, failed = self._chain(records, done, result)
+                done += settled
+                if failed:  # nothing of it written: the usual way says why
+                    settled, halt = self._transaction([records[done]], result, attempt=1, settle=True)
+                elif done < total:
+                    settled, halt = self._one(records[done], result, defer=done + 1 < total)
+                else:
+                    break
+            elif step == 1:
                 settled, halt = self._one(records[done], result, defer=done + 1 < total)
             else:
                 chunk = records[done:done + step]
@@ -438,6 +453,57 @@ class Processor:
         result.applied += 1
         self._settle((record,), result)
         return True
+
+    def _chain(self, records: Sequence[KafkaRecord], start: int, result: BatchResult) -> tuple[int, bool]:
+        """The statements handler's transactions of ``records[start:]``, one a message, chained
+        (``PgInboxStore.send_trip``): up to ``CHAIN_DEPTH`` of them sent ahead of their
+        answers, the server applying one while the next is prepared.  Each commits only when
+        the one before it did, so order holds as one at a time.  Stops before a record that
+        cannot go so (an invalid event id, a duplicate found by the lookup, ``apply``
+        raising, a statement that cannot be bound) and at the first transaction that did
+        not commit.  Returns (records settled, whether the next one's transaction failed)."""
+        assert self._statements is not None
+        self._sync()  # a COMMIT deferred before it, by a message that went the usual way
+        store, apply = self._store, self._statements
+        sent: list[KafkaRecord] = []  # sent, answer not read yet (oldest first)
+        settled, index, total, sending = 0, start, len(records), True
+        try:
+            while True:
+                while sending and index < total and len(sent) - settled < CHAIN_DEPTH:
+                    record = records[index]
+                    event_id, replayed = self._scan(record)
+                    if isinstance(event_id, InvalidEventId) or (
+                            self._known and self._known_duplicate(record, event_id, replayed)):
+                        sending = False
+                        break
+                    message = self._prepare(record)
+                    assert isinstance(message, InboxMessage)
+                    try:
+                        statements = _checked(apply(message))
+                    except Exception:  # noqa: BLE001 - raised again by the usual way, under the policies
+                        sending = False
+                        break
+                    done = store.send_trip(  # type: ignore[attr-defined]
+                        consumer=self.consumer, message=message, payload_sha256=payload_sha256(message.value),
+                        statements=statements)
+                    if not done:
+                        if done is None:  # this store cannot chain: one trip a message from now on
+                            self._chained = False
+                        sending = False
+                        break
+                    sent.append(record)
+                    index += 1
+                if settled == len(sent):
+                    return settled, False
+                if not store.receive_trip():  # type: ignore[attr-defined]
+                    return settled, True
+                record = sent[settled]
+                settled += 1
+                self._applied[record.topic] += 1
+                result.applied += 1
+                self._settle((record,), result)
+        finally:
+            store.end_trips()  # type: ignore[attr-defined]
 
     def _after_commits(self, callback: Callable[[], None]) -> None:
         """``callback`` now, or after the deferred COMMIT before it was confirmed (order kept)."""

@@ -50,6 +50,16 @@ class ReplayingInbox:
                                   payload_sha256=payload_sha256, statements=statements)
         return done
 
+    def send_trip(self, *, consumer: str, message: InboxMessage, payload_sha256: bytes | None,
+                  statements: Sequence[tuple[Any, Any]]) -> bool | None:
+        """The wrapped store's chained transaction (if it has one), under the event's inbox key."""
+        inner = getattr(self._store, "send_trip", None)
+        if inner is None:
+            return None
+        sent: bool | None = inner(consumer=inbox_key(consumer, message, self.apply_replays), message=message,
+                                  payload_sha256=payload_sha256, statements=statements)
+        return sent
+
     def claim_many(self, *, consumer: str, messages: Sequence[InboxMessage],
                    digests: Sequence[bytes | None]) -> list[Claim]:
         """``claim`` for a batch: one call of the wrapped store per inbox key, order kept."""

@@ -15,6 +15,7 @@ table is :class:`SchemaMissing`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime
@@ -50,6 +51,7 @@ _PREPARED_LOSSES_MAX = 3
 _COMMIT = b"COMMIT"
 _BEGIN = b"BEGIN"
 _ROLLBACK = b"ROLLBACK"
+_CHAIN = query("inbox", "chain").encode()  # positional parameters: sent as it is
 
 
 def connect_factory(dsn: str, *, application_name: str = "outbox-consumer",
@@ -92,6 +94,14 @@ class PgInboxStore:
         self._strict_on: psycopg.Connection[Any] | None = None  # holds the prepared claim_strict
         self._transformer: psycopg.abc.Transformer | None = None  # binds statements for self._conn (_wire.bind)
         self._prepared_losses = 0
+        # Chained transactions (send_trip): the open pipeline, this store's marks, the mark the
+        # last transaction sent sets, and whether the last one read committed.
+        self._trips: _wire.Trips | None = None
+        self._chain_id = os.urandom(4).hex()
+        self._chain_seq = 0
+        self._chain_last: str | None = None
+        self._chain_prev_ok = False
+        self._chain_on = True  # off once a chain broke with nothing failing before it (a pooler)
         self._auto_prepare = True  # psycopg's automatic preparing; off once a pooler lost one (lost_prepared)
 
     @property
@@ -127,6 +137,9 @@ class PgInboxStore:
         is lost with it (its transaction rolls back): its ``on_commit`` never runs."""
         conn, self._conn = self._conn, None
         self._pending = None
+        trips, self._trips = self._trips, None
+        if trips is not None:
+            trips.abandon()
         self._client = None
         self._prepared_on = None
         self._strict_on = None
@@ -152,6 +165,11 @@ class PgInboxStore:
             self.reset()
             raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
         except psycopg.Error as exc:
+            if self.lost_prepared(exc):  # the store's own statement, run often enough to be prepared
+                self.reset()  # its transaction with it: the batch is retried whole
+                raise DatabaseUnavailable(f"a transaction pooler lost a statement psycopg had prepared "
+                                          f"({_first_line(exc)}); psycopg's automatic preparing is off "
+                                          f"from now on") from exc
             raise FatalError(f"inbox statement failed: {_first_line(exc)}") from exc
 
     def check_schema(self) -> None:
@@ -476,6 +494,94 @@ class PgInboxStore:
                 # ALL when it holds prepared statements, and take the prepared claims along.
                 _wire.raise_first_error(conn, _wire.send_all(conn, [_wire.Step(_ROLLBACK)]))
         return False
+
+    def send_trip(self, *, consumer: str, message: InboxMessage, payload_sha256: bytes | None,
+                  statements: Sequence[tuple[Any, Any]]) -> bool | None:
+        """:meth:`claim_and_apply`'s transaction, chained: sent without waiting for the answers
+        to the transactions sent before it (:meth:`receive_trip` reads them, in order;
+        :meth:`end_trips` ends the chain).  It begins with the ``chain`` statement, so that
+        it commits only when the transaction sent before it committed (see inbox.sql).
+
+        True: sent.  False: not sent (a statement could not be bound); the chain goes on.
+        None: this store cannot chain (no pipeline mode, or a chain broke behind a pooler
+        that does not keep a session's settings): the caller uses :meth:`claim_and_apply`."""
+        trips = self._trips
+        if trips is None:
+            if self._tx is not None or self._pending is not None:
+                raise RuntimeError("send_trip() runs between transactions, with no COMMIT deferred")
+            if not self._chain_on:
+                return None
+            with self.translated():
+                conn = self.conn
+                if not _wire.available(conn):
+                    return None
+                strict = self._strict_prepared(conn)  # a PREPARE: before the pipeline opens
+            trips = _wire.Trips(conn)
+            self._chain_last = None
+            self._chain_prev_ok = False
+        else:
+            conn = trips.conn
+            strict = self._strict_on is conn
+        params = {"consumer": consumer, "event_id": message.event_id, "payload_sha256": payload_sha256,
+                  "topic": message.topic, "partition": message.partition, "offset": message.offset,
+                  "now": self._now()}
+        try:  # the handler's mistakes are raised again where the usual way runs them
+            binder = self._binder(conn)
+            steps = [_wire.bind(conn, sql, args, transformer=binder) for sql, args in statements]
+        except Exception:  # noqa: BLE001
+            return False
+        if strict:
+            claim = _wire.Step(CLAIM_STRICT_STATEMENT, _claim_values(params), prepared=True)
+        else:
+            claim = _wire.bind(conn, query("inbox", "claim_strict"), params, transformer=binder)
+        self._chain_seq += 1
+        mark = f"{self._chain_id}:{self._chain_seq}"
+        after = self._chain_last
+        chain = _wire.Step(_CHAIN, [None if after is None else after.encode(), mark.encode()])
+        self._trips = trips
+        with self.translated():
+            trips.send([_wire.Step(_BEGIN), chain, claim, *steps, _wire.Step(_COMMIT)])
+        self._chain_last = mark
+        return True
+
+    def receive_trip(self) -> bool:
+        """Whether the oldest chained transaction not read yet committed.  False: nothing of
+        it was written; every one sent after it fails too (read them, then :meth:`end_trips`)
+        and goes the usual way, in order.  A broken connection is
+        :class:`DatabaseUnavailable`: what committed is unknown (a redelivery finds it)."""
+        trips = self._trips
+        if trips is None or not len(trips):
+            raise RuntimeError("receive_trip() without a chained transaction sent")
+        with self.translated():
+            results = trips.receive()
+        prev_ok, self._chain_prev_ok = self._chain_prev_ok, False
+        if not any(_wire.failed(result) for result in results):
+            status = results[-2].command_status
+            _check_committed(status.decode() if status is not None else None)
+            self._chain_prev_ok = True
+            return True
+        if results[1].status == psycopg.pq.ExecStatus.FATAL_ERROR and prev_ok:
+            # The one before committed, yet this one did not find its mark: the session's
+            # setting did not carry over (a transaction pooler): one transaction at a time.
+            self._chain_on = False
+        elif results[2].status == psycopg.pq.ExecStatus.FATAL_ERROR \
+                and results[2].error_field(psycopg.pq.DiagnosticField.SQLSTATE) == b"26000" \
+                and self._strict_on is trips.conn:
+            self._strict_on = None  # the prepared claim is gone (DISCARD ALL, another server session)
+            self._prepared_losses += 1
+        return False
+
+    def end_trips(self) -> None:
+        """End a chain: read the answers not read yet, and roll back a failed transaction
+        left open (below psycopg, as :meth:`claim_and_apply` does).  Idempotent."""
+        trips, self._trips = self._trips, None
+        if trips is None:
+            return
+        with self.translated():
+            trips.close()
+            conn = trips.conn
+            if conn.info.transaction_status != TransactionStatus.IDLE:
+                _wire.raise_first_error(conn, _wire.send_all(conn, [_wire.Step(_ROLLBACK)]))
 
     def can_pipeline(self) -> bool:
         """The open transaction's connection can take :meth:`execute_all`."""

@@ -268,6 +268,10 @@ def sdk_consumer(dsn: str, bootstrap: str, topic: str, *, inbox: str, group: str
         profiler.dump_stats(profile)
     if consumer.totals.settled != count:
         raise RuntimeError(f"{inbox}: settled {consumer.totals.settled} of {count}")
+    with psycopg.connect(dsn, autocommit=True) as conn:  # each message's effect once, in every phase
+        row = conn.execute(q("counts"), {"consumer": inbox}).fetchone()
+    if row is None or row[0] != count:
+        raise RuntimeError(f"{inbox}: {row[0] if row else 0} effect rows for {count} messages")
     return m.figures(count)
 
 

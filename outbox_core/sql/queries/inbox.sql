@@ -49,6 +49,24 @@ INSERT INTO outbox_inbox
     (consumer, event_id, payload_sha256, topic, kafka_partition, kafka_offset, received_at)
 VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, now()))
 
+-- name: chain
+-- The first statement of a chained transaction (PgInboxStore.send_trip).  One message at
+-- a time, a statements handler's transactions go to the server one after another, each
+-- sent before the answer to the one before it came back; each must commit only if the one
+-- before it did.  Each sets the session setting outbox_inbox.chain to its own mark ($2),
+-- which the server takes back when the transaction does not commit; this statement fails
+-- unless the setting holds the mark of the transaction sent just before ($1; NULL: the
+-- first of a chain, nothing to check).  So a transaction that failed, even at its COMMIT
+-- (a deferred constraint), fails every one sent after it, and they are applied again, in
+-- order.  The error is a cast that cannot succeed, in the arm taken only then: its text
+-- says what happened in the server's log.
+SELECT CASE
+    WHEN $1::text IS NULL OR current_setting('outbox_inbox.chain', true) = $1::text
+    THEN set_config('outbox_inbox.chain', $2::text, false)
+    ELSE ('outbox_inbox: the transaction sent before this one did not commit; the chain is at '
+          || coalesce(current_setting('outbox_inbox.chain', true), 'nothing'))::integer::text
+END
+
 -- name: claim_batch
 -- (The arrays go in binary format: a fifth of the client CPU of text arrays.)
 -- The claim of a whole batch in one statement (event ids unique within it): inserts the

@@ -175,6 +175,7 @@ class RoundTrips:
         self.conn = conn
         self.count = 0
         self.sent: list[str] = []
+        self.lines: list[str] = []  # the whole trace, one protocol message a line
 
     def __enter__(self) -> RoundTrips:
         import tempfile
@@ -189,6 +190,7 @@ class RoundTrips:
         self._file.seek(0)
         lines = self._file.read().splitlines()
         self._file.close()
+        self.lines = lines
         self.count = sum(1 for line in lines if "\tReadyForQuery" in line)
         self.sent = [line.split("\t", 3)[-1] for line in lines
                      if line.startswith("F\t") and ("\tParse\t" in line or "\tQuery\t" in line)]

@@ -9,6 +9,7 @@ batch handler."""
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from collections import Counter
 from typing import Any
@@ -268,7 +269,9 @@ def test_a_lost_prepared_strict_claim_sends_the_message_the_usual_way_then_is_pr
     assert (result.applied, result.settled) == (3, 3)
     assert s.effects() == {-1: 1, 0: 1, 1: 1, 2: 1}
     assert _strict_prepared(s) == 1
-    assert s.calls[0] == 2 and s.calls[1] == 1  # the lost one's trip, then the usual way; then one trip
+    # The three went out chained: the lost claim failed its trip and the two sent after it;
+    # then the usual way for it, and a trip each for the two.
+    assert s.calls[0] == 2 and s.calls[1] == s.calls[2] == 2
     assert s.store._prepared_losses == 0  # noqa: SLF001 - the next trip went through prepared
 
 
@@ -364,3 +367,118 @@ def test_a_duplicates_trip_keeps_the_prepared_claims(setup):
     # claim was still there.
     assert trips.count == 2, trips.sent
     assert _strict_prepared(s) == 1 and s.calls[1] == 1
+
+
+# -- chained: one at a time, the trips sent ahead of their answers ----------------------
+
+
+def test_one_at_a_time_the_trips_are_sent_ahead_of_their_answers(setup):
+    """Each message is its own transaction (its own Sync), and all five go to the server before
+    the first answer is read: the server applies one while the client prepares the next."""
+    s = setup()
+    s.processor.process([make_record(value={"n": -1}, offset=0)])  # warm: the lookup, the prepared claim
+    records = [make_record(value={"n": i}, offset=1 + i) for i in range(5)]
+    with RoundTrips(s.store.conn) as trips:
+        result = s.processor.process(records)
+    assert (result.applied, result.duplicates) == (5, 0) and s.settled[-5:] == records
+    first_answer = next(i for i, line in enumerate(trips.lines) if line.startswith("B\t") and "\tReadyForQuery" in line)
+    assert sum(1 for line in trips.lines[:first_answer] if line.startswith("F\t") and "\tSync" in line) == 5
+    assert trips.count == 5
+    assert s.effects() == {n: 1 for n in range(-1, 5)} and s.inbox_rows() == 6
+    assert s.store.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def test_a_commit_failing_in_a_chain_fails_every_transaction_sent_after_it(setup):
+    """A deferred constraint fails the third message's COMMIT: its transaction ends, rolled back,
+    and the next one's BEGIN would start afresh.  The chain statement fails the ones sent after
+    it instead: they are applied after the failing one was dead-lettered, in order, each once
+    (none of them found applied already: no duplicate)."""
+    s = setup()
+    s.processor.process([make_record(value={"n": 2}, offset=0)])
+    records = [make_record(value={"n": n}, offset=1 + i) for i, n in enumerate([0, 1, 2, 3, 4, 5])]
+    with pytest.raises(FatalError, match="ot_deferred"):  # the usual way meets the COMMIT error: a stop
+        s.processor.process(records)
+    assert s.settled[1:] == records[:2]
+    assert s.effects() == {0: 1, 1: 1, 2: 1}  # nothing of 3, 4 and 5 committed ahead of the failure
+    assert s.calls[3] == s.calls[4] == s.calls[5] == 1  # each sent once, failed by the chain
+    s.store.conn.execute("DELETE FROM ot_effects WHERE n = 2")  # the operator's fix
+    result = s.processor.process(records[2:])
+    assert (result.applied, result.duplicates) == (4, 0)
+    assert s.effects() == {n: 1 for n in range(6)}
+    assert s.settled[3:] == records[2:]
+
+
+def test_a_duplicate_in_a_chain_is_dropped_and_the_rest_applied_once_in_order(setup):
+    s = setup()
+    applied = make_record(value={"n": 3}, offset=3)
+    s.processor.process([applied])
+    records = [make_record(value={"n": n}, offset=n) for n in range(3)] + [applied] + [
+        make_record(value={"n": n}, offset=n) for n in range(4, 8)]
+    result = s.processor.process(records)
+    assert (result.applied, result.duplicates) == (7, 1)
+    assert s.settled[1:] == records
+    assert s.effects() == {n: 1 for n in range(8)}
+    assert s.store.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def test_a_connection_killed_in_the_middle_of_a_chain_loses_nothing_and_applies_nothing_twice(setup, sdk_db):
+    """The sixth message's statement waits; the connection is terminated meanwhile.  The chain
+    ends with DatabaseUnavailable; what was settled had committed; processing the unsettled
+    records again applies each remaining event once (those that committed are duplicates)."""
+    def statements(message: InboxMessage) -> list[tuple[Any, Any]]:
+        pause = [("SELECT pg_sleep(0.5)", None)] if message.json()["n"] == 5 else []
+        return pause + _statements(message)
+
+    s = setup(statements=statements)
+    s.processor.process([make_record(value={"n": -1}, offset=0)])
+    records = [make_record(value={"n": n}, offset=1 + n) for n in range(12)]
+    pid = s.store.conn.info.backend_pid
+
+    def kill() -> None:
+        with psycopg.connect(sdk_db, autocommit=True) as admin:
+            for _ in range(100):  # until the pause runs
+                row = admin.execute("SELECT query FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+                if row is not None and "pg_sleep" in str(row[0]):
+                    break
+                threading.Event().wait(0.02)
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    with pytest.raises(DatabaseUnavailable):
+        s.processor.process(records)
+    killer.join()
+    settled = s.settled[1:]
+    assert settled == records[:len(settled)] and len(settled) <= 5
+    rest = records[len(settled):]
+    result = s.processor.process(rest)
+    assert result.applied + result.duplicates == len(rest) and result.applied >= 12 - 5
+    assert s.effects() == {n: 1 for n in range(-1, 12)}
+    assert s.settled[1:] == records
+
+
+def test_a_lost_prepared_lookup_of_the_stores_own_is_retried_not_fatal(setup):
+    """A redelivered message that the claim (not the lookup before the poll) finds: its trip
+    fails, then the usual way looks its inbox row up with the store's own statement, which
+    psycopg prepares after five runs.  A transaction pooler that moves the session to a
+    server without it (here: that statement deallocated below psycopg) made that a FatalError, which
+    stops the consumer.  Now it is retried as for a database that went away, with psycopg's
+    automatic preparing off."""
+    s = setup()
+    record = make_record(value={"n": 1}, offset=0)
+    s.processor.process([record])
+    for _ in range(7):  # redeliveries, each claimed: the lookup runs (and is prepared by psycopg)
+        s.processor._lookup_pays = False  # noqa: SLF001 - as after a poll of new messages
+        assert s.processor.process([record]).duplicates == 1
+    found = s.store.conn.execute("SELECT name FROM pg_prepared_statements WHERE name LIKE '\\_pg3\\_%%' "
+                                 "AND statement LIKE '%%FROM outbox_inbox%%'").fetchone()
+    assert found is not None, "psycopg prepared the lookup"
+    # Another server session, which holds the store's named claims but not psycopg's statement
+    # (dropped below psycopg, which does not know).
+    s.store.conn.pgconn.exec_(b"DEALLOCATE " + found[0].encode())
+    s.processor._lookup_pays = False  # noqa: SLF001
+    with pytest.raises(DatabaseUnavailable, match="automatic preparing is off"):
+        s.processor.process([record])
+    assert s.processor.process([record]).duplicates == 1  # the loop's retry, on a new connection
+    assert s.store.conn.prepare_threshold is None
+    assert s.effects() == {1: 1}
