@@ -261,7 +261,8 @@ def test_a_fence_that_never_stays_prepared_is_given_up_for_fenced_transactions(c
     real_send_all = fenced._wire.send_all
 
     def another_server(c, steps):  # type: ignore[no-untyped-def]
-        c.execute("DEALLOCATE ALL")  # what the next server session would not have
+        if c.info.transaction_status == TransactionStatus.IDLE:  # a pooler moves sessions between transactions
+            c.execute("DEALLOCATE ALL")  # what the next server session would not have
         return real_send_all(c, steps)
 
     monkeypatch.setattr(fenced._wire, "send_all", another_server)
@@ -341,3 +342,31 @@ def test_several_statements_without_migration_0012_go_in_a_fenced_transaction(co
     with ctx.fenced_transaction():  # inside an open fenced transaction: in that transaction
         assert ctx.fenced_statements([(INSERT, {"id": job.id, "token": job.token, "step": 3})]) == [1]
     assert rows(jobs_db, "SELECT step FROM effects ORDER BY step") == [(0,), (1,), (2,), (3,)]
+
+
+def test_a_failed_write_keeps_the_prepared_fence_when_psycopg_holds_prepared_statements(conn, jobs_db):
+    """A worker connection runs its claims often enough for psycopg to prepare them.  A failed
+    one-trip write was then rolled back with psycopg's rollback(), which answers with DEALLOCATE
+    ALL when psycopg holds prepared statements: the prepared fence went along, the next write
+    prepared it again (a round trip more, a loss counted), and after PREPARED_LOSSES_MAX
+    failed writes in a row the connection left the one trip for good.  Now the rollback goes
+    below psycopg and the fence stays."""
+    job = _job(conn, lease_s=60)
+    ctx = JobContext(job, conn, deadline=float("inf"))
+    for _ in range(6):  # psycopg prepares a statement it ran five times
+        conn.execute("SELECT count(*) FROM jobs WHERE id = %s", (job.id,))
+    assert ctx.fenced_execute(INSERT, {"id": job.id, "token": job.token, "step": 1}) == 1
+
+    def prepared() -> set[str]:
+        return {name for (name,) in conn.execute("SELECT name FROM pg_prepared_statements")}
+
+    assert fenced.RAISING_FENCE_STATEMENT.decode() in prepared()
+    assert any(name.startswith("_pg3_") for name in prepared())  # psycopg's own
+    for _ in range(fenced.PREPARED_LOSSES_MAX + 1):  # a poison write, retried on this connection
+        with pytest.raises(psycopg.errors.UndefinedTable):
+            ctx.fenced_execute("INSERT INTO no_such_table VALUES (%s)", (1,))
+        assert fenced.RAISING_FENCE_STATEMENT.decode() in prepared()
+    with RoundTrips(conn) as trips:
+        assert ctx.fenced_execute(INSERT, {"id": job.id, "token": job.token, "step": 2}) == 1
+    assert trips.count == 1, trips.sent  # still the one trip, the fence not prepared again
+    assert fenced.one_trip_fence(conn) and _idle(conn)
