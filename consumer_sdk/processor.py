@@ -489,6 +489,9 @@ class Processor:
                     if not done:
                         if done is None:  # this store cannot chain: one trip a message from now on
                             self._chained = False
+                            self._log.info("inbox_chaining_off", consumer=self.consumer,
+                                           why="no pipeline mode, or a chain broke with nothing failing "
+                                               "before it (a transaction pooler moving transactions)")
                         sending = False
                         break
                     sent.append(record)

@@ -84,6 +84,26 @@ class CountingStore(PgInboxStore):
         return outcome
 
 
+class TracingConsumer(InboxConsumer):
+    """Logs the offsets each poll returned (``soak_polled``: per partition, runs of offsets),
+    so that an event left unapplied can be told apart: a member received its offset and
+    went past it, or no member ever received it (the broker served the offsets around it)."""
+
+    def _poll(self) -> list[Any]:
+        records = super()._poll()
+        if records:
+            runs: dict[int, list[list[int]]] = {}
+            for record in records:
+                spans = runs.setdefault(record.partition, [])
+                if spans and spans[-1][1] + 1 == record.offset:
+                    spans[-1][1] = record.offset
+                else:
+                    spans.append([record.offset, record.offset])
+            structlog.get_logger("soak").info("soak_polled", offsets={
+                f"p{p}": [f"{a}-{b}" for a, b in spans] for p, spans in sorted(runs.items())})
+        return records
+
+
 def make_handler(member: str, job_every: int) -> Any:
     enqueue_job = _job_enqueuer() if job_every else None
 
@@ -122,7 +142,7 @@ def run_consumer(args: argparse.Namespace) -> int:
         kafka_properties={**KAFKA, "client.id": f"soak-{args.member}",
                           "logger": logging.getLogger("kafka")},
     )
-    consumer = InboxConsumer(config, make_handler(args.member, args.job_every))
+    consumer = TracingConsumer(config, make_handler(args.member, args.job_every))
     store = CountingStore(connect_factory(args.dsn, application_name=f"outbox-consumer:{GROUP}"))
     store.member = args.member
     consumer.store = store  # before start(): the processor is built with it

@@ -161,9 +161,28 @@ class Verification(SoakState):
                  f"in the topic at all"]
         for partition, offsets in sorted(where.items()):
             lines.append(f"p{partition}: {len(offsets)} unapplied at offsets {min(offsets)}..{max(offsets)}; "
-                         f"group {GROUP!r} committed offset {committed.get(partition)}")
+                         f"group {GROUP!r} committed offset {committed.get(partition)}; "
+                         f"{self._polled_by(partition, offsets)}")
         self.report.unapplied_detail = lines
         (self.workdir / "unapplied.txt").write_text("\n".join(lines) + "\n")
+
+    def _polled_by(self, partition: int, offsets: list[int]) -> str:
+        """Which consumer members' polls returned these offsets (their ``soak_polled`` lines):
+        none means the broker never served them to the group."""
+        wanted, found = set(offsets), []
+        for log in sorted(self.workdir.glob("c*.log")):
+            for line in log.read_text(errors="replace").splitlines():
+                if '"soak_polled"' not in line:
+                    continue
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                for span in entry.get("offsets", {}).get(f"p{partition}", []):
+                    low, high = (int(x) for x in span.split("-"))
+                    if wanted & set(range(low, high + 1)):
+                        found.append(f"{log.stem} at {entry.get('timestamp')} ({span})")
+        return "polled by " + ", ".join(found) if found else "no member's poll returned them"
 
     def _verify_jobs(self, conn: psycopg.Connection[Any], written: dict[str, tuple[str, int]]) -> None:
         r = self.report
