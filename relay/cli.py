@@ -213,9 +213,14 @@ def _dispatch(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     _configure_logs(args, env, command)
     if command == "migrate" and args.print_sql:
         from relay import migrate
+        from relay.config import DEFAULT_LOCK_TIMEOUT_S, parse_option
 
-        shards = int(args.shards) if args.shards else migrate.DEFAULT_SHARDS
-        sys.stdout.write(migrate.render(shards, partitioned=args.partitioned))
+        raw = env_values(env, command)
+        raw.update({name: getattr(args, name) for name in ("shards", "lock_timeout_s")
+                    if getattr(args, name, None) is not None})
+        shards = parse_option("shards", raw.get("shards")) or migrate.DEFAULT_SHARDS
+        lock_timeout_s = parse_option("lock_timeout_s", raw.get("lock_timeout_s")) or DEFAULT_LOCK_TIMEOUT_S
+        sys.stdout.write(migrate.render(shards, partitioned=args.partitioned, lock_timeout_s=lock_timeout_s))
         return 0
     settings = settings_from(args, env, command, require_broker=command == "run")
     if command == "run":

@@ -400,6 +400,18 @@ def validate_dsn(dsn: str) -> None:
             f"{where}: sslmode {sslmode!r} is not one of {', '.join(sorted(_SSLMODES))}", dsn=dsn))
 
 
+def parse_option(name: str, raw: Any) -> Any:
+    """One option's raw value (a string from a flag or the environment) parsed as the option
+    says; a bad one is a ConfigError that names the flag and the variable."""
+    option = OPTIONS_BY_NAME[name]
+    if not isinstance(raw, str) or option.parse is str:
+        return raw
+    try:
+        return option.parse(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{option.flag} / {option.env}: {raw!r} {exc}") from None
+
+
 def build_settings(
     values: Mapping[str, Any],
     *,
@@ -407,18 +419,7 @@ def build_settings(
     require_broker: bool = True,
 ) -> Settings:
     """Parse and validate raw option values (strings from env or flags) into Settings."""
-    parsed: dict[str, Any] = {}
-    for name, raw in values.items():
-        option = OPTIONS_BY_NAME[name]
-        if raw is None:
-            continue
-        if isinstance(raw, str) and option.parse is not str:
-            try:
-                parsed[name] = option.parse(raw)
-            except ValueError as exc:
-                raise ConfigError(f"{option.flag} / {option.env}: {raw!r} {exc}") from None
-        else:
-            parsed[name] = raw
+    parsed = {name: parse_option(name, raw) for name, raw in values.items() if raw is not None}
     dsn = parsed.get("dsn")
     if not dsn:
         raise ConfigError(f"no database given: set --dsn or {ENV_PREFIX}DSN")

@@ -56,10 +56,16 @@ def migrations(*, partitioned: bool = False) -> list[Migration]:
     return found
 
 
-def render(shards: int = DEFAULT_SHARDS, *, partitioned: bool = False) -> str:
-    """Everything ``migrate`` would run, as one script for other migration tools."""
+def render(shards: int = DEFAULT_SHARDS, *, partitioned: bool = False,
+           lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> str:
+    """Everything ``migrate`` would run, as one script for other migration tools.  It starts
+    by setting the session's ``lock_timeout`` (``print_lock_timeout``), as ``migrate`` does
+    for each migration: a statement that cannot take its table lock in time fails instead
+    of stalling every writer of the table queued behind it."""
     chosen = migrations(partitioned=partitioned)
-    parts = [f"-- outbox-relay schema, {len(chosen)} migrations\n"]
+    timeout = sql.SQL(query("admin", "print_lock_timeout")).format(
+        timeout=sql.Literal(f"{max(1, round(lock_timeout_s * 1000))}ms"))
+    parts = [f"-- outbox-relay schema, {len(chosen)} migrations\n", f"{timeout.as_string(None)}\n"]
     for m in chosen:
         parts.append(f"\n-- ==== {m.path.name} ====\n{m.sql}")
     shard_rows = sql.SQL(query("admin", "print_shards")).format(shards=sql.Literal(int(shards)))

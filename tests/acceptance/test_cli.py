@@ -133,6 +133,31 @@ def test_migrate_print_and_status_json(outbox_db):
     assert set(report["shards"][0]) >= {"shard", "owner", "lease_until", "token"}
 
 
+@pytest.mark.parametrize(("args", "env", "named"), [
+    (("--shards", "abc"), {}, "--shards"),
+    (("--shards", "0"), {}, "--shards"),  # printed a script with no shard at all
+    (("--lock-timeout-s", "soon"), {}, "--lock-timeout-s"),
+    ((), {"OUTBOX_RELAY_SHARDS": "-3"}, "OUTBOX_RELAY_SHARDS"),
+])
+def test_migrate_print_refuses_a_bad_option_in_one_line(args, env, named):
+    """`migrate --print --shards abc` was a ValueError traceback, and `--shards 0` printed a
+    script that creates no shard row."""
+    result = run_cli("migrate", "--print", *args, env=env)
+    assert result.returncode == 2 and result.stdout == ""
+    assert named in one_clear_line(result)
+
+
+def test_migrate_print_sets_the_lock_timeout_first():
+    """The printed script waits for a table lock as long as `migrate` would, not forever."""
+    printed = run_cli("migrate", "--print", "--lock-timeout-s", "2.5", "--shards", "4")
+    assert printed.returncode == 0, printed.stderr
+    statements = [line for line in printed.stdout.splitlines() if line and not line.startswith("--")]
+    assert statements[0] == "SET lock_timeout = '2500ms';"
+    assert "VALUES (true, 4)" in printed.stdout
+    default = run_cli("migrate", "--print", env={"OUTBOX_RELAY_LOCK_TIMEOUT_S": "0.25"})
+    assert "SET lock_timeout = '250ms';" in default.stdout
+
+
 def test_python_dash_m_and_console_script_agree():
     module = subprocess.run([sys.executable, "-m", "relay", "--version"], capture_output=True, text=True)
     script = Path(sys.executable).with_name("outbox-relay")

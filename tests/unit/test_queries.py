@@ -53,3 +53,5 @@ def test_migrations_are_numbered_without_gaps_and_print() -> None:
     for m in found:
         assert m.path.name in script
     assert "VALUES (true, 8)" in script
+    assert script.splitlines()[1] == "SET lock_timeout = '5000ms';"  # as migrate's default
+    assert "SET lock_timeout = '1500ms';" in render(8, lock_timeout_s=1.5)

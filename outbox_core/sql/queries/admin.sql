@@ -114,6 +114,13 @@ DELETE FROM outbox_dead_letters
 WHERE (%(all)s OR event_id::text = ANY(%(event_ids)s::text[]))
 RETURNING event_id::text AS event_id
 
+-- name: print_lock_timeout
+-- For `migrate --print`, first: the session's lock_timeout, as `migrate` sets it for each
+-- migration (--lock-timeout-s); filled in with psycopg.sql.Literal.  A statement that
+-- waits longer for a table lock (ALTER TABLE: every writer of the table queues behind
+-- it meanwhile) fails with lock_not_available: run the script again later.
+SET lock_timeout = {timeout};
+
 -- name: print_shards
 -- For `migrate --print`: the shard rows that `migrate` creates; the count is
 -- filled in with psycopg.sql.Literal.
