@@ -87,10 +87,27 @@ class CountingStore(PgInboxStore):
 class TracingConsumer(InboxConsumer):
     """Logs the offsets each poll returned (``soak_polled``: per partition, runs of offsets),
     so that an event left unapplied can be told apart: a member received its offset and
-    went past it, or no member ever received it (the broker served the offsets around it)."""
+    went past it, or no member ever received it (the broker served the offsets around it).
+    A partition whose offsets jump forward between two records this member received, with
+    no rebalance between them, is logged as ``soak_offset_jump``: a topic written without
+    transactions has no holes, so the broker served later offsets before earlier ones
+    (tansu 0.6.0 does, with several producers on a partition)."""
+
+    _last: dict[int, int]
+
+    def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
+        super()._on_assign(consumer, partitions)
+        self._last = {}  # a new position (the group's committed offset): no jump to see
 
     def _poll(self) -> list[Any]:
         records = super()._poll()
+        last = self.__dict__.setdefault("_last", {})
+        for record in records:
+            before = last.get(record.partition)
+            if before is not None and record.offset > before + 1:
+                structlog.get_logger("soak").warning("soak_offset_jump", partition=record.partition,
+                                                     after=before, to=record.offset)
+            last[record.partition] = record.offset
         if records:
             runs: dict[int, list[list[int]]] = {}
             for record in records:

@@ -169,20 +169,28 @@ class Verification(SoakState):
     def _polled_by(self, partition: int, offsets: list[int]) -> str:
         """Which consumer members' polls returned these offsets (their ``soak_polled`` lines):
         none means the broker never served them to the group."""
-        wanted, found = set(offsets), []
+        wanted, found, jumps = set(offsets), [], []
         for log in sorted(self.workdir.glob("c*.log")):
             for line in log.read_text(errors="replace").splitlines():
-                if '"soak_polled"' not in line:
+                if '"soak_polled"' not in line and '"soak_offset_jump"' not in line:
                     continue
                 try:
                     entry = json.loads(line)
                 except ValueError:
                     continue
+                if entry.get("event") == "soak_offset_jump":
+                    if entry.get("partition") == partition and entry["after"] < min(wanted) and entry["to"] > max(wanted):
+                        jumps.append(f"{log.stem} received offset {entry['to']} right after {entry['after']} "
+                                     f"at {entry.get('timestamp')}")
+                    continue
                 for span in entry.get("offsets", {}).get(f"p{partition}", []):
                     low, high = (int(x) for x in span.split("-"))
                     if wanted & set(range(low, high + 1)):
                         found.append(f"{log.stem} at {entry.get('timestamp')} ({span})")
-        return "polled by " + ", ".join(found) if found else "no member's poll returned them"
+        said = "polled by " + ", ".join(found) if found else "no member's poll returned them"
+        if jumps:
+            said += "; the broker served later offsets first: " + ", ".join(jumps)
+        return said
 
     def _verify_jobs(self, conn: psycopg.Connection[Any], written: dict[str, tuple[str, int]]) -> None:
         r = self.report
