@@ -148,6 +148,14 @@ class InboxConsumer:
             return
         if self._retry_db(self.store.check_schema) is None and self.stopping:
             return
+        probe = getattr(self.store, "probe_pooler", None)
+        if probe is not None:
+            pooled = self._retry_db(probe)
+            if pooled is None and self.stopping:
+                return
+            if pooled:
+                self.log.info("transaction_pooler", hint="psycopg's automatic prepared statements are off "
+                                                         "for this consumer's connections")
         if self._retry_db(lambda: self.store.bind_group(consumer=self.config.name, group=self.config.group)) \
                 is None and self.stopping:
             return

@@ -35,6 +35,7 @@ from consumer_sdk.errors import (
     TransactionConflict,
 )
 from consumer_sdk.model import Claim, InboxMessage
+from outbox_core.pooling import transaction_pooled
 from outbox_core.queries import query
 
 ConnectionFactory = Callable[[], psycopg.Connection[Any]]
@@ -131,6 +132,21 @@ class PgInboxStore:
         if self._conn is not None:
             self._conn.prepare_threshold = None
         return True
+
+    def probe_pooler(self) -> bool:
+        """True when this store's database is reached through a transaction pooler
+        (:func:`outbox_core.pooling.transaction_pooled`, two short connections); psycopg's
+        automatic preparing is then off for the store's connections from now on: its
+        statement names are per client connection, and such a pooler shares server sessions
+        between clients, so a name could be missing there, or hold another client's
+        statement.  The inbox's own prepared statements are named per statement and stay."""
+        with self.translated():
+            pooled = transaction_pooled(self._connect)
+        if pooled:
+            self._auto_prepare = False
+            if self._conn is not None:
+                self._conn.prepare_threshold = None
+        return pooled
 
     def reset(self) -> None:
         """Drop the connection (after a failure); the next use reconnects.  A deferred COMMIT

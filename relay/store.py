@@ -21,6 +21,7 @@ import psycopg.errors
 from psycopg.rows import dict_row, tuple_row
 
 from outbox_core.connect_errors import ConnectFailure, classify_connect_error
+from outbox_core.pooling import transaction_pooled
 from relay.config import mask_text
 from relay.errors import (
     AuthenticationFailed,
@@ -105,7 +106,7 @@ _ID, _SHARD = itemgetter(OutboxRow._fields.index("id")), itemgetter(OutboxRow._f
 
 def check_not_transaction_pooled(dsn: str, *, application_name: str = "outbox-relay-probe") -> None:
     """Raise :class:`TransactionPoolerUnsupported` when ``dsn`` reaches PostgreSQL through a
-    transaction pooler.
+    transaction pooler (:func:`outbox_core.pooling.transaction_pooled`).
 
     The relay keeps session state on purpose: LISTEN, the session advisory lock of the
     wake-up protocol (sql/migrations/0003_notify.sql) and ``synchronous_commit = off``
@@ -113,33 +114,11 @@ def check_not_transaction_pooled(dsn: str, *, application_name: str = "outbox-re
     server process a transaction borrowed: notifications lost, the wake-up lock
     stranded (every writer then pays for NOTIFY), and the application's sessions
     committing without waiting for the WAL.  So the relay refuses to run there.
-
-    The probe: connection A asks for its server process and ends its transaction;
-    connection B then holds a transaction and asks for its own.  Directly connected,
-    B's differs from A's and A keeps its own.  A pooler that handed A's server to B
-    (PgBouncer reuses the last one released), or that moves A to another server while
-    B holds one, is a transaction pooler.  A session-mode pool passes.
     """
-    first = connect(dsn, application_name=application_name)
-    try:
-        second = connect(dsn, application_name=application_name, autocommit=False)
-        try:
-            with translated():
-                pid_a = _backend_pid(first)
-                with second.transaction():
-                    pooled = _backend_pid(second) == pid_a or _backend_pid(first) != pid_a
-        finally:
-            second.close()
-    finally:
-        first.close()
+    with translated():
+        pooled = transaction_pooled(lambda: connect(dsn, application_name=application_name))
     if pooled:
         raise TransactionPoolerUnsupported()
-
-
-def _backend_pid(conn: psycopg.Connection[Any]) -> int:
-    row = conn.execute(query("relay", "backend_pid")).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 class Store:

@@ -9,11 +9,42 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from consumer_sdk import _pg
-from consumer_sdk.jobs._db import ConnectionT, q, translated
+from consumer_sdk.jobs._db import ConnectionT, first_line, q, translated
+from outbox_core.pooling import transaction_pooled
 
 ConnectionFactory = Callable[[], ConnectionT]
 #: Transaction states with a transaction left open (to roll back).
 _OPEN = frozenset({TransactionStatus.INTRANS, TransactionStatus.INERROR})
+
+
+class PoolerAware:
+    """A connection factory that turns psycopg's automatic preparing off on every connection
+    it makes once :meth:`probe` found a transaction pooler: psycopg names its prepared
+    statements per client connection, and such a pooler shares server sessions between
+    clients, so a name could be missing on the next server, or hold another client's
+    statement there (:mod:`outbox_core.pooling`)."""
+
+    def __init__(self, connect: ConnectionFactory) -> None:
+        self._connect = connect
+        self.pooled = False
+
+    def __call__(self) -> ConnectionT:
+        conn = self._connect()
+        if self.pooled:
+            conn.prepare_threshold = None
+        return conn
+
+    def probe(self, log: Any) -> None:
+        """Best effort, at the pool's start: a database not reachable yet is probed never
+        (the pool retries its own connections as always)."""
+        try:
+            self.pooled = transaction_pooled(self._connect)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis; the pool's own connections say more
+            log.warning("pooler_probe_failed", error=first_line(exc))
+            return
+        if self.pooled:
+            log.info("transaction_pooler", hint="psycopg's automatic prepared statements are off "
+                                                "for this pool's connections")
 
 
 def roll_back_open(conn: ConnectionT) -> bool:
