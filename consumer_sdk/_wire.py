@@ -42,6 +42,8 @@ except ImportError:  # pragma: no cover - a psycopg without it: INTERNALS is fal
 _FATAL_ERROR = pq.ExecStatus.FATAL_ERROR
 _PIPELINE_ABORTED = pq.ExecStatus.PIPELINE_ABORTED
 _PIPELINE_OFF = pq.PipelineStatus.OFF
+_IDLE = pq.TransactionStatus.IDLE
+_ROLLBACK = b"ROLLBACK"
 
 
 #: The psycopg internals this module uses (tested with psycopg 3.3): a release without
@@ -105,18 +107,37 @@ def send_all(conn: psycopg.Connection[Any], steps: Sequence[Step]) -> list[pq.ab
     with conn.lock:
         pgconn.enter_pipeline_mode()
         try:
-            for step in steps:
-                if step.prepared:
-                    pgconn.send_query_prepared(step.sql, step.params, param_formats=step.formats)
-                else:
-                    pgconn.send_query_params(step.sql, step.params, param_types=step.types,
-                                             param_formats=step.formats)
-            pgconn.pipeline_sync()
+            _queue(pgconn, steps)
             conn.wait(generators.send(pgconn))
-            # One fetch per statement (each ends with libpq's NULL), one for the Sync.
-            return [result for _ in range(len(steps) + 1) for result in conn.wait(generators.fetch_many(pgconn))]
+            return _results(conn, len(steps))
         finally:
             _leave_pipeline(conn)
+
+
+def roll_back(conn: psycopg.Connection[Any]) -> None:
+    """ROLLBACK the transaction a failed pipeline left open (none open: nothing sent), below
+    psycopg, as the pipeline went: psycopg's ``rollback()`` answers with DEALLOCATE ALL once
+    it holds prepared statements of its own, which takes the caller's prepared statements
+    along.  Check :func:`available` first."""
+    if conn.info.transaction_status != _IDLE:
+        raise_first_error(conn, send_all(conn, [Step(_ROLLBACK)]))
+
+
+def _queue(pgconn: pq.abc.PGconn, steps: Sequence[Step]) -> None:
+    """``steps`` and a Sync into libpq's output buffer (pipeline mode; nothing flushed)."""
+    for step in steps:
+        if step.prepared:
+            pgconn.send_query_prepared(step.sql, step.params, param_formats=step.formats)
+        else:
+            pgconn.send_query_params(step.sql, step.params, param_types=step.types,
+                                     param_formats=step.formats)
+    pgconn.pipeline_sync()
+
+
+def _results(conn: psycopg.Connection[Any], count: int) -> list[pq.abc.PGresult]:
+    """The results of ``count`` statements sent, then their Sync's: one fetch per statement
+    (each ends with libpq's NULL), one for the Sync."""
+    return [result for _ in range(count + 1) for result in conn.wait(generators.fetch_many(conn.pgconn))]
 
 
 class Trips:
@@ -145,21 +166,13 @@ class Trips:
             conn.lock.acquire()
             self._open = True
             pgconn.enter_pipeline_mode()
-        for step in steps:
-            if step.prepared:
-                pgconn.send_query_prepared(step.sql, step.params, param_formats=step.formats)
-            else:
-                pgconn.send_query_params(step.sql, step.params, param_types=step.types,
-                                         param_formats=step.formats)
-        pgconn.pipeline_sync()
+        _queue(pgconn, steps)
         self._sizes.append(len(steps))
         conn.wait(generators.send(pgconn))
 
     def receive(self) -> list[pq.abc.PGresult]:
         """The results of the oldest transaction not read yet, in order, then its Sync's."""
-        count = self._sizes.popleft()
-        conn, pgconn = self.conn, self.conn.pgconn
-        return [result for _ in range(count + 1) for result in conn.wait(generators.fetch_many(pgconn))]
+        return _results(self.conn, self._sizes.popleft())
 
     def close(self) -> None:
         if not self._open:

@@ -51,7 +51,6 @@ CLAIM_STRICT_STATEMENT = b"outbox_inbox_claim_strict_v1"
 _PREPARED_LOSSES_MAX = 3
 _COMMIT = b"COMMIT"
 _BEGIN = b"BEGIN"
-_ROLLBACK = b"ROLLBACK"
 _CHAIN = query("inbox", "chain").encode()  # positional parameters: sent as it is
 
 
@@ -481,35 +480,49 @@ class PgInboxStore:
             conn = self.conn
         if not _wire.available(conn):
             return None
-        params = {"consumer": consumer, "event_id": message.event_id, "payload_sha256": payload_sha256,
-                  "topic": message.topic, "partition": message.partition, "offset": message.offset,
-                  "now": self._now()}
-        try:  # the handler's mistakes (a wrong parameter count, a value with no dumper) are its own
-            binder = self._binder(conn)
-            steps = [_wire.bind(conn, sql, args, transformer=binder) for sql, args in statements]
-        except Exception:  # noqa: BLE001 - raised again where the usual way runs the statements
-            return False
         with self.translated():
-            if self._strict_prepared(conn):
-                claim = _wire.Step(CLAIM_STRICT_STATEMENT, _claim_values(params), prepared=True)
-            else:
-                claim = _wire.bind(conn, query("inbox", "claim_strict"), params)
+            strict = self._strict_prepared(conn)
+        parts = self._trip(conn, consumer=consumer, message=message, payload_sha256=payload_sha256,
+                           statements=statements, strict=strict)
+        if parts is None:
+            return False
+        claim, steps = parts
+        with self.translated():
             results = _wire.send_all(conn, [_wire.Step(_BEGIN), claim, *steps, _wire.Step(_COMMIT)])
-            if not any(_wire.failed(result) for result in results):
-                status = results[-2].command_status
-                _check_committed(status.decode() if status is not None else None)
+            if _committed(results):
                 if claim.prepared:
                     self._prepared_losses = 0
                 return True
-            if claim.prepared and results[1].status == psycopg.pq.ExecStatus.FATAL_ERROR \
-                    and results[1].error_field(psycopg.pq.DiagnosticField.SQLSTATE) == b"26000":
-                self._strict_on = None  # invalid_sql_statement_name: DISCARD ALL, another server session
-                self._prepared_losses += 1
-            if conn.info.transaction_status != TransactionStatus.IDLE:
-                # Below psycopg, as the trip went: its rollback() would answer with DEALLOCATE
-                # ALL when it holds prepared statements, and take the prepared claims along.
-                _wire.raise_first_error(conn, _wire.send_all(conn, [_wire.Step(_ROLLBACK)]))
+            self._note_strict_lost(results[1], conn)
+            _wire.roll_back(conn)  # below psycopg: its rollback() would take the prepared claims along
         return False
+
+    def _trip(self, conn: psycopg.Connection[Any], *, consumer: str, message: InboxMessage,
+              payload_sha256: bytes | None, statements: Sequence[tuple[Any, Any]],
+              strict: bool) -> tuple[_wire.Step, list[_wire.Step]] | None:
+        """A one-trip transaction's inbox row (``claim_strict``, prepared by name when
+        ``strict``) and its statements, bound as a cursor binds them; None when a statement
+        cannot be bound (the handler's mistake: a wrong parameter count, a value with no
+        dumper), raised again where the usual way runs the statements."""
+        params = {"consumer": consumer, "event_id": message.event_id, "payload_sha256": payload_sha256,
+                  "topic": message.topic, "partition": message.partition, "offset": message.offset,
+                  "now": self._now()}
+        try:
+            binder = self._binder(conn)
+            steps = [_wire.bind(conn, sql, args, transformer=binder) for sql, args in statements]
+        except Exception:  # noqa: BLE001 - raised again where the usual way runs the statements
+            return None
+        if strict:
+            return _wire.Step(CLAIM_STRICT_STATEMENT, _claim_values(params), prepared=True), steps
+        return _wire.bind(conn, query("inbox", "claim_strict"), params, transformer=binder), steps
+
+    def _note_strict_lost(self, claim: psycopg.pq.abc.PGresult, conn: psycopg.Connection[Any]) -> None:
+        """The prepared ``claim_strict`` was not on the server (invalid_sql_statement_name:
+        DISCARD ALL, or another server session): prepared again next time, a loss counted."""
+        if self._strict_on is conn and claim.status == psycopg.pq.ExecStatus.FATAL_ERROR \
+                and claim.error_field(psycopg.pq.DiagnosticField.SQLSTATE) == b"26000":
+            self._strict_on = None
+            self._prepared_losses += 1
 
     def send_trip(self, *, consumer: str, message: InboxMessage, payload_sha256: bytes | None,
                   statements: Sequence[tuple[Any, Any]]) -> bool | None:
@@ -538,18 +551,11 @@ class PgInboxStore:
         else:
             conn = trips.conn
             strict = self._strict_on is conn
-        params = {"consumer": consumer, "event_id": message.event_id, "payload_sha256": payload_sha256,
-                  "topic": message.topic, "partition": message.partition, "offset": message.offset,
-                  "now": self._now()}
-        try:  # the handler's mistakes are raised again where the usual way runs them
-            binder = self._binder(conn)
-            steps = [_wire.bind(conn, sql, args, transformer=binder) for sql, args in statements]
-        except Exception:  # noqa: BLE001
+        parts = self._trip(conn, consumer=consumer, message=message, payload_sha256=payload_sha256,
+                           statements=statements, strict=strict)
+        if parts is None:
             return False
-        if strict:
-            claim = _wire.Step(CLAIM_STRICT_STATEMENT, _claim_values(params), prepared=True)
-        else:
-            claim = _wire.bind(conn, query("inbox", "claim_strict"), params, transformer=binder)
+        claim, steps = parts
         self._chain_seq += 1
         mark = f"{self._chain_id}:{self._chain_seq}"
         after = self._chain_last
@@ -571,20 +577,15 @@ class PgInboxStore:
         with self.translated():
             results = trips.receive()
         prev_ok, self._chain_prev_ok = self._chain_prev_ok, False
-        if not any(_wire.failed(result) for result in results):
-            status = results[-2].command_status
-            _check_committed(status.decode() if status is not None else None)
+        if _committed(results):
             self._chain_prev_ok = True
             return True
         if results[1].status == psycopg.pq.ExecStatus.FATAL_ERROR and prev_ok:
             # The one before committed, yet this one did not find its mark: the session's
             # setting did not carry over (a transaction pooler): one transaction at a time.
             self._chain_on = False
-        elif results[2].status == psycopg.pq.ExecStatus.FATAL_ERROR \
-                and results[2].error_field(psycopg.pq.DiagnosticField.SQLSTATE) == b"26000" \
-                and self._strict_on is trips.conn:
-            self._strict_on = None  # the prepared claim is gone (DISCARD ALL, another server session)
-            self._prepared_losses += 1
+        else:
+            self._note_strict_lost(results[2], trips.conn)
         return False
 
     def end_trips(self) -> None:
@@ -595,9 +596,7 @@ class PgInboxStore:
             return
         with self.translated():
             trips.close()
-            conn = trips.conn
-            if conn.info.transaction_status != TransactionStatus.IDLE:
-                _wire.raise_first_error(conn, _wire.send_all(conn, [_wire.Step(_ROLLBACK)]))
+            _wire.roll_back(trips.conn)
 
     def can_pipeline(self) -> bool:
         """The open transaction's connection can take :meth:`execute_all`."""
@@ -739,6 +738,16 @@ def _claim_values(params: dict[str, Any]) -> list[bytes | None]:
             None if digest is None else b"\\x" + digest.hex().encode(), params["topic"].encode(),
             b"%d" % params["partition"], b"%d" % params["offset"],
             None if now is None else now.isoformat().encode()]
+
+
+def _committed(results: Sequence[psycopg.pq.abc.PGresult]) -> bool:
+    """A one-trip transaction's results (its COMMIT's second to last, before the Sync's): True
+    when every statement went through and the COMMIT committed."""
+    if any(_wire.failed(result) for result in results):
+        return False
+    status = results[-2].command_status
+    _check_committed(status.decode() if status is not None else None)
+    return True
 
 
 def _check_committed(status: str | None) -> None:

@@ -93,7 +93,9 @@ class TracingConsumer(InboxConsumer):
     transactions has no holes, so the broker served later offsets before earlier ones
     (tansu 0.6.0 does, with several producers on a partition)."""
 
-    _last: dict[int, int]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._last: dict[int, int] = {}  # partition -> the last offset received
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         super()._on_assign(consumer, partitions)
@@ -101,7 +103,7 @@ class TracingConsumer(InboxConsumer):
 
     def _poll(self) -> list[Any]:
         records = super()._poll()
-        last = self.__dict__.setdefault("_last", {})
+        last = self._last
         for record in records:
             before = last.get(record.partition)
             if before is not None and record.offset > before + 1:

@@ -18,7 +18,6 @@ from typing import Any
 import psycopg
 import psycopg.errors
 from psycopg import pq
-from psycopg.pq import TransactionStatus
 
 from consumer_sdk import _wire
 from consumer_sdk.jobs._db import ConnectionT, first_line, q
@@ -34,7 +33,6 @@ _NO_RAISING_FENCE: weakref.WeakSet[ConnectionT] = weakref.WeakSet()
 #: The prepared raising fence's name, as ``fence_raise_prepare`` in jobs.sql creates it.
 RAISING_FENCE_STATEMENT = b"outbox_jobs_fence_v3"
 _COMMIT = b"COMMIT"
-_ROLLBACK = b"ROLLBACK"
 #: After the prepared fence was gone this many times in a row (prepared again each time, and
 #: gone again before a write could use it: a pooler that moves sessions between servers),
 #: the connection takes the three-round-trip path for good.  A single loss (DISCARD ALL)
@@ -122,5 +120,5 @@ def _end_failed(conn: ConnectionT) -> None:
     statements of its own (a worker connection's claims, run often enough), which took the
     prepared fence along (prepared again on the next write, and counted as a loss: after
     PREPARED_LOSSES_MAX failed writes in a row, the connection left the one trip for good)."""
-    if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
-        _wire.raise_first_error(conn, _wire.send_all(conn, [_wire.Step(_ROLLBACK)]))
+    if not conn.closed:
+        _wire.roll_back(conn)

@@ -13,6 +13,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -199,25 +200,11 @@ def test_an_inbox_statements_handler_behind_a_transaction_pooler_applies_each_ev
     goes the usual way and the claim is prepared again, or given up after the store's losses
     in a row for the claim bound as text).  Each event is applied once, and a redelivery
     of them all is dropped."""
-    import structlog
+    from consumer_sdk.testing import make_record
 
-    from consumer_sdk.metrics import ConsumerMetrics
-    from consumer_sdk.processor import Policies, Processor
-    from consumer_sdk.store import PgInboxStore, connect_factory
-    from consumer_sdk.testing import FakeDeadLetters, make_record
-    from tests.integration.sdk._support import migrate_sdk_db
-
-    migrate_sdk_db(outbox_db)
-    with psycopg.connect(outbox_db, autocommit=True) as direct:
-        direct.execute("CREATE TABLE pooled_inbox_effects (n int, server int NOT NULL DEFAULT pg_backend_pid())")
     pooled = pgbouncer("transaction", pool_size=2)
-    store = PgInboxStore(connect_factory(pooled))
-    settled: list = []
-    processor = Processor(
-        consumer="pooled", store=store, handler=None, dead_letters=FakeDeadLetters(), policies=Policies(),
-        statements=lambda m: [("INSERT INTO pooled_inbox_effects (n) VALUES (%s)", (m.json()["n"],))],
-        metrics=ConsumerMetrics(), log=structlog.get_logger("tests"), sleep=lambda s: None,
-        on_settled=settled.extend, batch_size=1)
+    store, processor, settled = _statements_processor(outbox_db, pooled, consumer="pooled",
+                                                      table="pooled_inbox_effects")
     records = [make_record(value={"n": n}, offset=n) for n in range(12)]
     try:
         with psycopg.connect(pooled, prepare_threshold=None) as other:
@@ -301,45 +288,34 @@ def test_a_chain_of_statements_transactions_behind_a_transaction_pooler_applies_
     chaining (PgBouncer may also keep a burst of pipelined transactions on one server, and
     move only between chains: then chaining stays on).  Either way each event is applied
     once, in order."""
-    import structlog
-
     from consumer_sdk.errors import DatabaseUnavailable
-    from consumer_sdk.metrics import ConsumerMetrics
-    from consumer_sdk.processor import Policies, Processor
-    from consumer_sdk.store import PgInboxStore, connect_factory
-    from consumer_sdk.testing import FakeDeadLetters, make_record
-    from tests.integration.sdk._support import migrate_sdk_db
+    from consumer_sdk.model import BatchResult
+    from consumer_sdk.testing import make_record
 
-    migrate_sdk_db(outbox_db)
-    with psycopg.connect(outbox_db, autocommit=True) as direct:
-        direct.execute("CREATE TABLE pooled_chain_effects (seq bigserial, n int, server int NOT NULL DEFAULT pg_backend_pid())")
     pooled = pgbouncer("transaction", pool_size=2, round_robin=True)
-    store = PgInboxStore(connect_factory(pooled))
-    settled: list = []
-    processor = Processor(
-        consumer="pooled-chain", store=store, handler=None, dead_letters=FakeDeadLetters(), policies=Policies(),
-        statements=lambda m: [("INSERT INTO pooled_chain_effects (n) VALUES (%s)", (m.json()["n"],))],
-        metrics=ConsumerMetrics(), log=structlog.get_logger("tests"), sleep=lambda s: None,
-        on_settled=settled.extend, batch_size=1)
+    store, processor, settled = _statements_processor(outbox_db, pooled, consumer="pooled-chain",
+                                                      table="pooled_chain_effects")
     records = [make_record(value={"n": n}, offset=n) for n in range(200)]
     _open_servers(pooled, 2)
-    def settle(batch: list) -> tuple[int, int]:
-        """As the consumer's loop: what a lost prepared statement left unsettled goes again."""
-        applied = duplicates = 0
+
+    def settle(batch: list) -> int:
+        """As the consumer's loop: what a lost prepared statement left unsettled goes again.
+        Returns how many were applied, over every try (process() adds to ``total``)."""
+        total = BatchResult()
         for _ in range(5):
             done = len(settled)
             try:
-                result = processor.process(batch)
+                processor.process(batch, total)
             except DatabaseUnavailable as exc:
                 unavailable.append(str(exc))
                 batch = batch[len(settled) - done:]
                 continue
-            return applied + result.applied, duplicates + result.duplicates
+            return total.applied
         raise AssertionError(unavailable)
 
     unavailable: list[str] = []
     try:
-        applied, _ = settle(records)
+        applied = settle(records)
         settle(records)
     finally:
         store.close()
@@ -350,6 +326,33 @@ def test_a_chain_of_statements_transactions_behind_a_transaction_pooler_applies_
     with psycopg.connect(outbox_db, autocommit=True) as direct:
         assert [n for (n,) in direct.execute("SELECT n FROM pooled_chain_effects ORDER BY seq")] == list(range(200))
         assert direct.execute("SELECT count(DISTINCT server) FROM pooled_chain_effects").fetchone()[0] > 1
+
+
+def _statements_processor(outbox_db: str, pooled: str, *, consumer: str, table: str) -> tuple[Any, Any, list[Any]]:
+    """A one-at-a-time Processor on a PgInboxStore reached through ``pooled``, whose statements
+    handler inserts each message's ``n`` into a new ``table`` (``seq`` the insert order,
+    ``server`` the server process it ran on); returns (store, processor, settled records)."""
+    import structlog
+
+    from consumer_sdk.metrics import ConsumerMetrics
+    from consumer_sdk.processor import Policies, Processor
+    from consumer_sdk.store import PgInboxStore, connect_factory
+    from consumer_sdk.testing import FakeDeadLetters
+    from tests.integration.sdk._support import migrate_sdk_db
+
+    migrate_sdk_db(outbox_db)
+    with psycopg.connect(outbox_db, autocommit=True) as direct:
+        direct.execute(sql.SQL("CREATE TABLE {} (seq bigserial, n int, server int NOT NULL DEFAULT pg_backend_pid())")
+                       .format(sql.Identifier(table)))
+    insert = sql.SQL("INSERT INTO {} (n) VALUES (%s)").format(sql.Identifier(table))
+    store = PgInboxStore(connect_factory(pooled))
+    settled: list[Any] = []
+    processor = Processor(
+        consumer=consumer, store=store, handler=None, dead_letters=FakeDeadLetters(), policies=Policies(),
+        statements=lambda m: [(insert, (m.json()["n"],))],
+        metrics=ConsumerMetrics(), log=structlog.get_logger("tests"), sleep=lambda s: None,
+        on_settled=settled.extend, batch_size=1)
+    return store, processor, settled
 
 
 def _open_servers(pooled: str, count: int) -> None:
