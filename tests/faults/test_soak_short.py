@@ -1,7 +1,8 @@
 """The chaos soak (tests/soak/), short: about a minute of writes under every kind of fault.
 
 Three relay replicas, two dedup consumers and two job workers (when consumer_sdk.jobs is
-there) on an embedded PostgreSQL and a tansu broker behind a fault proxy; a fixed seed whose
+there) on an embedded PostgreSQL and an Apache Kafka node behind a fault proxy (tansu when
+Java is missing, outside CI: tests/soak/__init__.py says why not tansu); a fixed seed whose
 plan puts every fault kind and every bad input in the first three quarters of the run.
 The long run is `make soak SOAK_ARGS="--duration-s 1200 --seed 7"`.
 """

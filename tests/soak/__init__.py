@@ -7,9 +7,14 @@
 What runs, all owned by the soak (nothing shared with other tests):
 
 * an embedded PostgreSQL (restartable) with a fresh database migrated by ``relay.migrate``;
-* a tansu broker behind a :class:`TcpProxy`: relays, consumers and the verifier reach it
-  only through the proxy (it advertises the proxy's port), so cut/delay/blackhole hit
-  every Kafka client;
+* an Apache Kafka node (``--broker kafka``, the default; tansu when Java or the jars are
+  missing outside CI, or with ``--broker tansu``) behind a :class:`TcpProxy`: relays,
+  consumers and the verifier reach it only through the proxy (it advertises the proxy's
+  port), so cut/delay/blackhole hit every Kafka client.  Not tansu by default: tansu
+  0.6.0 makes later offsets of a partition readable before earlier ones when several
+  producers write it (tests/integration/kafka/test_broker_offset_order.py), and a
+  consumer group that read past them never goes back: the soak then failed for the
+  broker's sake, not the relay's;
 * writers (threads of this process): transactions of 1-5 events over 1-2 keys; each
   transaction first locks its keys (``pg_advisory_xact_lock(hashtext(key))``, README
   "Ordering") and takes the keys' next seq numbers from ``soak_writer_keys`` in the same

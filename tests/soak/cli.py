@@ -29,13 +29,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mean-fault-gap-s", type=float, default=5.0)
     parser.add_argument("--drain-timeout-s", type=float, default=240.0)
     parser.add_argument("--workdir", type=Path, default=None, help="where process logs go (default a temp dir, kept)")
+    parser.add_argument("--broker", choices=("kafka", "tansu"), default="kafka",
+                        help="kafka: Apache Kafka (tansu when Java or its jars are missing, outside CI); "
+                             "tansu: the light broker (default kafka)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1_000_000)
     config = SoakConfig(duration_s=args.duration_s, seed=seed, relays=args.relays, consumers=args.consumers,
                         workers=args.workers, rate=args.rate, keys=args.keys, partitions=args.partitions,
                         mean_fault_gap_s=args.mean_fault_gap_s, drain_timeout_s=args.drain_timeout_s,
-                        workdir=args.workdir, jobs=None if args.workers > 0 else False)
+                        workdir=args.workdir, jobs=None if args.workers > 0 else False, broker=args.broker)
 
     def interrupted(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -74,6 +74,8 @@ class SoakConfig:
     #: None: run jobs when consumer_sdk.jobs imports; False: never.
     jobs: bool | None = None
     progress_every_s: float = 15.0
+    #: "kafka": Apache Kafka (tansu when it cannot start, outside CI); "tansu": tansu.
+    broker: str = "kafka"
 
 
 @dataclass
@@ -88,6 +90,7 @@ class SoakReport:
     target_rate: float
     mean_fault_gap_s: float = 5.0
     workdir: str = ""
+    broker: str = ""
     # load
     written: int = 0
     written_tx: int = 0
@@ -227,7 +230,8 @@ class SoakReport:
         lines = [
             "=" * 78,
             f"chaos soak  seed={self.seed}  duration={self.duration_s:.0f}s  relays={self.relays}  "
-            f"consumers={self.consumers}  workers={self.workers if self.jobs_enabled else 0}",
+            f"consumers={self.consumers}  workers={self.workers if self.jobs_enabled else 0}  "
+            f"broker={self.broker or '?'}",
             "-" * 78,
             f"events written            {self.written}  ({self.written_tx} transactions; "
             f"{self.writer_failed_tx} failed and {self.writer_unknown_outcome_tx} with unknown outcome, retried)",
@@ -259,7 +263,8 @@ class SoakReport:
             f"logs                      {self.workdir}",
             f"replay                    python -m tests.soak --duration-s {self.duration_s:g} --seed {self.seed} "
             f"--relays {self.relays} --consumers {self.consumers} --workers {self.workers} "
-            f"--rate {self.target_rate:g} --mean-fault-gap-s {self.mean_fault_gap_s:g}",
+            f"--rate {self.target_rate:g} --mean-fault-gap-s {self.mean_fault_gap_s:g}"
+            + (" --broker tansu" if self.broker == "tansu" else ""),
             "-" * 78,
             "RESULT: PASS" if not failures else "RESULT: FAIL\n  - " + "\n  - ".join(failures),
             "=" * 78,

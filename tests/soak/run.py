@@ -16,7 +16,8 @@ from pathlib import Path
 import psycopg
 
 from relay import migrate
-from tests.fixtures.broker import TansuBroker, create_topic, tansu_broker_behind_proxy
+from tests.fixtures import apache_kafka
+from tests.fixtures.broker import Broker, create_topic, tansu_broker_behind_proxy
 from tests.fixtures.pg import EmbeddedPgServer, embedded_pg
 from tests.fixtures.pg_user import prepare as prepare_pg_user
 from tests.fixtures.proxy import TcpProxy
@@ -50,7 +51,7 @@ class Soak(FaultInjection, Verification):
         self.workdir = config.workdir or Path(tempfile.mkdtemp(prefix=f"soak-{config.seed}-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.pg: EmbeddedPgServer | None = None
-        self.broker: TansuBroker | None = None
+        self.broker: Broker | None = None
         self.proxy: TcpProxy | None = None
         self.dsn = ""
         self.bootstrap = ""
@@ -93,12 +94,11 @@ class Soak(FaultInjection, Verification):
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             conn.execute(SOAK_DDL)
             conn.execute("INSERT INTO soak_writer_keys (key) SELECT unnest(%s::text[])", (self.key_names(),))
-        self.broker, self.proxy = tansu_broker_behind_proxy()
-        self.bootstrap = self.broker.bootstrap
+        broker = self._start_broker()
         create_topic(self.bootstrap, TOPIC, partitions=self.cfg.partitions)
         create_topic(self.bootstrap, DLQ_TOPIC, partitions=1)
         self.jobs_enabled, self.jobs_note = self._jobs_available()
-        self.say(f"PostgreSQL {self.pg.port}, tansu {self.broker.direct_bootstrap} via proxy {self.bootstrap}, "
+        self.say(f"PostgreSQL {self.pg.port}, {broker} via proxy {self.bootstrap}, "
                  f"jobs {'on' if self.jobs_enabled else 'off: ' + self.jobs_note}; logs in {self.workdir}")
         for i in range(1, self.cfg.relays + 1):
             self._member(f"r{i}", "relay", self._relay_cmd)
@@ -113,6 +113,31 @@ class Soak(FaultInjection, Verification):
             assert m.proc is not None
             marker = {"relay": "relay_started", "consumer": "consumer_started", "worker": "soak_member_started"}
             m.proc.wait_for_log(marker[m.role], timeout_s=60)
+
+    def _start_broker(self) -> str:
+        """The broker behind the fault proxy: Apache Kafka unless the config asks for tansu or
+        (outside CI) Java or the jars are missing; says which, and why not Apache Kafka."""
+        if self.cfg.broker == "kafka":
+            why_not = apache_kafka.missing_tools()
+            if why_not is None:
+                try:
+                    kafka, self.proxy = apache_kafka.apache_kafka_behind_proxy()
+                except apache_kafka.KafkaUnavailableError as exc:
+                    why_not = str(exc)
+                else:
+                    self.broker = kafka
+                    self.bootstrap = f"127.0.0.1:{self.proxy.port}"
+                    self.report.broker = f"Apache Kafka {apache_kafka.kafka_version()}"
+                    apache_kafka.warm_up_groups(self.bootstrap)  # the group coordinator is up
+                    return f"{self.report.broker} at {kafka.bootstrap}"
+            if apache_kafka.in_ci():
+                raise RuntimeError(f"Apache Kafka cannot start: {why_not} (CI=true: no fallback)")
+            self.say(f"Apache Kafka cannot start ({why_not}): the soak runs on tansu")
+        tansu, self.proxy = tansu_broker_behind_proxy()
+        self.broker = tansu
+        self.bootstrap = tansu.bootstrap
+        self.report.broker = "tansu"
+        return f"tansu at {tansu.direct_bootstrap}"
 
     def key_names(self) -> list[str]:
         return [f"k{i:04d}" for i in range(self.cfg.keys)]
@@ -276,14 +301,17 @@ class Soak(FaultInjection, Verification):
                 m.close()
             except Exception:  # noqa: BLE001 - best effort
                 pass
-        for server, name in ((self.broker, "tansu.log"), (self.pg, "postgres.log")):
-            if server is not None and server.log_path.exists():
+        broker_log = "tansu.log" if self.report.broker == "tansu" else "kafka.log"
+        for server, name in ((self.broker, broker_log), (self.pg, "postgres.log")):
+            if server is not None and getattr(server, "log_path", None) is not None and server.log_path.exists():
                 try:
                     shutil.copyfile(server.log_path, self.workdir / name)
                 except OSError:
                     pass
         if self.broker is not None:
-            self.broker.close()  # also stops the proxy
+            self.broker.close()  # tansu's also stops the proxy
+        if self.proxy is not None:
+            self.proxy.stop()
         if self.pg is not None:
             self.pg.close()
 
