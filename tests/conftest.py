@@ -18,6 +18,11 @@ Kafka fixtures:
                  factor 3, min.insync.replicas 2; `stop(i)`/`kill(i)`/`start(i)` per node,
                  `wait_in_sync(topics)`.  Started only when a test requests it.
   proxied_broker a fresh tansu behind a TcpProxy (network cuts); tansu only.
+  proxied_kafka  a fresh single-node Apache Kafka behind a TcpProxy: for tests where several
+                 relays write the same partitions (tansu serves later offsets first then).
+  @pytest.mark.several_producers: `broker` runs on Apache Kafka only (not tansu) unless
+                 tansu is the only broker asked for; see tests/integration/kafka/
+                 test_broker_offset_order.py for why.
   Custom brokers (listeners, SASL, ACLs, limits): tests.fixtures.apache_kafka.ApacheKafkaBroker.
 """
 
@@ -176,14 +181,35 @@ KAFKA_BROKER_PROPERTIES = {"num.partitions": "4", "message.max.bytes": str(8 * 1
 ENV_BROKERS = "OUTBOX_TEST_BROKERS"
 
 
-def _broker_params() -> list[Any]:
+def _wanted_brokers() -> list[str]:
     if os.environ.get(ENV_BOOTSTRAP):
-        return [pytest.param("external", id="external")]
+        return ["external"]
     wanted = [b.strip() for b in os.environ.get(ENV_BROKERS, "tansu,kafka").split(",") if b.strip()]
     unknown = set(wanted) - {"tansu", "kafka"}
     if unknown or not wanted:
         raise pytest.UsageError(f"${ENV_BROKERS} must list tansu and/or kafka, not {sorted(unknown)}")
-    return [pytest.param(b, id=b) for b in wanted]
+    return wanted
+
+
+def _broker_params() -> list[Any]:
+    return [pytest.param(b, id=b) for b in _wanted_brokers()]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``@pytest.mark.several_producers``: several relays write the same partitions at once.
+    tansu 0.6.0 then makes later offsets readable before earlier ones (and its high watermark
+    lags the log), so a reader skips records it stored: such a test fails for the broker's
+    sake (tests/integration/kafka/test_broker_offset_order.py).  It runs on Apache Kafka
+    only, unless tansu is the only broker asked for."""
+    if "broker" not in metafunc.fixturenames or not metafunc.definition.get_closest_marker(
+            "several_producers"):
+        return
+    wanted = [b for b in _wanted_brokers() if b != "tansu"] or ["tansu"]
+    # As a marker, before the fixtures' own parametrization runs: it then leaves `broker`'s
+    # params to this one.
+    metafunc.definition.add_marker(pytest.mark.parametrize(
+        "broker", [pytest.param(b, id=b) for b in wanted], indirect=True, scope="session"))
 
 
 @pytest.fixture(scope="session")
@@ -249,6 +275,19 @@ def proxied_broker() -> Iterator[tuple[TansuBroker, TcpProxy]]:
         yield b, proxy
     finally:
         b.close()
+
+
+@pytest.fixture
+def proxied_kafka() -> Iterator[tuple[Broker, TcpProxy]]:
+    """A fresh single-node Apache Kafka that advertises a TcpProxy: (broker, proxy); clients
+    use broker.bootstrap (the proxy's address).  Skips or, under CI=true, fails when Apache
+    Kafka cannot start."""
+    kafka, proxy = apache_kafka_or_skip(apache_kafka.apache_kafka_behind_proxy)
+    try:
+        yield Broker(f"127.0.0.1:{proxy.port}"), proxy
+    finally:
+        kafka.close()
+        proxy.stop()
 
 
 # --- proxies and processes -----------------------------------------------------------

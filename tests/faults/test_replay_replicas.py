@@ -10,6 +10,7 @@ import subprocess
 from typing import Any
 
 import psycopg
+import pytest
 
 from consumer_sdk import InboxConsumer, InboxMessage
 from tests.faults.test_replicas import start_relay, wait_owners
@@ -24,6 +25,9 @@ from tests.fixtures.outbox import (
 )
 from tests.fixtures.procs import wait_until
 from tests.integration.sdk._support import ConsumerThread, make_config, wait_settled
+
+#: Several relays write the same partitions at once: Apache Kafka only (tests/conftest.py).
+pytestmark = pytest.mark.several_producers
 
 EVENTS, KEYS = 20_000, 500
 RATE = 2500  # events/s over all replicas: about 8 s of replay, time to kill one mid-way

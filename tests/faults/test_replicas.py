@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import psycopg
+import pytest
 
 from tests.fixtures.broker import create_topic, offset_gaps, read_all
 from tests.fixtures.outbox import (
@@ -22,6 +23,9 @@ from tests.fixtures.outbox import (
     wait_drained,
 )
 from tests.fixtures.procs import Proc, wait_until
+
+#: Several relays write the same partitions at once: Apache Kafka only (tests/conftest.py).
+pytestmark = pytest.mark.several_producers
 
 LEASE_S, HEARTBEAT_S, SHARDS = 3.0, 1.0, 16
 BATCH, DEPTH = 200, 4
@@ -149,17 +153,17 @@ def test_three_replicas_share_fifty_thousand_rows_in_key_order(outbox_db, broker
            broker_log=getattr(broker, "log_tail", str))
 
 
-def test_a_paused_replica_writes_nothing_after_the_takeover(outbox_db, proxied_broker, topic_name, spawn):
-    tansu, proxy = proxied_broker
+def test_a_paused_replica_writes_nothing_after_the_takeover(outbox_db, proxied_kafka, topic_name, spawn):
+    kafka, proxy = proxied_kafka  # two relays write the same partitions: not tansu
     topic = topic_name("pause")
-    create_topic(tansu.bootstrap, topic, partitions=3)
+    create_topic(kafka.bootstrap, topic, partitions=3)
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         conn.execute(AUDIT)
     proxy.set_delay(100)  # acknowledgements take a while, so batches are in flight at the pause
     # A writer idle in transaction throughout holds back nothing but its own row.
     with HeldTransaction(outbox_db, topic), Writer(outbox_db, topic):
-        r1 = start_relay(spawn, outbox_db, tansu.bootstrap, "r1")
-        r2 = start_relay(spawn, outbox_db, tansu.bootstrap, "r2")
+        r1 = start_relay(spawn, outbox_db, kafka.bootstrap, "r1")
+        r2 = start_relay(spawn, outbox_db, kafka.bootstrap, "r2")
         wait_owners(outbox_db, {"r1", "r2"})
         wait_until(lambda: _marks_by(outbox_db, 'r1') > 0, timeout_s=30)
         since = r1.log_size()
@@ -194,7 +198,7 @@ def test_a_paused_replica_writes_nothing_after_the_takeover(outbox_db, proxied_b
     assert taken_over >= SHARDS // 2  # r2 claimed r1's shards, each with the next token
     for shard, seq in tokens:
         assert seq == list(range(seq[0], seq[0] + len(seq))), (shard, seq)  # +1 at every claim
-    verify(outbox_db, tansu.bootstrap, topic, max_duplicates=2 * BATCH * DEPTH)
+    verify(outbox_db, kafka.bootstrap, topic, max_duplicates=2 * BATCH * DEPTH)
 
 
 def test_a_killed_replica_is_taken_over_within_about_one_lease(outbox_db, broker, topic, spawn):
