@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -22,29 +23,46 @@ class PoolerAware:
     it makes once :meth:`probe` found a transaction pooler: psycopg names its prepared
     statements per client connection, and such a pooler shares server sessions between
     clients, so a name could be missing on the next server, or hold another client's
-    statement there (:mod:`outbox_core.pooling`)."""
+    statement there (:mod:`outbox_core.pooling`).  Called from every thread of the pool."""
 
     def __init__(self, connect: ConnectionFactory) -> None:
         self._connect = connect
         self.pooled = False
+        self._log: Any = None  # set by probe(); until then no probing
+        self._probed = False
+        self._lock = threading.Lock()
 
     def __call__(self) -> ConnectionT:
         conn = self._connect()
+        if not self._probed and self._log is not None:
+            self._try_probe()  # the database answers now: the start's probe could not reach it
         if self.pooled:
             conn.prepare_threshold = None
         return conn
 
     def probe(self, log: Any) -> None:
-        """Best effort, at the pool's start: a database not reachable yet is probed never
-        (the pool retries its own connections as always)."""
-        try:
-            self.pooled = transaction_pooled(self._connect)
-        except Exception as exc:  # noqa: BLE001 - a diagnosis; the pool's own connections say more
-            log.warning("pooler_probe_failed", error=first_line(exc))
-            return
+        """At the pool's start.  A database not reachable yet is probed at the first
+        connection made after it answers, before that connection is used."""
+        self._log = log
+        self._try_probe()
+
+    def _try_probe(self) -> None:
+        with self._lock:
+            if self._probed:
+                return
+            try:
+                self.pooled = transaction_pooled(self._connect)
+            except Exception as exc:  # noqa: BLE001 - a diagnosis; the pool's own connections say more
+                self._log.warning("pooler_probe_failed", error=first_line(exc),
+                                  hint="probed again at the next connection")
+                return
+            self._probed = True
         if self.pooled:
-            log.info("transaction_pooler", hint="psycopg's automatic prepared statements are off "
-                                                "for this pool's connections")
+            self._log.info("transaction_pooler", hint="psycopg's automatic prepared statements are off "
+                                                      "for this pool's connections, and the pool sets no "
+                                                      "idle_in_transaction_session_timeout (it would stay "
+                                                      "on shared server sessions): set the pooler's own, "
+                                                      "PgBouncer's idle_transaction_timeout")
 
 
 def roll_back_open(conn: ConnectionT) -> bool:
@@ -72,7 +90,9 @@ class ConnSlot:
 
     ``idle_ms`` sets ``idle_in_transaction_session_timeout`` on every new
     connection: a thread frozen inside a transaction (SIGSTOP) is disconnected by
-    the server instead of holding its row locks forever.
+    the server instead of holding its row locks forever.  Not behind a transaction
+    pooler (a :class:`PoolerAware` factory that found one): the setting would stay on
+    whichever server session the pooler lent, for its other clients too.
     """
 
     def __init__(self, connect: ConnectionFactory, *, idle_ms: int | None = None) -> None:
@@ -89,7 +109,7 @@ class ConnSlot:
             except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:  # a factory of the caller's
                 raise _pg.translate_connect_error(exc) from None
             conn.autocommit = True
-            if self._idle_ms is not None:
+            if self._idle_ms is not None and not getattr(self._connect, "pooled", False):
                 with translated():
                     conn.execute(q("session_setup"), {"idle_ms": self._idle_ms})
             self._conn = conn

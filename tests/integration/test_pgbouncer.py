@@ -49,13 +49,15 @@ def _pgbouncer_bin() -> str:
 def pgbouncer(db_dsn: str, tmp_path: Path, spawn: Callable[..., Proc]) -> Iterator[Callable[[str], str]]:
     """Factory: ``pgbouncer(pool_mode, pool_size=4)`` starts PgBouncer in front of ``db_dsn``'s
     server and returns ``db_dsn`` through it (``round_robin``: each transaction takes the
-    server idle longest, not the one released last)."""
+    server idle longest, not the one released last; ``port``: listen there, not on a free
+    port of its own)."""
     binary = _pgbouncer_bin()
     target = conninfo_to_dict(db_dsn)
     user = str(target.get("user") or "postgres")
 
-    def start(pool_mode: str, pool_size: int = 4, *, round_robin: bool = False) -> str:
-        port = free_port()
+    def start(pool_mode: str, pool_size: int = 4, *, round_robin: bool = False,
+              port: int | None = None) -> str:
+        port = port or free_port()
         (tmp_path / "users.txt").write_text(f'"{user}" ""\n')
         ini = tmp_path / f"pgbouncer-{pool_mode}.ini"
         ini.write_text(
@@ -412,6 +414,56 @@ def test_a_worker_pool_behind_a_transaction_pooler_runs_every_job_once(outbox_db
         assert direct.execute("SELECT count(*), count(DISTINCT job_id) FROM pooled_job_effects").fetchone() == (200, 200)
         assert direct.execute("SELECT count(*) FROM jobs WHERE status = 'succeeded'").fetchone() == (200,)
         assert direct.execute("SELECT count(DISTINCT server) FROM pooled_job_effects").fetchone()[0] > 1
+    # The pool's session setting (idle_in_transaction_session_timeout) would have stayed on
+    # whichever shared server session its connections' first transaction borrowed, for every
+    # other client of the pooler: behind a transaction pooler the pool sets none.
+    with psycopg.connect(pooled, autocommit=True, prepare_threshold=None) as other_client:
+        seen = {other_client.execute("SHOW idle_in_transaction_session_timeout").fetchone()[0]  # type: ignore[index]
+                for _ in range(12)}
+    assert seen == {"0"}, seen
+
+
+def test_a_worker_pool_started_before_its_pooler_answers_probes_it_when_it_does(outbox_db, db_dsn, pgbouncer):
+    """WorkerPool.start() probes for a transaction pooler; when nothing answers yet (the
+    pooler not up, the database restarting) the probe failed and psycopg's automatic
+    preparing stayed on for good: through PgBouncer the pool then failed as if never
+    probed (a statement prepared on one server missing on the next).  Now the first
+    connection made once the database answers probes again, before it is used."""
+    import time
+
+    from consumer_sdk.jobs import JobContext, NewJob, WorkerConfig, WorkerPool, enqueue
+
+    with psycopg.connect(outbox_db, autocommit=True) as direct:
+        direct.execute("CREATE TABLE pooled_job_effects (job_id bigint, token bigint)")
+        enqueue(direct, [NewJob(owner_id=f"o{i % 5}", queue="interactive", kind="work", payload={"i": i})
+                         for i in range(200)])
+    port = free_port()
+    pooled = make_conninfo(db_dsn, host="127.0.0.1", port=str(port))
+
+    def handler(ctx: JobContext) -> None:
+        with ctx.fenced_transaction() as conn:
+            conn.execute("INSERT INTO pooled_job_effects (job_id, token) VALUES (%s, %s)",
+                         (ctx.job.id, ctx.job.token))
+
+    pool = WorkerPool(WorkerConfig(dsn=pooled, queues=["interactive"], max_concurrency=4,
+                                   poll_interval_s=0.2), {"work": handler})
+    pool.start()  # nothing listens on the pooler's port yet: the probe fails
+    try:
+        time.sleep(0.5)  # noqa: TID251 - the pool's threads retry their connections meanwhile
+        assert pool.outcomes["succeeded"] == 0
+        assert pgbouncer("transaction", pool_size=3, round_robin=True, port=port) == pooled
+        deadline = time.monotonic() + 60
+        while pool.outcomes["succeeded"] < 200 and time.monotonic() < deadline:
+            time.sleep(0.05)  # noqa: TID251 - waiting on the pool's own threads
+    finally:
+        pool.stop()
+    assert pool.outcomes["succeeded"] == 200, dict(pool.outcomes)
+    with psycopg.connect(outbox_db, autocommit=True) as direct:
+        assert direct.execute("SELECT count(*), count(DISTINCT job_id) FROM pooled_job_effects").fetchone() == (200, 200)
+    with psycopg.connect(pooled, autocommit=True, prepare_threshold=None) as other_client:
+        seen = {other_client.execute("SHOW idle_in_transaction_session_timeout").fetchone()[0]  # type: ignore[index]
+                for _ in range(12)}
+    assert seen == {"0"}, seen
 
 
 def test_the_inbox_store_finds_a_transaction_pooler_and_stops_psycopgs_preparing(outbox_db, pgbouncer):
