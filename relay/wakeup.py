@@ -60,21 +60,32 @@ class Wakeup:
 
         While a relay holds it, writers NOTIFY (sql/migrations/0003_notify.sql).
         Returns whether this relay now holds it.  A broken connection loses it.
+
+        The connection idles while the relay is awake, so something other than the
+        database being down can end it (a server's ``idle_session_timeout``, a firewall,
+        ``pg_terminate_backend``): going to sleep then tries once more on a fresh
+        connection and, when that fails too, stays awake (its claims poll on their own;
+        a database really down is the claims' to find); waking drops a broken connection.
+        Only a fatal error (authentication, permissions) is raised.
         """
-        with translated():
+        if not sleeping and (self._conn is None or self._conn.closed):
+            self.sleeping = False  # no connection, no lock
+            return False
+        for _attempt in range(2 if sleeping else 1):
             try:
-                listen = self._listening()
-                self._count()
-                if sleeping:
-                    row = listen.execute(query("relay", "go_to_sleep")).fetchone()
-                    self.sleeping = bool(row and row[0])
-                else:
-                    listen.execute(query("relay", "wake_up"))
-                    self.sleeping = False
-                return self.sleeping
-            except (psycopg.OperationalError, psycopg.InterfaceError):
-                self.close()
-                raise
+                with translated():
+                    listen = self._listening()
+                    self._count()
+                    if sleeping:
+                        row = listen.execute(query("relay", "go_to_sleep")).fetchone()
+                        self.sleeping = bool(row and row[0])
+                    else:
+                        listen.execute(query("relay", "wake_up"))
+                        self.sleeping = False
+                    return self.sleeping
+            except RetriableError:
+                self.close()  # the lock, if it was held, went with the connection
+        return False
 
     def wait(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` for a NOTIFY on the outbox channel.

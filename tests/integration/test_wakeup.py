@@ -101,3 +101,37 @@ def test_a_listening_connection_that_cannot_be_opened_is_tried_again_after_a_bac
     gaps = [round(b - a, 1) for a, b in zip(attempts, attempts[1:], strict=False)]
     assert 4 <= len(attempts) <= 8, attempts  # 1, 2, 4, 8, 16, 30 s apart: not 600
     assert gaps == sorted(gaps) and gaps[0] >= 1.0 and max(gaps) <= 30.0, gaps
+
+
+def _terminate_listener(dsn: str) -> None:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        killed = conn.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = 'outbox-relay-listen' AND datname = current_database()"
+        ).fetchone()
+    assert killed == (1,)
+
+
+def test_a_listening_connection_that_broke_is_not_the_database_being_down(outbox_db):
+    """The LISTEN connection idles while the relay is awake: a server's
+    idle_session_timeout, a pooler or a firewall can end it while the database is fine.
+    Going to sleep on it raised DatabaseUnavailable, so the relay logged the database
+    down and backed off, publishing nothing meanwhile.  Now going to sleep opens a fresh
+    connection and sleeps there; waking on a broken one only drops it (its lock went with
+    it)."""
+    wakeup = Wakeup(outbox_db)
+    try:
+        assert not wakeup.wait(0.05)  # listening now
+        _terminate_listener(outbox_db)
+        assert wakeup.set_sleeping(True) and wakeup.sleeping  # on a fresh connection
+        started = time.monotonic()
+        insert_rows(outbox_db, "orders", 1)
+        assert wakeup.wait(10.0)  # the new connection is the one woken
+        assert time.monotonic() - started < 5.0
+        _terminate_listener(outbox_db)
+        assert not wakeup.set_sleeping(False) and not wakeup.sleeping
+        assert wakeup.set_sleeping(True)  # and it can sleep again
+    finally:
+        wakeup.close()
