@@ -5,7 +5,8 @@ Figures (each the median of ``--runs`` runs):
 1. database floor: claim + mark batches with the relay's own queries, no Kafka;
 2. producer floor: confluent-kafka producing the same payloads with the relay's settings;
 3. relay drain: a real ``outbox-relay run`` process draining the backlog, and its ratio to
-   min(1, 2), to the physical floor and to a naive relay (outbox_embedded/baselines.py); the
+   min(1, 2), to the physical floor and to a naive relay (outbox_embedded/baselines.py), the
+   three run in the same rounds and the ratios taken inside each round (:func:`_baselines`); the
    same with ``--keep-published false`` (rows deleted once acknowledged, not marked);
 4. latency at a steady write rate: commit -> acknowledged-and-marked (``published_at``), and
    in a second pass with a consumer running, commit -> its receipt (and -> ack again), p50/p95/p99;
@@ -549,18 +550,18 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     say(f"  database floor      {median(db):10.0f} events/s")
     prod = [bench.producer_floor() for _ in range(runs)]
     say(f"  producer floor      {median(prod):10.0f} events/s")
-    drains = [bench.relay_drain(idle_s=args.idle_s if i == 0 else 0.0) for i in range(runs)]
+    base, drains = _baselines(bench, runs, idle_s=args.idle_s)  # issue 18: in the same rounds
     relay_rate = median([d["events_per_s"] for d in drains])
     relay_cpu = median([d["cpu_us_per_row"] for d in drains])
     floor = min(median(db), median(prod))
     say(f"  relay drain         {relay_rate:10.0f} events/s  = {relay_rate / floor:.2f} x min(floors)")
-    base = _baselines(bench, runs)  # issue 18
     say(f"  physical floor      {base['physical_floor_events_per_s']:10.0f} events/s "
         f"(plain claim + mark, minimal table)")
     say(f"  naive relay         {base['naive_relay_events_per_s']:10.0f} events/s, "
         f"{base['naive_relay_cpu_us_per_row']:.1f} µs CPU/row; this relay "
-        f"{relay_cpu:.1f} µs CPU/row, {relay_rate / base['naive_relay_events_per_s']:.2f} x naive, "
-        f"{relay_rate / base['physical_floor_events_per_s']:.2f} x the physical floor")
+        f"{relay_cpu:.1f} µs CPU/row, {base['ratio_to_naive']:.2f} x naive "
+        f"(rounds {_slashed(base['ratio_to_naive_runs'])}), {base['ratio_to_floor']:.2f} x the "
+        f"physical floor (rounds {_slashed(base['ratio_to_floor_runs'])})")
     deleting = [bench.relay_drain(keep_published="false") for _ in range(runs)]
     delete_rate = median([d["events_per_s"] for d in deleting])
     delete_cpu = median([d["cpu_us_per_row"] for d in deleting])
@@ -597,16 +598,19 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         "db_floor_events_per_s": round(median(db), 1),
         "producer_floor_events_per_s": round(median(prod), 1),
         "relay_events_per_s": round(relay_rate, 1),
-        "ratio_to_floor": round(relay_rate / base["physical_floor_events_per_s"], 3),
+        "ratio_to_floor": base["ratio_to_floor"],
+        "ratio_to_floor_runs": base["ratio_to_floor_runs"],
         "ratio_to_relay_shaped_floor": round(relay_rate / floor, 3),
-        "ratio_to_naive": round(relay_rate / base["naive_relay_events_per_s"], 3),
+        "ratio_to_naive": base["ratio_to_naive"],
+        "ratio_to_naive_runs": base["ratio_to_naive_runs"],
         "relay_cpu_us_per_row": round(relay_cpu, 1),
         "keep_published_false": {
             "relay_events_per_s": round(delete_rate, 1),
             "ratio_to_naive": round(delete_rate / base["naive_relay_events_per_s"], 3),
             "ratio_to_floor": round(delete_rate / base["physical_floor_events_per_s"], 3),
             "relay_cpu_us_per_row": round(delete_cpu, 1)},
-        **{k: round(v, 1) for k, v in base.items()},
+        **{k: round(base[k], 1) for k in ("physical_floor_events_per_s", "naive_relay_events_per_s",
+                                          "naive_relay_cpu_us_per_row")},
         "exactly_once_ratio": exactly_once_ratio,
         **lat,
         "stalled_writer": {"latency_ack_ms": stalled["latency_ack_ms"], "p99_ratio": stalled_ratio},
@@ -672,22 +676,48 @@ def _runs(steady: dict[str, Any]) -> str:
     return "runs " + " / ".join(f"{cpu:.1f}" for cpu in steady["relay_cpu_percent_runs"])
 
 
-def _baselines(bench: Bench, runs: int) -> dict[str, float]:
-    """Medians of the physical floor and the naive relay (outbox_embedded/baselines.py)."""
+def _baselines(bench: Bench, runs: int, *, idle_s: float) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    """The physical floor, the naive relay (outbox_embedded/baselines.py) and the relay's
+    drain, one of each per round, their order rotating from round to round: these
+    machines' speed drifts by a third within the hour, so the ratios are taken inside each
+    round (the relay over that round's naive relay and floor) and their median reported,
+    not medians of runs minutes apart.  Returns the figures and the relay's drains (the
+    first also measures the idle relay for ``idle_s``)."""
     from outbox_embedded.baselines import plain_loop
+
+    def baseline(target: str | None) -> dict[str, float]:
+        with bench.fresh_db() as dsn:
+            return plain_loop(dsn, rows=bench.args.rows, keys=bench.args.keys,
+                              payload_bytes=bench.args.payload_bytes, batch=bench.args.batch_size,
+                              bootstrap=target, topic=f"{bench.topic}.naive")
 
     floors: list[dict[str, float]] = []
     naive: list[dict[str, float]] = []
-    for _ in range(runs):
-        for target, out in ((None, floors), (bench.bootstrap, naive)):
-            with bench.fresh_db() as dsn:
-                out.append(plain_loop(dsn, rows=bench.args.rows, keys=bench.args.keys,
-                                      payload_bytes=bench.args.payload_bytes,
-                                      batch=bench.args.batch_size, bootstrap=target,
-                                      topic=f"{bench.topic}.naive"))
-    return {"physical_floor_events_per_s": median([f["events_per_s"] for f in floors]),
-            "naive_relay_events_per_s": median([n["events_per_s"] for n in naive]),
-            "naive_relay_cpu_us_per_row": median([n["cpu_us_per_row"] for n in naive])}
+    drains: list[dict[str, float]] = []
+    steps: list[Callable[[int], None]] = [
+        lambda i: floors.append(baseline(None)),
+        lambda i: naive.append(baseline(bench.bootstrap)),
+        lambda i: drains.append(bench.relay_drain(idle_s=idle_s if i == 0 else 0.0)),
+    ]
+    for i in range(runs):
+        for k in range(len(steps)):
+            steps[(i + k) % len(steps)](i)
+    to_naive = [d["events_per_s"] / n["events_per_s"] for d, n in zip(drains, naive, strict=True)]
+    to_floor = [d["events_per_s"] / f["events_per_s"] for d, f in zip(drains, floors, strict=True)]
+    figures: dict[str, Any] = {
+        "physical_floor_events_per_s": median([f["events_per_s"] for f in floors]),
+        "naive_relay_events_per_s": median([n["events_per_s"] for n in naive]),
+        "naive_relay_cpu_us_per_row": median([n["cpu_us_per_row"] for n in naive]),
+        "ratio_to_naive": round(median(to_naive), 3),
+        "ratio_to_naive_runs": [round(r, 3) for r in to_naive],
+        "ratio_to_floor": round(median(to_floor), 3),
+        "ratio_to_floor_runs": [round(r, 3) for r in to_floor],
+    }
+    return figures, drains  # drains[0] measured the idle relay
+
+
+def _slashed(values: list[float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in values)
 
 
 def _exactly_once_ratio(bench: Bench, runs: int, default_rate: float,

@@ -39,6 +39,9 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
         assert set(figure) == {"p50", "p95", "p99"}
         assert 0 < figure["p50"] <= figure["p99"]
     assert figures["stalled_writer"]["p99_ratio"] > 0
+    # One round: its own ratios are the figures (the relay over that round's baselines).
+    assert figures["ratio_to_naive_runs"] == [figures["ratio_to_naive"]]
+    assert figures["ratio_to_floor_runs"] == [figures["ratio_to_floor"]]
     assert figures["keep_published_false"]["relay_events_per_s"] > 0
     assert [s["events_per_s"] for s in figures["steady"]] == [200, 50]
     for steady in figures["steady"]:

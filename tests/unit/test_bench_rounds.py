@@ -1,0 +1,62 @@
+"""The bench's baselines and the relay's drain share rounds (outbox_embedded/bench.py
+``_baselines``): the order rotates from round to round and each ratio is taken inside its
+round, so a machine that speeds up or slows down between rounds moves a ratio less."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from outbox_embedded import baselines, bench
+
+
+class FakeBench:
+    """Stands in for the processes and databases; the machine gets faster at every step."""
+
+    def __init__(self) -> None:
+        self.args = argparse.Namespace(rows=10, keys=2, payload_bytes=8, batch_size=5)
+        self.topic = "t"
+        self.bootstrap = "broker:9092"
+        self.order: list[str] = []
+        self.speed = 1.0
+
+    def _step(self, what: str, base: float) -> dict[str, float]:
+        self.order.append(what)
+        rate = base * self.speed
+        self.speed *= 2  # a drift far larger than any real one: it shows in the ratios
+        return {"events_per_s": rate, "cpu_us_per_row": 10.0}
+
+    @contextlib.contextmanager
+    def fresh_db(self) -> Iterator[str]:
+        yield "dsn"
+
+    def relay_drain(self, *, idle_s: float = 0.0) -> dict[str, float]:
+        figures = self._step("relay", 300.0)
+        figures["idle_s"] = idle_s
+        return figures
+
+
+def test_each_round_runs_all_three_in_a_rotating_order_and_ratios_stay_inside_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeBench()
+
+    def plain_loop(dsn: str, *, bootstrap: str | None, **_: Any) -> dict[str, float]:
+        return fake._step("naive" if bootstrap else "floor", 200.0 if bootstrap else 600.0)
+
+    monkeypatch.setattr(baselines, "plain_loop", plain_loop)
+    figures, drains = bench._baselines(fake, 3, idle_s=7.0)  # type: ignore[arg-type]
+
+    assert fake.order == ["floor", "naive", "relay", "naive", "relay", "floor", "relay", "floor", "naive"]
+    assert [d["idle_s"] for d in drains] == [7.0, 0.0, 0.0]  # only the first drain idles first
+    # Each ratio from its own round, at that round's speeds: round 1 floor 600 x 1, naive
+    # 200 x 2, relay 300 x 4 -> 3.0 x naive, 2.0 x the floor; round 2 naive 200 x 8, relay
+    # 300 x 16, floor 600 x 32 -> 3.0, 0.25; round 3 relay 300 x 64, floor 600 x 128,
+    # naive 200 x 256 -> 0.375, 0.25.
+    assert figures["ratio_to_naive_runs"] == [3.0, 3.0, 0.375]
+    assert figures["ratio_to_floor_runs"] == [2.0, 0.25, 0.25]
+    assert figures["ratio_to_naive"] == 3.0 and figures["ratio_to_floor"] == 0.25
+    assert figures["naive_relay_events_per_s"] == 1600.0  # the runs' own medians, shown too
