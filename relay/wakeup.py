@@ -63,29 +63,40 @@ class Wakeup:
 
         The connection idles while the relay is awake, so something other than the
         database being down can end it (a server's ``idle_session_timeout``, a firewall,
-        ``pg_terminate_backend``): going to sleep then tries once more on a fresh
-        connection and, when that fails too, stays awake (its claims poll on their own;
-        a database really down is the claims' to find); waking drops a broken connection.
-        Only a fatal error (authentication, permissions) is raised.
+        ``pg_terminate_backend``).  Going to sleep on a connection that broke so tries
+        again on a fresh one; waking on one only drops it (the lock went with it).  A
+        fresh connection that fails raises the relay's database error, as before: the
+        database is what is down then.
         """
-        if not sleeping and (self._conn is None or self._conn.closed):
+        had_connection = self._conn is not None and not self._conn.closed
+        if not sleeping and not had_connection:
             self.sleeping = False  # no connection, no lock
             return False
-        for _attempt in range(2 if sleeping else 1):
-            try:
-                with translated():
-                    listen = self._listening()
-                    self._count()
-                    if sleeping:
-                        row = listen.execute(query("relay", "go_to_sleep")).fetchone()
-                        self.sleeping = bool(row and row[0])
-                    else:
-                        listen.execute(query("relay", "wake_up"))
-                        self.sleeping = False
-                    return self.sleeping
-            except RetriableError:
-                self.close()  # the lock, if it was held, went with the connection
-        return False
+        try:
+            return self._lock_state(sleeping)
+        except RetriableError:
+            self.close()  # the lock, if it was held, went with the connection
+            if not sleeping:
+                return False
+            if not had_connection:
+                raise
+        try:
+            return self._lock_state(True)  # the idle connection had broken: a fresh one
+        except RetriableError:
+            self.close()
+            raise
+
+    def _lock_state(self, sleeping: bool) -> bool:
+        with translated():
+            listen = self._listening()
+            self._count()
+            if sleeping:
+                row = listen.execute(query("relay", "go_to_sleep")).fetchone()
+                self.sleeping = bool(row and row[0])
+            else:
+                listen.execute(query("relay", "wake_up"))
+                self.sleeping = False
+            return self.sleeping
 
     def wait(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` for a NOTIFY on the outbox channel.

@@ -135,3 +135,21 @@ def test_a_listening_connection_that_broke_is_not_the_database_being_down(outbox
         assert wakeup.set_sleeping(True)  # and it can sleep again
     finally:
         wakeup.close()
+
+
+def test_a_fresh_listening_connection_that_fails_is_the_database_being_down() -> None:
+    """Only a connection that broke while idle is retried: when a fresh one cannot be
+    opened, going to sleep raises the relay's database error, as the claims would."""
+    import pytest
+
+    from relay.errors import DatabaseUnavailable
+    from tests.fixtures.procs import free_port
+
+    wakeup = Wakeup(f"postgresql://nobody@127.0.0.1:{free_port()}/none?connect_timeout=2")
+    try:
+        with pytest.raises(DatabaseUnavailable):
+            wakeup.set_sleeping(True)
+        assert not wakeup.sleeping
+        assert not wakeup.set_sleeping(False)  # nothing to release
+    finally:
+        wakeup.close()
