@@ -71,6 +71,9 @@ def test_sigkill_between_db_commit_and_offset_commit_many_times(db_dsn, broker, 
 
         final = start(kill_probability=0.0)
         procs.append(final)
+        # Its SIGTERM handler first: the others may have applied everything already, and a
+        # SIGTERM during the interpreter's start-up kills it (CI, 2026-12-03: exit -15).
+        final.wait_for_log("consumer_process_started", timeout_s=60)
         wait_until(lambda: len(effect_counts(dsn)) >= TOTAL, timeout_s=60,
                    message=lambda: f"{len(effect_counts(dsn))} of {TOTAL} applied; log:\n{final.log_tail()}")
         final.sigterm()
