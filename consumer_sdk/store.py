@@ -579,6 +579,8 @@ class PgInboxStore:
         prev_ok, self._chain_prev_ok = self._chain_prev_ok, False
         if _committed(results):
             self._chain_prev_ok = True
+            if self._strict_on is trips.conn:  # through the prepared claim: a run of losses ends
+                self._prepared_losses = 0
             return True
         if results[1].status == psycopg.pq.ExecStatus.FATAL_ERROR and prev_ok:
             # The one before committed, yet this one did not find its mark: the session's

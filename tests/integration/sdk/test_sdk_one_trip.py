@@ -288,6 +288,20 @@ def test_losses_in_a_row_turn_the_prepared_strict_claim_off_not_the_trip(setup):
     assert _strict_prepared(s) == 0
 
 
+def test_a_chain_through_the_prepared_strict_claim_ends_a_run_of_losses(setup):
+    """Losses count in a row: one-trip transactions that commit through the prepared claim
+    end the run, as claim_and_apply's do.  Chained ones did not, so scattered losses over a
+    long life (a pooler that moves sessions now and then) added up to the limit, and the
+    store bound the claim as text from then on."""
+    s = setup()
+    s.processor.process([make_record(value={"n": -1}, offset=0)])
+    s.store._prepared_losses = 2  # noqa: SLF001 - two losses in a row already, one short of the limit
+    with RoundTrips(s.store.conn) as trips:
+        assert s.processor.process([make_record(value={"n": i}, offset=1 + i) for i in range(3)]).applied == 3
+    assert not [sent for sent in trips.sent if "outbox_inbox" in sent], trips.sent  # prepared, chained
+    assert s.store._prepared_losses == 0  # noqa: SLF001
+
+
 def test_a_batch_sends_every_new_messages_statements_in_one_round_trip(setup):
     s = setup(batch_size=100)
     s.processor.process([make_record(value={"n": -i}, offset=i) for i in range(1, 4)])  # warm: the lookup
