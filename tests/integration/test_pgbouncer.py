@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -373,6 +374,22 @@ def _open_servers(pooled: str, count: int) -> None:
             conn.close()
 
 
+def _wait_succeeded(pool: Any, jobs: int, timeout_s: float = 60.0) -> None:
+    """Until ``jobs`` jobs of ``pool`` succeeded, or ``timeout_s`` (the caller asserts)."""
+    deadline = time.monotonic() + timeout_s
+    while pool.outcomes["succeeded"] < jobs and time.monotonic() < deadline:
+        time.sleep(0.05)  # noqa: TID251 - waiting on the pool's own threads
+
+
+def _idle_timeouts_seen_through(pooled: str) -> set[str]:
+    """idle_in_transaction_session_timeout as a second client of the pooler sees it, over
+    enough transactions to visit every server session (psycopg's preparing off: its names
+    would not survive the pooler either)."""
+    with psycopg.connect(pooled, autocommit=True, prepare_threshold=None) as other_client:
+        return {other_client.execute("SHOW idle_in_transaction_session_timeout").fetchone()[0]  # type: ignore[index]
+                for _ in range(12)}
+
+
 @pytest.mark.parametrize("write", ["fenced_execute", "fenced_transaction"])
 def test_a_worker_pool_behind_a_transaction_pooler_runs_every_job_once(outbox_db, pgbouncer, write):
     """The whole WorkerPool through PgBouncer in transaction mode, with the pooler giving each
@@ -380,8 +397,6 @@ def test_a_worker_pool_behind_a_transaction_pooler_runs_every_job_once(outbox_db
     land on whichever server a transaction borrows.  Every job succeeds once and writes its
     effect once; the pool's LISTEN wake-ups (a session feature) need not arrive: the poll
     interval is the net."""
-    import time
-
     from consumer_sdk.jobs import JobContext, NewJob, WorkerConfig, WorkerPool, enqueue
 
     with psycopg.connect(outbox_db, autocommit=True) as direct:
@@ -404,9 +419,7 @@ def test_a_worker_pool_behind_a_transaction_pooler_runs_every_job_once(outbox_db
                                    poll_interval_s=0.2), {"work": handler})
     pool.start()
     try:
-        deadline = time.monotonic() + 60
-        while pool.outcomes["succeeded"] < 200 and time.monotonic() < deadline:
-            time.sleep(0.05)  # noqa: TID251 - waiting on the pool's own threads
+        _wait_succeeded(pool, 200)
     finally:
         pool.stop()
     assert pool.outcomes["succeeded"] == 200, dict(pool.outcomes)
@@ -417,10 +430,7 @@ def test_a_worker_pool_behind_a_transaction_pooler_runs_every_job_once(outbox_db
     # The pool's session setting (idle_in_transaction_session_timeout) would have stayed on
     # whichever shared server session its connections' first transaction borrowed, for every
     # other client of the pooler: behind a transaction pooler the pool sets none.
-    with psycopg.connect(pooled, autocommit=True, prepare_threshold=None) as other_client:
-        seen = {other_client.execute("SHOW idle_in_transaction_session_timeout").fetchone()[0]  # type: ignore[index]
-                for _ in range(12)}
-    assert seen == {"0"}, seen
+    assert _idle_timeouts_seen_through(pooled) == {"0"}
 
 
 def test_a_worker_pool_started_before_its_pooler_answers_probes_it_when_it_does(outbox_db, db_dsn, pgbouncer):
@@ -429,8 +439,6 @@ def test_a_worker_pool_started_before_its_pooler_answers_probes_it_when_it_does(
     preparing stayed on for good: through PgBouncer the pool then failed as if never
     probed (a statement prepared on one server missing on the next).  Now the first
     connection made once the database answers probes again, before it is used."""
-    import time
-
     from consumer_sdk.jobs import JobContext, NewJob, WorkerConfig, WorkerPool, enqueue
 
     with psycopg.connect(outbox_db, autocommit=True) as direct:
@@ -452,18 +460,13 @@ def test_a_worker_pool_started_before_its_pooler_answers_probes_it_when_it_does(
         time.sleep(0.5)  # noqa: TID251 - the pool's threads retry their connections meanwhile
         assert pool.outcomes["succeeded"] == 0
         assert pgbouncer("transaction", pool_size=3, round_robin=True, port=port) == pooled
-        deadline = time.monotonic() + 60
-        while pool.outcomes["succeeded"] < 200 and time.monotonic() < deadline:
-            time.sleep(0.05)  # noqa: TID251 - waiting on the pool's own threads
+        _wait_succeeded(pool, 200)
     finally:
         pool.stop()
     assert pool.outcomes["succeeded"] == 200, dict(pool.outcomes)
     with psycopg.connect(outbox_db, autocommit=True) as direct:
         assert direct.execute("SELECT count(*), count(DISTINCT job_id) FROM pooled_job_effects").fetchone() == (200, 200)
-    with psycopg.connect(pooled, autocommit=True, prepare_threshold=None) as other_client:
-        seen = {other_client.execute("SHOW idle_in_transaction_session_timeout").fetchone()[0]  # type: ignore[index]
-                for _ in range(12)}
-    assert seen == {"0"}, seen
+    assert _idle_timeouts_seen_through(pooled) == {"0"}
 
 
 def test_the_inbox_store_finds_a_transaction_pooler_and_stops_psycopgs_preparing(outbox_db, pgbouncer):
