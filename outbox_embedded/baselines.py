@@ -7,7 +7,8 @@ same run as the relay so the ratios mean something on a noisy machine.
 * naive relay: that loop plus produce and flush (idempotent, acks=all) before the mark:
   about the sixty lines a team would write instead of using this relay.
 
-Both report rows per second and this process's CPU per row (µs).
+Both report rows per second and this process's CPU per row (µs), and, given a
+:class:`~outbox_embedded.cpu_split.CpuSplit`, the database's and the broker's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import psycopg
 
+from outbox_embedded.cpu_split import CpuSplit
 from outbox_embedded.queries import query
 from relay.config import build_settings, producer_config
 
@@ -31,10 +33,13 @@ def _load(dsn: str, rows: int, keys: int, payload_bytes: int) -> None:
 
 
 def plain_loop(dsn: str, *, rows: int, keys: int, payload_bytes: int, batch: int,
-               bootstrap: str | None = None, topic: str = "") -> dict[str, float]:
+               bootstrap: str | None = None, topic: str = "",
+               split: CpuSplit | None = None) -> dict[str, Any]:
     """Drain ``rows`` from a fresh minimal table; with ``bootstrap``, produce each batch and
-    flush it before marking it (the naive relay)."""
+    flush it before marking it (the naive relay).  With ``split``, also the servers' CPU per
+    row during the loop (``cpu_split_us_per_row``, this process as ``client``)."""
     _load(dsn, rows, keys, payload_bytes)
+    servers_before = split.snapshot() if split is not None else {}
     producer: Any = None
     if bootstrap is not None:
         from confluent_kafka import Producer
@@ -58,4 +63,8 @@ def plain_loop(dsn: str, *, rows: int, keys: int, payload_bytes: int, batch: int
                 conn.execute(query("bench", "bench_min_mark"), {"ids": [r[0] for r in found]})
             moved += len(found)
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
-    return {"events_per_s": moved / elapsed, "cpu_us_per_row": cpu / max(moved, 1) * 1e6}
+    figures: dict[str, Any] = {"events_per_s": moved / elapsed, "cpu_us_per_row": cpu / max(moved, 1) * 1e6}
+    if split is not None:
+        figures["cpu_split_us_per_row"] = {"client": round(figures["cpu_us_per_row"], 1),
+                                           **CpuSplit.per_row(servers_before, split.snapshot(), moved)}
+    return figures

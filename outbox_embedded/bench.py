@@ -39,6 +39,7 @@ from typing import Any
 
 import psycopg
 
+from outbox_embedded.cpu_split import CpuSplit
 from outbox_embedded.queries import query
 from relay import migrate
 from relay.config import (
@@ -100,6 +101,7 @@ class Bench:
         self.admin_dsn = dsn
         self.bootstrap = bootstrap
         self.topic = f"bench.{uuid.uuid4().hex[:8]}"
+        self.split = CpuSplit.of_servers(dsn, bootstrap)
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -214,6 +216,7 @@ class Bench:
                 up = _wait(lambda: scrape("outbox_relay_build_info") > 0, 60, proc)
                 _wait(lambda: scrape("outbox_relay_events_published_total") > 0, 60, proc)
                 started_count, cpu_first = scrape("outbox_relay_events_published_total"), _cpu_s(proc.pid)
+                servers_first = self.split.snapshot()
                 first_mark = scrape("outbox_relay_last_publish_timestamp_seconds")
                 # Polled slowly: every scrape renders /metrics on the relay's cores, and
                 # at 50 a second that was a fifth of its CPU in a drain. The rate comes
@@ -221,6 +224,7 @@ class Bench:
                 done = _wait(lambda: scrape("outbox_relay_events_published_total") >= self.args.rows,
                              600, proc, interval_s=DRAIN_POLL_S)
                 cpu_drain = _cpu_s(proc.pid) - cpu_first  # start-up (imports, connections) excluded
+                servers_done = self.split.snapshot()
                 last_mark = scrape("outbox_relay_last_publish_timestamp_seconds")
                 with psycopg.connect(dsn, autocommit=True) as conn:
                     span = conn.execute(query("bench", "bench_drain_span"), {"since": since}).fetchone()
@@ -233,8 +237,12 @@ class Bench:
                     rate = span[0] / span[1]  # rows marked after the first mark / its span
                 else:  # everything in one mark: as fast as the first scrape could tell
                     rate = self.args.rows / max(done - up, 1e-3)
-                result = {"events_per_s": rate, "peak_rss_mb": _peak_rss_mb(proc.pid),
-                          "cpu_us_per_row": cpu_drain / max(self.args.rows - started_count, 1) * 1e6}
+                moved = max(self.args.rows - started_count, 1)
+                result: dict[str, Any] = {"events_per_s": rate, "peak_rss_mb": _peak_rss_mb(proc.pid),
+                                          "cpu_us_per_row": cpu_drain / moved * 1e6}
+                result["cpu_split_us_per_row"] = {
+                    "relay": round(result["cpu_us_per_row"], 1),
+                    **CpuSplit.per_row(servers_first, servers_done, int(moved))}
                 if idle_s:
                     result.update(_idle(proc.pid, scrape, idle_s))
         return result
@@ -562,6 +570,9 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         f"{relay_cpu:.1f} µs CPU/row, {base['ratio_to_naive']:.2f} x naive "
         f"(rounds {_slashed(base['ratio_to_naive_runs'])}), {base['ratio_to_floor']:.2f} x the "
         f"physical floor (rounds {_slashed(base['ratio_to_floor_runs'])})")
+    for name, split in base["cpu_split_us_per_row"].items():
+        if split:
+            say(f"    CPU per row, {name.replace('_', ' '):15} {_show_split(split)}")
     deleting = [bench.relay_drain(keep_published="false") for _ in range(runs)]
     delete_rate = median([d["events_per_s"] for d in deleting])
     delete_cpu = median([d["cpu_us_per_row"] for d in deleting])
@@ -604,6 +615,7 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         "ratio_to_naive": base["ratio_to_naive"],
         "ratio_to_naive_runs": base["ratio_to_naive_runs"],
         "relay_cpu_us_per_row": round(relay_cpu, 1),
+        "cpu_split_us_per_row": base["cpu_split_us_per_row"],
         "keep_published_false": {
             "relay_events_per_s": round(delete_rate, 1),
             "ratio_to_naive": round(delete_rate / base["naive_relay_events_per_s"], 3),
@@ -689,7 +701,8 @@ def _baselines(bench: Bench, runs: int, *, idle_s: float) -> tuple[dict[str, Any
         with bench.fresh_db() as dsn:
             return plain_loop(dsn, rows=bench.args.rows, keys=bench.args.keys,
                               payload_bytes=bench.args.payload_bytes, batch=bench.args.batch_size,
-                              bootstrap=target, topic=f"{bench.topic}.naive")
+                              bootstrap=target, topic=f"{bench.topic}.naive",
+                              split=getattr(bench, "split", None))
 
     floors: list[dict[str, float]] = []
     naive: list[dict[str, float]] = []
@@ -712,8 +725,22 @@ def _baselines(bench: Bench, runs: int, *, idle_s: float) -> tuple[dict[str, Any
         "ratio_to_naive_runs": [round(r, 3) for r in to_naive],
         "ratio_to_floor": round(median(to_floor), 3),
         "ratio_to_floor_runs": [round(r, 3) for r in to_floor],
+        "cpu_split_us_per_row": {name: _median_split(runs) for name, runs in (
+            ("physical_floor", floors), ("naive_relay", naive), ("relay_drain", drains))},
     }
     return figures, drains  # drains[0] measured the idle relay
+
+
+def _median_split(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each process's median CPU per row over the runs that measured it (issue 18: where a
+    drain's two cores go, next to the baselines')."""
+    splits = [r["cpu_split_us_per_row"] for r in runs if "cpu_split_us_per_row" in r]
+    names = [name for name in splits[0] if all(name in s for s in splits)] if splits else []
+    return {name: round(median([s[name] for s in splits]), 1) for name in names}
+
+
+def _show_split(split: Mapping[str, float]) -> str:
+    return " + ".join(f"{name} {us:.1f}" for name, us in split.items()) + f" = {sum(split.values()):.1f} µs"
 
 
 def _slashed(values: list[float]) -> str:

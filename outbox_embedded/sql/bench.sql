@@ -91,3 +91,39 @@ WITH held AS (
 SELECT count(*) AS owners, coalesce(min(n), 0) AS fewest, coalesce(max(n), 0) AS most,
        (SELECT count(*) FROM outbox_relay_shards) AS shards
 FROM held
+
+-- The schema variants of outbox_embedded/mark_bench.py (issue 18: what each index and the
+-- fillfactor cost a mark).  Each runs on a fresh, empty, migrated database.
+
+-- name: mark_bench_drop_published_index
+-- Without the cleanup's index of published rows, one index fewer for each mark to write.
+DROP INDEX outbox_published_idx
+
+-- name: mark_bench_drop_pending_index
+-- A HOT mark needs no index to name published_at, in a column or a predicate.
+DROP INDEX outbox_pending_idx
+
+-- name: mark_bench_claim_index_all_rows
+CREATE INDEX outbox_claim_all_idx ON outbox (xid, id)
+
+-- name: mark_bench_drop_retrying_index
+DROP INDEX outbox_retrying_idx
+
+-- name: mark_bench_retrying_index_without_published_at
+CREATE INDEX outbox_retrying_any_idx ON outbox (key, xid, id) WHERE retry_at IS NOT NULL
+
+-- name: mark_bench_published_brin
+-- Cleanup by a BRIN index: PostgreSQL 16 and later update summarizing indexes without
+-- making an update non-HOT.
+CREATE INDEX outbox_published_brin ON outbox USING brin (published_at)
+
+-- name: mark_bench_fillfactor_50
+-- Room on each page for a new version of every row: every mark can be HOT.
+ALTER TABLE outbox SET (fillfactor = 50)
+
+-- name: mark_bench_fillfactor_70
+ALTER TABLE outbox SET (fillfactor = 70)
+
+-- name: mark_bench_table_stats
+SELECT n_tup_upd AS updates, n_tup_hot_upd AS hot_updates, pg_table_size('outbox') AS heap_bytes
+FROM pg_stat_user_tables WHERE relname = 'outbox'

@@ -15,7 +15,8 @@ KEYS = ["relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_pe
         "idle_queries_per_s", "idle_cpu_percent", "published_rows_slowdown", "bloat",
         "notify_writer_cost", "stalled_writer", "exactly_once_ratio", "physical_floor_events_per_s",
         "naive_relay_events_per_s", "ratio_to_naive", "relay_cpu_us_per_row",
-        "keep_published_false", "steady", "scale_out_events_per_s", "scale_out_startup_events_per_s"]
+        "keep_published_false", "steady", "scale_out_events_per_s", "scale_out_startup_events_per_s",
+        "cpu_split_us_per_row"]
 
 
 def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_path):
@@ -51,6 +52,14 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
         assert set(figures[scale_out]) == {"1", "2"}
         assert all(rate > 0 for rate in figures[scale_out].values())
     assert "relay drain" in result.stdout and "x min(floors)" in result.stdout
+    # Where each drain's CPU went, by process: the servers here are local, so all are found.
+    split = figures["cpu_split_us_per_row"]
+    assert set(split["relay_drain"]) == {"relay", "postgres", "broker"}
+    assert set(split["naive_relay"]) == {"client", "postgres", "broker"}
+    assert set(split["physical_floor"]) == {"client", "postgres", "broker"}
+    # (2,000 rows are a few clock ticks of each server's CPU: values, not their size.)
+    assert all(us >= 0 for figures_ in split.values() for us in figures_.values())
+    assert "CPU per row, relay drain" in result.stdout
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,3 +90,31 @@ def test_bench_ab_refuses_a_tree_that_is_not_a_checkout(tmp_path):
         capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 2
     assert "not a checkout of this project" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_mark_bench_prices_each_schema_variant(pg_server, tmp_path):
+    """The schema-variant bench behind the README's mark table: every variant claims and
+    marks the whole backlog (it raises otherwise), and the HOT variant's marks are HOT."""
+    out = tmp_path / "marks.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_embedded.mark_bench", "--dsn", pg_server.admin_dsn,
+         "--rows", "3000", "--rounds", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(figures) == {"migrated", "no_published_index", "hot_ff50", "hot_ff70", "delete"}
+    for variant in figures.values():
+        assert variant["claim_rows_per_s"] > 0 and variant["mark_rows_per_s"] > 0
+        assert "claim_postgres_cpu_us" in variant  # the test server is local: its CPU is read
+    assert figures["migrated"]["hot_share"] == 0  # published_at is in the pending index's predicate
+    if int(pg_server.server_version().split(".")[0]) >= 16:  # a BRIN index allows HOT since 16
+        assert figures["hot_ff50"]["hot_share"] == 1
+    assert "medians of 1 rounds" in result.stdout
+
+
+def test_mark_bench_refuses_an_unknown_variant(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_embedded.mark_bench", "--dsn", "postgresql://nobody@127.0.0.1:1/x",
+         "--variants", "migrated,bogus"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode != 0
+    assert "unknown variant(s) bogus" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,201 @@
+"""``python -m outbox_embedded.mark_bench``: what the database pays per row for the relay's
+claim and mark, on the schema the migrations make and on variants of it (issue 18: "measure
+each schema and query choice: indexes each mark updates, HOT marks with a fillfactor, how
+cleanup finds published rows").
+
+For each variant, in rounds whose order rotates (the machine drifts): a fresh database with
+the migrations applied and the variant's DDL, ``--rows`` pending rows loaded and vacuumed,
+then the relay's own statements through its own store (relay/store.py), one connection:
+claims of ``--batch-size`` until the backlog is claimed, then each batch's fenced mark.
+Reported per variant (medians): claims and marks in rows/s, PostgreSQL's CPU per row for
+each (its whole process tree, when the server is on this machine), the share of marks that
+were HOT updates, and the heap's size after the marks.
+
+Variants:
+
+* ``migrated``: the schema as ``outbox-relay migrate`` leaves it (the partial index of
+  pending rows, the back-off index, the cleanup's index of published rows);
+* ``no_published_index``: without the cleanup's index (one index fewer per mark);
+* ``hot_ff50`` / ``hot_ff70``: no index naming ``published_at`` (the claim's index over
+  all rows, the back-off index without it, cleanup by a BRIN index) and a fillfactor of
+  50 / 70, so that a mark can be a HOT update: the design change the README describes as
+  not made, priced (on PostgreSQL 15 and older the BRIN index still makes marks non-HOT);
+* ``delete``: the mark of ``--keep-published false`` on the migrated schema.
+
+The durable embedded PostgreSQL of ``outbox-relay bench`` by default (``--dsn`` for
+another).  Benchmarks are not tests: nothing here is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox_embedded.cpu_split import CpuSplit
+from outbox_embedded.queries import query
+from relay import migrate
+from relay.model import Cursor, Lease, OutboxRow, ShardId, Token
+from relay.store import Store
+
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "migrated": (),
+    "no_published_index": ("mark_bench_drop_published_index",),
+    "hot_ff50": ("mark_bench_drop_published_index", "mark_bench_drop_pending_index",
+                 "mark_bench_claim_index_all_rows", "mark_bench_drop_retrying_index",
+                 "mark_bench_retrying_index_without_published_at", "mark_bench_published_brin",
+                 "mark_bench_fillfactor_50"),
+    "hot_ff70": ("mark_bench_drop_published_index", "mark_bench_drop_pending_index",
+                 "mark_bench_claim_index_all_rows", "mark_bench_drop_retrying_index",
+                 "mark_bench_retrying_index_without_published_at", "mark_bench_published_brin",
+                 "mark_bench_fillfactor_70"),
+    "delete": (),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dsn", default=None, help="PostgreSQL server (a database is created per "
+                   "variant and round); default: an embedded durable one")
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--payload-bytes", type=int, default=512)
+    p.add_argument("--keys", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=1000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--json", dest="json_path", default=None)
+
+
+@contextlib.contextmanager
+def _fresh_db(admin_dsn: str) -> Iterator[str]:
+    name = f"outbox_mark_bench_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        dsn = psycopg.conninfo.make_conninfo(admin_dsn, dbname=name)
+        migrate.apply(dsn)
+        yield dsn
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def measure(admin_dsn: str, variant: str, args: argparse.Namespace, split: CpuSplit) -> dict[str, float]:
+    """One variant once: claims, then marks, of a fresh backlog."""
+    with _fresh_db(admin_dsn) as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for name in VARIANTS[variant]:
+                conn.execute(query("bench", name))
+            conn.execute(query("bench", "bench_load_pending"),
+                         {"topic": "mark_bench", "keys": args.keys,
+                          "payload_bytes": args.payload_bytes, "count": args.rows})
+            conn.execute("VACUUM ANALYZE outbox")
+            conn.execute("CHECKPOINT")  # each variant's marks start with the same WAL state
+        store = Store(dsn, keep_published=variant != "delete")
+        try:
+            held = store.claim_shards(owner="mark-bench", limit=1 << 16, lease_s=3600)
+            leases = [Lease(ShardId(s), Token(t), time.monotonic() + 3600) for s, t in held.items()]
+            shards = sorted(ShardId(s) for s in held)
+            claimed, claim = _timed(split, lambda: _claim_all(store, shards, args.batch_size))
+            rows = sum(map(len, claimed))
+            marked, mark = _timed(split, lambda: sum(
+                len(store.mark_published(owner="mark-bench", leases=leases, rows=batch)[1])
+                for batch in claimed))
+        finally:
+            store.close()
+        if marked != rows or rows != args.rows:
+            raise RuntimeError(f"{variant}: claimed {rows} and marked {marked} of {args.rows} rows")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            time.sleep(0.6)  # noqa: TID251 - the statistics collector's flush of the marks
+            stats = conn.execute(query("bench", "mark_bench_table_stats")).fetchone()
+    updates, hot, heap = stats if stats else (0, 0, 0)
+    return {"claim_rows_per_s": rows / claim[0], "mark_rows_per_s": rows / mark[0],
+            **{f"claim_{k}": v / rows * 1e6 for k, v in claim[1].items()},
+            **{f"mark_{k}": v / rows * 1e6 for k, v in mark[1].items()},
+            "hot_share": hot / updates if updates else 0.0, "heap_mb": heap / 2**20}
+
+
+def _claim_all(store: Store, shards: Sequence[ShardId], batch: int) -> list[list[OutboxRow]]:
+    batches: list[list[OutboxRow]] = []
+    cursor = Cursor()
+    while True:
+        rows, snapshot, _cut = store.claim(shards=shards, nshards=len(shards), after=cursor, limit=batch)
+        if not rows:
+            return batches
+        batches.append(rows)
+        cursor = cursor.advanced(rows[-1], snapshot or cursor.cur)
+
+
+def _timed(split: CpuSplit, run: Any) -> tuple[Any, tuple[float, dict[str, float]]]:
+    """(what ``run`` returned, (its wall seconds, {"postgres_cpu_us": CPU seconds of each tree}))."""
+    before, started = split.snapshot(), time.perf_counter()
+    value = run()
+    elapsed, after = time.perf_counter() - started, split.snapshot()
+    return value, (elapsed, {f"{name}_cpu_us": after[name] - before[name] for name in before})
+
+
+def run(args: argparse.Namespace, admin_dsn: str) -> dict[str, dict[str, float]]:
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"mark_bench: unknown variant(s) {', '.join(unknown)}; of {', '.join(VARIANTS)}")
+    split = CpuSplit.of_servers(admin_dsn)
+    runs: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    for r in range(max(1, args.rounds)):
+        for k in range(len(variants)):
+            variant = variants[(r + k) % len(variants)]
+            runs[variant].append(measure(admin_dsn, variant, args, split))
+            print(f"round {r + 1} {variant:20} " + _line(runs[variant][-1]), flush=True)
+    result = {v: {k: round(_median([m[k] for m in ms]), 3) for k in ms[0]} for v, ms in runs.items()}
+    print(f"\nmedians of {max(1, args.rounds)} rounds, {args.rows} rows of {args.payload_bytes} B, "
+          f"batches of {args.batch_size}:")
+    for variant, figures in result.items():
+        print(f"  {variant:20} " + _line(figures))
+    return result
+
+
+def _line(f: dict[str, float]) -> str:
+    cpu = (f" (PostgreSQL {f['claim_postgres_cpu_us']:.1f} µs/row)" if "claim_postgres_cpu_us" in f else "")
+    mark_cpu = (f" (PostgreSQL {f['mark_postgres_cpu_us']:.1f} µs/row)" if "mark_postgres_cpu_us" in f else "")
+    return (f"claim {f['claim_rows_per_s']:9.0f} rows/s{cpu}, mark {f['mark_rows_per_s']:9.0f} rows/s"
+            f"{mark_cpu}, HOT {100 * f['hot_share']:.0f} %, heap {f['heap_mb']:.0f} MB")
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m outbox_embedded.mark_bench",
+                                description=__doc__.split("\n\n")[0] if __doc__ else None)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        admin_dsn = args.dsn
+        if not admin_dsn:
+            from outbox_embedded import pg
+
+            print("starting an embedded PostgreSQL (durable) ...", flush=True)
+            server = pg.embedded_pg(durable=True)
+            stack.callback(server.close)
+            admin_dsn = server.dsn("postgres")
+        result = run(args, admin_dsn)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The bench's CPU split by process (outbox_embedded/cpu_split.py) on real processes: a
+listener is found by its port, and a tree's CPU includes its children, living or reaped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from outbox_embedded.cpu_split import CpuSplit, broker_port, dsn_port, listener_pid, tree_cpu_s
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+# A parent that listens on a port, prints it, starts a child that burns ~0.3 s of CPU and
+# exits (reaped), then another that burns CPU until killed with the parent.
+TREE = textwrap.dedent("""
+    import socket, subprocess, sys, time
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+    print(s.getsockname()[1], flush=True)
+    burn = "import time\\nend = time.process_time() + float(__import__('sys').argv[1])\\nwhile time.process_time() < end: pass"
+    subprocess.run([sys.executable, "-c", burn, "0.3"], check=True)
+    child = subprocess.Popen([sys.executable, "-c", burn, "1000"])
+    print(child.pid, flush=True)
+    sys.stdin.read()
+    child.kill()
+""")
+
+
+def test_a_listener_is_found_by_port_and_its_tree_counts_living_and_reaped_children() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", TREE], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    child = 0
+    try:
+        assert parent.stdout is not None
+        port = int(parent.stdout.readline())
+        child = int(parent.stdout.readline())
+        assert listener_pid(port) == parent.pid
+        split = CpuSplit.of_ports(port, None)
+        assert split.roots == {"postgres": parent.pid}  # the name is the caller's; no broker port
+        before = split.snapshot()
+        # The reaped child's 0.3 s is in the parent's tree already.
+        assert before["postgres"] >= 0.25
+        time.sleep(0.5)  # noqa: TID251 - the living grandchild burns CPU meanwhile
+        after = split.snapshot()
+        assert after["postgres"] - before["postgres"] >= 0.2
+        assert tree_cpu_s(child) <= after["postgres"]
+        per_row = CpuSplit.per_row(before, after, 1000)
+        assert per_row["postgres"] >= 200  # µs per row: >= 0.2 s over 1,000 rows
+    finally:
+        if child:
+            os.kill(child, signal.SIGKILL)
+        parent.kill()
+        parent.wait(10)
+
+
+def test_no_listener_no_tree() -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]  # bound, not listening
+    try:
+        assert listener_pid(port) is None
+        assert CpuSplit.of_ports(port, port).roots == {}
+    finally:
+        s.close()
+    assert tree_cpu_s(2**22 + 12345) == 0.0  # no such process
+
+
+def test_only_servers_on_this_machine_are_looked_for() -> None:
+    assert dsn_port("postgresql://u@localhost:5433/db") == 5433
+    assert dsn_port("host=/tmp/sock port=6000 dbname=x") == 6000
+    assert dsn_port("dbname=x") == 5432
+    assert dsn_port("postgresql://u@db.example.com:5432/db") is None
+    assert broker_port("127.0.0.1:9092,other:9092") == 9092
+    assert broker_port("[::1]:19092") == 19092
+    assert broker_port("kafka-1.example.com:9092") is None
