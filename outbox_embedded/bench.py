@@ -102,6 +102,8 @@ class Bench:
         self.bootstrap = bootstrap
         self.topic = f"bench.{uuid.uuid4().hex[:8]}"
         self.split = CpuSplit.of_servers(dsn, bootstrap)
+        #: Run on every fresh database after the migrations (mark_bench's schema variants).
+        self.schema_hook: Callable[[str], None] | None = None
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -114,6 +116,8 @@ class Bench:
         dsn = psycopg.conninfo.make_conninfo(self.admin_dsn, dbname=name)
         try:
             migrate.apply(dsn)
+            if self.schema_hook is not None:
+                self.schema_hook(dsn)
             yield dsn
         finally:
             with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
@@ -590,7 +594,7 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     stalled_ratio = round(stalled["latency_ack_ms"]["p99"] / max(alone["latency_ack_ms"]["p99"], 1e-9), 2)
 
     def show(label: str, figures: dict[str, float]) -> str:
-        return f"  {label:<21}p50 {figures['p50']} ms  p95 {figures['p95']} ms  p99 {figures['p99']} ms"
+        return f"  {label:<22} p50 {figures['p50']} ms  p95 {figures['p95']} ms  p99 {figures['p99']} ms"
 
     say(show("commit->ack (marked)", lat["latency_ack_ms"]) + f" at {args.rate:g} events/s, "
         f"relay CPU {alone['relay_cpu_percent']:.1f} % of a core ({_runs(alone)}), "

@@ -22,8 +22,15 @@ Variants:
   not made, priced (on PostgreSQL 15 and older the BRIN index still makes marks non-HOT);
 * ``delete``: the mark of ``--keep-published false`` on the migrated schema.
 
+With ``--drain``, each round also runs the physical floor of ``outbox-relay bench``
+(outbox_embedded/baselines.py) and, on each variant's schema, a real relay process draining
+the backlog through a broker (``outbox-relay bench``'s drain: its rate, its ratio to that
+round's floor, and every process's CPU per row): what a variant would make of the drain
+target, end to end.
+
 The durable embedded PostgreSQL of ``outbox-relay bench`` by default (``--dsn`` for
-another).  Benchmarks are not tests: nothing here is asserted.
+another), and with ``--drain`` a local tansu (``--bootstrap-servers`` for another).
+Benchmarks are not tests: nothing here is asserted.
 """
 
 from __future__ import annotations
@@ -71,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--drain", action="store_true",
+                   help="also the relay's drain on each variant's schema, next to the physical floor")
+    p.add_argument("--bootstrap-servers", default=None, help="Kafka for --drain (default: a local tansu)")
     p.add_argument("--json", dest="json_path", default=None)
 
 
@@ -142,17 +152,47 @@ def _timed(split: CpuSplit, run: Any) -> tuple[Any, tuple[float, dict[str, float
     return value, (elapsed, {f"{name}_cpu_us": after[name] - before[name] for name in before})
 
 
-def run(args: argparse.Namespace, admin_dsn: str) -> dict[str, dict[str, float]]:
+def drain(bench: Any, variant: str, floor: float) -> dict[str, float]:
+    """The relay's drain (a real process, ``outbox-relay bench``'s) on ``variant``'s schema."""
+    statements = VARIANTS[variant]
+
+    def apply(dsn: str) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for name in statements:
+                conn.execute(query("bench", name))
+
+    bench.schema_hook = apply
+    try:
+        extra = {"keep_published": "false"} if variant == "delete" else {}
+        figures = bench.relay_drain(**extra)
+    finally:
+        bench.schema_hook = None
+    return {"drain_events_per_s": figures["events_per_s"], "drain_ratio_to_floor": figures["events_per_s"] / floor,
+            **{f"drain_{name}_cpu_us": us for name, us in figures.get("cpu_split_us_per_row", {}).items()}}
+
+
+def run(args: argparse.Namespace, admin_dsn: str, bootstrap: str | None = None) -> dict[str, dict[str, float]]:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"mark_bench: unknown variant(s) {', '.join(unknown)}; of {', '.join(VARIANTS)}")
     split = CpuSplit.of_servers(admin_dsn)
+    bench = None
+    if args.drain and bootstrap:
+        from outbox_embedded.bench import Bench
+
+        bench = Bench(args, admin_dsn, bootstrap)
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for r in range(max(1, args.rounds)):
+        floor = _physical_floor(bench, args) if bench is not None else 0.0
+        if bench is not None:
+            print(f"round {r + 1} physical floor {floor:9.0f} events/s", flush=True)
         for k in range(len(variants)):
             variant = variants[(r + k) % len(variants)]
-            runs[variant].append(measure(admin_dsn, variant, args, split))
+            figures = measure(admin_dsn, variant, args, split)
+            if bench is not None:
+                figures.update(drain(bench, variant, floor))
+            runs[variant].append(figures)
             print(f"round {r + 1} {variant:20} " + _line(runs[variant][-1]), flush=True)
     result = {v: {k: round(_median([m[k] for m in ms]), 3) for k in ms[0]} for v, ms in runs.items()}
     print(f"\nmedians of {max(1, args.rounds)} rounds, {args.rows} rows of {args.payload_bytes} B, "
@@ -162,11 +202,24 @@ def run(args: argparse.Namespace, admin_dsn: str) -> dict[str, dict[str, float]]
     return result
 
 
+def _physical_floor(bench: Any, args: argparse.Namespace) -> float:
+    from outbox_embedded.baselines import plain_loop
+
+    with bench.fresh_db() as dsn:
+        return float(plain_loop(dsn, rows=args.rows, keys=args.keys, payload_bytes=args.payload_bytes,
+                                batch=args.batch_size)["events_per_s"])
+
+
 def _line(f: dict[str, float]) -> str:
     cpu = (f" (PostgreSQL {f['claim_postgres_cpu_us']:.1f} µs/row)" if "claim_postgres_cpu_us" in f else "")
     mark_cpu = (f" (PostgreSQL {f['mark_postgres_cpu_us']:.1f} µs/row)" if "mark_postgres_cpu_us" in f else "")
-    return (f"claim {f['claim_rows_per_s']:9.0f} rows/s{cpu}, mark {f['mark_rows_per_s']:9.0f} rows/s"
+    line = (f"claim {f['claim_rows_per_s']:9.0f} rows/s{cpu}, mark {f['mark_rows_per_s']:9.0f} rows/s"
             f"{mark_cpu}, HOT {100 * f['hot_share']:.0f} %, heap {f['heap_mb']:.0f} MB")
+    if "drain_events_per_s" in f:
+        split = " + ".join(f"{k[6:-7]} {v:.1f}" for k, v in f.items() if k.startswith("drain_") and k.endswith("_cpu_us"))
+        line += (f"; drain {f['drain_events_per_s']:.0f} events/s = {f['drain_ratio_to_floor']:.2f} x the "
+                 f"physical floor, CPU per row {split} µs")
+    return line
 
 
 def _median(values: list[float]) -> float:
@@ -181,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     with contextlib.ExitStack() as stack:
-        admin_dsn = args.dsn
+        admin_dsn, bootstrap = args.dsn, args.bootstrap_servers
         if not admin_dsn:
             from outbox_embedded import pg
 
@@ -189,7 +242,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             server = pg.embedded_pg(durable=True)
             stack.callback(server.close)
             admin_dsn = server.dsn("postgres")
-        result = run(args, admin_dsn)
+        if args.drain and not bootstrap:
+            from outbox_embedded import broker
+
+            print("starting a local Kafka-compatible broker (tansu) ...", flush=True)
+            tansu = broker.tansu_broker()
+            stack.callback(tansu.close)
+            bootstrap = tansu.bootstrap
+        result = run(args, admin_dsn, bootstrap)
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(result, f, indent=2)

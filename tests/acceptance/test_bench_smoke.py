@@ -118,3 +118,18 @@ def test_mark_bench_refuses_an_unknown_variant(tmp_path):
          "--variants", "migrated,bogus"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode != 0
     assert "unknown variant(s) bogus" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_mark_bench_drains_each_variant_with_a_real_relay(pg_server, broker, tmp_path):
+    out = tmp_path / "drains.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_embedded.mark_bench", "--dsn", pg_server.admin_dsn,
+         "--bootstrap-servers", broker.bootstrap, "--rows", "2000", "--rounds", "1",
+         "--variants", "migrated,hot_ff50", "--drain", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    for variant in figures.values():
+        assert variant["drain_events_per_s"] > 0 and variant["drain_ratio_to_floor"] > 0
+        assert {"drain_relay_cpu_us", "drain_postgres_cpu_us", "drain_broker_cpu_us"} <= set(variant)
+    assert "round 1 physical floor" in result.stdout
