@@ -44,6 +44,9 @@ _PIPELINE_ABORTED = pq.ExecStatus.PIPELINE_ABORTED
 _PIPELINE_OFF = pq.PipelineStatus.OFF
 _IDLE = pq.TransactionStatus.IDLE
 _ROLLBACK = b"ROLLBACK"
+#: The statements without parameters every caller sends around its own (one spelling each).
+BEGIN = b"BEGIN"
+COMMIT = b"COMMIT"
 
 
 #: The psycopg internals this module uses (tested with psycopg 3.3): a release without

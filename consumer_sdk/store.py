@@ -49,8 +49,6 @@ CLAIM_STRICT_STATEMENT = b"outbox_inbox_claim_strict_v1"
 #: the store claims through a cursor for good.  A single loss (DISCARD ALL; psycopg's
 #: DEALLOCATE ALL after a rollback) costs one round trip more, then it is prepared again.
 _PREPARED_LOSSES_MAX = 3
-_COMMIT = b"COMMIT"
-_BEGIN = b"BEGIN"
 _CHAIN = query("inbox", "chain").encode()  # positional parameters: sent as it is
 
 
@@ -438,7 +436,7 @@ class PgInboxStore:
 
     def _first_claim_prepared(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> Any:
         values = _claim_values(params)
-        leading = (_COMMIT, _BEGIN) if self._pending is not None else (_BEGIN,)
+        leading = (_wire.COMMIT, _wire.BEGIN) if self._pending is not None else (_wire.BEGIN,)
         try:
             results = _wire.send_before(conn, leading, CLAIM_STATEMENT, values)
             _wire.raise_first_error(conn, results[:len(leading)])
@@ -488,7 +486,7 @@ class PgInboxStore:
             return False
         claim, steps = parts
         with self.translated():
-            results = _wire.send_all(conn, [_wire.Step(_BEGIN), claim, *steps, _wire.Step(_COMMIT)])
+            results = _wire.send_all(conn, [_wire.Step(_wire.BEGIN), claim, *steps, _wire.Step(_wire.COMMIT)])
             if _committed(results):
                 if claim.prepared:
                     self._prepared_losses = 0
@@ -562,7 +560,7 @@ class PgInboxStore:
         chain = _wire.Step(_CHAIN, [None if after is None else after.encode(), mark.encode()])
         self._trips = trips
         with self.translated():
-            trips.send([_wire.Step(_BEGIN), chain, claim, *steps, _wire.Step(_COMMIT)])
+            trips.send([_wire.Step(_wire.BEGIN), chain, claim, *steps, _wire.Step(_wire.COMMIT)])
         self._chain_last = mark
         return True
 

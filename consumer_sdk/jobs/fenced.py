@@ -23,8 +23,6 @@ from consumer_sdk import _wire
 from consumer_sdk.jobs._db import ConnectionT, first_line, q
 from consumer_sdk.jobs.model import Lease
 
-_BEGIN = q("fenced_begin").encode()
-
 #: Connections known to hold the prepared raising fence (see fenced_execute); and those
 #: whose database has no outbox_jobs_fence yet (migration 0012 not applied): they take
 #: the three-round-trip path.
@@ -32,7 +30,6 @@ _RAISING_FENCE_PREPARED: weakref.WeakSet[ConnectionT] = weakref.WeakSet()
 _NO_RAISING_FENCE: weakref.WeakSet[ConnectionT] = weakref.WeakSet()
 #: The prepared raising fence's name, as ``fence_raise_prepare`` in jobs.sql creates it.
 RAISING_FENCE_STATEMENT = b"outbox_jobs_fence_v3"
-_COMMIT = b"COMMIT"
 #: After the prepared fence was gone this many times in a row (prepared again each time, and
 #: gone again before a write could use it: a pooler that moves sessions between servers),
 #: the connection takes the three-round-trip path for good.  A single loss (DISCARD ALL)
@@ -90,8 +87,8 @@ def fenced_statements(conn: ConnectionT, lease: Lease, statements: Sequence[tupl
     binder = _wire.transformer(conn) if len(statements) > 1 else None  # one cursor's dumpers for all
     steps = [_wire.bind(conn, query, params, transformer=binder) for query, params in statements]
     for _attempt in range(2):
-        results = _wire.send_all(conn, [_wire.Step(_BEGIN), _wire.Step(RAISING_FENCE_STATEMENT, fence, prepared=True),
-                                        *steps, _wire.Step(_COMMIT)])
+        results = _wire.send_all(conn, [_wire.Step(_wire.BEGIN), _wire.Step(RAISING_FENCE_STATEMENT, fence, prepared=True),
+                                        *steps, _wire.Step(_wire.COMMIT)])
         fenced = results[1]
         if fenced.status != pq.ExecStatus.FATAL_ERROR:
             _LOSSES.pop(conn, None)

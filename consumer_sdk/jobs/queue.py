@@ -254,7 +254,7 @@ def fence_begin(conn: ConnectionT, lease: Lease, *, now: datetime | None = None)
         if conn not in _FENCE_PREPARED:
             _prepare_fence(conn)
         try:
-            return _wire.begin_and_execute(conn, _BEGIN, FENCE_STATEMENT, params) > 0
+            return _wire.begin_and_execute(conn, _wire.BEGIN, FENCE_STATEMENT, params) > 0
         except psycopg.errors.InvalidSqlStatementName:  # DISCARD ALL, or another server session
             conn.rollback()  # BEGIN went through: leave the aborted transaction
             _FENCE_PREPARED.discard(conn)
@@ -272,7 +272,6 @@ def _fence_begin_pipelined(conn: ConnectionT, lease: Lease, *, now: datetime | N
 _FENCE_PREPARED: weakref.WeakSet[ConnectionT] = weakref.WeakSet()
 #: The prepared fence's name, as ``fence_prepare`` in jobs.sql creates it.
 FENCE_STATEMENT = b"outbox_jobs_fence_v2"
-_BEGIN = q("fenced_begin").encode()
 
 
 def _prepare_fence(conn: ConnectionT) -> None:
