@@ -102,6 +102,8 @@ class Bench:
         self.bootstrap = bootstrap
         self.topic = f"bench.{uuid.uuid4().hex[:8]}"
         self.split = CpuSplit.of_servers(dsn, bootstrap)
+        #: Each settled scale-out drain's CPU per row by process, by replica count.
+        self.scale_out_splits: dict[int, list[dict[str, float]]] = collections.defaultdict(list)
         #: Run on every fresh database after the migrations (mark_bench's schema variants).
         self.schema_hook: Callable[[str], None] | None = None
 
@@ -328,9 +330,12 @@ class Bench:
                 procs = [stack.enter_context(relay_process(dsn, self.bootstrap,
                                                            batch_size=str(self.args.batch_size)))
                          for _ in range(replicas)]
+                servers_first, relays_first = self.split.snapshot(), 0.0
                 if settled:
                     _wait(lambda: _shards_spread(dsn, replicas), SPREAD_TIMEOUT_S, procs[0][0],
                           interval_s=0.2)
+                    servers_first = self.split.snapshot()
+                    relays_first = sum(_cpu_s(proc.pid) for proc, _ in procs)
                     self.load(dsn, self.args.rows, vacuum=False)
 
                 def published() -> float:
@@ -339,6 +344,12 @@ class Bench:
                 first = _wait(lambda: published() > 0, 600, procs[0][0])
                 done = _wait(lambda: published() >= self.args.rows, 600, procs[0][0],
                              interval_s=DRAIN_POLL_S)
+                if settled:  # from the backlog's insert (its CPU included) to the last mark
+                    rows = self.args.rows
+                    self.scale_out_splits[replicas].append({
+                        "relays": round((sum(_cpu_s(proc.pid) for proc, _ in procs) - relays_first)
+                                        / rows * 1e6, 1),
+                        **CpuSplit.per_row(servers_first, self.split.snapshot(), rows)})
                 with psycopg.connect(dsn, autocommit=True) as conn:
                     span = conn.execute(query("bench", "bench_drain_span"), {"since": since}).fetchone()
         if span and span[1] and span[1] > 0:
@@ -650,6 +661,13 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
             say(f"  {label:18}" + ", ".join(
                 f"{n} replica{'s' if n > 1 else ''} {r:.0f}/s ({r / scale[counts[0]]:.2f} x)"
                 for n, r in scale.items()))
+            if settled:
+                splits = {str(n): _median_split([{"cpu_split_us_per_row": s} for s in bench.scale_out_splits[n]])
+                          for n in counts}
+                result["scale_out_cpu_split_us_per_row"] = splits
+                for n, split in splits.items():
+                    say(f"    CPU per row, {n} replica{'s' if n != '1' else ''}: {_show_split(split)} "
+                        f"(the backlog's insert included)")
     if args.bloat_rows:
         on, off = bench.bloat(cleanup=True), bench.bloat(cleanup=False)
         result["bloat"] = {"rows_passed": args.bloat_rows,

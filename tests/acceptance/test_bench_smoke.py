@@ -16,7 +16,7 @@ KEYS = ["relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_pe
         "notify_writer_cost", "stalled_writer", "exactly_once_ratio", "physical_floor_events_per_s",
         "naive_relay_events_per_s", "ratio_to_naive", "relay_cpu_us_per_row",
         "keep_published_false", "steady", "scale_out_events_per_s", "scale_out_startup_events_per_s",
-        "cpu_split_us_per_row"]
+        "cpu_split_us_per_row", "scale_out_cpu_split_us_per_row"]
 
 
 def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_path):
@@ -60,6 +60,9 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
     # (2,000 rows are a few clock ticks of each server's CPU: values, not their size.)
     assert all(us >= 0 for figures_ in split.values() for us in figures_.values())
     assert "CPU per row, relay drain" in result.stdout
+    assert set(figures["scale_out_cpu_split_us_per_row"]) == {"1", "2"}
+    for scale_split in figures["scale_out_cpu_split_us_per_row"].values():
+        assert set(scale_split) == {"relays", "postgres", "broker"}
 
 
 REPO = Path(__file__).resolve().parents[2]
