@@ -210,7 +210,7 @@ class Bench:
     # -- 3, 5, 6. a real relay process ------------------------------------------------------
 
     def relay_drain(self, *, published_rows: int = 0, idle_s: float = 0.0,
-                    **env_extra: str) -> dict[str, float]:
+                    **env_extra: str) -> dict[str, Any]:
         with self.fresh_db() as dsn:
             if published_rows:
                 self.load(dsn, published_rows, published=True)
@@ -330,7 +330,8 @@ class Bench:
                 procs = [stack.enter_context(relay_process(dsn, self.bootstrap,
                                                            batch_size=str(self.args.batch_size)))
                          for _ in range(replicas)]
-                servers_first, relays_first = self.split.snapshot(), 0.0
+                servers_first: dict[str, float] = {}
+                relays_first = 0.0
                 if settled:
                     _wait(lambda: _shards_spread(dsn, replicas), SPREAD_TIMEOUT_S, procs[0][0],
                           interval_s=0.2)
@@ -662,8 +663,7 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
                 f"{n} replica{'s' if n > 1 else ''} {r:.0f}/s ({r / scale[counts[0]]:.2f} x)"
                 for n, r in scale.items()))
             if settled:
-                splits = {str(n): _median_split([{"cpu_split_us_per_row": s} for s in bench.scale_out_splits[n]])
-                          for n in counts}
+                splits = {str(n): _median_split(bench.scale_out_splits[n]) for n in counts}
                 result["scale_out_cpu_split_us_per_row"] = splits
                 for n, split in splits.items():
                     say(f"    CPU per row, {n} replica{'s' if n != '1' else ''}: {_show_split(split)} "
@@ -710,7 +710,7 @@ def _runs(steady: dict[str, Any]) -> str:
     return "runs " + " / ".join(f"{cpu:.1f}" for cpu in steady["relay_cpu_percent_runs"])
 
 
-def _baselines(bench: Bench, runs: int, *, idle_s: float) -> tuple[dict[str, Any], list[dict[str, float]]]:
+def _baselines(bench: Bench, runs: int, *, idle_s: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The physical floor, the naive relay (outbox_embedded/baselines.py) and the relay's
     drain, one of each per round, their order rotating from round to round: these
     machines' speed drifts by a third within the hour, so the ratios are taken inside each
@@ -719,16 +719,16 @@ def _baselines(bench: Bench, runs: int, *, idle_s: float) -> tuple[dict[str, Any
     first also measures the idle relay for ``idle_s``)."""
     from outbox_embedded.baselines import plain_loop
 
-    def baseline(target: str | None) -> dict[str, float]:
+    def baseline(target: str | None) -> dict[str, Any]:
         with bench.fresh_db() as dsn:
             return plain_loop(dsn, rows=bench.args.rows, keys=bench.args.keys,
                               payload_bytes=bench.args.payload_bytes, batch=bench.args.batch_size,
                               bootstrap=target, topic=f"{bench.topic}.naive",
                               split=getattr(bench, "split", None))
 
-    floors: list[dict[str, float]] = []
-    naive: list[dict[str, float]] = []
-    drains: list[dict[str, float]] = []
+    floors: list[dict[str, Any]] = []
+    naive: list[dict[str, Any]] = []
+    drains: list[dict[str, Any]] = []
     steps: list[Callable[[int], None]] = [
         lambda i: floors.append(baseline(None)),
         lambda i: naive.append(baseline(bench.bootstrap)),
@@ -747,16 +747,17 @@ def _baselines(bench: Bench, runs: int, *, idle_s: float) -> tuple[dict[str, Any
         "ratio_to_naive_runs": [round(r, 3) for r in to_naive],
         "ratio_to_floor": round(median(to_floor), 3),
         "ratio_to_floor_runs": [round(r, 3) for r in to_floor],
-        "cpu_split_us_per_row": {name: _median_split(runs) for name, runs in (
-            ("physical_floor", floors), ("naive_relay", naive), ("relay_drain", drains))},
+        "cpu_split_us_per_row": {name: _median_split([r["cpu_split_us_per_row"] for r in runs
+                                                      if "cpu_split_us_per_row" in r])
+                                 for name, runs in (("physical_floor", floors), ("naive_relay", naive),
+                                                    ("relay_drain", drains))},
     }
     return figures, drains  # drains[0] measured the idle relay
 
 
-def _median_split(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """Each process's median CPU per row over the runs that measured it (issue 18: where a
-    drain's two cores go, next to the baselines')."""
-    splits = [r["cpu_split_us_per_row"] for r in runs if "cpu_split_us_per_row" in r]
+def _median_split(splits: list[dict[str, float]]) -> dict[str, float]:
+    """Each process's median CPU per row over the runs' splits (issue 18: where a drain's
+    two cores go, next to the baselines'); only the processes every run measured."""
     names = [name for name in splits[0] if all(name in s for s in splits)] if splits else []
     return {name: round(median([s[name] for s in splits]), 1) for name in names}
 
