@@ -309,6 +309,10 @@ class Relay:
                 self.exactly_once.stop(10.0)
             if self.replayer is not None:
                 self.replayer.stop()
+            if self.publisher is not None:
+                # Whatever the drain left unacknowledged stays pending; the client goes now,
+                # its threads joined, not at the interpreter's exit (relay/publisher.py).
+                self.publisher.close()
             self.store.close()
             for mark_store in self.mark_stores:
                 mark_store.close()

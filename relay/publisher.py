@@ -166,6 +166,19 @@ DeliveryCallback = Callable[[OutboxRow, Outcome], None]
 ErrorCallback = Callable[[BrokerState, str, bool], None]  # (state, message, fatal)
 
 
+class _ClosedProducer:
+    """Stands in for a destroyed client: any use is a bug, and says so."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("the relay's Kafka producer is closed")
+
+    def __len__(self) -> int:
+        return 0
+
+
+_CLOSED: Any = _ClosedProducer()
+
+
 class Publisher:
     """Owns one confluent-kafka Producer.  Not thread-safe: the pump's thread calls it."""
 
@@ -174,6 +187,7 @@ class Publisher:
         self._config = dict(config)
         self._on_client_error = on_client_error
         self._producer = self._new_producer()
+        self._closed = False
         self._clock = clock
         # Kafka's default partitioner, which relay.stalls can compute: murmur2 of the key.
         self._murmur2 = self._config.get("partitioner", "consistent_random") in (
@@ -329,4 +343,25 @@ class Publisher:
         self._producer = self._new_producer()
 
     def close(self, timeout_s: float = 0.0) -> int:
-        return self.flush(timeout_s)
+        """Wait up to ``timeout_s`` for the outstanding reports, give up on the rest (purged:
+        their reports come now, as failures, and their rows stay pending, to be published
+        again), then destroy the client, its threads joined.  Returns how many were given
+        up.  Idempotent; nothing may be sent afterwards.
+
+        The client is destroyed here, not by the garbage collector (its error callback
+        holds this object, a cycle) or at interpreter exit, where librdkafka's threads still
+        ran while the process tore down: a relay stopping on an untrusted certificate with
+        rows queued died of SIGSEGV instead of exiting 1."""
+        if self._closed:
+            return 0
+        self._closed = True
+        producer = self._producer
+        left = int(producer.flush(timeout_s)) if timeout_s > 0 else len(producer)
+        if left:
+            producer.purge()
+            producer.flush(0)  # serve the purged messages' reports
+        close = getattr(producer, "close", None)  # confluent-kafka >= 2.8; else freed below
+        if close is not None:
+            close()
+        self._producer = _CLOSED
+        return left

@@ -32,10 +32,14 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from outbox_embedded.broker import _TANSU_ENV, TansuBroker
+from relay.app import Relay
+from relay.config import build_settings
+from relay.errors import FatalError
 from tests.fixtures.broker import KafkaRecord
 from tests.fixtures.certs import OPENSSL, make_ca, make_server_cert
 from tests.fixtures.outbox import check_delivery, insert_rows, relay_cmd, relay_env, wait_drained
 from tests.fixtures.procs import Proc, free_port, wait_until
+from tests.unit.test_publisher_close import rdkafka_threads
 
 STUNNEL = shutil.which("stunnel4") or shutil.which("stunnel")
 SASL_PASSWORD = "sasl-pw-" + uuid.uuid4().hex  # a unique string to grep for
@@ -217,6 +221,23 @@ def test_untrusted_certificate_is_one_clear_line(outbox_db, tls_kafka, topic_nam
     line = one_error_line(result)
     assert "TLS handshake with the Kafka cluster failed" in line
     assert "certificate verify failed" in line
+
+
+def test_a_relay_stopped_by_an_untrusted_certificate_leaves_no_client_thread_behind(
+        outbox_db, tls_kafka, topic_name):
+    """The same stop, in this process: when ``run`` raises, the producer is destroyed already.
+    CI saw the relay process of the test above die of SIGSEGV (exit -11) with rows queued:
+    librdkafka's threads were left running into the interpreter's exit."""
+    insert_rows(outbox_db, topic_name("untrusted-threads"), 5)
+    settings = build_settings(
+        {"dsn": outbox_db, "bootstrap_servers": tls_kafka.bootstrap, "metrics_port": "0",
+         "poll_interval_s": "0.2"},
+        kafka_properties={"security.protocol": "SSL", "ssl.ca.location": str(tls_kafka.other_ca)})
+    before = rdkafka_threads()
+    relay = Relay(settings)
+    with pytest.raises(FatalError, match="TLS handshake with the Kafka cluster failed"):
+        relay.run()
+    assert rdkafka_threads() == before
 
 
 @pytest.mark.parametrize(
