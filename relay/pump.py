@@ -57,6 +57,13 @@ from relay.stalls import Stalls
 DEFAULT_BATCH_MAX_BYTES = 4 << 20  # payload bytes per claim; 4 in flight: 16 MiB
 DEFAULT_MAX_MESSAGE_BYTES = 1_000_000  # librdkafka's message.max.bytes default
 SWEEP_INTERVAL_S = 10.0  # a full pass, and a look for foreign xids, at most this often when caught up
+#: A sweep that cost this many seconds (the restamp and the claim from "nothing seen") puts
+#: the next one at least SWEEP_COST_RATIO times as far away: sweeps take at most about 2 %
+#: of the pump's time.  A session idle in transaction keeps every row marked since it
+#: began in the index of pending rows (vacuum may not remove them yet), and a sweep walks
+#: them all: 200,000 rows cost one about 160 ms, an hour at 1,000 events/s seconds.
+SWEEP_COST_RATIO = 50.0
+SWEEP_SLOW_S = 0.5  # a sweep this slow is logged (sweep_slow), with when the next one runs
 STALLED_ROWS_MAX = 10_000  # rows waiting on stalled partitions before claims stop altogether
 STALLED_CLAIM_PAUSE_S = 0.5  # a claim that found only rows held by a stall waits this long
 PACED_CLAIM_ROWS = 10  # a drained claim finding fewer rows stretches the wait before the next
@@ -144,6 +151,7 @@ class Pump:
         self.caught_up = False
         self.claim_not_before = 0.0
         self.next_sweep = clock() + SWEEP_INTERVAL_S
+        self._rewind_cost_s: float | None = None  # the last rewind's restamp, until its claim
         self.failed_keys: set[str] = set()
         self.failures = Failures(store=store, publisher=publisher, leases=leases, metrics=metrics,
                                  log=log, clock=clock, max_attempts=max_attempts,
@@ -272,8 +280,21 @@ class Pump:
             self.stalls.held.clear()  # their rows come back in this rewind, in order
         self.next_sweep = now + SWEEP_INTERVAL_S
         restamped = self.store.restamp_foreign()
+        self._rewind_cost_s = self.clock() - now  # the claim from "nothing seen" adds its own
         if restamped:
             self.log.warning("foreign_xids_restamped", rows=restamped)
+
+    def _sweep_cost(self, cost_s: float) -> None:
+        """After a rewind's claim: a rewind as costly as ``cost_s`` (restamp and claim) puts
+        the next periodic sweep at least ``SWEEP_COST_RATIO`` times as far away."""
+        self._rewind_cost_s = None
+        spaced_s = SWEEP_COST_RATIO * cost_s
+        if spaced_s > SWEEP_INTERVAL_S:
+            self.next_sweep = max(self.next_sweep, self.clock() + spaced_s)
+        if cost_s >= SWEEP_SLOW_S:
+            self.log.warning("sweep_slow", seconds=round(cost_s, 3), next_sweep_in_s=round(spaced_s, 1),
+                             hint="a session idle in transaction (pg_stat_activity) keeps marked rows "
+                                  "in the pending index until it ends")
 
     def _active_batches(self, now: float) -> int:
         """Batches in flight that are not stalled: they count against the pipeline depth."""
@@ -327,11 +348,13 @@ class Pump:
             return
         else:
             self.cursor_shards = shards  # one that leaves must rewind to come back
-        started = time.perf_counter()
+        started, claim_started = time.perf_counter(), self.clock()
         rows, snapshot, cut = self.store.claim(
             shards=sorted(shards), nshards=self.nshards, after=self.cursor, limit=self.batch_size,
             max_bytes=self.max_message_bytes, budget_bytes=self.batch_max_bytes)
         self.metrics.claim_duration.observe(time.perf_counter() - started)
+        if self._rewind_cost_s is not None:
+            self._sweep_cost(self._rewind_cost_s + self.clock() - claim_started)
         result.claims += 1
         window = snapshot if snapshot is not None else self.cursor.cur
         self.caught_up = len(rows) < self.batch_size and not cut
