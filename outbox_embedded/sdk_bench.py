@@ -35,10 +35,12 @@ Workers (``--jobs`` trivial jobs; the handler writes one row):
   trip); the bench checks its progress every 20 ms (its own polling took ~10 % of the
   process's CPU at 5 ms), so a run may end up to 20 ms late.
 
-Each round runs the three worker variants back to back, in an order that rotates: the
-report gives each pool's ratio in every round (``worker_pool_vs_naive_per_run``,
-``worker_pool_execute_vs_naive_per_run``) besides the medians, and the pool's jobs per
-dispatcher round (``jobs_per_claim_round``).
+Each round runs the three worker variants back to back, in an order that rotates, and
+the consumer variants likewise.  Every ratio is reported three ways: between the medians
+(``ratios``), in each round (``ratios_per_round``; for the pools also under their earlier
+names ``worker_pool_vs_naive_per_run``, ``worker_pool_execute_vs_naive_per_run``) and as
+the median of the rounds' (``ratios_round_median``); and the pool's jobs per dispatcher
+round (``jobs_per_claim_round``).
 
 The last line on stdout is the JSON report (also written to ``--json``).
 """
@@ -404,34 +406,40 @@ def jobs_round(args: argparse.Namespace, dsn: str, run: int, results: dict[str, 
 # -- report ------------------------------------------------------------------------------
 
 
+#: Each ratio's figures: (numerator, denominator), both measured in every round.
+RATIOS: dict[str, tuple[str, str]] = {
+    "inbox_batch_new_vs_naive": ("inbox_batch_new", "naive_new"),
+    "inbox_batch_redelivered_vs_naive": ("inbox_batch_redelivered", "naive_redelivered"),
+    "inbox_batch_bh_new_vs_naive": ("inbox_batch_bh_new", "naive_new"),
+    "inbox_batch_bh_redelivered_vs_naive": ("inbox_batch_bh_redelivered", "naive_redelivered"),
+    "inbox_single_new_vs_naive_single": ("inbox_single_new", "naive_single_new"),
+    "inbox_single_redelivered_vs_naive_single": ("inbox_single_redelivered", "naive_single_redelivered"),
+    "inbox_batch_statements_new_vs_naive": ("inbox_batch_statements_new", "naive_new"),
+    "inbox_batch_statements_redelivered_vs_naive": ("inbox_batch_statements_redelivered", "naive_redelivered"),
+    "inbox_single_statements_new_vs_naive_single": ("inbox_single_statements_new", "naive_single_new"),
+    "inbox_single_statements_new_vs_inbox_single": ("inbox_single_statements_new", "inbox_single_new"),
+    "worker_pool_vs_naive": ("worker_pool", "naive_workers"),
+    "worker_pool_execute_vs_naive": ("worker_pool_execute", "naive_workers"),
+}
+
+
 def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     med = {name: {k: round(statistics.median(r[k] for r in runs), 1) for k in ("rate", "cpu_us")}
            for name, runs in results.items()}
     report: dict[str, Any] = {"params": {k: v for k, v in vars(args).items() if k not in ("dsn", "json_path")},
-                              "figures": med, "ratios": {}}
-
-    def ratio(a: str, b: str) -> float | None:
-        return round(med[a]["rate"] / med[b]["rate"], 3) if a in med and b in med else None
-
-    report["ratios"] = {
-        "inbox_batch_new_vs_naive": ratio("inbox_batch_new", "naive_new"),
-        "inbox_batch_redelivered_vs_naive": ratio("inbox_batch_redelivered", "naive_redelivered"),
-        "inbox_batch_bh_new_vs_naive": ratio("inbox_batch_bh_new", "naive_new"),
-        "inbox_batch_bh_redelivered_vs_naive": ratio("inbox_batch_bh_redelivered", "naive_redelivered"),
-        "inbox_single_new_vs_naive_single": ratio("inbox_single_new", "naive_single_new"),
-        "inbox_single_redelivered_vs_naive_single": ratio("inbox_single_redelivered", "naive_single_redelivered"),
-        "inbox_batch_statements_new_vs_naive": ratio("inbox_batch_statements_new", "naive_new"),
-        "inbox_batch_statements_redelivered_vs_naive": ratio("inbox_batch_statements_redelivered",
-                                                             "naive_redelivered"),
-        "inbox_single_statements_new_vs_naive_single": ratio("inbox_single_statements_new", "naive_single_new"),
-        "inbox_single_statements_new_vs_inbox_single": ratio("inbox_single_statements_new", "inbox_single_new"),
-        "worker_pool_vs_naive": ratio("worker_pool", "naive_workers"),
-        "worker_pool_execute_vs_naive": ratio("worker_pool_execute", "naive_workers"),
-    }
-    for pool in ("worker_pool", "worker_pool_execute"):
-        if pool in results and "naive_workers" in results:
-            report[f"{pool}_vs_naive_per_run"] = [
-                round(p["rate"] / n["rate"], 3) for p, n in zip(results[pool], results["naive_workers"], strict=True)]
+                              "figures": med}
+    report["ratios"] = {name: round(med[a]["rate"] / med[b]["rate"], 3) if a in med and b in med else None
+                        for name, (a, b) in RATIOS.items()}
+    # Each round's own ratio (its figures minutes apart at most), and their median: the
+    # machine's speed drifts between rounds, so a ratio of medians can pair a fast round's
+    # figure with a slow round's.
+    per_round = {name: [round(x["rate"] / y["rate"], 3) for x, y in zip(results[a], results[b], strict=True)]
+                 for name, (a, b) in RATIOS.items() if a in results and b in results}
+    report["ratios_per_round"] = per_round
+    report["ratios_round_median"] = {name: round(statistics.median(values), 3) for name, values in per_round.items()}
+    for pool in ("worker_pool", "worker_pool_execute"):  # the names earlier reports used
+        if f"{pool}_vs_naive" in per_round:
+            report[f"{pool}_vs_naive_per_run"] = per_round[f"{pool}_vs_naive"]
     if "worker_pool" in results:
         report["jobs_per_claim_round"] = round(statistics.median(
             r["jobs_per_round"] for r in results["worker_pool"]), 1)
@@ -455,7 +463,10 @@ def main(argv: list[str] | None = None) -> int:
         unit = "jobs/s" if "worker" in name else "msg/s"
         print(f"  {name:26} {fig['rate']:10.0f} {unit:6} {fig['cpu_us']:8.1f} us CPU/item")
     for name, value in report["ratios"].items():
-        print(f"  {name:34} {value}")
+        rounds = report["ratios_per_round"].get(name)
+        detail = "" if rounds is None else (f"  rounds {' / '.join(map(str, rounds))},"
+                                            f" their median {report['ratios_round_median'][name]}")
+        print(f"  {name:43} {value}{detail}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))

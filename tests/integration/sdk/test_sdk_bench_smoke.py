@@ -30,6 +30,10 @@ def test_sdk_bench_runs_every_variant_and_reports_ratios(pg_server, broker, tmp_
     for name in VARIANTS:
         assert report["figures"][name]["rate"] > 0 and report["figures"][name]["cpu_us"] > 0, name
     assert all(value > 0 for value in report["ratios"].values()), report["ratios"]
+    assert set(report["ratios_per_round"]) == set(report["ratios"])
+    for name, rounds in report["ratios_per_round"].items():  # one round: its ratio is the medians' (rounded)
+        assert len(rounds) == 1 and abs(rounds[0] - report["ratios"][name]) <= 0.002, name
+        assert report["ratios_round_median"][name] == rounds[0], name
     assert len(report["worker_pool_vs_naive_per_run"]) == 1 and report["jobs_per_claim_round"] > 0
     assert len(report["worker_pool_execute_vs_naive_per_run"]) == 1
     assert "worker_pool_vs_naive" in result.stdout and "worker_pool_execute_vs_naive" in result.stdout
