@@ -106,6 +106,8 @@ class Bench:
         self.scale_out_splits: dict[int, list[dict[str, float]]] = collections.defaultdict(list)
         #: Run on every fresh database after the migrations (mark_bench's schema variants).
         self.schema_hook: Callable[[str], None] | None = None
+        #: The query that loads pending rows (mark_bench's bytea_payload variant loads bytes).
+        self.pending_load = "bench_load_pending"
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -127,7 +129,7 @@ class Bench:
                     psycopg.sql.Identifier(name)))
 
     def load(self, dsn: str, count: int, *, published: bool = False, vacuum: bool = True) -> None:
-        name = "bench_load_published" if published else "bench_load_pending"
+        name = "bench_load_published" if published else self.pending_load
         step = 200_000
         with psycopg.connect(dsn, autocommit=True) as conn:
             for done in range(0, count, step):

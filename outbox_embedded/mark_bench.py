@@ -20,7 +20,10 @@ Variants:
   all rows, the back-off index without it, cleanup by a BRIN index) and a fillfactor of
   50 / 70, so that a mark can be a HOT update: the design change the README describes as
   not made, priced (on PostgreSQL 15 and older the BRIN index still makes marks non-HOT);
-* ``delete``: the mark of ``--keep-published false`` on the migrated schema.
+* ``delete``: the mark of ``--keep-published false`` on the migrated schema;
+* ``bytea_payload``: the migrated schema with each row's payload as bytes
+  (``payload_bytes``, the jsonb's own text) instead of ``jsonb``: what the claim's output of
+  a jsonb payload costs (the physical floor's payload is bytes).
 
 With ``--drain``, each round also runs the physical floor of ``outbox-relay bench``
 (outbox_embedded/baselines.py) and, on each variant's schema, a real relay process draining
@@ -65,7 +68,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
                  "mark_bench_retrying_index_without_published_at", "mark_bench_published_brin",
                  "mark_bench_fillfactor_70"),
     "delete": (),
+    "bytea_payload": (),
 }
+#: Variants whose rows are loaded otherwise: bytea_payload's payload is bytes, not jsonb.
+LOADS: dict[str, str] = {"bytea_payload": "bench_load_pending_bytes"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,10 +110,11 @@ def measure(admin_dsn: str, variant: str, args: argparse.Namespace, split: CpuSp
         with psycopg.connect(dsn, autocommit=True) as conn:
             for name in VARIANTS[variant]:
                 conn.execute(query("bench", name))
-            conn.execute(query("bench", "bench_load_pending"),
+            conn.execute(query("bench", LOADS.get(variant, "bench_load_pending")),
                          {"topic": "mark_bench", "keys": args.keys,
                           "payload_bytes": args.payload_bytes, "count": args.rows})
             conn.execute("VACUUM ANALYZE outbox")
+            bytes_share = conn.execute(query("bench", "mark_bench_bytes_share")).fetchone()
             conn.execute("CHECKPOINT")  # each variant's marks start with the same WAL state
         store = Store(dsn, keep_published=variant != "delete")
         try:
@@ -130,7 +137,8 @@ def measure(admin_dsn: str, variant: str, args: argparse.Namespace, split: CpuSp
     return {"claim_rows_per_s": rows / claim[0], "mark_rows_per_s": rows / mark[0],
             **{f"claim_{k}": v / rows * 1e6 for k, v in claim[1].items()},
             **{f"mark_{k}": v / rows * 1e6 for k, v in mark[1].items()},
-            "hot_share": hot / updates if updates else 0.0, "heap_mb": heap / 2**20}
+            "hot_share": hot / updates if updates else 0.0, "heap_mb": heap / 2**20,
+            "bytes_payload_share": bytes_share[0] if bytes_share else 0.0}
 
 
 def _claim_all(store: Store, shards: Sequence[ShardId], batch: int) -> list[list[OutboxRow]]:
@@ -162,11 +170,13 @@ def drain(bench: Any, variant: str, floor: float) -> dict[str, float]:
                 conn.execute(query("bench", name))
 
     bench.schema_hook = apply
+    bench.pending_load = LOADS.get(variant, "bench_load_pending")
     try:
         extra = {"keep_published": "false"} if variant == "delete" else {}
         figures = bench.relay_drain(**extra)
     finally:
         bench.schema_hook = None
+        bench.pending_load = "bench_load_pending"
     return {"drain_events_per_s": figures["events_per_s"], "drain_ratio_to_floor": figures["events_per_s"] / floor,
             **{f"drain_{name}_cpu_us": us for name, us in figures.get("cpu_split_us_per_row", {}).items()}}
 

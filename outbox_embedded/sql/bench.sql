@@ -7,6 +7,16 @@ SELECT %(topic)s, 'k' || (g %% %(keys)s),
        jsonb_build_object('n', g, 'pad', repeat('x', greatest(0, %(payload_bytes)s - 24)))
 FROM generate_series(1, %(count)s) AS g
 
+-- name: bench_load_pending_bytes
+-- The same rows with the payload as bytes (payload_bytes: what a writer of Avro or
+-- Protobuf stores), the jsonb's own text: mark_bench's bytea_payload variant prices the
+-- claim's output of a jsonb payload against it.
+INSERT INTO outbox (topic, key, payload_bytes)
+SELECT %(topic)s, 'k' || (g %% %(keys)s),
+       convert_to(jsonb_build_object('n', g, 'pad', repeat('x', greatest(0, %(payload_bytes)s - 24)))::text,
+                  'UTF8')
+FROM generate_series(1, %(count)s) AS g
+
 -- name: bench_load_published
 -- Rows already published, as a long-lived outbox without retention has them.
 INSERT INTO outbox (topic, key, payload, published_at)
@@ -123,6 +133,10 @@ ALTER TABLE outbox SET (fillfactor = 50)
 
 -- name: mark_bench_fillfactor_70
 ALTER TABLE outbox SET (fillfactor = 70)
+
+-- name: mark_bench_bytes_share
+-- The share of loaded rows whose payload is bytes (bytea_payload: all; the others: none).
+SELECT coalesce(avg((payload_bytes IS NOT NULL)::int), 0)::float8 FROM outbox
 
 -- name: mark_bench_table_stats
 SELECT n_tup_upd AS updates, n_tup_hot_upd AS hot_updates, pg_table_size('outbox') AS heap_bytes

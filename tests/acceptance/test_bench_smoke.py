@@ -105,11 +105,12 @@ def test_mark_bench_prices_each_schema_variant(pg_server, tmp_path):
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(out.read_text())
-    assert set(figures) == {"migrated", "no_published_index", "hot_ff50", "hot_ff70", "delete"}
+    assert set(figures) == {"migrated", "no_published_index", "hot_ff50", "hot_ff70", "delete", "bytea_payload"}
     for variant in figures.values():
         assert variant["claim_rows_per_s"] > 0 and variant["mark_rows_per_s"] > 0
         assert "claim_postgres_cpu_us" in variant  # the test server is local: its CPU is read
     assert figures["migrated"]["hot_share"] == 0  # published_at is in the pending index's predicate
+    assert figures["bytea_payload"]["bytes_payload_share"] == 1 and figures["migrated"]["bytes_payload_share"] == 0
     if int(pg_server.server_version().split(".")[0]) >= 16:  # a BRIN index allows HOT since 16
         assert figures["hot_ff50"]["hot_share"] == 1
     assert "medians of 1 rounds" in result.stdout
@@ -128,10 +129,11 @@ def test_mark_bench_drains_each_variant_with_a_real_relay(pg_server, broker, tmp
     result = subprocess.run(
         [sys.executable, "-m", "outbox_embedded.mark_bench", "--dsn", pg_server.admin_dsn,
          "--bootstrap-servers", broker.bootstrap, "--rows", "2000", "--rounds", "1",
-         "--variants", "migrated,hot_ff50", "--drain", "--json", str(out)],
+         "--variants", "migrated,hot_ff50,bytea_payload", "--drain", "--json", str(out)],
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(out.read_text())
+    assert set(figures) == {"migrated", "hot_ff50", "bytea_payload"}  # each drained all its rows (else it raises)
     for variant in figures.values():
         assert variant["drain_events_per_s"] > 0 and variant["drain_ratio_to_floor"] > 0
         assert {"drain_relay_cpu_us", "drain_postgres_cpu_us", "drain_broker_cpu_us"} <= set(variant)
