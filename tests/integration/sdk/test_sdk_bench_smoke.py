@@ -31,8 +31,10 @@ def test_sdk_bench_runs_every_variant_and_reports_ratios(pg_server, broker, tmp_
         assert report["figures"][name]["rate"] > 0 and report["figures"][name]["cpu_us"] > 0, name
     assert all(value > 0 for value in report["ratios"].values()), report["ratios"]
     assert set(report["ratios_per_round"]) == set(report["ratios"])
-    for name, rounds in report["ratios_per_round"].items():  # one round: its ratio is the medians' (rounded)
-        assert len(rounds) == 1 and abs(rounds[0] - report["ratios"][name]) <= 0.002, name
+    for name, rounds in report["ratios_per_round"].items():
+        # One round: its ratio is the medians', but from unrounded rates (the medians' are
+        # rounded to 0.1, a few tenths of a percent of this tiny run's slowest rates).
+        assert len(rounds) == 1 and abs(rounds[0] - report["ratios"][name]) <= 0.01 * rounds[0] + 0.001, name
         assert report["ratios_round_median"][name] == rounds[0], name
     assert len(report["worker_pool_vs_naive_per_run"]) == 1 and report["jobs_per_claim_round"] > 0
     assert len(report["worker_pool_execute_vs_naive_per_run"]) == 1
