@@ -74,6 +74,11 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 LOADS: dict[str, str] = {"bytea_payload": "bench_load_pending_bytes"}
 
 
+def _load_query(variant: str) -> str:
+    """The bench.sql query that loads ``variant``'s pending rows."""
+    return LOADS.get(variant, "bench_load_pending")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dsn", default=None, help="PostgreSQL server (a database is created per "
                    "variant and round); default: an embedded durable one")
@@ -110,7 +115,7 @@ def measure(admin_dsn: str, variant: str, args: argparse.Namespace, split: CpuSp
         with psycopg.connect(dsn, autocommit=True) as conn:
             for name in VARIANTS[variant]:
                 conn.execute(query("bench", name))
-            conn.execute(query("bench", LOADS.get(variant, "bench_load_pending")),
+            conn.execute(query("bench", _load_query(variant)),
                          {"topic": "mark_bench", "keys": args.keys,
                           "payload_bytes": args.payload_bytes, "count": args.rows})
             conn.execute("VACUUM ANALYZE outbox")
@@ -170,13 +175,13 @@ def drain(bench: Any, variant: str, floor: float) -> dict[str, float]:
                 conn.execute(query("bench", name))
 
     bench.schema_hook = apply
-    bench.pending_load = LOADS.get(variant, "bench_load_pending")
+    loads_before, bench.pending_load = bench.pending_load, _load_query(variant)
     try:
         extra = {"keep_published": "false"} if variant == "delete" else {}
         figures = bench.relay_drain(**extra)
     finally:
         bench.schema_hook = None
-        bench.pending_load = "bench_load_pending"
+        bench.pending_load = loads_before
     return {"drain_events_per_s": figures["events_per_s"], "drain_ratio_to_floor": figures["events_per_s"] / floor,
             **{f"drain_{name}_cpu_us": us for name, us in figures.get("cpu_split_us_per_row", {}).items()}}
 
