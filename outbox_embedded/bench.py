@@ -39,6 +39,7 @@ from typing import Any
 
 import psycopg
 
+from outbox_embedded.calibration import round_trip
 from outbox_embedded.cpu_split import CpuSplit
 from outbox_embedded.queries import query
 from relay import migrate
@@ -647,6 +648,7 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         "steady": [{"events_per_s": r["rate"], "relay_cpu_percent": r["relay_cpu_percent"],
                     "relay_cpu_percent_runs": r["relay_cpu_percent_runs"],
                     "claims_per_s": r["claims_per_s"], "statements_per_s": r["statements_per_s"],
+                    "round_trip_us": r["round_trip_us"], "round_trip_us_runs": r["round_trip_us_runs"],
                     "latency_ack_ms": r["latency_ack_ms"]} for r in (alone, low) if r is not None],
         "peak_rss_mb": round(max(d["peak_rss_mb"] for d in drains), 1),
         "idle_queries_per_s": round(drains[0].get("idle_queries_per_s", float("nan")), 2),
@@ -698,10 +700,15 @@ def _steady(bench: Bench, runs: int, *, rate: float | None = None) -> dict[str, 
     """The steady run ``runs`` times, like every other figure: the median of each figure
     (each percentile of commit -> ack on its own), and the CPU of every run.  One run's CPU
     moved by a tenth or more from run to run on the same code."""
-    passes = [bench.latency(consumer=False, rate=rate) for _ in range(runs)]
+    passes, trips = [], []
+    for _ in range(runs):  # each pass beside the machine's price of a round trip just before it
+        trips.append(round_trip(bench.admin_dsn))
+        passes.append(bench.latency(consumer=False, rate=rate))
     cpu = [p["relay_cpu_percent"] for p in passes]
     return {"rate": passes[0]["rate"], "relay_cpu_percent": round(median(cpu), 2),
             "relay_cpu_percent_runs": cpu,
+            "round_trip_us": round(median([t["wall_us"] for t in trips]), 1),
+            "round_trip_us_runs": [t["wall_us"] for t in trips],
             "claims_per_s": round(median([p["claims_per_s"] for p in passes]), 1),
             "statements_per_s": round(median([p["statements_per_s"] for p in passes]), 1),
             "latency_ack_ms": {k: round(median([p["latency_ack_ms"][k] for p in passes]), 2)
@@ -709,7 +716,8 @@ def _steady(bench: Bench, runs: int, *, rate: float | None = None) -> dict[str, 
 
 
 def _runs(steady: dict[str, Any]) -> str:
-    return "runs " + " / ".join(f"{cpu:.1f}" for cpu in steady["relay_cpu_percent_runs"])
+    return ("runs " + " / ".join(f"{cpu:.1f}" for cpu in steady["relay_cpu_percent_runs"])
+            + "; a round trip " + " / ".join(f"{us:.0f}" for us in steady["round_trip_us_runs"]) + " µs")
 
 
 def _baselines(bench: Bench, runs: int, *, idle_s: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -42,6 +42,14 @@ names ``worker_pool_vs_naive_per_run``, ``worker_pool_execute_vs_naive_per_run``
 the median of the rounds' (``ratios_round_median``); and the pool's jobs per dispatcher
 round (``jobs_per_claim_round``).
 
+Each round also times the machine's price of one round trip to PostgreSQL: ``SELECT 1``
+(prepared) ``--round-trips`` times on one autocommit connection, its wall time and this
+process's CPU time per trip (``round_trip``: the medians, and ``per_round``).  The
+one-at-a-time consumer and the pools spend most of their time in round trips, and that
+price moves with the load of the host (39 µs when issue 19 was filed, 100 µs and more
+on a busy day): ``in_round_trips`` gives every figure's time per item in that round's
+round trips (the median of the rounds'), a measure that moves less with the machine.
+
 The last line on stdout is the JSON report (also written to ``--json``).
 """
 
@@ -67,6 +75,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from consumer_sdk import InboxConfig, InboxConsumer, InboxMessage
 from consumer_sdk.jobs import JobContext, NewJob, WorkerConfig, WorkerPool, enqueue
+from outbox_embedded.calibration import ROUND_TRIPS, round_trip
 from outbox_embedded.queries import query
 
 KAFKA = {"fetch.wait.max.ms": 50, "logger": logging.getLogger("sdk_bench.kafka")}
@@ -96,10 +105,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "inbox_batch_statements, naive_single, inbox_single, inbox_single_statements; "
                         "default: all)")
     p.add_argument("--phases", default="new,redelivered", help="comma-separated: new, redelivered")
+    p.add_argument("--round-trips", type=int, default=ROUND_TRIPS,
+                   help="SELECT 1 round trips timed each round, the price of one (0: none)")
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--profile-dir", default=None,
                    help="write a cProfile (wall clock) of each InboxConsumer run to this folder")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.round_trips < 0:
+        p.error("--round-trips must be 0 (none) or more")
+    return args
 
 
 @contextlib.contextmanager
@@ -423,7 +437,11 @@ RATIOS: dict[str, tuple[str, str]] = {
 }
 
 
-def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, float]]],
+              trips: Sequence[dict[str, float]] = ()) -> dict[str, Any]:
+    """The report: each figure's medians, every ratio three ways, and with ``trips`` (one
+    :func:`round_trip` a round) the price of a round trip and each figure in round trips."""
+    trips = list(trips)
     med = {name: {k: round(statistics.median(r[k] for r in runs), 1) for k in ("rate", "cpu_us")}
            for name, runs in results.items()}
     report: dict[str, Any] = {"params": {k: v for k, v in vars(args).items() if k not in ("dsn", "json_path")},
@@ -443,6 +461,14 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, float]
     if "worker_pool" in results:
         report["jobs_per_claim_round"] = round(statistics.median(
             r["jobs_per_round"] for r in results["worker_pool"]), 1)
+    if trips:
+        report["round_trip"] = {key: round(statistics.median(t[key] for t in trips), 1) for key in ("wall_us", "cpu_us")}
+        report["round_trip"]["per_round"] = trips
+        # Each figure's time per item over its own round's round trip (figures of one round
+        # are minutes apart at most), the median of the rounds'.
+        report["in_round_trips"] = {
+            name: round(statistics.median(1e6 / r["rate"] / t["wall_us"] for r, t in zip(runs, trips, strict=True)), 2)
+            for name, runs in results.items() if len(runs) == len(trips)}
     return report
 
 
@@ -451,17 +477,27 @@ def main(argv: list[str] | None = None) -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     logging.getLogger("sdk_bench.kafka").setLevel(logging.ERROR)
     results: dict[str, list[dict[str, float]]] = {}
+    trips: list[dict[str, float]] = []
     with services(args) as (dsn, bootstrap):
         for run in range(args.runs):
+            if args.round_trips > 0:
+                trips.append(round_trip(dsn, args.round_trips))
+                print(f"  run {run + 1} round trip (SELECT 1) {trips[-1]['wall_us']:8.1f} us wall "
+                      f"{trips[-1]['cpu_us']:7.1f} us CPU", flush=True)
             if args.only in (None, "consumer"):
                 consumer_round(args, dsn, bootstrap, run, results)
             if args.only in (None, "jobs"):
                 jobs_round(args, dsn, run, results)
-    report = summarize(args, results)
+    report = summarize(args, results, trips)
     print("\nmedians of", args.runs, "run(s):")
+    if "round_trip" in report:
+        print(f"  {'round trip (SELECT 1)':26} {report['round_trip']['wall_us']:10.1f} us wall "
+              f"{report['round_trip']['cpu_us']:8.1f} us CPU")
+    in_trips = report.get("in_round_trips", {})
     for name, fig in report["figures"].items():
         unit = "jobs/s" if "worker" in name else "msg/s"
-        print(f"  {name:26} {fig['rate']:10.0f} {unit:6} {fig['cpu_us']:8.1f} us CPU/item")
+        trips_each = f" {in_trips[name]:6.2f} round trips/item" if name in in_trips else ""
+        print(f"  {name:26} {fig['rate']:10.0f} {unit:6} {fig['cpu_us']:8.1f} us CPU/item{trips_each}")
     for name, value in report["ratios"].items():
         rounds = report["ratios_per_round"].get(name)
         detail = "" if rounds is None else (f"  rounds {' / '.join(map(str, rounds))},"

@@ -48,10 +48,13 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
     for steady in figures["steady"]:
         assert steady["relay_cpu_percent"] > 0 and steady["claims_per_s"] > 0
         assert steady["relay_cpu_percent_runs"] == [steady["relay_cpu_percent"]]  # --runs 1
+        # The machine's price of a round trip, timed just before the pass.
+        assert steady["round_trip_us"] > 0 and steady["round_trip_us_runs"] == [steady["round_trip_us"]]
     for scale_out in ("scale_out_events_per_s", "scale_out_startup_events_per_s"):
         assert set(figures[scale_out]) == {"1", "2"}
         assert all(rate > 0 for rate in figures[scale_out].values())
     assert "relay drain" in result.stdout and "x min(floors)" in result.stdout
+    assert "a round trip" in result.stdout
     # Where each drain's CPU went, by process: the servers here are local, so all are found.
     split = figures["cpu_split_us_per_row"]
     assert set(split["relay_drain"]) == {"relay", "postgres", "broker"}

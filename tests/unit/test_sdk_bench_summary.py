@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from outbox_embedded.sdk_bench import RATIOS, summarize
+import pytest
+
+from outbox_embedded.sdk_bench import RATIOS, parse_args, summarize
 
 
 def _round(rate: float) -> dict[str, float]:
@@ -33,3 +35,32 @@ def test_each_round_has_its_own_ratio_and_a_drifting_machine_shows_in_them() -> 
     assert "inbox_single_new_vs_naive_single" not in report["ratios_per_round"]
     assert set(report["ratios"]) == set(RATIOS)
     assert report["jobs_per_claim_round"] == 5.0
+
+
+def test_each_figure_is_also_given_in_its_own_rounds_round_trips() -> None:
+    # The second round's machine is twice as slow: its round trip and its figures alike.
+    results = {
+        "naive_single_new": [_round(2000), _round(1000)],
+        "inbox_single_new": [_round(2500), _round(1250)],
+        "worker_pool": [_round(2000), _round(1000)],
+    }
+    trips = [{"wall_us": 100.0, "cpu_us": 50.0}, {"wall_us": 200.0, "cpu_us": 110.0}]
+    report = summarize(argparse.Namespace(runs=2), results, trips)
+
+    assert report["round_trip"]["wall_us"] == 150.0 and report["round_trip"]["cpu_us"] == 80.0
+    assert report["round_trip"]["per_round"] == trips
+    # 1e6 / 2500 = 400 us a message over 100 us a trip; the slow round says the same.
+    assert report["in_round_trips"]["inbox_single_new"] == 4.0
+    assert report["in_round_trips"]["naive_single_new"] == 5.0
+    assert report["in_round_trips"]["worker_pool"] == 5.0
+
+
+def test_without_round_trips_the_report_has_no_figures_in_them() -> None:
+    report = summarize(argparse.Namespace(runs=1), {"naive_new": [_round(100)]})
+    assert "round_trip" not in report and "in_round_trips" not in report
+
+
+def test_a_negative_round_trip_count_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--round-trips", "-1"])
+    assert parse_args(["--round-trips", "0"]).round_trips == 0

@@ -22,7 +22,7 @@ def test_sdk_bench_runs_every_variant_and_reports_ratios(pg_server, broker, tmp_
         [sys.executable, "-m", "outbox_embedded.sdk_bench", "--dsn", pg_server.admin_dsn,
          "--bootstrap-servers", broker.bootstrap, "--messages", "300", "--single-messages", "60",
          "--batch-size", "100", "--partitions", "2", "--jobs", "60", "--threads", "2", "--runs", "1",
-         "--json", str(out)],
+         "--round-trips", "200", "--json", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -39,6 +39,13 @@ def test_sdk_bench_runs_every_variant_and_reports_ratios(pg_server, broker, tmp_
     assert len(report["worker_pool_vs_naive_per_run"]) == 1 and report["jobs_per_claim_round"] > 0
     assert len(report["worker_pool_execute_vs_naive_per_run"]) == 1
     assert "worker_pool_vs_naive" in result.stdout and "worker_pool_execute_vs_naive" in result.stdout
+    # The round trip's price, timed in the round, and every figure in round trips.
+    trip = report["round_trip"]
+    assert trip["wall_us"] > 0 and trip["cpu_us"] > 0 and len(trip["per_round"]) == 1
+    assert set(report["in_round_trips"]) == set(VARIANTS)
+    for name in VARIANTS:
+        expected = 1e6 / report["figures"][name]["rate"] / trip["wall_us"]
+        assert abs(report["in_round_trips"][name] - expected) <= 0.01 * expected + 0.01, name
 
 
 def test_sdk_bench_runs_only_the_variants_and_phases_asked(pg_server, broker, tmp_path):

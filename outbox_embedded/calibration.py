@@ -1,0 +1,32 @@
+"""The machine's price of one round trip to PostgreSQL, timed beside a benchmark's figures.
+
+This project's machines are shared.  On 2026-12-04 the relay's steady CPU at 1,000
+events/s read 8.3-9.3 % of a core at 14:00 UTC and 13.3-15.2 % at 14:20 on the same code,
+and a bare round trip took 104-151 µs where issue 19 had measured about 39 µs.  The
+figures made mostly of round trips and wake-ups (one message at a time, the worker pools,
+a paced claim cycle) move with that price, so the benchmarks time it beside them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+
+#: Round trips timed by default: a few tenths of a second on a busy day.
+ROUND_TRIPS = 2000
+
+
+def round_trip(dsn: str, count: int = ROUND_TRIPS) -> dict[str, float]:
+    """One round trip's wall time and this process's CPU time, in µs: ``SELECT 1``,
+    prepared, ``count`` times on one autocommit connection (after ten that prepare it)."""
+    if count < 1:
+        raise ValueError("count must be at least 1")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(10):
+            conn.execute("SELECT 1", prepare=True)
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        for _ in range(count):
+            conn.execute("SELECT 1", prepare=True)
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    return {"wall_us": round(1e6 * wall / count, 1), "cpu_us": round(1e6 * cpu / count, 1)}
