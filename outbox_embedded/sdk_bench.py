@@ -75,7 +75,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from consumer_sdk import InboxConfig, InboxConsumer, InboxMessage
 from consumer_sdk.jobs import JobContext, NewJob, WorkerConfig, WorkerPool, enqueue
-from outbox_embedded.calibration import ROUND_TRIPS, round_trip
+from outbox_embedded.calibration import ROUND_TRIPS, Measure, round_trip
 from outbox_embedded.queries import query
 
 KAFKA = {"fetch.wait.max.ms": 50, "logger": logging.getLogger("sdk_bench.kafka")}
@@ -159,21 +159,6 @@ def produce(bootstrap: str, topic: str, count: int, payload_bytes: int) -> None:
         producer.poll(0)
     if producer.flush(60) != 0:
         raise RuntimeError("could not produce the benchmark's messages")
-
-
-class Measure:
-    """Wall and own-process CPU time of one variant."""
-
-    def __enter__(self) -> Measure:
-        self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.wall = time.perf_counter() - self.wall0
-        self.cpu = time.process_time() - self.cpu0
-
-    def figures(self, items: int) -> dict[str, float]:
-        return {"rate": items / self.wall, "cpu_us": 1e6 * self.cpu / items}
 
 
 # -- consumers ---------------------------------------------------------------------------
