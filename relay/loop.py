@@ -158,7 +158,7 @@ class Loop:
                 timeout = min(cap, max(delay, due_in))
                 if timeout <= AWAKE_PAUSE_MAX_S:
                     # Awake: no writer notifies this relay, so nothing on the LISTEN
-                    # socket could end this wait early (a paced claim's, each ~10 ms).
+                    # socket could end this wait early (a paced claim's, each ~12 ms).
                     self.wakeup.pause(timeout)
                     return
             elif self.wakeup.set_sleeping(True):
