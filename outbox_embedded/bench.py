@@ -16,7 +16,8 @@ Figures (each the median of ``--runs`` runs):
    empty table;
 7. scale-out: the drain with 1, 2 and 4 replicas on one database (``--replicas``), once
    they hold their shares of the shards, and again from their start-up (shards handed over
-   while the backlog drains).
+   while the backlog drains); the counts run in rotating order, round after round, and each
+   one's ratio to the first is taken inside its round.
 """
 
 from __future__ import annotations
@@ -76,9 +77,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--notify-s", type=float, default=5.0, help="duration of each pgbench run")
     p.add_argument("--low-rate", type=float, default=100.0,
                    help="events/s of the second steady run (relay CPU at a low rate; 0 skips it)")
-    p.add_argument("--replicas", default="1,2,4",
+    p.add_argument("--replicas", default="1,2,4", type=replica_counts,
                    help="replica counts of the scale-out drain, comma-separated ('' skips it)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures here")
+
+
+def replica_counts(text: str) -> list[int]:
+    """``--replicas``: distinct whole numbers of at least 1, comma-separated ('' for none).
+    Checked when the options are read, not after the figures before the scale-out ran."""
+    counts: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            count = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a whole number of replicas") from None
+        if count < 1:
+            raise argparse.ArgumentTypeError(f"{count}: a drain needs at least 1 replica")
+        if count in counts:
+            raise argparse.ArgumentTypeError(f"{count} is given twice")
+        counts.append(count)
+    return counts
 
 
 def median(values: list[float]) -> float:
@@ -657,15 +677,16 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     say(f"  peak RSS            {result['peak_rss_mb']:10.1f} MB")
     say(f"  idle                {result['idle_queries_per_s']:10.2f} statements/s, "
         f"{result['idle_cpu_percent']:.2f} % of a core")
-    counts = [int(n) for n in args.replicas.split(",") if n.strip()]
+    counts: list[int] = args.replicas
     if counts:
-        for key, label, settled in (("scale_out_events_per_s", "scale-out drain", True),
-                                    ("scale_out_startup_events_per_s", "  from start-up", False)):
-            scale = {n: median([bench.scale_out(n, settled=settled) for _ in range(runs)]) for n in counts}
-            result[key] = {str(n): round(r, 1) for n, r in scale.items()}
+        for key, label, settled in (("scale_out", "scale-out drain", True),
+                                    ("scale_out_startup", "  from start-up", False)):
+            scale = _scale_out(bench, counts, runs, settled=settled)
+            result.update({f"{key}_{name}": figure for name, figure in scale.items()})
             say(f"  {label:18}" + ", ".join(
-                f"{n} replica{'s' if n > 1 else ''} {r:.0f}/s ({r / scale[counts[0]]:.2f} x)"
-                for n, r in scale.items()))
+                f"{n} replica{'s' if int(n) > 1 else ''} {rate:.0f}/s ({scale['ratio'][n]:.2f} x"
+                + (f"; rounds {_slashed(scale['ratio_runs'][n])})" if n != str(counts[0]) else ")")
+                for n, rate in scale["events_per_s"].items()))
             if settled:
                 splits = {str(n): _median_split(bench.scale_out_splits[n]) for n in counts}
                 result["scale_out_cpu_split_us_per_row"] = splits
@@ -763,6 +784,26 @@ def _baselines(bench: Bench, runs: int, *, idle_s: float) -> tuple[dict[str, Any
                                                     ("relay_drain", drains))},
     }
     return figures, drains  # drains[0] measured the idle relay
+
+
+def _scale_out(bench: Bench, counts: list[int], runs: int, *, settled: bool) -> dict[str, dict[str, Any]]:
+    """The drain with each of ``counts`` replicas, one of each per round, their order
+    rotating from round to round (as :func:`_baselines`'): each count's rate over the
+    first count's is taken inside its round and the median of those reported, so that
+    the machine's drift between rounds minutes apart does not fall on the counts run last.
+    Returns ``events_per_s`` (each count's median rate), ``events_per_s_runs``, ``ratio``
+    and ``ratio_runs`` (over the first count; keyed by the count as text, as JSON has it)."""
+    rates: dict[int, list[float]] = {n: [] for n in counts}
+    for i in range(runs):
+        for k in range(len(counts)):
+            n = counts[(i + k) % len(counts)]
+            rates[n].append(bench.scale_out(n, settled=settled))
+    first = rates[counts[0]]
+    ratios = {n: [r / f for r, f in zip(rates[n], first, strict=True)] for n in counts}
+    return {"events_per_s": {str(n): round(median(r), 1) for n, r in rates.items()},
+            "events_per_s_runs": {str(n): [round(x, 1) for x in r] for n, r in rates.items()},
+            "ratio": {str(n): round(median(r), 3) for n, r in ratios.items()},
+            "ratio_runs": {str(n): [round(x, 3) for x in r] for n, r in ratios.items()}}
 
 
 def _median_split(splits: list[dict[str, float]]) -> dict[str, float]:

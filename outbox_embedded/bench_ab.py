@@ -69,7 +69,7 @@ def measure(b: bench.Bench, what: str, args: argparse.Namespace) -> dict[str, fl
         return {"drain events/s": drain["events_per_s"], "drain CPU us/row": drain["cpu_us_per_row"],
                 **{f"drain {name} CPU us/row": us  # the servers', when they run on this machine
                    for name, us in drain.get("cpu_split_us_per_row", {}).items() if name != "relay"}}
-    counts = [int(n) for n in args.replicas.split(",") if n.strip()] or [1]
+    counts: list[int] = args.replicas or [1]
     return {f"scale-out {n} events/s": b.scale_out(n, settled=True) for n in counts}
 
 

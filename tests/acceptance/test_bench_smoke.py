@@ -16,6 +16,7 @@ KEYS = ["relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_pe
         "notify_writer_cost", "stalled_writer", "exactly_once_ratio", "physical_floor_events_per_s",
         "naive_relay_events_per_s", "ratio_to_naive", "relay_cpu_us_per_row",
         "keep_published_false", "steady", "scale_out_events_per_s", "scale_out_startup_events_per_s",
+        "scale_out_ratio", "scale_out_ratio_runs", "scale_out_startup_ratio", "scale_out_startup_ratio_runs",
         "cpu_split_us_per_row", "scale_out_cpu_split_us_per_row"]
 
 
@@ -50,9 +51,16 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
         assert steady["relay_cpu_percent_runs"] == [steady["relay_cpu_percent"]]  # --runs 1
         # The machine's price of a round trip, timed just before the pass.
         assert steady["round_trip_us"] > 0 and steady["round_trip_us_runs"] == [steady["round_trip_us"]]
-    for scale_out in ("scale_out_events_per_s", "scale_out_startup_events_per_s"):
-        assert set(figures[scale_out]) == {"1", "2"}
-        assert all(rate > 0 for rate in figures[scale_out].values())
+    for scale_out in ("scale_out", "scale_out_startup"):
+        rates, ratios = figures[f"{scale_out}_events_per_s"], figures[f"{scale_out}_ratio"]
+        assert set(rates) == {"1", "2"} and set(ratios) == {"1", "2"}
+        assert all(rate > 0 for rate in rates.values())
+        # One round: its rates are the medians, and 2 over 1 is taken inside it.
+        assert figures[f"{scale_out}_events_per_s_runs"] == {n: [rate] for n, rate in rates.items()}
+        assert figures[f"{scale_out}_ratio_runs"] == {n: [ratio] for n, ratio in ratios.items()}
+        assert ratios["1"] == 1.0
+        assert abs(ratios["2"] - rates["2"] / rates["1"]) < 0.01
+    assert "2 replicas" in result.stdout and "; rounds " in result.stdout
     assert "relay drain" in result.stdout and "x min(floors)" in result.stdout
     assert "a round trip" in result.stdout
     # Where each drain's CPU went, by process: the servers here are local, so all are found.

@@ -60,3 +60,56 @@ def test_each_round_runs_all_three_in_a_rotating_order_and_ratios_stay_inside_it
     assert figures["ratio_to_floor_runs"] == [2.0, 0.25, 0.25]
     assert figures["ratio_to_naive"] == 3.0 and figures["ratio_to_floor"] == 0.25
     assert figures["naive_relay_events_per_s"] == 1600.0  # the runs' own medians, shown too
+
+
+class FakeScaleBench:
+    """``scale_out`` with a rate per replica count, the machine twice as fast at every drain."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+        self.speed = 1.0
+
+    def scale_out(self, replicas: int, *, settled: bool = True) -> float:
+        assert settled is False or settled is True
+        self.order.append(replicas)
+        rate = {1: 100.0, 2: 150.0, 4: 120.0}[replicas] * self.speed
+        self.speed *= 2
+        return rate
+
+
+def test_scale_out_runs_every_count_each_round_in_a_rotating_order_and_ratios_stay_inside_it() -> None:
+    fake = FakeScaleBench()
+    figures = bench._scale_out(fake, [1, 2, 4], 3, settled=True)  # type: ignore[arg-type]
+
+    assert fake.order == [1, 2, 4, 2, 4, 1, 4, 1, 2]
+    # Round 1: 1 at 100 x 1, 2 at 150 x 2, 4 at 120 x 4 -> 3.0 and 4.8; round 2: 2 at 150 x 8,
+    # 4 at 120 x 16, 1 at 100 x 32 -> 0.375 and 0.6; round 3: 4 at 120 x 64, 1 at 100 x 128,
+    # 2 at 150 x 256 -> 3.0 and 0.6.
+    assert figures["ratio_runs"] == {"1": [1.0, 1.0, 1.0], "2": [3.0, 0.375, 3.0], "4": [4.8, 0.6, 0.6]}
+    assert figures["ratio"] == {"1": 1.0, "2": 3.0, "4": 0.6}
+    assert figures["events_per_s_runs"]["1"] == [100.0, 3200.0, 12800.0]
+    assert figures["events_per_s"] == {"1": 3200.0, "2": 1200.0, "4": 1920.0}  # each count's median
+
+
+@pytest.mark.parametrize(("given", "error"), [
+    ("x", "'x' is not a whole number of replicas"),
+    ("1,0", "0: a drain needs at least 1 replica"),
+    ("1,-2", "-2: a drain needs at least 1 replica"),
+    ("1,2,1", "1 is given twice"),
+])
+def test_bad_replica_counts_are_refused_when_the_options_are_read(
+        given: str, error: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="outbox-relay bench")
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--replicas", given])
+    assert exited.value.code == 2
+    assert f"argument --replicas: {error}" in capsys.readouterr().err
+
+
+def test_replica_counts_default_and_empty() -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args([]).replicas == [1, 2, 4]
+    assert parser.parse_args(["--replicas", ""]).replicas == []  # '' skips the scale-out
+    assert parser.parse_args(["--replicas", " 4, 1 "]).replicas == [4, 1]
