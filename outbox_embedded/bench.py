@@ -40,7 +40,7 @@ from typing import Any
 
 import psycopg
 
-from outbox_embedded.calibration import round_trip
+from outbox_embedded.calibration import rotated, round_trip
 from outbox_embedded.cpu_split import CpuSplit
 from outbox_embedded.queries import query
 from relay import migrate
@@ -766,8 +766,8 @@ def _baselines(bench: Bench, runs: int, *, idle_s: float) -> tuple[dict[str, Any
         lambda i: drains.append(bench.relay_drain(idle_s=idle_s if i == 0 else 0.0)),
     ]
     for i in range(runs):
-        for k in range(len(steps)):
-            steps[(i + k) % len(steps)](i)
+        for step in rotated(steps, i):
+            step(i)
     to_naive = [d["events_per_s"] / n["events_per_s"] for d, n in zip(drains, naive, strict=True)]
     to_floor = [d["events_per_s"] / f["events_per_s"] for d, f in zip(drains, floors, strict=True)]
     figures: dict[str, Any] = {
@@ -795,8 +795,7 @@ def _scale_out(bench: Bench, counts: list[int], runs: int, *, settled: bool) -> 
     and ``ratio_runs`` (over the first count; keyed by the count as text, as JSON has it)."""
     rates: dict[int, list[float]] = {n: [] for n in counts}
     for i in range(runs):
-        for k in range(len(counts)):
-            n = counts[(i + k) % len(counts)]
+        for n in rotated(counts, i):
             rates[n].append(bench.scale_out(n, settled=settled))
     first = rates[counts[0]]
     ratios = {n: [r / f for r, f in zip(rates[n], first, strict=True)] for n in counts}

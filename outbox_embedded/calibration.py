@@ -10,7 +10,8 @@ a paced claim cycle) move with that price, so the benchmarks time it beside them
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -28,6 +29,16 @@ class Measure:
 
     def figures(self, items: int) -> dict[str, float]:
         return {"rate": items / self.wall, "cpu_us": 1e6 * self.cpu / items}
+
+
+T = TypeVar("T")
+
+
+def rotated(items: Sequence[T], round_index: int) -> list[T]:
+    """``items`` in the order round ``round_index`` runs them: each round starts one further
+    along, so that no variant always runs first or last while the machine drifts."""
+    start = round_index % len(items) if items else 0
+    return [*items[start:], *items[:start]]
 
 
 #: Round trips timed by default: a few tenths of a second on a busy day.

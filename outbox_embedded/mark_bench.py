@@ -50,6 +50,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_embedded.calibration import rotated
 from outbox_embedded.cpu_split import CpuSplit
 from outbox_embedded.queries import query
 from relay import migrate
@@ -202,8 +203,7 @@ def run(args: argparse.Namespace, admin_dsn: str, bootstrap: str | None = None) 
         floor = _physical_floor(bench, args) if bench is not None else 0.0
         if bench is not None:
             print(f"round {r + 1} physical floor {floor:9.0f} events/s", flush=True)
-        for k in range(len(variants)):
-            variant = variants[(r + k) % len(variants)]
+        for variant in rotated(variants, r):
             figures = measure(admin_dsn, variant, args, split)
             if bench is not None:
                 figures.update(drain(bench, variant, floor))

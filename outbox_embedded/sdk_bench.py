@@ -75,7 +75,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from consumer_sdk import InboxConfig, InboxConsumer, InboxMessage
 from consumer_sdk.jobs import JobContext, NewJob, WorkerConfig, WorkerPool, enqueue
-from outbox_embedded.calibration import ROUND_TRIPS, Measure, round_trip
+from outbox_embedded.calibration import ROUND_TRIPS, Measure, rotated, round_trip
 from outbox_embedded.queries import query
 
 KAFKA = {"fetch.wait.max.ms": 50, "logger": logging.getLogger("sdk_bench.kafka")}
@@ -322,9 +322,8 @@ def consumer_round(args: argparse.Namespace, dsn: str, bootstrap: str, run: int,
         if unknown:
             raise SystemExit(f"unknown variant(s): {', '.join(sorted(unknown))}")
         variants = [v for v in variants if v[0] in chosen]
-    order = variants[run % len(variants):] + variants[: run % len(variants)]
     for phase in args.phases.split(","):
-        for name, call in order:
+        for name, call in rotated(variants, run):
             inbox = f"bench-{name}-{tag}"
             figures = call(inbox, f"{inbox}-{phase}", _profile_path(args, name, phase, run))
             results.setdefault(f"{name}_{phase}", []).append(figures)
@@ -387,8 +386,7 @@ def jobs_round(args: argparse.Namespace, dsn: str, run: int, results: dict[str, 
         ("worker_pool_execute", lambda queue: sdk_workers(dsn, queue=queue, threads=args.threads, count=args.jobs,
                                                            one_trip=True)),
     ]
-    order = variants[run % 3:] + variants[: run % 3]
-    for name, call in order:
+    for name, call in rotated(variants, run):
         queue = f"bench-{uuid.uuid4().hex[:8]}"
         with psycopg.connect(dsn, autocommit=True) as conn:
             for start in range(0, args.jobs, 1000):
