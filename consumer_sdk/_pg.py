@@ -17,6 +17,7 @@ import psycopg
 import psycopg.errors
 
 from consumer_sdk.errors import AuthenticationFailed, ConfigError, DatabaseUnavailable, FatalError
+from outbox_core import spin
 from outbox_core.connect_errors import ConnectFailure, classify_connect_error
 
 _CONNECT_ERRORS: dict[ConnectFailure, type[Exception]] = {
@@ -44,11 +45,14 @@ def lost_prepared_statement(exc: BaseException) -> bool:
         and '"_pg3_' in str(exc)
 
 
-def connect(dsn: str, *, application_name: str, connect_timeout_s: int = 5) -> psycopg.Connection[Any]:
-    """A new autocommit connection to ``dsn``; errors translated (see the module)."""
+def connect(dsn: str, *, application_name: str, connect_timeout_s: int = 5,
+            spin_s: float = 0.0) -> psycopg.Connection[Any]:
+    """A new autocommit connection to ``dsn``; errors translated (see the module).  With
+    ``spin_s`` > 0 its waits for an answer poll the socket that long before sleeping
+    (:mod:`outbox_core.spin`)."""
     try:
-        return psycopg.connect(dsn, autocommit=True, application_name=application_name[:63],
-                               connect_timeout=connect_timeout_s)
+        return spin.connect(dsn, spin_s=spin_s, autocommit=True, application_name=application_name[:63],
+                            connect_timeout=connect_timeout_s)
     except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
         raise translate_connect_error(exc, dsn) from None
 

@@ -102,7 +102,7 @@ class InboxConsumer:
         self.log = (log if log is not None else structlog.get_logger("consumer_sdk.inbox")).bind(
             consumer=config.name)
         self.store = PgInboxStore(connect or connect_factory(
-            config.dsn, application_name=f"outbox-consumer:{config.name}"[:63]))
+            config.dsn, application_name=f"outbox-consumer:{config.name}"[:63], spin_s=config.db_spin_us / 1e6))
         if sum(h is not None for h in (handler, batch_handler, statements)) != 1:
             raise TypeError("give one of a handler, a batch_handler or statements")
         self._handler = handler

@@ -53,11 +53,13 @@ _CHAIN = query("inbox", "chain").encode()  # positional parameters: sent as it i
 
 
 def connect_factory(dsn: str, *, application_name: str = "outbox-consumer",
-                    connect_timeout_s: int = 5) -> ConnectionFactory:
+                    connect_timeout_s: int = 5,
+                    spin_s: float = 0.0) -> ConnectionFactory:
     """A factory of autocommit connections to ``dsn``."""
 
     def connect() -> psycopg.Connection[Any]:
-        return _pg.connect(dsn, application_name=application_name, connect_timeout_s=connect_timeout_s)
+        return _pg.connect(dsn, application_name=application_name, connect_timeout_s=connect_timeout_s,
+                           spin_s=spin_s)
 
     return connect
 

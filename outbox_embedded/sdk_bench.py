@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import json
 import logging
 import statistics
@@ -67,7 +68,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import structlog
@@ -77,6 +78,8 @@ from consumer_sdk import InboxConfig, InboxConsumer, InboxMessage
 from consumer_sdk.jobs import JobContext, NewJob, WorkerConfig, WorkerPool, enqueue
 from outbox_embedded.calibration import ROUND_TRIPS, Measure, rotated, round_trip
 from outbox_embedded.queries import query
+
+ConfigT = TypeVar("ConfigT", InboxConfig, WorkerConfig)
 
 KAFKA = {"fetch.wait.max.ms": 50, "logger": logging.getLogger("sdk_bench.kafka")}
 
@@ -107,6 +110,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phases", default="new,redelivered", help="comma-separated: new, redelivered")
     p.add_argument("--round-trips", type=int, default=ROUND_TRIPS,
                    help="SELECT 1 round trips timed each round, the price of one (0: none)")
+    p.add_argument("--db-spin-us", type=float, default=None,
+                   help="the SDK's db_spin_us for its consumers and worker pools (default: the SDK's default; "
+                        "0: off); the naive baselines never poll")
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--profile-dir", default=None,
                    help="write a cProfile (wall clock) of each InboxConsumer run to this folder")
@@ -230,7 +236,7 @@ def _event_id(msg: Any) -> uuid.UUID:
 
 def sdk_consumer(dsn: str, bootstrap: str, topic: str, *, inbox: str, group: str, batch_size: int,
                  count: int, batched: bool = False, statements: bool = False,
-                 profile: str | None = None) -> dict[str, float]:
+                 profile: str | None = None, spin_us: float | None = None) -> dict[str, float]:
     def handler(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
         conn.execute(q("effect"), {"event_id": message.event_id, "consumer": inbox,
                                    "n": message.json()["n"]})
@@ -245,6 +251,7 @@ def sdk_consumer(dsn: str, bootstrap: str, topic: str, *, inbox: str, group: str
     config = InboxConfig(name=inbox, group_id=group, dsn=dsn, bootstrap_servers=bootstrap, topics=[topic],
                          assignment="assign", batch_size=batch_size, poll_timeout_s=1.0,
                          check_retention=False, check_dead_letter_topics=False, kafka_properties=KAFKA)
+    config = _spun(config, spin_us)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(q("rebind"), {"consumer": inbox, "group": group})
     if batched:
@@ -300,22 +307,22 @@ def consumer_round(args: argparse.Namespace, dsn: str, bootstrap: str, run: int,
             dsn, bootstrap, topics["big"], args.partitions, inbox=inbox, group=group, count=args.messages)),
         ("inbox_batch", lambda inbox, group, profile: sdk_consumer(
             dsn, bootstrap, topics["big"], inbox=inbox, group=group, batch_size=args.batch_size,
-            count=args.messages, profile=profile)),
+            count=args.messages, profile=profile, spin_us=args.db_spin_us)),
         ("inbox_batch_bh", lambda inbox, group, profile: sdk_consumer(
             dsn, bootstrap, topics["big"], inbox=inbox, group=group, batch_size=args.batch_size,
-            count=args.messages, batched=True, profile=profile)),
+            count=args.messages, batched=True, profile=profile, spin_us=args.db_spin_us)),
         ("inbox_batch_statements", lambda inbox, group, profile: sdk_consumer(
             dsn, bootstrap, topics["big"], inbox=inbox, group=group, batch_size=args.batch_size,
-            count=args.messages, statements=True, profile=profile)),
+            count=args.messages, statements=True, profile=profile, spin_us=args.db_spin_us)),
         ("naive_single", lambda inbox, group, _profile: naive_single_consumer(
             dsn, bootstrap, topics["small"], args.partitions, inbox=inbox, group=group,
             count=args.single_messages)),
         ("inbox_single", lambda inbox, group, profile: sdk_consumer(
             dsn, bootstrap, topics["small"], inbox=inbox, group=group, batch_size=1,
-            count=args.single_messages, profile=profile)),
+            count=args.single_messages, profile=profile, spin_us=args.db_spin_us)),
         ("inbox_single_statements", lambda inbox, group, profile: sdk_consumer(
             dsn, bootstrap, topics["small"], inbox=inbox, group=group, batch_size=1,
-            count=args.single_messages, statements=True, profile=profile)),
+            count=args.single_messages, statements=True, profile=profile, spin_us=args.db_spin_us)),
     ]
     if chosen is not None:
         unknown = chosen - {name for name, _ in variants}
@@ -336,6 +343,11 @@ def _profile_path(args: argparse.Namespace, name: str, phase: str, run: int) -> 
         return None
     Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
     return str(Path(args.profile_dir) / f"{name}_{phase}_{run + 1}.prof")
+
+
+def _spun(config: ConfigT, spin_us: float | None) -> ConfigT:
+    """``config`` with ``db_spin_us`` set (``--db-spin-us``); the SDK's default when None."""
+    return config if spin_us is None else dataclasses.replace(config, db_spin_us=spin_us)
 
 
 # -- workers -----------------------------------------------------------------------------
@@ -361,7 +373,8 @@ def naive_workers(dsn: str, *, queue: str, threads: int, count: int) -> dict[str
     return m.figures(count)
 
 
-def sdk_workers(dsn: str, *, queue: str, threads: int, count: int, one_trip: bool = False) -> dict[str, float]:
+def sdk_workers(dsn: str, *, queue: str, threads: int, count: int, one_trip: bool = False,
+                spin_us: float | None = None) -> dict[str, float]:
     def handler(ctx: JobContext) -> None:
         with ctx.fenced_transaction() as conn:
             conn.execute(q("job_effect"), {"id": ctx.job.id, "token": ctx.job.token})
@@ -369,7 +382,7 @@ def sdk_workers(dsn: str, *, queue: str, threads: int, count: int, one_trip: boo
     def one_trip_handler(ctx: JobContext) -> None:
         ctx.fenced_execute(q("job_effect"), {"id": ctx.job.id, "token": ctx.job.token})
 
-    config = WorkerConfig(dsn=dsn, queues=[queue], max_concurrency=threads, poll_interval_s=1.0)
+    config = _spun(WorkerConfig(dsn=dsn, queues=[queue], max_concurrency=threads, poll_interval_s=1.0), spin_us)
     pool = WorkerPool(config, {"bench": one_trip_handler if one_trip else handler})
     with Measure() as m:
         pool.start()
@@ -382,9 +395,10 @@ def sdk_workers(dsn: str, *, queue: str, threads: int, count: int, one_trip: boo
 def jobs_round(args: argparse.Namespace, dsn: str, run: int, results: dict[str, list[dict[str, float]]]) -> None:
     variants: list[tuple[str, Callable[[str], dict[str, float]]]] = [
         ("naive_workers", lambda queue: naive_workers(dsn, queue=queue, threads=args.threads, count=args.jobs)),
-        ("worker_pool", lambda queue: sdk_workers(dsn, queue=queue, threads=args.threads, count=args.jobs)),
+        ("worker_pool", lambda queue: sdk_workers(dsn, queue=queue, threads=args.threads, count=args.jobs,
+                                                  spin_us=args.db_spin_us)),
         ("worker_pool_execute", lambda queue: sdk_workers(dsn, queue=queue, threads=args.threads, count=args.jobs,
-                                                           one_trip=True)),
+                                                           one_trip=True, spin_us=args.db_spin_us)),
     ]
     for name, call in rotated(variants, run):
         queue = f"bench-{uuid.uuid4().hex[:8]}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -12,6 +12,9 @@ from psycopg.pq import TransactionStatus
 from consumer_sdk import _pg
 from consumer_sdk.jobs._db import ConnectionT, first_line, q, translated
 from outbox_core.pooling import transaction_pooled
+
+if TYPE_CHECKING:
+    from consumer_sdk.jobs.config import WorkerConfig
 
 ConnectionFactory = Callable[[], ConnectionT]
 #: Transaction states with a transaction left open (to roll back).
@@ -76,13 +79,21 @@ def roll_back_open(conn: ConnectionT) -> bool:
     return True
 
 
-def connect_factory(dsn: str, *, application_name: str, connect_timeout_s: int = 5) -> ConnectionFactory:
+def connect_factory(dsn: str, *, application_name: str, connect_timeout_s: int = 5,
+                    spin_s: float = 0.0) -> ConnectionFactory:
     """A factory of autocommit connections to ``dsn``."""
 
     def connect() -> ConnectionT:
-        return _pg.connect(dsn, application_name=application_name, connect_timeout_s=connect_timeout_s)
+        return _pg.connect(dsn, application_name=application_name, connect_timeout_s=connect_timeout_s,
+                           spin_s=spin_s)
 
     return connect
+
+
+def pool_connect_factory(config: WorkerConfig) -> ConnectionFactory:
+    """The connections of a pool run with ``config``."""
+    return connect_factory(config.dsn, application_name=config.application_name,
+                           spin_s=config.db_spin_us / 1e6)
 
 
 class ConnSlot:

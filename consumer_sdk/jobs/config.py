@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
+from consumer_sdk.config import MAX_DB_SPIN_US
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.fairness import Limits
 from consumer_sdk.jobs.model import BULK, INTERACTIVE
@@ -41,6 +42,10 @@ class WorkerConfig:
     * ``events_topic``: when set, terminal transitions write an event to the outbox.
     * ``drain_timeout_s``: on stop, how long running handlers may finish before
       they are asked to stop and their jobs are given back.
+    * ``db_spin_us``: how long a wait for the database's answer polls the socket before
+      sleeping on it (:mod:`outbox_core.spin`).  Off by default: with a pool's threads
+      polling at once, they compete for the interpreter and the cores (measured: 0.74 x
+      the jobs a second, 1.5 x the CPU a job, with 8 threads at 100 µs).
     """
 
     dsn: str
@@ -60,6 +65,7 @@ class WorkerConfig:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     max_owners_per_round: int = 500
     application_name: str = "outbox-jobs-worker"
+    db_spin_us: float = 0.0  # off: a pool's threads would poll against each other (README)
     lease_s: float | None = None  # deprecated alias of lease_duration_s
     heartbeat_s: float | None = None  # deprecated alias of heartbeat_interval_s
 
@@ -76,6 +82,8 @@ class WorkerConfig:
             raise InvalidJob("heartbeat_interval_s must be positive and at most half of lease_duration_s")
         if self.drain_timeout_s < 0:
             raise InvalidJob("drain_timeout_s must be >= 0")
+        if not 0 <= self.db_spin_us <= MAX_DB_SPIN_US:
+            raise InvalidJob(f"db_spin_us must be 0 (off) to {MAX_DB_SPIN_US:,.0f}, got {self.db_spin_us!r}")
         self.limits  # validates the limits  # noqa: B018
 
     def __repr__(self) -> str:

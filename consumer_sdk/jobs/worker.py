@@ -41,7 +41,7 @@ import structlog
 
 from consumer_sdk.errors import FatalError, OutboxSdkError
 from consumer_sdk.jobs import queue as jobq
-from consumer_sdk.jobs._conn import ConnectionFactory, ConnSlot, PoolerAware, connect_factory
+from consumer_sdk.jobs._conn import ConnectionFactory, ConnSlot, PoolerAware, pool_connect_factory
 from consumer_sdk.jobs.completions import Completions
 from consumer_sdk.jobs.config import WorkerConfig
 from consumer_sdk.jobs.context import JobContext
@@ -76,7 +76,7 @@ class WorkerPool:
         self.metrics = metrics if metrics is not None else JobsMetrics()
         self.log = (log if log is not None else structlog.get_logger("consumer_sdk.jobs.worker")).bind(
             worker=self.worker_id)
-        self._connect = PoolerAware(connect or connect_factory(config.dsn, application_name=config.application_name))
+        self._connect = PoolerAware(connect or pool_connect_factory(config))
         self._clock = clock
         self._db_now = db_now
         self._limits = config.limits
