@@ -64,3 +64,18 @@ def test_a_negative_round_trip_count_is_refused() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--round-trips", "-1"])
     assert parse_args(["--round-trips", "0"]).round_trips == 0
+
+
+def test_db_spin_us_reaches_the_sdk_s_configs_only_when_given() -> None:
+    from consumer_sdk import InboxConfig
+    from consumer_sdk.jobs import WorkerConfig
+    from outbox_embedded.sdk_bench import _spun
+
+    assert parse_args([]).db_spin_us is None
+    assert parse_args(["--db-spin-us", "0"]).db_spin_us == 0.0
+    inbox = InboxConfig(name="b", bootstrap_servers="localhost:9092", topics=["t"])
+    pool = WorkerConfig(dsn="postgresql://localhost/b")
+    assert _spun(inbox, None) is inbox and _spun(pool, None) is pool  # the SDK's defaults stand
+    assert _spun(inbox, 0.0).db_spin_us == 0.0
+    assert _spun(pool, 250.0).db_spin_us == 250.0
+    assert _spun(inbox, 250.0).name == "b"  # the rest of the config kept
