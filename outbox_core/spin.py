@@ -30,7 +30,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import psycopg
-from psycopg._enums import Ready, Wait
+from psycopg.waiting import Ready, Wait  # re-exported there by psycopg
 
 #: Misses in a row after which the spinner stops polling for a while.
 MISSES_BEFORE_PAUSE = 4
@@ -38,7 +38,9 @@ MISSES_BEFORE_PAUSE = 4
 SKIP_MIN = 16
 SKIP_MAX = 1024
 
-_POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
+#: Polling needs select.poll (not on Windows) and psycopg's Connection.wait (3.1 and later).
+AVAILABLE = hasattr(select, "poll") and callable(getattr(psycopg.Connection, "wait", None))
+_POLL_IN = (select.POLLIN | select.POLLERR | select.POLLHUP) if AVAILABLE else 0
 
 
 class Spinner:
@@ -142,10 +144,11 @@ class SpinningConnection(psycopg.Connection[Any]):
 
 def connect(dsn: str, *, spin_s: float, **kwargs: Any) -> psycopg.Connection[Any]:
     """``psycopg.connect(dsn, **kwargs)``; with ``spin_s`` > 0 a :class:`SpinningConnection`
-    polling for up to ``spin_s`` a wait."""
-    if spin_s <= 0:
-        return psycopg.connect(dsn, **kwargs)
+    polling for up to ``spin_s`` a wait (a plain connection where it cannot: see
+    :data:`AVAILABLE`)."""
     spinner = Spinner(spin_s)  # a bad budget fails before connecting
+    if not spinner.enabled or not AVAILABLE:
+        return psycopg.connect(dsn, **kwargs)
     conn = SpinningConnection.connect(dsn, **kwargs)
     conn.spinner = spinner
     return conn

@@ -71,6 +71,14 @@ def test_a_connection_killed_under_a_wait_raises_as_psycopg_s_does(db_dsn: str) 
         assert conn.broken or conn.closed
 
 
+def test_without_select_poll_or_psycopg_s_wait_it_is_a_plain_connection(
+        db_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spin, "AVAILABLE", False)
+    with spin.connect(db_dsn, spin_s=100e-6, autocommit=True) as conn:
+        assert type(conn) is psycopg.Connection
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
 def test_a_zero_budget_is_a_plain_connection(db_dsn: str) -> None:
     with spin.connect(db_dsn, spin_s=0.0, autocommit=True) as conn:
         assert type(conn) is psycopg.Connection
