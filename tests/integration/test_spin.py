@@ -95,3 +95,21 @@ def test_the_configs_refuse_a_budget_out_of_range(value: float) -> None:
         InboxConfig(name="x", bootstrap_servers="localhost:9092", topics=["t"], db_spin_us=value)
     with pytest.raises(InvalidJob, match="db_spin_us"):
         WorkerConfig(dsn="postgresql://localhost/x", db_spin_us=value)
+
+
+def test_the_consumer_s_connection_polls_as_its_config_says(db_dsn: str) -> None:
+    import dataclasses
+
+    from consumer_sdk import InboxConsumer
+
+    config = InboxConfig(name="spin", dsn=db_dsn, bootstrap_servers="localhost:1", topics=["t"])
+    polling = InboxConsumer(config, lambda conn, message: None)
+    sleeping = InboxConsumer(dataclasses.replace(config, db_spin_us=0), lambda conn, message: None)
+    try:
+        conn = polling.store.conn  # the connection a handler is given
+        assert isinstance(conn, SpinningConnection) and conn.spinner is not None
+        assert conn.spinner.budget_s == pytest.approx(100e-6)
+        assert type(sleeping.store.conn) is psycopg.Connection
+    finally:
+        polling.store.conn.close()
+        sleeping.store.conn.close()
