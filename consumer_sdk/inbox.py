@@ -58,6 +58,7 @@ from consumer_sdk.replays import with_replays
 from consumer_sdk.retention import RetentionFinding, check_retention, report_retention
 from consumer_sdk.store import ConnectionFactory, PgInboxStore, cleanup_inbox, connect_factory
 from outbox_core.backoff import backoff_s
+from outbox_core.spin import Spinner
 
 #: The handler: apply one message with ``conn``, inside the consumer's transaction.
 #: Never commit.  Raise to roll back and retry; raise PermanentError to dead-letter now.
@@ -74,6 +75,8 @@ Handler = Callable[[psycopg.Connection[Any], InboxMessage], None]
 #: one), which applies the policies.  PostgreSQL logs the duplicate's unique_violation.
 
 _KEEPALIVE_POLL_S = 0.2
+#: ``db_waits``' outcomes, in the order of a Spinner's (hits, misses, skipped).
+_WAIT_OUTCOMES = ("answered_while_polling", "slept_after_polling", "slept_paused")
 
 
 class _Abandon(Exception):
@@ -129,6 +132,8 @@ class InboxConsumer:
         self.assigned: set[TopicPart] = set()
         self.retention: list[RetentionFinding] = []
         self.totals = BatchResult()
+        self._waits_of: Spinner | None = None  # the spinner whose counts _waits_seen holds
+        self._waits_seen = (0, 0, 0)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -273,12 +278,27 @@ class InboxConsumer:
             if not self.stopping:  # close() commits what was applied; nothing is fetched again
                 self._rewind(self._unsettled)
             self._unsettled = []
+        self._count_waits()
         self.metrics.batch_duration.labels(self.config.name).observe(self._clock() - started)
         self.metrics.batch_size.labels(self.config.name).observe(len(records))
         self.totals.add(total)
         self.log.debug("inbox_batch", messages=len(records), applied=total.applied,
                        duplicates=total.duplicates, dead_lettered=total.dead_lettered)
         return total
+
+    def _count_waits(self) -> None:
+        """Add the polling connection's waits since the last batch to ``db_waits`` (once a
+        batch, not a wait: the counts are the connection's own plain integers)."""
+        spinner = self.store.spinner
+        if spinner is None:
+            return
+        if spinner is not self._waits_of:  # a new connection: its counts start at 0
+            self._waits_of, self._waits_seen = spinner, (0, 0, 0)
+        counts = (spinner.hits, spinner.misses, spinner.skipped)
+        for outcome, count, seen in zip(_WAIT_OUTCOMES, counts, self._waits_seen, strict=True):
+            if count > seen:
+                self.metrics.db_waits.labels(self.config.name, outcome).inc(count - seen)
+        self._waits_seen = counts
 
     def _batch_failed(self, exc: RetriableError, failures: int) -> None:
         self.metrics.database_errors.labels(self.config.name).inc()

@@ -71,6 +71,12 @@ class ConsumerMetrics:
         self.rebalances = Counter(
             "outbox_consumer_rebalances", "Partition assignments and revocations seen.", ["consumer", "kind"],
             registry=r)
+        self.db_waits = Counter(
+            "outbox_consumer_db_waits",
+            "Waits for the database's answer on a connection that polls first (db_spin_us), by outcome: "
+            "answered while polling, polled the whole budget then slept, slept at once (polling paused "
+            "after answers kept coming later than the budget).",
+            ["consumer", "outcome"], registry=r)
         self.inbox_cleanup_deleted = Counter(
             "outbox_consumer_inbox_cleanup_deleted_rows", "Inbox rows deleted by retention.", ["consumer"],
             registry=r)

@@ -37,6 +37,7 @@ from consumer_sdk.errors import (
 from consumer_sdk.model import Claim, InboxMessage
 from outbox_core.pooling import transaction_pooled
 from outbox_core.queries import query
+from outbox_core.spin import Spinner
 
 ConnectionFactory = Callable[[], psycopg.Connection[Any]]
 
@@ -119,6 +120,11 @@ class PgInboxStore:
                 conn.prepare_threshold = None
             self._conn = conn
         return self._conn
+
+    @property
+    def spinner(self) -> Spinner | None:
+        """The live connection's :class:`~outbox_core.spin.Spinner` (None: it does not poll)."""
+        return getattr(self._conn, "spinner", None)
 
     def lost_prepared(self, exc: BaseException) -> bool:
         """True when ``exc`` says a transaction pooler lost one of psycopg's own prepared
