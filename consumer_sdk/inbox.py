@@ -289,7 +289,7 @@ class InboxConsumer:
     def _count_waits(self) -> None:
         """Add the polling connection's waits since the last batch to ``db_waits`` (once a
         batch, not a wait: the counts are the connection's own plain integers)."""
-        spinner = getattr(self.store, "spinner", None)  # a store of another kind: none
+        spinner: Spinner | None = getattr(self.store, "spinner", None)  # a store of another kind: none
         if spinner is None:
             return
         if spinner is not self._waits_of:  # a new connection: its counts start at 0
