@@ -11,6 +11,7 @@ retried with back-off.  No message carries a piece of the DSN's password.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -55,6 +56,17 @@ def connect(dsn: str, *, application_name: str, connect_timeout_s: int = 5,
                             connect_timeout=connect_timeout_s)
     except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
         raise translate_connect_error(exc, dsn) from None
+
+
+def connect_factory(dsn: str, *, application_name: str = "outbox-consumer", connect_timeout_s: int = 5,
+                    spin_s: float = 0.0) -> Callable[[], psycopg.Connection[Any]]:
+    """A factory of :func:`connect`'s connections to ``dsn`` (the inbox's and the worker pool's)."""
+
+    def make() -> psycopg.Connection[Any]:
+        return connect(dsn, application_name=application_name, connect_timeout_s=connect_timeout_s,
+                       spin_s=spin_s)
+
+    return make
 
 
 async def connect_async(dsn: str, *, application_name: str,

@@ -27,6 +27,7 @@ import psycopg.errors
 from psycopg.pq import TransactionStatus
 
 from consumer_sdk import _pg, _wire
+from consumer_sdk._pg import connect_factory as connect_factory  # the inbox's, re-exported
 from consumer_sdk.errors import (
     DatabaseUnavailable,
     FatalError,
@@ -51,18 +52,6 @@ CLAIM_STRICT_STATEMENT = b"outbox_inbox_claim_strict_v1"
 #: DEALLOCATE ALL after a rollback) costs one round trip more, then it is prepared again.
 _PREPARED_LOSSES_MAX = 3
 _CHAIN = query("inbox", "chain").encode()  # positional parameters: sent as it is
-
-
-def connect_factory(dsn: str, *, application_name: str = "outbox-consumer",
-                    connect_timeout_s: int = 5,
-                    spin_s: float = 0.0) -> ConnectionFactory:
-    """A factory of autocommit connections to ``dsn``."""
-
-    def connect() -> psycopg.Connection[Any]:
-        return _pg.connect(dsn, application_name=application_name, connect_timeout_s=connect_timeout_s,
-                           spin_s=spin_s)
-
-    return connect
 
 
 def pipelined(conn: psycopg.Connection[Any]) -> AbstractContextManager[Any]:

@@ -79,21 +79,10 @@ def roll_back_open(conn: ConnectionT) -> bool:
     return True
 
 
-def connect_factory(dsn: str, *, application_name: str, connect_timeout_s: int = 5,
-                    spin_s: float = 0.0) -> ConnectionFactory:
-    """A factory of autocommit connections to ``dsn``."""
-
-    def connect() -> ConnectionT:
-        return _pg.connect(dsn, application_name=application_name, connect_timeout_s=connect_timeout_s,
-                           spin_s=spin_s)
-
-    return connect
-
-
 def pool_connect_factory(config: WorkerConfig) -> ConnectionFactory:
     """The connections of a pool run with ``config``."""
-    return connect_factory(config.dsn, application_name=config.application_name,
-                           spin_s=config.db_spin_us / 1e6)
+    return _pg.connect_factory(config.dsn, application_name=config.application_name,
+                               spin_s=config.db_spin_us / 1e6)
 
 
 class ConnSlot:
