@@ -7,15 +7,21 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from consumer_sdk import InboxMessage
 from tests.integration.sdk._support import make_config, produce_raw, record_effect, wait_settled
 
 OUTCOMES = ("answered_while_polling", "slept_after_polling", "slept_paused")
 
 
-def _produce(bootstrap: str, topic: str, count: int) -> None:
-    produce_raw(bootstrap, topic, [(b"k", b'{"n": %d}' % i, [("event_id", str(uuid.uuid4()).encode())])
-                                   for i in range(count)])
+def _consume(sdk_db: str, broker: Any, topic: str, run_consumer: Any, *, count: int,
+             spin_us: float) -> tuple[Any, str]:
+    """``count`` new messages applied one at a time by a consumer with ``db_spin_us=spin_us``;
+    its thread and its name."""
+    produce_raw(broker.bootstrap, topic, [(b"k", b'{"n": %d}' % i, [("event_id", str(uuid.uuid4()).encode())])
+                                          for i in range(count)])
+    config = make_config(sdk_db, broker, topic, db_spin_us=spin_us)
+    thread = run_consumer(config, record_effect)
+    wait_settled(thread, count)
+    return thread, config.name
 
 
 def _waits(thread: Any, name: str) -> dict[str, float]:
@@ -25,19 +31,12 @@ def _waits(thread: Any, name: str) -> dict[str, float]:
 
 def test_a_polling_consumer_counts_its_waits_by_outcome(sdk_db: str, broker: Any, sdk_topic: str,
                                                        run_consumer: Any) -> None:
-    _produce(broker.bootstrap, sdk_topic, 20)
-
-    def handler(conn: Any, message: InboxMessage) -> None:
-        record_effect(conn, message)
-
     # A 10 ms budget: a local PostgreSQL answers every short statement within it.
-    config = make_config(sdk_db, broker, sdk_topic, db_spin_us=10_000)
-    thread = run_consumer(config, handler)
-    wait_settled(thread, 20)
+    thread, name = _consume(sdk_db, broker, sdk_topic, run_consumer, count=20, spin_us=10_000)
     spinner = thread.consumer.store.spinner
     # Two round trips a message at least; a slow machine may leave a few answers past 10 ms.
     assert spinner is not None and spinner.hits >= 30
-    waits = _waits(thread, config.name)
+    waits = _waits(thread, name)
     # Counted once a batch: what the last batch's end saw, never more than the connection did.
     assert waits["answered_while_polling"] >= 30
     assert waits["answered_while_polling"] <= spinner.hits
@@ -46,16 +45,9 @@ def test_a_polling_consumer_counts_its_waits_by_outcome(sdk_db: str, broker: Any
 
 def test_a_consumer_that_does_not_poll_exports_no_waits(sdk_db: str, broker: Any, sdk_topic: str,
                                                         run_consumer: Any) -> None:
-    _produce(broker.bootstrap, sdk_topic, 5)
-
-    def handler(conn: Any, message: InboxMessage) -> None:
-        record_effect(conn, message)
-
-    config = make_config(sdk_db, broker, sdk_topic, db_spin_us=0)
-    thread = run_consumer(config, handler)
-    wait_settled(thread, 5)
+    thread, name = _consume(sdk_db, broker, sdk_topic, run_consumer, count=5, spin_us=0)
     assert thread.consumer.store.spinner is None
     registry = thread.consumer.metrics.registry
     assert [registry.get_sample_value("outbox_consumer_db_waits_total",
-                                      {"consumer": config.name, "outcome": outcome})
+                                      {"consumer": name, "outcome": outcome})
             for outcome in OUTCOMES] == [None, None, None]
