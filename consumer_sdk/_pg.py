@@ -21,6 +21,10 @@ from consumer_sdk.errors import AuthenticationFailed, ConfigError, DatabaseUnava
 from outbox_core import spin
 from outbox_core.connect_errors import ConnectFailure, classify_connect_error
 
+#: A connection's class, and its class when it polls its socket (:func:`connect`).
+Classes = tuple[type[psycopg.Connection[Any]], type[spin.SpinningConnection]]
+DEFAULT_CLASSES: Classes = (psycopg.Connection, spin.SpinningConnection)
+
 _CONNECT_ERRORS: dict[ConnectFailure, type[Exception]] = {
     ConnectFailure.UNREACHABLE: DatabaseUnavailable,
     ConnectFailure.CREDENTIALS: AuthenticationFailed,
@@ -47,24 +51,25 @@ def lost_prepared_statement(exc: BaseException) -> bool:
 
 
 def connect(dsn: str, *, application_name: str, connect_timeout_s: int = 5,
-            spin_s: float = 0.0) -> psycopg.Connection[Any]:
+            spin_s: float = 0.0, classes: Classes = DEFAULT_CLASSES) -> psycopg.Connection[Any]:
     """A new autocommit connection to ``dsn``; errors translated (see the module).  With
     ``spin_s`` > 0 its waits for an answer poll the socket that long before sleeping
-    (:mod:`outbox_core.spin`)."""
+    (:mod:`outbox_core.spin`).  ``classes``: the connection's class, and its class when it
+    polls (the worker pool's: :mod:`consumer_sdk.jobs.deferred`)."""
     try:
-        return spin.connect(dsn, spin_s=spin_s, autocommit=True, application_name=application_name[:63],
-                            connect_timeout=connect_timeout_s)
+        return spin.connect(dsn, spin_s=spin_s, plain=classes[0], spinning=classes[1], autocommit=True,
+                            application_name=application_name[:63], connect_timeout=connect_timeout_s)
     except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
         raise translate_connect_error(exc, dsn) from None
 
 
 def connect_factory(dsn: str, *, application_name: str = "outbox-consumer", connect_timeout_s: int = 5,
-                    spin_s: float = 0.0) -> Callable[[], psycopg.Connection[Any]]:
+                    spin_s: float = 0.0, classes: Classes = DEFAULT_CLASSES) -> Callable[[], psycopg.Connection[Any]]:
     """A factory of :func:`connect`'s connections to ``dsn`` (the inbox's and the worker pool's)."""
 
     def make() -> psycopg.Connection[Any]:
         return connect(dsn, application_name=application_name, connect_timeout_s=connect_timeout_s,
-                       spin_s=spin_s)
+                       spin_s=spin_s, classes=classes)
 
     return make
 

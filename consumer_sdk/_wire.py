@@ -31,7 +31,7 @@ import psycopg
 import psycopg.abc
 import psycopg.errors
 from psycopg import generators, pq
-from psycopg.abc import Buffer
+from psycopg.abc import Buffer, PQGen
 from psycopg.adapt import Transformer
 
 try:  # psycopg's own query conversion (server-side parameters), as its cursors use it
@@ -106,15 +106,33 @@ def send_all(conn: psycopg.Connection[Any], steps: Sequence[Step]) -> list[pq.ab
     order, then the Sync's.  After a failure the server skips the rest up to the Sync
     (their results say ``PIPELINE_ABORTED``); an error is a result here, not an exception.
     Check :func:`available` first."""
-    pgconn = conn.pgconn
     with conn.lock:
-        pgconn.enter_pipeline_mode()
+        conn.pgconn.enter_pipeline_mode()
         try:
-            _queue(pgconn, steps)
-            conn.wait(generators.send(pgconn))
-            return _results(conn, len(steps))
+            results: list[pq.abc.PGresult] = conn.wait(_exchange(conn.pgconn, steps))
+            return results
         finally:
             _leave_pipeline(conn)
+
+
+def send_all_gen(conn: psycopg.Connection[Any], steps: Sequence[Step]) -> PQGen[list[pq.abc.PGresult]]:
+    """:func:`send_all` as one of psycopg's generators, for a caller already inside psycopg's
+    own wait, the connection's lock held (a connection's ``_start_query``)."""
+    conn.pgconn.enter_pipeline_mode()
+    try:
+        return (yield from _exchange(conn.pgconn, steps))
+    finally:
+        _leave_pipeline(conn)
+
+
+def _exchange(pgconn: pq.abc.PGconn, steps: Sequence[Step]) -> PQGen[list[pq.abc.PGresult]]:
+    """Queue ``steps`` and a Sync, flush them, read their results and the Sync's (pipeline mode)."""
+    _queue(pgconn, steps)
+    yield from generators.send(pgconn)
+    results: list[pq.abc.PGresult] = []
+    for _ in range(len(steps) + 1):
+        results.extend((yield from generators.fetch_many(pgconn)))
+    return results
 
 
 def roll_back(conn: psycopg.Connection[Any]) -> None:

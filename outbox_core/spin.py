@@ -142,13 +142,14 @@ class SpinningConnection(psycopg.Connection[Any]):
         return super().wait(spinning(gen, self.pgconn.socket, spinner), *args, **kwargs)
 
 
-def connect(dsn: str, *, spin_s: float, **kwargs: Any) -> psycopg.Connection[Any]:
-    """``psycopg.connect(dsn, **kwargs)``; with ``spin_s`` > 0 a :class:`SpinningConnection`
-    polling for up to ``spin_s`` a wait (a plain connection where it cannot: see
-    :data:`AVAILABLE`)."""
+def connect(dsn: str, *, spin_s: float, plain: type[psycopg.Connection[Any]] = psycopg.Connection,
+            spinning: type[SpinningConnection] = SpinningConnection, **kwargs: Any) -> psycopg.Connection[Any]:
+    """``plain.connect(dsn, **kwargs)``; with ``spin_s`` > 0 a ``spinning`` connection (a
+    :class:`SpinningConnection`) polling for up to ``spin_s`` a wait (a ``plain`` one where
+    it cannot: see :data:`AVAILABLE`)."""
     spinner = Spinner(spin_s)  # a bad budget fails before connecting
     if not spinner.enabled or not AVAILABLE:
-        return psycopg.connect(dsn, **kwargs)
-    conn = SpinningConnection.connect(dsn, **kwargs)
+        return plain.connect(dsn, **kwargs)
+    conn = spinning.connect(dsn, **kwargs)
     conn.spinner = spinner
     return conn

@@ -11,6 +11,7 @@ from psycopg.pq import TransactionStatus
 
 from consumer_sdk import _pg
 from consumer_sdk.jobs._db import ConnectionT, first_line, q, translated
+from consumer_sdk.jobs.deferred import DeferringConnection, SpinningDeferringConnection
 from outbox_core.pooling import transaction_pooled
 
 if TYPE_CHECKING:
@@ -80,9 +81,11 @@ def roll_back_open(conn: ConnectionT) -> bool:
 
 
 def pool_connect_factory(config: WorkerConfig) -> ConnectionFactory:
-    """The connections of a pool run with ``config``."""
+    """The connections of a pool run with ``config``: their fenced transactions send BEGIN
+    and the fence with the first statement (:mod:`consumer_sdk.jobs.deferred`)."""
     return _pg.connect_factory(config.dsn, application_name=config.application_name,
-                               spin_s=config.db_spin_us / 1e6)
+                               spin_s=config.db_spin_us / 1e6,
+                               classes=(DeferringConnection, SpinningDeferringConnection))
 
 
 class ConnSlot:

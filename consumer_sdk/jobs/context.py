@@ -23,9 +23,11 @@ from typing import Any
 
 import psycopg
 import psycopg.errors
+from psycopg import pq
 
 from consumer_sdk.jobs import fenced, queue
 from consumer_sdk.jobs._db import ConnectionT, first_line, q
+from consumer_sdk.jobs.deferred import Deferred, DeferringConnection
 from consumer_sdk.jobs.errors import LeaseLost
 from consumer_sdk.jobs.model import ClaimedJob, Lease
 
@@ -137,15 +139,30 @@ class JobContext:
     def fenced_transaction(self) -> Iterator[ConnectionT]:
         """A transaction on ``ctx.conn`` that commits only while this attempt holds the lease.
 
-        BEGIN and its first statement go in one round trip; that statement locks the job
-        row with owner, token, status and lease in the WHERE clause (FOR KEY SHARE: no
-        takeover or cancellation can slip in before the commit).  No row: rolls back and raises LeaseLost.  An exception
-        in the block rolls back and propagates.  A broken connection raises
-        LeaseLost too: authority cannot be proven any more (if it broke during the
-        commit, the outcome is unknown, which writes by key make harmless).
+        Its first statement locks the job row with owner, token, status and lease in the
+        WHERE clause (FOR KEY SHARE: no takeover or cancellation can slip in before the
+        commit).  On the pool's own connections BEGIN and that lock go with the handler's
+        first statement, in its round trip (:mod:`consumer_sdk.jobs.deferred`: a one-write
+        transaction costs two round trips, the write and COMMIT), and that statement
+        raises LeaseLost, having run nothing, when the lease is not held; on a connection
+        of another kind they go in a round trip of their own, at the start of the block.
+        No row: rolls back and raises LeaseLost.  An exception in the block rolls back and
+        propagates.  A broken connection raises LeaseLost too: authority cannot be proven
+        any more (if it broke during the commit, the outcome is unknown, which writes by
+        key make harmless).  A block that sends no statement sends nothing.
         """
         self.check()
         conn = self.conn
+        deferring = conn if isinstance(conn, DeferringConnection) else None
+        try:
+            can_defer = (deferring is not None and self._fenced_depth == 0
+                         and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
+                         and fenced.one_trip_fence(conn))
+        except psycopg.Error as exc:
+            raise self._lost_or(exc) from exc
+        if deferring is not None and can_defer:
+            yield from self._deferred_transaction(deferring)
+            return
         try:
             # BEGIN and the fence's lock in one round trip (one simple query, see
             # queue.fence_begin); then the handler's statements; then COMMIT, or ROLLBACK on
@@ -170,6 +187,38 @@ class JobContext:
             if translated is exc:
                 raise
             raise translated from exc
+
+    def _deferred_transaction(self, conn: DeferringConnection) -> Iterator[ConnectionT]:
+        """:meth:`fenced_transaction` with BEGIN and the fence sent by the first statement."""
+        deferred = conn.deferred = Deferred(self.lease, self._db_now(), self._refused)
+        try:
+            try:
+                self._fenced_depth += 1
+                try:
+                    yield conn
+                finally:
+                    self._fenced_depth -= 1
+            except BaseException:
+                _rollback_deferred(conn)
+                raise
+            if deferred.take():  # no statement was sent: nothing to commit
+                return
+            conn.commit()
+        except psycopg.Error as exc:
+            _rollback_deferred(conn)
+            translated = self._lost_or(exc)
+            if translated is exc:
+                raise
+            raise translated from exc
+        finally:
+            deferred.take()
+            conn.deferred = None
+
+    def _refused(self) -> BaseException:
+        """The fence found the lease not held: the attempt is cancelled, LeaseLost to raise."""
+        self.cancel("lease_lost")  # the first reason wins
+        reason = self._reason or "lease_lost"
+        return LeaseLost(f"job {self.job.id}: {_MESSAGES.get(reason, reason)}", reason=reason)
 
     def fenced_execute(self, query: Any, params: Any = None) -> int:
         """Run one writing statement in a fenced transaction of its own, in one round trip.
@@ -219,7 +268,7 @@ class JobContext:
         lease could not be proven any more (the server ended the transaction, the attempt
         was cancelled, the connection broke)."""
         ended = isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout)
-        if not (ended or self.cancelled or self.conn.broken or self.conn.closed):
+        if not (ended or self.cancelled or self.conn.broken or self.conn.closed or fenced.refused_by_fence(exc)):
             return exc  # the handler's own statement failed: its error, not the fence's
         self.cancel("fence_ended" if ended else "lease_lost")  # the first reason wins
         reason = self._reason or "lease_lost"
@@ -236,6 +285,9 @@ class JobContext:
         handler's own statements; it runs between them, never inside one."""
         if self._fenced_depth <= 0 or self.cancelled or self._conn is None:
             return False
+        deferred = getattr(self._conn, "deferred", None)
+        if deferred is not None and deferred.pending:
+            return False  # nothing sent yet: no transaction to keep alive
         try:
             self._conn.execute(q("fence_keepalive"))
         except psycopg.Error:
@@ -254,6 +306,15 @@ class JobContext:
     def results(self) -> dict[str, Any]:
         """The results written so far by any attempt of this job (to skip finished steps)."""
         return queue.results(self.conn, self.job.id)
+
+
+def _rollback_deferred(conn: ConnectionT) -> None:
+    """:func:`_rollback` of a deferred fenced transaction: psycopg's ``rollback()`` may have
+    sent DEALLOCATE ALL, which takes the prepared raising fence along (prepared again on
+    its next use, not counted as a loss)."""
+    if conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
+        _rollback(conn)
+        fenced.forget_prepared(conn)
 
 
 def _rollback(conn: ConnectionT) -> None:

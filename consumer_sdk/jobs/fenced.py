@@ -38,6 +38,10 @@ PREPARED_LOSSES_MAX = 3
 _LOSSES: weakref.WeakKeyDictionary[ConnectionT, int] = weakref.WeakKeyDictionary()
 
 
+#: How outbox_jobs_fence's refusal ends (migration 0012's RAISE EXCEPTION).
+FENCE_REFUSAL = "does not hold it any more"
+
+
 class OneTripUnavailable(Exception):
     """The connection cannot keep the prepared fence (see PREPARED_LOSSES_MAX) or the
     database lost ``outbox_jobs_fence``: nothing was written; use a fenced transaction."""
@@ -83,19 +87,41 @@ def fenced_statements(conn: ConnectionT, lease: Lease, statements: Sequence[tupl
     here).  A statement's own error, or the COMMIT's, is raised as psycopg raises it
     (nothing written); so are driver errors (the caller translates them).
     """
-    fence = [b"%d" % lease.job_id, b"%d" % lease.token, None if now is None else now.isoformat().encode()]
     binder = _wire.transformer(conn) if len(statements) > 1 else None  # one cursor's dumpers for all
     steps = [_wire.bind(conn, query, params, transformer=binder) for query, params in statements]
+    results = _trip(conn, lease, steps, now=now, commit=True)
+    return None if results is None else [result.command_tuples or 0 for result in results]
+
+
+def open_fenced(conn: ConnectionT, lease: Lease, step: _wire.Step, *,
+                now: datetime | None = None) -> pq.abc.PGresult | None:
+    """BEGIN, the raising fence and ``step`` (a statement bound as :func:`consumer_sdk._wire.bind`
+    binds it) in one round trip, the transaction left open for more statements and the
+    caller's COMMIT: :mod:`consumer_sdk.jobs.deferred`, a fenced transaction's first
+    statement.  Returns the statement's result, or None when ``lease`` does not hold the job
+    (nothing written, no transaction left open).  The statement's own error is raised as
+    psycopg raises it, the transaction left open and failed, as psycopg leaves it (the
+    caller rolls back).  :class:`OneTripUnavailable` as :func:`fenced_statements`."""
+    results = _trip(conn, lease, [step], now=now, commit=False)
+    return None if results is None else results[0]
+
+
+def _trip(conn: ConnectionT, lease: Lease, steps: Sequence[_wire.Step], *, now: datetime | None,
+          commit: bool) -> list[pq.abc.PGresult] | None:
+    """BEGIN, the raising fence, ``steps`` and (``commit``) COMMIT in one round trip; the
+    results of ``steps``, or None when the fence refused (see the callers)."""
+    fence = [b"%d" % lease.job_id, b"%d" % lease.token, None if now is None else now.isoformat().encode()]
+    tail = [_wire.Step(_wire.COMMIT)] if commit else []
     for _attempt in range(2):
         results = _wire.send_all(conn, [_wire.Step(_wire.BEGIN), _wire.Step(RAISING_FENCE_STATEMENT, fence, prepared=True),
-                                        *steps, _wire.Step(_wire.COMMIT)])
+                                        *steps, *tail])
         fenced = results[1]
         if fenced.status != pq.ExecStatus.FATAL_ERROR:
             _LOSSES.pop(conn, None)
         if not any(_wire.failed(result) for result in results):
-            return [result.command_tuples or 0 for result in results[2:2 + len(steps)]]
-        _end_failed(conn)
+            return results[2:2 + len(steps)]
         if fenced.status == pq.ExecStatus.FATAL_ERROR:
+            _end_failed(conn)
             error = psycopg.errors.error_from_result(fenced, encoding=conn.info.encoding)
             if isinstance(error, psycopg.errors.RaiseException):
                 return None  # outbox_jobs_fence: not held
@@ -107,8 +133,23 @@ def fenced_statements(conn: ConnectionT, lease: Lease, statements: Sequence[tupl
                 if not one_trip_fence(conn):
                     raise OneTripUnavailable(first_line(error))
                 continue
+            _wire.raise_first_error(conn, results)
+        if commit:
+            _end_failed(conn)  # else the caller's transaction stays open and failed, as psycopg leaves it
         _wire.raise_first_error(conn, results)
     raise OneTripUnavailable("the prepared fence was gone twice in a row")
+
+
+def refused_by_fence(exc: BaseException) -> bool:
+    """``exc`` is ``outbox_jobs_fence``'s refusal (migration 0012: the lease is not held)."""
+    return (isinstance(exc, psycopg.errors.RaiseException)
+            and (exc.diag.message_primary or "").endswith(FENCE_REFUSAL))
+
+
+def forget_prepared(conn: ConnectionT) -> None:
+    """psycopg's ``rollback()`` on ``conn`` may have sent DEALLOCATE ALL (see :func:`_end_failed`):
+    prepare the raising fence again before its next use, without counting a loss."""
+    _RAISING_FENCE_PREPARED.discard(conn)
 
 
 def _end_failed(conn: ConnectionT) -> None:

@@ -348,6 +348,14 @@ FOR KEY SHARE
 PREPARE outbox_jobs_fence_v3 (bigint, bigint, timestamptz) AS
 SELECT outbox_jobs_fence($1, $2, $3)
 
+-- name: fence_raise_in_pipeline
+-- outbox_jobs_fence (migration 0012) as the first statement of a fenced transaction
+-- whose handler opened a psycopg pipeline (jobs.deferred): psycopg queues a command
+-- there without parameters, so the values are composed in with psycopg.sql.Literal
+-- (integers and a timestamp, never text).  When the lease is not held it raises and
+-- the pipeline skips what follows up to its Sync.
+SELECT outbox_jobs_fence({id}, {token}, {now})
+
 -- name: fenced_lock
 -- The first statement of a handler's fenced transaction (JobContext.fenced_transaction).
 -- FOR KEY SHARE is the weakest row lock that still conflicts with FOR UPDATE, the

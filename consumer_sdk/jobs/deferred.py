@@ -1,0 +1,185 @@
+"""A fenced transaction's BEGIN and fence sent with the handler's first statement.
+
+``JobContext.fenced_transaction`` needs, before the handler's first write, BEGIN and the
+fence (the job row locked FOR KEY SHARE while this lease holds it).  Sent on their own
+they cost a round trip of their own: a one-write transaction took three (BEGIN with the
+fence, the write, COMMIT), the naive worker loop's count.  On the pool's own connections
+(:class:`DeferringConnection`) the context only records the fence (:class:`Deferred`)
+and the connection sends it with whatever comes first:
+
+- the handler's first ``execute`` on a cursor of the connection's ``cursor_factory``
+  (``conn.execute``, ``conn.cursor().execute``, text results, nothing prepared by
+  request): BEGIN, the raising fence (migration 0012's ``outbox_jobs_fence``) and the
+  statement go in one libpq pipeline (:func:`consumer_sdk.jobs.fenced.open_fenced`).
+  When the lease is not held the fence raises, the server skips the statement, and the
+  handler's ``execute`` raises :class:`~consumer_sdk.jobs.errors.LeaseLost`: nothing ran.
+  Its result, row count and errors are the cursor's, as psycopg gives them;
+- anything else that sends a statement (any cursor class, ``copy``, server-side cursors,
+  ``conn.transaction()``): BEGIN and the fence first, in one round trip
+  (``_start_query``, the path every psycopg cursor takes before sending, and
+  ``transaction()``, which would otherwise begin a transaction of its own), then the
+  statement as psycopg sends it.  In a psycopg pipeline (``conn.pipeline()``,
+  ``executemany``) BEGIN and the raising fence are queued first, with a Sync, as
+  psycopg begins a transaction there.
+
+So a one-write fenced transaction costs two round trips: the write with BEGIN and the
+fence, and COMMIT.  Nothing is ever sent outside the fence: the connection is in
+autocommit, so a statement that went around it would commit on its own, which is why
+the fallback sits in ``_start_query`` and not only in the cursor.  A connection of
+another class (a ``connect=`` factory of the caller's) takes the three-round-trip way.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+import psycopg
+import psycopg.errors
+from psycopg import adapt, pq, sql
+from psycopg.abc import PQGen
+
+from consumer_sdk import _wire
+from consumer_sdk.jobs import fenced
+from consumer_sdk.jobs._db import q
+from consumer_sdk.jobs.model import Lease
+from outbox_core.spin import SpinningConnection
+
+_TEXT = pq.Format.TEXT
+
+
+class Deferred:
+    """One fenced transaction's BEGIN and fence, recorded and not sent yet.  Taken once, by
+    whichever statement comes first (the heartbeat's keepalive runs on another thread:
+    :meth:`take` is atomic)."""
+
+    def __init__(self, lease: Lease, now: datetime | None, refused: Callable[[], BaseException]) -> None:
+        self.lease = lease
+        self.now = now
+        self.refused = refused  # the exception for "the lease is not held" (LeaseLost)
+        self._lock = threading.Lock()
+        self._pending = True
+
+    @property
+    def pending(self) -> bool:
+        return self._pending
+
+    def take(self) -> bool:
+        """True for the one caller that sends it now."""
+        with self._lock:
+            pending, self._pending = self._pending, False
+        return pending
+
+
+class DeferringConnection(psycopg.Connection[Any]):
+    """A psycopg connection that sends a :class:`Deferred` fence with its first statement
+    (see the module).  Without one it is a plain psycopg connection."""
+
+    #: Set by JobContext.fenced_transaction for its duration.
+    deferred: Deferred | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cursor_factory = DeferringCursor
+
+    def _start_query(self) -> PQGen[None]:
+        deferred = self.deferred
+        if deferred is not None and deferred.take():
+            if self._pipeline is not None:
+                yield from _begin_in_pipeline_gen(self, deferred)
+            else:
+                yield from _begin_gen(self, deferred)
+        yield from super()._start_query()
+
+    def transaction(self, *args: Any, **kwargs: Any) -> Any:
+        # psycopg's Transaction begins a transaction of its own (and commits it) when it
+        # finds none open: the fenced one must be open first, a savepoint in it.
+        self.send_deferred()
+        return super().transaction(*args, **kwargs)
+
+    def send_deferred(self) -> None:
+        """BEGIN and the deferred fence now, if no statement sent them yet."""
+        deferred = self.deferred
+        if deferred is not None and deferred.pending:
+            with self.lock:
+                self.wait(self._start_query())
+
+
+class SpinningDeferringConnection(DeferringConnection, SpinningConnection):
+    """A :class:`DeferringConnection` whose waits poll first (``WorkerConfig.db_spin_us``)."""
+
+
+class DeferringCursor(psycopg.Cursor[Any]):
+    """The cursor of a :class:`DeferringConnection`: its first ``execute`` in a fenced
+    transaction carries BEGIN and the fence (see the module)."""
+
+    def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
+                binary: bool | None = None) -> DeferringCursor:
+        conn = self.connection
+        deferred = getattr(conn, "deferred", None)
+        if (deferred is None or not deferred.pending or prepare or binary is not None or self.format != _TEXT
+                or not isinstance(query, (str, bytes, sql.Composable)) or not _wire.available(conn)
+                or not deferred.take()):
+            super().execute(query, params, prepare=prepare, binary=binary)
+            return self
+        _first_statement(self, deferred, query, params)
+        return self
+
+
+def _first_statement(cur: DeferringCursor, deferred: Deferred, query: Any, params: Any) -> None:
+    """BEGIN, the fence and ``query`` in one round trip; the result set on ``cur`` as psycopg's
+    own ``execute`` sets it."""
+    conn = cur.connection
+    # What psycopg's execute does before sending (Cursor._start_query), less the BEGIN.
+    cur._reset()
+    cur._last_query = None
+    cur._tx = adapt.Transformer(cur)
+    pgq = cur._convert_query(query, params)
+    try:
+        result = fenced.open_fenced(conn, deferred.lease, _wire.Step(pgq.query, pgq.params, pgq.types, pgq.formats),
+                                    now=deferred.now)
+    except fenced.OneTripUnavailable:  # nothing sent that stayed: the fence on its own, then the statement
+        with conn.lock:
+            conn.wait(_begin_gen(conn, deferred))
+        psycopg.Cursor.execute(cur, query, params)
+        return
+    if result is None:
+        raise deferred.refused()
+    cur._query = pgq
+    cur._set_results([result])
+    cur._last_query = query
+
+
+def _begin_gen(conn: psycopg.Connection[Any], deferred: Deferred) -> PQGen[None]:
+    """BEGIN and the fence's lock (jobs.sql ``fenced_lock``, any migration) in one round trip,
+    as a psycopg generator (the connection's lock held).  When the lease is not held, raises
+    ``deferred.refused()`` with the transaction left open (the fenced transaction rolls it
+    back)."""
+    lease = deferred.lease
+    fence = _wire.bind(conn, q("fenced_lock"), {"id": lease.job_id, "worker": lease.worker,
+                                                 "token": lease.token, "now": deferred.now})
+    results = yield from _wire.send_all_gen(conn, [_wire.Step(_wire.BEGIN), fence])
+    _wire.raise_first_error(conn, results)
+    if results[1].ntuples == 0:
+        raise deferred.refused()
+
+
+def _begin_in_pipeline_gen(conn: psycopg.Connection[Any], deferred: Deferred) -> PQGen[None]:
+    """BEGIN and the raising fence in the psycopg pipeline the handler opened (``executemany``
+    opens one too), then a Sync, as psycopg's own ``_start_query`` begins there: the fence
+    is checked before the handler's statements are sent."""
+    lease = deferred.lease
+    fence = sql.SQL(q("fence_raise_in_pipeline")).format(
+        id=sql.Literal(lease.job_id), token=sql.Literal(lease.token), now=sql.Literal(deferred.now))
+    yield from conn._exec_command(_wire.BEGIN)
+    yield from conn._exec_command(fence)
+    pipeline = conn._pipeline
+    assert pipeline is not None
+    try:
+        yield from pipeline._sync_gen()
+    except psycopg.errors.RaiseException as exc:
+        if not fenced.refused_by_fence(exc):
+            raise
+        raise deferred.refused() from exc
