@@ -30,7 +30,7 @@ Workers (``--jobs`` trivial jobs; the handler writes one row):
 * naive: ``--threads`` threads, each looping claim one (SKIP LOCKED, running, token + 1),
   write one row, set succeeded: three statements a job;
 * WorkerPool with ``max_concurrency=--threads``, the row written through
-  ``ctx.fenced_transaction()`` (``worker_pool``: BEGIN with the fence, the insert, COMMIT)
+  ``ctx.fenced_transaction()`` (``worker_pool``: the insert with BEGIN and the fence, COMMIT)
   or through ``ctx.fenced_execute()`` (``worker_pool_execute``: the same in one round
   trip); the bench checks its progress every 20 ms (its own polling took ~10 % of the
   process's CPU at 5 ms), so a run may end up to 20 ms late.

@@ -4,8 +4,11 @@ BEGIN, migration 0012's raising fence (``outbox_jobs_fence``: the job row locked
 SHARE while this lease holds it, else an error), the statement and COMMIT go in one
 libpq pipeline (:mod:`consumer_sdk._wire`).  When the lease is not held the fence
 raises, the server skips the statement and the COMMIT up to the pipeline's Sync, and
-nothing is written.  :func:`consumer_sdk.jobs.queue.fence_begin` is the same fence for a
-transaction the handler writes in itself (three round trips).
+nothing is written.  :func:`open_fenced` sends BEGIN, the fence and a transaction's first
+statement the same way, the transaction left open (:mod:`consumer_sdk.jobs.deferred`:
+two round trips for a handler's one-write transaction);
+:func:`consumer_sdk.jobs.queue.fence_begin` is the fence on its own, for a connection of
+another kind (three).
 """
 
 from __future__ import annotations
