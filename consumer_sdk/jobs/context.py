@@ -201,6 +201,7 @@ class JobContext:
             except BaseException:
                 _rollback_deferred(conn)
                 raise
+            deferred.check()  # refused or failed, and the handler swallowed it: raised here again
             if deferred.take():  # no statement was sent: nothing to commit
                 return
             conn.commit()
@@ -286,11 +287,11 @@ class JobContext:
         if self._fenced_depth <= 0 or self.cancelled or self._conn is None:
             return False
         deferred = getattr(self._conn, "deferred", None)
-        if deferred is not None and deferred.pending:
-            return False  # nothing sent yet: no transaction to keep alive
+        if deferred is not None and deferred.state != deferred.SENT:
+            return False  # nothing sent yet, or refused: no transaction to keep alive
         try:
             self._conn.execute(q("fence_keepalive"))
-        except psycopg.Error:
+        except (psycopg.Error, LeaseLost):  # LeaseLost: the fence refused meanwhile
             return False  # the handler's transaction failed or ended: its own statement will say
         return True
 

@@ -53,24 +53,49 @@ _TEXT = pq.Format.TEXT
 class Deferred:
     """One fenced transaction's BEGIN and fence, recorded and not sent yet.  Taken once, by
     whichever statement comes first (the heartbeat's keepalive runs on another thread:
-    :meth:`take` is atomic)."""
+    :meth:`take` is atomic).  Once refused (the lease is not held) or failed before the
+    transaction was open, every later statement of the block is refused too
+    (:meth:`check`): the connection is in autocommit, and a handler that caught the error
+    must not write around the fence."""
+
+    PENDING, SENT, REFUSED, FAILED = "pending", "sent", "refused", "failed"
 
     def __init__(self, lease: Lease, now: datetime | None, refused: Callable[[], BaseException]) -> None:
         self.lease = lease
         self.now = now
-        self.refused = refused  # the exception for "the lease is not held" (LeaseLost)
+        self._refused = refused  # the exception for "the lease is not held" (LeaseLost)
         self._lock = threading.Lock()
-        self._pending = True
+        self.state = self.PENDING
 
     @property
     def pending(self) -> bool:
-        return self._pending
+        return self.state == self.PENDING
 
     def take(self) -> bool:
         """True for the one caller that sends it now."""
         with self._lock:
-            pending, self._pending = self._pending, False
-        return pending
+            if self.state != self.PENDING:
+                return False
+            self.state = self.SENT
+        return True
+
+    def refuse(self) -> BaseException:
+        """The fence found the lease not held: the exception to raise (now and from then on)."""
+        self.state = self.REFUSED
+        return self._refused()
+
+    def failed(self, conn: psycopg.Connection[Any]) -> None:
+        """Sending it raised: when no transaction was left open, nothing more may run."""
+        if self.state == self.SENT and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
+            self.state = self.FAILED
+
+    def check(self) -> None:
+        """Raise when the fence refused or the transaction could not begin."""
+        if self.state == self.REFUSED:
+            raise self._refused()
+        if self.state == self.FAILED:
+            raise psycopg.ProgrammingError("the fenced transaction could not begin (its error was raised "
+                                           "before); no statement can run in it: leave the block")
 
 
 class DeferringConnection(psycopg.Connection[Any]):
@@ -86,11 +111,17 @@ class DeferringConnection(psycopg.Connection[Any]):
 
     def _start_query(self) -> PQGen[None]:
         deferred = self.deferred
-        if deferred is not None and deferred.take():
-            if self._pipeline is not None:
-                yield from _begin_in_pipeline_gen(self, deferred)
-            else:
-                yield from _begin_gen(self, deferred)
+        if deferred is not None:
+            deferred.check()
+            if deferred.take():
+                try:
+                    if self._pipeline is not None:
+                        yield from _begin_in_pipeline_gen(self, deferred)
+                    else:
+                        yield from _begin_gen(self, deferred)
+                except BaseException:
+                    deferred.failed(self)
+                    raise
         yield from super()._start_query()
 
     def transaction(self, *args: Any, **kwargs: Any) -> Any:
@@ -102,9 +133,9 @@ class DeferringConnection(psycopg.Connection[Any]):
     def send_deferred(self) -> None:
         """BEGIN and the deferred fence now, if no statement sent them yet."""
         deferred = self.deferred
-        if deferred is not None and deferred.pending:
+        if deferred is not None and deferred.state != deferred.SENT:
             with self.lock:
-                self.wait(self._start_query())
+                self.wait(self._start_query())  # or raises what check() raises
 
 
 class SpinningDeferringConnection(DeferringConnection, SpinningConnection):
@@ -120,42 +151,40 @@ class DeferringCursor(psycopg.Cursor[Any]):
         conn = self.connection
         deferred = getattr(conn, "deferred", None)
         if (deferred is None or not deferred.pending or prepare or binary is not None or self.format != _TEXT
-                or not isinstance(query, (str, bytes, sql.Composable)) or not _wire.available(conn)
-                or not deferred.take()):
-            super().execute(query, params, prepare=prepare, binary=binary)
+                or not isinstance(query, (str, bytes, sql.SQL, sql.Composed)) or not _wire.available(conn)):
+            super().execute(query, params, prepare=prepare, binary=binary)  # _start_query: the fence first
             return self
-        _first_statement(self, deferred, query, params)
+        # What psycopg's execute does before sending (Cursor._start_query), less the BEGIN;
+        # a conversion error leaves the fence pending.
+        self._reset()
+        self._last_query = None
+        self._tx = adapt.Transformer(self)
+        pgq = self._convert_query(query, params)
+        if not deferred.take():  # taken meanwhile (the keepalive skips a pending fence)
+            super().execute(query, params)
+            return self
+        try:
+            result = fenced.open_fenced(conn, deferred.lease, _wire.Step(pgq.query, pgq.params, pgq.types,
+                                                                         pgq.formats), now=deferred.now)
+        except fenced.OneTripUnavailable:  # nothing stayed: the fence on its own, then the statement
+            deferred.state = deferred.PENDING
+            super().execute(query, params)
+            return self
+        except BaseException:
+            deferred.failed(conn)  # its own error leaves the transaction open and failed, as psycopg's
+            raise
+        if result is None:
+            raise deferred.refuse()
+        self._query = pgq
+        self._set_results([result])
+        self._last_query = query
         return self
-
-
-def _first_statement(cur: DeferringCursor, deferred: Deferred, query: Any, params: Any) -> None:
-    """BEGIN, the fence and ``query`` in one round trip; the result set on ``cur`` as psycopg's
-    own ``execute`` sets it."""
-    conn = cur.connection
-    # What psycopg's execute does before sending (Cursor._start_query), less the BEGIN.
-    cur._reset()
-    cur._last_query = None
-    cur._tx = adapt.Transformer(cur)
-    pgq = cur._convert_query(query, params)
-    try:
-        result = fenced.open_fenced(conn, deferred.lease, _wire.Step(pgq.query, pgq.params, pgq.types, pgq.formats),
-                                    now=deferred.now)
-    except fenced.OneTripUnavailable:  # nothing sent that stayed: the fence on its own, then the statement
-        with conn.lock:
-            conn.wait(_begin_gen(conn, deferred))
-        psycopg.Cursor.execute(cur, query, params)
-        return
-    if result is None:
-        raise deferred.refused()
-    cur._query = pgq
-    cur._set_results([result])
-    cur._last_query = query
 
 
 def _begin_gen(conn: psycopg.Connection[Any], deferred: Deferred) -> PQGen[None]:
     """BEGIN and the fence's lock (jobs.sql ``fenced_lock``, any migration) in one round trip,
     as a psycopg generator (the connection's lock held).  When the lease is not held, raises
-    ``deferred.refused()`` with the transaction left open (the fenced transaction rolls it
+    ``deferred.refuse()`` with the transaction left open (the fenced transaction rolls it
     back)."""
     lease = deferred.lease
     fence = _wire.bind(conn, q("fenced_lock"), {"id": lease.job_id, "worker": lease.worker,
@@ -163,7 +192,7 @@ def _begin_gen(conn: psycopg.Connection[Any], deferred: Deferred) -> PQGen[None]
     results = yield from _wire.send_all_gen(conn, [_wire.Step(_wire.BEGIN), fence])
     _wire.raise_first_error(conn, results)
     if results[1].ntuples == 0:
-        raise deferred.refused()
+        raise deferred.refuse()
 
 
 def _begin_in_pipeline_gen(conn: psycopg.Connection[Any], deferred: Deferred) -> PQGen[None]:
@@ -182,4 +211,4 @@ def _begin_in_pipeline_gen(conn: psycopg.Connection[Any], deferred: Deferred) ->
     except psycopg.errors.RaiseException as exc:
         if not fenced.refused_by_fence(exc):
             raise
-        raise deferred.refused() from exc
+        raise deferred.refuse() from exc

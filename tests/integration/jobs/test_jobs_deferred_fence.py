@@ -236,3 +236,56 @@ def test_the_pools_connections_defer_the_fence(jobs_db):
         with make() as conn:
             assert type(conn) is cls and conn.autocommit
             assert conn.execute("SELECT 1").fetchone() == (1,)  # no fence: a plain cursor's execute
+
+
+def test_a_handler_that_swallows_the_refusal_cannot_write_around_the_fence(dconn, jobs_db):
+    """The connection is in autocommit: after the fence refused, a statement sent as if
+    nothing happened would commit on its own.  Every later one is refused too, and the
+    block raises LeaseLost at its end even when the handler caught every error."""
+    job = _job(dconn, now=at(0), lease_s=10)
+    late = JobContext(job, dconn, deadline=float("inf"), db_now=lambda: at(10.5))
+    caught: list[type[BaseException]] = []
+    with pytest.raises(LeaseLost), late.fenced_transaction() as tx:
+        for send in (lambda: tx.execute(INSERT, _params(job, 1)),
+                     lambda: psycopg.ClientCursor(tx).execute(INSERT, _params(job, 2)),
+                     lambda: tx.transaction().__enter__()):
+            try:
+                send()
+            except LeaseLost as exc:
+                caught.append(type(exc))
+        assert not late.keep_fence_alive()  # refused: nothing to keep alive, nothing raised
+    assert caught == [LeaseLost] * 3
+    assert _idle(dconn) and rows(jobs_db, "SELECT count(*) FROM effects") == [(0,)]
+
+
+def test_a_fence_that_fails_leaves_nothing_to_write_around_it(dconn, jobs_db):
+    job = _job(dconn, lease_s=60)
+    ctx = JobContext(job, dconn, deadline=float("inf"))
+    with ctx.fenced_transaction() as tx:
+        tx.execute(INSERT, _params(job, 1))  # prepares the fence
+    dconn.execute("SET lock_timeout = '50ms'")
+    with psycopg.connect(jobs_db) as other:
+        other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (job.id,))  # a takeover holds it
+        errors: list[str] = []
+        with pytest.raises(psycopg.ProgrammingError, match="could not begin"), ctx.fenced_transaction() as tx:
+            for step in (2, 3):
+                try:
+                    tx.execute(INSERT, _params(job, step))
+                except psycopg.Error as exc:
+                    errors.append(type(exc).__name__)
+        assert errors == ["LockNotAvailable", "ProgrammingError"]
+    dconn.execute("RESET lock_timeout")
+    assert _idle(dconn) and not ctx.cancelled
+    assert rows(jobs_db, "SELECT step FROM effects ORDER BY step") == [(1,)]
+
+
+def test_a_first_statement_that_cannot_be_bound_leaves_the_fence_for_the_next(dconn, jobs_db):
+    job = _job(dconn, lease_s=60)
+    ctx = JobContext(job, dconn, deadline=float("inf"))
+    with ctx.fenced_transaction() as tx:
+        with pytest.raises(psycopg.ProgrammingError):  # a parameter missing: nothing sent
+            tx.execute(INSERT, {"id": job.id})
+        assert dconn.deferred is not None and dconn.deferred.pending
+        tx.execute(INSERT, _params(job, 1))
+        assert tx.info.transaction_status == TransactionStatus.INTRANS  # fenced, not autocommitted
+    assert rows(jobs_db, "SELECT step FROM effects") == [(1,)]
