@@ -25,6 +25,7 @@ import psycopg
 import psycopg.errors
 from psycopg import pq
 
+from consumer_sdk.jobs import deferred as deferred_fence
 from consumer_sdk.jobs import fenced, queue
 from consumer_sdk.jobs._db import ConnectionT, first_line, q
 from consumer_sdk.jobs.deferred import Deferred, DeferringConnection
@@ -153,7 +154,7 @@ class JobContext:
         """
         self.check()
         conn = self.conn
-        deferring = conn if isinstance(conn, DeferringConnection) else None
+        deferring = conn if isinstance(conn, DeferringConnection) and deferred_fence.INTERNALS else None
         try:
             can_defer = (deferring is not None and self._fenced_depth == 0
                          and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE

@@ -49,6 +49,19 @@ from outbox_core.spin import SpinningConnection
 
 _TEXT = pq.Format.TEXT
 
+#: psycopg's internals this module relies on: that every cursor calls its connection's
+#: ``_start_query`` before sending (what keeps a statement from going around the fence),
+#: the cursor's own steps before sending (``_reset``, ``_convert_query``, ``_set_results``)
+#: and a pipeline's ``_sync_gen``.  Tested with psycopg 3.3
+#: (tests/integration/jobs/test_jobs_deferred_fence.py sends a first statement every way a
+#: handler can); on another release fenced transactions keep BEGIN and the fence in a round
+#: trip of their own, as on a connection of another kind.
+TESTED_PSYCOPG = (3, 3)
+INTERNALS = (tuple(int(part) for part in psycopg.__version__.split(".")[:2]) == TESTED_PSYCOPG
+             and all(hasattr(psycopg.Connection, name) for name in ("_start_query", "_exec_command"))
+             and all(hasattr(psycopg.Cursor, name) for name in ("_reset", "_convert_query", "_set_results"))
+             and hasattr(psycopg.Pipeline, "_sync_gen"))
+
 
 class Deferred:
     """One fenced transaction's BEGIN and fence, recorded and not sent yet.  Taken once, by
