@@ -58,13 +58,15 @@ INTERNALS = (hasattr(generators, "send") and hasattr(generators, "fetch_many")
 
 class Step(NamedTuple):
     """One statement of a pipeline: SQL text, or a prepared statement's name (``prepared``),
-    with its parameters as libpq takes them."""
+    with its parameters as libpq takes them; or, with ``prepare_as``, the PREPARE of ``sql``
+    under that name (its parameters' ``types``; its own result)."""
 
     sql: bytes
     params: Sequence[Buffer | None] | None = None
     types: Sequence[int] | None = None
     formats: Sequence[pq.Format] | None = None
     prepared: bool = False
+    prepare_as: bytes | None = None
 
 
 def available(conn: psycopg.Connection[Any]) -> bool:
@@ -147,7 +149,9 @@ def roll_back(conn: psycopg.Connection[Any]) -> None:
 def _queue(pgconn: pq.abc.PGconn, steps: Sequence[Step]) -> None:
     """``steps`` and a Sync into libpq's output buffer (pipeline mode; nothing flushed)."""
     for step in steps:
-        if step.prepared:
+        if step.prepare_as is not None:
+            pgconn.send_prepare(step.prepare_as, step.sql, param_types=step.types)
+        elif step.prepared:
             pgconn.send_query_prepared(step.sql, step.params, param_formats=step.formats)
         else:
             pgconn.send_query_params(step.sql, step.params, param_types=step.types,

@@ -47,12 +47,17 @@ from consumer_sdk.jobs._db import q
 from consumer_sdk.jobs.model import Lease
 from outbox_core.spin import SpinningConnection
 
+try:  # psycopg's prepared-statement cache, as its cursors consult it
+    from psycopg._preparing import Prepare
+except ImportError:  # pragma: no cover - another psycopg: INTERNALS is false
+    Prepare = None  # type: ignore[assignment,misc]
+
 _TEXT = pq.Format.TEXT
 
 #: psycopg's internals this module relies on: that every cursor calls its connection's
 #: ``_start_query`` before sending (what keeps a statement from going around the fence),
 #: the cursor's own steps before sending (``_reset``, ``_convert_query``, ``_set_results``)
-#: and a pipeline's ``_sync_gen``.  Tested with psycopg 3.3
+#: a pipeline's ``_sync_gen`` and the prepared-statement cache (``Prepare``).  Tested with psycopg 3.3
 #: (tests/integration/jobs/test_jobs_deferred_fence.py sends a first statement every way a
 #: handler can); on another release fenced transactions keep BEGIN and the fence in a round
 #: trip of their own, as on a connection of another kind.
@@ -60,7 +65,7 @@ TESTED_PSYCOPG = (3, 3)
 INTERNALS = (tuple(int(part) for part in psycopg.__version__.split(".")[:2]) == TESTED_PSYCOPG
              and all(hasattr(psycopg.Connection, name) for name in ("_start_query", "_exec_command"))
              and all(hasattr(psycopg.Cursor, name) for name in ("_reset", "_convert_query", "_set_results"))
-             and hasattr(psycopg.Pipeline, "_sync_gen"))
+             and hasattr(psycopg.Pipeline, "_sync_gen") and Prepare is not None)
 
 
 class Deferred:
@@ -176,9 +181,18 @@ class DeferringCursor(psycopg.Cursor[Any]):
         if not deferred.take():  # taken meanwhile (the keepalive skips a pending fence)
             super().execute(query, params)
             return self
+        # Prepared as psycopg's own execute would have it (its cache: after prepare_threshold
+        # executions, and never behind a transaction pooler), recorded only once it ran.
+        prepared = conn._prepared
+        prep, name = prepared.get(pgq, None)
+        if prep is Prepare.NO:
+            steps = [_wire.Step(pgq.query, pgq.params, pgq.types, pgq.formats)]
+        else:
+            steps = [_wire.Step(name, pgq.params, None, pgq.formats, prepared=True)]
+            if prep is Prepare.SHOULD:
+                steps.insert(0, _wire.Step(pgq.query, types=pgq.types, prepare_as=name))
         try:
-            result = fenced.open_fenced(conn, deferred.lease, _wire.Step(pgq.query, pgq.params, pgq.types,
-                                                                         pgq.formats), now=deferred.now)
+            result = fenced.open_fenced(conn, deferred.lease, steps, now=deferred.now)
         except fenced.OneTripUnavailable:  # nothing stayed: the fence on its own, then the statement
             deferred.state = deferred.PENDING
             super().execute(query, params)
@@ -188,6 +202,12 @@ class DeferringCursor(psycopg.Cursor[Any]):
             raise
         if result is None:
             raise deferred.refuse()
+        key = prepared.maybe_add_to_cache(pgq, prep, name)
+        if key is not None:
+            prepared.validate(key, prep, name, [result])
+        if prepared._to_flush:  # a statement the cache let go: DEALLOCATE it, as psycopg does after an execute
+            with conn.lock:
+                conn.wait(prepared.maintain_gen(conn))
         self._query = pgq
         self._set_results([result])
         self._last_query = query

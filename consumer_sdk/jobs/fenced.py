@@ -96,17 +96,18 @@ def fenced_statements(conn: ConnectionT, lease: Lease, statements: Sequence[tupl
     return None if results is None else [result.command_tuples or 0 for result in results]
 
 
-def open_fenced(conn: ConnectionT, lease: Lease, step: _wire.Step, *,
+def open_fenced(conn: ConnectionT, lease: Lease, steps: Sequence[_wire.Step], *,
                 now: datetime | None = None) -> pq.abc.PGresult | None:
-    """BEGIN, the raising fence and ``step`` (a statement bound as :func:`consumer_sdk._wire.bind`
-    binds it) in one round trip, the transaction left open for more statements and the
-    caller's COMMIT: :mod:`consumer_sdk.jobs.deferred`, a fenced transaction's first
-    statement.  Returns the statement's result, or None when ``lease`` does not hold the job
-    (nothing written, no transaction left open).  The statement's own error is raised as
-    psycopg raises it, the transaction left open and failed, as psycopg leaves it (the
-    caller rolls back).  :class:`OneTripUnavailable` as :func:`fenced_statements`."""
-    results = _trip(conn, lease, [step], now=now, commit=False)
-    return None if results is None else results[0]
+    """BEGIN, the raising fence and ``steps`` (a statement bound as :func:`consumer_sdk._wire.bind`
+    binds it, perhaps its PREPARE before it) in one round trip, the transaction left open
+    for more statements and the caller's COMMIT: :mod:`consumer_sdk.jobs.deferred`, a
+    fenced transaction's first statement.  Returns the last step's result, or None when
+    ``lease`` does not hold the job (nothing written, no transaction left open).  The
+    statement's own error is raised as psycopg raises it, the transaction left open and
+    failed, as psycopg leaves it (the caller rolls back).  :class:`OneTripUnavailable` as
+    :func:`fenced_statements`."""
+    results = _trip(conn, lease, steps, now=now, commit=False)
+    return None if results is None else results[-1]
 
 
 def _trip(conn: ConnectionT, lease: Lease, steps: Sequence[_wire.Step], *, now: datetime | None,

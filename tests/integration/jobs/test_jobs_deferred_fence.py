@@ -289,3 +289,22 @@ def test_a_first_statement_that_cannot_be_bound_leaves_the_fence_for_the_next(dc
         tx.execute(INSERT, _params(job, 1))
         assert tx.info.transaction_status == TransactionStatus.INTRANS  # fenced, not autocommitted
     assert rows(jobs_db, "SELECT step FROM effects") == [(1,)]
+
+
+def test_the_first_statement_is_prepared_as_psycopg_would_prepare_it(dconn, jobs_db):
+    """psycopg prepares a statement after ``prepare_threshold`` executions (5); the first
+    statement of a fenced transaction goes the same way, in its one round trip."""
+    job = _job(dconn, lease_s=60)
+    ctx = JobContext(job, dconn, deadline=float("inf"))
+    sent: list[list[str]] = []
+    for step in range(1, 8):
+        with RoundTrips(dconn) as trips, ctx.fenced_transaction() as tx:
+            assert tx.execute(INSERT + " RETURNING step", _params(job, step)).fetchone() == (step,)
+        sent.append([line for line in trips.lines if line.startswith("F\t") and "\tParse\t" in line])
+    named = [i for i, parses in enumerate(sent) if any('"_pg3_' in line for line in parses)]
+    assert named == [5], sent  # prepared once, at the sixth execution
+    assert not any("INSERT" in line for line in sent[6]), sent[6]  # then run by its name
+    dconn.execute("DEALLOCATE ALL")  # psycopg forgets its own, the fence is prepared again
+    with ctx.fenced_transaction() as tx:
+        tx.execute(INSERT, _params(job, 8))
+    assert rows(jobs_db, "SELECT count(*) FROM effects") == [(8,)]
