@@ -1,6 +1,8 @@
 """Issue 19: a job's statements in round trips on the real database.  A fenced transaction
-with one write costs three (BEGIN with the fence's prepared lock in one simple query, the
-write, COMMIT; before: four; the first on a connection prepares the lock, one more),
+with one write costs three on a plain psycopg connection (BEGIN with the fence's prepared
+lock in one simple query, the write, COMMIT; before: four; the first on a connection
+prepares the lock, one more; on the pool's own connections, two:
+test_jobs_deferred_fence.py),
 and a claim two (BEGIN with the owners' locks, the claim with COMMIT; before: four), or
 one when no owner limit can bind (the claim alone), still
 refusing a stale lease and leaving no transaction open either way."""
