@@ -178,11 +178,10 @@ class DeferringCursor(psycopg.Cursor[Any]):
         self._last_query = None
         self._tx = adapt.Transformer(self)
         pgq = self._convert_query(query, params)
-        if not deferred.take():  # taken meanwhile (the keepalive skips a pending fence)
-            super().execute(query, params)
-            return self
         # Prepared as psycopg's own execute would have it (its cache: after prepare_threshold
         # executions, and never behind a transaction pooler), recorded only once it ran.
+        # Asked before the fence is taken: until then no other thread (the heartbeat's
+        # keepalive) uses the connection, which shares the cache.
         prepared = conn._prepared
         prep, name = prepared.get(pgq, None)
         if prep is Prepare.NO:
@@ -191,6 +190,9 @@ class DeferringCursor(psycopg.Cursor[Any]):
             steps = [_wire.Step(name, pgq.params, None, pgq.formats, prepared=True)]
             if prep is Prepare.SHOULD:
                 steps.insert(0, _wire.Step(pgq.query, types=pgq.types, prepare_as=name))
+        if not deferred.take():  # taken meanwhile (the keepalive skips a pending fence)
+            super().execute(query, params)
+            return self
         try:
             result = fenced.open_fenced(conn, deferred.lease, steps, now=deferred.now)
         except fenced.OneTripUnavailable:  # nothing stayed: the fence on its own, then the statement
@@ -202,11 +204,11 @@ class DeferringCursor(psycopg.Cursor[Any]):
             raise
         if result is None:
             raise deferred.refuse()
-        key = prepared.maybe_add_to_cache(pgq, prep, name)
-        if key is not None:
-            prepared.validate(key, prep, name, [result])
-        if prepared._to_flush:  # a statement the cache let go: DEALLOCATE it, as psycopg does after an execute
-            with conn.lock:
+        with conn.lock:  # the keepalive may run from now on
+            key = prepared.maybe_add_to_cache(pgq, prep, name)
+            if key is not None:
+                prepared.validate(key, prep, name, [result])
+            if prepared._to_flush:  # a statement the cache let go: DEALLOCATE it, as psycopg does
                 conn.wait(prepared.maintain_gen(conn))
         self._query = pgq
         self._set_results([result])
