@@ -121,9 +121,8 @@ class JobContext:
 
     def check(self) -> None:
         """Raise :class:`LeaseLost` when the attempt was cancelled; call it between steps."""
-        reason = self._reason
-        if reason is not None:
-            raise LeaseLost(f"job {self.job.id}: {_MESSAGES.get(reason, reason)}", reason=reason)
+        if self._reason is not None:
+            raise self._lease_lost()
 
     def sleep(self, seconds: float) -> None:
         """Wait up to ``seconds``, waking at once on cancellation (then raise LeaseLost)."""
@@ -154,21 +153,13 @@ class JobContext:
         """
         self.check()
         conn = self.conn
-        deferring = conn if isinstance(conn, DeferringConnection) and deferred_fence.INTERNALS else None
-        try:
-            can_defer = (deferring is not None and self._fenced_depth == 0
-                         and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
-                         and fenced.one_trip_fence(conn))
-        except psycopg.Error as exc:
-            raise self._lost_or(exc) from exc
-        if deferring is not None and can_defer:
-            yield from self._deferred_transaction(deferring)
-            return
+        deferred = self._defer(conn)
+        rollback = _rollback if deferred is None else _rollback_deferred
         try:
             # BEGIN and the fence's lock in one round trip (one simple query, see
-            # queue.fence_begin); then the handler's statements; then COMMIT, or ROLLBACK on
-            # any exception.
-            held = queue.fence_begin(conn, self.lease, now=self._db_now())
+            # queue.fence_begin), or deferred to the first statement; then the handler's
+            # statements; then COMMIT, or ROLLBACK on any exception.
+            held = deferred is not None or queue.fence_begin(conn, self.lease, now=self._db_now())
             try:
                 if not held:
                     self.cancel("lease_lost")
@@ -179,48 +170,48 @@ class JobContext:
                 finally:
                     self._fenced_depth -= 1
             except BaseException:
-                _rollback(conn)
+                rollback(conn)
                 raise
+            if deferred is not None:
+                deferred.check()  # refused or failed, and the handler swallowed it: raised here again
+                if deferred.take():  # no statement was sent: nothing to commit
+                    return
             conn.commit()
         except psycopg.Error as exc:
-            _rollback(conn)  # BEGIN went through even when the fence's statement failed
-            translated = self._lost_or(exc)
-            if translated is exc:
-                raise
-            raise translated from exc
-
-    def _deferred_transaction(self, conn: DeferringConnection) -> Iterator[ConnectionT]:
-        """:meth:`fenced_transaction` with BEGIN and the fence sent by the first statement."""
-        deferred = conn.deferred = Deferred(self.lease, self._db_now(), self._refused)
-        try:
-            try:
-                self._fenced_depth += 1
-                try:
-                    yield conn
-                finally:
-                    self._fenced_depth -= 1
-            except BaseException:
-                _rollback_deferred(conn)
-                raise
-            deferred.check()  # refused or failed, and the handler swallowed it: raised here again
-            if deferred.take():  # no statement was sent: nothing to commit
-                return
-            conn.commit()
-        except psycopg.Error as exc:
-            _rollback_deferred(conn)
+            rollback(conn)  # BEGIN went through even when the fence's statement failed
             translated = self._lost_or(exc)
             if translated is exc:
                 raise
             raise translated from exc
         finally:
-            deferred.take()
-            conn.deferred = None
+            if deferred is not None:
+                deferred.take()
+                conn.deferred = None  # type: ignore[attr-defined]  # a DeferringConnection (_defer)
+
+    def _defer(self, conn: ConnectionT) -> Deferred | None:
+        """The fence recorded on ``conn`` for its first statement to send
+        (:mod:`consumer_sdk.jobs.deferred`), or None where it goes at once: a connection of
+        another kind, a transaction already open, no migration 0012 or no pipeline mode."""
+        if not (isinstance(conn, DeferringConnection) and deferred_fence.INTERNALS and self._fenced_depth == 0
+                and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE):
+            return None
+        try:
+            if not fenced.one_trip_fence(conn):
+                return None
+        except psycopg.Error as exc:
+            raise self._lost_or(exc) from exc
+        deferred = conn.deferred = Deferred(self.lease, self._db_now(), self._refused)
+        return deferred
 
     def _refused(self) -> BaseException:
         """The fence found the lease not held: the attempt is cancelled, LeaseLost to raise."""
         self.cancel("lease_lost")  # the first reason wins
+        return self._lease_lost()
+
+    def _lease_lost(self, cause: str = "") -> LeaseLost:
+        """LeaseLost for the attempt's cancellation reason (lease_lost when none yet)."""
         reason = self._reason or "lease_lost"
-        return LeaseLost(f"job {self.job.id}: {_MESSAGES.get(reason, reason)}", reason=reason)
+        return LeaseLost(f"job {self.job.id}: {_MESSAGES.get(reason, reason)}{cause}", reason=reason)
 
     def fenced_execute(self, query: Any, params: Any = None) -> int:
         """Run one writing statement in a fenced transaction of its own, in one round trip.
@@ -273,9 +264,7 @@ class JobContext:
         if not (ended or self.cancelled or self.conn.broken or self.conn.closed or fenced.refused_by_fence(exc)):
             return exc  # the handler's own statement failed: its error, not the fence's
         self.cancel("fence_ended" if ended else "lease_lost")  # the first reason wins
-        reason = self._reason or "lease_lost"
-        return LeaseLost(f"job {self.job.id}: {_MESSAGES.get(reason, reason)}: {first_line(exc)}",
-                         reason=reason)
+        return self._lease_lost(f": {first_line(exc)}")
 
     @property
     def in_fenced_transaction(self) -> bool:
