@@ -131,8 +131,14 @@ def _exchange(pgconn: pq.abc.PGconn, steps: Sequence[Step]) -> PQGen[list[pq.abc
     """Queue ``steps`` and a Sync, flush them, read their results and the Sync's (pipeline mode)."""
     _queue(pgconn, steps)
     yield from generators.send(pgconn)
+    return (yield from _fetch_results(pgconn, len(steps)))
+
+
+def _fetch_results(pgconn: pq.abc.PGconn, count: int) -> PQGen[list[pq.abc.PGresult]]:
+    """The results of ``count`` statements sent, then their Sync's: one fetch per statement
+    (each ends with libpq's NULL), one for the Sync."""
     results: list[pq.abc.PGresult] = []
-    for _ in range(len(steps) + 1):
+    for _ in range(count + 1):
         results.extend((yield from generators.fetch_many(pgconn)))
     return results
 
@@ -160,9 +166,9 @@ def _queue(pgconn: pq.abc.PGconn, steps: Sequence[Step]) -> None:
 
 
 def _results(conn: psycopg.Connection[Any], count: int) -> list[pq.abc.PGresult]:
-    """The results of ``count`` statements sent, then their Sync's: one fetch per statement
-    (each ends with libpq's NULL), one for the Sync."""
-    return [result for _ in range(count + 1) for result in conn.wait(generators.fetch_many(conn.pgconn))]
+    """:func:`_fetch_results`, waited for on ``conn``."""
+    results: list[pq.abc.PGresult] = conn.wait(_fetch_results(conn.pgconn, count))
+    return results
 
 
 class Trips:
