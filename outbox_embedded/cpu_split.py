@@ -83,24 +83,49 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), ticks / os.sysconf("SC_CLK_TCK")
 
 
+#: Scans of /proc tried before a snapshot is taken with a process ending during it.
+_SCANS = 5
+
+
 def tree_cpu_s(root: int) -> float:
-    """CPU seconds of ``root`` and all its descendants (0.0 when it is gone)."""
+    """CPU seconds of ``root`` and all its descendants (0.0 when it is gone).
+
+    /proc is read one process at a time, so a descendant that ends and is reaped during
+    the scan could be missed (its parent read before it got the child's time, the child
+    gone when its turn came) or counted twice (read, then reaped into a parent read after
+    it): a snapshot lower than the one before it, a negative CPU per row.  A scan during
+    which a process of the tree ended is done again (up to ``_SCANS`` times)."""
+    for _scan in range(_SCANS):
+        total, steady = _tree_scan(root)
+        if steady:
+            break
+    return total
+
+
+def _tree_scan(root: int) -> tuple[float, bool]:
+    """``root``'s tree's CPU seconds, and whether every process of it listed was still
+    there once the scan ended."""
+    listed = [int(entry.name) for entry in _PROC.iterdir() if entry.name.isdigit()]
     stats = {}
-    for entry in _PROC.iterdir():
-        if entry.name.isdigit():
-            stat = _stat(int(entry.name))
-            if stat is not None:
-                stats[int(entry.name)] = stat
+    vanished = False
+    for pid in listed:
+        stat = _stat(pid)
+        if stat is None:
+            vanished = True  # ended between the listing and its read: perhaps in the tree
+        else:
+            stats[pid] = stat
     children: dict[int, list[int]] = {}
     for pid, (ppid, _cpu) in stats.items():
         children.setdefault(ppid, []).append(pid)
-    total, todo = 0.0, [root]
+    total, todo, tree = 0.0, [root], []
     while todo:
         pid = todo.pop()
         if pid in stats:
             total += stats[pid][1]
+            tree.append(pid)
             todo.extend(children.get(pid, ()))
-    return total
+    steady = not vanished and all((_PROC / str(pid)).exists() for pid in tree)
+    return total, steady
 
 
 class CpuSplit:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,3 +81,40 @@ def test_only_servers_on_this_machine_are_looked_for() -> None:
     assert broker_port("127.0.0.1:9092,other:9092") == 9092
     assert broker_port("[::1]:19092") == 19092
     assert broker_port("kafka-1.example.com:9092") is None
+
+
+def _fake_stat(proc: Path, pid: int, ppid: int, ticks: int, child_ticks: int = 0) -> None:
+    (proc / str(pid)).mkdir(exist_ok=True)
+    fields = ["S", str(ppid), *["0"] * 9, str(ticks), "0", str(child_ticks), "0"]
+    (proc / str(pid) / "stat").write_text(f"{pid} (server) {' '.join(fields)}\n")
+
+
+def test_a_child_reaped_during_the_scan_is_neither_lost_nor_counted_twice(tmp_path, monkeypatch) -> None:
+    """The bench's smoke test read a negative CPU per row on CI (6d98313, the Kafka variant):
+    a backend that ended and was reaped during the scan was missing from the snapshot (or,
+    read before its parent, counted twice).  Here a fake /proc reaps the child into its
+    parent in the middle of a scan."""
+    from outbox_embedded import cpu_split
+
+    hz = os.sysconf("SC_CLK_TCK")
+    _fake_stat(tmp_path, 10, 1, ticks=2 * hz)  # the postmaster: 2 s of its own
+    _fake_stat(tmp_path, 11, 10, ticks=3 * hz)  # a backend: 3 s
+    monkeypatch.setattr(cpu_split, "_PROC", tmp_path)
+    read = cpu_split._stat
+    reaped: list[int] = []
+
+    def racing_stat(pid: int) -> Any:
+        # The backend ends and is reaped just after the first of the two is read: read
+        # parent first, the old scan lost the backend's 3 s (2.0); child first, it counted
+        # them twice (8.0), whichever order the directory lists them in.
+        stat = read(pid)
+        if pid in (10, 11) and not reaped:
+            reaped.append(11)
+            (tmp_path / "11" / "stat").unlink()
+            (tmp_path / "11").rmdir()
+            _fake_stat(tmp_path, 10, 1, ticks=2 * hz, child_ticks=3 * hz)
+        return stat
+
+    monkeypatch.setattr(cpu_split, "_stat", racing_stat)
+    assert tree_cpu_s(10) == 5.0
+    assert reaped == [11]
