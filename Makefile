@@ -9,10 +9,10 @@ TEST_WORKERS ?= 3
 
 .PHONY: venv test test-unit test-kafka kafka-jars demo bench soak lint typecheck clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test]' -c constraints.txt
 	touch $(STAMP)
 
 venv: $(STAMP)

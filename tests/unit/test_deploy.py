@@ -803,3 +803,19 @@ def test_dockerfile() -> None:
     assert str(config.DEFAULT_METRICS_PORT) in exposed
     runs = " ".join(args for word, args in instructions if word == "RUN")
     assert "pip wheel" in runs or "pip install ." in runs
+
+
+def test_the_image_copies_only_what_its_build_context_lets_through_and_pins_its_dependencies() -> None:
+    """Every source the build stage copies passes deploy/Dockerfile.dockerignore (a file
+    filtered out fails `docker build`, which no test here runs), and the wheels are built
+    at the releases of constraints.txt, the set CI passed with."""
+    allowed = {line.strip()[1:] for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+               if line.strip().startswith("!")}
+    copied = [src for word, args in dockerfile_instructions() if word == "COPY" and "--from" not in args
+              for src in shlex.split(args)[:-1]]
+    assert "constraints.txt" in copied
+    for src in copied:
+        assert src in allowed or f"{src}/**" in allowed, f"COPY {src}: not in the build context"
+        assert (ROOT / src).exists(), src
+    runs = [args for word, args in dockerfile_instructions() if word == "RUN" and "pip wheel" in args]
+    assert runs and all("-c constraints.txt" in args for args in runs), runs
