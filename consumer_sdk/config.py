@@ -75,6 +75,9 @@ class InboxConfig:
     socket before sleeping on it (0: sleep at once, as psycopg does); it saves the wake-up
     that is most of a short round trip on virtual machines, at up to that much CPU a wait,
     and pauses itself when answers keep coming later than that (:mod:`outbox_core.spin`).
+    None (the default) is ``DEFAULT_DB_SPIN_US``, or 0 when this process may use less than
+    one core (a container's CPU limit, read from its cgroup at start: there a poll's CPU
+    counts against the quota, and throttling cost more than the wake-ups it saved).
     """
 
     name: str
@@ -103,7 +106,7 @@ class InboxConfig:
     savepoint_per_message: bool = False
     db_backoff_initial_s: float = DEFAULT_DB_BACKOFF_INITIAL_S
     db_backoff_max_s: float = DEFAULT_DB_BACKOFF_MAX_S
-    db_spin_us: float = DEFAULT_DB_SPIN_US
+    db_spin_us: float | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -139,7 +142,7 @@ class InboxConfig:
             raise ConfigError("cleanup_batch must be at least 1")
         if not 0 < self.db_backoff_initial_s <= self.db_backoff_max_s:
             raise ConfigError("need 0 < db_backoff_initial_s <= db_backoff_max_s")
-        if not 0 <= self.db_spin_us <= MAX_DB_SPIN_US:
+        if self.db_spin_us is not None and not 0 <= self.db_spin_us <= MAX_DB_SPIN_US:
             raise ConfigError(f"db_spin_us must be 0 (off) to {MAX_DB_SPIN_US:,.0f}, got {self.db_spin_us!r}")
 
     def __repr__(self) -> str:

@@ -45,7 +45,7 @@ from confluent_kafka import (
 )
 
 from consumer_sdk import kafka
-from consumer_sdk.config import InboxConfig
+from consumer_sdk.config import DEFAULT_DB_SPIN_US, InboxConfig
 from consumer_sdk.dead_letters import KafkaDeadLetters
 from consumer_sdk.errors import DatabaseUnavailable, DeadLetterBlocked, KafkaFatal, RetriableError
 from consumer_sdk.metrics import ConsumerMetrics
@@ -57,8 +57,9 @@ from consumer_sdk.rejections import DeadLetterSink, Policies
 from consumer_sdk.replays import with_replays
 from consumer_sdk.retention import RetentionFinding, check_retention, report_retention
 from consumer_sdk.store import ConnectionFactory, PgInboxStore, cleanup_inbox, connect_factory
+from outbox_core import cgroup
 from outbox_core.backoff import backoff_s
-from outbox_core.spin import Spinner
+from outbox_core.spin import Spinner, default_budget_us
 
 #: The handler: apply one message with ``conn``, inside the consumer's transaction.
 #: Never commit.  Raise to roll back and retry; raise PermanentError to dead-letter now.
@@ -104,8 +105,13 @@ class InboxConsumer:
         self.metrics = metrics if metrics is not None else ConsumerMetrics()
         self.log = (log if log is not None else structlog.get_logger("consumer_sdk.inbox")).bind(
             consumer=config.name)
+        spin_us, limit = default_budget_us(config.db_spin_us, DEFAULT_DB_SPIN_US, cgroup.cpu_limit_cores)
+        if limit is not None and connect is None:
+            self.log.info("db_spin_off", cpu_limit_cores=round(limit, 3),
+                          hint="this process may use less than one core: waits for the database sleep at once "
+                               "(set InboxConfig.db_spin_us to poll anyway)")
         self.store = PgInboxStore(connect or connect_factory(
-            config.dsn, application_name=f"outbox-consumer:{config.name}"[:63], spin_s=config.db_spin_us / 1e6))
+            config.dsn, application_name=f"outbox-consumer:{config.name}"[:63], spin_s=spin_us / 1e6))
         if sum(h is not None for h in (handler, batch_handler, statements)) != 1:
             raise TypeError("give one of a handler, a batch_handler or statements")
         self._handler = handler
