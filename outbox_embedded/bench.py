@@ -127,6 +127,9 @@ class Bench:
         self.scale_out_splits: dict[int, list[dict[str, float]]] = collections.defaultdict(list)
         #: Run on every fresh database after the migrations (mark_bench's schema variants).
         self.schema_hook: Callable[[str], None] | None = None
+        #: Given the relay process's pid once it started, in the latency pass (cpu_limit_bench
+        #: puts it in a cgroup).
+        self.relay_hook: Callable[[int], None] | None = None
         #: The query that loads pending rows (mark_bench's bytea_payload variant loads bytes).
         self.pending_load = "bench_load_pending"
 
@@ -296,6 +299,8 @@ class Bench:
                 held.callback(stalled.rollback)
             with relay_process(dsn, self.bootstrap,
                                batch_size=str(self.args.batch_size)) as (proc, scrape):
+                if self.relay_hook is not None:
+                    self.relay_hook(proc.pid)
                 _wait(lambda: scrape("outbox_relay_build_info") > 0, 60, proc)
                 received: dict[str, float] = {}
                 stop = threading.Event()

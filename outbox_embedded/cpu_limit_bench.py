@@ -1,20 +1,23 @@
-"""``python -m outbox_embedded.cpu_limit_bench``: the one-at-a-time InboxConsumer polling its
-connection (``db_spin_us``) and sleeping at once, under CPU limits, in one run.
+"""``python -m outbox_embedded.cpu_limit_bench``: the SDK's consumer and the relay under CPU
+limits, in one run.
 
-A container's CPU limit is a quota of CPU time per period (cgroup CFS bandwidth): the CPU a
-poll spends counts against it, and a process that spent its quota waits for the next
-period.  This bench puts its own process (the consumer and its Kafka client; not PostgreSQL
-nor the broker, started before) in a new cgroup and, for each of ``--limits`` (cores; 0: no
-limit), consumes ``--messages`` messages one at a time with ``db_spin_us=--spin-us`` and
-with 0, the two alternating in ``--rounds`` rounds.  It prints each run (messages a second,
-CPU a message, the periods throttled and the time stopped) and, per limit, the median of
-the rounds' ratios polling / sleeping.  It is how the SDK's default was set: polling off
-below one core (outbox_core/spin.py, ``MIN_LIMIT_CORES``); ``InboxConfig(db_spin_us=None)``
-is what a service gets.
+A container's CPU limit is a quota of CPU time per period (cgroup CFS bandwidth): a process
+whose threads spent the quota waits for the next period, whatever it was doing.  Each of
+``--limits`` (cores; 0: no limit) is set on a new cgroup in turn, ``--rounds`` times:
 
+* ``consumer``: this process (the consumer and its Kafka client; not PostgreSQL nor the
+  broker, started before) joins the cgroup and consumes ``--messages`` messages one at a
+  time with ``db_spin_us=--spin-us`` and with 0, the two alternating.  Per limit, the median
+  of the rounds' ratios of messages a second, polling / sleeping.  It is how the SDK's
+  default was set: polling off below one core (outbox_core/spin.py, ``MIN_LIMIT_CORES``);
+* ``relay``: a relay process (``outbox-relay bench``'s latency pass, ``--rate`` events a
+  second for ``--latency-s``) is put in the cgroup as it starts: its CPU, claims a second and
+  commit -> ack p50 / p99, as a sidecar with that CPU limit would see them.
+
+Every run also prints the periods the cgroup was throttled in and the time it was stopped.
 Needs root and cgroup v1's cpu controller at /sys/fs/cgroup/cpu (or v2 with the cpu
-controller enabled below the root).  Embedded PostgreSQL and tansu, or ``--dsn`` /
-``--bootstrap-servers``.  Benchmarks are not tests: nothing here is asserted.
+controller enabled below the root).  Embedded PostgreSQL and tansu (durable, as
+``outbox-relay bench`` runs them).  Benchmarks are not tests: nothing here is asserted.
 """
 
 from __future__ import annotations
@@ -49,7 +52,11 @@ class Limited:
             (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
 
     def enter(self) -> None:
-        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+        self.admit(os.getpid())
+
+    def admit(self, pid: int) -> None:
+        """Move process ``pid`` (every thread of it) into this cgroup."""
+        (self.path / "cgroup.procs").write_text(str(pid))
 
     def set(self, cores: float) -> None:
         quota = round(cores * PERIOD_US) if cores > 0 else None
@@ -82,12 +89,13 @@ def limited() -> Iterator[Limited]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m outbox_embedded.cpu_limit_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dsn", default=None, help="PostgreSQL to use (default: an embedded one)")
-    p.add_argument("--bootstrap-servers", default=None, help="Kafka to use (default: a local tansu)")
+    p.add_argument("--what", default="consumer,relay", help="consumer, relay or both, comma-separated")
     p.add_argument("--messages", type=int, default=4000, help="messages per run")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--limits", default="0,1,0.5,0.25", help="CPU limits in cores, comma-separated (0: none)")
     p.add_argument("--spin-us", type=float, default=100.0, help="the polling budget set against 0")
+    p.add_argument("--rate", type=float, default=1000.0, help="events a second written in the relay's runs")
+    p.add_argument("--latency-s", type=float, default=10.0, help="how long the relay's runs write")
     p.add_argument("--partitions", type=int, default=6)
     p.add_argument("--payload-bytes", type=int, default=500)
     args = p.parse_args(argv)
@@ -97,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--limits: numbers of cores, comma-separated, not {args.limits!r}")
     if any(v < 0 for v in args.limits) or args.messages < 1 or args.rounds < 1:
         p.error("--limits must be 0 or more; --messages and --rounds at least 1")
+    args.what = set(args.what.split(","))
+    if not args.what or args.what - {"consumer", "relay"}:
+        p.error("--what: consumer, relay or both")
     return args
 
 
@@ -105,8 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("cpu_limit_bench: making a cgroup needs root", file=sys.stderr)
         return 2
+    if "consumer" in args.what:
+        consumer_runs(args)
+    if "relay" in args.what:
+        relay_runs(args)
+    return 0
+
+
+def consumer_runs(args: argparse.Namespace) -> None:
     ratios: dict[float, list[float]] = {limit: [] for limit in args.limits}
-    with services(args) as (dsn, bootstrap):
+    with services(argparse.Namespace(dsn=None, bootstrap_servers=None)) as (dsn, bootstrap):
         plan = [(r, limit) for r in range(args.rounds) for limit in args.limits]
         topics = []
         for _ in range(len(plan) * 2):  # produced before the limit: only consuming is limited
@@ -120,21 +139,44 @@ def main(argv: list[str] | None = None) -> int:
                 rates: dict[float, float] = {}
                 for spin_us in rotated([args.spin_us, 0.0], r):
                     group.set(limit)
-                    periods0, stopped0 = group.throttled()
+                    before = group.throttled()
                     inbox = f"cpu-limit-{uuid.uuid4().hex[:8]}"
                     figures = sdk_consumer(dsn, bootstrap, topics.pop(), inbox=inbox, group=inbox, batch_size=1,
                                            count=args.messages, spin_us=spin_us)
-                    periods1, stopped1 = group.throttled()
+                    throttled = _since(before, group.throttled())
                     group.set(0)
                     rates[spin_us] = figures["rate"]
-                    print(f"round {r + 1} limit {limit or 'none':>4} db_spin_us {spin_us:5.0f}: "
-                          f"{figures['rate']:7.0f} msg/s {figures['cpu_us']:6.1f} µs CPU/msg, "
-                          f"throttled {periods1 - periods0} periods, stopped {stopped1 - stopped0:.2f} s", flush=True)
+                    print(f"consumer round {r + 1} limit {limit or 'none':>4} db_spin_us {spin_us:5.0f}: "
+                          f"{figures['rate']:7.0f} msg/s {figures['cpu_us']:6.1f} µs CPU/msg, {throttled}", flush=True)
                 ratios[limit].append(rates[args.spin_us] / rates[0.0])
     for limit, values in ratios.items():
-        print(f"limit {limit or 'none':>4}: polling / sleeping {statistics.median(values):.2f} x "
-              f"(rounds {' / '.join(f'{v:.2f}' for v in values)})")
-    return 0
+        print(f"consumer limit {limit or 'none':>4}: polling / sleeping {statistics.median(values):.2f} x "
+              f"(rounds {' / '.join(f'{v:.2f}' for v in values)})", flush=True)
+
+
+def relay_runs(args: argparse.Namespace) -> None:
+    from outbox_embedded import bench
+    from outbox_embedded.demo import services as bench_services
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    bench_args = parser.parse_args(["--rate", str(args.rate), "--latency-s", str(args.latency_s)])
+    with bench_services(bench_args, durable=True) as (dsn, bootstrap), limited() as group:
+        runner = bench.Bench(bench_args, bench._admin_dsn(dsn), bootstrap)
+        runner.relay_hook = group.admit
+        for r in range(args.rounds):
+            for limit in rotated(args.limits, r):
+                group.set(limit)
+                before = group.throttled()
+                figures = runner.latency(consumer=False, rate=args.rate)
+                ack = figures["latency_ack_ms"]
+                print(f"relay round {r + 1} limit {limit or 'none':>4}: {figures['relay_cpu_percent']:5.1f} % of a core, "
+                      f"{figures['claims_per_s']:5.1f} claims/s, commit -> ack p50 {ack['p50']:.2f} ms "
+                      f"p99 {ack['p99']:.2f} ms, {_since(before, group.throttled())}", flush=True)
+
+
+def _since(before: tuple[int, float], after: tuple[int, float]) -> str:
+    return f"throttled in {after[0] - before[0]} periods, stopped {after[1] - before[1]:.2f} s"
 
 
 if __name__ == "__main__":
