@@ -113,3 +113,31 @@ def test_replica_counts_default_and_empty() -> None:
     assert parser.parse_args([]).replicas == [1, 2, 4]
     assert parser.parse_args(["--replicas", ""]).replicas == []  # '' skips the scale-out
     assert parser.parse_args(["--replicas", " 4, 1 "]).replicas == [4, 1]
+
+
+class FakeDrainBench:
+    """``relay_drain`` at the same rate with or without published rows, the machine twice as
+    fast at every drain."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+        self.speed = 1.0
+
+    def relay_drain(self, *, published_rows: int = 0) -> dict[str, float]:
+        self.order.append(published_rows)
+        rate = 500.0 * self.speed
+        self.speed *= 2
+        return {"events_per_s": rate}
+
+
+def test_the_published_rows_drain_is_compared_with_an_empty_table_s_drain_of_its_own_round() -> None:
+    fake = FakeDrainBench()
+    figures = bench._published_rows(fake, 3, 1_000_000)  # type: ignore[arg-type]
+
+    assert fake.order == [0, 1_000_000, 1_000_000, 0, 0, 1_000_000]
+    # Published rows cost nothing here: each round's ratio is only the drift between its two
+    # drains (x2 after the empty one, x0.5 before it), never that of the whole run.
+    assert figures["published_rows_slowdown_runs"] == [2.0, 0.5, 2.0]
+    assert figures["published_rows_slowdown"] == 2.0
+    assert figures["relay_events_per_s_with_published_rows"] == 2000.0  # 1000 / 2000 / 16000
+    assert figures["relay_events_per_s_beside_published_rows"] == 4000.0  # 500 / 4000 / 8000
