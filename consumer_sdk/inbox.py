@@ -59,7 +59,7 @@ from consumer_sdk.retention import RetentionFinding, check_retention, report_ret
 from consumer_sdk.store import ConnectionFactory, PgInboxStore, cleanup_inbox, connect_factory
 from outbox_core import cgroup
 from outbox_core.backoff import backoff_s
-from outbox_core.spin import Spinner, default_budget_us
+from outbox_core.spin import default_budget_us
 
 #: The handler: apply one message with ``conn``, inside the consumer's transaction.
 #: Never commit.  Raise to roll back and retry; raise PermanentError to dead-letter now.
@@ -138,8 +138,7 @@ class InboxConsumer:
         self.assigned: set[TopicPart] = set()
         self.retention: list[RetentionFinding] = []
         self.totals = BatchResult()
-        self._waits_of: Spinner | None = None  # the spinner whose counts _waits_seen holds
-        self._waits_seen = (0, 0, 0)
+        self._waits_seen = (0, 0, 0)  # the store's waits counted into db_waits so far
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -293,14 +292,12 @@ class InboxConsumer:
         return total
 
     def _count_waits(self) -> None:
-        """Add the polling connection's waits since the last batch to ``db_waits`` (once a
-        batch, not a wait: the counts are the connection's own plain integers)."""
-        spinner: Spinner | None = getattr(self.store, "spinner", None)  # a store of another kind: none
-        if spinner is None:
+        """Add the store's waits on polling connections since the last batch to ``db_waits``
+        (once a batch, not a wait: the counts are the connections' own plain integers, kept
+        across reconnections by the store)."""
+        counts: tuple[int, int, int] | None = getattr(self.store, "waits", None)  # a store of another kind: none
+        if counts is None:
             return
-        if spinner is not self._waits_of:  # a new connection: its counts start at 0
-            self._waits_of, self._waits_seen = spinner, (0, 0, 0)
-        counts = (spinner.hits, spinner.misses, spinner.skipped)
         for outcome, count, seen in zip(_WAIT_OUTCOMES, counts, self._waits_seen, strict=True):
             if count > seen:
                 self.metrics.db_waits.labels(self.config.name, outcome).inc(count - seen)

@@ -61,6 +61,10 @@ def pipelined(conn: psycopg.Connection[Any]) -> AbstractContextManager[Any]:
     return conn.pipeline() if psycopg.capabilities.has_pipeline() else nullcontext()
 
 
+def _waits_of(spinner: Spinner | None) -> tuple[int, int, int] | None:
+    return None if spinner is None else (spinner.hits, spinner.misses, spinner.skipped)
+
+
 class PgInboxStore:
     """The inbox on one owned connection.  Not thread-safe: one consumer loop uses it."""
 
@@ -93,6 +97,7 @@ class PgInboxStore:
         self._chain_prev_ok = False
         self._chain_on = True  # off once a chain broke with nothing failing before it (a pooler)
         self._auto_prepare = True  # psycopg's automatic preparing; off once a pooler lost one (lost_prepared)
+        self._retired_waits: tuple[int, int, int] | None = None  # the waits of polling connections dropped
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -114,6 +119,17 @@ class PgInboxStore:
     def spinner(self) -> Spinner | None:
         """The live connection's :class:`~outbox_core.spin.Spinner` (None: it does not poll)."""
         return getattr(self._conn, "spinner", None)
+
+    @property
+    def waits(self) -> tuple[int, int, int] | None:
+        """Waits for an answer on every polling connection this store made, the dropped ones
+        included: (answered while polling, slept after polling, slept at once while paused);
+        None when none of them polled."""
+        live = _waits_of(self.spinner)
+        retired = self._retired_waits
+        if live is None or retired is None:
+            return live or retired
+        return (live[0] + retired[0], live[1] + retired[1], live[2] + retired[2])
 
     def lost_prepared(self, exc: BaseException) -> bool:
         """True when ``exc`` says a transaction pooler lost one of psycopg's own prepared
@@ -145,6 +161,7 @@ class PgInboxStore:
     def reset(self) -> None:
         """Drop the connection (after a failure); the next use reconnects.  A deferred COMMIT
         is lost with it (its transaction rolls back): its ``on_commit`` never runs."""
+        self._retired_waits = self.waits  # the dropped connection's waits stay counted
         conn, self._conn = self._conn, None
         self._pending = None
         trips, self._trips = self._trips, None
