@@ -116,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("cpu_limit_bench: making a cgroup needs root", file=sys.stderr)
         return 2
+    try:
+        with limited() as group:
+            group.set(0.5)  # can this machine's cgroups take a limit at all?
+    except OSError as exc:
+        print(f"cpu_limit_bench: cannot make a CPU-limited cgroup under {CGROUP}: {exc} (cgroup v1's cpu "
+              f"controller, or v2 with +cpu in {CGROUP / 'cgroup.subtree_control'})", file=sys.stderr)
+        return 2
     if "consumer" in args.what:
         consumer_runs(args)
     if "relay" in args.what:
