@@ -798,12 +798,7 @@ def _scale_out(bench: Bench, counts: list[int], runs: int, *, settled: bool) -> 
     the machine's drift between rounds minutes apart does not fall on the counts run last.
     Returns ``events_per_s`` (each count's median rate), ``events_per_s_runs``, ``ratio``
     and ``ratio_runs`` (over the first count; keyed by the count as text, as JSON has it)."""
-    rates: dict[int, list[float]] = {n: [] for n in counts}
-    for i in range(runs):
-        for n in rotated(counts, i):
-            rates[n].append(bench.scale_out(n, settled=settled))
-    first = rates[counts[0]]
-    ratios = {n: [r / f for r, f in zip(rates[n], first, strict=True)] for n in counts}
+    rates, ratios = _in_rounds(counts, runs, lambda n: bench.scale_out(n, settled=settled))
     return {"events_per_s": {str(n): round(median(r), 1) for n, r in rates.items()},
             "events_per_s_runs": {str(n): [round(x, 1) for x in r] for n, r in rates.items()},
             "ratio": {str(n): round(median(r), 3) for n, r in ratios.items()},
@@ -816,15 +811,26 @@ def _published_rows(bench: Bench, runs: int, published: int) -> dict[str, Any]:
     ratio is taken inside each round and the median of those reported.  (It used to divide
     these drains, run last, by the relay's drains of the first minutes of the run: the
     machine's drift over the twenty minutes between them fell on the ratio.)"""
-    rates: dict[int, list[float]] = {0: [], published: []}
-    for i in range(runs):
-        for count in rotated([0, published], i):
-            rates[count].append(bench.relay_drain(published_rows=count)["events_per_s"])
-    ratios = [loaded / empty for loaded, empty in zip(rates[published], rates[0], strict=True)]
+    rates, by_count = _in_rounds([0, published], runs,
+                                 lambda count: bench.relay_drain(published_rows=count)["events_per_s"])
+    ratios = by_count[published]
     return {"published_rows_slowdown": round(median(ratios), 3),
             "published_rows_slowdown_runs": [round(r, 3) for r in ratios],
             "relay_events_per_s_with_published_rows": round(median(rates[published]), 1),
             "relay_events_per_s_beside_published_rows": round(median(rates[0]), 1)}
+
+
+def _in_rounds(variants: list[int], runs: int,
+               measure: Callable[[int], float]) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """``measure`` each of ``variants`` once a round, ``runs`` rounds, their order rotating from
+    round to round; returns each variant's rates and its ratios over the first variant's,
+    each taken inside its round."""
+    rates: dict[int, list[float]] = {v: [] for v in variants}
+    for i in range(runs):
+        for v in rotated(variants, i):
+            rates[v].append(measure(v))
+    first = rates[variants[0]]
+    return rates, {v: [r / f for r, f in zip(rates[v], first, strict=True)] for v in variants}
 
 
 def _median_split(splits: list[dict[str, float]]) -> dict[str, float]:
