@@ -105,13 +105,15 @@ class InboxConsumer:
         self.metrics = metrics if metrics is not None else ConsumerMetrics()
         self.log = (log if log is not None else structlog.get_logger("consumer_sdk.inbox")).bind(
             consumer=config.name)
-        spin_us, limit = default_budget_us(config.db_spin_us, DEFAULT_DB_SPIN_US, cgroup.cpu_limit_cores)
-        if limit is not None and connect is None:
-            self.log.info("db_spin_off", cpu_limit_cores=round(limit, 3),
-                          hint="this process may use less than one core: waits for the database sleep at once "
-                               "(set InboxConfig.db_spin_us to poll anyway)")
-        self.store = PgInboxStore(connect or connect_factory(
-            config.dsn, application_name=f"outbox-consumer:{config.name}"[:63], spin_s=spin_us / 1e6))
+        if connect is None:  # the consumer's own connections: they poll by the budget and the CPU limit
+            spin_us, limit = default_budget_us(config.db_spin_us, DEFAULT_DB_SPIN_US, cgroup.cpu_limit_cores)
+            if limit is not None:
+                self.log.info("db_spin_off", cpu_limit_cores=round(limit, 3),
+                              hint="this process may use less than one core: waits for the database sleep at "
+                                   "once (set InboxConfig.db_spin_us to poll anyway)")
+            connect = connect_factory(config.dsn, application_name=f"outbox-consumer:{config.name}"[:63],
+                                      spin_s=spin_us / 1e6)
+        self.store = PgInboxStore(connect)
         if sum(h is not None for h in (handler, batch_handler, statements)) != 1:
             raise TypeError("give one of a handler, a batch_handler or statements")
         self._handler = handler
