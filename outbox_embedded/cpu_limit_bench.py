@@ -48,11 +48,14 @@ class Limited:
         self.parent = CGROUP / "cpu" if self.v1 else CGROUP
         self.path = self.parent / name
         self.path.mkdir()
+        self.entered = False
         if self.v1:
             (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
 
     def enter(self) -> None:
+        """Move this process into the cgroup (:meth:`close` moves it back out)."""
         self.admit(os.getpid())
+        self.entered = True
 
     def admit(self, pid: int) -> None:
         """Move process ``pid`` (every thread of it) into this cgroup."""
@@ -73,7 +76,9 @@ class Limited:
         return int(stat["nr_throttled"]), int(stat["throttled_usec"]) / 1e6
 
     def close(self) -> None:
-        (self.parent / "cgroup.procs").write_text(str(os.getpid()))
+        """Remove the cgroup (every process in it must have ended or left)."""
+        if self.entered:
+            (self.parent / "cgroup.procs").write_text(str(os.getpid()))
         self.path.rmdir()
 
 

@@ -10,16 +10,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from outbox_embedded.cpu_limit_bench import Limited
 from tests.fixtures.apache_kafka import in_ci
 
 ROOT = Path(__file__).resolve().parents[2]
-CGROUP = Path("/sys/fs/cgroup")
 
 CHILD = """
 import sys
@@ -37,38 +36,31 @@ def _unavailable(reason: str) -> None:
 
 
 @pytest.fixture
-def limited_cgroup() -> Iterator[tuple[Path, str]]:
-    """A new cgroup limited to half a core: (its directory, the file taking a pid)."""
+def limited_cgroup() -> Iterator[Limited]:
+    """A new cgroup limited to half a core (the bench's own, outbox_embedded/cpu_limit_bench.py)."""
     if os.geteuid() != 0:
         _unavailable("creating a cgroup needs root")
-    name = f"outbox-test-{uuid.uuid4().hex[:8]}"
-    if (CGROUP / "cpu" / "cpu.cfs_quota_us").exists():  # v1
-        directory = CGROUP / "cpu" / name
-        files = {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "50000"}
-    elif (CGROUP / "cgroup.controllers").exists() and "cpu" in (CGROUP / "cgroup.subtree_control").read_text():
-        directory = CGROUP / name
-        files = {"cpu.max": "50000 100000"}
-    else:
-        _unavailable("no writable cgroup cpu controller here")
     try:
-        directory.mkdir()
-        for file, value in files.items():
-            (directory / file).write_text(value)
+        group = Limited()
     except OSError as exc:
         _unavailable(f"cannot make a cgroup: {exc}")
     try:
-        yield directory, "cgroup.procs"
+        group.set(0.5)
+    except OSError as exc:
+        group.close()
+        _unavailable(f"cannot limit a cgroup's CPU: {exc}")
+    try:
+        yield group
     finally:
-        directory.rmdir()
+        group.close()
 
 
-def test_a_process_limited_to_half_a_core_reads_it_and_does_not_poll(limited_cgroup: tuple[Path, str]) -> None:
-    directory, procs = limited_cgroup
+def test_a_process_limited_to_half_a_core_reads_it_and_does_not_poll(limited_cgroup: Limited) -> None:
     child = subprocess.Popen([sys.executable, "-c", CHILD], cwd=ROOT, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        (directory / procs).write_text(str(child.pid))
+        limited_cgroup.admit(child.pid)
         out, err = child.communicate("go\n", timeout=60)
     finally:
         if child.poll() is None:
