@@ -190,6 +190,11 @@ class Relay:
             self.janitor = Janitor(self._store(":cleanup"), retention_s=s.cleanup_retention_s,
                                    batch=s.cleanup_batch, interval_s=s.cleanup_interval_s,
                                    metrics=self.metrics, partitioned=bool(partitioned), log=self.log)
+        # Before the loop takes any lease: the shards it takes from other replicas would
+        # otherwise wait for the new client's producer id (Publisher.warm_up).
+        began = self.clock()
+        if self.publisher.warm_up():
+            self.log.info("kafka_connected", took_s=round(self.clock() - began, 3))
         self.log.info("relay_started", shards=nshards, owner=s.owner)
 
     def _exactly_once(self, nshards: int) -> Any:

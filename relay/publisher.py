@@ -157,6 +157,7 @@ def classify(error: KafkaError) -> Outcome:
 
 PARTITIONS_TTL_S = 60.0  # how long a topic's partition count is trusted
 PARTITIONS_TIMEOUT_S = 1.0  # a metadata request for it; only when a partition looks stalled
+WARM_UP_TIMEOUT_S = 2.0  # Publisher.warm_up: how long a new client may take to reach the cluster
 
 _KAFKA_LOG = logging.getLogger("outbox_relay.librdkafka")
 _KAFKA_LOG.addHandler(logging.NullHandler())  # state changes are reported through error_cb
@@ -332,6 +333,32 @@ class Publisher:
     def flush(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for every report; returns how many are still outstanding."""
         return int(self._producer.flush(timeout_s))
+
+    def warm_up(self, timeout_s: float = WARM_UP_TIMEOUT_S) -> bool:
+        """Have the client connected to the cluster, its producer id asked for, before the
+        relay takes a lease; True once a broker the client learned (not the bootstrap
+        address) answered a metadata request, False after ``timeout_s`` (an unreachable
+        cluster: the relay goes on as it always did, and its rows wait for the broker).
+
+        An idempotent librdkafka client asks for its producer id when a metadata answer
+        comes from a broker that is up, and otherwise on a 500 ms timer started when the
+        client is made.  On tansu the answers to the client's own requests never did, and
+        the relay's first rows went 0.7-1 s after its first lease, every time a relay
+        started, restarted or joined (issue 18's twenty-fourth pass); on Apache Kafka the
+        connection's set-up came after the leases, the shards taken over idle meanwhile.
+        Every metadata answer from a connected broker runs librdkafka's producer-id state
+        machine, so the id is asked for a round trip before this returns."""
+        deadline = time.monotonic() + timeout_s  # real time: it waits on the network
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                metadata = self._producer.list_topics(timeout=min(left, 1.0))
+            except KafkaException:
+                continue  # not answered within the step: ask again while time is left
+            if metadata.orig_broker_id >= 0:
+                return True
 
     def recreate(self) -> None:
         """Replace a producer that hit a fatal (idempotence) error; unacked rows stay pending."""
