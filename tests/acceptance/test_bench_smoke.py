@@ -149,3 +149,30 @@ def test_mark_bench_drains_each_variant_with_a_real_relay(pg_server, broker, tmp
         assert variant["drain_events_per_s"] > 0 and variant["drain_ratio_to_floor"] > 0
         assert {"drain_relay_cpu_us", "drain_postgres_cpu_us", "drain_broker_cpu_us"} <= set(variant)
     assert "round 1 physical floor" in result.stdout
+
+
+def test_rolling_bench_restarts_every_replica_and_counts_every_event(pg_server, broker, tmp_path):
+    """The rolling-restart bench behind the README's hand-over figures: each replica stopped
+    and replaced once while a writer writes, every event's copies counted from the topic."""
+    out = tmp_path / "rolling.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_embedded.rolling_bench", "--dsn", pg_server.admin_dsn,
+         "--bootstrap-servers", broker.bootstrap, "--replicas", "2", "--rate", "200", "--gap-s", "1.5",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["events"] > 500  # 200 a second for 4.5 s
+    assert len(run["worst_ack_ms_per_hand_over"]) == 2
+    for window in ("ack_ms_before", "ack_ms_during"):
+        assert 0 < run[window]["p50"] <= run[window]["p99"] <= run[window]["max"]
+    assert run["missing"] >= 0 and run["duplicates"] >= 0
+    assert "run 1: " in result.stdout and " missing, " in result.stdout
+
+
+def test_rolling_bench_refuses_a_bad_option(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_embedded.rolling_bench", "--replicas", "0"],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 2
+    assert "--replicas and --runs must be at least 1" in result.stderr and "Traceback" not in result.stderr
