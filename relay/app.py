@@ -208,7 +208,7 @@ class Relay:
             position_topic=s.exactly_once_position_topic,
             transactional_id_prefix=s.exactly_once_transactional_id_prefix,
             recovery_store=self._store(":exactly-once"), log=self.log, metrics=self.metrics,
-            clock=self.clock)
+            clock=self.clock, commit_interval_s=s.exactly_once_commit_interval_s)
 
     def _store(self, role: str) -> Store:
         """A store (connection) of this replica, named ``outbox-relay:<owner><role>``."""

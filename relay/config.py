@@ -67,6 +67,10 @@ DEFAULT_EXACTLY_ONCE_POSITION_TOPIC = "outbox-relay.positions"  # exactly-once m
 DEFAULT_EXACTLY_ONCE_TRANSACTIONAL_ID_PREFIX = "outbox-relay."
 #: A batch settles when the transactions of all its shards commit: more batches in flight.
 DEFAULT_EXACTLY_ONCE_PIPELINE_DEPTH = 16
+#: A shard's next transaction starts this long after its last one at the earliest (unless its
+#: rows fill one): fewer, fuller transactions at steady rates, as Kafka Streams' default
+#: commit.interval.ms (100) does under exactly-once.
+DEFAULT_EXACTLY_ONCE_COMMIT_INTERVAL_S = 0.1
 
 #: librdkafka settings the relay needs for its guarantees; a user may override
 #: the tuning ones but not these (see :func:`producer_config`).
@@ -256,6 +260,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(name="exactly_once_pipeline_depth", parse=_positive_int,
            default=DEFAULT_EXACTLY_ONCE_PIPELINE_DEPTH,
            help="batches in flight in exactly-once mode (replaces --pipeline-depth there)"),
+    Option(name="exactly_once_commit_interval_s", parse=_seconds,
+           default=DEFAULT_EXACTLY_ONCE_COMMIT_INTERVAL_S,
+           help="the shortest time between the starts of a shard's transactions in exactly-once "
+                "mode (0: back to back); a shard with 1,000 rows waiting starts at once"),
     Option(name="console_host", default=DEFAULT_CONSOLE_HOST, commands=("console",),
            help="address the console binds to (only this machine unless told otherwise)"),
     Option(name="console_port", parse=_port, default=DEFAULT_CONSOLE_PORT, commands=("console",),
@@ -312,6 +320,7 @@ class Settings:
     exactly_once_position_topic: str = DEFAULT_EXACTLY_ONCE_POSITION_TOPIC
     exactly_once_transactional_id_prefix: str = DEFAULT_EXACTLY_ONCE_TRANSACTIONAL_ID_PREFIX
     exactly_once_pipeline_depth: int = DEFAULT_EXACTLY_ONCE_PIPELINE_DEPTH
+    exactly_once_commit_interval_s: float = DEFAULT_EXACTLY_ONCE_COMMIT_INTERVAL_S
 
     def __repr__(self) -> str:  # never print secrets, whatever prints this object
         return f"Settings(dsn={mask_dsn(self.dsn)!r}, bootstrap_servers={self.bootstrap_servers!r}, owner={self.owner!r})"

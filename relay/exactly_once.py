@@ -8,7 +8,9 @@ pump's claim, settle, mark and rewind logic is the default mode's.  What changes
   created when the lease is acquired: ``init_transactions`` fences the previous
   holder's producer (its open transaction is aborted, its later commits fail).
 - ``send`` only buffers a row for its shard; ``poll`` starts, for every shard whose
-  worker is idle, one transaction with the rows buffered: the rows, then ONE position
+  worker is idle and whose last transaction started ``commit_interval_s`` ago or more (or
+  whose buffer holds ``FULL_TRANSACTION_ROWS``), one transaction with the rows buffered:
+  the rows, then ONE position
   record to the relay's compacted position topic (partition = shard) listing the ids
   of this transaction and of the shard's earlier committed transactions whose marks
   are not confirmed yet; then commit.  Outcomes come back through a queue and the
@@ -51,6 +53,9 @@ from relay.publisher import BadRow, DeliveryCallback, Outcome, Publisher, encode
 INIT_RETRY_INITIAL_S = 0.5
 INIT_RETRY_MAX_S = 10.0
 MAX_ROWS_PER_TRANSACTION = 20_000
+#: A shard's buffer this full starts its transaction without waiting out the commit interval:
+#: a backlog is drained in transactions of this size or more, back to back.
+FULL_TRANSACTION_ROWS = 1_000
 
 
 @dataclass(slots=True)
@@ -58,6 +63,7 @@ class _Shard:
     worker: ShardWorker
     ready: bool = False
     running: bool = False  # a transaction job is out
+    started_at: float = float("-inf")  # when the last transaction job went out (clock)
     buffer: list[tuple[OutboxRow, Headers, DeliveryCallback]] = field(default_factory=list)
     unconfirmed: set[RowId] = field(default_factory=set)  # committed, mark not confirmed
     poisoned: bool = False  # a transaction failed: nothing more until the pump rewinds
@@ -69,8 +75,9 @@ class TransactionalPublisher:
     def __init__(self, *, config: dict[str, str], plain: Publisher, leases: LeaseManager,
                  table: str, position_topic: str, transactional_id_prefix: str,
                  recovery_store: MarkStore, log: Any, metrics: Any = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, commit_interval_s: float = 0.0) -> None:
         self._config = dict(config)
+        self._commit_interval_s = commit_interval_s
         self._plain = plain
         self._leases = leases
         self._table = table
@@ -87,6 +94,7 @@ class TransactionalPublisher:
         self._immediate: list[tuple[DeliveryCallback, OutboxRow, Outcome]] = []
         self._closing: list[ShardWorker] = []
         self._stopped = False
+        self._next_due: float | None = None  # the earliest held-back transaction's start
 
     @staticmethod
     def prepare(config: dict[str, str], position_topic: str, nshards: int) -> None:
@@ -142,6 +150,8 @@ class TransactionalPublisher:
         served = self._serve_immediate() + self._drain_results(None)
         self._start_jobs()
         if not served and timeout_s > 0:
+            if self._next_due is not None:  # wake for a transaction held back until then
+                timeout_s = min(timeout_s, max(0.0, self._next_due - self._clock()))
             served = self._drain_results(timeout_s)
             self._start_jobs()
         self._plain.poll(0)
@@ -291,7 +301,11 @@ class TransactionalPublisher:
             self._leases.lose([worker.shard], "kafka_producer_fenced")
 
     def _start_jobs(self) -> None:
+        """Start a transaction for every shard with rows buffered and none running, unless
+        its last one started less than the commit interval ago and the buffer is not full:
+        those rows wait to go in the next one (:attr:`_next_due` says when)."""
         now = self._clock()
+        self._next_due = None
         for shard, state in self._shards.items():
             if not state.ready or state.running or not state.buffer:
                 continue
@@ -301,9 +315,14 @@ class TransactionalPublisher:
             if not self._leases.trusted(shard, now):
                 self._fail_buffer(state, "lease_untrusted")
                 continue
+            due = state.started_at + self._commit_interval_s
+            if now < due and len(state.buffer) < FULL_TRANSACTION_ROWS:
+                self._next_due = due if self._next_due is None else min(self._next_due, due)
+                continue
             take = state.buffer[:MAX_ROWS_PER_TRANSACTION]
             del state.buffer[:MAX_ROWS_PER_TRANSACTION]
             state.running = True
+            state.started_at = now
             ids = state.unconfirmed | {row.id for row, _h, _cb in take}
             state.worker.submit(Job(rows=[(row, h) for row, h, _cb in take],
                                     position_ids=sorted(ids),
