@@ -159,6 +159,14 @@ class Relay:
                 f"stop every relay and run `outbox-relay migrate --shards {s.shards}` to change it"
             )
         self.schema_ok = True
+        # Before the loop takes any lease: the shards it takes from other replicas would
+        # otherwise wait for the new client's producer id (Publisher.warm_up).  A client
+        # error that ends the relay (an untrusted certificate) stops the wait at once.
+        began = self.clock()
+        if self.publisher.warm_up(stopping=lambda: self.stopping):
+            self.log.info("kafka_connected", took_s=round(self.clock() - began, 3))
+        if self.stopping:
+            return
         self.leases = LeaseManager(self.store, owner=s.owner, shards=nshards,
                                    lease_s=s.lease_duration_s, heartbeat_s=s.heartbeat_interval_s,
                                    clock=self.clock, on_lost=self._lease_lost,
@@ -190,11 +198,6 @@ class Relay:
             self.janitor = Janitor(self._store(":cleanup"), retention_s=s.cleanup_retention_s,
                                    batch=s.cleanup_batch, interval_s=s.cleanup_interval_s,
                                    metrics=self.metrics, partitioned=bool(partitioned), log=self.log)
-        # Before the loop takes any lease: the shards it takes from other replicas would
-        # otherwise wait for the new client's producer id (Publisher.warm_up).
-        began = self.clock()
-        if self.publisher.warm_up():
-            self.log.info("kafka_connected", took_s=round(self.clock() - began, 3))
         self.log.info("relay_started", shards=nshards, owner=s.owner)
 
     def _exactly_once(self, nshards: int) -> Any:
@@ -208,7 +211,12 @@ class Relay:
             position_topic=s.exactly_once_position_topic,
             transactional_id_prefix=s.exactly_once_transactional_id_prefix,
             recovery_store=self._store(":exactly-once"), log=self.log, metrics=self.metrics,
-            clock=self.clock, commit_interval_s=s.exactly_once_commit_interval_s)
+            clock=self.clock, commit_interval_s=s.exactly_once_commit_interval_s,
+            outbox=self._retry_db(self.store.outbox_identity) or "", on_fatal=self._exactly_once_fatal)
+
+    def _exactly_once_fatal(self, message: str) -> None:
+        self.fatal = ConfigError(message)
+        self.stop()
 
     def _store(self, role: str) -> Store:
         """A store (connection) of this replica, named ``outbox-relay:<owner><role>``."""

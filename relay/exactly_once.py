@@ -75,8 +75,11 @@ class TransactionalPublisher:
     def __init__(self, *, config: dict[str, str], plain: Publisher, leases: LeaseManager,
                  table: str, position_topic: str, transactional_id_prefix: str,
                  recovery_store: MarkStore, log: Any, metrics: Any = None,
-                 clock: Callable[[], float] = time.monotonic, commit_interval_s: float = 0.0) -> None:
+                 clock: Callable[[], float] = time.monotonic, commit_interval_s: float = 0.0,
+                 outbox: str = "", on_fatal: Callable[[str], None] | None = None) -> None:
         self._config = dict(config)
+        self._outbox = outbox  # migration 0013's identity, in every position record
+        self._on_fatal = on_fatal
         self._commit_interval_s = commit_interval_s
         self._plain = plain
         self._leases = leases
@@ -213,7 +216,8 @@ class TransactionalPublisher:
                 continue
             self._shards[shard] = _Shard(ShardWorker(
                 shard, token, config=self._config, transactional_id=self.transactional_id(shard),
-                position_topic=self._position_topic, recover=self._recover, results=self._results))
+                position_topic=self._position_topic, recover=self._recover, results=self._results,
+                outbox=self._outbox))
 
     def _close_shard(self, shard: ShardId, why: str) -> None:
         state = self._shards.pop(shard)
@@ -283,6 +287,13 @@ class TransactionalPublisher:
             self._log.info("exactly_once_shard_ready", shard=shard,
                            transactional_id=self.transactional_id(shard))
             return 1
+        if result.foreign:  # retrying would fence the other outbox's producer again and again
+            self._log.error("exactly_once_foreign_position", shard=shard, error=result.error)
+            self._close_shard(shard, "producer_replaced")
+            self._retry[shard] = (float("inf"), 0.0)
+            if self._on_fatal is not None:
+                self._on_fatal(result.error)
+            return 0
         _, last = self._retry.get(shard, (0.0, 0.0))
         wait = min(INIT_RETRY_MAX_S, max(INIT_RETRY_INITIAL_S, last * 2))
         self._retry[shard] = (self._clock() + wait, wait)

@@ -79,9 +79,14 @@ def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
     return None
 
 
+class ForeignPosition(Exception):
+    """A shard's position record was written by another outbox's relay."""
+
+
 def read_position(config: dict[str, str], topic: str, shard: ShardId,
-                  timeout_s: float = POSITION_READ_TIMEOUT_S) -> list[RowId]:
-    """The ids listed by the last committed position record of ``shard`` ([] if none)."""
+                  timeout_s: float = POSITION_READ_TIMEOUT_S) -> tuple[list[RowId], str | None]:
+    """The ids listed by the last committed position record of ``shard`` ([] if none),
+    and the outbox that wrote it (None: none, or a record from before migration 0013)."""
     consumer = Consumer({**shared_config(config), "group.id": f"outbox-relay-pos-{uuid.uuid4().hex}",
                          "enable.auto.commit": False, "isolation.level": "read_committed",
                          "enable.partition.eof": True, "auto.offset.reset": "earliest",
@@ -99,8 +104,9 @@ def read_position(config: dict[str, str], topic: str, shard: ShardId,
     finally:
         consumer.close()
     if last is None:
-        return []
-    return [RowId(int(i)) for i in json.loads(last)["ids"]]
+        return [], None
+    record = json.loads(last)
+    return [RowId(int(i)) for i in record["ids"]], record.get("outbox")
 
 
 def _last_record(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> bytes | None:
@@ -141,6 +147,7 @@ class Result:
     init: bool = False
     fenced: bool = False  # another holder's producer took over: the lease is gone
     broken: bool = False  # this producer cannot go on: a new one must init (and recover)
+    foreign: bool = False  # the shard's position record is another outbox's: a person must act
     error: str = ""
 
 
@@ -149,10 +156,11 @@ class ShardWorker:
 
     def __init__(self, shard: ShardId, token: Token, *, config: dict[str, str],
                  transactional_id: str, position_topic: str, recover: Recover,
-                 results: queue.SimpleQueue[Result]) -> None:
+                 results: queue.SimpleQueue[Result], outbox: str) -> None:
         self.shard, self.token = shard, token
         self._config = {**config, "transactional.id": transactional_id}
         self._position_topic = position_topic
+        self._outbox = outbox  # written into each position record, checked on reading one
         self._recover = recover
         self._results = results
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -193,12 +201,21 @@ class ShardWorker:
             config.setdefault("log.connection.close", "false")
             self._producer = Producer(config)
             self._producer.init_transactions(INIT_TIMEOUT_S)
-            ids = read_position(self._config, self._position_topic, self.shard)
+            ids, writer = read_position(self._config, self._position_topic, self.shard)
+            if writer and writer != self._outbox:
+                raise ForeignPosition(
+                    f"exactly-once: the last position record of shard {self.shard} "
+                    f"({self._position_topic}[{self.shard}]) was written by another outbox "
+                    f"({writer}, this one is {self._outbox}): two outboxes share "
+                    f"--exactly-once-position-topic and --exactly-once-transactional-id-prefix; "
+                    f"give each its own. Nothing was marked")
             self._recover(self.shard, self.token, ids)
         except KafkaException as exc:
             err = exc.args[0]
             return Result(self, init=True, fenced=err.code() in FENCED_CODES, broken=True,
                           error=err.str())
+        except ForeignPosition as exc:
+            return Result(self, init=True, broken=True, foreign=True, error=str(exc))
         except Exception as exc:  # noqa: BLE001 - a database or timeout error: retried later
             return Result(self, init=True, fenced=isinstance(exc, LeaseLost),
                           broken=True, error=f"{type(exc).__name__}: {exc}")
@@ -228,7 +245,8 @@ class ShardWorker:
                     break
             if failed_row is not None:  # nothing of this transaction may commit
                 raise KafkaException(KafkaError(KafkaError._STATE, failed_row[1].message))
-            value = json.dumps({"token": self.token, "ids": job.position_ids}).encode()
+            value = json.dumps({"token": self.token, "ids": job.position_ids,
+                                "outbox": self._outbox}).encode()
             producer.produce(self._position_topic, value=value, key=str(self.shard).encode(),
                              partition=self.shard)
             producer.commit_transaction(COMMIT_TIMEOUT_S)

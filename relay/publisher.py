@@ -334,11 +334,13 @@ class Publisher:
         """Wait up to ``timeout_s`` for every report; returns how many are still outstanding."""
         return int(self._producer.flush(timeout_s))
 
-    def warm_up(self, timeout_s: float = WARM_UP_TIMEOUT_S) -> bool:
+    def warm_up(self, timeout_s: float = WARM_UP_TIMEOUT_S, *,
+                stopping: Callable[[], bool] = lambda: False) -> bool:
         """Have the client connected to the cluster, its producer id asked for, before the
         relay takes a lease; True once a broker the client learned (not the bootstrap
         address) answered a metadata request, False after ``timeout_s`` (an unreachable
-        cluster: the relay goes on as it always did, and its rows wait for the broker).
+        cluster: the relay goes on as it always did, and its rows wait for the broker) or
+        as soon as ``stopping()`` (asked between requests of at most 0.25 s each).
 
         An idempotent librdkafka client asks for its producer id when a metadata answer
         comes from a broker that is up, and otherwise on a 500 ms timer started when the
@@ -351,10 +353,10 @@ class Publisher:
         deadline = time.monotonic() + timeout_s  # real time: it waits on the network
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or stopping():  # each list_topics serves the client's error callbacks
                 return False
             try:
-                metadata = self._producer.list_topics(timeout=min(left, 1.0))
+                metadata = self._producer.list_topics(timeout=min(left, 0.25))
             except KafkaException:
                 continue  # not answered within the step: ask again while time is left
             if metadata.orig_broker_id >= 0:

@@ -237,6 +237,19 @@ class Store:
             raise SchemaMissing("the relay settings row is missing: run `outbox-relay migrate`")
         return int(settings[0]["shards"])
 
+    def outbox_identity(self) -> str:
+        """Who writes exactly-once mode's position records: migration 0013's id of this
+        database's outbox and the table's name.  ConfigError without that migration."""
+        try:
+            rows = self._fetch("relay", "read_outbox_id", {})
+        except psycopg.errors.UndefinedColumn:
+            self.reset()
+            raise ConfigError("exactly-once mode needs migration 0013 (the outbox's identity in "
+                              "its position records): run `outbox-relay migrate`") from None
+        if not rows:
+            raise SchemaMissing("the relay settings row is missing: run `outbox-relay migrate`")
+        return f"{rows[0]['outbox_id']}/{self.table}"
+
     # -- outbox ---------------------------------------------------------------------------
 
     def claim(self, *, shards: Sequence[ShardId], nshards: int, after: Cursor, limit: int,

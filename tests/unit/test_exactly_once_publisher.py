@@ -217,3 +217,58 @@ def test_a_shards_transactions_start_a_commit_interval_apart_unless_full(monkeyp
         publisher.send(row(i), cb(seen))
     publisher.poll(0)
     assert len(worker.jobs[2].rows) == eo.FULL_TRANSACTION_ROWS
+
+
+def test_another_outboxs_position_record_stops_the_relay_and_marks_nothing(monkeypatch) -> None:
+    # The worker side: a position record naming another outbox is refused before recovery.
+    import relay.exactly_once_shard as shard_mod
+
+    class FakeProducer:
+        def __init__(self, config: Any) -> None: ...
+
+        def init_transactions(self, timeout: float) -> None: ...
+
+        def flush(self, timeout: float) -> int:
+            return 0
+
+    recovered: list[Any] = []
+    monkeypatch.setattr(shard_mod, "Producer", FakeProducer)
+    monkeypatch.setattr(shard_mod, "read_position",
+                        lambda *a, **k: ([RowId(1), RowId(2)], "1b0c-other/outbox"))
+    results: Any = __import__("queue").SimpleQueue()
+    worker = shard_mod.ShardWorker(ShardId(3), Token(1), config={}, transactional_id="x.outbox.3",
+                                   position_topic="pos", recover=lambda *a: recovered.append(a),
+                                   results=results, outbox="9f2a-this/outbox")
+    result = results.get(timeout=10)
+    worker.close()
+    worker.join(10)
+    assert result.init and result.foreign and not result.ok and recovered == []
+    assert "written by another outbox (1b0c-other/outbox, this one is 9f2a-this/outbox)" in result.error
+    assert "pos[3]" in result.error
+    # A record of this outbox, or of a relay from before migration 0013, is recovered.
+    for writer in ("9f2a-this/outbox", None):
+        monkeypatch.setattr(shard_mod, "read_position", lambda *a, w=writer, **k: ([RowId(5)], w))
+        worker = shard_mod.ShardWorker(ShardId(3), Token(2), config={}, transactional_id="x.outbox.3",
+                                       position_topic="pos", recover=lambda *a: recovered.append(a),
+                                       results=results, outbox="9f2a-this/outbox")
+        assert results.get(timeout=10).ok
+        worker.close()
+        worker.join(10)
+    assert [ids for _shard, _token, ids in recovered] == [[5], [5]]
+
+    # The publisher side: the relay is told to stop, and the shard is not tried again (each
+    # try would fence the other outbox's producer).
+    FakeWorker.made = []
+    monkeypatch.setattr(eo, "ShardWorker", FakeWorker)
+    fatal: list[str] = []
+    publisher = eo.TransactionalPublisher(
+        config={}, plain=type("P", (), {"poll": lambda self, t: 0})(), leases=Leases(),  # type: ignore[arg-type]
+        table="outbox", position_topic="pos", transactional_id_prefix="x.",
+        recovery_store=object(), log=Log(), outbox="9f2a-this/outbox", on_fatal=fatal.append)  # type: ignore[arg-type]
+    publisher.poll(0)
+    first = FakeWorker.made[0]
+    first.results.put(Result(first, init=True, broken=True, foreign=True, error="another outbox"))  # type: ignore[arg-type]
+    publisher.poll(0)
+    publisher.poll(0)
+    assert fatal == ["another outbox"]
+    assert first.closed and len(FakeWorker.made) == 1 and not publisher.ready(ShardId(0))

@@ -211,6 +211,10 @@ SELECT to_regclass(%(table)s) IS NOT NULL AS has_outbox,
 -- name: read_settings
 SELECT shards FROM outbox_relay_settings
 
+-- name: read_outbox_id
+-- Migration 0013's identity of this database's outbox (exactly-once mode's position records).
+SELECT outbox_id::text AS outbox_id FROM outbox_relay_settings
+
 -- name: async_commit
 -- The relay's own writes (marks, lease renewals, dead-letter moves) commit without
 -- waiting for the WAL flush: losing one to a database crash means a redelivery or

@@ -4,7 +4,9 @@ read_committed consumer, the position topic, recovery after a lost mark."""
 from __future__ import annotations
 
 import json
+import uuid
 
+import psycopg
 from confluent_kafka import Consumer, TopicPartition
 
 from tests.fixtures.broker import create_topic, read_all
@@ -95,3 +97,44 @@ def test_rows_committed_but_not_marked_are_recovered_not_republished(db_dsn, kaf
     assert delivery.missing == set()
     assert delivery.duplicates == 0
     assert delivery.order_violations == []
+
+
+def test_a_relay_refuses_another_outboxs_position_records(db_dsn, pg_server, kafka_broker, topic_name):
+    """Two outboxes whose relays share the position topic and the transactional id prefix
+    (both defaults, and every outbox table is "outbox").  Before migration 0013, the second
+    relay read the first one's position records when it took its shards and marked those
+    row ids published in its own database: rows marked that were never sent.  Now each
+    record names its outbox, and the second relay stops with a ConfigError (exit code 2)
+    before it marks anything."""
+    first = migrated(db_dsn)
+    name = f"t_eo_second_outbox_{uuid.uuid4().hex[:8]}"
+    second = migrated(pg_server.create_database(name))
+    try:
+        topic = topic_name("eo-two")
+        create_topic(kafka_broker.bootstrap, topic, partitions=3)
+        eo = _eo(topic_name)
+        insert_rows(first, topic, 2000, keys=20)
+        with RelayThread(first, kafka_broker.bootstrap, **eo):
+            wait_drained(first, timeout_s=60)
+        positions = _positions(kafka_broker.bootstrap, eo["exactly_once_position_topic"], 16)
+        assert positions and all(p.get("outbox") for p in positions.values())
+        insert_rows(second, topic, 2000, keys=20)  # ids 1..2000 again, in another database
+        relay = RelayThread(second, kafka_broker.bootstrap, **eo).start()
+        relay._thread.join(30)  # noqa: SLF001 - it stops on its own
+        stopped = not relay._thread.is_alive()  # noqa: SLF001
+        # Nothing of the second outbox is marked unless the broker has it.
+        with psycopg.connect(second, autocommit=True) as conn:
+            marked = {r[0] for r in conn.execute("SELECT event_id::text FROM outbox "
+                                                 "WHERE published_at IS NOT NULL")}
+        sent = {r.headers["event_id"].decode()
+                for r in read_all(kafka_broker.bootstrap, topic, expected=10**9, timeout_s=5)}
+        if not stopped:
+            relay.relay.stop()
+            relay._thread.join(30)  # noqa: SLF001
+        assert marked <= sent, (len(marked - sent), "rows marked published that were never sent")
+        assert stopped, "the second relay did not stop"
+        assert relay.error is not None and getattr(relay.error, "exit_code", None) == 2, relay.error
+        assert "written by another outbox" in str(relay.error)
+        assert eo["exactly_once_position_topic"] in str(relay.error)
+    finally:
+        pg_server.drop_database(name)
