@@ -205,6 +205,7 @@ class Relay:
 
         s = self.settings
         assert self.publisher is not None and self.leases is not None
+        outbox = self._retry_db(self.store.outbox_identity) or ""  # before Kafka: migration 0013
         TransactionalPublisher.prepare(producer_config(s), s.exactly_once_position_topic, nshards)
         return TransactionalPublisher(
             config=producer_config(s), plain=self.publisher, leases=self.leases, table=s.table,
@@ -212,7 +213,7 @@ class Relay:
             transactional_id_prefix=s.exactly_once_transactional_id_prefix,
             recovery_store=self._store(":exactly-once"), log=self.log, metrics=self.metrics,
             clock=self.clock, commit_interval_s=s.exactly_once_commit_interval_s,
-            outbox=self._retry_db(self.store.outbox_identity) or "", on_fatal=self._exactly_once_fatal)
+            outbox=outbox, on_fatal=self._exactly_once_fatal)
 
     def _exactly_once_fatal(self, message: str) -> None:
         self.fatal = ConfigError(message)

@@ -138,3 +138,16 @@ def test_a_relay_refuses_another_outboxs_position_records(db_dsn, pg_server, kaf
         assert eo["exactly_once_position_topic"] in str(relay.error)
     finally:
         pg_server.drop_database(name)
+
+
+def test_exactly_once_mode_asks_for_migration_0013(db_dsn):
+    """Without the outbox's identity the position records could not name their writer: the
+    relay says which migration it needs and exits with code 2, before it touches Kafka."""
+    dsn = migrated(db_dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE outbox_relay_settings DROP COLUMN outbox_id")
+    relay = RelayThread(dsn, "127.0.0.1:1", exactly_once="true").start()
+    relay._thread.join(30)  # noqa: SLF001 - it stops on its own
+    assert not relay._thread.is_alive(), "the relay did not stop"  # noqa: SLF001
+    assert relay.error is not None and getattr(relay.error, "exit_code", None) == 2, relay.error
+    assert "needs migration 0013" in str(relay.error) and "outbox-relay migrate" in str(relay.error)
