@@ -213,10 +213,11 @@ class Relay:
             transactional_id_prefix=s.exactly_once_transactional_id_prefix,
             recovery_store=self._store(":exactly-once"), log=self.log, metrics=self.metrics,
             clock=self.clock, commit_interval_s=s.exactly_once_commit_interval_s,
-            outbox=outbox, on_fatal=self._exactly_once_fatal)
+            outbox=outbox, on_fatal=lambda message: self._end(ConfigError(message)))
 
-    def _exactly_once_fatal(self, message: str) -> None:
-        self.fatal = ConfigError(message)
+    def _end(self, error: FatalError) -> None:
+        """Stop the relay from a callback; ``run`` raises ``error`` when its loop ends."""
+        self.fatal = error
         self.stop()
 
     def _store(self, role: str) -> Store:
@@ -273,8 +274,7 @@ class Relay:
 
     def _client_error(self, state: BrokerState, message: str, fatal: bool) -> None:
         if fatal:
-            self.fatal = FatalError(message)
-            self.stop()
+            self._end(FatalError(message))
             return
         if state is BrokerState.UNREACHABLE:
             if self.broker_up:

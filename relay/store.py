@@ -242,8 +242,7 @@ class Store:
         database's outbox and the table's name.  ConfigError without that migration."""
         try:
             rows = self._fetch("relay", "read_outbox_id", {})
-        except psycopg.errors.UndefinedColumn:
-            self.reset()
+        except psycopg.errors.UndefinedColumn:  # the connection is autocommit: still usable
             raise ConfigError("exactly-once mode needs migration 0013 (the outbox's identity in "
                               "its position records): run `outbox-relay migrate`") from None
         if not rows:
