@@ -158,6 +158,7 @@ def classify(error: KafkaError) -> Outcome:
 PARTITIONS_TTL_S = 60.0  # how long a topic's partition count is trusted
 PARTITIONS_TIMEOUT_S = 1.0  # a metadata request for it; only when a partition looks stalled
 WARM_UP_TIMEOUT_S = 2.0  # Publisher.warm_up: how long a new client may take to reach the cluster
+WARM_UP_STEP_S = 0.01  # ... and how often it asks at most (an answer that comes at once is no wait)
 
 _KAFKA_LOG = logging.getLogger("outbox_relay.librdkafka")
 _KAFKA_LOG.addHandler(logging.NullHandler())  # state changes are reported through error_cb
@@ -352,15 +353,21 @@ class Publisher:
         machine, so the id is asked for a round trip before this returns."""
         deadline = time.monotonic() + timeout_s  # real time: it waits on the network
         while True:
-            left = deadline - time.monotonic()
+            asked = time.monotonic()
+            left = deadline - asked
             if left <= 0 or stopping():  # each list_topics serves the client's error callbacks
                 return False
             try:
                 metadata = self._producer.list_topics(timeout=min(left, 0.25))
             except KafkaException:
-                continue  # not answered within the step: ask again while time is left
-            if metadata.orig_broker_id >= 0:
+                metadata = None  # not answered within the step, or refused at once
+            if metadata is not None and metadata.orig_broker_id >= 0:
                 return True
+            # Ask again while time is left, at most every WARM_UP_STEP_S: a refusal or a
+            # bootstrap broker's answer can come at once, and asking again at once spun a
+            # core (and the bootstrap broker) for the whole timeout.
+            time.sleep(max(0.0, min(WARM_UP_STEP_S - (time.monotonic() - asked),
+                                    deadline - time.monotonic())))
 
     def recreate(self) -> None:
         """Replace a producer that hit a fatal (idempotence) error; unacked rows stay pending."""
