@@ -16,6 +16,11 @@ Reported, for each run (``--runs``):
   not a reader at the head: tansu lets one skip records, see
   tests/integration/kafka/test_broker_offset_order.py), the events missing and duplicated.
 
+``--exactly-once`` runs the relays in exactly-once mode (each run its own position topic and
+transactional ids; a Kafka with transactions, given as ``--bootstrap-servers``) and reads the
+topic ``read_committed``: a hand-over there also sets up the shard's transactional producer
+and reads its last position record back.
+
 Embedded PostgreSQL and tansu (durable, as ``outbox-relay bench`` runs them), or ``--dsn`` /
 ``--bootstrap-servers``.  Benchmarks are not tests: nothing here is asserted.
 """
@@ -50,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long the writer writes (default: long enough for every hand-over)")
     p.add_argument("--gap-s", type=float, default=4.0, help="time between two restarts")
     p.add_argument("--kill", action="store_true", help="SIGKILL the replicas instead of SIGTERM")
+    p.add_argument("--exactly-once", action="store_true",
+                   help="the relays in exactly-once mode (a Kafka with transactions: "
+                        "--bootstrap-servers), the topic read read_committed")
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--keys", type=int, default=1000)
     p.add_argument("--payload-bytes", type=int, default=512)
@@ -90,9 +98,9 @@ def _bench_args(args: argparse.Namespace) -> argparse.Namespace:
 class Replica:
     """One relay process, stopped on its own (bench.relay_process runs it)."""
 
-    def __init__(self, dsn: str, bootstrap: str) -> None:
+    def __init__(self, dsn: str, bootstrap: str, **env: str) -> None:
         self._stack = contextlib.ExitStack()
-        self.proc, _ = self._stack.enter_context(bench.relay_process(dsn, bootstrap))
+        self.proc, _ = self._stack.enter_context(bench.relay_process(dsn, bootstrap, **env))
 
     def stop(self, *, kill: bool) -> None:
         if kill:
@@ -104,12 +112,16 @@ class Replica:
 
 
 def rolling_restart(runner: bench.Bench, args: argparse.Namespace) -> dict[str, Any]:
+    run = uuid.uuid4().hex[:6]
+    env = ({"exactly_once": "true", "exactly_once_position_topic": f"{runner.topic}.positions.{run}",
+            "exactly_once_transactional_id_prefix": f"rolling.{run}."}
+           if args.exactly_once else {})  # each run its own positions: a fresh database each
     with runner.fresh_db() as dsn:
-        replicas = [Replica(dsn, runner.bootstrap) for _ in range(args.replicas)]
+        replicas = [Replica(dsn, runner.bootstrap, **env) for _ in range(args.replicas)]
         try:
             bench._wait(lambda: bench._shards_spread(dsn, args.replicas), SPREAD_TIMEOUT_S,
                         replicas[0].proc, interval_s=0.2)
-            topic = f"{runner.topic}.rolling.{uuid.uuid4().hex[:6]}"
+            topic = f"{runner.topic}.rolling.{run}"
             written: dict[str, dict[str, float]] = {}
             writer = threading.Thread(target=lambda: written.update(committed=bench._write_steadily(
                 dsn, topic, args.rate, args.seconds, args.payload_bytes, args.keys)))
@@ -119,7 +131,7 @@ def rolling_restart(runner: bench.Bench, args: argparse.Namespace) -> dict[str, 
             for _ in range(args.replicas):
                 stops.append(time.time())
                 replicas.pop(0).stop(kill=args.kill)
-                replicas.append(Replica(dsn, runner.bootstrap))
+                replicas.append(Replica(dsn, runner.bootstrap, **env))
                 time.sleep(args.gap_s)
             writer.join()
             committed = written["committed"]
@@ -130,7 +142,7 @@ def rolling_restart(runner: bench.Bench, args: argparse.Namespace) -> dict[str, 
         finally:
             for replica in replicas:
                 replica.stop(kill=False)
-    copies = read_topic(runner.bootstrap, topic)
+    copies = read_topic(runner.bootstrap, topic, committed_only=args.exactly_once)
     return figures(committed, marked, copies, stops, gap_s=args.gap_s)
 
 
@@ -171,22 +183,27 @@ def summary(f: dict[str, Any]) -> str:
             + " / ".join(f"{w:.0f}" for w in f["worst_ack_ms_per_hand_over"]) + " ms")
 
 
-def read_topic(bootstrap: str, topic: str) -> dict[str, int]:
-    """event_id -> copies, reading every partition from its first offset to its end."""
-    from confluent_kafka import Consumer, TopicPartition
+def read_topic(bootstrap: str, topic: str, *, committed_only: bool = False) -> dict[str, int]:
+    """event_id -> copies, reading every partition from its first offset to its end
+    (``committed_only``: read_committed, to the last stable offset)."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"rolling-{uuid.uuid4().hex}",
-                         "enable.auto.commit": False})
+                         "enable.auto.commit": False, "enable.partition.eof": True,
+                         "isolation.level": "read_committed" if committed_only else "read_uncommitted"})
     copies: collections.Counter[str] = collections.Counter()
     try:
         meta = consumer.list_topics(topic, timeout=10).topics[topic]
         for partition in sorted(meta.partitions):
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
             consumer.assign([TopicPartition(topic, partition, low)])
-            offset, deadline = low, time.monotonic() + 60
-            while offset < high and time.monotonic() < deadline:
+            offset, deadline, end = low, time.monotonic() + 60, False
+            while offset < high and not end and time.monotonic() < deadline:
                 for msg in consumer.consume(1000, 1.0):
-                    if msg.error() is not None:
+                    err = msg.error()
+                    if err is not None:  # the end: read_committed stops short of the high
+                        # watermark when the last offset is a transaction's marker
+                        end = end or (committed_only and err.code() == KafkaError._PARTITION_EOF)
                         continue
                     offset = max(offset, (msg.offset() or 0) + 1)
                     raw: Any = msg.headers() or []

@@ -25,7 +25,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from relay.errors import ConfigError, LeaseLost
 from relay.model import OutboxRow, RowId, ShardId, Token
-from relay.publisher import _KAFKA_LOG, Outcome, classify
+from relay.publisher import _KAFKA_LOG, Outcome, await_cluster, classify
 
 INIT_TIMEOUT_S = 30.0  # init_transactions waits for the previous holder's transaction to end
 COMMIT_TIMEOUT_S = 30.0
@@ -117,14 +117,19 @@ def _last_record(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> by
     last: bytes | None = None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for msg in consumer.consume(num_messages=500, timeout=0.2):
-            err = msg.error()
-            if err is None:
-                last = msg.value()
-            elif err.code() == KafkaError._PARTITION_EOF:
-                return last
-            elif err.fatal() or not err.retriable():
-                raise KafkaException(err)
+        # One message at a time: consume(n, timeout) waits out its timeout unless n came,
+        # and a tail of a few records and the end of the partition cost every shard's
+        # hand-over the whole 0.2 s.
+        msg = consumer.poll(0.2)
+        if msg is None:
+            continue
+        err = msg.error()
+        if err is None:
+            last = msg.value()
+        elif err.code() == KafkaError._PARTITION_EOF:
+            return last
+        elif err.fatal() or not err.retriable():
+            raise KafkaException(err)
     raise TimeoutError(f"position partition {tp.topic}[{tp.partition}] not read within {timeout_s} s")
 
 
@@ -200,6 +205,11 @@ class ShardWorker:
             config: dict[str, Any] = {**self._config, "logger": _KAFKA_LOG}
             config.setdefault("log.connection.close", "false")
             self._producer = Producer(config)
+            # A broker connection up first: init_transactions finding none (the client's
+            # bootstrap connection already dropped, the learned broker's not yet up) asks
+            # for its coordinator again only on a 500 ms timer (in about one shard
+            # hand-over of six on a single-node Apache Kafka).
+            await_cluster(self._producer)
             self._producer.init_transactions(INIT_TIMEOUT_S)
             ids, writer = read_position(self._config, self._position_topic, self.shard)
             if writer and writer != self._outbox:

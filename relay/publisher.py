@@ -338,10 +338,7 @@ class Publisher:
     def warm_up(self, timeout_s: float = WARM_UP_TIMEOUT_S, *,
                 stopping: Callable[[], bool] = lambda: False) -> bool:
         """Have the client connected to the cluster, its producer id asked for, before the
-        relay takes a lease; True once a broker the client learned (not the bootstrap
-        address) answered a metadata request, False after ``timeout_s`` (an unreachable
-        cluster: the relay goes on as it always did, and its rows wait for the broker) or
-        as soon as ``stopping()`` (asked between requests of at most 0.25 s each).
+        relay takes a lease (:func:`await_cluster`).
 
         An idempotent librdkafka client asks for its producer id when a metadata answer
         comes from a broker that is up, and otherwise on a 500 ms timer started when the
@@ -351,23 +348,7 @@ class Publisher:
         connection's set-up came after the leases, the shards taken over idle meanwhile.
         Every metadata answer from a connected broker runs librdkafka's producer-id state
         machine, so the id is asked for a round trip before this returns."""
-        deadline = time.monotonic() + timeout_s  # real time: it waits on the network
-        while True:
-            asked = time.monotonic()
-            left = deadline - asked
-            if left <= 0 or stopping():  # each list_topics serves the client's error callbacks
-                return False
-            try:
-                metadata = self._producer.list_topics(timeout=min(left, 0.25))
-            except KafkaException:
-                metadata = None  # not answered within the step, or refused at once
-            if metadata is not None and metadata.orig_broker_id >= 0:
-                return True
-            # Ask again while time is left, at most every WARM_UP_STEP_S: a refusal or a
-            # bootstrap broker's answer can come at once, and asking again at once spun a
-            # core (and the bootstrap broker) for the whole timeout.
-            time.sleep(max(0.0, min(WARM_UP_STEP_S - (time.monotonic() - asked),
-                                    deadline - time.monotonic())))
+        return await_cluster(self._producer, timeout_s, stopping=stopping)
 
     def recreate(self) -> None:
         """Replace a producer that hit a fatal (idempotence) error; unacked rows stay pending."""
@@ -401,3 +382,33 @@ class Publisher:
             close()
         self._producer = _CLOSED
         return left
+
+
+def await_cluster(client: Producer, timeout_s: float = WARM_UP_TIMEOUT_S, *,
+                  stopping: Callable[[], bool] = lambda: False) -> bool:
+    """True once a broker ``client`` learned (not the bootstrap address) answered a
+    metadata request, so that its connection is up; False after ``timeout_s`` (an
+    unreachable cluster: the caller goes on as it would have, and waits in its own
+    requests) or as soon as ``stopping()`` (asked between requests of at most 0.25 s).
+
+    A librdkafka client drops its bootstrap connection once it has learned the brokers;
+    until a learned broker's connection is up, a producer asking for its id (or a
+    transactional one for its coordinator) finds no broker and tries again on a 500 ms
+    timer."""
+    deadline = time.monotonic() + timeout_s  # real time: it waits on the network
+    while True:
+        asked = time.monotonic()
+        left = deadline - asked
+        if left <= 0 or stopping():  # each list_topics serves the client's error callbacks
+            return False
+        try:
+            metadata = client.list_topics(timeout=min(left, 0.25))
+        except KafkaException:
+            metadata = None  # not answered within the step, or refused at once
+        if metadata is not None and metadata.orig_broker_id >= 0:
+            return True
+        # Ask again while time is left, at most every WARM_UP_STEP_S: a refusal or a
+        # bootstrap broker's answer can come at once, and asking again at once spun a
+        # core (and the bootstrap broker) for the whole timeout.
+        time.sleep(max(0.0, min(WARM_UP_STEP_S - (time.monotonic() - asked),
+                                deadline - time.monotonic())))

@@ -6,6 +6,7 @@ transaction loses its lease, and the position record lists unconfirmed rows."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -227,6 +228,9 @@ def test_another_outboxs_position_record_stops_the_relay_and_marks_nothing(monke
         def __init__(self, config: Any) -> None: ...
 
         def init_transactions(self, timeout: float) -> None: ...
+
+        def list_topics(self, timeout: float) -> Any:  # a connected broker answers
+            return SimpleNamespace(orig_broker_id=1)
 
         def flush(self, timeout: float) -> int:
             return 0

@@ -151,3 +151,34 @@ def test_exactly_once_mode_asks_for_migration_0013(db_dsn):
     assert not relay._thread.is_alive(), "the relay did not stop"  # noqa: SLF001
     assert relay.error is not None and getattr(relay.error, "exit_code", None) == 2, relay.error
     assert "needs migration 0013" in str(relay.error) and "outbox-relay migrate" in str(relay.error)
+
+
+def test_the_position_read_finds_the_last_committed_record(kafka_broker, topic_name):
+    """read_position returns the last committed record of a shard's partition, past a
+    later aborted transaction longer than the tail it reads first, and nothing for a
+    partition without records; read one message at a time since the read ends at the
+    partition's end instead of a batch's timeout."""
+    from confluent_kafka import Producer
+
+    from relay.exactly_once_shard import POSITION_TAIL, ensure_position_topic, read_position
+
+    config = {"bootstrap.servers": kafka_broker.bootstrap}
+    topic = topic_name("pos")
+    ensure_position_topic(config, topic, 2)
+    producer = Producer({**config, "transactional.id": topic_name("txn")})
+    producer.init_transactions(30)
+
+    def write(ids: list[int], *, commit: bool, outbox: str | None = "o-1/outbox") -> None:
+        producer.begin_transaction()
+        for i in ids:
+            record = {"token": 1, "ids": [i], **({"outbox": outbox} if outbox else {})}
+            producer.produce(topic, json.dumps(record).encode(), key=b"0", partition=0)
+        (producer.commit_transaction if commit else producer.abort_transaction)(30)
+
+    write(list(range(10)), commit=True, outbox=None)  # records from before migration 0013
+    assert read_position(config, topic, 0) == ([9], None)
+    write([10, 11], commit=True)
+    write(list(range(100, 100 + 2 * POSITION_TAIL)), commit=False)  # aborted, past the tail
+    assert read_position(config, topic, 0) == ([11], "o-1/outbox")
+    assert read_position(config, topic, 1) == ([], None)
+    producer.flush(10)
