@@ -170,6 +170,22 @@ def test_rolling_bench_restarts_every_replica_and_counts_every_event(pg_server, 
     assert "run 1: " in result.stdout and " missing, " in result.stdout
 
 
+def test_rolling_bench_in_exactly_once_mode_reads_every_event_once(pg_server, kafka_broker, tmp_path):
+    """--exactly-once: the relays hand their shards' transactional producers over at each
+    restart, and a read_committed read of the topic finds every event exactly once."""
+    out = tmp_path / "rolling-eo.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_embedded.rolling_bench", "--dsn", pg_server.admin_dsn,
+         "--bootstrap-servers", kafka_broker.bootstrap, "--exactly-once", "--replicas", "2",
+         "--rate", "200", "--gap-s", "1.5", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["events"] > 500
+    assert (run["missing"], run["duplicates"]) == (0, 0)
+    assert len(run["worst_ack_ms_per_hand_over"]) == 2
+
+
 def test_rolling_bench_refuses_a_bad_option(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "outbox_embedded.rolling_bench", "--replicas", "0"],
