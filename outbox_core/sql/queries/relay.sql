@@ -47,7 +47,10 @@ WITH cur AS MATERIALIZED (
          WHERE i.published_at IS NULL
            AND i.xid >= %(prev_xmax)s::xid8
            AND i.xid < (SELECT pg_snapshot_xmax(s) FROM cur)
-           AND (i.xid, i.id) > (%(after_xid)s::xid8, %(after_id)s::bigint)
+           -- The position, or just below prev_xmax when it is below that (a new window):
+           -- the index scan starts at this bound, and one at (0, 0) walked every entry
+           -- below the window (rows in back-off, dead entries of marked rows) each claim.
+           AND (i.xid, i.id) > (%(from_xid)s::xid8, %(from_id)s::bigint)
          ORDER BY i.xid, i.id)
     ) AS o
     WHERE pg_visible_in_snapshot(o.xid, (SELECT s FROM cur))
