@@ -57,10 +57,15 @@ WITH cur AS MATERIALIZED (
       AND (%(all_shards)s OR (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s = ANY(%(shards)s::int[]))
       AND (o.retry_at IS NULL OR o.retry_at <= coalesce(%(now)s::timestamptz, now()))
       AND (o.key IS NULL
-           OR NOT (SELECT EXISTS (
-               SELECT 1 FROM {table} AS w
+           -- In the retrying index's order, so that it is read by that index whatever the
+           -- statistics say: an EXISTS planned from statistics of a back-off episode (many
+           -- rows in back-off) was a scan of the whole table, and read every row at every
+           -- claim once the episode was over, until the next ANALYZE.
+           OR (SELECT 1 FROM {table} AS w
                WHERE w.published_at IS NULL AND w.retry_at IS NOT NULL
-                 AND w.retry_at > coalesce(%(now)s::timestamptz, now())))
+                 AND w.retry_at > coalesce(%(now)s::timestamptz, now())
+               ORDER BY w.key, w.xid, w.id
+               LIMIT 1) IS NULL
            OR NOT EXISTS (
           SELECT 1 FROM {table} AS b
           WHERE b.published_at IS NULL AND b.retry_at IS NOT NULL
