@@ -1,7 +1,7 @@
 """Composition root: builds the parts from settings, starts and stops them, supervises.
 
 The relay supervises; the loop owner decides.  Each turn of :meth:`Relay.run`: heartbeat
-the leases when due, refresh the backlog gauges when due, then one turn of the loop
+the leases and refresh the backlog gauges when due, then one turn of the loop
 (relay/loop.py: claim when due, run the pump and the replayer once) and its wait (on a
 notification, a delivery report, a mark or the next due time).  Failures of the database
 are waited out here, with capped exponential back-off and jitter (:meth:`_next_wait`),
@@ -12,7 +12,7 @@ loop on the caller's thread have ``run_once()``.  Threads, and the connections e
 (nothing else crosses between them):
 
 * the loop (the caller of :meth:`Relay.run`): the main Store connection
-  ``outbox-relay:<owner>`` (claims, leases, dead-letter moves, backlog); the LISTEN
+  ``outbox-relay:<owner>`` (claims, leases, dead-letter moves, backlog gauges); the LISTEN
   connection ``outbox-relay-listen`` with the wake-up lock (``relay.wakeup.Wakeup``);
   the Producer (``relay.publisher``; its delivery reports run on this thread, inside
   ``poll``); the loop owner (``relay.loop.Loop``), the pump, the lease manager, the stall
@@ -50,6 +50,7 @@ from relay.config import (
     producer_config,
 )
 from relay.errors import ConfigError, DatabaseReadOnly, DatabaseUnavailable, FatalError, RelayError
+from relay.gauges import BacklogGauges
 from relay.http import HealthServer
 from relay.janitor import Janitor
 from relay.leases import LeaseManager
@@ -95,6 +96,7 @@ class Relay:
         self.leases: LeaseManager | None = None
         self.http: HealthServer | None = None
         self.janitor: Janitor | None = None
+        self.gauges: BacklogGauges | None = None  # relay/gauges.py, on the loop's thread
         self.fatal: RelayError | None = None
         self.stop_signal: str | None = None
         self.pending = 0
@@ -106,7 +108,6 @@ class Relay:
         # measures "nothing published for stuck_after_s" from the later of this and the
         # last mark, so the minutes of an outage never count against the relay.
         self._deps_up_at = self.last_tick
-        self._next_backlog = 0.0
         self._next_shards_look = 0.0
         self._db_failures = 0
         self._db_down_event = ""
@@ -198,6 +199,8 @@ class Relay:
             self.janitor = Janitor(self._store(":cleanup"), retention_s=s.cleanup_retention_s,
                                    batch=s.cleanup_batch, interval_s=s.cleanup_interval_s,
                                    metrics=self.metrics, partitioned=bool(partitioned), log=self.log)
+        self.gauges = BacklogGauges(self.store, interval_s=s.backlog_interval_s,
+                                    publish=self._backlog, log=self.log, clock=self.clock)
         self.log.info("relay_started", shards=nshards, owner=s.owner)
 
     def _exactly_once(self, nshards: int) -> Any:
@@ -214,6 +217,13 @@ class Relay:
             recovery_store=self._store(":exactly-once"), log=self.log, metrics=self.metrics,
             clock=self.clock, commit_interval_s=s.exactly_once_commit_interval_s,
             outbox=outbox, on_fatal=lambda message: self._end(ConfigError(message)))
+
+    def _backlog(self, pending: int, oldest_age_s: float, retrying: int) -> None:
+        """The backlog gauges' figures (relay/gauges.py)."""
+        self.pending = pending  # /healthz: pending rows and nothing published is "stuck"
+        self.metrics.pending_rows.set(pending)
+        self.metrics.oldest_pending_age.set(oldest_age_s)
+        self.metrics.retrying_rows.set(retrying)
 
     def _end(self, error: FatalError) -> None:
         """Stop the relay from a callback; ``run`` raises ``error`` when its loop ends."""
@@ -367,12 +377,8 @@ class Relay:
                 self.metrics.leases_acquired.inc(len(change.acquired))
                 self.pump.request_rewind()
             self.metrics.leases_held.set(len(self.leases.leases))
-        if now >= self._next_backlog:
-            self._next_backlog = now + self.settings.backlog_interval_s
-            self.pending, oldest, retrying = self.store.backlog()
-            self.metrics.pending_rows.set(self.pending)
-            self.metrics.oldest_pending_age.set(oldest)
-            self.metrics.retrying_rows.set(retrying)
+        if self.gauges is not None:
+            self.gauges.run_once(now)
         result = self.loop.run_once(now)
         if self.leases.releasing:
             released = self.leases.release_settled(self.pump.busy_shards())
@@ -386,7 +392,8 @@ class Relay:
         if result.marked or result.failed:
             self.log.debug("batch_settled", marked=result.marked, failed=result.failed,
                            fenced=result.fenced, in_flight=self.pump.rows_in_flight())
-        self.loop.wait(now, wake_by=min(self.leases.next_due(), self._next_backlog))
+        self.loop.wait(now, wake_by=min(self.leases.next_due(),
+                                        self.gauges.next_at if self.gauges else float("inf")))
 
     def _wait_serving(self, seconds: float) -> None:
         """Sleep ``seconds`` (stop-aware) while still serving delivery reports."""

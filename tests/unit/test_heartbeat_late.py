@@ -48,7 +48,6 @@ def relay_with(log: Log, clock: list[float]) -> Relay:
                                  wait=lambda now, wake_by: None)
     relay.wakeup = SimpleNamespace(moved=False, shards_moved=lambda: False,  # type: ignore[assignment]
                                    close=lambda: None)
-    relay._next_backlog = float("inf")
     return relay
 
 
