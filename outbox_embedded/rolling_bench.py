@@ -189,7 +189,7 @@ def read_topic(bootstrap: str, topic: str, *, committed_only: bool = False) -> d
     from confluent_kafka import Consumer, KafkaError, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"rolling-{uuid.uuid4().hex}",
-                         "enable.auto.commit": False, "enable.partition.eof": True,
+                         "enable.auto.commit": False, "enable.partition.eof": committed_only,
                          "isolation.level": "read_committed" if committed_only else "read_uncommitted"})
     copies: collections.Counter[str] = collections.Counter()
     try:
@@ -203,7 +203,7 @@ def read_topic(bootstrap: str, topic: str, *, committed_only: bool = False) -> d
                     err = msg.error()
                     if err is not None:  # the end: read_committed stops short of the high
                         # watermark when the last offset is a transaction's marker
-                        end = end or (committed_only and err.code() == KafkaError._PARTITION_EOF)
+                        end = end or err.code() == KafkaError._PARTITION_EOF
                         continue
                     offset = max(offset, (msg.offset() or 0) + 1)
                     raw: Any = msg.headers() or []

@@ -4,15 +4,16 @@ They count every pending row, so what a refresh costs grows with the backlog (70
 with 300,000 rows held pending by a back-off episode), and with statistics of other times
 (a table mostly pending when ANALYZE ran) the count is planned as a scan of the whole
 table.  The refresh runs on the loop's thread, between claims, every 5 s
-(``Settings.backlog_interval_s``) while it is cheap; one that took T seconds puts the next one at least
-``COST_RATIO`` × T away, so counting never takes more than a twentieth of the loop's time
-however large the backlog, and one that took ``SLOW_S`` or more says so
+(``Settings.backlog_interval_s``) while it is cheap; one that took T seconds puts the next
+one at least ``COST_RATIO`` × T away, so counting never takes more than a twentieth of the
+loop's time however large the backlog, and one that took ``SLOW_S`` or more says so
 (``backlog_slow``).
 
 Not on a thread and a connection of its own: the relay's connections are counted by the
-pools in front of it (README, "Running it as a sidecar"), and a sixth one, opened first,
-took the server a session pool sized for the documented five kept for the marks, and the
-relay stopped marking (tests/integration/test_pgbouncer.py, in a trial of that design).
+pools in front of it (README, "Running it as a sidecar"), and in a trial of that design the
+extra connection, opened before the first mark, took the last server of a session pool sized
+for the relay's documented connections, and the relay stopped marking
+(tests/integration/test_pgbouncer.py failed 4 of 4).
 """
 
 from __future__ import annotations
