@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from operator import attrgetter
@@ -77,12 +77,13 @@ INLINE_MARK_ROWS = 64  # a drained window's batch up to this size is marked on t
 # for every row only while some lease's deadline is this close, else every LEASE_LOOK_ROWS rows.
 LEASE_NEAR_S = 1.0
 LEASE_LOOK_ROWS = 256
-CREATED, TOPIC, _SHARD = attrgetter("created_epoch"), attrgetter("topic"), attrgetter("shard")
+CREATED, TOPIC, _SHARD, _ID = (attrgetter("created_epoch"), attrgetter("topic"), attrgetter("shard"),
+                             attrgetter("id"))
 
 
 class PumpStore(MarkStore, FailureStore, Protocol):
     def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int,
-              max_bytes: int, budget_bytes: int) -> Claimed: ...
+              max_bytes: int, budget_bytes: int, sent_retries: Iterable[int]) -> Claimed: ...
     def restamp_foreign(self) -> int: ...
 
 
@@ -157,6 +158,9 @@ class Pump:
         self.next_sweep = clock() + SWEEP_INTERVAL_S
         self._rewind_cost_s: float | None = None  # the last rewind's restamp, until its claim
         self.failed_keys: set[str] = set()
+        #: Rows in back-off (a failed attempt before) sent since the last rewind, until
+        #: marked: the claim no longer holds their keys' later rows for them.
+        self.sent_retries: set[int] = set()
         self.failures = Failures(store=store, publisher=publisher, leases=leases, metrics=metrics,
                                  log=log, clock=clock, max_attempts=max_attempts,
                                  backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
@@ -276,6 +280,7 @@ class Pump:
         self.cursor = START
         self.rewind_requested = False
         self.failed_keys.clear()
+        self.sent_retries.clear()
         self.failures.keep_shards(self.leases.leases)
         rewound = getattr(self.publisher, "rewound", None)  # exactly-once: failed shards resume
         if rewound is not None:
@@ -355,7 +360,8 @@ class Pump:
         started, claim_started = time.perf_counter(), self.clock()
         rows, snapshot, cut = self.store.claim(
             shards=sorted(shards), nshards=self.nshards, after=self.cursor, limit=self.batch_size,
-            max_bytes=self.max_message_bytes, budget_bytes=self.batch_max_bytes)
+            max_bytes=self.max_message_bytes, budget_bytes=self.batch_max_bytes,
+            sent_retries=self.sent_retries)
         self.metrics.claim_duration.observe(time.perf_counter() - started)
         if self._rewind_cost_s is not None:
             self._sweep_cost(self._rewind_cost_s + self.clock() - claim_started)
@@ -412,6 +418,8 @@ class Pump:
                 immediate = send(row, report)
             if immediate is None:
                 sent += 1
+                if row.attempts:  # maybe in back-off: its key's later rows may follow it now
+                    self.sent_retries.add(row.id)
                 if alone:  # nothing more until its report: no record batch shares it
                     self.failures.isolated.add(row.id)
                     deferred += len(rows) - index - 1
@@ -558,6 +566,8 @@ class Pump:
             self.metrics.last_publish.set(self.wall_clock())
         now_wall = self.wall_clock()
         done = acked if len(marked) == len(acked) else [row for row in acked if row.id in marked]
+        if self.sent_retries:  # marked: no longer in back-off
+            self.sent_retries.difference_update(map(_ID, done))
         latencies = [now_wall - epoch for epoch in map(CREATED, done)]
         if latencies and min(latencies) < 0.0:  # a writer's clock ahead of this one
             latencies = [max(0.0, latency) for latency in latencies]

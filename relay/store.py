@@ -108,7 +108,8 @@ MAX_ROW_ID = (1 << 63) - 1  # bigint's largest
 
 
 def claim_params(*, shards: Sequence[ShardId], nshards: int, after: Cursor, limit: int,
-                 max_bytes: int, budget_bytes: int, now: datetime | None) -> dict[str, Any]:
+                 max_bytes: int, budget_bytes: int, now: datetime | None,
+                 sent_retries: Iterable[int] = ()) -> dict[str, Any]:
     """claim_batch's parameters for the claim of ``after``'s window.
 
     The range of commits after the previous window starts at its xmax: when the position
@@ -140,6 +141,7 @@ def claim_params(*, shards: Sequence[ShardId], nshards: int, after: Cursor, limi
         "max_bytes": max_bytes,
         "budget_bytes": budget_bytes,
         "now": now,
+        "sent_retries": int_array(sent_retries),
     }
 
 
@@ -291,13 +293,16 @@ class Store:
     # -- outbox ---------------------------------------------------------------------------
 
     def claim(self, *, shards: Sequence[ShardId], nshards: int, after: Cursor, limit: int,
-              max_bytes: int = 1_000_000, budget_bytes: int = 4 << 20) -> Claimed:
+              max_bytes: int = 1_000_000, budget_bytes: int = 4 << 20,
+              sent_retries: Iterable[int] = ()) -> Claimed:
         """Pending rows of ``after``'s window, in (xid, id) order after its position, up to
         ``limit`` rows and the row that crosses ``budget_bytes`` of payload; rows larger
-        than ``max_bytes`` come without their payload (``value`` None, ``size`` set)."""
+        than ``max_bytes`` come without their payload (``value`` None, ``size`` set).
+        ``sent_retries``: rows in back-off that the caller sent since its last full pass
+        (their later rows no longer wait for them)."""
         found = self._run(self._claim_statement, claim_params(
             shards=shards, nshards=nshards, after=after, limit=limit, max_bytes=max_bytes,
-            budget_bytes=budget_bytes, now=self.now))
+            budget_bytes=budget_bytes, now=self.now, sent_retries=sent_retries))
         snapshot: str | None = None
         if after.cur is None and found and found[-1][0] is None:
             snapshot = found.pop()[5]

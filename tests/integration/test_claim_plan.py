@@ -101,7 +101,13 @@ def test_rows_pay_the_back_off_probe_only_while_some_row_is_in_back_off(outbox_d
         with psycopg.connect(outbox_db, autocommit=True) as conn:
             conn.execute("UPDATE outbox SET retry_at = now() - interval '1 second' WHERE id = %s",
                          (first_a,))
-        assert claimed() == ["a", "a", "b", "c"]  # the retry is due: the key goes on, in order
+        assert claimed() == ["a", "a", "b", "c"]  # the retry is due: the full pass sends it first
+        # Until its mark a due row still holds its key in a window's claim (which never
+        # takes it): the probe still runs, and stops once the row is published.
+        assert _probe_loops(outbox_db, Cursor()) > 0
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute("UPDATE outbox SET published_at = now(), retry_at = NULL WHERE id = %s",
+                         (first_a,))
         assert _probe_loops(outbox_db, Cursor()) == 0
     finally:
         store.close()

@@ -17,9 +17,14 @@
 -- a transaction held open elsewhere never holds a claim back, and the dead index
 -- entries of rows marked since it began are never walked.  The first branch's xids
 -- are all below prev_xmax, so the two branches in turn are (xid, id) order.
--- A row in back-off, and every later row of its key, waits.  Whether any row is in
--- back-off is asked once per claim (an InitPlan on the tiny retrying index): when none is,
--- as nearly always, no row pays the per-key probe (13 % of a 1,000-row claim).
+-- A row in back-off, and every later row of its key, waits, also once its retry is due:
+-- a window's claim never takes such a row (it committed below the window), only a full
+-- pass does, and the key's later rows wait for that pass to send it first.  It stops
+-- holding them inside the claim that takes it (in the claim's range: after the position
+-- and not visible in the previous snapshot) and once this relay has sent it since its
+-- last full pass (%(sent_retries)s: its id until its mark clears retry_at).  Whether any
+-- row is in back-off is asked once per claim (an InitPlan on the tiny retrying index):
+-- when none is, as nearly always, no row pays the per-key probe (13 % of a 1,000-row claim).
 -- No row locks: shard leases give exclusivity, and SKIP LOCKED would let a
 -- replica step over a row that a stale owner had locked and publish the key's
 -- next row first.
@@ -63,15 +68,17 @@ WITH cur AS MATERIALIZED (
            -- claim once the episode was over, until the next ANALYZE.
            OR (SELECT 1 FROM {table} AS w
                WHERE w.published_at IS NULL AND w.retry_at IS NOT NULL
-                 AND w.retry_at > coalesce(%(now)s::timestamptz, now())
                ORDER BY w.key, w.xid, w.id
                LIMIT 1) IS NULL
            OR NOT EXISTS (
           SELECT 1 FROM {table} AS b
           WHERE b.published_at IS NULL AND b.retry_at IS NOT NULL
-            AND b.retry_at > coalesce(%(now)s::timestamptz, now())
             AND b.key = o.key
-            AND (b.xid, b.id) < (o.xid, o.id)))
+            AND (b.xid, b.id) < (o.xid, o.id)
+            AND (b.retry_at > coalesce(%(now)s::timestamptz, now())
+                 OR NOT (b.id = ANY(%(sent_retries)s::bigint[])
+                         OR ((b.xid >= %(prev_xmax)s::xid8 OR b.xid = ANY(%(prev_xip)s::xid8[]))
+                             AND (b.xid, b.id) > (%(after_xid)s::xid8, %(after_id)s::bigint))))))
     ORDER BY o.xid, o.id
     LIMIT %(limit)s
 ), budget AS (
