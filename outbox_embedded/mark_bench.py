@@ -23,7 +23,12 @@ Variants:
 * ``delete``: the mark of ``--keep-published false`` on the migrated schema;
 * ``bytea_payload``: the migrated schema with each row's payload as bytes
   (``payload_bytes``, the jsonb's own text) instead of ``jsonb``: what the claim's output of
-  a jsonb payload costs (the physical floor's payload is bytes).
+  a jsonb payload costs (the physical floor's payload is bytes);
+* ``event_id_pending``: ``event_id`` unique among pending rows only (a partial unique
+  index): a mark then writes no entry into that index, but a reused ``event_id`` is
+  refused only while the first row is pending, not while it is kept;
+* ``pk_only``: that, and cleanup by a BRIN index instead of the B-tree of published rows:
+  the primary key is the one index a mark writes, as on the physical floor's table.
 
 With ``--drain``, each round also runs the physical floor of ``outbox-relay bench``
 (outbox_embedded/baselines.py) and, on each variant's schema, a real relay process draining
@@ -70,6 +75,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
                  "mark_bench_fillfactor_70"),
     "delete": (),
     "bytea_payload": (),
+    "event_id_pending": ("mark_bench_event_id_unique_pending",
+                         "mark_bench_event_id_unique_pending_index"),
+    "pk_only": ("mark_bench_event_id_unique_pending", "mark_bench_event_id_unique_pending_index",
+                "mark_bench_drop_published_index", "mark_bench_published_brin"),
 }
 #: Variants whose rows are loaded otherwise: bytea_payload's payload is bytes, not jsonb.
 LOADS: dict[str, str] = {"bytea_payload": "bench_load_pending_bytes"}

@@ -127,6 +127,13 @@ CREATE INDEX outbox_retrying_any_idx ON outbox (key, xid, id) WHERE retry_at IS 
 -- making an update non-HOT.
 CREATE INDEX outbox_published_brin ON outbox USING brin (published_at)
 
+-- name: mark_bench_event_id_unique_pending
+-- event_id unique among pending rows only: a mark then writes no entry into that index.
+ALTER TABLE outbox DROP CONSTRAINT outbox_event_id_unique
+
+-- name: mark_bench_event_id_unique_pending_index
+CREATE UNIQUE INDEX outbox_event_id_pending_unique ON outbox (event_id) WHERE published_at IS NULL
+
 -- name: mark_bench_fillfactor_50
 -- Room on each page for a new version of every row: every mark can be HOT.
 ALTER TABLE outbox SET (fillfactor = 50)

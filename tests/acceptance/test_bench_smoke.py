@@ -116,7 +116,8 @@ def test_mark_bench_prices_each_schema_variant(pg_server, tmp_path):
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(out.read_text())
-    assert set(figures) == {"migrated", "no_published_index", "hot_ff50", "hot_ff70", "delete", "bytea_payload"}
+    assert set(figures) == {"migrated", "no_published_index", "hot_ff50", "hot_ff70", "delete", "bytea_payload",
+                            "event_id_pending", "pk_only"}
     for variant in figures.values():
         assert variant["claim_rows_per_s"] > 0 and variant["mark_rows_per_s"] > 0
         assert "claim_postgres_cpu_us" in variant  # the test server is local: its CPU is read
