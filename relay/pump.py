@@ -214,14 +214,18 @@ class Pump:
         self._track_stalls(now)
         self._settle_done(result, now)
         self._collect_marks(result)
+        failures = self.failures
+        due_retry = failures.retry_wakeup is not None and now >= failures.retry_wakeup
         if not self._active(now):
-            failures = self.failures
-            due_retry = failures.retry_wakeup is not None and now >= failures.retry_wakeup
             due_sweep = self.caught_up and now >= self.next_sweep and not self.stalls.partitions
             if self.rewind_requested or due_retry or due_sweep:
                 self._rewind(now)
                 if due_retry:
                     failures.retry_wakeup = None
+        elif due_retry:
+            # Only a rewind sends a due row, and its key's later rows wait for it: stop
+            # claiming until what is in flight is settled, rather than until a backlog ends.
+            self.rewind_requested = True
         if claim and not self.draining and self._may_claim(now):
             self._claim_and_send(result, now)
         self.metrics.in_flight.set(self.rows_in_flight())

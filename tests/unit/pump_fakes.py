@@ -169,7 +169,8 @@ class Wakeup:
 
 class RetryStore(Store):
     """``Store`` plus what the real queries do on failure: ``record_failure`` counts the
-    attempt and keeps the row (and its key's later rows) out of claims for ``backoff_s``;
+    attempt and keeps the row (and its key's later rows) out of claims for ``backoff_s``,
+    and once due out of a window's claim until it is sent (``sent_retries``);
     ``dead_letter`` moves it; every fenced write on a shard in ``fenced`` does nothing
     (mark: the shard is missing from the held ones; the others: None/False)."""
 
@@ -185,11 +186,20 @@ class RetryStore(Store):
     def add(self, r: OutboxRow) -> None:
         self.pending[r.id] = r
 
-    def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int, **_: Any) -> Claimed:
+    def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int,
+              sent_retries: Iterable[int] = (), **_: Any) -> Claimed:
         self.claims += 1
         now = self.clock()
         everything = self.pending
-        waiting = [everything[i] for i, t in self.not_before.items() if t > now and i in everything]
+        xmax = int(after.cur.split(":")[1]) if after.cur else max(everything, default=0) + 1
+        sent = set(sent_retries)
+
+        def in_range(r: OutboxRow) -> bool:  # this claim would take it (the real probe's rule)
+            return after.prev_xmax <= r.xid < xmax and (r.xid, r.id) > (after.xid, after.id)
+
+        # In back-off: its retry ahead, or due and neither in this claim's range nor sent.
+        waiting = [everything[i] for i, t in self.not_before.items() if i in everything
+                   and (t > now or not (in_range(everything[i]) or i in sent))]
 
         def held_back(r: OutboxRow) -> bool:  # in back-off, or behind a row of its key that is
             return any(w.id == r.id or (w.key is not None and w.key == r.key and w.id < r.id)
