@@ -180,8 +180,10 @@ def test_a_starting_relay_publishes_as_soon_as_it_holds_a_lease(outbox_db, broke
     gap = (marked - leased).total_seconds()
     print(f"first lease -> first mark: {gap * 1000:.0f} ms")
     # A claim, a produce and its acknowledgement, and the mark's transaction starting:
-    # tens of milliseconds here.  The timer alone was 500 ms from the client's creation.
-    assert 0 <= gap < 0.3, (gap, relay.log_tail())
+    # tens of milliseconds here (56-175 ms in 16 runs on a 2-core machine, two of them
+    # beside two busy loops; 377 ms once in CI, beside the other test workers).  The
+    # timer alone was 500 ms from the client's creation, so the bound stays below it.
+    assert 0 <= gap < 0.45, (gap, relay.log_tail())
     delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60), expected)
     assert delivery.missing == set() and delivery.order_violations == []
     assert delivery.duplicates == 0
