@@ -85,6 +85,7 @@ class PumpStore(MarkStore, FailureStore, Protocol):
     def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int,
               max_bytes: int, budget_bytes: int, sent_retries: Iterable[int]) -> Claimed: ...
     def restamp_foreign(self) -> int: ...
+    def next_retry_s(self, *, shards: Sequence[ShardId], nshards: int) -> float | None: ...
 
 
 class PumpPublisher(FailurePublisher, Protocol):
@@ -219,9 +220,9 @@ class Pump:
         if not self._active(now):
             due_sweep = self.caught_up and now >= self.next_sweep and not self.stalls.partitions
             if self.rewind_requested or due_retry or due_sweep:
-                self._rewind(now)
                 if due_retry:
                     failures.retry_wakeup = None
+                self._rewind(now)
         elif due_retry:
             # Only a rewind sends a due row, and its key's later rows wait for it: stop
             # claiming until what is in flight is settled, rather than until a backlog ends.
@@ -293,6 +294,15 @@ class Pump:
             self.stalls.held.clear()  # their rows come back in this rewind, in order
         self.next_sweep = now + SWEEP_INTERVAL_S
         restamped = self.store.restamp_foreign()
+        if self.leases.leases:
+            # Rows another replica (or this relay before a restart) put in back-off: sent
+            # at their retry time, as this relay's own are, not at the next periodic pass.
+            due_in = self.store.next_retry_s(shards=sorted(self.leases.leases), nshards=self.nshards)
+            if due_in is not None:
+                failures = self.failures
+                wakeup = now + max(0.0, due_in)
+                failures.retry_wakeup = (wakeup if failures.retry_wakeup is None
+                                         else min(failures.retry_wakeup, wakeup))
         self._rewind_cost_s = self.clock() - now  # the claim from "nothing seen" adds its own
         if restamped:
             self.log.warning("foreign_xids_restamped", rows=restamped)

@@ -105,6 +105,8 @@ _ID, _SHARD = itemgetter(OutboxRow._fields.index("id")), itemgetter(OutboxRow._f
 
 
 MAX_ROW_ID = (1 << 63) - 1  # bigint's largest
+#: Rows in back-off a rewind reads for the next retry time (the retrying index's first).
+NEXT_RETRY_LOOK = 10_000
 
 
 def claim_params(*, shards: Sequence[ShardId], nshards: int, after: Cursor, limit: int,
@@ -320,6 +322,15 @@ class Store:
         cluster: above every xid assigned here) this transaction's; returns how many."""
         rows = self._fetch("relay", "restamp_foreign", {})
         return int(rows[0]["restamped"]) if rows else 0
+
+    def next_retry_s(self, *, shards: Sequence[ShardId], nshards: int) -> float | None:
+        """In how many seconds the earliest row in back-off of ``shards`` is due (None: no
+        retry ahead among the first NEXT_RETRY_LOOK rows in back-off)."""
+        rows = self._fetch("relay", "next_retry", {
+            "shards": int_array(shards), "nshards": nshards, "all_shards": len(shards) == nshards,
+            "limit": NEXT_RETRY_LOOK, "now": self.now})
+        due = rows[0]["due_in_s"] if rows else None
+        return None if due is None else float(due)
 
     def mark_published(self, *, owner: str, leases: Sequence[Lease],
                        rows: Sequence[OutboxRow]) -> tuple[set[ShardId], set[RowId]]:

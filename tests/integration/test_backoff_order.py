@@ -97,10 +97,10 @@ def test_a_row_in_back_off_does_not_hold_its_key_inside_the_pass_that_sends_it(o
 def test_a_relay_that_did_not_schedule_a_retry_keeps_its_keys_order(outbox_db, broker, topic):
     """End to end, with a real relay and broker: a row put in back-off before this relay
     started (by another replica, or by this relay before a restart) becomes due while the
-    relay runs, and a row of its key committed after that must not overtake it. The relay
-    does not know the retry time; its periodic full pass (10 s) sends the key's rows in
-    order. On the code before, the newer row went out at once and the two older ones at
-    that pass, after it."""
+    relay runs, and a row of its key committed after that must not overtake it. On the code
+    before, the newer row went out at once and the two older ones at the periodic full pass
+    (10 s after the start), after it. The relay reads the retry time at its start-up pass
+    and sends the key's rows, in order, at that time."""
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         def write(seq: int) -> int:
             row = conn.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, 'k', %s) RETURNING id",
@@ -109,13 +109,45 @@ def test_a_relay_that_did_not_schedule_a_retry_keeps_its_keys_order(outbox_db, b
             return int(row[0])
 
         first = write(1)
-        conn.execute("UPDATE outbox SET attempts = 1, last_error = 'unknown_topic: earlier', "
-                     "retry_at = now() + interval '3 seconds' WHERE id = %s", (first,))
+        due = conn.execute("UPDATE outbox SET attempts = 1, last_error = 'unknown_topic: earlier', "
+                           "retry_at = now() + interval '3 seconds' WHERE id = %s RETURNING retry_at",
+                           (first,)).fetchone()[0]  # type: ignore[index]
         with RelayThread(outbox_db, broker.bootstrap):
             write(2)  # behind the row in back-off
-            wait_until(lambda: scalar(outbox_db, "SELECT retry_at < now() FROM outbox WHERE id = %(id)s",
-                                      {"id": first}), timeout_s=10, message="the retry time did not pass")
+            wait_until(lambda: scalar(outbox_db, "SELECT now() > %(due)s::timestamptz", {"due": due}),
+                       timeout_s=10, message="the retry time did not pass")
             write(3)  # after the retry time: still behind it
             wait_drained(outbox_db, timeout_s=60)
     records = read_all(broker.bootstrap, topic, expected=3, timeout_s=30)
     assert [json.loads(r.value)["seq"] for r in records] == [1, 2, 3]
+    # Sent at its retry time, not at the periodic pass about 7 s after it.
+    late = scalar(outbox_db, "SELECT extract(epoch FROM max(published_at) - %(due)s::timestamptz) FROM outbox",
+                  {"due": due})
+    assert late < 4.0, f"the key's rows went {late:.1f} s after the retry time"
+
+
+def test_the_next_retry_is_read_for_the_shards_held(outbox_db):
+    """Store.next_retry_s: seconds until the earliest row in back-off of the shards given is
+    due; rows due already, and rows of other shards, do not count."""
+    rows = [_insert(outbox_db, key, n) for n, key in enumerate(["a", "b", "c", "d"])]
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        shard = dict(conn.execute("SELECT id, (hashtext(coalesce(key, event_id::text)) & 2147483647) % 4 "
+                                  "FROM outbox").fetchall())
+        for row_id, ahead_s in zip(rows, (30, 60, -5, 90), strict=True):
+            conn.execute("UPDATE outbox SET attempts = 1, retry_at = now() + make_interval(secs => %s) "
+                         "WHERE id = %s", (ahead_s, row_id))
+    store = Store(outbox_db)
+    try:
+        everything = store.next_retry_s(shards=[ShardId(s) for s in range(4)], nshards=4)
+        assert everything is not None and 28 < everything <= 30
+        only = shard[rows[3]]
+        others = {shard[r] for r in rows[:3]}
+        if only not in others:  # the 90 s row's shard alone
+            alone = store.next_retry_s(shards=[ShardId(only)], nshards=4)
+            assert alone is not None and 88 < alone <= 90
+        due_only = shard[rows[2]]
+        if due_only not in {shard[r] for r in (rows[0], rows[1], rows[3])}:
+            assert store.next_retry_s(shards=[ShardId(due_only)], nshards=4) is None  # due already
+        assert store.next_retry_s(shards=[], nshards=4) is None
+    finally:
+        store.close()

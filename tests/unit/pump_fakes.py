@@ -32,8 +32,12 @@ class Store:
         self.pending = {r.id: r for r in rows}
         self.marked: list[RowId] = []
 
+    def xmax(self, after: Cursor) -> int:
+        """The claim's snapshot: every row committed so far (the window's own when continued)."""
+        return int(after.cur.split(":")[1]) if after.cur else max(self.pending, default=0) + 1
+
     def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int, **_: Any) -> Claimed:
-        xmax = int(after.cur.split(":")[1]) if after.cur else max(self.pending, default=0) + 1
+        xmax = self.xmax(after)
         found = sorted((r for r in self.pending.values()
                         if r.shard in shards and after.prev_xmax <= r.xid < xmax
                         and (r.xid, r.id) > (after.xid, after.id)),
@@ -42,6 +46,9 @@ class Store:
 
     def restamp_foreign(self) -> int:
         return 0
+
+    def next_retry_s(self, *, shards: Any, nshards: int) -> float | None:
+        return None  # nothing in back-off
 
     def mark_published(self, *, owner: str, leases: Any, rows: Any) -> tuple[set[ShardId], set[RowId]]:
         for r in rows:
@@ -182,16 +189,23 @@ class RetryStore(Store):
         self.dead: list[tuple[RowId, str]] = []
         self.fenced: set[ShardId] = set()
         self.claims = 0
+        self._snapshot_rows: dict[RowId, OutboxRow] | None = None  # a claim's, rows held back included
 
     def add(self, r: OutboxRow) -> None:
         self.pending[r.id] = r
+
+    def next_retry_s(self, *, shards: Any, nshards: int) -> float | None:
+        now = self.clock()
+        ahead = [t - now for i, t in self.not_before.items()
+                 if t > now and i in self.pending and self.pending[i].shard in shards]
+        return min(ahead, default=None)
 
     def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int,
               sent_retries: Iterable[int] = (), **_: Any) -> Claimed:
         self.claims += 1
         now = self.clock()
         everything = self.pending
-        xmax = int(after.cur.split(":")[1]) if after.cur else max(everything, default=0) + 1
+        xmax = self.xmax(after)  # rows held back below are committed all the same
         sent = set(sent_retries)
 
         def in_range(r: OutboxRow) -> bool:  # this claim would take it (the real probe's rule)
@@ -206,10 +220,16 @@ class RetryStore(Store):
                        for w in waiting)
 
         self.pending = {i: r for i, r in everything.items() if not held_back(r)}
+        self._snapshot_rows = everything
         try:
             return super().claim(shards=shards, nshards=nshards, after=after, limit=limit)
         finally:
             self.pending = everything
+            self._snapshot_rows = None
+
+    def xmax(self, after: Cursor) -> int:
+        rows = self._snapshot_rows if self._snapshot_rows is not None else self.pending
+        return int(after.cur.split(":")[1]) if after.cur else max(rows, default=0) + 1
 
     def mark_published(self, *, owner: str, leases: Any, rows: Any) -> tuple[set[ShardId], set[RowId]]:
         held = {lease.shard for lease in leases} - self.fenced

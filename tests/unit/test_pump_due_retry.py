@@ -70,3 +70,25 @@ def test_a_due_retry_is_sent_while_a_backlog_keeps_the_pipeline_busy() -> None:
     order = [i for i, _ in publisher.sent_at if i in (1, 2)]
     assert order == [1, 1, 2]  # the key's order kept
     assert pump.totals.order_violations == 0
+
+
+def test_a_retry_scheduled_before_this_relay_started_is_sent_at_its_time() -> None:
+    """A row another replica put in back-off (or this relay before a restart): the rewind
+    reads when it is due, so it is sent then, not at the next periodic pass (10 s)."""
+    clock = Clock()
+    store = RetryStore([row(1, 0, key="k")], clock)
+    store.not_before[RowId(1)] = clock() + 2.0  # scheduled elsewhere, due in 2 s
+    publisher = FailingPublisher(clock)
+    pump = Pump(store=store, publisher=publisher, leases=Leases(), nshards=2,  # type: ignore[arg-type]
+                batch_size=10, pipeline_depth=4, max_attempts=3, backoff_initial_s=0.1,
+                backoff_max_s=1.0, metrics=RelayMetrics(), log=Log(), clock=clock,
+                claim_interval_s=0.0, claim_interval_max_s=0.0)
+    due = clock() + 2.0
+    for _ in range(600):  # 6 s: the periodic pass (10 s) is not what sends it
+        if publisher.sent_at:
+            break
+        pump.run_once()
+        clock.advance(TURN_S)
+    assert publisher.sent_at, "not sent at its retry time"
+    [(sent, at)] = publisher.sent_at
+    assert sent == 1 and due <= at <= due + 2 * TURN_S

@@ -126,6 +126,22 @@ WITH restamped AS (
 )
 SELECT count(*) AS restamped FROM restamped
 
+-- name: next_retry
+-- In how many seconds the earliest row in back-off of the shards held is due (NULL: none
+-- ahead).  A rewind asks, so that a retry another replica scheduled (or this relay before a
+-- restart) is sent at its time: only a full pass sends a due row, and its key waits for it.
+-- Reads at most the first %(limit)s entries of the small retrying index, in its own order
+-- (so that only that index answers, whatever the statistics say); rows beyond them are
+-- sent at the periodic pass.
+SELECT extract(epoch FROM min(w.retry_at) - coalesce(%(now)s::timestamptz, now()))::float8 AS due_in_s
+FROM (SELECT r.retry_at, r.key, r.event_id
+      FROM {table} AS r
+      WHERE r.published_at IS NULL AND r.retry_at IS NOT NULL
+      ORDER BY r.key, r.xid, r.id
+      LIMIT %(limit)s) AS w
+WHERE w.retry_at > coalesce(%(now)s::timestamptz, now())
+  AND (%(all_shards)s OR (hashtext(coalesce(w.key, w.event_id::text)) & 2147483647) %% %(nshards)s = ANY(%(shards)s::int[]))
+
 -- name: mark_published
 -- Fenced: rows are marked only in shards whose lease this owner still holds with
 -- the same token.  FOR SHARE on the lease rows makes a concurrent takeover wait
