@@ -98,6 +98,11 @@ class Failures:
             self.publisher.recreate()
         return not_before
 
+    def wake_at(self, at: float) -> None:
+        """A row in back-off is due at ``at`` (the pump's clock): the pump rewinds then, if no
+        earlier retry is due first."""
+        self.retry_wakeup = at if self.retry_wakeup is None else min(self.retry_wakeup, at)
+
     def cleared(self, row_id: RowId) -> None:
         """A suspect row's own outcome is known: it is no longer sent alone."""
         self.suspects.pop(row_id, None)
@@ -143,7 +148,6 @@ class Failures:
             self.leases.lose([row.shard], "record_failure_fenced")
             return
         self.metrics.attempts.labels(outcome.error_class).inc()
-        wakeup = self.clock() + wait
-        self.retry_wakeup = wakeup if self.retry_wakeup is None else min(self.retry_wakeup, wakeup)
+        self.wake_at(self.clock() + wait)
         self.log.warning("row_failed", row_id=row.id, topic=row.topic, reason=outcome.error_class,
                          error=outcome.message, attempts=recorded, retry_in_s=round(wait, 3))

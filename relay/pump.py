@@ -299,10 +299,7 @@ class Pump:
             # at their retry time, as this relay's own are, not at the next periodic pass.
             due_in = self.store.next_retry_s(shards=sorted(self.leases.leases), nshards=self.nshards)
             if due_in is not None:
-                failures = self.failures
-                wakeup = now + max(0.0, due_in)
-                failures.retry_wakeup = (wakeup if failures.retry_wakeup is None
-                                         else min(failures.retry_wakeup, wakeup))
+                self.failures.wake_at(now + max(0.0, due_in))
         self._rewind_cost_s = self.clock() - now  # the claim from "nothing seen" adds its own
         if restamped:
             self.log.warning("foreign_xids_restamped", rows=restamped)
