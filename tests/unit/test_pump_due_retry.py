@@ -40,33 +40,39 @@ class LaggingPublisher(FailingPublisher):
         return served
 
 
+def pump_with(store: RetryStore, publisher: FailingPublisher, clock: Clock) -> Pump:
+    return Pump(store=store, publisher=publisher, leases=Leases(), nshards=2,  # type: ignore[arg-type]
+                batch_size=10, pipeline_depth=4, max_attempts=3, backoff_initial_s=0.1,
+                backoff_max_s=1.0, metrics=RelayMetrics(), log=Log(), clock=clock,
+                claim_interval_s=0.0, claim_interval_max_s=0.0)
+
+
+def turn_until(pump: Pump, clock: Clock, done: Any, *, limit: int, message: str) -> None:
+    """Turns of the pump, TURN_S of the clock each, until ``done()``; at most ``limit``."""
+    for _ in range(limit):
+        if done():
+            return
+        pump.run_once()
+        clock.advance(TURN_S)
+    assert done(), message
+
+
 def test_a_due_retry_is_sent_while_a_backlog_keeps_the_pipeline_busy() -> None:
     clock = Clock()
     rejected = Outcome(ok=False, error_class="record_too_large", message="rejected", permanent=True)
     store = RetryStore([row(1, 0, key="k")] + [row(i, 1) for i in range(3, 3003)], clock)
     publisher = LaggingPublisher(clock, {1: [rejected]})
-    pump = Pump(store=store, publisher=publisher, leases=Leases(), nshards=2,  # type: ignore[arg-type]
-                batch_size=10, pipeline_depth=4, max_attempts=3, backoff_initial_s=0.1,
-                backoff_max_s=1.0, metrics=RelayMetrics(), log=Log(), clock=clock,
-                claim_interval_s=0.0, claim_interval_max_s=0.0)
-
-    def turn_until(done: Any, limit: int = 400) -> None:
-        for _ in range(limit):
-            if done():
-                return
-            pump.run_once()
-            clock.advance(TURN_S)
-        raise AssertionError(f"not done after {limit} turns")
-
-    turn_until(lambda: store.failures)  # row 1 refused: in back-off
-    [(_, attempts, _, due)] = store.failures
+    pump = pump_with(store, publisher, clock)
+    turn_until(pump, clock, lambda: store.failures, limit=400, message="row 1 never refused")
+    [(_, attempts, _, due)] = store.failures  # row 1 refused: in back-off
     assert attempts == 1
     store.add(row(2, 0, key="k"))  # a later row of its key: waits for it
-    turn_until(lambda: len([i for i, _ in publisher.sent_at if i == 1]) == 2)
+    turn_until(pump, clock, lambda: len([i for i, _ in publisher.sent_at if i == 1]) == 2, limit=400,
+               message="row 1 not sent again")
     again = [at for i, at in publisher.sent_at if i == 1][1]
     assert again - due <= 5 * TURN_S, f"sent {again - due:.2f} s after its retry time"
     assert sum(1 for r in store.pending.values() if r.shard == 1) > 1000  # the backlog goes on
-    turn_until(lambda: RowId(2) in store.marked)
+    turn_until(pump, clock, lambda: RowId(2) in store.marked, limit=400, message="row 2 not marked")
     order = [i for i, _ in publisher.sent_at if i in (1, 2)]
     assert order == [1, 1, 2]  # the key's order kept
     assert pump.totals.order_violations == 0
@@ -79,16 +85,9 @@ def test_a_retry_scheduled_before_this_relay_started_is_sent_at_its_time() -> No
     store = RetryStore([row(1, 0, key="k")], clock)
     store.not_before[RowId(1)] = clock() + 2.0  # scheduled elsewhere, due in 2 s
     publisher = FailingPublisher(clock)
-    pump = Pump(store=store, publisher=publisher, leases=Leases(), nshards=2,  # type: ignore[arg-type]
-                batch_size=10, pipeline_depth=4, max_attempts=3, backoff_initial_s=0.1,
-                backoff_max_s=1.0, metrics=RelayMetrics(), log=Log(), clock=clock,
-                claim_interval_s=0.0, claim_interval_max_s=0.0)
+    pump = pump_with(store, publisher, clock)
     due = clock() + 2.0
-    for _ in range(600):  # 6 s: the periodic pass (10 s) is not what sends it
-        if publisher.sent_at:
-            break
-        pump.run_once()
-        clock.advance(TURN_S)
-    assert publisher.sent_at, "not sent at its retry time"
+    # 6 s: the periodic pass (10 s) is not what sends it.
+    turn_until(pump, clock, lambda: publisher.sent_at, limit=600, message="not sent at its retry time")
     [(sent, at)] = publisher.sent_at
     assert sent == 1 and due <= at <= due + 2 * TURN_S
