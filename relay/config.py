@@ -87,6 +87,10 @@ DEFAULT_PRODUCER = {
     "compression.type": "none",
 }
 
+#: linger.ms when claims are not paced (--claim-interval-s 0): the pump then waits for reports
+#: without the client's flush, so a caught-up relay's rows would wait the whole linger.
+UNPACED_LINGER_MS = "1"
+
 _KAFKA_PROPERTY = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
 
 
@@ -474,6 +478,8 @@ def mark_connections(settings: Settings) -> int:
 def producer_config(settings: Settings) -> dict[str, str]:
     """librdkafka configuration: defaults, then the user's properties, then the guarantees."""
     config = dict(DEFAULT_PRODUCER)
+    if not settings.claim_interval_s:
+        config["linger.ms"] = UNPACED_LINGER_MS
     config.update(settings.kafka_properties)
     for name, value in REQUIRED_PRODUCER.items():
         given = config.get(name)

@@ -88,6 +88,20 @@ def test_malformed_dsn_error_does_not_echo_the_password() -> None:
     assert "s3cret" not in str(info.value)
 
 
+def test_linger_is_short_only_when_claims_are_not_paced() -> None:
+    """A paced claim's rows are flushed (tests/integration/test_linger.py), so linger.ms
+    only batches a backlog; with --claim-interval-s 0 nothing flushes a caught-up relay's
+    rows, and a longer linger would be their latency."""
+    def linger(**values: str) -> str:
+        return producer_config(build_settings({"dsn": DSN, "bootstrap_servers": "k:9092", **values}))["linger.ms"]
+
+    assert linger() == "5"
+    assert linger(claim_interval_s="0") == "1"
+    chosen = build_settings({"dsn": DSN, "bootstrap_servers": "k:9092", "claim_interval_s": "0"},
+                            kafka_properties={"linger.ms": "20"})
+    assert producer_config(chosen)["linger.ms"] == "20"
+
+
 def test_producer_config_keeps_the_delivery_guarantees() -> None:
     s = build_settings({"dsn": DSN, "bootstrap_servers": "k:9092"},
                        kafka_properties={"linger.ms": "20"})
