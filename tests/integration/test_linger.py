@@ -1,5 +1,5 @@
 """A caught-up relay's rows do not wait for the Kafka client's ``linger.ms`` (README,
-"Kafka settings").
+"Configuration", the Kafka properties).
 
 The relay's default ``linger.ms`` is 5 (issue 18's twenty-seventh pass): in a backlog the
 client then fills fuller record batches, fewer requests for the same rows. A row written
