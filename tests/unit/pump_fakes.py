@@ -36,8 +36,11 @@ class Store:
         """The claim's snapshot: every row committed so far (the window's own when continued)."""
         return int(after.cur.split(":")[1]) if after.cur else max(self.pending, default=0) + 1
 
-    def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int, **_: Any) -> Claimed:
-        xmax = self.xmax(after)
+    def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int,
+              xmax: int | None = None, **_: Any) -> Claimed:
+        """``xmax``: the snapshot's, when a subclass took it before holding rows back."""
+        if xmax is None:
+            xmax = self.xmax(after)
         found = sorted((r for r in self.pending.values()
                         if r.shard in shards and after.prev_xmax <= r.xid < xmax
                         and (r.xid, r.id) > (after.xid, after.id)),
@@ -189,7 +192,6 @@ class RetryStore(Store):
         self.dead: list[tuple[RowId, str]] = []
         self.fenced: set[ShardId] = set()
         self.claims = 0
-        self._snapshot_rows: dict[RowId, OutboxRow] | None = None  # a claim's, rows held back included
 
     def add(self, r: OutboxRow) -> None:
         self.pending[r.id] = r
@@ -220,16 +222,10 @@ class RetryStore(Store):
                        for w in waiting)
 
         self.pending = {i: r for i, r in everything.items() if not held_back(r)}
-        self._snapshot_rows = everything
         try:
-            return super().claim(shards=shards, nshards=nshards, after=after, limit=limit)
+            return super().claim(shards=shards, nshards=nshards, after=after, limit=limit, xmax=xmax)
         finally:
             self.pending = everything
-            self._snapshot_rows = None
-
-    def xmax(self, after: Cursor) -> int:
-        rows = self._snapshot_rows if self._snapshot_rows is not None else self.pending
-        return int(after.cur.split(":")[1]) if after.cur else max(rows, default=0) + 1
 
     def mark_published(self, *, owner: str, leases: Any, rows: Any) -> tuple[set[ShardId], set[RowId]]:
         held = {lease.shard for lease in leases} - self.fenced
