@@ -148,3 +148,17 @@ SELECT coalesce(avg((payload_bytes IS NOT NULL)::int), 0)::float8 FROM outbox
 -- name: mark_bench_table_stats
 SELECT n_tup_upd AS updates, n_tup_hot_upd AS hot_updates, pg_table_size('outbox') AS heap_bytes
 FROM pg_stat_user_tables WHERE relname = 'outbox'
+
+-- name: claim_bench_plain
+-- claim_bench's reference: the relay's claim columns from the pending rows after a position,
+-- in (xid, id) order, by a plain scan of the pending index (no window, snapshot, shard,
+-- back-off or byte budget).
+SELECT o.id, o.event_id::text AS event_id, o.topic, o.key,
+       coalesce(o.payload_bytes, convert_to(o.payload::text, 'UTF8')) AS value,
+       o.headers::text AS headers_json, o.xid::text::bigint AS xid, o.attempts,
+       date_part('epoch', o.created_at) AS created_epoch
+FROM outbox AS o
+WHERE o.published_at IS NULL
+  AND (o.xid, o.id) > (%(from_xid)s::xid8, %(from_id)s::bigint)
+ORDER BY o.xid, o.id
+LIMIT %(limit)s

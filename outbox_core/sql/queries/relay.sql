@@ -84,19 +84,23 @@ WITH cur AS MATERIALIZED (
 ), budget AS (
     -- The batch's byte budget (%(budget_bytes)s): rows until the one that crosses it; a
     -- row over the producer's limit comes without its payload, so a 20 MB row costs the
-    -- relay its size, not its bytes.
-    SELECT f.*, sum(least(f.size, %(max_bytes)s)) OVER (ORDER BY f.xid, f.id) AS running
+    -- relay its size, not its bytes.  A ROWS frame: ids are unique, so no row has peers
+    -- and the sums are the default RANGE frame's, without comparing each row to the next.
+    SELECT f.*, sum(least(f.size, %(max_bytes)s))
+                    OVER (ORDER BY f.xid, f.id ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
+                    AS running
     FROM found AS f
 )
 -- The columns are the relay's OutboxRow, in its order, plus the running byte count: the
 -- value as the bytes Kafka gets (a jsonb payload's compact text in UTF-8), the xid as a
--- number, so that the relay builds each row straight from the tuple.
+-- number, so that the relay builds each row straight from the tuple.  date_part, not
+-- extract: extract's numeric result cast to float8 cost 8 % of the claim's execution.
 SELECT b.id, b.event_id::text AS event_id, b.topic, b.key,
        CASE WHEN b.size <= %(max_bytes)s
             THEN coalesce(b.payload_bytes, convert_to(b.payload::text, 'UTF8')) END AS value,
        b.headers::text AS headers_json, b.xid::text::bigint AS xid,
        (hashtext(coalesce(b.key, b.event_id::text)) & 2147483647) %% %(nshards)s AS shard,
-       b.attempts, extract(epoch FROM b.created_at)::float8 AS created_epoch,
+       b.attempts, date_part('epoch', b.created_at) AS created_epoch,
        b.size::bigint AS size, b.running::bigint AS running
 FROM budget AS b
 WHERE b.running - least(b.size, %(max_bytes)s) < %(budget_bytes)s

@@ -1,0 +1,138 @@
+"""``python -m outbox_embedded.claim_bench``: what PostgreSQL spends per row executing the
+relay's claim, next to a plain scan that returns the same columns (issue 18: "the claim
+re-serialises jsonb payloads and probes the back-off index per row"; measure each query
+choice).
+
+A fresh database with the migrations applied and ``--rows`` pending rows loaded and
+vacuumed; the relay's store claims the whole backlog once in batches of ``--batch-size``,
+and each batch's parameters are kept.  Then, in rotating order, each variant runs at every
+batch's position under ``EXPLAIN (ANALYZE, TIMING OFF)``, read only: the executor's own
+time, summed and divided by the rows returned.  It leaves out parsing, planning and sending
+the rows, which the variants share, and it is exact where a CPU-time sample of the server
+(10 ms ticks) is not, for statements of a few milliseconds.
+
+Variants:
+
+* ``relay``: the claim as relay/store.py sends it (outbox_core/sql/queries/relay.sql);
+* ``no_budget``: the same with the byte budget's running sum replaced by 0: what the
+  budget's window costs (it copies every row, payload included, into a tuple store);
+* ``plain``: the same columns from the pending index in (xid, id) order after the same
+  position, and nothing else (outbox_embedded/sql/bench.sql, claim_bench_plain).
+
+The durable embedded PostgreSQL of ``outbox-relay bench`` by default (``--dsn`` for
+another).  Benchmarks are not tests: nothing here is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+
+from outbox_embedded.calibration import rotated
+from outbox_embedded.mark_bench import _fresh_db, _median
+from outbox_embedded.queries import query
+from relay.model import Cursor, ShardId
+from relay.queries import compose
+from relay.store import Store, claim_params
+
+VARIANTS = ("relay", "no_budget", "plain")
+#: The budget's running sum in claim_batch (its window function), which no_budget replaces by 0.
+RUNNING_SUM = re.compile(r"sum\(least\(f\.size, %\(max_bytes\)s\)\)\s+OVER \([^)]*\)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dsn", default=None, help="PostgreSQL server (a database is created per "
+                   "round); default: an embedded durable one")
+    p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--payload-bytes", type=int, default=512)
+    p.add_argument("--keys", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=1000)
+    p.add_argument("--rounds", type=int, default=3)
+
+
+def statements(conn: psycopg.Connection[Any]) -> dict[str, str]:
+    """Each variant's statement text."""
+    composed = compose("relay", "claim_batch", table="outbox")
+    relay = composed if isinstance(composed, str) else composed.as_string(conn)
+    no_budget, found = RUNNING_SUM.subn("0::bigint", relay)
+    if found != 1:
+        raise SystemExit("claim_bench: claim_batch's running sum changed shape; update RUNNING_SUM")
+    return {"relay": relay, "no_budget": no_budget,
+            "plain": query("bench", "claim_bench_plain")}
+
+
+def positions(dsn: str, batch: int) -> list[dict[str, Any]]:
+    """claim_batch's parameters at each batch of the backlog, as the relay claims it."""
+    store = Store(dsn)
+    try:
+        shards = sorted(ShardId(s) for s in store.claim_shards(owner="claim_bench", limit=1 << 16, lease_s=3600))
+        found: list[dict[str, Any]] = []
+        cursor = Cursor()
+        while True:
+            params = claim_params(shards=shards, nshards=len(shards), after=cursor, limit=batch,
+                                  max_bytes=1_000_000, budget_bytes=4 << 20, now=None)
+            rows, snapshot, _cut = store.claim(shards=shards, nshards=len(shards), after=cursor, limit=batch)
+            if not rows:
+                return found
+            params["cur"] = params["cur"] or snapshot
+            found.append(params)
+            cursor = cursor.advanced(rows[-1], snapshot or cursor.cur)
+    finally:
+        store.close()
+
+
+def measure(admin_dsn: str, args: argparse.Namespace, round_: int) -> dict[str, float]:
+    """One round: µs of executor time per claimed row, by variant."""
+    with _fresh_db(admin_dsn) as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(query("bench", "bench_load_pending"),
+                         {"topic": "claim_bench", "keys": args.keys, "payload_bytes": args.payload_bytes,
+                          "count": args.rows})
+            conn.execute("VACUUM ANALYZE outbox")
+        batches = positions(dsn, args.batch_size)
+        spent = dict.fromkeys(VARIANTS, 0.0)
+        rows = dict.fromkeys(VARIANTS, 0)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            texts = statements(conn)
+            for i, params in enumerate(batches):
+                for variant in rotated(list(VARIANTS), round_ + i):
+                    ((plan,),) = conn.execute("EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) " + texts[variant],
+                                              params).fetchall()
+                    spent[variant] += plan[0]["Execution Time"]
+                    rows[variant] += plan[0]["Plan"]["Actual Rows"]
+    return {v: spent[v] * 1000 / max(rows[v], 1) for v in VARIANTS}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m outbox_embedded.claim_bench",
+                                description=__doc__.split("\n\n")[0] if __doc__ else None)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        admin_dsn = args.dsn
+        if not admin_dsn:
+            from outbox_embedded import pg
+
+            print("starting an embedded PostgreSQL (durable) ...", flush=True)
+            server = pg.embedded_pg(durable=True)
+            stack.callback(server.close)
+            admin_dsn = server.dsn("postgres")
+        runs: list[dict[str, float]] = []
+        for r in range(max(1, args.rounds)):
+            runs.append(measure(admin_dsn, args, r))
+            print(f"round {r + 1}: " + ", ".join(f"{v} {us:.2f}" for v, us in runs[-1].items())
+                  + " µs of execution a row", flush=True)
+    print(f"\nmedians of {len(runs)} rounds, {args.rows} rows of {args.payload_bytes} B, batches of "
+          f"{args.batch_size}: " + ", ".join(f"{v} {_median([m[v] for m in runs]):.2f}" for v in VARIANTS)
+          + " µs of execution a row")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
