@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import re
 import sys
 from collections.abc import Sequence
@@ -54,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keys", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", dest="json_path", default=None)
 
 
 def statements(conn: psycopg.Connection[Any]) -> dict[str, str]:
@@ -106,7 +108,9 @@ def measure(admin_dsn: str, args: argparse.Namespace, round_: int) -> dict[str, 
                                               params).fetchall()
                     spent[variant] += plan[0]["Execution Time"]
                     rows[variant] += plan[0]["Plan"]["Actual Rows"]
-    return {v: spent[v] * 1000 / max(rows[v], 1) for v in VARIANTS}
+    if len(set(rows.values())) != 1 or rows["relay"] != args.rows:
+        raise SystemExit(f"claim_bench: the variants did not each return the {args.rows} rows: {rows}")
+    return {v: spent[v] * 1000 / rows[v] for v in VARIANTS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -128,9 +132,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs.append(measure(admin_dsn, args, r))
             print(f"round {r + 1}: " + ", ".join(f"{v} {us:.2f}" for v, us in runs[-1].items())
                   + " µs of execution a row", flush=True)
+    medians = {v: round(_median([m[v] for m in runs]), 3) for v in VARIANTS}
     print(f"\nmedians of {len(runs)} rounds, {args.rows} rows of {args.payload_bytes} B, batches of "
-          f"{args.batch_size}: " + ", ".join(f"{v} {_median([m[v] for m in runs]):.2f}" for v in VARIANTS)
+          f"{args.batch_size}: " + ", ".join(f"{v} {us:.2f}" for v, us in medians.items())
           + " µs of execution a row")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(medians, f, indent=2)
+            f.write("\n")
     return 0
 
 

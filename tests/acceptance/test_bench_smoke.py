@@ -128,6 +128,21 @@ def test_mark_bench_prices_each_schema_variant(pg_server, tmp_path):
     assert "medians of 1 rounds" in result.stdout
 
 
+def test_claim_bench_times_each_claim_variant_over_the_same_rows(pg_server, tmp_path):
+    """The claim's executor-time bench: every variant returns every row of the backlog (it
+    exits otherwise), and each is timed."""
+    out = tmp_path / "claims.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_embedded.claim_bench", "--dsn", pg_server.admin_dsn,
+         "--rows", "3000", "--rounds", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(figures) == {"relay", "no_budget", "plain"}
+    assert all(us > 0 for us in figures.values())
+    assert "medians of 1 rounds" in result.stdout
+
+
 def test_mark_bench_refuses_an_unknown_variant(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "outbox_embedded.mark_bench", "--dsn", "postgresql://nobody@127.0.0.1:1/x",
