@@ -142,7 +142,7 @@ class Bench:
 
         A new topic each time, because tansu's produce slows as a topic fills: the naive
         relay drained 100,000 rows into a topic it had filled before at 30,422-32,439
-        events/s, into a new one at 41,455-56,687 (a one-off, alternating, 14:20 UTC), so
+        events/s, into a new one at 41,455-56,687 (a one-off, alternating, about 14:21 UTC), so
         from the second round on, the naive relay and the relay (whose topic every drain of
         the run had filled) were each measured against a broker of another state."""
         self.topic = f"bench.{uuid.uuid4().hex[:8]}"
