@@ -40,7 +40,7 @@ from typing import Any
 
 import psycopg
 
-from outbox_embedded.calibration import rotated, round_trip
+from outbox_embedded.calibration import rotated, round_trip, write_json
 from outbox_embedded.cpu_split import CpuSplit
 from outbox_embedded.queries import query
 from relay import migrate
@@ -893,10 +893,7 @@ def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     with services(args, durable=True) as (dsn, bootstrap):
         admin = _admin_dsn(dsn)
         result = run(args, admin, bootstrap)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    write_json(args.json_path, result)
     return 0
 
 

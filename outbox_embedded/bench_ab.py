@@ -19,7 +19,6 @@ figure's medians and new / old.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outbox_embedded import bench
+from outbox_embedded.calibration import write_json
 
 WHAT = ("steady", "low", "drain", "scale")
 
@@ -110,10 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nmedians (old -> new):")
     for key, fig in result.items():
         print(f"  {key:28} {fig['old_median']:10.2f} -> {fig['new_median']:10.2f}  ({fig['new_over_old']} x)")
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    write_json(args.json_path, result)
     return 0
 
 

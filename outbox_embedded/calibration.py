@@ -9,6 +9,7 @@ a paced claim cycle) move with that price, so the benchmarks time it beside them
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -57,3 +58,11 @@ def round_trip(dsn: str, count: int = ROUND_TRIPS) -> dict[str, float]:
             for _ in range(count):
                 conn.execute("SELECT 1", prepare=True)
     return {"wall_us": round(1e6 * m.wall / count, 1), "cpu_us": round(1e6 * m.cpu / count, 1)}
+
+
+def write_json(path: str | None, figures: Any) -> None:
+    """A benchmark's figures as indented JSON in ``path`` (its ``--json``; None: nothing)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(figures, f, indent=2)
+            f.write("\n")

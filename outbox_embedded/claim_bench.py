@@ -27,16 +27,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import re
+import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 
-from outbox_embedded.calibration import rotated
-from outbox_embedded.mark_bench import _fresh_db, _median
+from outbox_embedded.calibration import rotated, write_json
+from outbox_embedded.mark_bench import _fresh_db
 from outbox_embedded.queries import query
 from relay.model import Cursor, ShardId
 from relay.queries import compose
@@ -132,14 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs.append(measure(admin_dsn, args, r))
             print(f"round {r + 1}: " + ", ".join(f"{v} {us:.2f}" for v, us in runs[-1].items())
                   + " µs of execution a row", flush=True)
-    medians = {v: round(_median([m[v] for m in runs]), 3) for v in VARIANTS}
+    medians = {v: round(statistics.median([m[v] for m in runs]), 3) for v in VARIANTS}
     print(f"\nmedians of {len(runs)} rounds, {args.rows} rows of {args.payload_bytes} B, batches of "
           f"{args.batch_size}: " + ", ".join(f"{v} {us:.2f}" for v, us in medians.items())
           + " µs of execution a row")
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(medians, f, indent=2)
-            f.write("\n")
+    write_json(args.json_path, medians)
     return 0
 
 

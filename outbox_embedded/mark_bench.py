@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 import uuid
@@ -55,7 +54,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_embedded.calibration import rotated
+from outbox_embedded.calibration import rotated, write_json
 from outbox_embedded.cpu_split import CpuSplit
 from outbox_embedded.queries import query
 from relay import migrate
@@ -274,10 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack.callback(tansu.close)
             bootstrap = tansu.bootstrap
         result = run(args, admin_dsn, bootstrap)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    write_json(args.json_path, result)
     return 0
 
 

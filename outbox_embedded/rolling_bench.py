@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from typing import Any
 import psycopg
 
 from outbox_embedded import bench
+from outbox_embedded.calibration import write_json
 from outbox_embedded.queries import query
 
 SPREAD_TIMEOUT_S = 60.0
@@ -82,10 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             figures = rolling_restart(runner, args)
             results.append(figures)
             print(f"run {r + 1}: {summary(figures)}", flush=True)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("dsn", "json_path")},
-                       "runs": results}, f, indent=2)
+    write_json(args.json_path, {"args": {k: v for k, v in vars(args).items() if k not in ("dsn", "json_path")},
+                                "runs": results})
     return 0
 
 
