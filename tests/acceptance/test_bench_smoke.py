@@ -3,6 +3,7 @@ against targets here: benchmarks are not tests."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -77,6 +78,32 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
 
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _topics(bootstrap: str) -> set[str]:
+    from confluent_kafka.admin import AdminClient
+
+    return set(AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=10).topics)
+
+
+def test_every_drain_of_the_baselines_writes_a_topic_of_its_own(pg_server, broker):
+    """tansu's produce slows as a topic fills, and the naive relay flushes and waits for each
+    batch: when its rounds shared one topic, every round after the first ran against a fuller
+    broker (issue 18's twenty-eighth pass; before 87fbb88 this found one naive topic)."""
+    from outbox_embedded import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    runner = bench.Bench(parser.parse_args(["--rows", "300", "--batch-size", "100"]),
+                         pg_server.admin_dsn, broker.bootstrap)
+    before = _topics(broker.bootstrap)
+    figures, drains = bench._baselines(runner, 2, idle_s=0.0)
+    new = _topics(broker.bootstrap) - before
+    naive = {t for t in new if t.startswith("bench.") and t.endswith(".naive")}
+    relay = {t for t in new if t.startswith("bench.") and t.count(".") == 1}
+    assert len(naive) == 2, new  # one per round
+    assert len(relay) == 2 and not naive & relay, new  # the relay's drains too
+    assert len(drains) == 2 and figures["naive_relay_events_per_s"] > 0
 
 
 def test_bench_ab_runs_both_trees_in_turn_and_writes_every_run(pg_server, broker, tmp_path):
