@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.fixtures.outbox import relay_cmd
 
@@ -80,6 +81,15 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _bench_module(module: str, out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """``python -m outbox_embedded.<module> ... --json out`` from the checkout: its process
+    (which must have exited 0) and the figures it wrote."""
+    result = subprocess.run([sys.executable, "-m", f"outbox_embedded.{module}", *args, "--json", str(out)],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, json.loads(out.read_text())
+
+
 def _topics(bootstrap: str) -> set[str]:
     from confluent_kafka.admin import AdminClient
 
@@ -109,14 +119,10 @@ def test_every_drain_of_the_baselines_writes_a_topic_of_its_own(pg_server, broke
 def test_bench_ab_runs_both_trees_in_turn_and_writes_every_run(pg_server, broker, tmp_path):
     """The A/B harness behind the README's before/after tables, on this checkout against
     itself: one round runs the steady figure on each tree and reports both."""
-    out = tmp_path / "ab.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "outbox_embedded.bench_ab", "--old", str(REPO), "--new", str(REPO),
-         "--dsn", pg_server.admin_dsn, "--bootstrap-servers", broker.bootstrap, "--rounds", "1",
-         "--what", "steady", "--rate", "200", "--latency-s", "2", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(out.read_text())
+    result, figures = _bench_module(
+        "bench_ab", tmp_path / "ab.json", "--old", str(REPO), "--new", str(REPO), "--dsn", pg_server.admin_dsn,
+        "--bootstrap-servers", broker.bootstrap, "--rounds", "1", "--what", "steady", "--rate", "200",
+        "--latency-s", "2")
     assert set(figures) == {"200/s relay CPU %", "200/s commit->ack p50 ms", "200/s commit->ack p99 ms",
                             "200/s claims/s"}
     for figure in figures.values():
@@ -136,13 +142,8 @@ def test_bench_ab_refuses_a_tree_that_is_not_a_checkout(tmp_path):
 def test_mark_bench_prices_each_schema_variant(pg_server, tmp_path):
     """The schema-variant bench behind the README's mark table: every variant claims and
     marks the whole backlog (it raises otherwise), and the HOT variant's marks are HOT."""
-    out = tmp_path / "marks.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "outbox_embedded.mark_bench", "--dsn", pg_server.admin_dsn,
-         "--rows", "3000", "--rounds", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(out.read_text())
+    result, figures = _bench_module("mark_bench", tmp_path / "marks.json", "--dsn", pg_server.admin_dsn,
+                                    "--rows", "3000", "--rounds", "1")
     assert set(figures) == {"migrated", "no_published_index", "hot_ff50", "hot_ff70", "delete", "bytea_payload",
                             "event_id_pending", "pk_only"}
     for variant in figures.values():
@@ -158,13 +159,8 @@ def test_mark_bench_prices_each_schema_variant(pg_server, tmp_path):
 def test_claim_bench_times_each_claim_variant_over_the_same_rows(pg_server, tmp_path):
     """The claim's executor-time bench: every variant returns every row of the backlog (it
     exits otherwise), and each is timed."""
-    out = tmp_path / "claims.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "outbox_embedded.claim_bench", "--dsn", pg_server.admin_dsn,
-         "--rows", "3000", "--rounds", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(out.read_text())
+    result, figures = _bench_module("claim_bench", tmp_path / "claims.json", "--dsn", pg_server.admin_dsn,
+                                    "--rows", "3000", "--rounds", "1")
     assert set(figures) == {"relay", "no_budget", "plain"}
     assert all(us > 0 for us in figures.values())
     assert "medians of 1 rounds" in result.stdout
@@ -179,14 +175,10 @@ def test_mark_bench_refuses_an_unknown_variant(tmp_path):
 
 
 def test_mark_bench_drains_each_variant_with_a_real_relay(pg_server, broker, tmp_path):
-    out = tmp_path / "drains.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "outbox_embedded.mark_bench", "--dsn", pg_server.admin_dsn,
-         "--bootstrap-servers", broker.bootstrap, "--rows", "2000", "--rounds", "1",
-         "--variants", "migrated,hot_ff50,bytea_payload", "--drain", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(out.read_text())
+    result, figures = _bench_module(
+        "mark_bench", tmp_path / "drains.json", "--dsn", pg_server.admin_dsn, "--bootstrap-servers",
+        broker.bootstrap, "--rows", "2000", "--rounds", "1", "--variants", "migrated,hot_ff50,bytea_payload",
+        "--drain")
     assert set(figures) == {"migrated", "hot_ff50", "bytea_payload"}  # each drained all its rows (else it raises)
     for variant in figures.values():
         assert variant["drain_events_per_s"] > 0 and variant["drain_ratio_to_floor"] > 0
@@ -197,14 +189,10 @@ def test_mark_bench_drains_each_variant_with_a_real_relay(pg_server, broker, tmp
 def test_rolling_bench_restarts_every_replica_and_counts_every_event(pg_server, broker, tmp_path):
     """The rolling-restart bench behind the README's hand-over figures: each replica stopped
     and replaced once while a writer writes, every event's copies counted from the topic."""
-    out = tmp_path / "rolling.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "outbox_embedded.rolling_bench", "--dsn", pg_server.admin_dsn,
-         "--bootstrap-servers", broker.bootstrap, "--replicas", "2", "--rate", "200", "--gap-s", "1.5",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = json.loads(out.read_text())["runs"]
+    result, figures = _bench_module(
+        "rolling_bench", tmp_path / "rolling.json", "--dsn", pg_server.admin_dsn, "--bootstrap-servers",
+        broker.bootstrap, "--replicas", "2", "--rate", "200", "--gap-s", "1.5")
+    (run,) = figures["runs"]
     assert run["events"] > 500  # 200 a second for 4.5 s
     assert len(run["worst_ack_ms_per_hand_over"]) == 2
     for window in ("ack_ms_before", "ack_ms_during"):
@@ -216,14 +204,10 @@ def test_rolling_bench_restarts_every_replica_and_counts_every_event(pg_server, 
 def test_rolling_bench_in_exactly_once_mode_reads_every_event_once(pg_server, kafka_broker, tmp_path):
     """--exactly-once: the relays hand their shards' transactional producers over at each
     restart, and a read_committed read of the topic finds every event exactly once."""
-    out = tmp_path / "rolling-eo.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "outbox_embedded.rolling_bench", "--dsn", pg_server.admin_dsn,
-         "--bootstrap-servers", kafka_broker.bootstrap, "--exactly-once", "--replicas", "2",
-         "--rate", "200", "--gap-s", "1.5", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = json.loads(out.read_text())["runs"]
+    _, figures = _bench_module(
+        "rolling_bench", tmp_path / "rolling-eo.json", "--dsn", pg_server.admin_dsn, "--bootstrap-servers",
+        kafka_broker.bootstrap, "--exactly-once", "--replicas", "2", "--rate", "200", "--gap-s", "1.5")
+    (run,) = figures["runs"]
     assert run["events"] > 500
     assert (run["missing"], run["duplicates"]) == (0, 0)
     assert len(run["worst_ack_ms_per_hand_over"]) == 2
