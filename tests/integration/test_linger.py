@@ -11,40 +11,33 @@ marked 3 s after its commit at the earliest.
 
 from __future__ import annotations
 
-import json
-
 import psycopg
 
 from tests.fixtures.broker import read_all
-from tests.fixtures.outbox import RelayThread, check_delivery, wait_drained
+from tests.fixtures.outbox import (
+    RelayThread,
+    all_event_ids,
+    check_delivery,
+    insert_rows,
+    wait_drained,
+)
 
 LINGER_MS = 3000
 
 
-def _write_one(dsn: str, topic: str, n: int) -> str:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, %s, %s) RETURNING event_id::text",
-                           (topic, f"k{n % 3}", json.dumps({"key": f"k{n % 3}", "seq": n}))).fetchone()
-    assert row is not None
-    return str(row[0])
-
-
 def test_a_caught_up_relays_rows_go_without_waiting_for_linger(outbox_db, broker, topic):
-    written: list[str] = []
     with RelayThread(outbox_db, broker.bootstrap, kafka_properties={"linger.ms": str(LINGER_MS)}):
-        written.append(_write_one(outbox_db, topic, 0))
-        wait_drained(outbox_db, timeout_s=30)  # connected, its producer id asked for: caught up
-        for n in range(1, 6):
-            written.append(_write_one(outbox_db, topic, n))
-            wait_drained(outbox_db, timeout_s=30)
+        for n in range(6):  # one row a transaction, each once the relay has caught up
+            insert_rows(outbox_db, topic, 1, keys=3, start=n)
+            wait_drained(outbox_db, timeout_s=30)  # the first: connected, its producer id asked for
+    written = all_event_ids(outbox_db)
     # Commit to mark on the database's clock (created_at is the insert's, published_at the
-    # mark's, after the broker's acknowledgement).
+    # mark's, after the broker's acknowledgement), the first row left out.
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         lags = [r[0] for r in conn.execute(
-            "SELECT extract(epoch FROM published_at - created_at)::float8 FROM outbox "
-            "WHERE event_id::text = ANY(%s) ORDER BY id OFFSET 1", (written,))]
+            "SELECT extract(epoch FROM published_at - created_at)::float8 FROM outbox ORDER BY id OFFSET 1")]
     print("commit -> mark (s):", ", ".join(f"{lag:.3f}" for lag in lags))
     assert len(lags) == 5
     assert max(lags) < LINGER_MS / 1000 / 3, f"rows waited for linger.ms: {lags}"
-    delivery = check_delivery(read_all(broker.bootstrap, topic, expected=set(written), timeout_s=30), set(written))
+    delivery = check_delivery(read_all(broker.bootstrap, topic, expected=written, timeout_s=30), written)
     assert delivery.missing == set() and delivery.order_violations == [] and delivery.duplicates == 0

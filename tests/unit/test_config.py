@@ -92,14 +92,14 @@ def test_linger_is_short_only_when_claims_are_not_paced() -> None:
     """A paced claim's rows are flushed (tests/integration/test_linger.py), so linger.ms
     only batches a backlog; with --claim-interval-s 0 nothing flushes a caught-up relay's
     rows, and a longer linger would be their latency."""
-    def linger(**values: str) -> str:
-        return producer_config(build_settings({"dsn": DSN, "bootstrap_servers": "k:9092", **values}))["linger.ms"]
+    def linger(kafka_properties: dict[str, str] | None = None, **values: str) -> str:
+        chosen = build_settings({"dsn": DSN, "bootstrap_servers": "k:9092", **values},
+                                kafka_properties=kafka_properties)
+        return producer_config(chosen)["linger.ms"]
 
     assert linger() == "5"
     assert linger(claim_interval_s="0") == "1"
-    chosen = build_settings({"dsn": DSN, "bootstrap_servers": "k:9092", "claim_interval_s": "0"},
-                            kafka_properties={"linger.ms": "20"})
-    assert producer_config(chosen)["linger.ms"] == "20"
+    assert linger({"linger.ms": "20"}, claim_interval_s="0") == "20"
 
 
 def test_producer_config_keeps_the_delivery_guarantees() -> None:

@@ -9,13 +9,13 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from outbox_embedded.cpu_split import CpuSplit, broker_port, dsn_port, listener_pid, tree_cpu_s
+from tests.fixtures.procs import wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -50,11 +50,12 @@ def test_a_listener_is_found_by_port_and_its_tree_counts_living_and_reaped_child
         assert before["postgres"] >= 0.25
         # The living grandchild burns CPU meanwhile; a fixed 0.5 s gave it 0.18 s of CPU
         # once in CI, beside the other test workers on two cores: wait for its 0.2 s.
-        deadline = time.monotonic() + 20
-        after = split.snapshot()
-        while after["postgres"] - before["postgres"] < 0.2 and time.monotonic() < deadline:
-            time.sleep(0.1)  # noqa: TID251 - polling a process's CPU time
-            after = split.snapshot()
+        def grown() -> dict[str, float] | None:
+            now = split.snapshot()
+            return now if now["postgres"] - before["postgres"] >= 0.2 else None
+
+        after = wait_until(grown, timeout_s=20, interval_s=0.1,
+                           message="the living grandchild's CPU never reached the tree's figure")
         assert after["postgres"] - before["postgres"] >= 0.2
         assert tree_cpu_s(child) <= after["postgres"]
         per_row = CpuSplit.per_row(before, after, 1000)
