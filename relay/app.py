@@ -55,7 +55,7 @@ from relay.http import HealthServer
 from relay.janitor import Janitor
 from relay.leases import LeaseManager
 from relay.loop import Loop
-from relay.metrics import RelayMetrics
+from relay.metrics import WAKE_REASONS, RelayMetrics
 from relay.publisher import BrokerState, Publisher
 from relay.pump import Pump
 from relay.replay import Replayer
@@ -191,8 +191,11 @@ class Relay:
                         on_statement=self.metrics.db_statements.inc, table=s.table),
             self.publisher, owner=s.owner, nshards=nshards, metrics=self.metrics, log=self.log,
             clock=self.clock, lose=self.leases.lose)
+        wakeups = {reason: self.metrics.wakeups.labels(reason).inc for reason in WAKE_REASONS}
         self.loop = Loop(pump=self.pump, wakeup=self.wakeup, leases=self.leases,
-                         poll_interval_s=s.poll_interval_s, replayer=self.replayer, clock=self.clock)
+                         poll_interval_s=s.poll_interval_s, replayer=self.replayer,
+                         on_wake=lambda reason: wakeups[reason](),
+                         sleep_after_s=s.claim_interval_max_s, clock=self.clock)
         partitioned = s.table == "outbox" and self._retry_db(self.store.is_partitioned)
         if s.cleanup_retention_s or partitioned:
             # A partitioned outbox always gets its coming days' partitions created.
@@ -394,6 +397,7 @@ class Relay:
                            fenced=result.fenced, in_flight=self.pump.rows_in_flight())
         self.loop.wait(now, wake_by=min(self.leases.next_due(),
                                         self.gauges.next_at if self.gauges else float("inf")))
+        self.metrics.sleeping.set(self.loop.sleeping)
 
     def _wait_serving(self, seconds: float) -> None:
         """Sleep ``seconds`` (stop-aware) while still serving delivery reports."""

@@ -6,12 +6,17 @@ how long the relay has found nothing, whether it sleeps.  Then :meth:`Loop.wait`
 for the next thing to do:
 
 * busy (rows in flight, or replays): on delivery reports or the oldest mark, 50 ms at most;
-* recently busy: the relay polls on its own, from 5 ms doubling up to the poll interval,
-  and writers pay nothing;
-* idle for about the poll interval: it goes to sleep: takes the wake-up lock (writers
-  then NOTIFY, see sql/migrations/0003_notify.sql), claims once more (a commit may have
-  raced the lock) and waits on LISTEN; asleep it claims when woken by a notification or
-  when the poll interval is up, about one claim per poll interval;
+* recently busy: the relay polls on its own, from 5 ms doubling up to ``sleep_after_s``
+  (the relay's ``--claim-interval-max-s``, 80 ms), and writers pay nothing;
+* idle for about that long: it goes to sleep: takes the wake-up lock (writers then
+  NOTIFY, see sql/migrations/0003_notify.sql), claims once more (a commit may have raced
+  the lock) and waits on LISTEN; asleep it claims when woken by a notification (at once:
+  a notification drops the pump's pace, never its back-off, and is kept until a claim
+  runs) or when the poll interval is up, about one claim per poll interval; a claim that
+  finds rows wakes it, and ``on_wake`` hears what made it claim (``notify`` or ``poll``:
+  rows that no notification announced).  So a row waits at most about 80 ms for its
+  claim at any rate, and a few milliseconds when it comes alone (README, "How soon a
+  row leaves");
 * never past the pump's own back-off (``claim_not_before``: publish failures, stalled
   partitions) nor past the caller's next due time (lease heartbeat, backlog gauges).
 
@@ -74,16 +79,22 @@ class Loop:
 
     def __init__(self, *, pump: LoopPump, wakeup: LoopWakeup, leases: LoopLeases,
                  poll_interval_s: float, replayer: LoopReplayer | None = None,
+                 on_wake: Callable[[str], None] | None = None, sleep_after_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """``sleep_after_s``: once the awake relay's next poll would be this far away, it
+        sleeps instead (None: the poll interval)."""
         self.pump = pump
         self.wakeup = wakeup
         self.leases = leases
         self.replayer = replayer
         self.poll_interval_s = poll_interval_s
+        self.sleep_after_s = poll_interval_s if sleep_after_s is None else min(sleep_after_s, poll_interval_s)
         self.clock = clock
         self.empty_claims = 0  # claims in a row that found nothing, while nothing is in flight
         self.next_poll = 0.0  # asleep: when the next claim is due without a notification
         self.woken = False  # asleep: a notification came; claim on the next turn
+        self.claim_woken = False  # asleep: the last claim was the notification's (else the poll's)
+        self.on_wake = on_wake
         self.last = BatchResult()  # what the last turn did
 
     @property
@@ -96,10 +107,14 @@ class Loop:
         # at every heartbeat: about one claim per poll interval when idle.
         sleeping = self.wakeup.sleeping
         claim = not sleeping or self.woken or now >= self.next_poll
-        if claim and sleeping:
+        if claim and sleeping and now >= self.next_poll:
             self.next_poll = now + self.poll_interval_s
-            self.woken = False
         result = self.pump.run_once(claim=claim)
+        if claim and sleeping and result.claims:
+            # A notification is spent only by a claim: one that came while the pump could
+            # not claim (a paced claim's wait, a back-off) is claimed once it can, not at
+            # the next poll.
+            self.claim_woken, self.woken = self.woken, False
         if self.replayer is not None:
             self.replayer.run_once(self.leases.usable(now))
         self.last = result
@@ -111,6 +126,8 @@ class Loop:
         if self.last.claimed:
             self.empty_claims = 0
             if self.wakeup.sleeping:
+                if self.on_wake is not None:
+                    self.on_wake("notify" if self.claim_woken else "poll")
                 self.wakeup.set_sleeping(False)
         elif self.last.claims and not self.pump.busy():
             self.empty_claims += 1  # a claim ran and found nothing (not a paced turn)
@@ -150,7 +167,7 @@ class Loop:
             return
         if not self.wakeup.sleeping:
             delay = BUSY_POLL_BASE_S * 2 ** min(self.empty_claims, 20)
-            if delay < self.poll_interval_s:
+            if delay < self.sleep_after_s:
                 # The later of the back-off and the paced claim (waking before the claim is
                 # due runs no claim), never past the caller's due time or the poll interval.
                 due_in = max(0.0, pump.claim_not_before - self.clock())

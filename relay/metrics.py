@@ -17,6 +17,8 @@ DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 #: Permanent failure classes of relay.publisher (bounded label values).
 KNOWN_FAILURE_CLASSES = ("message_too_large", "record_rejected", "invalid_topic", "unknown_topic",
                          "topic_not_authorized", "bad_headers")
+#: What made a sleeping relay claim the rows it woke for (relay/loop.py).
+WAKE_REASONS = ("notify", "poll")
 BATCH_BUCKETS = (1, 5, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 
 
@@ -82,6 +84,11 @@ class RelayMetrics:
         self.stalled_rows = Gauge("outbox_relay_stalled_rows", "Rows waiting on a partition that acknowledges nothing (its keys' later rows wait too).", ["topic", "partition"], registry=r)
         self.last_publish = Gauge("outbox_relay_last_publish_timestamp_seconds", "Unix time of the last marked batch.", registry=r)
         self.db_statements = Counter("outbox_relay_db_statements", "SQL statements the relay sent (idle cost).", registry=r)
+        # Asleep, writers NOTIFY the relay (sql/migrations/0003_notify.sql); woken by a poll,
+        # it found rows that no notification announced: writers that do not notify (the
+        # trigger dropped, rows copied in) wait up to --poll-interval-s for the relay.
+        self.sleeping = Gauge("outbox_relay_sleeping", "1 while the relay sleeps: it holds the wake-up lock and writers notify it.", registry=r)
+        self.wakeups = Counter("outbox_relay_wakeups", "Times the sleeping relay found rows and woke, by what made it claim: notify (a writer's notification) or poll (the poll interval ran out).", ["reason"], registry=r)
         self.cleanup_deleted = Counter("outbox_relay_cleanup_deleted_rows", "Published rows deleted by retention.", registry=r)
         # Labelled by replay id: only active replays keep a series (removed when done/cancelled).
         self.replay_rows_left = Gauge("outbox_relay_replay_rows_left", "Rows an active replay has still to republish (all shards).", ["replay"], registry=r)
@@ -92,5 +99,7 @@ class RelayMetrics:
             self.dead_lettered.labels(reason)
             self.attempts.labels(reason)
             self.publish_errors.labels(reason)
+        for wake in WAKE_REASONS:
+            self.wakeups.labels(wake)
         for transient in ("transient", "timeout", "producer_fatal"):
             self.publish_errors.labels(transient)

@@ -156,6 +156,7 @@ class Pump:
         self.rewind_requested = True  # the first claim starts from "nothing seen"
         self.caught_up = False
         self.claim_not_before = 0.0
+        self.backoff_until = 0.0  # the part of claim_not_before that is a back-off, not a pace
         self.next_sweep = clock() + SWEEP_INTERVAL_S
         self._rewind_cost_s: float | None = None  # the last rewind's restamp, until its claim
         self.failed_keys: set[str] = set()
@@ -198,8 +199,11 @@ class Pump:
 
     def expect_new_rows(self) -> None:
         """Rows may have committed since the last claim found the backlog drained (a
-        notification, or the race with the wake-up lock): the next claim looks again."""
+        notification, or the race with the wake-up lock): the next claim looks again, and
+        at once: the pace (:meth:`_pace`) spaces claims that would find a few rows each, and
+        a sleeping relay's notification says there are some.  A back-off stays."""
         self.caught_up = False
+        self.claim_not_before = self.backoff_until
 
     def idle(self) -> bool:
         """Nothing in flight and the last claim found the backlog drained."""
@@ -450,7 +454,7 @@ class Pump:
             self.caught_up = False
             self.request_rewind()
         if held == len(rows) and self.caught_up:
-            self.claim_not_before = self.clock() + STALLED_CLAIM_PAUSE_S
+            self.claim_not_before = self.backoff_until = self.clock() + STALLED_CLAIM_PAUSE_S
         if batch.rows:
             self.in_flight.append(batch)
 
@@ -526,7 +530,7 @@ class Pump:
             self.request_rewind()
             not_before = failures.handle(batch, failed, result)
             if not_before is not None:
-                self.claim_not_before = not_before
+                self.claim_not_before = self.backoff_until = not_before
         else:
             failures.transient_streak = 0
 

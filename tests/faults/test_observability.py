@@ -31,6 +31,22 @@ def sample(port: int, name: str, labels: str = "") -> float:
     return sum(float(m.group(2)) for m in pattern.finditer(text))
 
 
+def wake_lines(port: int) -> str:
+    return "; ".join(line for line in get(port, "/metrics")[1].splitlines()
+                     if line.startswith(("outbox_relay_wakeups_total", "outbox_relay_sleeping")))
+
+
+def asleep_and_listening(port: int) -> None:
+    """Wait until the relay sleeps and has run its claim after taking the wake-up lock (rows
+    committed before that claim are its, announced or not: "poll")."""
+    wait_until(lambda: sample(port, "outbox_relay_sleeping") == 1, timeout_s=30,
+               message="the idle relay never said it sleeps")
+    claims = sample(port, "outbox_relay_claim_duration_seconds_count")
+    wait_until(lambda: sample(port, "outbox_relay_claim_duration_seconds_count") > claims, timeout_s=30,
+               message="no claim after the relay fell asleep")
+    assert sample(port, "outbox_relay_sleeping") == 1
+
+
 def test_metrics_move_and_the_oldest_age_rises_while_the_broker_is_cut(
         outbox_db, proxied_broker, topic_name, spawn):
     tansu, proxy = proxied_broker
@@ -104,5 +120,38 @@ def test_healthz_fails_when_rows_are_pending_and_nothing_moves(outbox_db, broker
                message="/healthz stayed green with rows pending and nothing published")
     detail = json.loads(get(port, "/healthz")[1])
     assert detail["pending"] == 5
+    relay.sigterm()
+    assert relay.wait(30) == 0
+
+
+def test_the_relay_says_when_it_sleeps_and_what_woke_it(outbox_db, broker, topic, spawn):
+    """Asleep, writers notify the relay; rows that no notification announced (the trigger
+    disabled here) wake it only at the poll, and ``outbox_relay_wakeups_total{reason="poll"}``
+    is how an SRE sees writers waiting up to --poll-interval-s for it."""
+    import psycopg
+
+    port = free_port()
+    relay = spawn(relay_cmd("run"), name="relay", env=relay_env(
+        outbox_db, broker.bootstrap, metrics_port=port, metrics_host="127.0.0.1",
+        poll_interval_s=2))
+    asleep_and_listening(port)
+    assert sample(port, "outbox_relay_wakeups_total", '{reason="notify"}') == 0
+    assert sample(port, "outbox_relay_wakeups_total", '{reason="poll"}') == 0
+
+    insert_rows(outbox_db, topic, 20, keys=4)
+    wait_drained(outbox_db)
+    wait_until(lambda: sample(port, "outbox_relay_wakeups_total", '{reason="notify"}') == 1,
+               timeout_s=10, message=lambda: "a notified wake-up was not counted: " + wake_lines(port))
+    assert sample(port, "outbox_relay_wakeups_total", '{reason="poll"}') == 0
+
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("ALTER TABLE outbox DISABLE TRIGGER outbox_notify_insert")
+    asleep_and_listening(port)
+    insert_rows(outbox_db, topic, 20, keys=4, start=20)
+    wait_drained(outbox_db)
+    wait_until(lambda: sample(port, "outbox_relay_wakeups_total", '{reason="poll"}') == 1,
+               timeout_s=10, message=lambda: "a wake-up at the poll was not counted: " + wake_lines(port))
+    assert sample(port, "outbox_relay_wakeups_total", '{reason="notify"}') == 1
+    assert sample(port, "outbox_relay_events_published_total") == 40
     relay.sigterm()
     assert relay.wait(30) == 0

@@ -45,7 +45,7 @@ def relay_with(log: Log, clock: list[float]) -> Relay:
     relay.leases = Leases(clock)  # type: ignore[assignment]
     relay.pump = SimpleNamespace(busy_shards=set, rows_in_flight=lambda: 0)  # type: ignore[assignment]
     relay.loop = SimpleNamespace(run_once=lambda now: BatchResult(),  # type: ignore[assignment]
-                                 wait=lambda now, wake_by: None)
+                                 wait=lambda now, wake_by: None, sleeping=False)
     relay.wakeup = SimpleNamespace(moved=False, shards_moved=lambda: False,  # type: ignore[assignment]
                                    close=lambda: None)
     return relay

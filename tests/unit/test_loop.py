@@ -33,7 +33,8 @@ class Relay:
 
     def __init__(self, rows: list[object] | None = None, *, outcomes: dict[int, list[Outcome]] | None = None,
                  max_attempts: int = 3, dead_letter_topic: str | None = None,
-                 heartbeat_s: float = 60.0, grant: bool = True) -> None:
+                 heartbeat_s: float = 60.0, grant: bool = True, claim_interval_s: float = 0.0,
+                 claim_interval_max_s: float = 0.0) -> None:
         self.clock = Clock()
         self.store = RetryStore(rows or [], self.clock)  # type: ignore[arg-type]
         self.publisher = FailingPublisher(self.clock, outcomes)
@@ -43,9 +44,11 @@ class Relay:
         self.pump = Pump(store=self.store, publisher=self.publisher, leases=self.leases,  # type: ignore[arg-type]
                          nshards=2, batch_size=10, pipeline_depth=2, max_attempts=max_attempts,
                          backoff_initial_s=0.1, backoff_max_s=1.0, metrics=RelayMetrics(),
-                         log=FakeLog(), clock=self.clock, dead_letter_topic=dead_letter_topic)
+                         log=FakeLog(), clock=self.clock, dead_letter_topic=dead_letter_topic,
+                         claim_interval_s=claim_interval_s, claim_interval_max_s=claim_interval_max_s)
+        self.wakes: list[str] = []  # what on_wake heard
         self.loop = Loop(pump=self.pump, wakeup=self.wakeup, leases=self.leases,  # type: ignore[arg-type]
-                         poll_interval_s=POLL_S, clock=self.clock)
+                         poll_interval_s=POLL_S, on_wake=self.wakes.append, clock=self.clock)
         self.pump.start()
         self.turns = 0
 
@@ -80,6 +83,23 @@ def test_an_idle_relay_polls_faster_then_sleeps_after_one_more_claim() -> None:
     assert r.wakeup.waits[-1] == pytest.approx(POLL_S)  # then it waits on LISTEN
 
 
+def test_it_sleeps_once_its_next_poll_would_be_sleep_after_s_away() -> None:
+    # As relay/app.py composes it, sleep_after_s is --claim-interval-max-s: the longest a
+    # row waits for an awake relay's claim is the longest it waits for a paced one.
+    r = Relay(heartbeat_s=0.3)
+    r.loop.sleep_after_s = 0.08
+    r.turn_until(lambda: r.wakeup.sleeping)
+    assert r.wakeup.pauses + r.wakeup.waits == pytest.approx([0.01, 0.02, 0.04])
+    assert r.wakeup.sleeps == 1
+    r.turn()  # the claim after taking the lock, then a heartbeat's wait on LISTEN
+    asleep_at = r.clock()
+    r.store.add(row(1, 0))
+    r.wakeup.notify()
+    r.turn_until(lambda: r.store.marked == [1])
+    assert r.clock() - asleep_at <= 2 * BUSY_POLL_BASE_S + 1e-9
+    assert r.wakes == ["notify"]
+
+
 def test_a_notification_wakes_the_sleeping_relay_at_once() -> None:
     r = Relay(heartbeat_s=0.3)
     r.turn_until(lambda: r.wakeup.sleeping)
@@ -92,6 +112,46 @@ def test_a_notification_wakes_the_sleeping_relay_at_once() -> None:
     # Marked within a busy poll (10 ms), not at the next poll 0.7 s away: the notification woke it.
     assert r.clock() - asleep_at <= 2 * BUSY_POLL_BASE_S + 1e-9
     assert not r.wakeup.sleeping  # it found rows: awake again, writers stop notifying
+    assert r.wakes == ["notify"]
+
+
+def test_a_notification_inside_a_paced_claims_wait_is_claimed_when_the_wait_ends() -> None:
+    # Claims paced as the relay's defaults pace them: asleep, every claim that finds nothing
+    # (the one after taking the lock, each poll's) puts the next one up to 80 ms away.  A
+    # notification inside that wait used to be spent on a turn that could not claim, and
+    # its rows waited for the next poll (0.92 s here, in a test that failed before the fix).
+    r = Relay(heartbeat_s=0.3, claim_interval_s=0.005, claim_interval_max_s=0.08)
+    r.turn_until(lambda: r.wakeup.sleeping)
+    now = r.clock()
+    r.loop.run_once(now)  # the claim after taking the lock: it found nothing, the next one is paced
+    assert r.pump.claim_not_before > r.clock()
+    written = r.clock()
+    r.store.add(row(1, 0))
+    r.wakeup.notify()  # a writer commits before the loop waits
+    r.loop.wait(now, wake_by=now + r.heartbeat_s)
+    r.turn_until(lambda: r.store.marked == [1])
+    assert r.publisher.sent_at[0][1] - written <= 0.08 + 1e-6
+    assert r.wakes == ["notify"]
+
+
+def test_rows_no_notification_announced_wake_it_at_the_poll_and_say_so() -> None:
+    r = Relay(heartbeat_s=0.3)
+    r.turn_until(lambda: r.wakeup.sleeping)
+    r.turn()
+    r.store.add(row(1, 0))  # written without a notification (the trigger dropped, say)
+    r.turn_until(lambda: r.store.marked == [1])
+    assert not r.wakeup.sleeping
+    assert r.wakes == ["poll"]
+    # Awake, rows found are no wake-up; asleep again, a notification is the next one.
+    r.store.add(row(2, 1))
+    r.turn_until(lambda: r.store.marked == [1, 2])
+    assert r.wakes == ["poll"]
+    r.turn_until(lambda: r.wakeup.sleeping)
+    r.turn()
+    r.store.add(row(3, 0))
+    r.wakeup.notify()
+    r.turn_until(lambda: r.store.marked == [1, 2, 3])
+    assert r.wakes == ["poll", "notify"]
 
 
 def test_asleep_it_claims_once_per_poll_interval_not_at_every_heartbeat() -> None:
