@@ -194,8 +194,7 @@ class Relay:
         wakeups = {reason: self.metrics.wakeups.labels(reason).inc for reason in WAKE_REASONS}
         self.loop = Loop(pump=self.pump, wakeup=self.wakeup, leases=self.leases,
                          poll_interval_s=s.poll_interval_s, replayer=self.replayer,
-                         on_wake=lambda reason: wakeups[reason](),
-                         sleep_after_s=s.claim_interval_max_s, clock=self.clock)
+                         on_wake=lambda reason: wakeups[reason](), clock=self.clock)
         partitioned = s.table == "outbox" and self._retry_db(self.store.is_partitioned)
         if s.cleanup_retention_s or partitioned:
             # A partitioned outbox always gets its coming days' partitions created.

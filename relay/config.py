@@ -195,9 +195,7 @@ OPTIONS: tuple[Option, ...] = (
                 "this long (0: at once); a full batch is followed at once"),
     Option(name="claim_interval_max_s", parse=_seconds, default=DEFAULT_CLAIM_INTERVAL_MAX_S,
            help="the longest wait after a drained claim, reached while claims find only a "
-                "few rows: bounds the latency a low write rate pays for a cheap relay; also "
-                "how long a relay whose claims find nothing polls before it sleeps (then "
-                "writers' notifications wake it)"),
+                "few rows: bounds the latency a low write rate pays for a cheap relay"),
     Option(name="pipeline_depth", parse=_positive_int, default=DEFAULT_PIPELINE_DEPTH,
            help="batches in flight to the broker at once"),
     Option(name="mark_connections", parse=_mark_connections, default=0,

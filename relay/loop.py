@@ -6,17 +6,17 @@ how long the relay has found nothing, whether it sleeps.  Then :meth:`Loop.wait`
 for the next thing to do:
 
 * busy (rows in flight, or replays): on delivery reports or the oldest mark, 50 ms at most;
-* recently busy: the relay polls on its own, from 5 ms doubling up to ``sleep_after_s``
-  (the relay's ``--claim-interval-max-s``, 80 ms), and writers pay nothing;
-* idle for about that long: it goes to sleep: takes the wake-up lock (writers then
-  NOTIFY, see sql/migrations/0003_notify.sql), claims once more (a commit may have raced
-  the lock) and waits on LISTEN; asleep it claims when woken by a notification (at once:
-  a notification drops the pump's pace, never its back-off, and is kept until a claim
-  runs) or when the poll interval is up, about one claim per poll interval; a claim that
-  finds rows wakes it, and ``on_wake`` hears what made it claim (``notify`` or ``poll``:
-  rows that no notification announced).  So a row waits at most about 80 ms for its
-  claim at any rate, and a few milliseconds when it comes alone (README, "How soon a
-  row leaves");
+* caught up: the relay claims on its own, paced by the pump (5 to 80 ms apart, more rows
+  a claim the longer), and writers pay nothing;
+* at the first claim that finds nothing (nothing in flight either) it goes to sleep:
+  takes the wake-up lock (writers then NOTIFY, see sql/migrations/0003_notify.sql),
+  claims once more (a commit may have raced the lock) and waits on LISTEN; asleep it
+  claims when woken by a notification (at once: a notification drops the pump's pace,
+  never its back-off, and is kept until a claim runs) or when the poll interval is up,
+  about one claim per poll interval; a claim that finds rows wakes it, and ``on_wake``
+  hears what made it claim (``notify``, or ``poll``: rows no notification announced).
+  So a row waits at most about 80 ms for its claim at any rate, and a few milliseconds
+  when rows come further apart than that (README, "How soon a row leaves");
 * never past the pump's own back-off (``claim_not_before``: publish failures, stalled
   partitions) nor past the caller's next due time (lease heartbeat, backlog gauges).
 
@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from relay.model import BatchResult, Lease
 
-#: First poll delay after the relay found work; doubles up to the poll interval.
+#: The shortest wait of an awake relay for its next claim.
 BUSY_POLL_BASE_S = 0.005
 #: The longest a busy loop waits on delivery reports, marks or replays before a new turn.
 BUSY_WAIT_S = 0.05
@@ -79,16 +79,13 @@ class Loop:
 
     def __init__(self, *, pump: LoopPump, wakeup: LoopWakeup, leases: LoopLeases,
                  poll_interval_s: float, replayer: LoopReplayer | None = None,
-                 on_wake: Callable[[str], None] | None = None, sleep_after_s: float | None = None,
+                 on_wake: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``sleep_after_s``: once the awake relay's next poll would be this far away, it
-        sleeps instead (None: the poll interval)."""
         self.pump = pump
         self.wakeup = wakeup
         self.leases = leases
         self.replayer = replayer
         self.poll_interval_s = poll_interval_s
-        self.sleep_after_s = poll_interval_s if sleep_after_s is None else min(sleep_after_s, poll_interval_s)
         self.clock = clock
         self.empty_claims = 0  # claims in a row that found nothing, while nothing is in flight
         self.next_poll = 0.0  # asleep: when the next claim is due without a notification
@@ -166,19 +163,18 @@ class Loop:
         if pump.rewind_requested and pump.idle():
             return
         if not self.wakeup.sleeping:
-            delay = BUSY_POLL_BASE_S * 2 ** min(self.empty_claims, 20)
-            if delay < self.sleep_after_s:
-                # The later of the back-off and the paced claim (waking before the claim is
+            if not self.empty_claims:
+                # The last claim found rows: wait for the paced claim (waking before it is
                 # due runs no claim), never past the caller's due time or the poll interval.
                 due_in = max(0.0, pump.claim_not_before - self.clock())
                 cap = max(0.0, min(next_poll, wake_by) - self.clock())
-                timeout = min(cap, max(delay, due_in))
+                timeout = min(cap, max(BUSY_POLL_BASE_S, due_in))
                 if timeout <= AWAKE_PAUSE_MAX_S:
                     # Awake: no writer notifies this relay, so nothing on the LISTEN
                     # socket could end this wait early (a paced claim's, each ~12 ms).
                     self.wakeup.pause(timeout)
                     return
-            elif self.wakeup.set_sleeping(True):
+            elif self.wakeup.set_sleeping(True):  # a claim found nothing: sleep
                 pump.expect_new_rows()  # one more claim: a commit may have raced the lock
                 return
             # else: writers are mid-transaction or a peer sleeps (and writers notify us all)

@@ -66,38 +66,29 @@ class Relay:
         raise AssertionError(f"not done after {limit} turns at t={self.clock() - 1000.0:.3f}")
 
 
-def test_an_idle_relay_polls_faster_then_sleeps_after_one_more_claim() -> None:
+def test_an_idle_relay_sleeps_at_its_first_empty_claim_after_one_more_claim() -> None:
     r = Relay()
     r.turn_until(lambda: r.wakeup.sleeping)
-    # Recently busy it polls on its own, from 10 ms doubling, until the delay reaches the
-    # poll interval: then it takes the wake-up lock instead of waiting.
-    # Awake, no writer notifies it: the short ones do not even read the LISTEN socket.
-    doubling = [BUSY_POLL_BASE_S * 2 ** k for k in range(1, 8)]
-    assert r.wakeup.pauses + r.wakeup.waits == pytest.approx(doubling)
-    assert all(wait <= AWAKE_PAUSE_MAX_S for wait in r.wakeup.pauses)
-    assert all(wait > AWAKE_PAUSE_MAX_S for wait in r.wakeup.waits)
+    # Its first claim found nothing (the fake store is empty): it took the wake-up lock at
+    # once, without waiting.  Until issue 18's twenty-ninth pass it polled on its own first,
+    # 10 ms doubling up to the poll interval, and a lone row waited up to 640 ms for it.
+    assert r.store.claims == 1
+    assert r.wakeup.pauses + r.wakeup.waits == []
     assert r.wakeup.sleeps == 1
-    claims = r.store.claims
     r.turn()  # one more claim: a commit may have raced the lock
-    assert r.store.claims == claims + 1
-    assert r.wakeup.waits[-1] == pytest.approx(POLL_S)  # then it waits on LISTEN
+    assert r.store.claims == 2
+    assert r.wakeup.waits == pytest.approx([POLL_S])  # then it waits on LISTEN
 
 
-def test_it_sleeps_once_its_next_poll_would_be_sleep_after_s_away() -> None:
-    # As relay/app.py composes it, sleep_after_s is --claim-interval-max-s: the longest a
-    # row waits for an awake relay's claim is the longest it waits for a paced one.
-    r = Relay(heartbeat_s=0.3)
-    r.loop.sleep_after_s = 0.08
-    r.turn_until(lambda: r.wakeup.sleeping)
-    assert r.wakeup.pauses + r.wakeup.waits == pytest.approx([0.01, 0.02, 0.04])
-    assert r.wakeup.sleeps == 1
-    r.turn()  # the claim after taking the lock, then a heartbeat's wait on LISTEN
-    asleep_at = r.clock()
-    r.store.add(row(1, 0))
-    r.wakeup.notify()
-    r.turn_until(lambda: r.store.marked == [1])
-    assert r.clock() - asleep_at <= 2 * BUSY_POLL_BASE_S + 1e-9
-    assert r.wakes == ["notify"]
+def test_a_caught_up_relay_stays_awake_while_its_claims_find_rows() -> None:
+    # Claims paced as the relay's defaults pace them, and a row for each: no claim finds
+    # nothing, so it never sleeps and writers never notify.
+    r = Relay(claim_interval_s=0.005, claim_interval_max_s=0.08)
+    for n in range(1, 30):
+        r.store.add(row(n, n % 2))
+        r.turn_until(lambda n=n: len(r.store.marked) == n)
+    assert r.wakeup.sleeps == 0 and r.wakes == []  # rows found awake are no wake-up
+    assert all(wait <= AWAKE_PAUSE_MAX_S for wait in r.wakeup.pauses)
 
 
 def test_a_notification_wakes_the_sleeping_relay_at_once() -> None:
@@ -111,8 +102,7 @@ def test_a_notification_wakes_the_sleeping_relay_at_once() -> None:
     r.turn_until(lambda: r.store.marked == [1])
     # Marked within a busy poll (10 ms), not at the next poll 0.7 s away: the notification woke it.
     assert r.clock() - asleep_at <= 2 * BUSY_POLL_BASE_S + 1e-9
-    assert not r.wakeup.sleeping  # it found rows: awake again, writers stop notifying
-    assert r.wakes == ["notify"]
+    assert r.wakes == ["notify"]  # it found rows: awake (writers stop notifying), asleep again after
 
 
 def test_a_notification_inside_a_paced_claims_wait_is_claimed_when_the_wait_ends() -> None:
@@ -140,17 +130,13 @@ def test_rows_no_notification_announced_wake_it_at_the_poll_and_say_so() -> None
     r.turn()
     r.store.add(row(1, 0))  # written without a notification (the trigger dropped, say)
     r.turn_until(lambda: r.store.marked == [1])
-    assert not r.wakeup.sleeping
     assert r.wakes == ["poll"]
-    # Awake, rows found are no wake-up; asleep again, a notification is the next one.
-    r.store.add(row(2, 1))
-    r.turn_until(lambda: r.store.marked == [1, 2])
-    assert r.wakes == ["poll"]
+    # Asleep again, a notification is the next one.
     r.turn_until(lambda: r.wakeup.sleeping)
     r.turn()
-    r.store.add(row(3, 0))
+    r.store.add(row(2, 0))
     r.wakeup.notify()
-    r.turn_until(lambda: r.store.marked == [1, 2, 3])
+    r.turn_until(lambda: r.store.marked == [1, 2])
     assert r.wakes == ["poll", "notify"]
 
 
@@ -263,26 +249,27 @@ def test_losing_the_database_rewinds_and_drops_the_wake_up_lock() -> None:
     assert r.pump.rewind_requested and not r.wakeup.sleeping and r.wakeup.closed == 1
 
 
-def seconds_awake_after_the_last_row(*, paced: bool) -> float:
+def awake_after_the_last_row(*, paced: bool) -> tuple[float, int]:
+    """Seconds from the last row's mark to the wake-up lock, and the claims between."""
     r = Relay()
     if paced:
         r.pump.claim_interval_s = r.pump.pace_s = 0.005
         r.pump.claim_interval_max_s = 0.05
     r.store.add(row(1, 0))
     r.turn_until(lambda: r.store.marked == [1])
-    marked_at = r.clock()
+    marked_at, claims = r.clock(), r.store.claims
     r.turn_until(lambda: r.wakeup.sleeping)
-    return r.clock() - marked_at
+    return r.clock() - marked_at, r.store.claims - claims
 
 
-def test_paced_claims_do_not_send_the_relay_to_sleep_sooner() -> None:
-    """After its last row the relay polls on its own, the wait doubling up to the poll
-    interval, before it takes the wake-up lock (and writers start paying for NOTIFY).
-    With paced claims the turns between two claims counted as empty claims and the pace's
-    short waits cut the doubling short: it slept after 0.2 s instead of about 1.3 s."""
-    unpaced = seconds_awake_after_the_last_row(paced=False)
-    assert unpaced > POLL_S
-    assert seconds_awake_after_the_last_row(paced=True) >= 0.9 * unpaced
+def test_paced_turns_are_not_claims_that_found_nothing() -> None:
+    """The relay sleeps at its first claim that finds nothing.  A turn that claims nothing
+    because the next claim is paced is not one (when such turns counted, a paced relay went
+    to sleep after 0.2 s of the 1.3 s it then polled on its own): paced, it sleeps at the
+    first claim after its pace, at most claim_interval_max_s after its last row."""
+    for paced in (False, True):
+        seconds, claims = awake_after_the_last_row(paced=paced)
+        assert claims <= 1 and seconds <= 0.05 + 1e-9, (paced, seconds, claims)
 
 
 def test_a_paced_trickle_costs_one_turn_of_the_loop_per_claim() -> None:
