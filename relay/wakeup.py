@@ -54,6 +54,9 @@ class Wakeup:
         self._conn: psycopg.Connection[Any] | None = None
         self.queries = 0  # statements sent, for the idle-cost figures
         self.sleeping = False  # holds the wake-up lock on the LISTEN connection
+        #: The last refused set_sleeping(True) found another relay holding the lock (not
+        #: writers mid-transaction): writers notify this relay too.
+        self.peer_sleeps = False
 
     def set_sleeping(self, sleeping: bool) -> bool:
         """Take (True) or release (False) the wake-up lock on the LISTEN connection.
@@ -93,6 +96,7 @@ class Wakeup:
             if sleeping:
                 row = listen.execute(query("relay", "go_to_sleep")).fetchone()
                 self.sleeping = bool(row and row[0])
+                self.peer_sleeps = bool(row and row[1])
             else:
                 listen.execute(query("relay", "wake_up"))
                 self.sleeping = False

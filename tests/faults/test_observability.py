@@ -155,3 +155,27 @@ def test_the_relay_says_when_it_sleeps_and_what_woke_it(outbox_db, broker, topic
     assert sample(port, "outbox_relay_events_published_total") == 40
     relay.sigterm()
     assert relay.wait(30) == 0
+
+
+def test_beside_a_sleeping_replica_an_idle_one_claims_once_per_poll_interval(outbox_db, broker, spawn):
+    """One replica holds the wake-up lock, so writers notify both; the other, refused the
+    lock, waits on LISTEN until its poll.  It used to claim and try the lock at its pace
+    instead, every 80 ms: 12.4 claims and 26.5 statements a second while nothing happened
+    (two relays idle side by side, 2026-12-05); this test failed on that code."""
+    import time
+
+    ports = [free_port(), free_port()]
+    relays = [spawn(relay_cmd("run"), name=f"relay-{n}", env=relay_env(
+        outbox_db, broker.bootstrap, metrics_port=port, metrics_host="127.0.0.1",
+        owner=f"idle-{n}", poll_interval_s=1)) for n, port in enumerate(ports)]
+    wait_until(lambda: sum(sample(port, "outbox_relay_sleeping") for port in ports) == 1, timeout_s=30,
+               message="neither replica sleeps")
+    awake = next(port for port in ports if sample(port, "outbox_relay_sleeping") == 0)
+    claims, started = sample(awake, "outbox_relay_claim_duration_seconds_count"), time.monotonic()
+    wait_until(lambda: sample(awake, "outbox_relay_claim_duration_seconds_count") >= claims + 5,
+               timeout_s=30, message="the awake replica stopped claiming")
+    assert time.monotonic() - started >= 3.0, "five claims in under 3 s: it claims at its pace, not its poll"
+    assert sum(sample(port, "outbox_relay_sleeping") for port in ports) == 1
+    for relay in relays:
+        relay.sigterm()
+        assert relay.wait(30) == 0

@@ -33,8 +33,9 @@ def test_a_sleeping_relay_is_woken_by_a_commit_and_an_awake_one_costs_writers_no
 def test_one_relay_sleeps_at_a_time_and_the_lock_goes_with_its_connection(outbox_db):
     first, second = Wakeup(outbox_db), Wakeup(outbox_db)
     try:
-        assert first.set_sleeping(True)
+        assert first.set_sleeping(True) and not first.peer_sleeps
         assert not second.set_sleeping(True)  # a peer sleeps: writers notify everyone anyway
+        assert second.peer_sleeps  # found in pg_locks: the loop waits for a notification
         insert_rows(outbox_db, "orders", 1)
         assert second.wait(10.0)  # it listens too, so it is woken as well
         first.close()
@@ -47,6 +48,21 @@ def test_one_relay_sleeps_at_a_time_and_the_lock_goes_with_its_connection(outbox
     finally:
         first.close()
         second.close()
+
+
+def test_a_writer_mid_transaction_refuses_the_lock_and_is_not_a_sleeping_peer(outbox_db):
+    import psycopg
+
+    wakeup = Wakeup(outbox_db)
+    try:
+        with psycopg.connect(outbox_db) as writer:  # its INSERT holds the shared lock until commit
+            writer.execute("INSERT INTO outbox (topic, key, payload) VALUES ('orders', 'k', '{}')")
+            assert not wakeup.set_sleeping(True)
+            assert not wakeup.peer_sleeps  # nobody notifies: the loop claims again at its pace
+            writer.commit()
+        assert wakeup.set_sleeping(True) and not wakeup.peer_sleeps
+    finally:
+        wakeup.close()
 
 
 def test_a_peers_notice_about_shards_is_read_without_waiting_and_ends_a_wait(outbox_db):

@@ -140,10 +140,14 @@ class Wakeup:
     writers notify only while some relay sleeps; a wait without a notification lasts its
     whole timeout on ``clock``."""
 
-    def __init__(self, clock: Clock, *, grant: bool = True) -> None:
+    def __init__(self, clock: Clock, *, grant: bool = True, peer: bool = False) -> None:
+        """``grant`` False: the lock is refused, held by a peer relay when ``peer`` (writers
+        notify this relay too), else by writers mid-transaction."""
         self.clock = clock
         self.grant = grant
+        self.peer = peer
         self.sleeping = False
+        self.peer_sleeps = False
         self.notified = False
         self.waits: list[float] = []
         self.pauses: list[float] = []
@@ -152,12 +156,13 @@ class Wakeup:
 
     def set_sleeping(self, sleeping: bool) -> bool:
         self.sleeping = sleeping and self.grant
+        self.peer_sleeps = sleeping and not self.grant and self.peer
         self.sleeps += self.sleeping
         return self.sleeping
 
     def notify(self) -> None:
         """A writer commits: NOTIFY goes out only while the lock is held."""
-        self.notified = self.notified or self.sleeping
+        self.notified = self.notified or self.sleeping or (not self.grant and self.peer)
 
     def wait(self, timeout_s: float) -> bool:
         self.waits.append(timeout_s)

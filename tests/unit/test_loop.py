@@ -33,13 +33,13 @@ class Relay:
 
     def __init__(self, rows: list[object] | None = None, *, outcomes: dict[int, list[Outcome]] | None = None,
                  max_attempts: int = 3, dead_letter_topic: str | None = None,
-                 heartbeat_s: float = 60.0, grant: bool = True, claim_interval_s: float = 0.0,
-                 claim_interval_max_s: float = 0.0) -> None:
+                 heartbeat_s: float = 60.0, grant: bool = True, peer: bool = False,
+                 claim_interval_s: float = 0.0, claim_interval_max_s: float = 0.0) -> None:
         self.clock = Clock()
         self.store = RetryStore(rows or [], self.clock)  # type: ignore[arg-type]
         self.publisher = FailingPublisher(self.clock, outcomes)
         self.leases = LosingLeases()
-        self.wakeup = Wakeup(self.clock, grant=grant)
+        self.wakeup = Wakeup(self.clock, grant=grant, peer=peer)
         self.heartbeat_s = heartbeat_s
         self.pump = Pump(store=self.store, publisher=self.publisher, leases=self.leases,  # type: ignore[arg-type]
                          nshards=2, batch_size=10, pipeline_depth=2, max_attempts=max_attempts,
@@ -160,6 +160,35 @@ def test_a_sleep_refused_keeps_polling_at_the_poll_interval() -> None:
     r.turn_until(lambda: r.clock() >= 1010.0)
     assert not r.wakeup.sleeping
     assert max(r.wakeup.waits) == pytest.approx(POLL_S)
+
+
+def test_beside_a_sleeping_peer_an_idle_relay_claims_once_per_poll_interval() -> None:
+    # Paced as the relay's defaults pace claims.  A peer holds the wake-up lock, so writers
+    # notify this relay too: it waits on LISTEN until the poll, where it claimed (and tried
+    # the lock) every 80 ms, its pace; 12.4 claims a second against one (two real relays
+    # idle side by side, 2026-12-05), and this test failed before the fix.
+    r = Relay(grant=False, peer=True, claim_interval_s=0.005, claim_interval_max_s=0.08)
+    r.turn_until(lambda: r.clock() >= 1002.0)
+    claims, start = r.store.claims, r.clock()
+    r.turn_until(lambda: r.clock() - start >= 10 * POLL_S)
+    assert 9 <= r.store.claims - claims <= 11
+    # A writer's commit is claimed on its notification, not at the next poll.
+    r.store.add(row(1, 0))
+    r.wakeup.notify()
+    written = r.clock()
+    r.turn_until(lambda: r.publisher.sent_at)
+    assert r.publisher.sent_at[0][1] - written <= 0.08 + 1e-6
+
+
+def test_refused_by_writers_mid_transaction_it_claims_again_at_its_pace() -> None:
+    # Nobody sleeps, so nobody is notified: the rows those writers commit are claimed
+    # within the pace (80 ms), not at the poll.
+    r = Relay(grant=False, peer=False, claim_interval_s=0.005, claim_interval_max_s=0.08)
+    r.turn_until(lambda: r.clock() >= 1002.0)
+    r.store.add(row(1, 0))
+    written = r.clock()
+    r.turn_until(lambda: r.publisher.sent_at)
+    assert r.publisher.sent_at[0][1] - written <= 0.08 + 1e-6
 
 
 def test_transient_failures_back_off_and_the_row_goes_once_when_due() -> None:

@@ -265,8 +265,23 @@ LISTEN outbox_relay_shards
 
 -- name: go_to_sleep
 -- On the LISTEN connection: false when writers are mid-transaction or another
--- relay already sleeps (see sql/migrations/0003_notify.sql).
-SELECT pg_try_advisory_lock(7263740001) AS sleeping
+-- relay already sleeps (see sql/migrations/0003_notify.sql); peer_sleeps tells which:
+-- another session holds the lock exclusively (a relay; then writers notify every
+-- listener, this one too).  Key 7263740001 is classid 1, objid 2968772705 in pg_locks.
+-- Read only when the lock was refused (an InitPlan runs when first needed).
+WITH attempt AS MATERIALIZED (
+    SELECT pg_try_advisory_lock(7263740001) AS sleeping
+)
+SELECT a.sleeping,
+       CASE WHEN a.sleeping THEN false
+            ELSE EXISTS (SELECT 1 FROM pg_locks AS k
+                         WHERE k.locktype = 'advisory' AND k.classid = 1
+                           AND k.objid = 2968772705 AND k.objsubid = 1
+                           AND k.mode = 'ExclusiveLock' AND k.granted
+                           AND k.database = (SELECT d.oid FROM pg_database AS d
+                                             WHERE d.datname = current_database()))
+       END AS peer_sleeps
+FROM attempt AS a
 
 -- name: wake_up
 SELECT pg_advisory_unlock(7263740001) AS released
