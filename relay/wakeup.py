@@ -179,7 +179,7 @@ class Wakeup:
     def close(self) -> None:
         """Drop the connection (the session lock goes with it).  Idempotent; the next
         call reconnects."""
-        self.sleeping = False
+        self.sleeping = self.peer_sleeps = False
         self._woken = self._moved = False
         if self._conn is not None:
             try:
