@@ -94,6 +94,9 @@ def test_open_and_prepared_transactions_hold_back_only_their_own_rows(
             for gid, dsn in zip(gids, (outbox_db, other_dsn), strict=True):
                 prepared = psycopg.connect(dsn)
                 if dsn == outbox_db:
+                    # Without it the wake-up trigger's NOTIFY (an idle relay sleeps) makes
+                    # PREPARE fail: migration 0014, test_wakeup's two-phase test.
+                    prepared.execute("SET LOCAL outbox.notify = 'off'")
                     prepared.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, 'k3', "
                                      "'{\"label\": \"prepared\"}')", (topic,))
                 else:

@@ -5,6 +5,9 @@ with the connection (sql/migrations/0003_notify.sql)."""
 from __future__ import annotations
 
 import time
+import uuid
+
+import pytest
 
 from relay.wakeup import Wakeup
 from tests.fixtures.outbox import insert_rows
@@ -62,6 +65,43 @@ def test_a_writer_mid_transaction_refuses_the_lock_and_is_not_a_sleeping_peer(ou
             writer.commit()
         assert wakeup.set_sleeping(True) and not wakeup.peer_sleeps
     finally:
+        wakeup.close()
+
+
+def test_a_two_phase_writer_prepares_beside_a_sleeping_relay_with_outbox_notify_off(outbox_db):
+    """PostgreSQL refuses to PREPARE a transaction that ran NOTIFY, and the wake-up trigger
+    notifies while a relay sleeps.  With outbox.notify off in its transaction a writer can
+    prepare (migration 0014); the relay finds the row at its poll, not by a notification."""
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        if int(conn.execute("SHOW max_prepared_transactions").fetchone()[0]) == 0:  # type: ignore[index]
+            pytest.skip("max_prepared_transactions = 0 on this server: prepared transactions "
+                        "cannot be tested (set it to 10 or more)")
+    wakeup = Wakeup(outbox_db)
+    gid = f"two-phase-{uuid.uuid4().hex[:8]}"
+    try:
+        assert not wakeup.wait(0.05)  # listening
+        assert wakeup.set_sleeping(True)
+        with psycopg.connect(outbox_db) as writer:  # as 0003 alone: PREPARE refused
+            writer.execute("INSERT INTO outbox (topic, key, payload) VALUES ('orders', 'k', '{}')")
+            with pytest.raises(psycopg.errors.FeatureNotSupported, match="NOTIFY"):
+                writer.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+        with psycopg.connect(outbox_db) as writer:
+            writer.execute("SET LOCAL outbox.notify = 'off'")
+            writer.execute("INSERT INTO outbox (topic, key, payload) VALUES ('orders', 'k', '{}')")
+            writer.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
+            gid = ""
+            assert conn.execute("SELECT count(*) FROM outbox").fetchone()[0] == 1  # type: ignore[index]
+        assert not wakeup.wait(0.3)  # nothing notified: the poll finds the row
+    finally:
+        if gid:
+            with psycopg.connect(outbox_db, autocommit=True) as conn:
+                if conn.execute("SELECT 1 FROM pg_prepared_xacts WHERE gid = %s", (gid,)).fetchone():
+                    conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
         wakeup.close()
 
 
