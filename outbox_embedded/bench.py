@@ -57,6 +57,11 @@ DRAIN_POLL_S = 0.25  # how often a drain asks the relay's /metrics whether it is
 SPREAD_TIMEOUT_S = 120.0  # replicas that started hold their shares of the shards within this
 
 
+#: The gaps between rows that come alone (uniform, seconds): longer than a paced claim's
+#: wait (80 ms), shorter and longer than the poll interval (1 s).
+LONE_GAP_S = (0.3, 2.5)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dsn", default=None, help="PostgreSQL to use (default: an embedded one)")
     p.add_argument("--bootstrap-servers", default=None, help="Kafka to use (default: a local tansu)")
@@ -77,6 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--notify-s", type=float, default=5.0, help="duration of each pgbench run")
     p.add_argument("--low-rate", type=float, default=100.0,
                    help="events/s of the second steady run (relay CPU at a low rate; 0 skips it)")
+    p.add_argument("--lone-rows", type=int, default=0,
+                   help=f"rows written one at a time, {LONE_GAP_S[0]:g}-{LONE_GAP_S[1]:g} s apart, "
+                        "for the commit -> mark latency of rows that come alone (0 skips it; "
+                        "bench_ab's 'lone' figure writes 40 when 0)")
     p.add_argument("--replicas", default="1,2,4", type=replica_counts,
                    help="replica counts of the scale-out drain, comma-separated ('' skips it)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures here")
@@ -345,6 +354,35 @@ class Bench:
         return {"latency_ack_ms": percentiles(ack), "latency_consumer_ms": percentiles(got) if consumer else {},
                 "relay_cpu_percent": round(cpu_percent, 2), "rate": rate,
                 "claims_per_s": round(claims_per_s, 1), "statements_per_s": round(statements_per_s, 1)}
+
+    def lone_rows(self, count: int, *, seed: int = 0) -> dict[str, Any]:
+        """Commit -> mark of rows that come alone: ``count`` one-row transactions
+        :data:`LONE_GAP_S` apart (uniform, from ``seed``), a real relay process idle between
+        them (it sleeps, and each commit's notification wakes it).  ``latency_ack_ms``:
+        p50, p95, p99 and ``max``."""
+        import random
+
+        rng = random.Random(seed)
+        pad = "x" * max(0, self.args.payload_bytes - 24)
+        with self.fresh_db() as dsn, relay_process(dsn, self.bootstrap,
+                                                   batch_size=str(self.args.batch_size)) as (proc, scrape):
+            _wait(lambda: scrape("outbox_relay_build_info") > 0, 60, proc)
+            committed: dict[str, float] = {}
+            with psycopg.connect(dsn) as conn:
+                for n in range(count):
+                    time.sleep(rng.uniform(*LONE_GAP_S))
+                    event_id = str(uuid.uuid4())
+                    with conn.transaction():
+                        conn.execute(query("demo", "write_event"), {
+                            "event_id": event_id, "topic": self.topic, "key": f"k{n % self.args.keys}",
+                            "payload": json.dumps({"n": n, "pad": pad})})
+                    committed[event_id] = time.time()
+                _wait(lambda: scrape("outbox_relay_events_published_total") >= count, 60, proc)
+                marked: dict[str, float] = dict(conn.execute(query("bench", "bench_latency"),
+                                                             {"event_ids": list(committed)}).fetchall())
+        ack = [(marked[e] - committed[e]) * 1000 for e in committed if e in marked]
+        return {"latency_ack_ms": {**percentiles(ack), "max": round(max(ack), 2) if ack else float("nan")},
+                "rows": len(ack)}
 
     # -- scale-out: several replicas on one database -----------------------------------------
 
@@ -660,6 +698,11 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     say(show("  a writer idle in tx", stalled["latency_ack_ms"])
         + f"  = {stalled_ratio:.2f} x p99 without it")
     say(show("commit->consumer", lat["latency_consumer_ms"]))
+    lone = bench.lone_rows(args.lone_rows) if args.lone_rows else None
+    if lone is not None:
+        say(show("rows that come alone", lone["latency_ack_ms"])
+            + f"  max {lone['latency_ack_ms']['max']} ms ({lone['rows']} rows, {LONE_GAP_S[0]:g}-"
+              f"{LONE_GAP_S[1]:g} s apart, commit->mark)")
     result: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "rows": args.rows, "payload_bytes": args.payload_bytes,
                     "keys": args.keys, "runs": runs},
@@ -695,6 +738,8 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     say(f"  peak RSS            {result['peak_rss_mb']:10.1f} MB")
     say(f"  idle                {result['idle_queries_per_s']:10.2f} statements/s, "
         f"{result['idle_cpu_percent']:.2f} % of a core")
+    if lone is not None:
+        result["lone_rows_latency_ack_ms"] = lone["latency_ack_ms"]
     counts: list[int] = args.replicas
     if counts:
         for key, label, settled in (("scale_out", "scale-out drain", True),

@@ -11,7 +11,8 @@ each runs ``python -m relay run`` with ``PYTHONPATH`` naming its tree, from a wo
 directory outside both (``-m`` would find the working directory's ``relay`` first).
 
 Figures (``--what``, comma-separated): ``steady`` (relay CPU and commit -> ack at
-``--rate``), ``low`` (the same at ``--low-rate``), ``drain`` (a ``--rows`` backlog),
+``--rate``), ``low`` (the same at ``--low-rate``), ``lone`` (commit -> mark of rows written
+one at a time, 0.3-2.5 s apart: ``--lone-rows``, 40 by default), ``drain`` (a ``--rows`` backlog),
 ``scale`` (the settled drain with each of ``--replicas``).  Prints every run, then each
 figure's medians and new / old.
 """
@@ -29,7 +30,9 @@ from typing import Any
 from outbox_embedded import bench
 from outbox_embedded.calibration import write_json
 
-WHAT = ("steady", "low", "drain", "scale")
+WHAT = ("steady", "low", "lone", "drain", "scale")
+#: Rows of the "lone" figure when --lone-rows is 0 (the main bench's default: skipped).
+LONE_ROWS = 40
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,6 +67,9 @@ def measure(b: bench.Bench, what: str, args: argparse.Namespace) -> dict[str, fl
                 f"{rate:g}/s commit->ack p50 ms": run["latency_ack_ms"]["p50"],
                 f"{rate:g}/s commit->ack p99 ms": run["latency_ack_ms"]["p99"],
                 f"{rate:g}/s claims/s": run["claims_per_s"]}
+    if what == "lone":
+        lone = b.lone_rows(args.lone_rows or LONE_ROWS)["latency_ack_ms"]
+        return {f"lone rows commit->mark {q} ms": lone[q] for q in ("p50", "p95", "max")}
     if what == "drain":
         drain = b.relay_drain()
         return {"drain events/s": drain["events_per_s"], "drain CPU us/row": drain["cpu_us_per_row"],

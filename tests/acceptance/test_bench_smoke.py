@@ -131,6 +131,20 @@ def test_bench_ab_runs_both_trees_in_turn_and_writes_every_run(pg_server, broker
     assert "round 1 old" in result.stdout and "round 1 new" in result.stdout
 
 
+def test_bench_ab_times_rows_that_come_alone(pg_server, broker, tmp_path):
+    """The "lone" figure behind the README's table of rows that come alone: each tree's relay
+    sleeps between rows written 0.3-2.5 s apart, and a commit's notification wakes it well
+    before its 1 s poll."""
+    _, figures = _bench_module(
+        "bench_ab", tmp_path / "lone.json", "--old", str(REPO), "--new", str(REPO), "--dsn", pg_server.admin_dsn,
+        "--bootstrap-servers", broker.bootstrap, "--rounds", "1", "--what", "lone", "--lone-rows", "3")
+    assert set(figures) == {"lone rows commit->mark p50 ms", "lone rows commit->mark p95 ms",
+                            "lone rows commit->mark max ms"}
+    for figure in figures.values():
+        assert len(figure["old"]) == len(figure["new"]) == 1
+        assert 0 < figure["old_median"] < 1000 and 0 < figure["new_median"] < 1000
+
+
 def test_bench_ab_refuses_a_tree_that_is_not_a_checkout(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "outbox_embedded.bench_ab", "--old", str(tmp_path)],
