@@ -28,6 +28,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import statistics
 import threading
 import time
@@ -360,8 +361,6 @@ class Bench:
         :data:`LONE_GAP_S` apart (uniform, from ``seed``), a real relay process idle between
         them (it sleeps, and each commit's notification wakes it).  ``latency_ack_ms``:
         p50, p95, p99 and ``max``."""
-        import random
-
         rng = random.Random(seed)
         pad = "x" * max(0, self.args.payload_bytes - 24)
         with self.fresh_db() as dsn, relay_process(dsn, self.bootstrap,
@@ -371,12 +370,8 @@ class Bench:
             with psycopg.connect(dsn) as conn:
                 for n in range(count):
                     time.sleep(rng.uniform(*LONE_GAP_S))
-                    event_id = str(uuid.uuid4())
-                    with conn.transaction():
-                        conn.execute(query("demo", "write_event"), {
-                            "event_id": event_id, "topic": self.topic, "key": f"k{n % self.args.keys}",
-                            "payload": json.dumps({"n": n, "pad": pad})})
-                    committed[event_id] = time.time()
+                    event_id, at = _write_one(conn, self.topic, n, self.args.keys, pad)
+                    committed[event_id] = at
                 _wait(lambda: scrape("outbox_relay_events_published_total") >= count, 60, proc)
                 marked: dict[str, float] = dict(conn.execute(query("bench", "bench_latency"),
                                                              {"event_ids": list(committed)}).fetchall())
@@ -608,14 +603,21 @@ def _write_steadily(dsn: str, topic: str, rate: float, duration_s: float, payloa
             delay = started + n / rate - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            event_id = str(uuid.uuid4())
-            with conn.transaction():
-                conn.execute(query("demo", "write_event"), {
-                    "event_id": event_id, "topic": topic, "key": f"k{n % keys}",
-                    "payload": json.dumps({"n": n, "pad": pad})})
-            committed[event_id] = time.time()
+            event_id, at = _write_one(conn, topic, n, keys, pad)
+            committed[event_id] = at
             n += 1
     return committed
+
+
+def _write_one(conn: psycopg.Connection[Any], topic: str, n: int, keys: int, pad: str) -> tuple[str, float]:
+    """Row ``n`` in a transaction of its own (key ``n`` modulo ``keys``); returns its event
+    id and the time its commit returned."""
+    event_id = str(uuid.uuid4())
+    with conn.transaction():
+        conn.execute(query("demo", "write_event"), {
+            "event_id": event_id, "topic": topic, "key": f"k{n % keys}",
+            "payload": json.dumps({"n": n, "pad": pad})})
+    return event_id, time.time()
 
 
 def _consume(bootstrap: str, topic: str, received: dict[str, float], stop: threading.Event) -> None:
