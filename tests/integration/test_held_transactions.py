@@ -14,12 +14,16 @@ import time
 import uuid
 
 import psycopg
-import pytest
 from psycopg import sql
 
 from tests.fixtures.apache_kafka import ApacheKafkaBroker
 from tests.fixtures.broker import read_all
-from tests.fixtures.outbox import RelayThread, all_event_ids, wait_drained
+from tests.fixtures.outbox import (
+    RelayThread,
+    all_event_ids,
+    needs_prepared_transactions,
+    wait_drained,
+)
 from tests.fixtures.procs import wait_until
 
 BASELINE_S = 10.0
@@ -70,10 +74,7 @@ def mark_mean_ms(relay: RelayThread) -> tuple[float, float]:
 
 def test_open_and_prepared_transactions_hold_back_only_their_own_rows(
         outbox_db, pg_server, broker, topic, request):
-    with psycopg.connect(outbox_db, autocommit=True) as conn:
-        if int(conn.execute("SHOW max_prepared_transactions").fetchone()[0]) == 0:
-            pytest.skip("max_prepared_transactions = 0 on this server: prepared transactions "
-                        "cannot be tested (set it to 10 or more)")
+    needs_prepared_transactions(outbox_db)
     other = f"t_other_{uuid.uuid4().hex[:10]}"
     other_dsn = pg_server.create_database(other)
     errors: list[BaseException] = []

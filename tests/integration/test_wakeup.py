@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from relay.wakeup import Wakeup
-from tests.fixtures.outbox import insert_rows
+from tests.fixtures.outbox import insert_rows, needs_prepared_transactions
 from tests.fixtures.procs import wait_until
 
 
@@ -75,10 +75,7 @@ def test_a_two_phase_writer_prepares_beside_a_sleeping_relay_with_outbox_notify_
     import psycopg
     from psycopg import sql
 
-    with psycopg.connect(outbox_db, autocommit=True) as conn:
-        if int(conn.execute("SHOW max_prepared_transactions").fetchone()[0]) == 0:  # type: ignore[index]
-            pytest.skip("max_prepared_transactions = 0 on this server: prepared transactions "
-                        "cannot be tested (set it to 10 or more)")
+    needs_prepared_transactions(outbox_db)
     wakeup = Wakeup(outbox_db)
     gid = f"two-phase-{uuid.uuid4().hex[:8]}"
     try:
