@@ -43,6 +43,7 @@ import psycopg
 
 from outbox_embedded.calibration import rotated, round_trip, write_json
 from outbox_embedded.cpu_split import CpuSplit
+from outbox_embedded.pg import scratch_database
 from outbox_embedded.queries import query
 from relay import migrate
 from relay.config import (
@@ -156,19 +157,11 @@ class Bench:
         from the second round on, the naive relay and the relay (whose topic every drain of
         the run had filled) were each measured against a broker of another state."""
         self.topic = f"bench.{uuid.uuid4().hex[:8]}"
-        name = f"outbox_bench_{uuid.uuid4().hex[:10]}"
-        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
-            conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
-        dsn = psycopg.conninfo.make_conninfo(self.admin_dsn, dbname=name)
-        try:
+        with scratch_database(self.admin_dsn, "outbox_bench_") as dsn:
             migrate.apply(dsn)
             if self.schema_hook is not None:
                 self.schema_hook(dsn)
             yield dsn
-        finally:
-            with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
-                conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                    psycopg.sql.Identifier(name)))
 
     def load(self, dsn: str, count: int, *, published: bool = False, vacuum: bool = True) -> None:
         name = "bench_load_published" if published else self.pending_load

@@ -36,7 +36,7 @@ from typing import Any
 import psycopg
 
 from outbox_embedded.calibration import rotated, write_json
-from outbox_embedded.mark_bench import _fresh_db
+from outbox_embedded.mark_bench import migrated_database
 from outbox_embedded.queries import query
 from relay.model import Cursor, ShardId
 from relay.queries import compose
@@ -91,7 +91,7 @@ def positions(dsn: str, batch: int) -> list[dict[str, Any]]:
 
 def measure(admin_dsn: str, args: argparse.Namespace, round_: int) -> dict[str, float]:
     """One round: µs of executor time per claimed row, by variant."""
-    with _fresh_db(admin_dsn) as dsn:
+    with migrated_database(admin_dsn) as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(query("bench", "bench_load_pending"),
                          {"topic": "claim_bench", "keys": args.keys, "payload_bytes": args.payload_bytes,

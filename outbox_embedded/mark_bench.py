@@ -47,15 +47,14 @@ import argparse
 import contextlib
 import sys
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from outbox_embedded.calibration import rotated, write_json
 from outbox_embedded.cpu_split import CpuSplit
+from outbox_embedded.pg import scratch_database
 from outbox_embedded.queries import query
 from relay import migrate
 from relay.model import Cursor, Lease, OutboxRow, ShardId, Token
@@ -105,22 +104,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def _fresh_db(admin_dsn: str) -> Iterator[str]:
-    name = f"outbox_mark_bench_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        dsn = psycopg.conninfo.make_conninfo(admin_dsn, dbname=name)
+def migrated_database(admin_dsn: str) -> Iterator[str]:
+    """A scratch database with the schema the migrations make (dropped afterwards)."""
+    with scratch_database(admin_dsn, "outbox_mark_bench_") as dsn:
         migrate.apply(dsn)
         yield dsn
-    finally:
-        with psycopg.connect(admin_dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 def measure(admin_dsn: str, variant: str, args: argparse.Namespace, split: CpuSplit) -> dict[str, float]:
     """One variant once: claims, then marks, of a fresh backlog."""
-    with _fresh_db(admin_dsn) as dsn:
+    with migrated_database(admin_dsn) as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
             for name in VARIANTS[variant]:
                 conn.execute(query("bench", name))

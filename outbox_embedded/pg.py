@@ -24,6 +24,9 @@ import subprocess
 import tempfile
 import threading
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote, urlencode
 
@@ -44,6 +47,7 @@ __all__ = [
     "bin_dir",
     "embedded_pg_version",
     "ENV_RUN_AS",
+    "scratch_database",
 ]
 
 #: The unprivileged user the embedded server runs as when this process is root.
@@ -180,6 +184,20 @@ class PgServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextmanager
+def scratch_database(admin_dsn: str, prefix: str) -> Iterator[str]:
+    """A new, empty database (``prefix`` and a random suffix) on the server of ``admin_dsn``;
+    yields its DSN and drops it afterwards, ending whatever sessions it still has."""
+    name = f"{prefix}{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield psycopg.conninfo.make_conninfo(admin_dsn, dbname=name)
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 def external_pg(dsn: str) -> PgServer:
