@@ -55,7 +55,7 @@ from relay.http import HealthServer
 from relay.janitor import Janitor
 from relay.leases import LeaseManager
 from relay.loop import Loop
-from relay.metrics import WAKE_REASONS, RelayMetrics
+from relay.metrics import RelayMetrics
 from relay.publisher import BrokerState, Publisher
 from relay.pump import Pump
 from relay.replay import Replayer
@@ -191,10 +191,9 @@ class Relay:
                         on_statement=self.metrics.db_statements.inc, table=s.table),
             self.publisher, owner=s.owner, nshards=nshards, metrics=self.metrics, log=self.log,
             clock=self.clock, lose=self.leases.lose)
-        wakeups = {reason: self.metrics.wakeups.labels(reason).inc for reason in WAKE_REASONS}
         self.loop = Loop(pump=self.pump, wakeup=self.wakeup, leases=self.leases,
                          poll_interval_s=s.poll_interval_s, replayer=self.replayer,
-                         on_wake=lambda reason: wakeups[reason](), clock=self.clock)
+                         on_wake=lambda reason: self.metrics.wakeups.labels(reason).inc(), clock=self.clock)
         partitioned = s.table == "outbox" and self._retry_db(self.store.is_partitioned)
         if s.cleanup_retention_s or partitioned:
             # A partitioned outbox always gets its coming days' partitions created.
