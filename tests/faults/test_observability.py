@@ -157,6 +157,10 @@ def test_the_relay_says_when_it_sleeps_and_what_woke_it(outbox_db, broker, topic
     assert relay.wait(30) == 0
 
 
+def _shared_out(held: list[float]) -> bool:
+    return min(held) > 0 and max(held) - min(held) <= 1
+
+
 def test_beside_a_sleeping_replica_an_idle_one_claims_once_per_poll_interval(outbox_db, broker, spawn):
     """One replica holds the wake-up lock, so writers notify both; the other, refused the
     lock, waits on LISTEN until its poll.  It used to claim and try the lock at its pace
@@ -168,6 +172,9 @@ def test_beside_a_sleeping_replica_an_idle_one_claims_once_per_poll_interval(out
     relays = [spawn(relay_cmd("run"), name=f"relay-{n}", env=relay_env(
         outbox_db, broker.bootstrap, metrics_port=port, metrics_host="127.0.0.1",
         owner=f"idle-{n}", poll_interval_s=1)) for n, port in enumerate(ports)]
+    # Measured once the shards are shared out: a lease moving inside the window makes a claim.
+    wait_until(lambda: _shared_out([sample(port, "outbox_relay_leases_held") for port in ports]),
+               timeout_s=30, message="the replicas did not share the shards")
     wait_until(lambda: sum(sample(port, "outbox_relay_sleeping") for port in ports) == 1, timeout_s=30,
                message="neither replica sleeps")
     awake = next(port for port in ports if sample(port, "outbox_relay_sleeping") == 0)
