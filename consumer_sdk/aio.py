@@ -19,13 +19,16 @@ from consumer_sdk.outbox import OutboxEvent, prepare, require_transaction
 from outbox_core.queries import query
 
 
-async def write_events(conn: psycopg.AsyncConnection[Any], events: Sequence[OutboxEvent]) -> list[uuid.UUID]:
-    """Insert ``events`` in one statement, in the caller's transaction; returns their ids in order."""
+async def write_events(conn: psycopg.AsyncConnection[Any], events: Sequence[OutboxEvent], *,
+                       wake_relay: bool = True) -> list[uuid.UUID]:
+    """:func:`consumer_sdk.outbox.write_events` on an async connection (``wake_relay`` too)."""
     prepared = prepare(events)
     if not prepared.event_ids:
         return []
     require_transaction(conn.autocommit, conn.info.transaction_status)
     try:
+        if not wake_relay:
+            await conn.execute(query("sdk_outbox", "leave_relay_asleep"))
         await conn.execute(query("sdk_outbox", "insert_events"), prepared.params)
     except psycopg.errors.UndefinedTable as exc:
         raise SchemaMissing() from exc
@@ -42,8 +45,11 @@ async def write_event(
     traceparent: str | None = None,
     tracestate: str | None = None,
     event_id: uuid.UUID | None = None,
+    wake_relay: bool = True,
 ) -> uuid.UUID:
-    """Insert one event in the caller's transaction; returns its ``event_id``. Never commits."""
+    """Insert one event in the caller's transaction; returns its ``event_id``. Never commits.
+
+    ``wake_relay=False``: in a transaction that will be prepared (see ``write_events``)."""
     event = OutboxEvent(topic=topic, key=key, payload=payload, headers=headers,
                         traceparent=traceparent, tracestate=tracestate, event_id=event_id)
-    return (await write_events(conn, [event]))[0]
+    return (await write_events(conn, [event], wake_relay=wake_relay))[0]

@@ -163,13 +163,22 @@ def require_transaction(autocommit: bool, status: TransactionStatus) -> None:
         raise TransactionRequired()
 
 
-def write_events(conn: psycopg.Connection[Any], events: Sequence[OutboxEvent]) -> list[uuid.UUID]:
-    """Insert ``events`` in one statement, in the caller's transaction; returns their ids in order."""
+def write_events(conn: psycopg.Connection[Any], events: Sequence[OutboxEvent], *,
+                 wake_relay: bool = True) -> list[uuid.UUID]:
+    """Insert ``events`` in one statement, in the caller's transaction; returns their ids in order.
+
+    ``wake_relay=False`` leaves out the notification that wakes a sleeping relay, for a
+    transaction that will be prepared (``conn.tpc_prepare()``, ``PREPARE TRANSACTION``):
+    PostgreSQL refuses to prepare one that notified.  The relay then finds the rows at its
+    poll (``--poll-interval-s``) once the transaction commits.  Needs migration 0014.
+    """
     prepared = prepare(events)
     if not prepared.event_ids:
         return []
     require_transaction(conn.autocommit, conn.info.transaction_status)
     try:
+        if not wake_relay:
+            conn.execute(query("sdk_outbox", "leave_relay_asleep"))
         conn.execute(query("sdk_outbox", "insert_events"), prepared.params)
     except psycopg.errors.UndefinedTable as exc:
         raise SchemaMissing() from exc
@@ -186,8 +195,11 @@ def write_event(
     traceparent: str | None = None,
     tracestate: str | None = None,
     event_id: uuid.UUID | None = None,
+    wake_relay: bool = True,
 ) -> uuid.UUID:
-    """Insert one event in the caller's transaction; returns its ``event_id``. Never commits."""
+    """Insert one event in the caller's transaction; returns its ``event_id``. Never commits.
+
+    ``wake_relay=False``: in a transaction that will be prepared (see ``write_events``)."""
     event = OutboxEvent(topic=topic, key=key, payload=payload, headers=headers,
                         traceparent=traceparent, tracestate=tracestate, event_id=event_id)
-    return write_events(conn, [event])[0]
+    return write_events(conn, [event], wake_relay=wake_relay)[0]

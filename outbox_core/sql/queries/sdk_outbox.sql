@@ -15,5 +15,11 @@ FROM unnest(%(event_ids)s::uuid[], %(topics)s::text[], %(keys)s::text[],
      WITH ORDINALITY AS e(event_id, topic, key, payload, payload_bytes, headers, ord)
 ORDER BY e.ord
 
+-- name: leave_relay_asleep
+-- write_events(..., wake_relay=False): no wake-up notification for this transaction's
+-- rows (migration 0014's outbox.notify, transaction-local), so that it can PREPARE;
+-- PostgreSQL refuses to prepare a transaction that ran NOTIFY.
+SELECT set_config('outbox.notify', 'off', true)
+
 -- name: schema_check
 SELECT to_regclass('outbox') IS NOT NULL AS has_outbox

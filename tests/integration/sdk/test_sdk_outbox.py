@@ -20,7 +20,9 @@ from consumer_sdk import (
     write_events,
     write_events_async,
 )
+from relay.wakeup import Wakeup
 from tests.fixtures.broker import read_all
+from tests.fixtures.outbox import needs_prepared_transactions
 from tests.integration.sdk._support import make_config, publish_all, wait_settled
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -103,6 +105,47 @@ def test_async_twins_write_in_the_callers_transaction(sdk_db):
     rows = _rows(sdk_db)
     assert [r[0] for r in rows] == ids
     assert rows[0][5] == {"traceparent": TRACEPARENT}
+
+
+def test_a_two_phase_transaction_prepares_beside_a_sleeping_relay_with_wake_relay_off(sdk_db):
+    """PostgreSQL refuses to prepare a transaction that ran NOTIFY, and the outbox's trigger
+    notifies a sleeping relay.  write_event(..., wake_relay=False) leaves the notification
+    out: psycopg's tpc_prepare works and the event commits with tpc_commit, from the sync
+    and the async SDK alike.  The relay finds such rows at its poll."""
+    needs_prepared_transactions(sdk_db)
+    wakeup = Wakeup(sdk_db)  # a relay asleep: it holds the wake-up lock, writers notify
+    try:
+        assert not wakeup.wait(0.05) and wakeup.set_sleeping(True)
+        conn = psycopg.connect(sdk_db)
+        try:
+            conn.tpc_begin(conn.xid(1, "sdk-refused", "outbox"))
+            write_event(conn, topic="orders", key="o-1", payload={"n": 1})
+            with pytest.raises(psycopg.errors.FeatureNotSupported, match="NOTIFY"):
+                conn.tpc_prepare()  # the failed PREPARE ended the transaction
+        finally:
+            conn.close()
+        assert _rows(sdk_db) == []
+
+        with psycopg.connect(sdk_db) as conn:
+            conn.tpc_begin(conn.xid(2, "sdk-sync", "outbox"))
+            first = write_event(conn, topic="orders", key="o-1", payload={"n": 1}, wake_relay=False)
+            conn.tpc_prepare()
+            conn.tpc_commit()
+
+        async def prepared_async() -> list[uuid.UUID]:
+            async with await psycopg.AsyncConnection.connect(sdk_db) as conn:
+                await conn.tpc_begin(conn.xid(3, "sdk-async", "outbox"))
+                ids = await write_events_async(
+                    conn, [OutboxEvent(topic="orders", key="o-1", payload={"n": 2})], wake_relay=False)
+                await conn.tpc_prepare()
+                await conn.tpc_commit()
+                return ids
+
+        second = asyncio.run(prepared_async())
+        assert [r[0] for r in _rows(sdk_db)] == [first, *second]
+        assert not wakeup.wait(0.3)  # nothing notified: the relay's poll finds the rows
+    finally:
+        wakeup.close()
 
 
 def test_round_trip_through_the_relay_to_a_handler(sdk_db, broker, sdk_topic, run_consumer):
