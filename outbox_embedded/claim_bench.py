@@ -44,7 +44,7 @@ from relay.store import Store, claim_params
 
 VARIANTS = ("relay", "no_budget", "plain")
 #: The budget's running sum in claim_batch (its window function), which no_budget replaces by 0.
-RUNNING_SUM = re.compile(r"sum\(least\(f\.size, %\(max_bytes\)s\)\)\s+OVER \([^)]*\)")
+RUNNING_SUM = re.compile(r"sum\(least\(s\.size, %\(max_bytes\)s\)\)\s+OVER \([^)]*\)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,12 +22,14 @@ class OutboxRow(NamedTuple):
     topic: str
     key: str | None
     value: bytes | None
-    headers_json: str
+    headers_json: str | None  # None: not fetched (a row over the producer's limit, see size)
     xid: int
     shard: ShardId
     attempts: int
     created_epoch: float
-    size: int = 0  # bytes of the payload; above the producer's limit ``value`` was not fetched
+    #: the message's bytes (payload, key, headers); above the producer's limit ``value`` was
+    #: not fetched, nor ``key`` or ``headers_json`` when it is a quarter of that limit or more
+    size: int = 0
 
 
 class Claimed(NamedTuple):

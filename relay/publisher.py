@@ -290,15 +290,17 @@ class Publisher:
         """Produce a dead-lettered row to ``topic`` and wait for the acknowledgement.
 
         The original value goes along unless it is the problem (too large); the original
-        headers travel as one JSON header, since they may be what could not be encoded.
+        headers travel as one JSON header, since they may be what could not be encoded
+        (unless the claim left them out with the key, for a row over the producer's limit).
         Returns None on success, else the error.
         """
         headers: list[tuple[str, str | bytes | None]] = [
             ("event_id", row.event_id.encode()), ("dlt_reason", reason.encode()),
             ("dlt_error", error[:1000].encode()), ("dlt_topic", row.topic.encode()),
             ("dlt_attempts", str(attempts).encode()),
-            ("dlt_original_headers", (row.headers_json or "{}").encode()),
         ]
+        if row.headers_json is not None:  # None: too large to carry (the claim left them out)
+            headers.append(("dlt_original_headers", (row.headers_json or "{}").encode()))
         value = None if reason == "message_too_large" else row.value
         done: list[KafkaError | None] = []
         try:

@@ -427,8 +427,8 @@ class Pump:
             if row.size > max_message_bytes:
                 immediate: Outcome | None = Outcome(
                     ok=False, error_class="message_too_large", permanent=True, hopeless=True,
-                    message=f"payload of {row.size} bytes is over the producer's "
-                            f"message.max.bytes ({max_message_bytes})")
+                    message=f"{row.size} bytes of payload, key and headers are over the "
+                            f"producer's message.max.bytes ({max_message_bytes})")
             else:
                 immediate = send(row, report)
             if immediate is None:

@@ -83,3 +83,31 @@ def test_huge_rows_in_a_backlog_stay_under_the_memory_limit(outbox_db, broker, t
     dead = dict(scalar(outbox_db, "SELECT json_object_agg(key, reason) FROM outbox_dead_letters"))
     assert dead == {f"big{i}": "message_too_large" for i in range(BIG_ROWS)}
     assert scalar(outbox_db, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") == BACKLOG + 1
+
+
+def test_huge_keys_and_headers_in_a_backlog_stay_under_the_memory_limit(outbox_db, broker, topic, spawn,
+                                                                        memory_cgroup):
+    insert_rows(outbox_db, topic, BACKLOG // 2, per_tx=10_000)
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        for i in range(BIG_ROWS):
+            conn.execute("INSERT INTO outbox (topic, key, payload, headers) VALUES "
+                         "(%s, %s, '{}', jsonb_build_object('pad', repeat('h', %s)))",
+                         (topic, f"bighdr{i}", BIG_BYTES))
+        for i in range(BIG_ROWS):
+            conn.execute("INSERT INTO outbox (topic, key, payload) VALUES "
+                         "(%s, %s || repeat('k', %s), '{}')", (topic, f"bigkey{i}", BIG_BYTES))
+    insert_rows(outbox_db, topic, BACKLOG // 2, start=BACKLOG // 2, per_tx=10_000)
+    cmd = ["sh", "-c", f'echo $$ > {memory_cgroup / "cgroup.procs"} && exec "$@"', "relay",
+           *relay_cmd("run")]
+    relay = spawn(cmd, env=relay_env(outbox_db, broker.bootstrap, max_attempts=5), name="relay")
+    wait_drained(outbox_db, timeout_s=180)
+    assert relay.alive, relay.log_tail()
+    peak = peak_rss_mb(relay.pid)
+    relay.sigterm()
+    assert relay.wait(30) == 0, relay.log_tail()
+    print(f"relay peak RSS {peak:.1f} MB")
+    assert peak < 150, peak
+    dead = dict(scalar(outbox_db, "SELECT json_object_agg(left(key, 12), reason) FROM outbox_dead_letters"))
+    assert dead == {**{f"bighdr{i}": "message_too_large" for i in range(BIG_ROWS)},
+                    **{f"bigkey{i}".ljust(12, "k"): "message_too_large" for i in range(BIG_ROWS)}}
+    assert scalar(outbox_db, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") == BACKLOG

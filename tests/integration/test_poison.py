@@ -124,3 +124,40 @@ def test_dead_letter_topic_gets_the_row_with_its_reason(outbox_db, broker, topic
     assert json.loads(hdr.value)["key"] == "hdr"  # the original value travels along
     assert records[b"big"].value is None and records[b"big"].headers["dlt_reason"] == b"message_too_large"
     assert len(dead_letters(outbox_db)) == 2  # and both are in the dead-letter table too
+
+
+def test_a_row_over_the_limit_by_its_key_or_headers_is_dead_lettered_and_its_key_waits_for_it(
+        outbox_db, broker, topic, topic_name):
+    """The producer counts key and headers against message.max.bytes too.  The claim used to
+    size a row by its payload alone: a row with a huge key or huge headers came whole into
+    the relay (a backlog of them killed it in a 256 MiB cgroup, tests/faults/test_memory_bound.py)
+    and its dead-letter record was as large.  Now it is dead-lettered by its size like a huge
+    payload; a key or headers of a quarter of the limit or more stay in the database (the
+    dead-letter table keeps them), and the dead-letter topic's record stays small."""
+    dlt = topic_name("dlt")
+    create_topic(broker.bootstrap, dlt, partitions=1)
+    long_key = "k" * (MAX_BYTES * 2)
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, %s, '{}')",
+                     (topic, long_key))                                           # key over the limit
+        write(conn, topic, "hdr", 0, headers=json.dumps({"pad": "h" * MAX_BYTES}))  # headers over it
+        write(conn, topic, "hdr", 1)
+        write(conn, topic, "sum", 0, pad=MAX_BYTES * 4 // 5,                     # over it together
+              headers=json.dumps({"pad": "h" * (MAX_BYTES // 5)}))
+        write(conn, topic, "fine", 0)
+    thread = relay(outbox_db, broker.bootstrap)
+    object.__setattr__(thread.relay.settings, "dead_letter_topic", dlt)
+    with thread:
+        wait_drained(outbox_db, timeout_s=60)
+    records = read_all(broker.bootstrap, dlt, expected=3, timeout_s=30)
+    assert sorted(r.headers["dlt_reason"] for r in records) == [b"message_too_large"] * 3
+    assert all(r.value is None for r in records)
+    by_key = {r.key: r for r in records}
+    assert set(by_key) == {None, b"hdr", b"sum"}  # the long key stayed in the database
+    assert "dlt_original_headers" not in by_key[b"hdr"].headers  # as did those headers
+    assert json.loads(by_key[b"sum"].headers["dlt_original_headers"]) == {"pad": "h" * (MAX_BYTES // 5)}
+    dead = {d["key"] if len(d["key"]) < 10 else "long": d["reason"] for d in dead_letters(outbox_db)}
+    assert dead == {"long": "message_too_large", "hdr": "message_too_large", "sum": "message_too_large"}
+    assert scalar(outbox_db, "SELECT length(key) FROM outbox_dead_letters WHERE left(key, 3) = 'kkk'") == len(long_key)
+    published = {r.key for r in read_all(broker.bootstrap, topic, expected=2, timeout_s=30)}
+    assert published == {b"hdr", b"fine"}  # hdr's second row, after its first was dead-lettered

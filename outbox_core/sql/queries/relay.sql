@@ -33,14 +33,19 @@ WITH cur AS MATERIALIZED (
 ), found AS (
     SELECT o.id, o.event_id, o.topic, o.key, o.payload, o.payload_bytes, o.headers,
            o.xid, o.attempts, o.created_at,
-           -- The payload's size without serialising it: an uncompressed jsonb's stored
-           -- size is close to its text's; a compressed one, or one near the producer's
-           -- limit (%(max_bytes)s), is measured exactly (rare, large rows only).
+           -- The message's size without serialising it, as the producer counts it against
+           -- its limit (%(max_bytes)s): payload, key and headers.  An uncompressed jsonb's
+           -- stored size is close to its text's; a compressed one, or a payload near the
+           -- limit, is measured exactly (rare, large rows only); a text's length is read
+           -- from its header, compressed or not.
            CASE WHEN o.payload IS NULL THEN coalesce(octet_length(o.payload_bytes), 0)
                 WHEN pg_column_compression(o.payload) IS NULL
                      AND pg_column_size(o.payload) <= %(max_bytes)s / 2
                 THEN pg_column_size(o.payload)
-                ELSE octet_length(o.payload::text) END AS size
+                ELSE octet_length(o.payload::text) END AS payload_size,
+           coalesce(octet_length(o.key), 0) AS key_bytes,
+           CASE WHEN pg_column_compression(o.headers) IS NULL THEN pg_column_size(o.headers)
+                ELSE octet_length(o.headers::text) END AS header_bytes
     FROM (
         (SELECT * FROM {table} AS i
          WHERE i.published_at IS NULL
@@ -86,19 +91,26 @@ WITH cur AS MATERIALIZED (
     -- row over the producer's limit comes without its payload, so a 20 MB row costs the
     -- relay its size, not its bytes.  A ROWS frame: ids are unique, so no row has peers
     -- and the sums are the default RANGE frame's, without comparing each row to the next.
-    SELECT f.*, sum(least(f.size, %(max_bytes)s))
-                    OVER (ORDER BY f.xid, f.id ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
-                    AS running
+    SELECT f.*, s.size,
+           sum(least(s.size, %(max_bytes)s))
+               OVER (ORDER BY f.xid, f.id ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
+               AS running
     FROM found AS f
+    CROSS JOIN LATERAL (SELECT f.payload_size + f.key_bytes + f.header_bytes AS size) AS s
 )
 -- The columns are the relay's OutboxRow, in its order, plus the running byte count: the
 -- value as the bytes Kafka gets (a jsonb payload's compact text in UTF-8), the xid as a
 -- number, so that the relay builds each row straight from the tuple.  date_part, not
 -- extract: extract's numeric result cast to float8 cost 8 % of the claim's execution.
-SELECT b.id, b.event_id::text AS event_id, b.topic, b.key,
+-- A row over the producer's limit comes without its payload, and without its key or its
+-- headers when they are a quarter of that limit or more: it is dead-lettered by its size,
+-- and what the relay holds of it (and the dead-letter topic's record) stays small.
+SELECT b.id, b.event_id::text AS event_id, b.topic,
+       CASE WHEN b.size <= %(max_bytes)s OR b.key_bytes < %(max_bytes)s / 4 THEN b.key END AS key,
        CASE WHEN b.size <= %(max_bytes)s
             THEN coalesce(b.payload_bytes, convert_to(b.payload::text, 'UTF8')) END AS value,
-       b.headers::text AS headers_json, b.xid::text::bigint AS xid,
+       CASE WHEN b.size <= %(max_bytes)s OR b.header_bytes < %(max_bytes)s / 4
+            THEN b.headers::text END AS headers_json, b.xid::text::bigint AS xid,
        (hashtext(coalesce(b.key, b.event_id::text)) & 2147483647) %% %(nshards)s AS shard,
        b.attempts, date_part('epoch', b.created_at) AS created_epoch,
        b.size::bigint AS size, b.running::bigint AS running
