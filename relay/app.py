@@ -190,7 +190,7 @@ class Relay:
             ReplayStore(s.dsn, application_name=f"outbox-relay:{s.owner}:replay"[:63],
                         on_statement=self.metrics.db_statements.inc, table=s.table),
             self.publisher, owner=s.owner, nshards=nshards, metrics=self.metrics, log=self.log,
-            clock=self.clock, lose=self.leases.lose)
+            clock=self.clock, lose=self.leases.lose, budget_bytes=s.batch_max_bytes)
         self.loop = Loop(pump=self.pump, wakeup=self.wakeup, leases=self.leases,
                          poll_interval_s=s.poll_interval_s, replayer=self.replayer,
                          on_wake=lambda reason: self.metrics.wakeups.labels(reason).inc(), clock=self.clock)

@@ -32,7 +32,7 @@ ENV_PREFIX = "OUTBOX_RELAY_"
 KAFKA_ENV_PREFIX = ENV_PREFIX + "KAFKA_"
 
 DEFAULT_BATCH_SIZE = 1000
-DEFAULT_BATCH_MAX_BYTES = 4 << 20  # 4 MiB of payload per batch, 16 MiB in flight by default
+DEFAULT_BATCH_MAX_BYTES = 4 << 20  # 4 MiB of messages per batch, 16 MiB in flight by default
 DEFAULT_POLL_INTERVAL_S = 1.0
 #: After a claim that caught up, the next one waits at least this long, at most the
 #: maximum: the pump stretches the wait while claims find only a few rows (a steady trickle
@@ -204,8 +204,9 @@ OPTIONS: tuple[Option, ...] = (
                 f"0: {DEFAULT_MARK_CONNECTIONS}, or {DEFAULT_EXACTLY_ONCE_MARK_CONNECTIONS} "
                 "with --exactly-once"),
     Option(name="batch_max_bytes", parse=_positive_int, default=DEFAULT_BATCH_MAX_BYTES,
-           help="payload bytes per batch: memory is bounded by bytes, not rows (rows over "
-                "the producer's message.max.bytes are dead-lettered by size, never fetched)"),
+           help="message bytes (payload, key, headers) per batch, and in flight for replays: "
+                "memory is bounded by bytes, not rows (rows over the producer's "
+                "message.max.bytes are dead-lettered by size, never fetched)"),
     Option(name="metrics_port", parse=_port, default=DEFAULT_METRICS_PORT,
            help="port of /metrics, /healthz and /readyz (0 disables)"),
     Option(name="metrics_host", default=DEFAULT_METRICS_HOST,

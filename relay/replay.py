@@ -7,7 +7,8 @@ order ``(published_at, xid, id)`` (a key's commit order), produces them through 
 relay's :class:`~relay.publisher.Publisher` with their original key, value, headers
 and ``event_id`` plus a ``replay_id`` header, and, once every row of the batch is
 acknowledged, moves the position (fenced by the shard's lease token).  One batch per
-(replay, shard) is in flight at a time, so a key's rows go out in order; a takeover
+(replay, shard) is in flight at a time, so a key's rows go out in order, and the batches
+in flight hold at most ``budget_bytes`` of messages together (``--batch-max-bytes``); a takeover
 or a restart continues from the last stored position: at least once per replay.
 
 Throttled per replay: ``rate_per_s`` events per second over all replicas, each taking
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from relay.config import DEFAULT_BATCH_MAX_BYTES
 from relay.metrics import RelayMetrics
 from relay.model import Lease, OutboxRow, ShardId, Token
 from relay.publisher import Outcome
@@ -48,7 +50,7 @@ class ReplaySource(Protocol):
     def load_progress(self, replay_id: int,
                       shards: Sequence[ShardId]) -> dict[ShardId, tuple[Position, bool]]: ...
     def batch(self, *, replay_id: int, shard: ShardId, nshards: int, after: Position,
-              limit: int) -> list[ReplayRow]: ...
+              limit: int, budget_bytes: int) -> list[ReplayRow]: ...
     def advance(self, *, replay_id: int, shard: ShardId, owner: str, token: Token,
                 start: Position, to: Position, sent: int, done: bool) -> Fence: ...
     def finish(self, *, replay_id: int, nshards: int) -> bool: ...
@@ -72,6 +74,7 @@ class ReplayResult:
 class _Batch:
     rows: list[ReplayRow]
     outcomes: dict[int, Outcome] = field(default_factory=dict)
+    size: int = 0  # bytes of its messages (payload, key, headers)
 
     def complete(self) -> bool:
         return len(self.outcomes) == len(self.rows)
@@ -101,7 +104,8 @@ class Replayer:
     def __init__(self, store: ReplaySource, publisher: ReplaySink, *, owner: str, nshards: int,
                  metrics: RelayMetrics, log: Any, clock: Callable[[], float] = time.monotonic,
                  lose: Callable[[list[ShardId], str], None] = lambda shards, why: None,
-                 batch_rows: int = REPLAY_BATCH_ROWS, refresh_interval_s: float = REFRESH_INTERVAL_S) -> None:
+                 batch_rows: int = REPLAY_BATCH_ROWS, budget_bytes: int = DEFAULT_BATCH_MAX_BYTES,
+                 refresh_interval_s: float = REFRESH_INTERVAL_S) -> None:
         self.store = store
         self.publisher = publisher
         self.owner = owner
@@ -111,6 +115,9 @@ class Replayer:
         self.clock = clock
         self.lose = lose
         self.batch_rows = batch_rows
+        #: Bytes of messages in flight over every replay and shard (a batch's first row
+        #: always goes, so one row larger than this is sent alone).
+        self.budget_bytes = budget_bytes
         self.refresh_interval_s = refresh_interval_s
         self.replays: dict[int, _Replay] = {}
         self._next_refresh = 0.0
@@ -196,9 +203,10 @@ class Replayer:
             if state.done or state.batch is not None or now < state.not_before:
                 continue
             limit = min(self.batch_rows, int(replay.tokens))
-            if limit < 1:
+            room = self.budget_bytes - self._bytes_in_flight()
+            if limit < 1 or room <= 0:
                 break
-            finished_shard |= self._send(replay, shard, state, limit, result)
+            finished_shard |= self._send(replay, shard, state, limit, room, result)
             if replay.id not in self.replays:
                 return
         if finished_shard and all(st.done for st in replay.shards.values()):
@@ -208,13 +216,17 @@ class Replayer:
                 self.replays.pop(replay.id, None)
                 self._next_refresh = 0.0
 
-    def _send(self, replay: _Replay, shard: ShardId, state: _ShardState, limit: int,
+    def _bytes_in_flight(self) -> int:
+        return sum(state.batch.size for replay in self.replays.values()
+                   for state in replay.shards.values() if state.batch is not None)
+
+    def _send(self, replay: _Replay, shard: ShardId, state: _ShardState, limit: int, room: int,
               result: ReplayResult) -> bool:
         rows = self.store.batch(replay_id=replay.id, shard=shard, nshards=self.nshards,
-                                after=state.position, limit=limit)
+                                after=state.position, limit=limit, budget_bytes=room)
         if not rows:
             return self._advance(replay, shard, state, state.position, 0, True, result)
-        batch = _Batch(rows)
+        batch = _Batch(rows, size=sum(item.row.size for item in rows))
         state.batch = batch
         replay.tokens -= len(rows)
 

@@ -96,16 +96,19 @@ class ReplayStore(Store):
                 for r in rows}
 
     def batch(self, *, replay_id: int, shard: ShardId, nshards: int, after: Position,
-              limit: int) -> list[ReplayRow]:
+              limit: int, budget_bytes: int) -> list[ReplayRow]:
+        """The next rows after ``after``: at most ``limit``, and only until the one whose
+        message crosses ``budget_bytes`` (the first row always); each row's ``size`` set."""
         rows = self._fetch("replay", "replay_batch", {
             "replay_id": replay_id, "shard": shard, "nshards": nshards, "limit": limit,
+            "budget_bytes": budget_bytes,
             "after_published_at": after.published_at, "after_xid": after.xid,
             "after_id": after.row_id})
         return [ReplayRow(OutboxRow(id=RowId(r["id"]), event_id=r["event_id"], topic=r["topic"],
                                     key=r["key"], value=_value(r["payload_text"], r["payload_bytes"]),
                                     headers_json=with_replay_header(r["headers_text"], replay_id),
                                     xid=int(r["xid"]), shard=shard, attempts=0,
-                                    created_epoch=float(r["created_epoch"])),
+                                    created_epoch=float(r["created_epoch"]), size=int(r["size"])),
                           Position(r["published_at"], r["xid"], r["id"]))
                 for r in rows]
 

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import uuid
 from pathlib import Path
 
 import psycopg
 import pytest
 
+from tests.fixtures.broker import read_all
 from tests.fixtures.outbox import insert_rows, relay_cmd, relay_env, scalar, wait_drained
+from tests.fixtures.procs import wait_until
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 LIMIT_BYTES = 256 << 20
 BIG_ROWS, BIG_BYTES, BACKLOG = 6, 20_000_000, 100_000
+REPLAY_ROWS, REPLAY_BYTES = 600, 600_000  # published rows under the producer's 1 MB limit
 
 
 @pytest.fixture
@@ -111,3 +115,35 @@ def test_huge_keys_and_headers_in_a_backlog_stay_under_the_memory_limit(outbox_d
     assert dead == {**{f"bighdr{i}": "message_too_large" for i in range(BIG_ROWS)},
                     **{f"bigkey{i}".ljust(12, "k"): "message_too_large" for i in range(BIG_ROWS)}}
     assert scalar(outbox_db, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") == BACKLOG
+
+
+def test_a_replay_of_large_rows_stays_under_the_memory_limit(outbox_db, broker, topic, spawn, memory_cgroup):
+    """Replays read published rows, each as large as the producer allowed.  A replay read up
+    to 500 rows a batch, a batch per shard in flight, up to a second of its rate: 600 rows
+    of 600 kB (360 MB) killed the relay in its 256 MiB cgroup, and every replica that took
+    the replay over after it.  Now the batches in flight hold --batch-max-bytes together."""
+    with psycopg.connect(outbox_db, autocommit=True) as conn:  # published an hour ago
+        conn.execute("INSERT INTO outbox (topic, key, payload, created_at, published_at) "
+                     "SELECT %s, 'k' || g %% 50, jsonb_build_object('n', g, 'pad', repeat('r', %s)), "
+                     "now() - interval '1 hour', now() - interval '59 minutes' "
+                     "FROM generate_series(1, %s) AS g", (topic, REPLAY_BYTES, REPLAY_ROWS))
+    cmd = ["sh", "-c", f'echo $$ > {memory_cgroup / "cgroup.procs"} && exec "$@"', "relay",
+           *relay_cmd("run")]
+    relay = spawn(cmd, env=relay_env(outbox_db, broker.bootstrap), name="relay")
+    made = subprocess.run(relay_cmd("replay", "--since", "2h", "--topic", topic, "--json"),
+                          env=relay_env(outbox_db, ""), capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert made.returncode == 0, made.stderr
+    replay_id = int(json.loads(made.stdout)["id"])
+    state = "SELECT state FROM outbox_relay_replays WHERE id = %(id)s"
+    wait_until(lambda: scalar(outbox_db, state, {"id": replay_id}) == "done" or not relay.alive,
+               timeout_s=180, message="the replay did not finish")
+    assert relay.alive, relay.log_tail()
+    peak = peak_rss_mb(relay.pid)
+    relay.sigterm()
+    assert relay.wait(30) == 0, relay.log_tail()
+    print(f"relay peak RSS {peak:.1f} MB")
+    assert peak < 150, peak
+    records = read_all(broker.bootstrap, topic, expected=REPLAY_ROWS, timeout_s=120)
+    assert {r.headers.get("replay_id") for r in records} == {str(replay_id).encode()}
+    assert len({r.headers["event_id"] for r in records}) == REPLAY_ROWS

@@ -18,8 +18,8 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 class FakeStore:
-    def __init__(self, rows_per_shard: int, rate: float = 1e6) -> None:
-        self.rows = {s: [self._row(s, i) for i in range(rows_per_shard)] for s in (0, 1)}
+    def __init__(self, rows_per_shard: int, rate: float = 1e6, size: int = 1) -> None:
+        self.rows = {s: [self._row(s, i, size) for i in range(rows_per_shard)] for s in (0, 1)}
         self.progress: dict[ShardId, tuple[Position, bool]] = {}
         self.state = "active"
         self.rate = rate
@@ -27,10 +27,10 @@ class FakeStore:
         self.finished = False
 
     @staticmethod
-    def _row(shard: int, i: int) -> ReplayRow:
+    def _row(shard: int, i: int, size: int) -> ReplayRow:
         rid = shard * 1000 + i
         row = OutboxRow(RowId(rid), f"e{rid}", "t", f"k{shard}", b"v", with_replay_header("{}", 7),
-                        rid, ShardId(shard), 0, 0.0)
+                        rid, ShardId(shard), 0, 0.0, size)
         return ReplayRow(row, Position(T0 + timedelta(seconds=i), str(rid), rid))
 
     def active_replays(self) -> list[dict[str, Any]]:
@@ -40,10 +40,17 @@ class FakeStore:
         return {s: self.progress[s] for s in shards if s in self.progress}
 
     def batch(self, *, replay_id: int, shard: ShardId, nshards: int, after: Position,
-              limit: int) -> list[ReplayRow]:
+              limit: int, budget_bytes: int) -> list[ReplayRow]:
+        """As replay.sql's replay_batch: rows until the one that crosses the budget."""
         if self.state != "active":
             return []
-        return [r for r in self.rows[shard] if after.row_id is None or r.position.row_id > after.row_id][:limit]  # type: ignore[operator]
+        rows, running = [], 0
+        for r in [r for r in self.rows[shard] if after.row_id is None or r.position.row_id > after.row_id][:limit]:  # type: ignore[operator]
+            if running >= budget_bytes:
+                break
+            rows.append(r)
+            running += r.row.size
+        return rows
 
     def advance(self, *, replay_id: int, shard: ShardId, owner: str, token: Token, start: Position,
                 to: Position, sent: int, done: bool) -> Fence:
@@ -88,9 +95,11 @@ class Clock:
         return self.now
 
 
-def _replayer(store: FakeStore, pub: FakePublisher, lost: list[Any], clock: Clock) -> Replayer:
+def _replayer(store: FakeStore, pub: FakePublisher, lost: list[Any], clock: Clock,
+              budget_bytes: int = 1 << 20) -> Replayer:
     return Replayer(store, pub, owner="r1", nshards=2, metrics=RelayMetrics(), log=_Log(), clock=clock,
-                    lose=lambda shards, why: lost.append((shards, why)), batch_rows=3)
+                    lose=lambda shards, why: lost.append((shards, why)), batch_rows=3,
+                    budget_bytes=budget_bytes)
 
 
 class _Log:
@@ -112,6 +121,25 @@ def test_rows_go_out_in_order_and_progress_follows_the_acks() -> None:
         ids = [r.id for r in pub.sent if r.shard == shard]
         assert ids == sorted(ids) and len(ids) == 7
     assert all(b'"replay_id":"7"' in r.headers_json.encode() for r in pub.sent)
+
+
+def test_the_batches_in_flight_hold_at_most_the_byte_budget_and_the_row_that_crosses_it() -> None:
+    """Replays read published rows, and a row may be as large as the producer allows:
+    500 rows a batch and one batch per shard put hundreds of megabytes in flight.  The
+    batches in flight over all shards stop at the budget (the crossing row included)."""
+    store, pub, lost, clock = FakeStore(7, size=100), FakePublisher(), [], Clock()
+    rep = _replayer(store, pub, lost, clock, budget_bytes=250)
+    most = 0
+    for _ in range(40):
+        rep.run_once(LEASES)  # serves the reports of the last run's rows first
+        most = max(most, sum(row.size for row, _ in pub.waiting))
+        clock.now += 1
+    assert store.finished and len(pub.sent) == 14
+    assert most == 300  # 250 and the row that crossed it; never both shards' 300 at once
+    big = FakeStore(2, size=10_000)
+    rep = _replayer(big, pub := FakePublisher(), lost, clock, budget_bytes=250)
+    rep.run_once(LEASES)
+    assert [row.id for row, _ in pub.waiting] == [0]  # a row over the budget goes alone
 
 
 def test_a_failed_ack_sends_the_batch_again_from_the_stored_position() -> None:

@@ -67,27 +67,48 @@ WHERE replay_id = %(replay_id)s AND shard = ANY(%(shards)s::int[])
 
 -- name: replay_batch
 -- The next rows of one shard after the replay's position in it, in first-publication
--- order.  Nothing while the replay is not active.
-SELECT o.id, o.event_id::text AS event_id, o.topic, o.key, o.payload::text AS payload_text,
-       o.payload_bytes, o.headers::text AS headers_text, o.xid::text AS xid, o.published_at,
-       extract(epoch FROM o.created_at)::float8 AS created_epoch
-FROM outbox_relay_replays AS r
-JOIN {table} AS o
-  ON o.published_at IS NOT NULL
- AND o.published_at <= r.requested_at
- AND o.created_at >= r.since AND o.created_at < r.until
- AND (cardinality(r.topics) = 0 OR o.topic = ANY(r.topics))
- AND (cardinality(r.keys) = 0 OR o.key = ANY(r.keys))
-WHERE r.id = %(replay_id)s AND r.state = 'active'
-  -- The plain bound lets outbox_published_idx (published_at) start the scan at the
-  -- position; (xid, id) order within one published_at is an incremental sort.
-  AND o.published_at >= coalesce(%(after_published_at)s::timestamptz, '-infinity'::timestamptz)
-  AND (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s = %(shard)s
-  AND (o.published_at, o.xid, o.id)
-      > (coalesce(%(after_published_at)s::timestamptz, '-infinity'::timestamptz),
-         coalesce(%(after_xid)s::xid8, '0'::xid8), coalesce(%(after_id)s::bigint, 0))
-ORDER BY o.published_at, o.xid, o.id
-LIMIT %(limit)s
+-- order.  Nothing while the replay is not active.  At most %(limit)s rows, and rows only
+-- until the one whose message (payload, key and headers, sized as the claim sizes them)
+-- crosses %(budget_bytes)s: the replay's bytes in flight stay bounded however large the
+-- rows (the first row always comes).
+WITH found AS (
+    SELECT o.id, o.event_id::text AS event_id, o.topic, o.key, o.payload::text AS payload_text,
+           o.payload_bytes, o.headers::text AS headers_text, o.xid::text AS xid, o.published_at,
+           extract(epoch FROM o.created_at)::float8 AS created_epoch, o.xid AS xid8,
+           coalesce(octet_length(o.payload_bytes), 0)
+           + CASE WHEN o.payload IS NULL THEN 0
+                  WHEN pg_column_compression(o.payload) IS NULL THEN pg_column_size(o.payload)
+                  ELSE octet_length(o.payload::text) END
+           + coalesce(octet_length(o.key), 0)
+           + CASE WHEN pg_column_compression(o.headers) IS NULL THEN pg_column_size(o.headers)
+                  ELSE octet_length(o.headers::text) END AS size
+    FROM outbox_relay_replays AS r
+    JOIN {table} AS o
+      ON o.published_at IS NOT NULL
+     AND o.published_at <= r.requested_at
+     AND o.created_at >= r.since AND o.created_at < r.until
+     AND (cardinality(r.topics) = 0 OR o.topic = ANY(r.topics))
+     AND (cardinality(r.keys) = 0 OR o.key = ANY(r.keys))
+    WHERE r.id = %(replay_id)s AND r.state = 'active'
+      -- The plain bound lets outbox_published_idx (published_at) start the scan at the
+      -- position; (xid, id) order within one published_at is an incremental sort.
+      AND o.published_at >= coalesce(%(after_published_at)s::timestamptz, '-infinity'::timestamptz)
+      AND (hashtext(coalesce(o.key, o.event_id::text)) & 2147483647) %% %(nshards)s = %(shard)s
+      AND (o.published_at, o.xid, o.id)
+          > (coalesce(%(after_published_at)s::timestamptz, '-infinity'::timestamptz),
+             coalesce(%(after_xid)s::xid8, '0'::xid8), coalesce(%(after_id)s::bigint, 0))
+    ORDER BY o.published_at, o.xid, o.id
+    LIMIT %(limit)s
+), budget AS (
+    SELECT f.*, sum(f.size) OVER (ORDER BY f.published_at, f.xid8, f.id
+                                  ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS running
+    FROM found AS f
+)
+SELECT b.id, b.event_id, b.topic, b.key, b.payload_text, b.payload_bytes, b.headers_text,
+       b.xid, b.published_at, b.created_epoch, b.size::bigint AS size
+FROM budget AS b
+WHERE b.running - b.size < %(budget_bytes)s
+ORDER BY b.published_at, b.xid8, b.id
 
 -- name: advance_progress
 -- Fenced: only the holder of the shard's lease (owner and token) moves the replay's
