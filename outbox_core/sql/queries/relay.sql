@@ -162,6 +162,9 @@ WHERE w.retry_at > coalesce(%(now)s::timestamptz, now())
 -- Fenced: rows are marked only in shards whose lease this owner still holds with
 -- the same token.  FOR SHARE on the lease rows makes a concurrent takeover wait
 -- for this transaction (or makes this one see the new token and mark nothing).
+-- The ids of the held shards' rows go to the primary key as one array (= ANY): one scan
+-- that walks the index's leaves in id order, where a join with unnest looked each id up
+-- from the root, 11 % more execution for a batch of 1,000 (issue 18's thirtieth pass).
 WITH held AS (
     SELECT s.shard
     FROM outbox_relay_shards AS s
@@ -172,10 +175,10 @@ WITH held AS (
 ), marked AS (
     UPDATE {table} AS o
     SET published_at = coalesce(%(now)s::timestamptz, now()), retry_at = NULL
-    FROM unnest(%(ids)s::bigint[], %(row_shards)s::int[]) AS r(id, shard)
-    WHERE o.id = r.id
+    WHERE o.id = ANY(ARRAY(SELECT r.id
+                           FROM unnest(%(ids)s::bigint[], %(row_shards)s::int[]) AS r(id, shard)
+                           WHERE r.shard IN (SELECT shard FROM held)))
       AND o.published_at IS NULL
-      AND r.shard IN (SELECT shard FROM held)
     RETURNING o.id
 )
 SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
@@ -195,10 +198,10 @@ WITH held AS (
     FOR SHARE OF s
 ), marked AS (
     DELETE FROM {table} AS o
-    USING unnest(%(ids)s::bigint[], %(row_shards)s::int[]) AS r(id, shard)
-    WHERE o.id = r.id
+    WHERE o.id = ANY(ARRAY(SELECT r.id
+                           FROM unnest(%(ids)s::bigint[], %(row_shards)s::int[]) AS r(id, shard)
+                           WHERE r.shard IN (SELECT shard FROM held)))
       AND o.published_at IS NULL
-      AND r.shard IN (SELECT shard FROM held)
     RETURNING o.id
 )
 SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
