@@ -9,6 +9,7 @@ import psycopg
 from relay.model import Cursor, Lease, ShardId, Token
 from relay.store import Store
 from tests.fixtures.outbox import insert_rows, migrated, scalar
+from tests.fixtures.procs import wait_until
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -100,7 +101,13 @@ def test_a_restarted_process_of_the_same_name_resumes_its_leases_at_once_unless_
         assert at(new, 1).claim_shards(owner="pod-1", limit=4, lease_s=10, held=[]) == {
             ShardId(2): Token(1), ShardId(3): Token(1)}
         # A claim that does not ask to reclaim never does.
+        old_pid = old.conn.info.backend_pid
         old.close()
+        # The server ends the closed session (and drops its lock) a moment after the client
+        # closed it: a claim in that moment still found the name's lock held (CI, 8065f67).
+        wait_until(lambda: not scalar(dsn, "SELECT count(*) FROM pg_stat_activity WHERE pid = %(pid)s",
+                                      {"pid": old_pid}), timeout_s=10,
+                   message="the old process's session did not end")
         assert at(other, 2).claim_shards(owner="pod-1", limit=4, lease_s=10) == {}
         # The old process is gone with its connection: the new one takes its leases now (not
         # at t=10), with new tokens, and leaves the ones it holds alone.
