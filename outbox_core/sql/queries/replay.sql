@@ -68,20 +68,13 @@ WHERE replay_id = %(replay_id)s AND shard = ANY(%(shards)s::int[])
 -- name: replay_batch
 -- The next rows of one shard after the replay's position in it, in first-publication
 -- order.  Nothing while the replay is not active.  At most %(limit)s rows, and rows only
--- until the one whose message (payload, key and headers, sized as the claim sizes them)
--- crosses %(budget_bytes)s: the replay's bytes in flight stay bounded however large the
--- rows (the first row always comes).
+-- until the one whose message (payload, key and headers, as text) crosses
+-- %(budget_bytes)s: the replay's bytes in flight stay bounded however large the rows (the
+-- first row always comes).
 WITH found AS (
     SELECT o.id, o.event_id::text AS event_id, o.topic, o.key, o.payload::text AS payload_text,
            o.payload_bytes, o.headers::text AS headers_text, o.xid::text AS xid, o.published_at,
-           extract(epoch FROM o.created_at)::float8 AS created_epoch, o.xid AS xid8,
-           coalesce(octet_length(o.payload_bytes), 0)
-           + CASE WHEN o.payload IS NULL THEN 0
-                  WHEN pg_column_compression(o.payload) IS NULL THEN pg_column_size(o.payload)
-                  ELSE octet_length(o.payload::text) END
-           + coalesce(octet_length(o.key), 0)
-           + CASE WHEN pg_column_compression(o.headers) IS NULL THEN pg_column_size(o.headers)
-                  ELSE octet_length(o.headers::text) END AS size
+           extract(epoch FROM o.created_at)::float8 AS created_epoch, o.xid AS xid8
     FROM outbox_relay_replays AS r
     JOIN {table} AS o
       ON o.published_at IS NOT NULL
@@ -99,10 +92,14 @@ WITH found AS (
              coalesce(%(after_xid)s::xid8, '0'::xid8), coalesce(%(after_id)s::bigint, 0))
     ORDER BY o.published_at, o.xid, o.id
     LIMIT %(limit)s
-), budget AS (
-    SELECT f.*, sum(f.size) OVER (ORDER BY f.published_at, f.xid8, f.id
-                                  ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS running
+), sized AS (
+    SELECT f.*, coalesce(octet_length(f.payload_text), 0) + coalesce(octet_length(f.payload_bytes), 0)
+                + coalesce(octet_length(f.key), 0) + octet_length(f.headers_text) AS size
     FROM found AS f
+), budget AS (
+    SELECT z.*, sum(z.size) OVER (ORDER BY z.published_at, z.xid8, z.id
+                                  ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS running
+    FROM sized AS z
 )
 SELECT b.id, b.event_id, b.topic, b.key, b.payload_text, b.payload_bytes, b.headers_text,
        b.xid, b.published_at, b.created_epoch, b.size::bigint AS size
