@@ -14,6 +14,7 @@ import os
 import subprocess
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -61,6 +62,23 @@ def peak_rss_mb(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
+def relay_in(memory_cgroup: Path, spawn: Any, dsn: str, bootstrap: str, **env: Any) -> Any:
+    """A relay that joins the cgroup before it execs, so every byte it ever maps counts."""
+    cmd = ["sh", "-c", f'echo $$ > {memory_cgroup / "cgroup.procs"} && exec "$@"', "relay",
+           *relay_cmd("run")]
+    return spawn(cmd, env=relay_env(dsn, bootstrap, **env), name="relay")
+
+
+def stopped_with_peak_rss_mb(relay: Any) -> float:
+    """The live relay's peak RSS, after which it stops cleanly."""
+    assert relay.alive, relay.log_tail()
+    peak = peak_rss_mb(relay.pid)
+    relay.sigterm()
+    assert relay.wait(30) == 0, relay.log_tail()
+    print(f"relay peak RSS {peak:.1f} MB")
+    return peak
+
+
 def test_huge_rows_in_a_backlog_stay_under_the_memory_limit(outbox_db, broker, topic, spawn,
                                                             memory_cgroup):
     insert_rows(outbox_db, topic, BACKLOG // 2, per_tx=10_000)
@@ -72,17 +90,10 @@ def test_huge_rows_in_a_backlog_stay_under_the_memory_limit(outbox_db, broker, t
         conn.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, 'small', %s)",
                      (topic, json.dumps({"key": "small", "seq": 0})))
     insert_rows(outbox_db, topic, BACKLOG // 2, start=BACKLOG // 2, per_tx=10_000)
-    # The relay joins the cgroup before it execs, so every byte it ever maps counts.
-    cmd = ["sh", "-c", f'echo $$ > {memory_cgroup / "cgroup.procs"} && exec "$@"', "relay",
-           *relay_cmd("run")]
-    relay = spawn(cmd, env=relay_env(outbox_db, broker.bootstrap, max_attempts=5), name="relay")
+    relay = relay_in(memory_cgroup, spawn, outbox_db, broker.bootstrap, max_attempts=5)
     wait_drained(outbox_db, timeout_s=180)
-    assert relay.alive, relay.log_tail()
-    peak = peak_rss_mb(relay.pid)
-    failcnt = int((memory_cgroup / "memory.failcnt").read_text())
-    relay.sigterm()
-    assert relay.wait(30) == 0, relay.log_tail()
-    print(f"relay peak RSS {peak:.1f} MB; cgroup limit hits {failcnt}")
+    peak = stopped_with_peak_rss_mb(relay)
+    print(f"cgroup limit hits {int((memory_cgroup / 'memory.failcnt').read_text())}")
     assert peak < 150, peak
     dead = dict(scalar(outbox_db, "SELECT json_object_agg(key, reason) FROM outbox_dead_letters"))
     assert dead == {f"big{i}": "message_too_large" for i in range(BIG_ROWS)}
@@ -101,15 +112,9 @@ def test_huge_keys_and_headers_in_a_backlog_stay_under_the_memory_limit(outbox_d
             conn.execute("INSERT INTO outbox (topic, key, payload) VALUES "
                          "(%s, %s || repeat('k', %s), '{}')", (topic, f"bigkey{i}", BIG_BYTES))
     insert_rows(outbox_db, topic, BACKLOG // 2, start=BACKLOG // 2, per_tx=10_000)
-    cmd = ["sh", "-c", f'echo $$ > {memory_cgroup / "cgroup.procs"} && exec "$@"', "relay",
-           *relay_cmd("run")]
-    relay = spawn(cmd, env=relay_env(outbox_db, broker.bootstrap, max_attempts=5), name="relay")
+    relay = relay_in(memory_cgroup, spawn, outbox_db, broker.bootstrap, max_attempts=5)
     wait_drained(outbox_db, timeout_s=180)
-    assert relay.alive, relay.log_tail()
-    peak = peak_rss_mb(relay.pid)
-    relay.sigterm()
-    assert relay.wait(30) == 0, relay.log_tail()
-    print(f"relay peak RSS {peak:.1f} MB")
+    peak = stopped_with_peak_rss_mb(relay)
     assert peak < 150, peak
     dead = dict(scalar(outbox_db, "SELECT json_object_agg(left(key, 12), reason) FROM outbox_dead_letters"))
     assert dead == {**{f"bighdr{i}": "message_too_large" for i in range(BIG_ROWS)},
@@ -127,9 +132,7 @@ def test_a_replay_of_large_rows_stays_under_the_memory_limit(outbox_db, broker, 
                      "SELECT %s, 'k' || g %% 50, jsonb_build_object('n', g, 'pad', repeat('r', %s)), "
                      "now() - interval '1 hour', now() - interval '59 minutes' "
                      "FROM generate_series(1, %s) AS g", (topic, REPLAY_BYTES, REPLAY_ROWS))
-    cmd = ["sh", "-c", f'echo $$ > {memory_cgroup / "cgroup.procs"} && exec "$@"', "relay",
-           *relay_cmd("run")]
-    relay = spawn(cmd, env=relay_env(outbox_db, broker.bootstrap), name="relay")
+    relay = relay_in(memory_cgroup, spawn, outbox_db, broker.bootstrap)
     made = subprocess.run(relay_cmd("replay", "--since", "2h", "--topic", topic, "--json"),
                           env=relay_env(outbox_db, ""), capture_output=True, text=True, timeout=60,
                           check=False)
@@ -138,11 +141,7 @@ def test_a_replay_of_large_rows_stays_under_the_memory_limit(outbox_db, broker, 
     state = "SELECT state FROM outbox_relay_replays WHERE id = %(id)s"
     wait_until(lambda: scalar(outbox_db, state, {"id": replay_id}) == "done" or not relay.alive,
                timeout_s=180, message="the replay did not finish")
-    assert relay.alive, relay.log_tail()
-    peak = peak_rss_mb(relay.pid)
-    relay.sigterm()
-    assert relay.wait(30) == 0, relay.log_tail()
-    print(f"relay peak RSS {peak:.1f} MB")
+    peak = stopped_with_peak_rss_mb(relay)
     assert peak < 150, peak
     records = read_all(broker.bootstrap, topic, expected=REPLAY_ROWS, timeout_s=120)
     assert {r.headers.get("replay_id") for r in records} == {str(replay_id).encode()}
