@@ -143,12 +143,16 @@ class Loop:
         self.pump.request_rewind()
         self.wakeup.close()
 
+    @staticmethod
+    def _until(now: float, latest: float, not_before: float) -> float:
+        """When an idle wait ends: at ``latest`` (the poll, the caller's due time), or at
+        ``not_before`` when that is still ahead and sooner."""
+        return min(latest, not_before) if not_before > now else latest
+
     def _idle_wait(self, now: float, wake_by: float) -> None:
         pump = self.pump
         next_poll = self.next_poll if self.wakeup.sleeping else now + self.poll_interval_s
-        until = min(next_poll, wake_by)
-        if pump.claim_not_before > now:
-            until = min(until, pump.claim_not_before)
+        until = self._until(now, min(next_poll, wake_by), pump.claim_not_before)
         timeout = max(0.0, until - self.clock())
         if self.replayer is not None and self.replayer.busy() and not pump.busy():
             self.replayer.wait(min(timeout, BUSY_WAIT_S))
@@ -183,10 +187,8 @@ class Loop:
                 # A peer sleeps, and writers notify every listener, this one too: wait for
                 # a notification or the poll, not for the pace (that was a claim and a
                 # lock attempt every 80 ms for nothing, 26 statements a second while idle).
-                until = min(next_poll, wake_by)
-                if pump.backoff_until > now:
-                    until = min(until, pump.backoff_until)
-                timeout = max(0.0, until - self.clock())
+                timeout = max(0.0, self._until(now, min(next_poll, wake_by), pump.backoff_until)
+                              - self.clock())
             # else: writers are mid-transaction: their rows come soon, at the paced claim
         if self.wakeup.wait(timeout):
             pump.expect_new_rows()
