@@ -211,15 +211,22 @@ def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
 # -- dead letters as functions (the CLI above and the console, relay/console.py) ------------
 
 
+#: A listed dead letter's key is cut to this many characters (``key_bytes`` gives its size):
+#: a row dead-lettered for its size may carry a key of many megabytes.
+LIST_KEY_CHARS = 200
+
+
 def list_dead_letters(conn: Any, *, limit: int) -> list[dict[str, Any]]:
-    """The oldest dead letters first, without payloads."""
-    rows = _rows(conn, "admin", "dead_letters_list", {"limit": limit})
+    """The oldest dead letters first, without payloads, keys cut to ``LIST_KEY_CHARS``."""
+    rows = _rows(conn, "admin", "dead_letters_list", {"limit": limit, "key_chars": LIST_KEY_CHARS})
     return [{**r, "created_at": _iso(r["created_at"]), "dead_at": _iso(r["dead_at"])} for r in rows]
 
 
-def show_dead_letter(conn: Any, event_id: str) -> dict[str, Any] | None:
-    """One dead letter with its payload and headers, or None."""
-    rows = _rows(conn, "admin", "dead_letter_show", {"event_id": event_id})
+def show_dead_letter(conn: Any, event_id: str, *, max_chars: int | None = None
+                     ) -> dict[str, Any] | None:
+    """One dead letter with its payload and headers (each cut to ``max_chars`` characters
+    when given, their sizes in ``key_bytes``, ``payload_size``, ``header_bytes``), or None."""
+    rows = _rows(conn, "admin", "dead_letter_show", {"event_id": event_id, "max_chars": max_chars})
     if not rows:
         return None
     r = rows[0]

@@ -16,6 +16,11 @@ from relay import admin
 from relay.replay_store import ReplayStore
 from relay.store import translated
 
+#: A dead letter's page shows its key, payload and headers up to this many characters
+#: (``outbox-relay dead-letters show`` prints the whole row): a row dead-lettered for its
+#: size can be tens of megabytes.
+PAGE_CHARS = 10_000
+
 
 class ConsoleStore(ReplayStore):
     """Owned by the console's (single) request thread."""
@@ -34,8 +39,9 @@ class ConsoleStore(ReplayStore):
             return admin.list_dead_letters(self.conn, limit=limit)
 
     def dead_letter_row(self, event_id: str) -> dict[str, Any] | None:
+        """The row with its key, payload and headers cut to ``PAGE_CHARS`` characters."""
         with translated():
-            return admin.show_dead_letter(self.conn, event_id)
+            return admin.show_dead_letter(self.conn, event_id, max_chars=PAGE_CHARS)
 
     def move_dead_letter(self, action: str, event_id: str) -> int:
         with translated():

@@ -6,6 +6,7 @@ Payloads, headers and raw error texts are not shown unless asked for on one row
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from html import escape
@@ -110,11 +111,26 @@ def dead_letters(rows: list[dict[str, Any]], csrf: str | None) -> str:
 
 
 def dead_letter(r: dict[str, Any], *, reveal: bool, csrf: str | None) -> str:
-    fields = table(("field", "value"), ((e(k), e(r[k])) for k in (
-        "event_id", "topic", "key", "reason", "attempts", "created_at", "dead_at", "owner")))
+    """One dead letter, its key, payload and headers as the store cut them (each says so,
+    with its size, when it was cut)."""
+    def clipped(shown: str | None, size: int | None, *, b64: bool = False) -> str:
+        if shown is None or size is None:
+            return e(shown)
+        length = len(base64.b64decode(shown)) if b64 else len(shown.encode())
+        if length >= size:
+            return e(shown)
+        return (f"{e(shown)}… <em>(the first {length:,} of {size:,} bytes: "
+                f"<code>outbox-relay dead-letters show {e(r['event_id'])}</code> prints the whole row)</em>")
+
+    fields = table(("field", "value"), (
+        (e(k), clipped(r["key"], r["key_bytes"]) if k == "key" else e(r[k])) for k in (
+            "event_id", "topic", "key", "reason", "attempts", "created_at", "dead_at", "owner")))
     if reveal:
-        content = (f"<h2>Error</h2><pre>{e(r['error'])}</pre><h2>Headers</h2><pre>{e(r['headers'])}</pre>"
-                   f"<h2>Payload</h2><pre>{e(r['payload'] if r['payload'] is not None else r['payload_bytes_base64'])}</pre>")
+        payload = (clipped(r["payload"], r["payload_size"]) if r["payload"] is not None
+                   else clipped(r["payload_bytes_base64"], r["payload_size"], b64=True))
+        content = (f"<h2>Error</h2><pre>{e(r['error'])}</pre>"
+                   f"<h2>Headers</h2><pre>{clipped(r['headers'], r['header_bytes'])}</pre>"
+                   f"<h2>Payload</h2><pre>{payload}</pre>")
     else:
         content = ("<p>Payload, headers and error text are hidden. "
                    + link(f"/dead-letters/{quote(r['event_id'])}", "show them for this row", reveal=1) + "</p>")

@@ -1,7 +1,8 @@
 """`outbox-relay console` in a real browser (headless Chromium from Debian, driven by
 selenium), against a real relay database: dead letters made by a relay, runs and jobs
 made by the jobs API, a replay request.  Also what a browser cannot show: cross-site
-and forged requests are refused, read-only mode has no actions.
+and forged requests are refused, read-only mode has no actions; a dead letter of many
+megabytes is listed and shown cut, with its size.
 
 Without chromium/chromedriver (apt-get install chromium chromium-driver) or selenium the
 browser test skips with the reason, and fails under CI=true.  OUTBOX_CONSOLE_SCREENSHOTS=DIR
@@ -10,9 +11,11 @@ saves the screenshots of the main pages there (docs/console/ in the README).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -243,7 +246,48 @@ def test_console_refuses_forged_requests_and_is_read_only_by_default(outbox_db, 
     assert "read-only" in ro.log_text()
     assert _post(ro_url + "actions/dead-letters/purge", {"event_id": "x"}, Origin=ro_url.rstrip("/")) == 403
     with urllib.request.urlopen(ro_url + "dead-letters", timeout=10) as page:  # noqa: S310
-        assert b"sign in" not in page.read() and b"read-only" in page.read() + b"read-only"
+        body = page.read()
+    assert b"sign in" not in body and b"read-only" in body
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(ro_url + "login", timeout=10)  # noqa: S310 - no sign-in when read-only
     assert missing.value.code == 404
+
+
+def test_a_dead_letter_of_many_megabytes_is_listed_and_shown_cut(outbox_db, spawn, tmp_path):
+    """A row is dead-lettered for its size with its key and headers (fc8549f): a key of
+    20 MB made `dead-letters list` print 20 MB (and read 20 MB a row, 200 rows a page in the
+    console), the console's page of the row as much.  Now the list cuts keys to 200
+    characters and gives their size; the console's page cuts key, headers and payload to
+    10,000 characters and says so; `dead-letters show` still prints the whole row."""
+    big = 20_000_000
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("""INSERT INTO outbox_dead_letters
+                            (id, event_id, topic, key, payload, headers, created_at, reason, error, attempts)
+                        VALUES (1, '018f0000-0000-7000-8000-000000000001', 'orders', repeat('k', %(n)s),
+                                jsonb_build_object('pad', repeat('p', %(n)s)),
+                                jsonb_build_object('h', repeat('h', %(n)s)),
+                                now(), 'message_too_large', 'too large', 1)""", {"n": big})
+    listed = subprocess.run(relay_cmd("dead-letters", "list", "--json", "--dsn", outbox_db),
+                            capture_output=True, text=True, check=True, timeout=60)
+    assert len(listed.stdout) < 10_000
+    (row,) = json.loads(listed.stdout)
+    assert row["key"] == "k" * 200 and row["key_bytes"] == big
+
+    ro, url = _console(spawn, outbox_db, tmp_path, actions=False)
+    for path in ("dead-letters", "dead-letters/018f0000-0000-7000-8000-000000000001",
+                 "dead-letters/018f0000-0000-7000-8000-000000000001?reveal=1"):
+        with urllib.request.urlopen(url + path, timeout=30) as page:  # noqa: S310 - 127.0.0.1 only
+            body = page.read().decode()
+        assert len(body) < 100_000, path
+    assert "of 20,000,000 bytes" in body  # the key
+    assert "of 20,000,009 bytes" in body  # the headers' text: {"h": "hhh..."}
+    assert "of 20,000,011 bytes" in body  # the payload's: {"pad": "ppp..."}
+    assert "k" * 10_000 in body and "k" * 10_001 not in body
+    ro.sigterm()
+    assert ro.wait(10) == 0
+
+    shown = subprocess.run(relay_cmd("dead-letters", "show", "018f0000-0000-7000-8000-000000000001",
+                                     "--dsn", outbox_db), capture_output=True, text=True, check=True,
+                           timeout=60)
+    whole = json.loads(shown.stdout)
+    assert len(whole["key"]) == big and whole["payload_size"] == big + 11

@@ -84,15 +84,29 @@ WITH doomed AS (
 SELECT count(*) AS deleted, max(published_at) AS last_published_at FROM gone
 
 -- name: dead_letters_list
-SELECT id, event_id::text AS event_id, topic, key, reason, error, attempts,
-       created_at, dead_at
+-- A key's first %(key_chars)s characters and its size in bytes: a row dead-lettered for its
+-- size can carry a key of many megabytes, and a list of 200 such keys is gigabytes.
+SELECT id, event_id::text AS event_id, topic, left(key, %(key_chars)s) AS key,
+       octet_length(key) AS key_bytes, reason, error, attempts, created_at, dead_at
 FROM outbox_dead_letters
 ORDER BY dead_at, id
 LIMIT %(limit)s
 
 -- name: dead_letter_show
-SELECT id, event_id::text AS event_id, topic, key, payload::text AS payload,
-       encode(payload_bytes, 'base64') AS payload_bytes_base64, headers::text AS headers,
+-- The whole row (%(max_chars)s NULL), or its key, payload and headers cut to their first
+-- %(max_chars)s characters (the console's page of one row), with each one's size in bytes.
+SELECT id, event_id::text AS event_id, topic,
+       CASE WHEN %(max_chars)s::int IS NULL THEN key ELSE left(key, %(max_chars)s) END AS key,
+       CASE WHEN %(max_chars)s::int IS NULL THEN payload::text
+            ELSE left(payload::text, %(max_chars)s) END AS payload,
+       CASE WHEN %(max_chars)s::int IS NULL THEN encode(payload_bytes, 'base64')
+            ELSE encode(substr(payload_bytes, 1, %(max_chars)s), 'base64') END
+           AS payload_bytes_base64,
+       CASE WHEN %(max_chars)s::int IS NULL THEN headers::text
+            ELSE left(headers::text, %(max_chars)s) END AS headers,
+       octet_length(key) AS key_bytes,
+       coalesce(octet_length(payload::text), octet_length(payload_bytes)) AS payload_size,
+       octet_length(headers::text) AS header_bytes,
        reason, error, attempts, created_at, dead_at, owner
 FROM outbox_dead_letters
 WHERE event_id::text = %(event_id)s
