@@ -2,10 +2,11 @@
 
 ``init_transactions``, ``commit_transaction`` and the position read block, so they run
 here and never on the pump's thread.  A worker is started when its shard's lease is
-acquired: it creates the producer (``transactional.id`` = prefix + table + shard: Kafka
-fences the previous holder's producer at that moment), reads the shard's last committed
-position record back (``read_committed``) and hands the ids it lists to ``recover``
-(which marks them published, fenced with the new token).  Then it runs one transaction
+acquired: it reads the shard's last committed position record (``read_committed``),
+stopping there if another outbox wrote it, creates the producer (``transactional.id`` =
+prefix + table + shard: Kafka fences the previous holder's producer at that moment), reads
+the record again if the partition's end moved meanwhile, and hands the ids it lists to
+``recover`` (which marks them published, fenced with the new token).  Then it runs one transaction
 job at a time: the rows, one position record, commit.  Results go to the publisher's
 queue; this thread never calls the pump's callbacks.
 """
@@ -83,30 +84,64 @@ class ForeignPosition(Exception):
     """A shard's position record was written by another outbox's relay."""
 
 
-def read_position(config: dict[str, str], topic: str, shard: ShardId,
-                  timeout_s: float = POSITION_READ_TIMEOUT_S) -> tuple[list[RowId], str | None]:
-    """The ids listed by the last committed position record of ``shard`` ([] if none),
-    and the outbox that wrote it (None: none, or a record from before migration 0013)."""
-    consumer = Consumer({**shared_config(config), "group.id": f"outbox-relay-pos-{uuid.uuid4().hex}",
-                         "enable.auto.commit": False, "isolation.level": "read_committed",
-                         "enable.partition.eof": True, "auto.offset.reset": "earliest",
-                         "fetch.wait.max.ms": 50})
-    try:
-        low, high = consumer.get_watermark_offsets(TopicPartition(topic, shard),
-                                                   timeout=timeout_s, cached=False)
+@dataclass(frozen=True, slots=True)
+class Position:
+    """What a shard's last committed position record says."""
+
+    ids: list[RowId]  # the rows it lists ([]: no record)
+    writer: str | None  # the outbox that wrote it (None: no record, or one from before 0013)
+    end: int  # the partition's high watermark when the read began
+
+
+class PositionReader:
+    """A ``read_committed`` consumer of one shard's position partition, kept open from the
+    read before ``init_transactions`` to the check after it (one client, one connection)."""
+
+    def __init__(self, config: dict[str, str], topic: str, shard: ShardId,
+                 timeout_s: float = POSITION_READ_TIMEOUT_S) -> None:
+        self._tp = TopicPartition(topic, shard)
+        self._timeout_s = timeout_s
+        self._consumer = Consumer({**shared_config(config),
+                                   "group.id": f"outbox-relay-pos-{uuid.uuid4().hex}",
+                                   "enable.auto.commit": False, "isolation.level": "read_committed",
+                                   "enable.partition.eof": True, "auto.offset.reset": "earliest",
+                                   "fetch.wait.max.ms": 50})
+
+    def end(self) -> int:
+        """The partition's high watermark: it moves with every record and every transaction
+        marker written to it, committed or not."""
+        return int(self._consumer.get_watermark_offsets(self._tp, timeout=self._timeout_s,
+                                                        cached=False)[1])
+
+    def read(self) -> Position:
+        """The last committed record (read_committed reads up to the last stable offset)."""
+        low, high = self._consumer.get_watermark_offsets(self._tp, timeout=self._timeout_s,
+                                                         cached=False)
         tail = POSITION_TAIL
         while True:
             start = max(low, high - tail)
-            last = _last_record(consumer, TopicPartition(topic, shard, start), timeout_s)
+            last = _last_record(self._consumer, TopicPartition(self._tp.topic, self._tp.partition,
+                                                               start), self._timeout_s)
             if last is not None or start <= low:
                 break
             tail *= 8
+        if last is None:
+            return Position([], None, high)
+        record = json.loads(last)
+        return Position([RowId(int(i)) for i in record["ids"]], record.get("outbox"), high)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def read_position(config: dict[str, str], topic: str, shard: ShardId,
+                  timeout_s: float = POSITION_READ_TIMEOUT_S) -> Position:
+    """The last committed position record of ``shard``, read once."""
+    reader = PositionReader(config, topic, shard, timeout_s)
+    try:
+        return reader.read()
     finally:
-        consumer.close()
-    if last is None:
-        return [], None
-    record = json.loads(last)
-    return [RowId(int(i)) for i in record["ids"]], record.get("outbox")
+        reader.close()
 
 
 def _last_record(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> bytes | None:
@@ -201,7 +236,21 @@ class ShardWorker:
             self._producer = None
 
     def _init(self) -> Result:
+        """Read the shard's last position record, then take the transactional id (which
+        fences its previous holder's producer), then recover what that record lists.
+
+        The record is read first so that a relay whose outbox shares the topic and the
+        transactional ids with another one (both defaults) stops before it fences the other
+        outbox's producer: that relay, already running, would lose its transactions and
+        its shards and, reading this one's record next, could stop too.  The read holds
+        after ``init_transactions`` unless the partition's end moved meanwhile (the
+        previous holder's open transaction aborted or completed, or a record written):
+        then it is read again."""
+        reader: PositionReader | None = None
         try:
+            reader = PositionReader(self._config, self._position_topic, self.shard)
+            position = reader.read()
+            self._refuse_foreign(position.writer)
             config: dict[str, Any] = {**self._config, "logger": _KAFKA_LOG}
             config.setdefault("log.connection.close", "false")
             self._producer = Producer(config)
@@ -211,15 +260,10 @@ class ShardWorker:
             # hand-over of six on a single-node Apache Kafka).
             await_cluster(self._producer)
             self._producer.init_transactions(INIT_TIMEOUT_S)
-            ids, writer = read_position(self._config, self._position_topic, self.shard)
-            if writer and writer != self._outbox:
-                raise ForeignPosition(
-                    f"exactly-once: the last position record of shard {self.shard} "
-                    f"({self._position_topic}[{self.shard}]) was written by another outbox "
-                    f"({writer}, this one is {self._outbox}): two outboxes share "
-                    f"--exactly-once-position-topic and --exactly-once-transactional-id-prefix; "
-                    f"give each its own. Nothing was marked")
-            self._recover(self.shard, self.token, ids)
+            if reader.end() != position.end:
+                position = reader.read()
+                self._refuse_foreign(position.writer)
+            self._recover(self.shard, self.token, position.ids)
         except KafkaException as exc:
             err = exc.args[0]
             return Result(self, init=True, fenced=err.code() in FENCED_CODES, broken=True,
@@ -229,7 +273,19 @@ class ShardWorker:
         except Exception as exc:  # noqa: BLE001 - a database or timeout error: retried later
             return Result(self, init=True, fenced=isinstance(exc, LeaseLost),
                           broken=True, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            if reader is not None:
+                reader.close()
         return Result(self, init=True, ok=True)
+
+    def _refuse_foreign(self, writer: str | None) -> None:
+        if writer and writer != self._outbox:
+            raise ForeignPosition(
+                f"exactly-once: the last position record of shard {self.shard} "
+                f"({self._position_topic}[{self.shard}]) was written by another outbox "
+                f"({writer}, this one is {self._outbox}): two outboxes share "
+                f"--exactly-once-position-topic and --exactly-once-transactional-id-prefix; "
+                f"give each its own. Nothing was marked")
 
     def _transaction(self, job: Job) -> Result:
         assert self._producer is not None

@@ -221,13 +221,20 @@ def test_a_shards_transactions_start_a_commit_interval_apart_unless_full(monkeyp
 
 
 def test_another_outboxs_position_record_stops_the_relay_and_marks_nothing(monkeypatch) -> None:
-    # The worker side: a position record naming another outbox is refused before recovery.
+    # The worker side: a position record naming another outbox is refused before recovery,
+    # and, when it is there before this worker takes the transactional id, before
+    # init_transactions: the other outbox's producer is not fenced.
     import relay.exactly_once_shard as shard_mod
+    from relay.exactly_once_shard import Position
+
+    inits: list[str] = []
 
     class FakeProducer:
-        def __init__(self, config: Any) -> None: ...
+        def __init__(self, config: Any) -> None:
+            self.id = config["transactional.id"]
 
-        def init_transactions(self, timeout: float) -> None: ...
+        def init_transactions(self, timeout: float) -> None:
+            inits.append(self.id)
 
         def list_topics(self, timeout: float) -> Any:  # a connected broker answers
             return SimpleNamespace(orig_broker_id=1)
@@ -235,30 +242,57 @@ def test_another_outboxs_position_record_stops_the_relay_and_marks_nothing(monke
         def flush(self, timeout: float) -> int:
             return 0
 
+    class FakeReader:
+        """Reads in turn what ``script`` lists; the partition's end is ``ends`` in turn."""
+
+        script: list[Position] = []
+        ends: list[int] = []
+        reads = 0
+
+        def __init__(self, config: Any, topic: str, shard: ShardId) -> None: ...
+
+        def read(self) -> Position:
+            FakeReader.reads += 1
+            return FakeReader.script.pop(0)
+
+        def end(self) -> int:
+            return FakeReader.ends.pop(0)
+
+        def close(self) -> None: ...
+
     recovered: list[Any] = []
     monkeypatch.setattr(shard_mod, "Producer", FakeProducer)
-    monkeypatch.setattr(shard_mod, "read_position",
-                        lambda *a, **k: ([RowId(1), RowId(2)], "1b0c-other/outbox"))
+    monkeypatch.setattr(shard_mod, "PositionReader", FakeReader)
     results: Any = __import__("queue").SimpleQueue()
-    worker = shard_mod.ShardWorker(ShardId(3), Token(1), config={}, transactional_id="x.outbox.3",
-                                   position_topic="pos", recover=lambda *a: recovered.append(a),
-                                   results=results, outbox="9f2a-this/outbox")
-    result = results.get(timeout=10)
-    worker.close()
-    worker.join(10)
-    assert result.init and result.foreign and not result.ok and recovered == []
-    assert "written by another outbox (1b0c-other/outbox, this one is 9f2a-this/outbox)" in result.error
-    assert "pos[3]" in result.error
-    # A record of this outbox, or of a relay from before migration 0013, is recovered.
-    for writer in ("9f2a-this/outbox", None):
-        monkeypatch.setattr(shard_mod, "read_position", lambda *a, w=writer, **k: ([RowId(5)], w))
-        worker = shard_mod.ShardWorker(ShardId(3), Token(2), config={}, transactional_id="x.outbox.3",
+
+    def init(script: list[Position], ends: list[int]) -> Result:
+        FakeReader.script, FakeReader.ends, FakeReader.reads = script, ends, 0
+        worker = shard_mod.ShardWorker(ShardId(3), Token(1), config={}, transactional_id="x.outbox.3",
                                        position_topic="pos", recover=lambda *a: recovered.append(a),
                                        results=results, outbox="9f2a-this/outbox")
-        assert results.get(timeout=10).ok
+        result: Result = results.get(timeout=10)
         worker.close()
         worker.join(10)
+        return result
+
+    result = init([Position([RowId(1), RowId(2)], "1b0c-other/outbox", 7)], [])
+    assert result.init and result.foreign and not result.ok and recovered == []
+    assert inits == []  # refused before taking the transactional id: nobody fenced
+    assert "written by another outbox (1b0c-other/outbox, this one is 9f2a-this/outbox)" in result.error
+    assert "pos[3]" in result.error
+    # A record of this outbox, or of a relay from before migration 0013, is recovered; read
+    # once when the partition's end did not move across init_transactions.
+    for writer in ("9f2a-this/outbox", None):
+        assert init([Position([RowId(5)], writer, 7)], [7]).ok
+        assert FakeReader.reads == 1
     assert [ids for _shard, _token, ids in recovered] == [[5], [5]]
+    assert inits == ["x.outbox.3"] * 2
+    # The end moved (the previous holder's open transaction aborted or committed): read again.
+    assert init([Position([RowId(5)], None, 7), Position([RowId(6)], "9f2a-this/outbox", 9)], [9]).ok
+    assert FakeReader.reads == 2 and recovered[-1][2] == [6]
+    # Another outbox's record written in between (two new outboxes sharing the defaults).
+    result = init([Position([], None, 0), Position([RowId(8)], "1b0c-other/outbox", 2)], [2])
+    assert result.foreign and not result.ok and len(recovered) == 3
 
     # The publisher side: the relay is told to stop, and the shard is not tried again (each
     # try would fence the other outbox's producer).

@@ -140,6 +140,48 @@ def test_a_relay_refuses_another_outboxs_position_records(db_dsn, pg_server, kaf
         pg_server.drop_database(name)
 
 
+def test_a_second_outbox_on_the_same_defaults_stops_without_fencing_the_first(
+        db_dsn, pg_server, kafka_broker, topic_name):
+    """Two services, each with its outbox and a relay in exactly-once mode with the default
+    position topic and transactional ids, on one Kafka.  The second relay took each shard's
+    transactional id before reading the shard's position record: it fenced the running first
+    relay's producers (its transactions failed, it lost its leases and took them back,
+    fencing in turn) before it found the first outbox's records and stopped.  Now it reads
+    the record first and stops without fencing anything: the first relay goes on."""
+    first = migrated(db_dsn)
+    name = f"t_eo_second_outbox_{uuid.uuid4().hex[:8]}"
+    second = migrated(pg_server.create_database(name))
+    try:
+        topic = topic_name("eo-fence")
+        create_topic(kafka_broker.bootstrap, topic, partitions=3)
+        eo = _eo(topic_name)
+        insert_rows(first, topic, 2000, keys=400)  # rows in every one of the 16 shards
+        with RelayThread(first, kafka_broker.bootstrap, **eo) as running:
+            wait_drained(first, timeout_s=60)
+            positions = _positions(kafka_broker.bootstrap, eo["exactly_once_position_topic"], 16)
+            assert len(positions) == 16
+            metrics = running.relay.metrics
+            insert_rows(second, topic, 500, keys=20)
+            newcomer = RelayThread(second, kafka_broker.bootstrap, **eo).start()
+            newcomer._thread.join(30)  # noqa: SLF001 - it stops on its own
+            assert not newcomer._thread.is_alive(), "the second relay did not stop"  # noqa: SLF001
+            assert getattr(newcomer.error, "exit_code", None) == 2, newcomer.error
+            assert "written by another outbox" in str(newcomer.error)
+            insert_rows(first, topic, 2000, keys=400)  # the first relay goes on
+            wait_drained(first, timeout_s=60)
+            assert metrics.transactions.labels("fenced")._value.get() == 0
+            assert metrics.transactions.labels("aborted")._value.get() == 0
+            assert metrics.leases_lost._value.get() == 0
+            assert running._thread.is_alive()  # noqa: SLF001
+        expected = all_event_ids(first)
+        records = read_all(kafka_broker.bootstrap, topic, expected=expected, timeout_s=30,
+                           extra_wait_s=1)
+        delivery = check_delivery(records, expected)
+        assert delivery.missing == set() and delivery.duplicates == 0
+    finally:
+        pg_server.drop_database(name)
+
+
 def test_exactly_once_mode_asks_for_migration_0013(db_dsn):
     """Without the outbox's identity the position records could not name their writer: the
     relay says which migration it needs and exits with code 2, before it touches Kafka."""
@@ -160,7 +202,13 @@ def test_the_position_read_finds_the_last_committed_record(kafka_broker, topic_n
     partition's end instead of a batch's timeout."""
     from confluent_kafka import Producer
 
-    from relay.exactly_once_shard import POSITION_TAIL, ensure_position_topic, read_position
+    from relay.exactly_once_shard import (
+        POSITION_TAIL,
+        PositionReader,
+        ensure_position_topic,
+        read_position,
+    )
+    from relay.model import ShardId
 
     config = {"bootstrap.servers": kafka_broker.bootstrap}
     topic = topic_name("pos")
@@ -175,10 +223,31 @@ def test_the_position_read_finds_the_last_committed_record(kafka_broker, topic_n
             producer.produce(topic, json.dumps(record).encode(), key=b"0", partition=0)
         (producer.commit_transaction if commit else producer.abort_transaction)(30)
 
+    def last(shard: int) -> tuple[list[int], str | None]:
+        position = read_position(config, topic, ShardId(shard))
+        return position.ids, position.writer
+
     write(list(range(10)), commit=True, outbox=None)  # records from before migration 0013
-    assert read_position(config, topic, 0) == ([9], None)
+    assert last(0) == ([9], None)
     write([10, 11], commit=True)
     write(list(range(100, 100 + 2 * POSITION_TAIL)), commit=False)  # aborted, past the tail
-    assert read_position(config, topic, 0) == ([11], "o-1/outbox")
-    assert read_position(config, topic, 1) == ([], None)
+    assert last(0) == ([11], "o-1/outbox")
+    assert last(1) == ([], None)
+    # A transaction open on the partition (a previous holder's, or another outbox's): the read
+    # ends at the last stable offset, before it, instead of waiting for it (a 5 s timeout
+    # here would raise); once it commits, the partition's end has moved.
+    reader = PositionReader(config, topic, ShardId(0), timeout_s=5)
+    try:
+        producer.begin_transaction()
+        producer.produce(topic, json.dumps({"token": 2, "ids": [12], "outbox": "o-1/outbox"}).encode(),
+                         key=b"0", partition=0)
+        producer.flush(10)  # the record is in the log, its transaction open
+        before = reader.read()
+        assert (before.ids, before.writer) == ([11], "o-1/outbox")
+        assert reader.end() == before.end
+        producer.commit_transaction(30)
+        assert reader.end() != before.end
+        assert reader.read().ids == [12]
+    finally:
+        reader.close()
     producer.flush(10)
