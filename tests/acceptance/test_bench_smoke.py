@@ -211,7 +211,8 @@ def test_rolling_bench_restarts_every_replica_and_counts_every_event(pg_server, 
     assert len(run["worst_ack_ms_per_hand_over"]) == 2
     for window in ("ack_ms_before", "ack_ms_during"):
         assert 0 < run[window]["p50"] <= run[window]["p99"] <= run[window]["max"]
-    assert run["missing"] >= 0 and run["duplicates"] >= 0
+    assert run["missing"] == 0  # at least once: nothing lost (copies are allowed)
+    assert isinstance(run["duplicates"], int)
     assert "run 1: " in result.stdout and " missing, " in result.stdout
 
 

@@ -129,10 +129,18 @@ def test_a_relay_that_did_not_schedule_a_retry_keeps_its_keys_order(outbox_db, b
 def test_the_next_retry_is_read_for_the_shards_held(outbox_db):
     """Store.next_retry_s: seconds until the earliest row in back-off of the shards given is
     due; rows due already, and rows of other shards, do not count."""
-    rows = [_insert(outbox_db, key, n) for n, key in enumerate(["a", "b", "c", "d"])]
+    # A key in each of the 4 shards, so that each row's shard holds it alone.  (Keys a, b, c
+    # and d put two rows in one shard, and the checks of one shard below never ran.)
+    keys = [str(k) for k in scalar(outbox_db, "SELECT array_agg(k ORDER BY shard) FROM ("
+                                   "  SELECT DISTINCT ON (shard) k, shard FROM ("
+                                   "    SELECT 'k' || n AS k, mod(hashtext('k' || n) & 2147483647, 4) AS shard"
+                                   "    FROM generate_series(1, 100) AS n) AS c"
+                                   "  ORDER BY shard, k) AS one")]
+    rows = [_insert(outbox_db, key, n) for n, key in enumerate(keys)]
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         shard = dict(conn.execute("SELECT id, (hashtext(coalesce(key, event_id::text)) & 2147483647) % 4 "
                                   "FROM outbox").fetchall())
+        assert sorted(shard.values()) == [0, 1, 2, 3]
         for row_id, ahead_s in zip(rows, (30, 60, -5, 90), strict=True):
             conn.execute("UPDATE outbox SET attempts = 1, retry_at = now() + make_interval(secs => %s) "
                          "WHERE id = %s", (ahead_s, row_id))
@@ -140,14 +148,11 @@ def test_the_next_retry_is_read_for_the_shards_held(outbox_db):
     try:
         everything = store.next_retry_s(shards=[ShardId(s) for s in range(4)], nshards=4)
         assert everything is not None and 28 < everything <= 30
-        only = shard[rows[3]]
-        others = {shard[r] for r in rows[:3]}
-        if only not in others:  # the 90 s row's shard alone
-            alone = store.next_retry_s(shards=[ShardId(only)], nshards=4)
-            assert alone is not None and 88 < alone <= 90
-        due_only = shard[rows[2]]
-        if due_only not in {shard[r] for r in (rows[0], rows[1], rows[3])}:
-            assert store.next_retry_s(shards=[ShardId(due_only)], nshards=4) is None  # due already
+        alone = store.next_retry_s(shards=[ShardId(shard[rows[3]])], nshards=4)  # the 90 s row's
+        assert alone is not None and 88 < alone <= 90
+        pair = store.next_retry_s(shards=[ShardId(shard[rows[1]]), ShardId(shard[rows[3]])], nshards=4)
+        assert pair is not None and 58 < pair <= 60
+        assert store.next_retry_s(shards=[ShardId(shard[rows[2]])], nshards=4) is None  # due already
         assert store.next_retry_s(shards=[], nshards=4) is None
     finally:
         store.close()
