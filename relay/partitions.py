@@ -63,7 +63,8 @@ def droppable(day: date, *, now: datetime, retention_s: float) -> bool:
 
 def maintain(conn: psycopg.Connection[Any], *, retention_s: float | None,
              now: datetime | None = None, days_ahead: int = DAYS_AHEAD) -> PartitionReport:
-    """Create partitions from yesterday to ``days_ahead`` days on; drop droppable ones.
+    """Create partitions from yesterday (unless past the retention already) to ``days_ahead``
+    days on; drop droppable ones.
 
     ``conn`` must be in autocommit mode.
     """
@@ -74,6 +75,11 @@ def maintain(conn: psycopg.Connection[Any], *, retention_s: float | None,
         day = (now + timedelta(days=offset)).date()
         name = partition_name(day)
         if name in existing:
+            continue
+        if retention_s is not None and droppable(day, now=now, retention_s=retention_s):
+            # Yesterday under a retention shorter than a day: made now, it would be dropped
+            # at the next run and made again at the one after, each time under a lock on
+            # the whole outbox that writers queue behind.
             continue
         lo = datetime.combine(day, datetime.min.time(), tzinfo=UTC)
         if _try(conn, [_ddl("create_partition", name, lo=lo, hi=lo + timedelta(days=1))],

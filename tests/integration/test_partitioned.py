@@ -74,6 +74,26 @@ def test_relay_works_on_a_partitioned_outbox_and_cleanup_drops_old_days(db_dsn, 
     assert today in left
 
 
+def test_a_retention_under_a_day_does_not_make_and_drop_yesterday_at_every_run(db_dsn):
+    """Maintenance made the partitions from yesterday on, and dropped the past ones older
+    than the retention: with a retention under a day, yesterday's partition was made at one
+    run and dropped at the next, again and again, each time under a lock on the whole
+    outbox.  Now a day already past its retention is not made."""
+    from relay.partitions import maintain, partition_name
+
+    migrate.apply(db_dsn, partitioned=True)
+    noon = datetime.combine(datetime.now(UTC).date(), datetime.min.time(), tzinfo=UTC) + timedelta(hours=12)
+    yesterday = partition_name((noon - timedelta(days=1)).date())
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        first = maintain(conn, retention_s=3600, now=noon)  # drops yesterday if migrate made it
+        runs = [maintain(conn, retention_s=3600, now=noon) for _ in range(3)]
+        assert [(r.created, r.dropped) for r in runs] == [([], [])] * 3, (first, runs)
+        assert yesterday not in partitions(db_dsn)
+        # A retention of a week keeps yesterday: it is made and stays.
+        week = [maintain(conn, retention_s=7 * 86400, now=noon) for _ in range(2)]
+        assert week[0].created == [yesterday] and (week[1].created, week[1].dropped) == ([], [])
+
+
 def test_partitioned_is_refused_on_an_existing_plain_outbox(outbox_db):
     result = subprocess.run(relay_cmd("migrate", "--dsn", outbox_db, "--partitioned"),
                             capture_output=True, text=True)
