@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,10 @@ COMMIT_TIMEOUT_S = 30.0
 POSITION_READ_TIMEOUT_S = 20.0
 POSITION_TAIL = 64  # offsets read back from the end of a position partition, at first
 FENCED_CODES = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+#: A partition's leader not known yet or moving: its offsets are asked again.
+LEADER_MOVING = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                 KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION}
+OFFSETS_RETRY_S = 0.05
 #: Client settings a consumer or an admin client shares with the producer (security, network).
 SHARED_PREFIXES = ("bootstrap.servers", "security.", "sasl.", "ssl.", "client.", "socket.",
                    "broker.", "api.version", "metadata.", "topic.metadata", "reconnect.",
@@ -107,16 +112,30 @@ class PositionReader:
                                    "enable.partition.eof": True, "auto.offset.reset": "earliest",
                                    "fetch.wait.max.ms": 50})
 
+    def _offsets(self) -> tuple[int, int]:
+        """The partition's low and high watermarks, asked again while its leader is not
+        known yet (a position topic just created: the broker answers "not leader" for a
+        moment) or is moving, until the read's timeout."""
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            try:
+                low, high = self._consumer.get_watermark_offsets(
+                    self._tp, timeout=max(0.1, deadline - time.monotonic()), cached=False)
+                return int(low), int(high)
+            except KafkaException as exc:
+                err = exc.args[0]
+                if not (err.retriable() or err.code() in LEADER_MOVING) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(OFFSETS_RETRY_S)
+
     def end(self) -> int:
         """The partition's high watermark: it moves with every record and every transaction
         marker written to it, committed or not."""
-        return int(self._consumer.get_watermark_offsets(self._tp, timeout=self._timeout_s,
-                                                        cached=False)[1])
+        return self._offsets()[1]
 
     def read(self) -> Position:
         """The last committed record (read_committed reads up to the last stable offset)."""
-        low, high = self._consumer.get_watermark_offsets(self._tp, timeout=self._timeout_s,
-                                                         cached=False)
+        low, high = self._offsets()
         tail = POSITION_TAIL
         while True:
             start = max(low, high - tail)
@@ -146,8 +165,6 @@ def read_position(config: dict[str, str], topic: str, shard: ShardId,
 
 def _last_record(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> bytes | None:
     """Read from ``tp`` to the end (read_committed: the last stable offset)."""
-    import time
-
     consumer.assign([tp])
     last: bytes | None = None
     deadline = time.monotonic() + timeout_s
@@ -204,6 +221,7 @@ class ShardWorker:
         self._recover = recover
         self._results = results
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._closed = threading.Event()
         self._producer: Producer | None = None
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"outbox-relay-txn-{shard}")
@@ -213,7 +231,9 @@ class ShardWorker:
         self._jobs.put(job)
 
     def close(self) -> None:
-        """After the job running (if any): close the producer and end the thread."""
+        """After the job running (if any): close the producer and end the thread.  A worker
+        closed before it took the transactional id does not take it."""
+        self._closed.set()
         self._jobs.put(None)
 
     def join(self, timeout_s: float) -> None:
@@ -259,6 +279,12 @@ class ShardWorker:
             # for its coordinator again only on a 500 ms timer (in about one shard
             # hand-over of six on a single-node Apache Kafka).
             await_cluster(self._producer)
+            if self._closed.is_set():
+                # The shard was released (or lost) while this worker read its position: the
+                # id may be another replica's by now, and taking it would fence that one's
+                # producer (seen in a rolling restart: its transaction failed and it took the
+                # shard back 3 s later).
+                return Result(self, init=True, broken=True, error="closed before init_transactions")
             self._producer.init_transactions(INIT_TIMEOUT_S)
             if reader.end() != position.end:
                 position = reader.read()

@@ -5,6 +5,7 @@ transaction loses its lease, and the position record lists unconfirmed rows."""
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 import relay.exactly_once as eo
-from relay.exactly_once_shard import Job, Result
+from relay.exactly_once_shard import Job, Position, Result
 from relay.model import Lease, OutboxRow, RowId, ShardId, Token
 from relay.publisher import Outcome
 
@@ -220,49 +221,120 @@ def test_a_shards_transactions_start_a_commit_interval_apart_unless_full(monkeyp
     assert len(worker.jobs[2].rows) == eo.FULL_TRANSACTION_ROWS
 
 
-def test_another_outboxs_position_record_stops_the_relay_and_marks_nothing(monkeypatch) -> None:
+class FakeTxnProducer:
+    """A transactional producer whose init_transactions only records its id in ``inits``."""
+
+    inits: list[str] = []
+
+    def __init__(self, config: Any) -> None:
+        self.id = config["transactional.id"]
+
+    def init_transactions(self, timeout: float) -> None:
+        FakeTxnProducer.inits.append(self.id)
+
+    def list_topics(self, timeout: float) -> Any:  # a connected broker answers
+        return SimpleNamespace(orig_broker_id=1)
+
+    def flush(self, timeout: float) -> int:
+        return 0
+
+
+class FakeReader:
+    """Reads in turn what ``script`` lists (each read first waits for ``gate``); the
+    partition's end is ``ends`` in turn."""
+
+    script: list[Position] = []
+    ends: list[int] = []
+    reads = 0
+    gate = threading.Event()
+
+    def __init__(self, config: Any, topic: str, shard: ShardId) -> None: ...
+
+    def read(self) -> Position:
+        assert FakeReader.gate.wait(10)
+        FakeReader.reads += 1
+        return FakeReader.script.pop(0)
+
+    def end(self) -> int:
+        return FakeReader.ends.pop(0)
+
+    def close(self) -> None: ...
+
+
+@pytest.fixture
+def fake_worker_io(monkeypatch: pytest.MonkeyPatch) -> None:
+    import relay.exactly_once_shard as shard_mod
+
+    FakeTxnProducer.inits = []
+    FakeReader.script, FakeReader.ends, FakeReader.reads = [], [], 0
+    FakeReader.gate.set()
+    monkeypatch.setattr(shard_mod, "Producer", FakeTxnProducer)
+    monkeypatch.setattr(shard_mod, "PositionReader", FakeReader)
+
+
+def test_a_worker_closed_while_it_reads_its_position_does_not_take_the_transactional_id(
+        fake_worker_io: None) -> None:
+    """A shard released (a replica joined) while its new worker read the position record:
+    the worker went on to init_transactions, and so fenced the producer of the replica that
+    took the shard meanwhile (a rolling restart on Apache Kafka: that replica's transaction
+    failed and it had the shard back 3 s later)."""
+    import relay.exactly_once_shard as shard_mod
+
+    FakeReader.script = [Position([], None, 0)]
+    FakeReader.gate.clear()
+    results: Any = __import__("queue").SimpleQueue()
+    worker = shard_mod.ShardWorker(ShardId(3), Token(1), config={}, transactional_id="x.outbox.3",
+                                   position_topic="pos", recover=lambda *a: None,
+                                   results=results, outbox="9f2a-this/outbox")
+    worker.close()  # released while the read is under way
+    FakeReader.gate.set()
+    result = results.get(timeout=10)
+    worker.join(10)
+    assert result.init and not result.ok and FakeReader.reads == 1
+    assert FakeTxnProducer.inits == []
+
+
+def test_the_position_reader_asks_again_while_the_partition_has_no_leader(monkeypatch) -> None:
+    """A position topic just created answers "not leader for partition" for a moment: every
+    shard's first init failed with it and waited 0.5 s (16 warnings at each start of a
+    rolling bench run).  The reader asks again until its timeout; other errors raise."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    import relay.exactly_once_shard as shard_mod
+
+    answers: list[Any] = []
+
+    class FakeConsumer:
+        def __init__(self, config: Any) -> None: ...
+
+        def get_watermark_offsets(self, tp: Any, timeout: float, cached: bool) -> tuple[int, int]:
+            answer = answers.pop(0)
+            if isinstance(answer, int):
+                raise KafkaException(KafkaError(answer))
+            return answer
+
+        def close(self) -> None: ...
+
+    monkeypatch.setattr(shard_mod, "Consumer", FakeConsumer)
+    monkeypatch.setattr(shard_mod, "OFFSETS_RETRY_S", 0.001)
+    reader = shard_mod.PositionReader({}, "pos", ShardId(0), timeout_s=5)
+    answers[:] = [KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, (0, 7)]
+    assert reader.end() == 7 and answers == []
+    answers[:] = [KafkaError.TOPIC_AUTHORIZATION_FAILED]
+    with pytest.raises(KafkaException):
+        reader.end()
+
+
+def test_another_outboxs_position_record_stops_the_relay_and_marks_nothing(
+        fake_worker_io: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # The worker side: a position record naming another outbox is refused before recovery,
     # and, when it is there before this worker takes the transactional id, before
     # init_transactions: the other outbox's producer is not fenced.
     import relay.exactly_once_shard as shard_mod
-    from relay.exactly_once_shard import Position
 
-    inits: list[str] = []
-
-    class FakeProducer:
-        def __init__(self, config: Any) -> None:
-            self.id = config["transactional.id"]
-
-        def init_transactions(self, timeout: float) -> None:
-            inits.append(self.id)
-
-        def list_topics(self, timeout: float) -> Any:  # a connected broker answers
-            return SimpleNamespace(orig_broker_id=1)
-
-        def flush(self, timeout: float) -> int:
-            return 0
-
-    class FakeReader:
-        """Reads in turn what ``script`` lists; the partition's end is ``ends`` in turn."""
-
-        script: list[Position] = []
-        ends: list[int] = []
-        reads = 0
-
-        def __init__(self, config: Any, topic: str, shard: ShardId) -> None: ...
-
-        def read(self) -> Position:
-            FakeReader.reads += 1
-            return FakeReader.script.pop(0)
-
-        def end(self) -> int:
-            return FakeReader.ends.pop(0)
-
-        def close(self) -> None: ...
+    inits = FakeTxnProducer.inits
 
     recovered: list[Any] = []
-    monkeypatch.setattr(shard_mod, "Producer", FakeProducer)
-    monkeypatch.setattr(shard_mod, "PositionReader", FakeReader)
     results: Any = __import__("queue").SimpleQueue()
 
     def init(script: list[Position], ends: list[int]) -> Result:
