@@ -9,7 +9,10 @@ server's ``FATAL`` message (and libpq's own text) here, at one seam:
 ``INVALID_DSN``           libpq could not parse the connection string             no
 ``CREDENTIALS``           password or pg_hba rejection, missing role,             no
                           no password supplied
-``REFUSED``               any other ``FATAL`` (no such database, ...)             no
+``REFUSED``               any other ``FATAL`` (no such database, ...); a TLS      no
+                          set-up that cannot work (server without SSL, a
+                          certificate not trusted or not found, a host name
+                          the certificate does not name)
 ``UNREACHABLE``           no answer, starting up, shutting down, in recovery,     yes
                           too many clients, terminated: everything else
 ========================  =====================================================  ===========
@@ -57,6 +60,15 @@ _CREDENTIALS = re.compile(r"password authentication failed|authentication failed
                           r"password is required|role \".*\" does not exist", re.IGNORECASE)
 # libpq's own words when the server asks for a password the DSN does not hold (no FATAL).
 _NO_PASSWORD = re.compile(r"fe_sendauth: no password supplied", re.IGNORECASE)
+# libpq's and OpenSSL's words for a TLS set-up that fails the same way every time (no FATAL):
+# retried, they kept a relay waiting for a database it would never reach, as "unreachable".
+# A connection lost mid-handshake ("SSL SYSCALL error", "closed unexpectedly") stays retried.
+_TLS_SETUP = re.compile(
+    r"does not support SSL|certificate verify failed|root certificate file|"
+    r"could not (open|read|load) (certificate|private key)|certificate present, but not private key|"
+    r"private key file .* has (group or world|world) access|does not match host name|"
+    r"alert (unknown ca|bad certificate|certificate required|handshake failure|protocol version)|"
+    r"unsupported protocol|no protocols available|wrong version number", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,4 +104,6 @@ def classify_connect_error(exc: BaseException, *, dsn: str = "") -> FailedConnec
     first = text.splitlines()[0] if text else type(exc).__name__
     if _NO_PASSWORD.search(text):
         return FailedConnect(ConnectFailure.CREDENTIALS, masked(first))
+    if _TLS_SETUP.search(text):
+        return FailedConnect(ConnectFailure.REFUSED, masked(first))
     return FailedConnect(ConnectFailure.UNREACHABLE, masked(first))

@@ -121,6 +121,18 @@ def test_unreachable_database_is_waited_for_not_fatal(broker, spawn):
     assert "Traceback" not in relay.log_text()
 
 
+def test_a_tls_setup_that_cannot_work_is_refused_not_waited_for(outbox_db, broker):
+    """sslmode=require against a server without SSL (the embedded one): libpq says so with
+    no FATAL, and the relay read it as an unreachable database, so `run` waited for it
+    forever and `status` said "database unreachable".  Now one line, exit 1, for both."""
+    dsn = outbox_db + ("&" if "?" in outbox_db else "?") + "sslmode=require"
+    for command in ("run", "status"):
+        result = run_cli(command, env=relay_env(dsn, broker.bootstrap), timeout=60)
+        assert result.returncode == 1, (command, result.stderr[-2000:])
+        line = one_clear_line(result)
+        assert "refused the connection" in line and "does not support SSL" in line
+
+
 def test_migrate_print_and_status_json(outbox_db):
     printed = run_cli("migrate", "--print")
     assert printed.returncode == 0

@@ -25,6 +25,17 @@ SAID = [
     ('FATAL:  role "svc" does not exist', ConnectFailure.CREDENTIALS),
     ("fe_sendauth: no password supplied", ConnectFailure.CREDENTIALS),
     ('FATAL:  database "nope" does not exist', ConnectFailure.REFUSED),
+    # A TLS set-up that cannot work is refused, not waited for; a connection lost mid-way is.
+    ("server does not support SSL, but SSL was required", ConnectFailure.REFUSED),
+    ("SSL error: certificate verify failed", ConnectFailure.REFUSED),
+    ('root certificate file "/etc/ssl/pg/root.crt" does not exist\nEither provide the file, '
+     "use the system's trusted roots with sslrootcert=system, or change sslmode to disable "
+     "server certificate verification.", ConnectFailure.REFUSED),
+    ('server certificate for "db.internal" does not match host name "10.0.0.5"', ConnectFailure.REFUSED),
+    ("SSL error: tlsv1 alert unknown ca", ConnectFailure.REFUSED),
+    ('certificate present, but not private key file "/app/client.key"', ConnectFailure.REFUSED),
+    ("SSL SYSCALL error: EOF detected", ConnectFailure.UNREACHABLE),
+    ("SSL connection has been closed unexpectedly", ConnectFailure.UNREACHABLE),
 ]
 # Each caller's reading, written out: only an unreachable database is waited for.
 RELAY = {ConnectFailure.UNREACHABLE: relay_errors.DatabaseUnavailable,
