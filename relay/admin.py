@@ -13,7 +13,7 @@ from psycopg.rows import dict_row
 
 from relay import migrate, store
 from relay.config import Settings
-from relay.errors import ConfigError, SchemaMissing
+from relay.errors import ConfigError, NotFound, SchemaMissing
 from relay.queries import compose
 
 
@@ -193,7 +193,7 @@ def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
                 raise ConfigError("dead-letters show takes exactly one EVENT_ID")
             shown = show_dead_letter(conn, args.event_ids[0])
             if shown is None:
-                raise ConfigError(f"no dead letter with event_id {args.event_ids[0]}")
+                raise NotFound(f"no dead letter with event_id {args.event_ids[0]}")
             json.dump(shown, sys.stdout, indent=2)
             sys.stdout.write("\n")
             return 0

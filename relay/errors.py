@@ -29,6 +29,10 @@ class ConfigError(FatalError):
     exit_code = 2
 
 
+class NotFound(FatalError):
+    """Nothing matches what was asked for (a dead letter's event id, a replay's id)."""
+
+
 class SchemaMissing(FatalError):
     """The outbox schema is missing: run `outbox-relay migrate` first."""
 

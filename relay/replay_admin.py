@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from relay.config import Settings
-from relay.errors import ConfigError
+from relay.errors import ConfigError, NotFound
 from relay.replay_store import ReplayStore
 
 #: Events per second of one replay over all replicas, unless --rate says otherwise.
@@ -73,7 +73,7 @@ def command(settings: Settings, args: argparse.Namespace) -> int:
             if args.replay_id is None:
                 raise ConfigError("replay cancel takes the replay's ID")
             if not store.cancel(args.replay_id):
-                raise ConfigError(f"no active replay {args.replay_id}")
+                raise NotFound(f"no active replay {args.replay_id}")
             print(f"cancelled replay {args.replay_id}")
             return 0
         return _request(store, args)

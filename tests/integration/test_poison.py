@@ -103,6 +103,14 @@ def test_requeue_republishes_with_the_same_event_id_after_the_cause_is_fixed(
     purge = subprocess.run(relay_cmd("dead-letters", "purge", "--dsn", outbox_db),
                            capture_output=True, text=True)
     assert purge.returncode == 2 and "needs EVENT_ID arguments or --all" in purge.stderr
+    # What is not there is "not found" (exit 1), as in the jobs CLI, not a usage error (2).
+    gone = subprocess.run(relay_cmd("dead-letters", "show", dead["event_id"], "--dsn", outbox_db),
+                          capture_output=True, text=True)
+    assert gone.returncode == 1 and f"no dead letter with event_id {dead['event_id']}" in gone.stderr
+    assert "Traceback" not in gone.stderr
+    cancel = subprocess.run(relay_cmd("replay", "cancel", "4242", "--dsn", outbox_db),
+                            capture_output=True, text=True)
+    assert cancel.returncode == 1 and "no active replay 4242" in cancel.stderr
 
 
 def test_dead_letter_topic_gets_the_row_with_its_reason(outbox_db, broker, topic, topic_name):
