@@ -180,7 +180,7 @@ def _log_level(text: str) -> str:
     return level
 
 
-DB_COMMANDS = ("run", "migrate", "status", "cleanup", "dead-letters", "reshard", "replay", "console")
+DB_COMMANDS = ("run", "migrate", "status", "cleanup", "dead-letters", "replay", "console")
 
 OPTIONS: tuple[Option, ...] = (
     Option(name="dsn", help="PostgreSQL connection string (libpq URI or key=value)",
@@ -213,10 +213,10 @@ OPTIONS: tuple[Option, ...] = (
            help="address the metrics/health server binds to"),
     Option(name="log_format", parse=_log_format, default="auto",
            help="auto (JSON unless stdout is a terminal), json or console",
-           commands=("run", "migrate", "status", "cleanup", "dead-letters", "reshard", "demo", "replay",
+           commands=("run", "migrate", "status", "cleanup", "dead-letters", "demo", "replay",
                      "console")),
     Option(name="log_level", parse=_log_level, default="info", help="debug, info, warning or error",
-           commands=("run", "migrate", "status", "cleanup", "dead-letters", "reshard", "demo", "replay",
+           commands=("run", "migrate", "status", "cleanup", "dead-letters", "demo", "replay",
                      "console")),
     Option(name="owner", default=None,
            help="this replica's name in leases and status (default: host name and pid)"),
@@ -225,7 +225,7 @@ OPTIONS: tuple[Option, ...] = (
            commands=("run", "status", "cleanup", "dead-letters", "replay", "console")),
     Option(name="shards", parse=_positive_int, default=None,
            help="shard count; must match the database's (set by migrate --shards)",
-           commands=("run", "migrate", "reshard")),
+           commands=("run", "migrate")),
     Option(name="lock_timeout_s", parse=_positive_float, default=DEFAULT_LOCK_TIMEOUT_S,
            help="migrate: how long a migration waits for a table lock before it gives up and "
                 "tries again (3 tries); writers queue behind that wait, so keep it short",
