@@ -59,6 +59,17 @@ def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
                             help=f"{option.help}{default} [env: {option.env}{secret}]")
 
 
+def _list_limit(text: str) -> int:
+    """``--limit`` of a list: 1 to 10,000 (a negative one was a LIMIT error's traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= 10_000:
+        raise argparse.ArgumentTypeError(f"must be from 1 to 10000, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Transactional outbox relay: PostgreSQL outbox -> Kafka.",
                      epilog=f"Every option also reads {ENV_PREFIX}<NAME>; librdkafka properties pass "
@@ -111,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_options(p, "dead-letters")
         if action == "list":
             p.add_argument("--json", action="store_true", help="machine-readable output")
-            p.add_argument("--limit", type=int, default=100)
+            p.add_argument("--limit", type=_list_limit, default=100, help="at most this many (1-10000)")
         else:
             p.add_argument("event_ids", nargs="*", metavar="EVENT_ID")
             if action != "show":

@@ -114,10 +114,16 @@ class Option:
         return ENV_PREFIX + self.name.upper()
 
 
+#: Upper bounds that no real setting comes near: past them a value reached the database as a
+#: LIMIT or an interval it cannot hold, and the relay died on a traceback after it had started.
+MAX_INT = 2**31 - 1
+MAX_SECONDS = 100 * 365 * 86400.0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
-    if value <= 0:
-        raise ValueError("must be a positive integer")
+    if not 0 < value <= MAX_INT:
+        raise ValueError(f"must be a positive integer up to {MAX_INT}")
     return value
 
 
@@ -130,15 +136,15 @@ def _mark_connections(text: str) -> int:
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise ValueError("must be a positive number of seconds")
+    if not 0 < value <= MAX_SECONDS:
+        raise ValueError("must be a positive number of seconds, up to 100 years")
     return value
 
 
 def _seconds(text: str) -> float:
     value = float(text)
-    if not value >= 0 or value == float("inf"):
-        raise ValueError("must be a number of seconds, 0 or more")
+    if not 0 <= value <= MAX_SECONDS:
+        raise ValueError("must be a number of seconds, 0 or more, up to 100 years")
     return value
 
 

@@ -17,6 +17,7 @@ its share (shards held / shards).  The relay's loop calls :meth:`Replayer.run_on
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -190,7 +191,10 @@ class Replayer:
             for shard in missing:
                 position, done = progress.get(shard, (Position(), False))
                 replay.shards[shard] = _ShardState(held[shard], position, done)
-        share = replay.rate_per_s * len(held) / max(1, self.nshards)
+        # A rate that is not a number (inf or NaN, stored by a CLI that did not refuse it)
+        # is read as the batch size a second: a relay must not die on a replay's row.
+        rate = replay.rate_per_s if math.isfinite(replay.rate_per_s) else float(self.batch_rows)
+        share = rate * len(held) / max(1, self.nshards)
         replay.tokens = min(max(1.0, share), replay.tokens + (now - replay.refilled) * share)
         replay.refilled = now
         finished_shard = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from datetime import UTC, datetime, timedelta
@@ -26,7 +27,10 @@ def parse_time(text: str, *, now: datetime | None = None) -> datetime:
     now = now or datetime.now(UTC)
     match = _AGO.match(text.strip())
     if match:
-        return now - timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+        try:
+            return now - timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+        except (OverflowError, ValueError):
+            raise ConfigError(f"not a time: {text!r} (further back than a calendar goes)") from None
     try:
         value = datetime.fromisoformat(text.strip())
     except ValueError:
@@ -84,7 +88,8 @@ def command(settings: Settings, args: argparse.Namespace) -> int:
 def _request(store: ReplayStore, args: argparse.Namespace) -> int:
     if not args.since:
         raise ConfigError("replay needs --since TIME (or: replay list | replay cancel ID)")
-    if args.rate <= 0:
+    if not math.isfinite(args.rate) or args.rate <= 0:
+        # inf was stored and killed every relay that ran the replay (int(inf) tokens).
         raise ConfigError("--rate must be a positive number of events per second")
     since = parse_time(args.since)
     until = parse_time(args.until) if args.until else None

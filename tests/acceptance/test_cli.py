@@ -11,7 +11,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.fixtures.outbox import relay_cmd, relay_env
+from tests.fixtures.outbox import relay_cmd, relay_env, scalar
 from tests.fixtures.procs import free_port
 
 
@@ -57,6 +57,27 @@ def test_bad_number_names_the_option():
                      "--batch-size", "lots")
     assert result.returncode == 2
     assert "--batch-size" in one_clear_line(result)
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (("run", "--bootstrap-servers", "k:1", "--batch-size", "99999999999999999999999"), "--batch-size"),
+    (("run", "--bootstrap-servers", "k:1", "--lease-duration-s", "1e300"), "--lease-duration-s"),
+    (("cleanup", "--cleanup-retention-s", "1e300"), "--cleanup-retention-s"),
+    (("cleanup", "--cleanup-retention-s", "10", "--cleanup-batch", "99999999999999999999"), "--cleanup-batch"),
+    (("dead-letters", "list", "--limit", "-1"), "--limit"),
+    (("replay", "--since", "2h", "--rate", "inf"), "--rate"),
+    (("replay", "--since", "2h", "--rate", "nan"), "--rate"),
+    (("replay", "--since", "99999999999d"), "99999999999d"),
+])
+def test_a_value_out_of_any_range_is_refused_in_one_line(outbox_db, args, named):
+    """Each of these passed the checks and reached the database (or a clock) as a number it
+    cannot hold: a traceback, at start or after the relay had taken its leases; `replay
+    --rate inf` was stored and then killed every relay that ran the replay."""
+    result = run_cli(*args, "--dsn", outbox_db, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert named in one_clear_line(result)
+    if args[0] == "replay":
+        assert scalar(outbox_db, "SELECT count(*) FROM outbox_relay_replays") == 0
 
 
 def test_missing_schema(db_dsn, broker):

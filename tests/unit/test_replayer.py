@@ -179,6 +179,19 @@ def test_the_rate_is_this_replicas_share() -> None:
     assert 30 <= len(pub.sent) <= 44, len(pub.sent)
 
 
+def test_a_rate_that_is_not_a_number_does_not_kill_the_relay() -> None:
+    """`replay --rate inf` was accepted and stored; every relay then died on int(inf)
+    tokens and crash-looped until the replay was cancelled.  The CLI refuses it now
+    (tests/acceptance/test_cli.py); a row stored before is replayed, not fatal."""
+    for rate in (float("inf"), float("nan")):
+        store, pub, lost, clock = FakeStore(100, rate=rate), FakePublisher(), [], Clock()
+        rep = _replayer(store, pub, lost, clock)
+        for _ in range(3):
+            clock.now += 1
+            rep.run_once(LEASES)
+        assert pub.sent, rate
+
+
 def _message(replay_id: str | None) -> InboxMessage:
     import uuid
 
