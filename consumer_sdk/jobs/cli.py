@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -45,6 +46,20 @@ def _env_default(flag: str, env: Mapping[str, str]) -> str | None:
     return env.get(env_name(flag))
 
 
+def _positive(kind: type[float] | type[int], what: str) -> Any:
+    """An argparse type: a finite number above zero, or a one-line error naming ``what``
+    (also applied to a default from the environment, so a bad one is refused the same way)."""
+    def parse(text: str) -> float | int:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"must be {what} above 0, got {text!r}")
+        return value
+    return parse
+
+
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     env = os.environ if env is None else env
     parser = argparse.ArgumentParser(
@@ -58,8 +73,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         dest="action", required=True)
     listing = dead.add_parser("list", parents=[common], help="newest first")
     listing.add_argument("--queue", default=_env_default("--queue", env), help=f"(env {env_name('--queue')})")
-    listing.add_argument("--limit", type=int, default=int(_env_default("--limit", env) or 50),
-                         help=f"(env {env_name('--limit')})")
+    listing.add_argument("--limit", type=_positive(int, "a whole number"),
+                         default=_env_default("--limit", env) or "50", help=f"(env {env_name('--limit')})")
     show = dead.add_parser("show", parents=[common], help="one job's dead letter")
     show.add_argument("job_id", type=int)
     requeue = dead.add_parser("requeue", parents=[common], help="queue the job again, fresh attempts")
@@ -72,8 +87,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
                            help=f"(env {env_name('--queues')})")
     cleanup = top.add_parser("cleanup", parents=[common], help="retention of finished runs and jobs")
     older = _env_default("--older-than-days", env)
-    cleanup.add_argument("--older-than-days", type=float, required=older is None,
-                         default=float(older) if older is not None else None,
+    # Above zero: -1 (or 0) deleted every finished run, and its request key, at once.
+    cleanup.add_argument("--older-than-days", type=_positive(float, "a number of days"),
+                         required=older is None, default=older,
                          help="keep longer than any client retries a request (request keys go too) "
                               f"(env {env_name('--older-than-days')})")
     return parser
@@ -104,7 +120,10 @@ def _run(conn: psycopg.Connection[Any], args: argparse.Namespace, out: TextIO) -
                                      limit=getattr(args, "limit", 1))
         for record in records:
             print(_json(asdict(record)) if args.json else _text(record), file=out)
-        return 0 if records or args.action == "list" else 1
+        if not records and args.action == "show":
+            print(f"job {args.job_id} has no dead letter", file=out)
+            return 1
+        return 0
     if args.area == "dead-letters":
         done = admin.requeue_dead(conn, args.job_id)
         print(f"job {args.job_id} {'queued again' if done else 'has no dead letter'}", file=out)

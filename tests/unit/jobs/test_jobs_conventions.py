@@ -52,6 +52,27 @@ def test_every_cli_option_is_a_variable_by_the_same_rule() -> None:
     assert (args.older_than_days, args.dsn) == (7.0, "postgresql://h/d")
 
 
+@pytest.mark.parametrize(("argv", "env", "named"), [
+    (["cleanup", "--older-than-days", "-1"], {}, "--older-than-days"),
+    (["cleanup", "--older-than-days", "0"], {}, "--older-than-days"),
+    (["cleanup"], {"OUTBOX_JOBS_OLDER_THAN_DAYS": "-1"}, "--older-than-days"),
+    (["cleanup"], {"OUTBOX_JOBS_OLDER_THAN_DAYS": "abc"}, "--older-than-days"),
+    (["dead-letters", "list"], {"OUTBOX_JOBS_LIMIT": "abc"}, "--limit"),
+    (["dead-letters", "list", "--limit", "-1"], {}, "--limit"),
+])
+def test_a_bad_number_is_refused_in_one_line_before_anything_is_deleted(
+        argv: list[str], env: dict[str, str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`cleanup --older-than-days -1` (or 0, or the variable) was accepted and deleted every
+    finished run at once, its request key with it; a variable that was not a number was a
+    traceback when the parser was built."""
+    with pytest.raises(SystemExit) as exited:
+        jobs_cli.main([*argv, "--dsn", "postgresql://nobody@127.0.0.1:1/none"], out=io.StringIO(),
+                      env=env)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+
+
 def test_the_jobs_cli_exit_codes_are_the_relays(capsys: pytest.CaptureFixture[str]) -> None:
     unreachable = "postgresql://nobody@127.0.0.1:1/none?connect_timeout=2"
     assert jobs_cli.main(["runs", "show", "x", "--dsn", unreachable], out=io.StringIO(), env={}) == 1
