@@ -21,7 +21,8 @@ class InvalidDsn(ValueError):
 
     Each caller turns it into its own configuration error."""
 
-SECRET_MARKERS = ("password", "secret", "passphrase", "sasl.oauthbearer.config", "key.pem", "token")
+SECRET_MARKERS = ("password", "secret", "passphrase", "sasl.oauthbearer.config", "key.pem", "token",
+                  "jaas")  # sasl.jaas.config: a Java client's login line, with its password
 MASK = "***"
 
 _URI_SCHEME = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")

@@ -154,6 +154,19 @@ def test_a_tls_setup_that_cannot_work_is_refused_not_waited_for(outbox_db, broke
         assert "refused the connection" in line and "does not support SSL" in line
 
 
+def test_a_java_jaas_config_is_refused_without_showing_its_password(outbox_db):
+    """Someone coming from Java clients pastes sasl.jaas.config: the relay refuses it (a
+    librdkafka client has no JAAS) and used to print it whole, password included, in its
+    relay_starting line."""
+    jaas = 'org.apache.kafka.common.security.plain.PlainLoginModule required username="u" password="Kafk4S3cret";'
+    env = relay_env(outbox_db, "127.0.0.1:1")
+    env["OUTBOX_RELAY_KAFKA_SASL_JAAS_CONFIG"] = jaas
+    result = run_cli("run", env=env, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Kafk4S3cret" not in result.stdout + result.stderr
+    assert "JAAS" in result.stdout + result.stderr
+
+
 def test_migrate_print_and_status_json(outbox_db):
     printed = run_cli("migrate", "--print")
     assert printed.returncode == 0

@@ -19,7 +19,8 @@ from consumer_sdk.secrets import mask_dsn, scrub
 from tests.unit.test_properties import MARK, MARK_ENCODED, PROPERTIES, dsns, marked_passwords
 
 SECRET_PROPERTIES = st.sampled_from(["sasl.password", "ssl.key.password", "sasl.oauthbearer.config",
-                                     "ssl.keystore.password", "sasl.oauthbearer.client.secret"])
+                                     "ssl.keystore.password", "sasl.oauthbearer.client.secret",
+                                     "sasl.jaas.config"])
 
 
 def assert_hidden(shown: str) -> None:
