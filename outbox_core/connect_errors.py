@@ -6,7 +6,9 @@ server's ``FATAL`` message (and libpq's own text) here, at one seam:
 ========================  =====================================================  ===========
 :class:`ConnectFailure`   what was said                                          retry?
 ========================  =====================================================  ===========
-``INVALID_DSN``           libpq could not parse the connection string             no
+``INVALID_DSN``           libpq could not parse the connection string, or one    no
+                          of its options' values (``target_session_attrs``,
+                          ``keepalives``, hosts against ports, ...)
 ``CREDENTIALS``           password or pg_hba rejection, missing role,             no
                           no password supplied
 ``REFUSED``               any other ``FATAL`` (no such database, ...); a TLS      no
@@ -60,6 +62,12 @@ _CREDENTIALS = re.compile(r"password authentication failed|authentication failed
                           r"password is required|role \".*\" does not exist", re.IGNORECASE)
 # libpq's own words when the server asks for a password the DSN does not hold (no FATAL).
 _NO_PASSWORD = re.compile(r"fe_sendauth: no password supplied", re.IGNORECASE)
+# libpq's words for an option value it refuses when it connects, not when it parses the
+# string: retried, a typo such as target_session_attrs=bogus kept a relay waiting for ever.
+_BAD_OPTION = re.compile(
+    r"invalid [\w ]+ value|invalid integer value .* for connection option|"
+    r"could not parse network address|could not match \d+ (port numbers|host names|hostaddr values)",
+    re.IGNORECASE)
 # libpq's and OpenSSL's words for a TLS set-up that fails the same way every time (no FATAL):
 # retried, they kept a relay waiting for a database it would never reach, as "unreachable".
 # A connection lost mid-handshake ("SSL SYSCALL error", "closed unexpectedly") stays retried.
@@ -104,6 +112,8 @@ def classify_connect_error(exc: BaseException, *, dsn: str = "") -> FailedConnec
     first = text.splitlines()[0] if text else type(exc).__name__
     if _NO_PASSWORD.search(text):
         return FailedConnect(ConnectFailure.CREDENTIALS, masked(first))
+    if _BAD_OPTION.search(text):
+        return FailedConnect(ConnectFailure.INVALID_DSN, masked(first))
     if _TLS_SETUP.search(text):
         return FailedConnect(ConnectFailure.REFUSED, masked(first))
     return FailedConnect(ConnectFailure.UNREACHABLE, masked(first))

@@ -52,6 +52,19 @@ def test_malformed_dsn(dsn):
     assert "hunter2" not in result.stderr + result.stdout
 
 
+@pytest.mark.parametrize("option", ["target_session_attrs=bogus", "keepalives=abc"])
+def test_an_option_value_libpq_refuses_only_when_it_connects_is_a_bad_dsn(option):
+    """libpq parses these DSNs and refuses the value only when it connects; the relay read
+    that as an unreachable database and `run` waited for it for ever."""
+    dsn = f"postgresql://u:hunter2@127.0.0.1:{free_port()}/app?{option}"
+    for command in (("run", "--bootstrap-servers", "127.0.0.1:1"), ("status",)):
+        result = run_cli(*command, "--dsn", dsn, timeout=60)
+        assert result.returncode == 2, (command, result.stderr[-2000:])
+        line = one_clear_line(result)
+        assert "connection string" in line and option.split("=")[0] in line
+        assert "hunter2" not in result.stderr + result.stdout
+
+
 def test_bad_number_names_the_option():
     result = run_cli("run", "--dsn", "postgresql://x/y", "--bootstrap-servers", "k:1",
                      "--batch-size", "lots")

@@ -34,6 +34,11 @@ SAID = [
     ('server certificate for "db.internal" does not match host name "10.0.0.5"', ConnectFailure.REFUSED),
     ("SSL error: tlsv1 alert unknown ca", ConnectFailure.REFUSED),
     ('certificate present, but not private key file "/app/client.key"', ConnectFailure.REFUSED),
+    # An option's value libpq refuses only when it connects is the DSN's fault.
+    ('connection is bad: invalid target_session_attrs value: "bogus"', ConnectFailure.INVALID_DSN),
+    ('invalid integer value "abc" for connection option "keepalives"', ConnectFailure.INVALID_DSN),
+    ('could not parse network address "notanip": Name or service not known', ConnectFailure.INVALID_DSN),
+    ("could not match 3 port numbers to 2 hosts", ConnectFailure.INVALID_DSN),
     ("SSL SYSCALL error: EOF detected", ConnectFailure.UNREACHABLE),
     ("SSL connection has been closed unexpectedly", ConnectFailure.UNREACHABLE),
 ]
