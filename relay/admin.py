@@ -203,6 +203,9 @@ def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
                                  table=settings.table)
         verb = "requeued" if action == "requeue" else "purged"
         print(f"{verb} {len(rows)} dead letter(s)")
+        missing = sorted(set(args.event_ids) - {str(r["event_id"]) for r in rows})
+        if missing and not args.all:  # a mistyped id said "requeued 0" and exit 0
+            raise NotFound(f"no dead letter with event_id {', '.join(missing)}")
         return 0
     finally:
         conn.close()
