@@ -13,7 +13,7 @@ from psycopg.rows import dict_row
 
 from relay import migrate, store
 from relay.config import Settings
-from relay.errors import ConfigError, NotFound, SchemaMissing
+from relay.errors import ConfigError, NotFound
 from relay.queries import compose
 
 
@@ -100,7 +100,7 @@ def status(settings: Settings, *, as_json: bool) -> int:
     try:
         (schema,) = _rows(conn, "relay", "schema_check", {"table": settings.table})
         if not all(schema.values()):
-            raise SchemaMissing()
+            raise store.schema_missing(schema, settings.table)
         (backlog,) = _rows(conn, "admin", "status_backlog", {}, settings.table)
         (dead,) = _rows(conn, "admin", "status_dead_letters", {})
         shards = _rows(conn, "leases", "shard_table", {"now": None})

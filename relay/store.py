@@ -68,6 +68,15 @@ def connect(dsn: str, *, application_name: str = "outbox-relay", autocommit: boo
         raise translate_connect_error(exc, dsn) from None
 
 
+def schema_missing(check: dict[str, Any], table: str) -> SchemaMissing:
+    """What ``schema_check`` found missing, said so a person can act: the relay's own tables
+    there but not the outbox names a ``--table`` that is not there (migrating would not help)."""
+    if check["has_shards"] and check["has_settings"] and not check["has_outbox"]:
+        return SchemaMissing(f"no table or view {table!r} (--table / OUTBOX_RELAY_TABLE): name the "
+                             "outbox table, or the view `migrate --debezium-table` made")
+    return SchemaMissing()
+
+
 @contextmanager
 def translated() -> Iterator[None]:
     """Translate driver errors raised inside the block."""
@@ -274,7 +283,7 @@ class Store:
         """Raise SchemaMissing unless migrated; return the configured shard count."""
         (row,) = self._fetch("relay", "schema_check", {"table": self.table})
         if not all(row.values()):
-            raise SchemaMissing()
+            raise schema_missing(row, self.table)
         settings = self._fetch("relay", "read_settings", {})
         if not settings:
             raise SchemaMissing("the relay settings row is missing: run `outbox-relay migrate`")

@@ -99,6 +99,16 @@ def test_missing_schema(db_dsn, broker):
     assert "outbox-relay migrate" in one_clear_line(result)
 
 
+def test_a_table_that_is_not_there_is_named_not_blamed_on_the_schema(outbox_db, broker):
+    """A mistyped --table said "the outbox schema is missing: run outbox-relay migrate",
+    which cannot help: the schema is there.  Now the line names the table and the option."""
+    for command in (("run",), ("status",)):
+        result = run_cli(*command, "--table", "nosuch", env=relay_env(outbox_db, broker.bootstrap))
+        assert result.returncode == 3, result.stderr[-2000:]
+        line = one_clear_line(result)
+        assert "'nosuch'" in line and "--table" in line and "run `outbox-relay migrate`" not in line
+
+
 @pytest.mark.parametrize(
     ("prop", "value", "fragment"),
     [
