@@ -175,7 +175,10 @@ class Relay:
         pump_publisher: Any = self.publisher
         depth = s.pipeline_depth
         if s.exactly_once:  # issue 20: Kafka transactions fenced by the leases
-            pump_publisher = self.exactly_once = self._exactly_once(nshards)
+            transactional = self._exactly_once(nshards)
+            if transactional is None:
+                return  # stopped while waiting for the broker
+            pump_publisher = self.exactly_once = transactional
             depth = s.exactly_once_pipeline_depth
         self.pump = Pump(store=self.store, publisher=pump_publisher, leases=self.leases,
                          nshards=nshards, batch_size=s.batch_size, pipeline_depth=depth,
@@ -205,12 +208,28 @@ class Relay:
         self.log.info("relay_started", shards=nshards, owner=s.owner)
 
     def _exactly_once(self, nshards: int) -> Any:
+        """The transactional publisher, once the position topic is there (None: stopped while
+        the broker was unreachable)."""
         from relay.exactly_once import TransactionalPublisher
+        from relay.exactly_once_shard import BrokerUnreachable
 
         s = self.settings
         assert self.publisher is not None and self.leases is not None
         outbox = self._retry_db(self.store.outbox_identity) or ""  # before Kafka: migration 0013
-        TransactionalPublisher.prepare(producer_config(s), s.exactly_once_position_topic, nshards)
+        failures = 0
+        while True:  # an unreachable broker is waited for, as in the default mode
+            try:
+                TransactionalPublisher.prepare(producer_config(s), s.exactly_once_position_topic, nshards)
+                break
+            except BrokerUnreachable as exc:
+                failures += 1
+                if failures == 1:
+                    self.log.warning("broker_unavailable", error=f"exactly-once: {exc}")
+                self._stop.wait(backoff_s(failures, initial_s=s.backoff_initial_s, max_s=s.backoff_max_s))
+                if self.stopping:
+                    return None
+        if failures:
+            self.log.info("broker_recovered", after_attempts=failures)
         return TransactionalPublisher(
             config=producer_config(s), plain=self.publisher, leases=self.leases, table=s.table,
             position_topic=s.exactly_once_position_topic,

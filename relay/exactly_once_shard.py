@@ -53,14 +53,26 @@ def shared_config(config: dict[str, str]) -> dict[str, Any]:
     return shared
 
 
+class BrokerUnreachable(Exception):
+    """No broker answered (or in time): waited for, like the relay's own producer's."""
+
+
+#: Errors of an admin request that mean no broker answered, not a refusal.
+UNANSWERED = {KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE,
+              KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT}
+
+
 def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
-                          timeout_s: float = 15.0) -> None:
+                          timeout_s: float = 5.0) -> None:
     """Create the compacted position topic (one partition per shard) when missing;
-    a clear ConfigError when it has too few partitions or may not be created."""
+    a clear ConfigError when it has too few partitions or may not be created, and
+    BrokerUnreachable when no broker answered."""
     admin = AdminClient(shared_config(config))
     try:
         found = admin.list_topics(timeout=timeout_s).topics.get(topic)  # no auto-creation
     except KafkaException as exc:
+        if exc.args[0].code() in UNANSWERED:
+            raise BrokerUnreachable(f"cannot read metadata of {topic}: {exc.args[0].str()}") from None
         raise ConfigError(f"exactly-once: cannot read metadata of {topic}: {exc.args[0].str()}") from None
     if found is not None and found.error is None and found.partitions:
         if len(found.partitions) < nshards:
@@ -79,6 +91,8 @@ def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
         err = exc.args[0]
         if err.code() == KafkaError.TOPIC_ALREADY_EXISTS:  # a peer created it meanwhile
             return ensure_position_topic(config, topic, nshards, timeout_s)
+        if err.code() in UNANSWERED:
+            raise BrokerUnreachable(f"cannot create the position topic {topic}: {err.str()}") from None
         raise ConfigError(
             f"exactly-once: cannot create the position topic {topic} ({nshards} partitions, "
             f"cleanup.policy=compact): {err.str()}; create it or grant CREATE on it") from None

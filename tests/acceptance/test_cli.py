@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,6 +189,21 @@ def test_a_java_jaas_config_is_refused_without_showing_its_password(outbox_db):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Kafk4S3cret" not in result.stdout + result.stderr
     assert "JAAS" in result.stdout + result.stderr
+
+
+def test_exactly_once_waits_for_an_unreachable_broker(outbox_db, spawn):
+    """The README: an unreachable broker is waited for.  In exactly-once mode the relay's
+    start-up read the position topic's metadata once and, with no broker answering, exited
+    with code 2 ("cannot read metadata"), a configuration error, 17 s after it started."""
+    relay = spawn(relay_cmd("run"), env=relay_env(outbox_db, f"127.0.0.1:{free_port()}",
+                                                  exactly_once="true", backoff_max_s="1"),
+                  name="relay-eo")
+    relay.wait_for_log(re.compile(r'exactly-once: cannot read metadata.*"event": "broker_unavailable"'),
+                       timeout_s=60)
+    assert relay.alive
+    relay.sigterm()
+    assert relay.wait(30) == 0
+    assert "Traceback" not in relay.log_text()
 
 
 def test_migrate_print_and_status_json(outbox_db):
