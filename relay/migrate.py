@@ -120,6 +120,8 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
                     conn.execute(query("leases", "create_shards"), {"shards": shards or DEFAULT_SHARDS})
                 elif shards is not None and shards != current[0]:
                     _reshard(conn, current[0], shards)
+                    if log is not None:  # said: it printed only "migrations applied: none"
+                        log.info("shards_changed", old=current[0], new=shards)
                 else:
                     conn.execute(query("leases", "create_shards"), {"shards": current[0]})
     except psycopg.errors.InsufficientPrivilege as exc:

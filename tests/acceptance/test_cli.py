@@ -275,5 +275,6 @@ def test_shard_count_change_is_refused_while_relays_hold_leases(outbox_db, broke
     assert relay.wait(30) == 0  # a clean stop releases every lease at once
     changed = run_cli("migrate", "--dsn", outbox_db, "--shards", "8")
     assert changed.returncode == 0, changed.stderr
+    assert "shards_changed" in changed.stdout + changed.stderr  # not only "migrations applied: none"
     status = json.loads(run_cli("status", "--json", "--dsn", outbox_db).stdout)
     assert [s["shard"] for s in status["shards"]] == list(range(8))
