@@ -160,7 +160,7 @@ def _flag(text: str) -> bool:
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
-        raise ValueError("must be a TCP port between 0 and 65535 (0 disables the server)")
+        raise ValueError("must be a TCP port between 0 and 65535")
     return value
 
 
