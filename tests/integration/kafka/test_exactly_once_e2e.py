@@ -3,8 +3,11 @@ read_committed consumer, the position topic, recovery after a lost mark."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
@@ -35,6 +38,17 @@ def _positions(bootstrap: str, topic: str, shards: int) -> dict[int, dict[str, o
         last[rec.partition] = json.loads(rec.value or b"{}")
     assert set(last) <= set(range(shards))
     return last
+
+
+@contextlib.contextmanager
+def two_outboxes(db_dsn: str, pg_server: Any) -> Iterator[tuple[str, str]]:
+    """Two migrated outbox databases (every outbox table is "outbox"); the second is dropped after."""
+    name = f"t_eo_second_outbox_{uuid.uuid4().hex[:8]}"
+    first, second = migrated(db_dsn), migrated(pg_server.create_database(name))
+    try:
+        yield first, second
+    finally:
+        pg_server.drop_database(name)
 
 
 def test_exactly_once_drains_every_row_once(db_dsn, kafka_broker, topic_name):
@@ -106,10 +120,7 @@ def test_a_relay_refuses_another_outboxs_position_records(db_dsn, pg_server, kaf
     row ids published in its own database: rows marked that were never sent.  Now each
     record names its outbox, and the second relay stops with a ConfigError (exit code 2)
     before it marks anything."""
-    first = migrated(db_dsn)
-    name = f"t_eo_second_outbox_{uuid.uuid4().hex[:8]}"
-    second = migrated(pg_server.create_database(name))
-    try:
+    with two_outboxes(db_dsn, pg_server) as (first, second):
         topic = topic_name("eo-two")
         create_topic(kafka_broker.bootstrap, topic, partitions=3)
         eo = _eo(topic_name)
@@ -136,8 +147,6 @@ def test_a_relay_refuses_another_outboxs_position_records(db_dsn, pg_server, kaf
         assert relay.error is not None and getattr(relay.error, "exit_code", None) == 2, relay.error
         assert "written by another outbox" in str(relay.error)
         assert eo["exactly_once_position_topic"] in str(relay.error)
-    finally:
-        pg_server.drop_database(name)
 
 
 def test_a_second_outbox_on_the_same_defaults_stops_without_fencing_the_first(
@@ -148,10 +157,7 @@ def test_a_second_outbox_on_the_same_defaults_stops_without_fencing_the_first(
     relay's producers (its transactions failed, it lost its leases and took them back,
     fencing in turn) before it found the first outbox's records and stopped.  Now it reads
     the record first and stops without fencing anything: the first relay goes on."""
-    first = migrated(db_dsn)
-    name = f"t_eo_second_outbox_{uuid.uuid4().hex[:8]}"
-    second = migrated(pg_server.create_database(name))
-    try:
+    with two_outboxes(db_dsn, pg_server) as (first, second):
         topic = topic_name("eo-fence")
         create_topic(kafka_broker.bootstrap, topic, partitions=3)
         eo = _eo(topic_name)
@@ -178,8 +184,6 @@ def test_a_second_outbox_on_the_same_defaults_stops_without_fencing_the_first(
                            extra_wait_s=1)
         delivery = check_delivery(records, expected)
         assert delivery.missing == set() and delivery.duplicates == 0
-    finally:
-        pg_server.drop_database(name)
 
 
 def test_exactly_once_mode_asks_for_migration_0013(db_dsn):
