@@ -176,15 +176,13 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
 def _configure_logs(args: argparse.Namespace, env: Mapping[str, str], command: str) -> None:
     from relay import logs
-    from relay.config import _log_format, _log_level
+    from relay.config import parse_option
 
     raw = env_values(env, command)
-    fmt = args.log_format or raw.get("log_format", "auto")
-    level = args.log_level or raw.get("log_level", "info")
-    try:
-        logs.configure(log_format=_log_format(fmt), level=_log_level(level))
-    except ValueError as exc:
-        raise ConfigError(f"--log-format/--log-level: {exc}") from None
+    # parse_option: a bad value is named with its flag and its variable, as every option's.
+    fmt = parse_option("log_format", args.log_format or raw.get("log_format", "auto"))
+    level = parse_option("log_level", args.log_level or raw.get("log_level", "info"))
+    logs.configure(log_format=fmt, level=level)
 
 
 def _embedded(command: str, argv: Sequence[str], env: Mapping[str, str]) -> int:

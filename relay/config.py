@@ -117,6 +117,7 @@ class Option:
 #: Upper bounds that no real setting comes near: past them a value reached the database as a
 #: LIMIT or an interval it cannot hold, and the relay died on a traceback after it had started.
 MAX_INT = 2**31 - 1
+MAX_SHARDS = 4096  # outbox_relay_settings' CHECK (migration 0002)
 MAX_SECONDS = 100 * 365 * 86400.0
 
 
@@ -124,6 +125,15 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if not 0 < value <= MAX_INT:
         raise ValueError(f"must be a positive integer up to {MAX_INT}")
+    return value
+
+
+def _shard_count(text: str) -> int:
+    """1 to 4096, the settings table's CHECK: past it `migrate --shards` applied every
+    migration, then failed on the CHECK with a traceback and left no settings row."""
+    value = int(text)
+    if not 1 <= value <= MAX_SHARDS:
+        raise ValueError(f"must be a shard count from 1 to {MAX_SHARDS}")
     return value
 
 
@@ -229,7 +239,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(name="table", parse=_table_name, default="outbox",
            help="the outbox table, or the view `migrate --debezium-table` made over another table",
            commands=("run", "status", "cleanup", "dead-letters", "replay", "console")),
-    Option(name="shards", parse=_positive_int, default=None,
+    Option(name="shards", parse=_shard_count, default=None,
            help="shard count; must match the database's (set by migrate --shards)",
            commands=("run", "migrate")),
     Option(name="lock_timeout_s", parse=_positive_float, default=DEFAULT_LOCK_TIMEOUT_S,

@@ -82,6 +82,7 @@ def test_bad_number_names_the_option():
     (("replay", "--since", "2h", "--rate", "inf"), "--rate"),
     (("replay", "--since", "2h", "--rate", "nan"), "--rate"),
     (("replay", "--since", "99999999999d"), "99999999999d"),
+    (("migrate", "--shards", "100000"), "--shards"),  # past the settings table's CHECK
 ])
 def test_a_value_out_of_any_range_is_refused_in_one_line(outbox_db, args, named):
     """Each of these passed the checks and reached the database (or a clock) as a number it
@@ -92,6 +93,15 @@ def test_a_value_out_of_any_range_is_refused_in_one_line(outbox_db, args, named)
     assert named in one_clear_line(result)
     if args[0] == "replay":
         assert scalar(outbox_db, "SELECT count(*) FROM outbox_relay_replays") == 0
+
+
+def test_a_bad_log_format_names_its_value_and_variable():
+    """It said "--log-format/--log-level: must be one of ...", naming neither the value nor
+    where it came from."""
+    result = run_cli("status", "--dsn", "postgresql://x/y", env={"OUTBOX_RELAY_LOG_FORMAT": "fancy"})
+    assert result.returncode == 2
+    line = one_clear_line(result)
+    assert "'fancy'" in line and "OUTBOX_RELAY_LOG_FORMAT" in line
 
 
 def test_missing_schema(db_dsn, broker):
