@@ -101,6 +101,13 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout,
     if not args.dsn:
         print(f"error: --dsn or ${ENV_DSN} is required", file=sys.stderr)
         return ConfigError.exit_code
+    if args.area == "reconcile":  # 'bogus' (or nothing) reconciled no queue and exited 0
+        queues = args.queues.split(",")
+        unknown = sorted(set(queues) - {INTERACTIVE, BULK})
+        if unknown:
+            print(f"error: --queues / {env_name('--queues')}: no queue {', '.join(map(repr, unknown))} "
+                  f"(the queues are {INTERACTIVE} and {BULK})", file=sys.stderr)
+            return ConfigError.exit_code
     try:
         validate_dsn(args.dsn, option=f"--dsn / {ENV_DSN}")
         with _pg.connect(args.dsn, application_name="outbox-jobs-cli", connect_timeout_s=10) as conn:

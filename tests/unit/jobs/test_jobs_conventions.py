@@ -73,6 +73,14 @@ def test_a_bad_number_is_refused_in_one_line_before_anything_is_deleted(
     assert named in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("queues", ["bogus", "", "interactive,bluk"])
+def test_reconcile_refuses_a_queue_that_does_not_exist(queues: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`reconcile --queues bogus` reconciled nothing and exited 0."""
+    code = jobs_cli.main(["reconcile", "--queues", queues, "--dsn", "postgresql://nobody@127.0.0.1:1/none"],
+                         out=io.StringIO(), env={})
+    assert code == 2 and "--queues" in capsys.readouterr().err
+
+
 def test_the_jobs_cli_exit_codes_are_the_relays(capsys: pytest.CaptureFixture[str]) -> None:
     unreachable = "postgresql://nobody@127.0.0.1:1/none?connect_timeout=2"
     assert jobs_cli.main(["runs", "show", "x", "--dsn", unreachable], out=io.StringIO(), env={}) == 1
