@@ -61,7 +61,7 @@ def _adopt(settings: Settings, args: argparse.Namespace) -> int:
         with store.translated():
             report = adopt(conn, source=source, view=view,
                            topic_template=args.topic_template or DEFAULT_TOPIC_TEMPLATE,
-                           ce_source=args.cloudevents_source, existing=args.existing)
+                           ce_source=args.cloudevents_source, existing=args.existing or "published")
     finally:
         conn.close()
     print(f"locked {source} in ACCESS EXCLUSIVE mode for {report.lock_s * 1000:.0f} ms "

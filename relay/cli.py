@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--debezium-table", metavar="TABLE", default=None,
                          help="also adopt an existing Debezium-style outbox table (id, aggregatetype, "
                               "aggregateid, type, payload): writers stay as they are")
-    migrate.add_argument("--existing", choices=("published", "pending"), default="published",
+    migrate.add_argument("--existing", choices=("published", "pending"), default=None,
                          help="with --debezium-table: the rows already in the table are 'published' "
                               "(default: Debezium delivered them) or 'pending' (relay them)")
     migrate.add_argument("--view", default=None,
@@ -217,9 +217,26 @@ def quiet_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
+def _check_adopt_options(args: argparse.Namespace) -> None:
+    """--existing, --view, --topic-template and --cloudevents-source shape an adoption of a
+    Debezium table, and --print prints the migrations only: given without --debezium-table,
+    or beside --print, they were ignored without a word."""
+    given = [flag for flag, value in (("--existing", args.existing), ("--view", args.view),
+                                      ("--topic-template", args.topic_template),
+                                      ("--cloudevents-source", args.cloudevents_source))
+             if value is not None]
+    if given and not args.debezium_table:
+        raise ConfigError(f"{', '.join(given)}: only with --debezium-table TABLE")
+    if args.print_sql and args.debezium_table:
+        raise ConfigError("--print prints the migrations only; adopt a Debezium table with "
+                          "migrate --debezium-table TABLE (without --print)")
+
+
 def _dispatch(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     command = args.command
     _configure_logs(args, env, command)
+    if command == "migrate":
+        _check_adopt_options(args)
     if command == "migrate" and args.print_sql:
         from relay import migrate
         from relay.config import DEFAULT_LOCK_TIMEOUT_S, parse_option

@@ -104,6 +104,16 @@ def test_a_bad_log_format_names_its_value_and_variable():
     assert "'fancy'" in line and "OUTBOX_RELAY_LOG_FORMAT" in line
 
 
+@pytest.mark.parametrize("args", [("--existing", "pending"), ("--view", "v"), ("--cloudevents-source", "s"),
+                                  ("--print", "--debezium-table", "events")])
+def test_adoption_options_without_an_adoption_are_refused(args):
+    """These were ignored without a word: `migrate --existing pending` migrated and said
+    nothing of the option, `migrate --print --debezium-table X` printed the migrations only."""
+    result = run_cli("migrate", *args, "--dsn", "postgresql://nobody@127.0.0.1:1/none")
+    assert result.returncode == 2
+    assert "--debezium-table" in one_clear_line(result)
+
+
 def test_missing_schema(db_dsn, broker):
     result = run_cli("run", env=relay_env(db_dsn, broker.bootstrap))
     assert result.returncode == 3
