@@ -223,13 +223,15 @@ class Relay:
                 break
             except BrokerUnreachable as exc:
                 failures += 1
-                if failures == 1:
+                if failures == 1:  # this reason, even when the producer's client said so first
                     self.log.warning("broker_unavailable", error=f"exactly-once: {exc}")
+                self.broker_up = False  # the state _client_error keeps: /readyz, the gauge
+                self.metrics.broker_up.set(0)
                 self._stop.wait(backoff_s(failures, initial_s=s.backoff_initial_s, max_s=s.backoff_max_s))
                 if self.stopping:
                     return None
         if failures:
-            self.log.info("broker_recovered", after_attempts=failures)
+            self._broker_ok()
         return TransactionalPublisher(
             config=producer_config(s), plain=self.publisher, leases=self.leases, table=s.table,
             position_topic=s.exactly_once_position_topic,
