@@ -18,6 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
+from outbox_core.text import first_undecodable
 from relay import __version__
 from relay.config import (
     ENV_PREFIX,
@@ -159,6 +160,10 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str], command: str
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
+    where = first_undecodable(sys.argv[1:] if argv is None else argv, env, ENV_PREFIX)
+    if where is not None:  # psycopg or librdkafka would have raised a traceback on it
+        print(f"{PROG}: error: {where} is not valid UTF-8 text", file=sys.stderr)
+        return ConfigError.exit_code
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and args.command not in EMBEDDED_COMMANDS:

@@ -32,6 +32,7 @@ from consumer_sdk.jobs.model import BULK, INTERACTIVE, DeadLetterRecord
 from consumer_sdk.jobs.reconciler import Reconciler
 from consumer_sdk.jobs.runs import error_reference, run_status
 from consumer_sdk.secrets import mask_text, validate_dsn
+from outbox_core.text import first_undecodable
 
 ENV_PREFIX = "OUTBOX_JOBS_"
 ENV_DSN = ENV_PREFIX + "DSN"
@@ -97,6 +98,11 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
 
 def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout,
          env: Mapping[str, str] | None = None) -> int:
+    where = first_undecodable(sys.argv[1:] if argv is None else argv,
+                              os.environ if env is None else env, ENV_PREFIX)
+    if where is not None:  # psycopg would have raised a traceback on it
+        print(f"error: {where} is not valid UTF-8 text", file=sys.stderr)
+        return ConfigError.exit_code
     args = build_parser(env).parse_args(argv)
     if not args.dsn:
         print(f"error: --dsn or ${ENV_DSN} is required", file=sys.stderr)

@@ -104,6 +104,21 @@ def test_a_bad_log_format_names_its_value_and_variable():
     assert "'fancy'" in line and "OUTBOX_RELAY_LOG_FORMAT" in line
 
 
+@pytest.mark.parametrize(("args", "env", "named"), [
+    ((), {"OUTBOX_RELAY_OWNER": "relay-\udcff"}, "OUTBOX_RELAY_OWNER"),
+    (("--bootstrap-servers", "\udcff:9092"), {}, "the value after --bootstrap-servers"),
+    (("--kafka-property=client.id=\udcff",), {}, "the value of --kafka-property"),
+    ((), {"OUTBOX_RELAY_KAFKA_CLIENT_ID": "\udcff"}, "OUTBOX_RELAY_KAFKA_CLIENT_ID"),
+])
+def test_input_that_is_not_utf8_is_refused_in_one_line(args, env, named):
+    """Bytes that are not UTF-8 in a variable or an argument reached psycopg or librdkafka
+    as lone surrogates: a UnicodeEncodeError or a SystemError traceback."""
+    dsn = f"postgresql://nobody@127.0.0.1:{free_port()}/none"
+    result = run_cli("run", "--dsn", dsn, "--bootstrap-servers", "127.0.0.1:9", *args, env=env, timeout=20)
+    assert result.returncode == 2
+    assert f"{named} is not valid UTF-8 text" in one_clear_line(result)
+
+
 @pytest.mark.parametrize("args", [("--existing", "pending"), ("--view", "v"), ("--cloudevents-source", "s"),
                                   ("--print", "--debezium-table", "events")])
 def test_adoption_options_without_an_adoption_are_refused(args):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
+
 from consumer_sdk.jobs import (
     JobsMetrics,
     NewJob,
@@ -70,3 +72,11 @@ def test_the_reconciler_exports_the_queue_gauges(conn):
     assert sample("outbox_jobs_oldest_pending_age_seconds", {"queue": "bulk"}) == 42.0
     assert sample("outbox_jobs_pending", {"queue": "bulk"}) == 3  # the delayed one is not due
     assert sample("outbox_jobs_oldest_pending_age_seconds", {"queue": "interactive"}) == 0.0
+
+
+@pytest.mark.parametrize("args", [["runs", "show", "run-\udcff"], ["dead-letters", "list", "--queue", "\udcff"]])
+def test_cli_refuses_arguments_that_are_not_utf8(conn, args, capsys):
+    """Bytes that are not UTF-8 reached psycopg as lone surrogates: a UnicodeEncodeError
+    traceback from the query's parameters."""
+    assert jobs_cli.main([*args, "--dsn", conn.info.dsn], out=io.StringIO(), env={}) == 2
+    assert "is not valid UTF-8 text" in capsys.readouterr().err

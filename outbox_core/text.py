@@ -1,0 +1,39 @@
+"""Input that is not UTF-8 text, found before it reaches a parser.
+
+Python decodes the command line and the environment with ``surrogateescape``: bytes that
+are not UTF-8 become lone surrogates, and the first library that encodes the string
+again (psycopg's conninfo, librdkafka's configuration, a query parameter) raises where a
+person reads only a traceback.  The CLIs call :func:`first_undecodable` first and refuse
+such input in one line that names where it is, never what it is (it may be a secret).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+def is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def first_undecodable(argv: Sequence[str], env: Mapping[str, str], prefix: str) -> str | None:
+    """Where the first input that is not UTF-8 text is: a variable named ``prefix...``, or
+    a command-line argument (by its flag when there is one); None when all of it is."""
+    for name in sorted(env):
+        if name.startswith(prefix) and not (is_utf8(name) and is_utf8(env[name])):
+            return f"the environment variable {name!r}" if not is_utf8(name) else name
+    for index, arg in enumerate(argv):
+        if is_utf8(arg):
+            continue
+        flag, sep, _value = arg.partition("=")
+        if flag.startswith("-") and sep and is_utf8(flag):
+            return f"the value of {flag}"
+        before = argv[index - 1] if index else ""
+        if before.startswith("-") and "=" not in before and is_utf8(before):
+            return f"the value after {before}"
+        return f"command-line argument {index + 1}"
+    return None
