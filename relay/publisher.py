@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -135,6 +135,24 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+#: librdkafka's aliases whose errors name the property they stand for (rdkafka_conf.c):
+#: ``linger.ms=abc`` was refused as 'Invalid value for configuration property
+#: "queue.buffering.max.ms"', a name the user never wrote.
+ALIASED = {"queue.buffering.max.ms": "linger.ms", "message.send.max.retries": "retries",
+           "max.in.flight.requests.per.connection": "max.in.flight",
+           "compression.codec": "compression.type", "request.required.acks": "acks",
+           "message.timeout.ms": "delivery.timeout.ms"}
+
+
+def named_as_given(message: str, config: Mapping[str, Any]) -> str:
+    """librdkafka's error with each property named as the configuration names it."""
+    for canonical, alias in ALIASED.items():
+        quoted = f'"{canonical}"'
+        if quoted in message and canonical not in config and alias in config:
+            message = message.replace(quoted, f'"{alias}" (librdkafka\'s {canonical})')
+    return message
+
+
 #: The broker no longer accepts this producer's id or epoch (after messages timed out
 #: during an outage, say): only a new producer gets out of it.
 PRODUCER_STATE_CODES = {KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH,
@@ -204,7 +222,8 @@ class Publisher:
         try:
             return Producer(config)
         except KafkaException as exc:
-            raise ConfigError(f"invalid Kafka configuration: {_one_line(exc.args[0].str())}") from None
+            message = named_as_given(_one_line(exc.args[0].str()), self._config)
+            raise ConfigError(f"invalid Kafka configuration: {message}") from None
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid Kafka configuration: {_one_line(str(exc))}") from None
 
