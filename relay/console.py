@@ -26,7 +26,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from relay.config import Settings
 from relay.console_store import ConsoleStore
-from relay.errors import ConfigError
+from relay.errors import ConfigError, DatabaseUnavailable
 
 COOKIE = "outbox_console"
 SESSION_TTL_S = 8 * 3600
@@ -186,6 +186,10 @@ def make_handler(console: Console) -> type[BaseHTTPRequestHandler]:
 def serve(settings: Settings, *, log: Any, ready: Callable[[str], None] = print) -> HTTPServer:
     """Bind the console; ``ready`` receives its URL.  The caller runs ``serve_forever``."""
     console = Console(settings, log=log)
+    try:  # credentials, the DSN or the schema that are wrong now stay wrong: say so and stop
+        console.store.check_schema()
+    except DatabaseUnavailable as exc:  # may come back: the pages say so meanwhile
+        log.warning("console_database_unavailable", error=str(exc))
     try:
         server = HTTPServer((settings.console_host, settings.console_port), make_handler(console))
     except OSError as exc:

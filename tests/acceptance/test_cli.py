@@ -190,6 +190,29 @@ def test_rejected_credentials(password_role, broker):
     assert "wrong-s3cret" not in result.stderr + result.stdout
 
 
+def test_the_console_refuses_rejected_credentials_and_a_missing_table_at_start(password_role, outbox_db):
+    """The console started and served pages with credentials the server rejects or a
+    --table that is not there: the error showed only on its pages and in its log."""
+    dsn = f"postgresql://pw_relay:wrong-s3cret@127.0.0.1:{password_role.port}/postgres"
+    result = run_cli("console", env=relay_env(dsn, "", console_port=0), timeout=30)
+    assert result.returncode == 4
+    assert "rejected the credentials" in one_clear_line(result)
+    assert "wrong-s3cret" not in result.stderr + result.stdout
+    result = run_cli("console", "--table", "nosuch", env=relay_env(outbox_db, "", console_port=0), timeout=30)
+    assert result.returncode == 3
+    assert "'nosuch'" in one_clear_line(result)
+
+
+def test_the_console_starts_while_the_database_is_unreachable(spawn):
+    env = relay_env(f"postgresql://postgres:pw-s3cret@127.0.0.1:{free_port()}/x", "", console_port=0)
+    console = spawn(relay_cmd("console"), env=env, name="console")
+    console.wait_for_log("console_database_unavailable", timeout_s=30)
+    console.wait_for_log(re.compile(r"console listening on http://127\.0\.0\.1:\d+/"), timeout_s=30)
+    assert console.alive
+    console.sigterm()
+    assert console.wait(30) == 0
+
+
 def test_unreachable_database_is_waited_for_not_fatal(broker, spawn):
     port = free_port()
     relay = spawn(relay_cmd("run"), env=relay_env(f"postgresql://postgres:pw-s3cret@127.0.0.1:{port}/x",
