@@ -507,7 +507,27 @@ def producer_config(settings: Settings) -> dict[str, str]:
             )
         config[name] = value
     config["bootstrap.servers"] = settings.bootstrap_servers
+    check_kafka_files(config)
     return config
+
+
+#: librdkafka properties that name a file (or, for ssl.ca.location, a directory).
+KAFKA_FILE_PROPERTIES = ("ssl.ca.location", "ssl.certificate.location", "ssl.key.location",
+                         "ssl.keystore.location", "ssl.crl.location", "sasl.kerberos.keytab")
+
+
+def check_kafka_files(config: Mapping[str, str]) -> None:
+    """A path that is not there or cannot be read, named with its property: OpenSSL said
+    "ssl.ca.location failed: ... BIO lib" or "system lib" for both."""
+    for name in KAFKA_FILE_PROPERTIES:
+        path = config.get(name)
+        if not path or (name == "ssl.ca.location" and path == "probe"):
+            continue
+        where = f"kafka property {name}: {path!r}"
+        if not os.path.exists(path):
+            raise ConfigError(f"{where} does not exist")
+        if not os.access(path, os.R_OK):
+            raise ConfigError(f"{where} cannot be read by this process (uid {os.getuid()})")
 
 
 def max_message_bytes(config: Mapping[str, str]) -> int:

@@ -151,6 +151,8 @@ def test_a_table_that_is_not_there_is_named_not_blamed_on_the_schema(outbox_db, 
         ("NO_SUCH_PROPERTY", "1", "invalid Kafka configuration"),
         ("LINGER_MS", "soon", 'invalid Kafka configuration: Invalid value for configuration property "linger.ms"'),
         ("DELIVERY_TIMEOUT_MS", "-", 'property "delivery.timeout.ms"'),
+        # OpenSSL's own words were "ssl.ca.location failed: ...::BIO lib"
+        ("SSL_CA_LOCATION", "/nonexistent/ca.pem", "ssl.ca.location: '/nonexistent/ca.pem' does not exist"),
         ("ACKS", "1", "would break the relay's delivery guarantee"),
     ],
 )

@@ -113,6 +113,21 @@ def test_producer_config_keeps_the_delivery_guarantees() -> None:
         producer_config(weak)
 
 
+def test_a_kafka_file_that_is_not_there_is_named_with_its_property(tmp_path) -> None:
+    def config(**props: str) -> dict[str, str]:
+        return producer_config(build_settings({"dsn": DSN, "bootstrap_servers": "k:9092"},
+                                              kafka_properties=props))
+
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not checked here: OpenSSL reads it")
+    assert config(**{"ssl.ca.location": str(ca)})["ssl.ca.location"] == str(ca)
+    assert config(**{"ssl.ca.location": "probe"})["ssl.ca.location"] == "probe"  # the system's store
+    assert config(**{"ssl.ca.location": str(tmp_path)})  # a directory of certificates
+    for name in ("ssl.ca.location", "ssl.certificate.location", "ssl.key.location", "sasl.kerberos.keytab"):
+        with pytest.raises(ConfigError, match=f"kafka property {name}: '.*/gone.pem' does not exist"):
+            config(**{name: str(tmp_path / "gone.pem")})
+
+
 def test_kafka_property_flag_parsing() -> None:
     assert parse_kafka_property("ssl.ca.location=/x=y") == ("ssl.ca.location", "/x=y")
     with pytest.raises(ConfigError):
