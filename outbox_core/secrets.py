@@ -40,6 +40,8 @@ _QUOTED = re.compile(r"""(["'])(.*?)\1""", re.DOTALL)
 # may itself start with a quote: the whole rest of that line is hidden.
 _BAD_PERCENT = re.compile(r'(invalid percent-encoded token: ")(.*)(")')
 _LIBPQ_LITERALS = frozenset({"=", "]", ":", "/"})
+#: libpq's Unix socket: ``<directory>/.s.PGSQL.<port>``, a host directory and a port: no secret.
+_SOCKET_FILE = re.compile(r"/[^\x00]*/\.s\.PGSQL\.\d+")
 
 
 def is_secret(name: str) -> bool:
@@ -91,7 +93,7 @@ def scrub(text: str, *, dsn: str = "", properties: Mapping[str, Any] | None = No
 
     def hide(match: re.Match[str]) -> str:
         quote, token = match.group(1), match.group(2)
-        shown = token in visible or token in _LIBPQ_LITERALS
+        shown = token in visible or token in _LIBPQ_LITERALS or _SOCKET_FILE.fullmatch(token) is not None
         return match.group(0) if shown else f"{quote}{MASK}{quote}"
 
     return _QUOTED.sub(hide, mask_text(text))

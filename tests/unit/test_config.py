@@ -186,3 +186,16 @@ def test_mark_connections_are_one_by_default_and_in_exactly_once_mode_or_as_give
     assert mark_connections(build_settings({**base, "exactly_once": "true"})) == 1
     assert mark_connections(build_settings({**base, "mark_connections": "2"})) == 2
     assert mark_connections(build_settings({**base, "exactly_once": "true", "mark_connections": "3"})) == 3
+
+
+def test_a_socket_path_in_a_connection_error_is_shown_and_the_password_is_not() -> None:
+    """libpq's "connection to server on socket ..." was shown as socket "***": the directory
+    a person must check was hidden with the password."""
+    from outbox_core.secrets import scrub
+
+    said = 'connection to server on socket "/run/pg/.s.PGSQL.5433" failed: No such file or directory'
+    assert scrub(said, dsn="postgresql://u:s3cret@/app?host=/run/pg&port=5433") == said
+    assert scrub(said, dsn="host=/run/pg port=5433 password=s3cret") == said
+    leaked = 'connection to server on socket "/run/s3cret/.s.PGSQL.5433" failed'
+    assert "s3cret" not in scrub(leaked, dsn="host=/run/s3cret password=s3cret")
+    assert scrub('could not parse "s3cret-ish"', dsn="password=x") == 'could not parse "***"'
