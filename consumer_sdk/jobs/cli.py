@@ -28,8 +28,8 @@ import psycopg
 from consumer_sdk import _pg
 from consumer_sdk.errors import ConfigError, OutboxSdkError
 from consumer_sdk.jobs import admin
-from consumer_sdk.jobs.model import BULK, INTERACTIVE, DeadLetterRecord
-from consumer_sdk.jobs.reconciler import Reconciler
+from consumer_sdk.jobs.model import BULK, INTERACTIVE, QUEUE_NAME, DeadLetterRecord
+from consumer_sdk.jobs.reconciler import Reconciler, active_queues
 from consumer_sdk.jobs.runs import error_reference, run_status
 from consumer_sdk.secrets import mask_text, validate_dsn
 from outbox_core.text import first_undecodable
@@ -84,8 +84,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     run_show = runs.add_parser("show", parents=[common], help="a run's status")
     run_show.add_argument("run_id")
     reconcile = top.add_parser("reconcile", parents=[common], help="one reconciler pass")
-    reconcile.add_argument("--queues", default=_env_default("--queues", env) or f"{INTERACTIVE},{BULK}",
-                           help=f"(env {env_name('--queues')})")
+    reconcile.add_argument("--queues", default=_env_default("--queues", env),
+                           help=f"comma-separated (default: {INTERACTIVE}, {BULK} and every queue with "
+                                f"unfinished jobs) (env {env_name('--queues')})")
     cleanup = top.add_parser("cleanup", parents=[common], help="retention of finished runs and jobs")
     older = _env_default("--older-than-days", env)
     # Above zero: -1 (or 0) deleted every finished run, and its request key, at once.
@@ -107,12 +108,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout,
     if not args.dsn:
         print(f"error: --dsn or ${ENV_DSN} is required", file=sys.stderr)
         return ConfigError.exit_code
-    if args.area == "reconcile":  # 'bogus' (or nothing) reconciled no queue and exited 0
-        queues = args.queues.split(",")
-        unknown = sorted(set(queues) - {INTERACTIVE, BULK})
-        if unknown:
-            print(f"error: --queues / {env_name('--queues')}: no queue {', '.join(map(repr, unknown))} "
-                  f"(the queues are {INTERACTIVE} and {BULK})", file=sys.stderr)
+    if args.area == "reconcile" and args.queues is not None:  # '' reconciled no queue, exit 0
+        bad = [name for name in args.queues.split(",") if not QUEUE_NAME.match(name)]
+        if bad:
+            print(f"error: --queues / {env_name('--queues')}: {', '.join(map(repr, bad))} is not a "
+                  "queue name (1-64 of [A-Za-z0-9_.:-], comma-separated)", file=sys.stderr)
             return ConfigError.exit_code
     try:
         validate_dsn(args.dsn, option=f"--dsn / {ENV_DSN}")
@@ -152,7 +152,9 @@ def _run(conn: psycopg.Connection[Any], args: argparse.Namespace, out: TextIO) -
         finished, activations = admin.cleanup(conn, older_than_s=args.older_than_days * 86400)
         print(_json({"runs_and_jobs_deleted": finished, "activations_deleted": activations}), file=out)
         return 0
-    result = Reconciler(queues=args.queues.split(",")).run_once(conn)
+    queues = (args.queues.split(",") if args.queues is not None
+              else sorted({INTERACTIVE, BULK, *active_queues(conn)}))
+    result = Reconciler(queues=queues).run_once(conn)
     print(_json(asdict(result)), file=out)
     return 0
 

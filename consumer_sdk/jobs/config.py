@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -10,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from consumer_sdk.config import MAX_DB_SPIN_US
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.fairness import Limits
-from consumer_sdk.jobs.model import BULK, INTERACTIVE
+from consumer_sdk.jobs.model import BULK, INTERACTIVE, QUEUE_NAME
 from consumer_sdk.jobs.retry import Backoff
 from consumer_sdk.secrets import safe_repr, validate_dsn
 
@@ -18,7 +17,6 @@ DEFAULT_LEASE_S = 30.0
 DEFAULT_POLL_INTERVAL_S = 5.0
 DEFAULT_RECONCILE_INTERVAL_S = 10.0
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
-_QUEUE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +70,7 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         validate_dsn(self.dsn, option="WorkerConfig.dsn")
         self._resolve_aliases()
-        if not self.queues or any(not isinstance(q, str) or not _QUEUE.match(q) for q in self.queues):
+        if not self.queues or any(not isinstance(q, str) or not QUEUE_NAME.match(q) for q in self.queues):
             raise InvalidJob("queues must be a non-empty list of names of 1-64 [A-Za-z0-9_.:-]")
         if len(set(self.queues)) != len(self.queues):
             raise InvalidJob("queues must not repeat")

@@ -8,6 +8,7 @@ seconds in ``float`` with ``_s`` in their names.
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -27,9 +28,10 @@ DeadReason = Literal["permanent_error", "attempts_exhausted", "lease_expired"]
 Outcome = Literal["succeeded", "retried", "failed", "waiting", "requeued", "released", "lost",
                   "completing"]
 
-#: Well-known queues; any name matching ``[A-Za-z0-9_.:-]{1,64}`` works.
+#: Well-known queues; any name matching :data:`QUEUE_NAME` works.
 INTERACTIVE = "interactive"
 BULK = "bulk"
+QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 #: Outbox header naming the queue of the job an event is about (the wake-up hint).
 QUEUE_HEADER = "jobs_queue"

@@ -62,6 +62,12 @@ def record_reaped(reaped: Sequence[queue.Reaped], metrics: JobsMetrics, log: Any
     return requeued, failed
 
 
+def active_queues(conn: ConnectionT) -> list[str]:
+    """Every queue with queued, running or waiting jobs, in name order."""
+    with translated():
+        return [r[0] for r in conn.execute(q("active_queues")).fetchall()]
+
+
 def queue_stats(conn: ConnectionT, queues: Sequence[str], *, now: datetime | None = None) -> list[QueueStats]:
     with translated():
         rows = conn.execute(q("queue_stats"), {"queues": list(queues), "now": now}).fetchall()

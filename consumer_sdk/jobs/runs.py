@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -42,11 +41,18 @@ from consumer_sdk.jobs.errors import (
 )
 from consumer_sdk.jobs.events import JobFacts, write_job_event
 from consumer_sdk.jobs.metrics import JobsMetrics
-from consumer_sdk.jobs.model import INTERACTIVE, Accepted, AdmissionPolicy, JobId, RunId, RunState
+from consumer_sdk.jobs.model import (
+    INTERACTIVE,
+    QUEUE_NAME,
+    Accepted,
+    AdmissionPolicy,
+    JobId,
+    RunId,
+    RunState,
+)
 from consumer_sdk.outbox import valid_traceparent
 
 _log = structlog.get_logger("consumer_sdk.jobs.runs")
-_QUEUE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _MAX_ID_CHARS = 200
 
 #: Called inside accept's transaction after the run is inserted: write your own rows there.
@@ -169,7 +175,7 @@ def _validate(owner_id: str, request_key: str, kind: str, queue: str, max_attemp
     for name, value in (("owner_id", owner_id), ("request_key", request_key), ("kind", kind)):
         if not isinstance(value, str) or not 0 < len(value) <= _MAX_ID_CHARS:
             raise InvalidJob(f"{name} must be a non-empty string of at most {_MAX_ID_CHARS} characters")
-    if not isinstance(queue, str) or not _QUEUE.match(queue):
+    if not isinstance(queue, str) or not QUEUE_NAME.match(queue):
         raise InvalidJob(f"invalid queue name {queue!r}: 1-64 of [A-Za-z0-9_.:-]")
     if max_attempts < 1:
         raise InvalidJob("max_attempts must be at least 1")

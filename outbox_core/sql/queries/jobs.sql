@@ -630,3 +630,19 @@ WHERE key IN (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
+
+-- name: active_queues
+-- Every queue with queued, running or waiting jobs (the jobs CLI's reconcile, by default):
+-- a skip scan of jobs_queued_idx, one probe a queue, then the running and waiting jobs.
+WITH RECURSIVE queued(queue) AS (
+    (SELECT j.queue FROM jobs AS j WHERE j.status = 'queued' ORDER BY j.queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.queue FROM jobs AS j WHERE j.status = 'queued' AND j.queue > q.queue
+            ORDER BY j.queue LIMIT 1)
+    FROM queued AS q
+    WHERE q.queue IS NOT NULL
+)
+SELECT queue FROM queued WHERE queue IS NOT NULL
+UNION
+SELECT j.queue FROM jobs AS j WHERE j.status IN ('running', 'waiting')
+ORDER BY 1

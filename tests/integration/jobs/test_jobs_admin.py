@@ -63,6 +63,20 @@ def test_cli_reports_runs_reconciles_and_cleans(conn):
     assert jobs_cli.main(["dead-letters", "list"], out=io.StringIO()) == 2  # no DSN
 
 
+def test_cli_reconciles_a_services_own_queue_and_every_queue_with_jobs_by_default(conn):
+    """Queues are any valid name; `reconcile --queues reports.nightly` was refused (exit 2:
+    "the queues are interactive and bulk") and the default reported those two only."""
+    enqueue(conn, [NewJob(owner_id="o", queue="reports.nightly", kind="k", payload={}) for _ in range(2)])
+    out = io.StringIO()
+    assert jobs_cli.main(["reconcile", "--queues", "reports.nightly", "--dsn", conn.info.dsn], out=out, env={}) == 0
+    assert [s["queue"] for s in json.loads(out.getvalue())["stats"]] == ["reports.nightly"]
+    out = io.StringIO()
+    assert jobs_cli.main(["reconcile", "--dsn", conn.info.dsn], out=out, env={}) == 0
+    stats = {s["queue"]: s for s in json.loads(out.getvalue())["stats"]}
+    assert set(stats) == {"bulk", "interactive", "reports.nightly"}
+    assert stats["reports.nightly"]["ready"] == 2
+
+
 def test_the_reconciler_exports_the_queue_gauges(conn):
     enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="k", payload={}) for _ in range(3)], now=at(0))
     enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="k", payload={}, delay_s=60)], now=at(0))
