@@ -13,7 +13,7 @@ from psycopg.rows import dict_row
 
 from relay import migrate, store
 from relay.config import Settings
-from relay.errors import ConfigError, NotFound
+from relay.errors import ConfigError, NotFound, PermissionDenied
 from relay.queries import compose
 
 
@@ -199,8 +199,14 @@ def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
             return 0
         if not args.event_ids and not args.all:
             raise ConfigError(f"dead-letters {action} needs EVENT_ID arguments or --all")
-        rows = move_dead_letters(conn, action, event_ids=args.event_ids, every=bool(args.all),
-                                 table=settings.table)
+        try:
+            rows = move_dead_letters(conn, action, event_ids=args.event_ids, every=bool(args.all),
+                                     table=settings.table)
+        except PermissionDenied as exc:  # the relay's own role may not, by design
+            raise PermissionDenied(
+                f"{exc}: dead-letters {action} writes the outbox and outbox_dead_letters, which the "
+                "relay's role (outbox_relay) may not: run it with a DSN of the tables' owner or of "
+                "an operator role (outbox_core/sql/roles/outbox_relay_role.sql shows one)") from None
         verb = "requeued" if action == "requeue" else "purged"
         print(f"{verb} {len(rows)} dead letter(s)")
         missing = sorted(set(args.event_ids) - {str(r["event_id"]) for r in rows})

@@ -239,7 +239,10 @@ def test_relay_publishes_marks_leases_and_dead_letters_under_the_role(
     # Requeue writes events: an operator command, refused to the relay's role with one line.
     refused = cli("dead-letters", "requeue", "--all", dsn=relay_login.dsn)
     assert refused.returncode == 1
-    assert "permission denied" in one_line(refused)
+    line = one_line(refused)  # and says whose DSN would do: the runbooks ran it in the sidecar
+    assert "permission denied" in line and "an operator role" in line
+    purge = cli("dead-letters", "purge", "--all", dsn=relay_login.dsn)
+    assert purge.returncode == 1 and "dead-letters purge writes" in one_line(purge)
     assert scalar(admin, "SELECT count(*) FROM outbox_dead_letters") == 1
     requeued = cli("dead-letters", "requeue", "--all", dsn=admin)
     assert requeued.returncode == 0, requeued.stderr
