@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import uuid
 from datetime import datetime
 from typing import Any
 
@@ -174,7 +175,21 @@ def cleanup(settings: Settings, *, retention_s: float, batch: int) -> int:
     return 0
 
 
+def _check_dead_letter_args(args: argparse.Namespace) -> None:
+    """Before connecting: `purge ID --all` purged every dead letter, the ID ignored."""
+    if args.action == "list":
+        return
+    if args.event_ids and getattr(args, "all", False):
+        raise ConfigError(f"dead-letters {args.action}: give EVENT_IDs or --all, not both")
+    for event_id in args.event_ids:
+        try:
+            uuid.UUID(event_id)
+        except ValueError:
+            raise ConfigError(f"dead-letters {args.action}: {event_id!r} is not an event_id (a UUID)") from None
+
+
 def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
+    _check_dead_letter_args(args)
     conn = store.connect(settings.dsn, application_name="outbox-relay-dead-letters")
     try:
         action = args.action

@@ -119,6 +119,20 @@ def test_input_that_is_not_utf8_is_refused_in_one_line(args, env, named):
     assert f"{named} is not valid UTF-8 text" in one_clear_line(result)
 
 
+@pytest.mark.parametrize(("args", "named"), [
+    (("purge", "6802ca8b-db27-41d2-9955-ed1884f2bd28", "--all"), "not both"),
+    (("requeue", "6802ca8b-db27-41d2-9955-ed1884f2bd28", "--all"), "not both"),
+    (("show", "not-a-uuid"), "'not-a-uuid' is not an event_id"),
+])
+def test_dead_letter_ids_are_checked_before_anything_is_moved(args, named):
+    """`purge ID --all` purged every dead letter, the ID ignored; a malformed id read as
+    "no dead letter with event_id not-a-uuid"."""
+    dsn = f"postgresql://nobody@127.0.0.1:{free_port()}/none"
+    result = run_cli("dead-letters", *args, "--dsn", dsn, timeout=20)
+    assert result.returncode == 2
+    assert named in one_clear_line(result)
+
+
 @pytest.mark.parametrize("args", [("--existing", "pending"), ("--view", "v"), ("--cloudevents-source", "s"),
                                   ("--print", "--debezium-table", "events")])
 def test_adoption_options_without_an_adoption_are_refused(args):
