@@ -27,7 +27,7 @@ from relay.config import DEFAULT_BATCH_MAX_BYTES
 from relay.metrics import RelayMetrics
 from relay.model import Lease, OutboxRow, ShardId, Token
 from relay.publisher import Outcome
-from relay.replay_store import Fence, Position, ReplayRow
+from relay.replay_store import MAX_REPLAY_RATE, Fence, Position, ReplayRow
 
 #: Rows read and produced at once for one (replay, shard).
 REPLAY_BATCH_ROWS = 500
@@ -193,7 +193,9 @@ class Replayer:
                 replay.shards[shard] = _ShardState(held[shard], position, done)
         # A rate that is not a number (inf or NaN, stored by a CLI that did not refuse it)
         # is read as the batch size a second: a relay must not die on a replay's row.
-        rate = replay.rate_per_s if math.isfinite(replay.rate_per_s) else float(self.batch_rows)
+        # A rate above the CLI's bound (1e308 overflowed the bucket to inf) is read as that bound.
+        rate = (min(replay.rate_per_s, MAX_REPLAY_RATE) if math.isfinite(replay.rate_per_s)
+                else float(self.batch_rows))
         share = rate * len(held) / max(1, self.nshards)
         replay.tokens = min(max(1.0, share), replay.tokens + (now - replay.refilled) * share)
         replay.refilled = now

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from datetime import UTC, datetime, timedelta
@@ -13,30 +12,39 @@ from typing import Any
 
 from relay.config import Settings
 from relay.errors import ConfigError, NotFound
-from relay.replay_store import ReplayStore
+from relay.replay_store import MAX_REPLAY_RATE, MIN_REPLAY_RATE, ReplayStore
 
 #: Events per second of one replay over all replicas, unless --rate says otherwise.
 DEFAULT_REPLAY_RATE = 1000.0
+#: --since/--until's bounds: 0001-01-01 in a time zone west of UTC was stored as a year
+#: before 1, which psycopg cannot read back, and every relay died reading the replays.
+EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST = datetime(9000, 1, 1, tzinfo=UTC)
 
 _AGO = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d)$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def parse_time(text: str, *, now: datetime | None = None) -> datetime:
-    """ISO 8601 (UTC when no offset is given) or a duration ago: ``90s``, ``15m``, ``2h``, ``7d``."""
+    """ISO 8601 (UTC when no offset is given) or a duration ago: ``90s``, ``15m``, ``2h``,
+    ``7d``; in UTC, between :data:`EARLIEST` and :data:`LATEST`."""
     now = now or datetime.now(UTC)
     match = _AGO.match(text.strip())
-    if match:
-        try:
-            return now - timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
-        except (OverflowError, ValueError):
-            raise ConfigError(f"not a time: {text!r} (further back than a calendar goes)") from None
     try:
-        value = datetime.fromisoformat(text.strip())
+        if match:
+            value = now - timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+        else:
+            value = datetime.fromisoformat(text.strip())
+            value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except OverflowError:  # before year 1 or after 9999 in UTC
+        value = None
     except ValueError:
         raise ConfigError(f"not a time: {text!r} (ISO 8601 such as 2026-01-31T12:00:00Z, "
                           "or a duration ago such as 2h)") from None
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    if value is None or not EARLIEST <= value <= LATEST:
+        raise ConfigError(f"{text!r} is outside {EARLIEST:%Y-%m-%d} .. {LATEST:%Y-%m-%d} UTC "
+                          f"(to replay every row retained, give --since {EARLIEST:%Y-%m-%d})")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,13 +96,16 @@ def command(settings: Settings, args: argparse.Namespace) -> int:
 def _request(store: ReplayStore, args: argparse.Namespace) -> int:
     if not args.since:
         raise ConfigError("replay needs --since TIME (or: replay list | replay cancel ID)")
-    if not math.isfinite(args.rate) or args.rate <= 0:
+    if not MIN_REPLAY_RATE <= args.rate <= MAX_REPLAY_RATE:  # NaN fails too
         # inf was stored and killed every relay that ran the replay (int(inf) tokens).
-        raise ConfigError("--rate must be a positive number of events per second")
+        raise ConfigError(f"--rate must be {MIN_REPLAY_RATE:g} to {MAX_REPLAY_RATE:,.0f} events "
+                          f"per second, got {args.rate:g}")
     since = parse_time(args.since)
     until = parse_time(args.until) if args.until else None
     if until is not None and until <= since:
         raise ConfigError("--until must be after --since")
+    if until is None and since >= datetime.now(UTC):  # the range would be empty
+        raise ConfigError(f"--since {args.since!r} is in the future: nothing was created after it yet")
     if args.dry_run:
         per_topic, retained = store.dry_run(since=since, until=until, topics=args.topic, keys=args.key)
         report = {"topics": [_plain(r) for r in per_topic], "retained": _plain(retained),

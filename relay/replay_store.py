@@ -15,6 +15,10 @@ from typing import Any
 from relay.model import OutboxRow, RowId, ShardId, Token
 from relay.store import Store
 
+#: A replay's rate bounds (``replay --rate``): 1e308 was stored and overflowed every relay's
+#: token bucket; 1e-300 was a replay that never sent a row and stayed active for ever.
+MIN_REPLAY_RATE = 0.001
+MAX_REPLAY_RATE = 1_000_000.0
 
 @dataclass(frozen=True, slots=True)
 class Position:

@@ -82,6 +82,13 @@ def test_bad_number_names_the_option():
     (("replay", "--since", "2h", "--rate", "inf"), "--rate"),
     (("replay", "--since", "2h", "--rate", "nan"), "--rate"),
     (("replay", "--since", "99999999999d"), "99999999999d"),
+    (("replay", "--since", "2h", "--rate", "1e308"), "--rate"),  # finite, and fatal to relays
+    (("replay", "--since", "2h", "--rate", "1e-300"), "--rate"),  # a replay that never sends
+    # Stored as a year before 1 (or after 9999), which psycopg cannot read back: every relay
+    # then died reading the replays, and status, replay list and the console with them.
+    (("replay", "--since", "0001-01-01T00:00:00+14:00"), "outside 1970-01-01"),
+    (("replay", "--since", "9999-12-31T23:59:59-14:00"), "outside 1970-01-01"),
+    (("replay", "--since", "2090-01-01"), "in the future"),  # a CheckViolation traceback
     (("migrate", "--shards", "100000"), "--shards"),  # past the settings table's CHECK
 ])
 def test_a_value_out_of_any_range_is_refused_in_one_line(outbox_db, args, named):
@@ -93,6 +100,20 @@ def test_a_value_out_of_any_range_is_refused_in_one_line(outbox_db, args, named)
     assert named in one_clear_line(result)
     if args[0] == "replay":
         assert scalar(outbox_db, "SELECT count(*) FROM outbox_relay_replays") == 0
+
+
+def test_a_replay_stored_with_a_time_psycopg_cannot_read_does_not_break_the_replay_list(outbox_db):
+    """A replay stored before the CLI bounded its times (a year before 1 in UTC) could not
+    be read back: `replay list`, `status`, the console and every relay's start died on it."""
+    scalar(outbox_db, "INSERT INTO outbox_relay_replays (since, until, rate_per_s) "
+                      "VALUES ('0001-01-01 00:00:00+14', now(), 10) RETURNING id")
+    try:
+        result = run_cli("replay", "list", "--json", "--dsn", outbox_db, timeout=60)
+        assert result.returncode == 0, result.stderr[-2000:]
+        (replay,) = json.loads(result.stdout)
+        assert replay["since"].startswith("1970-01-01") and replay["state"] == "active"
+    finally:
+        scalar(outbox_db, "DELETE FROM outbox_relay_replays RETURNING 1")
 
 
 def test_a_bad_log_format_names_its_value_and_variable():

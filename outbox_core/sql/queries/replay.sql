@@ -39,8 +39,14 @@ SELECT %(since)s::timestamptz, coalesce(%(until)s::timestamptz, now()), %(topics
 RETURNING id, selected_rows, since, until, requested_at
 
 -- name: list_replays
--- Newest first, with their progress summed over shards.
-SELECT r.id, r.state, r.since, r.until, r.topics, r.keys, r.rate_per_s, r.requested_at,
+-- Newest first, with their progress summed over shards.  since and until are shown within
+-- 1970 .. 9000 (replay --since refuses times outside it): a time stored before that check
+-- (a year before 1, after 9999 in the session's time zone) could not be read back, and
+-- every relay died reading its active replays.  replay_batch reads the stored range.
+SELECT r.id, r.state,
+       greatest(r.since, '1970-01-01 00:00:00+00'::timestamptz) AS since,
+       least(r.until, '9000-01-01 00:00:00+00'::timestamptz) AS until,
+       r.topics, r.keys, r.rate_per_s, r.requested_at,
        r.requested_by, r.selected_rows, r.finished_at,
        coalesce(sum(p.sent), 0)::bigint AS sent,
        count(p.shard) FILTER (WHERE p.done) AS shards_done,
