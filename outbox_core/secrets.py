@@ -39,6 +39,10 @@ _QUOTED = re.compile(r"""(["'])(.*?)\1""", re.DOTALL)
 # libpq's message for a bad %-escape in a URI quotes the token from the escape on, which
 # may itself start with a quote: the whole rest of that line is hidden.
 _BAD_PERCENT = re.compile(r'(invalid percent-encoded token: ")(.*)(")')
+# libpq quotes the word it found without "=": in a DSN that does not parse, that word may
+# be a password given alone (a secret file holding only it) or its second half after a
+# space ("password=abc def"); it is hidden whatever it is.
+_MISSING_EQUALS = re.compile(r'(missing "=" after ")(.*?)(" in connection info string)', re.DOTALL)
 _LIBPQ_LITERALS = frozenset({"=", "]", ":", "/"})
 #: libpq's Unix socket: ``<directory>/.s.PGSQL.<port>``, a host directory and a port: no secret.
 _SOCKET_FILE = re.compile(r"/[^\x00]*/\.s\.PGSQL\.\d+")
@@ -89,6 +93,7 @@ def scrub(text: str, *, dsn: str = "", properties: Mapping[str, Any] | None = No
     for password in _passwords(dsn):
         text = text.replace(password, MASK)
     text = _BAD_PERCENT.sub(rf"\1{MASK}\3", text)
+    text = _MISSING_EQUALS.sub(rf"\1{MASK}\3", text)
     visible = mask_dsn(dsn)
 
     def hide(match: re.Match[str]) -> str:

@@ -44,7 +44,10 @@ def test_missing_dsn():
 
 
 @pytest.mark.parametrize("dsn", ["host=db port=notaport password=hunter2", "nonsense-dsn",
-                                 "postgresql://u:hunter2@db/app?sslmode=sometimes"])
+                                 "postgresql://u:hunter2@db/app?sslmode=sometimes",
+                                 # libpq quoted the word without "=": a password given alone
+                                 # (a DSN file holding only it), or its half after a space
+                                 "hunter2", "host=db password=abc hunter2"])
 def test_malformed_dsn(dsn):
     result = run_cli("run", "--dsn", dsn, "--bootstrap-servers", "127.0.0.1:1")
     assert result.returncode == 2
