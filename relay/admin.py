@@ -100,8 +100,9 @@ def status(settings: Settings, *, as_json: bool) -> int:
     conn = store.connect(settings.dsn, application_name="outbox-relay-status")
     try:
         (schema,) = _rows(conn, "relay", "schema_check", {"table": settings.table})
-        if not all(schema.values()):
-            raise store.schema_missing(schema, settings.table)
+        problem = store.schema_problem(schema, settings.table)
+        if problem is not None:
+            raise problem
         (backlog,) = _rows(conn, "admin", "status_backlog", {}, settings.table)
         (dead,) = _rows(conn, "admin", "status_dead_letters", {})
         shards = _rows(conn, "leases", "shard_table", {"now": None})
@@ -159,6 +160,7 @@ def cleanup(settings: Settings, *, retention_s: float, batch: int) -> int:
 
     st = store.Store(settings.dsn, table=settings.table)
     try:
+        st.check_schema()  # --table naming another table: its rows must not be deleted
         if st.is_partitioned():
             report = st.maintain_partitions(retention_s=retention_s)
             print(f"partitions created: {', '.join(report.created) or 'none'}; "

@@ -73,6 +73,7 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
 def command(settings: Settings, args: argparse.Namespace) -> int:
     store = ReplayStore(settings.dsn, application_name="outbox-relay-replay", table=settings.table)
     try:
+        store.check_schema()
         if args.action == "list":
             rows = [_plain(r) for r in store.list_replays(limit=100)]
             if args.json:

@@ -30,6 +30,7 @@ from relay.errors import (
     DatabaseUnavailable,
     FatalError,
     PermissionDenied,
+    RelayError,
     SchemaMissing,
     TransactionPoolerUnsupported,
 )
@@ -68,13 +69,19 @@ def connect(dsn: str, *, application_name: str = "outbox-relay", autocommit: boo
         raise translate_connect_error(exc, dsn) from None
 
 
-def schema_missing(check: dict[str, Any], table: str) -> SchemaMissing:
-    """What ``schema_check`` found missing, said so a person can act: the relay's own tables
-    there but not the outbox names a ``--table`` that is not there (migrating would not help)."""
-    if check["has_shards"] and check["has_settings"] and not check["has_outbox"]:
+def schema_problem(check: dict[str, Any], table: str) -> RelayError | None:
+    """What ``schema_check`` found wrong, said so a person can act (None: nothing): the
+    relay's own tables there but not the outbox names a ``--table`` that is not there, or
+    one that is not an outbox (migrating would help neither)."""
+    if not (check["has_shards"] and check["has_settings"]):
+        return SchemaMissing()
+    if not check["has_outbox"]:
         return SchemaMissing(f"no table or view {table!r} (--table / OUTBOX_RELAY_TABLE): name the "
                              "outbox table, or the view `migrate --debezium-table` made")
-    return SchemaMissing()
+    if check["missing_columns"]:
+        return ConfigError(f"{table!r} (--table / OUTBOX_RELAY_TABLE) is not an outbox: it has no "
+                           f"column {', '.join(check['missing_columns'])}")
+    return None
 
 
 @contextmanager
@@ -280,10 +287,12 @@ class Store:
     # -- schema ---------------------------------------------------------------------------
 
     def check_schema(self) -> int:
-        """Raise SchemaMissing unless migrated; return the configured shard count."""
+        """Raise SchemaMissing unless migrated (ConfigError when ``table`` is not an outbox);
+        return the configured shard count."""
         (row,) = self._fetch("relay", "schema_check", {"table": self.table})
-        if not all(row.values()):
-            raise schema_missing(row, self.table)
+        problem = schema_problem(row, self.table)
+        if problem is not None:
+            raise problem
         settings = self._fetch("relay", "read_settings", {})
         if not settings:
             raise SchemaMissing("the relay settings row is missing: run `outbox-relay migrate`")

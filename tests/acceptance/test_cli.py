@@ -183,6 +183,27 @@ def test_a_table_that_is_not_there_is_named_not_blamed_on_the_schema(outbox_db, 
         assert "'nosuch'" in line and "--table" in line and "run `outbox-relay migrate`" not in line
 
 
+def test_a_table_that_is_not_an_outbox_is_refused_and_left_alone(outbox_db, broker):
+    """--table naming another table was a traceback (UndefinedColumn) in status, replay and
+    cleanup, and in `run` after it had taken every shard's lease; a table with the relay's
+    id and published_at columns would have had its rows deleted by cleanup.  --table Outbox
+    was looked up as outbox (folded) and then queried as "Outbox": "run migrate"."""
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE kept (id bigint, published_at timestamptz)")
+        conn.execute("INSERT INTO kept VALUES (1, now() - interval '1 day')")
+    env = relay_env(outbox_db, broker.bootstrap)
+    for command in (("run",), ("status",), ("cleanup", "--cleanup-retention-s", "1"),
+                    ("replay", "--since", "2h", "--dry-run")):
+        result = run_cli(*command, "--table", "kept", env=env)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert "'kept' (--table / OUTBOX_RELAY_TABLE) is not an outbox: it has no column event_id" \
+            in one_clear_line(result)
+    assert scalar(outbox_db, "SELECT count(*) FROM kept") == 1
+    assert scalar(outbox_db, "SELECT count(*) FROM outbox_relay_shards WHERE owner IS NOT NULL") == 0
+    result = run_cli("status", "--table", "Outbox", env=env)
+    assert result.returncode == 3 and "no table or view 'Outbox'" in one_clear_line(result)
+
+
 @pytest.mark.parametrize(
     ("prop", "value", "fragment"),
     [

@@ -254,9 +254,26 @@ FROM {table}
 WHERE published_at IS NULL
 
 -- name: schema_check
-SELECT to_regclass(%(table)s) IS NOT NULL AS has_outbox,
+-- The outbox is looked up as the queries name it, each part quoted (--table Outbox is
+-- "Outbox", not outbox), and must have the columns the relay reads and writes: --table
+-- naming another table was a traceback at the first claim, or a cleanup of its rows.
+WITH target AS (
+    SELECT to_regclass(string_agg(quote_ident(p.part), '.' ORDER BY p.n)) AS oid
+    FROM unnest(string_to_array(%(table)s, '.')) WITH ORDINALITY AS p(part, n)
+)
+SELECT t.oid IS NOT NULL AS has_outbox,
+       ARRAY(SELECT c.name
+             FROM unnest(ARRAY['id', 'event_id', 'topic', 'key', 'payload', 'payload_bytes',
+                               'headers', 'created_at', 'published_at', 'xid', 'attempts',
+                               'last_error', 'retry_at']) WITH ORDINALITY AS c(name, n)
+             WHERE t.oid IS NOT NULL
+               AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute AS a
+                               WHERE a.attrelid = t.oid AND a.attname = c.name
+                                 AND a.attnum > 0 AND NOT a.attisdropped)
+             ORDER BY c.n) AS missing_columns,
        to_regclass('outbox_relay_shards') IS NOT NULL AS has_shards,
        to_regclass('outbox_relay_settings') IS NOT NULL AS has_settings
+FROM target AS t
 
 -- name: read_settings
 SELECT shards FROM outbox_relay_settings
