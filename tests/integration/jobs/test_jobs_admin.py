@@ -94,3 +94,27 @@ def test_cli_refuses_arguments_that_are_not_utf8(conn, args, capsys):
     traceback from the query's parameters."""
     assert jobs_cli.main([*args, "--dsn", conn.info.dsn], out=io.StringIO(), env={}) == 2
     assert "is not valid UTF-8 text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "code", "err"), [
+    # The database refused these with "bigint out of range", "invalid input syntax for type
+    # uuid" and "interval out of range" (exit 1); now the CLI does, exit 2, before connecting.
+    (["dead-letters", "list", "--limit", "99999999999999999999"], 2, "argument --limit: must be from 1 to 10000"),
+    (["dead-letters", "show", "99999999999999999999"], 2, "argument JOB_ID: must be a job id from 1 to"),
+    (["runs", "show", "not-a-uuid"], 2, "argument RUN_ID: not a run id"),
+    (["cleanup", "--older-than-days", "1e10"], 2, "argument --older-than-days: must be a number of days"),
+    # Not found: on stderr (it was on stdout), exit 1.
+    (["runs", "show", "123e4567-e89b-12d3-a456-426614174000"], 1, "no run 123e4567-e89b-12d3-a456-426614174000"),
+    (["dead-letters", "show", "999"], 1, "job 999 has no dead letter"),
+    (["dead-letters", "requeue", "999"], 1, "job 999 has no dead letter"),
+])
+def test_cli_bad_input_and_not_found_against_a_database(conn, args, code, err, capsys):
+    out = io.StringIO()
+    try:
+        got = jobs_cli.main([*args, "--dsn", conn.info.dsn], out=out, env={})
+    except SystemExit as exc:
+        got = exc.code
+    captured = capsys.readouterr()
+    assert got == code
+    assert out.getvalue() == "" and captured.out == ""
+    assert err in captured.err and captured.err.count("\n") == 1
