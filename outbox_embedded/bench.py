@@ -43,6 +43,16 @@ import psycopg
 
 from outbox_embedded.calibration import rotated, round_trip, write_json
 from outbox_embedded.cpu_split import CpuSplit
+from outbox_embedded.options import (
+    MAX_PAYLOAD_BYTES,
+    admin_dsn,
+    check_database,
+    json_path,
+    number,
+    plural,
+    seconds,
+    whole,
+)
 from outbox_embedded.pg import scratch_database
 from outbox_embedded.queries import query
 from relay import migrate
@@ -52,6 +62,7 @@ from relay.config import (
     build_settings,
     producer_config,
 )
+from relay.errors import FatalError
 from relay.model import Cursor, ShardId
 from relay.store import Store
 
@@ -65,32 +76,35 @@ LONE_GAP_S = (0.3, 2.5)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench's options, each checked when it is read (outbox_embedded/options.py)."""
     p.add_argument("--dsn", default=None, help="PostgreSQL to use (default: an embedded one)")
     p.add_argument("--bootstrap-servers", default=None, help="Kafka to use (default: a local tansu)")
-    p.add_argument("--rows", type=int, default=200_000, help="backlog rows per drain run")
-    p.add_argument("--payload-bytes", type=int, default=512)
-    p.add_argument("--keys", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=1000)
-    p.add_argument("--runs", type=int, default=3, help="repetitions of each figure (median shown)")
-    p.add_argument("--rate", type=float, default=1000.0, help="events/s written in the latency run")
-    p.add_argument("--latency-s", type=float, default=10.0, help="duration of the latency run")
-    p.add_argument("--idle-s", type=float, default=10.0, help="idle window for CPU and queries")
-    p.add_argument("--published-rows", type=int, default=1_000_000,
+    p.add_argument("--rows", type=whole(1), default=200_000, help="backlog rows per drain run")
+    p.add_argument("--payload-bytes", type=whole(1, MAX_PAYLOAD_BYTES), default=512,
+                   help=f"bytes of each row's payload (1-{MAX_PAYLOAD_BYTES})")
+    p.add_argument("--keys", type=whole(1), default=1000)
+    p.add_argument("--batch-size", type=whole(1), default=1000)
+    p.add_argument("--runs", type=whole(1), default=3, help="repetitions of each figure (median shown)")
+    p.add_argument("--rate", type=number(), default=1000.0, help="events/s written in the latency run")
+    p.add_argument("--latency-s", type=seconds, default=10.0, help="duration of the latency run")
+    p.add_argument("--idle-s", type=seconds, default=10.0, help="idle window for CPU and queries")
+    p.add_argument("--published-rows", type=whole(0, zero="0 skips it"), default=1_000_000,
                    help="already-published rows for the slowdown figure (0 skips it)")
-    p.add_argument("--bloat-rows", type=int, default=1_000_000,
+    p.add_argument("--bloat-rows", type=whole(0, zero="0 skips it"), default=1_000_000,
                    help="rows passed through for the cleanup on/off figure (0 skips it)")
-    p.add_argument("--notify-clients", type=int, default=8,
+    p.add_argument("--notify-clients", type=whole(0, zero="0 skips it"), default=8,
                    help="concurrent writers (pgbench) for the NOTIFY cost figure (0 skips it)")
-    p.add_argument("--notify-s", type=float, default=5.0, help="duration of each pgbench run")
-    p.add_argument("--low-rate", type=float, default=100.0,
+    p.add_argument("--notify-s", type=seconds, default=5.0, help="duration of each pgbench run")
+    p.add_argument("--low-rate", type=number(zero="0 skips it"), default=100.0,
                    help="events/s of the second steady run (relay CPU at a low rate; 0 skips it)")
-    p.add_argument("--lone-rows", type=int, default=0,
+    p.add_argument("--lone-rows", type=whole(0, zero="0 skips it"), default=0,
                    help=f"rows written one at a time, {LONE_GAP_S[0]:g}-{LONE_GAP_S[1]:g} s apart, "
                         "for the commit -> mark latency of rows that come alone (0 skips it; "
                         "bench_ab's 'lone' figure writes 40 when 0)")
     p.add_argument("--replicas", default="1,2,4", type=replica_counts,
                    help="replica counts of the scale-out drain, comma-separated ('' skips it)")
-    p.add_argument("--json", dest="json_path", default=None, help="also write the figures here")
+    p.add_argument("--json", dest="json_path", type=json_path, default=None,
+                   help="also write the figures here (its directory must exist)")
 
 
 def replica_counts(text: str) -> list[int]:
@@ -641,9 +655,8 @@ def _consume(bootstrap: str, topic: str, received: dict[str, float], stop: threa
 
 def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     bench = Bench(args, dsn, bootstrap)
-    runs = max(1, args.runs)
+    runs: int = args.runs  # at least 1 (add_arguments)
     say = _say
-    say(f"bench: {args.rows} rows of {args.payload_bytes} B over {args.keys} keys, {runs} runs each")
     db = [bench.db_floor() for _ in range(runs)]
     say(f"  database floor      {median(db):10.0f} events/s")
     prod = [bench.producer_floor() for _ in range(runs)]
@@ -696,7 +709,7 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     lone = bench.lone_rows(args.lone_rows) if args.lone_rows else None
     if lone is not None:
         say(show("rows that come alone", lone["latency_ack_ms"])
-            + f"  max {lone['latency_ack_ms']['max']} ms ({lone['rows']} rows, {LONE_GAP_S[0]:g}-"
+            + f"  max {lone['latency_ack_ms']['max']} ms ({plural(lone['rows'], 'row')}, {LONE_GAP_S[0]:g}-"
               f"{LONE_GAP_S[1]:g} s apart, commit->mark)")
     result: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "rows": args.rows, "payload_bytes": args.payload_bytes,
@@ -756,9 +769,10 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
         result["bloat"] = {"rows_passed": args.bloat_rows,
                            "cleanup_on": {k: round(v, 1) for k, v in on.items()},
                            "cleanup_off": {k: round(v, 1) for k, v in off.items()}}
-        say(f"  after {args.bloat_rows} rows: cleanup on  {on['table_mb']:.0f} MB table + "
+        passed = f"after {plural(args.bloat_rows, 'row')}: "
+        say(f"  {passed}cleanup on  {on['table_mb']:.0f} MB table + "
             f"{on['index_mb']:.0f} MB indexes, drain {on['events_per_s']:.0f} events/s")
-        say(f"  {'':{len(str(args.bloat_rows)) + 12}}cleanup off {off['table_mb']:.0f} MB table + "
+        say(f"  {'':{len(passed)}}cleanup off {off['table_mb']:.0f} MB table + "
             f"{off['index_mb']:.0f} MB indexes, drain {off['events_per_s']:.0f} events/s")
     if args.notify_clients:
         cost = bench.notify_cost()
@@ -768,7 +782,7 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
     if args.published_rows:
         loaded = _published_rows(bench, runs, args.published_rows)
         result.update(loaded)
-        say(f"  with {args.published_rows} published rows: "
+        say(f"  with {plural(args.published_rows, 'published row')}: "
             f"{loaded['relay_events_per_s_with_published_rows']:.0f} events/s "
             f"= {loaded['published_rows_slowdown']:.2f} x the empty table "
             f"(rounds {_slashed(loaded['published_rows_slowdown_runs'])})")
@@ -926,17 +940,29 @@ def _say(text: str) -> None:
 
 
 def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    """The options were checked when they were read (add_arguments); an external ``--dsn``
+    is tried here, before any service starts: the relay's one line and exit code if it fails
+    (a traceback, before)."""
     from outbox_embedded.demo import services
 
+    _say(f"bench: {plural(args.rows, 'row')} of {args.payload_bytes} B over "
+         f"{plural(args.keys, 'key')}, {plural(args.runs, 'run')} each")
+    if args.dsn:
+        check_database(_admin_dsn(args.dsn), application_name="outbox-relay bench")
     # Durable: PostgreSQL's defaults (fsync, synchronous commit, full-page writes on), as
     # the relay meets them in production; the tests' embedded server runs without them.
     with services(args, durable=True) as (dsn, bootstrap):
         admin = _admin_dsn(dsn)
         result = run(args, admin, bootstrap)
-    write_json(args.json_path, result)
+    try:
+        write_json(args.json_path, result)
+    except OSError as exc:  # checked up front, but gone since: the figures are not lost
+        print(json.dumps(result, indent=2), flush=True)
+        raise FatalError(f"--json {args.json_path}: cannot write the figures ({exc.strerror or exc}); "
+                         "they are printed above") from None
     return 0
 
 
 def _admin_dsn(dsn: str) -> str:
     """The same server, database ``postgres``: the bench creates one database per run."""
-    return psycopg.conninfo.make_conninfo(dsn, dbname="postgres")
+    return admin_dsn(dsn)

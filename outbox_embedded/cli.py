@@ -11,6 +11,7 @@ import importlib.util
 from collections.abc import Mapping, Sequence
 
 from outbox_embedded.errors import EmbeddedUnavailable
+from outbox_embedded.options import number, seconds, whole
 from relay.cli import EMBEDDED_COMMANDS as COMMANDS
 from relay.cli import PROG, _add_options, _configure_logs, _Parser
 from relay.config import OPTIONS
@@ -31,9 +32,12 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     parser = _Parser(prog=f"{PROG} {command}", description=COMMANDS[command])
     if command == "demo":
         _add_options(parser, "demo")
-        parser.add_argument("--duration-s", type=float, default=20.0, help="how long the writer writes")
-        parser.add_argument("--rate", type=float, default=500.0, help="events per second written")
-        parser.add_argument("--keys", type=int, default=50, help="distinct keys")
+        # Checked when read (outbox_embedded/options.py): `--rate 0` killed the writer thread
+        # with a ZeroDivisionError, `--keys 0` with a ValueError, and `--duration-s nan` wrote
+        # nothing, each followed by "OK".
+        parser.add_argument("--duration-s", type=seconds, default=20.0, help="how long the writer writes")
+        parser.add_argument("--rate", type=number(), default=500.0, help="events per second written")
+        parser.add_argument("--keys", type=whole(1), default=50, help="distinct keys")
         return parser
     from outbox_embedded import bench
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import psycopg
 
+from outbox_embedded.options import plural
 from outbox_embedded.queries import query
 from relay import migrate
 
@@ -164,7 +165,7 @@ def main(args: argparse.Namespace) -> int:
                                         kwargs={"rate": args.rate, "keys": args.keys, "stop": stop_writer})]
             for t in threads:
                 t.start()
-            print(f"writing {args.rate:g} events/s over {args.keys} keys for {args.duration_s:g} s "
+            print(f"writing {args.rate:g} events/s over {plural(args.keys, 'key')} for {args.duration_s:g} s "
                   f"(Ctrl-C stops early)", flush=True)
             try:
                 _progress(tally, dsn, until=time.monotonic() + args.duration_s, relay=relay)

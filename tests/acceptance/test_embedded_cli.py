@@ -81,3 +81,89 @@ def test_the_product_creates_no_users_and_changes_no_modes():
                  for n, line in enumerate(path.read_text().splitlines(), 1)
                  if calls.search(line.split("#", 1)[0])]
     assert offenders == []
+
+
+#: The CLI as installed (`outbox-relay ...`), in a child.
+CLI = """
+import sys
+from relay.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+#: Nothing listens on port 1: a bench given these never reaches a database or a broker.
+UNREACHABLE = ("--dsn", "postgresql://bench:s3cret-pw@127.0.0.1:1/x", "--bootstrap-servers", "127.0.0.1:1")
+
+
+def refused(result: subprocess.CompletedProcess[str], command: str, flag: str, value: str) -> str:
+    """Refused when the options were read: exit code 2, one line naming the option and the
+    value, and nothing started (nothing on stdout: no header, no "starting an embedded ...")."""
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    line = one_line(result)
+    assert line.startswith(f"outbox-relay {command}: error: argument {flag}: "), line
+    assert repr(value) in line, line
+    assert result.stdout == "", result.stdout
+    return line
+
+
+def test_bench_with_an_unreachable_database_says_so_in_one_line():
+    """It printed psycopg's OperationalError traceback (exit code 1): now the relay's own
+    reading of the failed connection, its exit code, and no piece of the password."""
+    result = run(CLI, "bench", *UNREACHABLE, "--rows", "1")
+    assert result.returncode == 1, result.stderr
+    line = one_line(result)
+    assert line.startswith("outbox-relay: error: database unreachable: "), line
+    assert "s3cret-pw" not in result.stdout + result.stderr
+
+
+def test_bench_with_a_dsn_libpq_cannot_read_exits_2():
+    result = run(CLI, "bench", "--dsn", "postgresql://bench:s3cret-pw@127.0.0.1:notaport/x",
+                 "--bootstrap-servers", "127.0.0.1:1", "--rows", "1")
+    assert result.returncode == 2, result.stderr
+    line = one_line(result)
+    assert line.startswith("outbox-relay: error: invalid PostgreSQL connection string: "), line
+    assert "s3cret-pw" not in result.stdout + result.stderr
+
+
+def test_bench_says_1_row_1_key_1_run():
+    """Its first line read "1 rows of 512 B over 1 keys, 1 runs each"."""
+    result = run(CLI, "bench", *UNREACHABLE, "--rows", "1", "--keys", "1", "--runs", "1")
+    assert result.stdout.splitlines()[0] == "bench: 1 row of 512 B over 1 key, 1 run each", result.stdout
+    result = run(CLI, "bench", *UNREACHABLE, "--rows", "2", "--keys", "3", "--runs", "2")
+    assert result.stdout.splitlines()[0] == "bench: 2 rows of 512 B over 3 keys, 2 runs each", result.stdout
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--rows", "0"), ("--keys", "0"), ("--keys", "-3"), ("--runs", "0"), ("--batch-size", "0"),
+    ("--payload-bytes", "0"), ("--payload-bytes", "900001"),
+    ("--rate", "0"), ("--rate", "-5"), ("--rate", "nan"), ("--rate", "inf"),
+    ("--low-rate", "-1"), ("--low-rate", "nan"),
+    ("--published-rows", "-1"), ("--bloat-rows", "-1"), ("--lone-rows", "-1"), ("--notify-clients", "-1"),
+    ("--latency-s", "0"), ("--latency-s", "nan"), ("--idle-s", "0"), ("--idle-s", "inf"),
+    ("--notify-s", "-1"),
+])
+def test_bench_refuses_a_bad_number_before_it_starts(flag, value):
+    """`--keys 0` ended in a DivisionByZero traceback, `--runs 0` was taken as 1, `--rate nan`
+    was taken; each is refused in one line before any database or broker is reached."""
+    refused(run(CLI, "bench", *UNREACHABLE, flag, value), "bench", flag, value)
+
+
+@pytest.mark.parametrize("where", ["missing directory", "a directory", "under a file"])
+def test_bench_refuses_a_json_path_it_could_not_write_before_it_starts(where, tmp_path):
+    """A --json it could not write was found only once every figure had been measured."""
+    (tmp_path / "file").write_text("")
+    path = {"missing directory": tmp_path / "nonexistent" / "out.json",
+            "a directory": tmp_path,
+            "under a file": tmp_path / "file" / "out.json"}[where]
+    refused(run(CLI, "bench", *UNREACHABLE, "--json", str(path)), "bench", "--json", str(path))
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--rate", "0"), ("--rate", "nan"), ("--rate", "-1"), ("--keys", "0"),
+    ("--duration-s", "nan"), ("--duration-s", "0"), ("--duration-s", "inf"),
+])
+def test_demo_refuses_a_bad_number_before_it_starts(flag, value):
+    """`--rate 0` killed the writer with a ZeroDivisionError, `--keys 0` with a ValueError, and
+    `--duration-s nan` wrote nothing: each then reported OK.  Run as "root" without a user, so
+    that a demo that did start would stop at once (PostgreSQL's refusal), not run."""
+    env = {k: v for k, v in os.environ.items() if k != "OUTBOX_EMBEDDED_PG_USER"}
+    refused(run(AS_ROOT, "demo", "--duration-s", "1", flag, value, env=env), "demo", flag, value)
