@@ -75,6 +75,10 @@ DEFAULT_EXACTLY_ONCE_COMMIT_INTERVAL_S = 0.1
 #: librdkafka settings the relay needs for its guarantees; a user may override
 #: the tuning ones but not these (see :func:`producer_config`).
 REQUIRED_PRODUCER = {"enable.idempotence": "true", "acks": "all"}
+#: Each required property under every name librdkafka reads it by, and the values it reads
+#: as the required one (acks=-1 is all; enable.idempotence=1 is true).
+_REQUIRED_NAMES = {"enable.idempotence": ("enable.idempotence",), "acks": ("acks", "request.required.acks")}
+_REQUIRED_EQUIVALENTS = {"enable.idempotence": {"true", "1"}, "acks": {"all", "-1"}}
 DEFAULT_PRODUCER = {
     "partitioner": "murmur2_random",  # keys land on the same partitions as with Java clients
     # Fuller record batches in a backlog, at no latency once caught up: after a paced claim
@@ -144,10 +148,24 @@ def _mark_connections(text: str) -> int:
     return value
 
 
+#: The shortest duration an option takes: 1e-300 s of poll interval kept an idle relay on a
+#: full core, and a lease that short flooded the log with heartbeat_late.
+MIN_SECONDS = 0.001
+#: The shortest lease: renewing it takes database round trips.
+MIN_LEASE_S = 1.0
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not 0 < value <= MAX_SECONDS:
-        raise ValueError("must be a positive number of seconds, up to 100 years")
+    if not MIN_SECONDS <= value <= MAX_SECONDS:
+        raise ValueError(f"must be a number of seconds from {MIN_SECONDS:g} to 100 years")
+    return value
+
+
+def _lease_seconds(text: str) -> float:
+    value = float(text)
+    if not MIN_LEASE_S <= value <= MAX_SECONDS:
+        raise ValueError(f"must be a number of seconds from {MIN_LEASE_S:g} to 100 years")
     return value
 
 
@@ -159,10 +177,12 @@ def _seconds(text: str) -> float:
 
 
 def _flag(text: str) -> bool:
+    """An empty value is refused: `--keep-published=` read as false deleted every row as it
+    was acknowledged (an empty variable is unset: the default)."""
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
-    if lowered in ("0", "false", "no", "off", ""):
+    if lowered in ("0", "false", "no", "off"):
         return False
     raise ValueError("must be true or false")
 
@@ -246,7 +266,7 @@ OPTIONS: tuple[Option, ...] = (
            help="migrate: how long a migration waits for a table lock before it gives up and "
                 "tries again (3 tries); writers queue behind that wait, so keep it short",
            commands=("migrate",)),
-    Option(name="lease_duration_s", parse=_positive_float, default=DEFAULT_LEASE_DURATION_S,
+    Option(name="lease_duration_s", parse=_lease_seconds, default=DEFAULT_LEASE_DURATION_S,
            help="how long a shard lease lasts without renewal, seconds"),
     Option(name="heartbeat_interval_s", parse=_positive_float, default=None,
            help="lease renewal interval, seconds (default: a third of the lease)"),
@@ -472,6 +492,10 @@ def build_settings(
             f"--heartbeat-interval-s ({heartbeat}) must be shorter than --lease-duration-s ({lease})"
         )
     parsed["heartbeat_interval_s"] = heartbeat
+    low = parsed.get("claim_interval_s", DEFAULT_CLAIM_INTERVAL_S)
+    high = parsed.get("claim_interval_max_s", DEFAULT_CLAIM_INTERVAL_MAX_S)
+    if low and high and low > high:  # the pacing's floor above its ceiling: one was mistyped
+        raise ConfigError(f"--claim-interval-s ({low:g}) must not be above --claim-interval-max-s ({high:g})")
     if parsed.get("keep_published") is False and parsed.get("cleanup_retention_s"):
         raise ConfigError(
             "--keep-published false deletes rows as they are published: there is nothing for "
@@ -499,13 +523,18 @@ def producer_config(settings: Settings) -> dict[str, str]:
         config["linger.ms"] = UNPACED_LINGER_MS
     config.update(settings.kafka_properties)
     for name, value in REQUIRED_PRODUCER.items():
-        given = config.get(name)
-        if given is not None and given.lower() != value:
-            raise ConfigError(
-                f"kafka property {name}={given!r} would break the relay's delivery guarantee; "
-                f"it must be {value}"
-            )
+        for given_name in _REQUIRED_NAMES[name]:
+            given = config.pop(given_name, None)
+            if given is not None and given.strip().lower() not in _REQUIRED_EQUIVALENTS[name]:
+                raise ConfigError(
+                    f"kafka property {given_name}={given!r} would break the relay's delivery "
+                    f"guarantee; it must be {value}"
+                )
         config[name] = value
+    if "transactional.id" in config:  # the producer would refuse to produce outside a transaction
+        raise ConfigError("kafka property transactional.id: the relay's producer is not transactional; "
+                          "exactly-once mode (--exactly-once true) names each shard's producer "
+                          "from --exactly-once-transactional-id-prefix")
     config["bootstrap.servers"] = settings.bootstrap_servers
     check_kafka_files(config)
     return config

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from relay.config import (
@@ -199,3 +201,28 @@ def test_a_socket_path_in_a_connection_error_is_shown_and_the_password_is_not() 
     leaked = 'connection to server on socket "/run/s3cret/.s.PGSQL.5433" failed'
     assert "s3cret" not in scrub(leaked, dsn="host=/run/s3cret password=s3cret")
     assert scrub('could not parse "s3cret-ish"', dsn="password=x") == 'could not parse "***"'
+
+
+@pytest.mark.parametrize(("values", "props", "fragment"), [
+    # read as false, it deleted every row as it was acknowledged
+    ({"keep_published": ""}, {}, "--keep-published"),
+    ({"keep_published": " "}, {}, "--keep-published"),
+    # an idle relay on a full core; a log flooded with heartbeat_late
+    ({"poll_interval_s": "1e-300"}, {}, "--poll-interval-s"),
+    ({"lease_duration_s": "0.5"}, {}, "--lease-duration-s"),
+    ({"claim_interval_s": "5", "claim_interval_max_s": "0.01"}, {}, "--claim-interval-max-s"),
+    # the producer then failed every row with 'Erroneous state', for ever
+    ({}, {"transactional.id": "x"}, "transactional.id"),
+    ({}, {"request.required.acks": "1"}, "request.required.acks='1'"),
+])
+def test_settings_that_cannot_work_are_refused(values, props, fragment) -> None:
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        producer_config(build_settings({"dsn": DSN, "bootstrap_servers": "k:9092", **values},
+                                       kafka_properties=props))
+
+
+def test_the_guarantees_spelt_as_librdkafka_reads_them_are_taken() -> None:
+    """enable.idempotence=1 and acks=-1 were refused as breaking the guarantee they keep."""
+    config = producer_config(build_settings({"dsn": DSN, "bootstrap_servers": "k:9092"},
+                                            kafka_properties={"enable.idempotence": "1", "acks": "-1"}))
+    assert config["enable.idempotence"] == "true" and config["acks"] == "all"
