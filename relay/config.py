@@ -394,8 +394,14 @@ def env_values(env: Mapping[str, str], command: str) -> dict[str, str]:
         if command not in option.commands:
             continue
         value = env.get(option.env)
-        if value is None and option.secret:
+        if option.secret and env.get(option.env + "_FILE"):
+            # Both set: one was meant to replace the other, and which one is in use is a guess
+            # (an empty variable beside its file hid the file: "no database given").
+            if value:
+                raise ConfigError(f"set one of {option.env} or {option.env}_FILE, not both")
             value = read_secret_file(env, option.env)
+            if not (value or "").strip():
+                raise ConfigError(f"{option.env}_FILE: {env[option.env + '_FILE']} is empty")
         if value is not None and value != "":
             found[option.name] = value
     return found
@@ -474,8 +480,8 @@ def build_settings(
     """Parse and validate raw option values (strings from env or flags) into Settings."""
     parsed = {name: parse_option(name, raw) for name, raw in values.items() if raw is not None}
     dsn = parsed.get("dsn")
-    if not dsn:
-        raise ConfigError(f"no database given: set --dsn or {ENV_PREFIX}DSN")
+    if not dsn or not dsn.strip():  # blank: libpq would try the local socket's defaults
+        raise ConfigError(f"no database given: set --dsn, {ENV_PREFIX}DSN or {ENV_PREFIX}DSN_FILE")
     validate_dsn(dsn)
     if require_broker and not parsed.get("bootstrap_servers"):
         props = kafka_properties or {}

@@ -33,6 +33,22 @@ def test_env_values_read_options_and_secret_files(tmp_path) -> None:
     assert values == {"dsn": DSN, "batch_size": "50"}
 
 
+def test_a_secret_file_beside_its_variable_or_empty_is_refused_not_guessed(tmp_path) -> None:
+    """An empty OUTBOX_RELAY_DSN beside its _FILE hid the file ("no database given"), both
+    set took the variable in silence, and an empty file read as no DSN at all."""
+    secret = tmp_path / "dsn"
+    secret.write_text(DSN + "\n")
+    assert env_values({"OUTBOX_RELAY_DSN": "", "OUTBOX_RELAY_DSN_FILE": str(secret)}, "run") == {"dsn": DSN}
+    with pytest.raises(ConfigError, match="set one of OUTBOX_RELAY_DSN or OUTBOX_RELAY_DSN_FILE"):
+        env_values({"OUTBOX_RELAY_DSN": DSN, "OUTBOX_RELAY_DSN_FILE": str(secret)}, "run")
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="OUTBOX_RELAY_DSN_FILE: .*empty is empty"):
+        env_values({"OUTBOX_RELAY_DSN_FILE": str(empty)}, "run")
+    with pytest.raises(ConfigError, match="no database given"):
+        build_settings({"dsn": "   ", "bootstrap_servers": "k:9092"})  # not the local socket
+
+
 def test_kafka_properties_pass_through_from_env(tmp_path) -> None:
     pw = tmp_path / "pw"
     pw.write_text("hunter2")
