@@ -63,6 +63,13 @@ def _adopt(settings: Settings, args: argparse.Namespace) -> int:
             report = adopt(conn, source=source, view=view,
                            topic_template=args.topic_template or DEFAULT_TOPIC_TEMPLATE,
                            ce_source=args.cloudevents_source, existing=args.existing or "published")
+    except psycopg.errors.ProgrammingError as exc:  # SQLSTATE class 42
+        # A table without Debezium's columns (aggregatetype ...), a --view naming a table or
+        # a schema that is not there were tracebacks (each in adopt's first transaction,
+        # rolled back).
+        raise ConfigError(f"--debezium-table {source} / --view {view}: {exc.diag.message_primary} "
+                          "(a Debezium outbox has the columns id, aggregatetype, aggregateid, type "
+                          "and payload)") from None
     finally:
         conn.close()
     print(f"locked {source} in ACCESS EXCLUSIVE mode for {report.lock_s * 1000:.0f} ms "

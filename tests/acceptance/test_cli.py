@@ -157,6 +157,23 @@ def test_dead_letter_ids_are_checked_before_anything_is_moved(args, named):
     assert named in one_clear_line(result)
 
 
+@pytest.mark.parametrize(("args", "named"), [
+    (("--debezium-table", "outbox"), 'column "aggregatetype" does not exist'),  # not Debezium's
+    (("--debezium-table", "dbz", "--view", "outbox"), '"outbox" is not a view'),
+    (("--debezium-table", "dbz", "--view", "nosuch.v"), 'schema "nosuch" does not exist'),
+])
+def test_an_adoption_that_cannot_be_made_is_one_line(outbox_db, args, named):
+    """Each was a traceback (UndefinedColumn, WrongObjectType, InvalidSchemaName)."""
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS dbz (id uuid PRIMARY KEY, aggregatetype text NOT NULL, "
+                     "aggregateid text NOT NULL, type text NOT NULL, payload jsonb)")
+    result = run_cli("migrate", *args, "--dsn", outbox_db, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert named in one_clear_line(result)
+    assert scalar(outbox_db, "SELECT count(*) FROM information_schema.columns "
+                             "WHERE column_name = 'relay_seq'") == 0  # rolled back
+
+
 @pytest.mark.parametrize("args", [("--existing", "pending"), ("--view", "v"), ("--cloudevents-source", "s"),
                                   ("--print", "--debezium-table", "events")])
 def test_adoption_options_without_an_adoption_are_refused(args):
