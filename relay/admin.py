@@ -61,7 +61,8 @@ def _adopt(settings: Settings, args: argparse.Namespace) -> int:
     try:
         with store.translated():
             report = adopt(conn, source=source, view=view,
-                           topic_template=args.topic_template or DEFAULT_TOPIC_TEMPLATE,
+                           topic_template=(DEFAULT_TOPIC_TEMPLATE if args.topic_template is None
+                                           else args.topic_template),
                            ce_source=args.cloudevents_source, existing=args.existing or "published")
     except psycopg.errors.ProgrammingError as exc:  # SQLSTATE class 42
         # A table without Debezium's columns (aggregatetype ...), a --view naming a table or

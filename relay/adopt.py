@@ -28,6 +28,9 @@ _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _COLUMNS = {"id", "aggregatetype", "aggregateid", "type"}
 
 
+_TOPIC_TEXT = re.compile(r"^[A-Za-z0-9._-]*\Z")
+
+
 def topic_expression(template: str) -> sql.Composable:
     """``outbox.event.{aggregatetype}`` -> ``'outbox.event.' || "aggregatetype"::text``.
 
@@ -47,8 +50,12 @@ def topic_expression(template: str) -> sql.Composable:
         pos = match.end()
     if pos < len(template):
         parts.append(sql.Literal(template[pos:]))
-    if not parts or "{" in _FIELD.sub("", template) or "}" in _FIELD.sub("", template):
+    literal = _FIELD.sub("", template)
+    if not parts or "{" in literal or "}" in literal:
         raise ConfigError(f"--topic-template {template!r}: use literal text and {{column}} fields")
+    if not _TOPIC_TEXT.match(literal):  # "bad topic {type}" routed rows to "bad topic created"
+        raise ConfigError(f"--topic-template {template!r}: its text must be of Kafka's topic "
+                          "characters, A-Z a-z 0-9 . _ -")
     return sql.SQL(" || ").join(parts)
 
 

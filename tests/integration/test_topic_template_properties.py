@@ -1,6 +1,7 @@
-"""Property test of the Debezium column mapping's topic template (issue 9): any literal
-text, however hostile, comes back verbatim from the database, fields become the column
-values, and anything else is a clean ConfigError; no input is ever pasted into SQL."""
+"""Property test of the Debezium column mapping's topic template (issue 9): literal text
+of Kafka's topic characters comes back verbatim from the database, fields become the
+column values, and anything else (any other character: a topic Kafka refuses, or SQL
+pasted in) is a clean ConfigError; no input is ever pasted into SQL."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from relay.errors import ConfigError
 
 COLUMNS = {"aggregatetype": "Order'; DROP TABLE x; --", "aggregateid": "o-1", "type": "Created",
            "id": "6f1c0b0e-0000-4000-8000-000000000000"}
-literal = st.text(alphabet=st.characters(blacklist_characters="{}\x00", blacklist_categories=("Cs",)),
-                  max_size=12)
+TOPIC_CHARACTERS = "ABCXYZabcxyz0189._-"
+literal = st.text(alphabet=TOPIC_CHARACTERS, max_size=12)
+hostile = st.text(alphabet=st.characters(blacklist_characters="{}\x00", blacklist_categories=("Cs",)),
+                  min_size=1, max_size=12).filter(lambda t: any(c not in TOPIC_CHARACTERS and not c.isalnum()
+                                                                or not c.isascii() for c in t))
 field = st.sampled_from(sorted(COLUMNS))
 
 
@@ -36,6 +40,14 @@ def test_templates_render_literally(conn, parts, tail) -> None:
         topic_expression(template), *(sql.Literal(COLUMNS[c]) for c in
                                       ("aggregatetype", "aggregateid", "type", "id")))
     assert conn.execute(row).fetchone()[0] == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=hostile, name=field)
+def test_text_that_is_not_of_topic_characters_is_refused(text, name) -> None:
+    """'bad topic {type}' routed rows to the topic 'bad topic created', which Kafka refuses."""
+    with pytest.raises(ConfigError, match="topic characters"):
+        topic_expression(f"{text}{{{name}}}")
 
 
 @settings(max_examples=200, deadline=None)
