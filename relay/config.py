@@ -209,6 +209,17 @@ def _table_name(text: str) -> str:
     return text
 
 
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}\Z")
+
+
+def _topic_name(text: str) -> str:
+    """Kafka's rule (the outbox's CHECK): an empty position topic was a broker_unavailable
+    retried for ever ("cannot read metadata of : ...")."""
+    if not _TOPIC.match(text) or text in (".", ".."):
+        raise ValueError("must be a Kafka topic name: 1 to 249 of A-Z a-z 0-9 . _ -")
+    return text
+
+
 def _log_level(text: str) -> str:
     level = text.lower()
     if level not in ("debug", "info", "warning", "error"):
@@ -274,7 +285,7 @@ OPTIONS: tuple[Option, ...] = (
            help="on SIGTERM, how long to wait for in-flight acknowledgements, seconds"),
     Option(name="max_attempts", parse=_positive_int, default=DEFAULT_MAX_ATTEMPTS,
            help="permanent publish failures of a row before it is dead-lettered"),
-    Option(name="dead_letter_topic", default=None,
+    Option(name="dead_letter_topic", default=None, parse=_topic_name,
            help="also produce dead-lettered rows to this topic (with dlt_* headers) before moving them"),
     Option(name="backoff_max_s", parse=_positive_float, default=DEFAULT_BACKOFF_MAX_S,
            help="cap of the exponential back-off for retries, seconds"),
@@ -295,7 +306,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(name="exactly_once", parse=_flag, default="false",
            help="Kafka transactions fenced by the shard leases: read_committed consumers see "
                 "every row once (needs transactions and a position topic; see README)"),
-    Option(name="exactly_once_position_topic", default=DEFAULT_EXACTLY_ONCE_POSITION_TOPIC,
+    Option(name="exactly_once_position_topic", default=DEFAULT_EXACTLY_ONCE_POSITION_TOPIC, parse=_topic_name,
            help="compacted topic (one partition per shard) where each transaction records "
                 "the rows it carried"),
     Option(name="exactly_once_transactional_id_prefix",

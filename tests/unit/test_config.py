@@ -230,6 +230,9 @@ def test_a_socket_path_in_a_connection_error_is_shown_and_the_password_is_not() 
     # the producer then failed every row with 'Erroneous state', for ever
     ({}, {"transactional.id": "x"}, "transactional.id"),
     ({}, {"request.required.acks": "1"}, "request.required.acks='1'"),
+    # a broker_unavailable retried for ever; a dead-letter topic Kafka refuses
+    ({"exactly_once": "true", "exactly_once_position_topic": ""}, {}, "--exactly-once-position-topic"),
+    ({"dead_letter_topic": "bad topic"}, {}, "--dead-letter-topic"),
 ])
 def test_settings_that_cannot_work_are_refused(values, props, fragment) -> None:
     with pytest.raises(ConfigError, match=re.escape(fragment)):
