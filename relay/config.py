@@ -572,6 +572,8 @@ def check_kafka_files(config: Mapping[str, str]) -> None:
         where = f"kafka property {name}: {path!r}"
         if not os.path.exists(path):
             raise ConfigError(f"{where} does not exist")
+        if name != "ssl.ca.location" and not os.path.isfile(path):  # OpenSSL: "PEM lib"
+            raise ConfigError(f"{where} is not a file")
         if not os.access(path, os.R_OK):
             raise ConfigError(f"{where} cannot be read by this process (uid {os.getuid()})")
 

@@ -144,6 +144,9 @@ def test_a_kafka_file_that_is_not_there_is_named_with_its_property(tmp_path) -> 
     for name in ("ssl.ca.location", "ssl.certificate.location", "ssl.key.location", "sasl.kerberos.keytab"):
         with pytest.raises(ConfigError, match=f"kafka property {name}: '.*/gone.pem' does not exist"):
             config(**{name: str(tmp_path / "gone.pem")})
+    for name in ("ssl.certificate.location", "ssl.key.location"):  # OpenSSL said "PEM lib"
+        with pytest.raises(ConfigError, match=f"kafka property {name}: .* is not a file"):
+            config(**{name: str(tmp_path)})
 
 
 def test_kafka_property_flag_parsing() -> None:
