@@ -154,8 +154,8 @@ class Relay:
         nshards = self._retry_db(self.store.check_schema)
         if nshards is None:
             return  # stopped while waiting
-        if s.shards is not None and s.shards != nshards:
-            raise FatalError(
+        if s.shards is not None and s.shards != nshards:  # a configuration's mistake: exit 2
+            raise ConfigError(
                 f"--shards {s.shards} does not match the database's {nshards} shards; "
                 f"stop every relay and run `outbox-relay migrate --shards {s.shards}` to change it"
             )

@@ -117,8 +117,8 @@ def _request(store: ReplayStore, args: argparse.Namespace) -> int:
         print(f"retained published rows: {retained['rows']}, created "
               f"{_iso(retained['oldest']) or '-'} .. {_iso(retained['newest']) or '-'}")
         if retained["oldest"] is not None and retained["oldest"] > since:
-            print(f"note: --since is before the oldest retained row; rows before "
-                  f"{_iso(retained['oldest'])} were removed by retention")
+            print(f"note: --since is before the oldest retained row ({_iso(retained['oldest'])}): "
+                  "rows created before it, if there were any, are no longer retained")
         for r in per_topic:
             print(f"{r['topic']:<32} {r['rows']:>10} rows  {_iso(r['first_created_at'])} .. "
                   f"{_iso(r['last_created_at'])}")
