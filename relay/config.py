@@ -479,7 +479,12 @@ def parse_option(name: str, raw: Any) -> Any:
     try:
         return option.parse(raw)
     except ValueError as exc:
-        raise ConfigError(f"{option.flag} / {option.env}: {raw!r} {exc}") from None
+        reason = str(exc)
+        if reason.startswith("invalid literal for int()"):  # Python's words, not the user's
+            reason = "is not a whole number"
+        elif reason.startswith("could not convert string to float"):
+            reason = "is not a number"
+        raise ConfigError(f"{option.flag} / {option.env}: {raw!r} {reason}") from None
 
 
 def build_settings(

@@ -89,6 +89,9 @@ def test_build_settings_parses_units_and_defaults() -> None:
         ({"dsn": DSN, "bootstrap_servers": "k", "keep_published": "maybe"}, "--keep-published"),
         ({"dsn": DSN, "bootstrap_servers": "k", "mark_connections": "9"}, "--mark-connections"),
         ({"dsn": DSN, "bootstrap_servers": "k", "mark_connections": "-1"}, "--mark-connections"),
+        # Python's "invalid literal for int() with base 10: '1e3'" was the reason shown
+        ({"dsn": DSN, "bootstrap_servers": "k", "cleanup_batch": "1e3"}, "'1e3' is not a whole number"),
+        ({"dsn": DSN, "bootstrap_servers": "k", "poll_interval_s": "soon"}, "'soon' is not a number"),
         ({"dsn": DSN, "bootstrap_servers": "k", "keep_published": "false",
           "cleanup_retention_s": "60"}, "nothing for --cleanup-retention-s to keep"),
     ],
