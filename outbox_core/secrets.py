@@ -136,8 +136,10 @@ def validate_dsn(dsn: str, *, option: str = "dsn") -> None:
     except UnicodeError:
         raise InvalidDsn(f"{where}: it is not valid UTF-8 text") from None
     port = str(parts.get("port", "5432") or "")
-    if not all(p.isdigit() and 0 < int(p) < 65536 for p in port.split(",")):
-        raise InvalidDsn(scrub(f"{where}: port {port!r} is not a TCP port number", dsn=dsn))
+    # An empty item is libpq's default port (host1:5433,host2 gives "5433,").
+    bad = [p for p in port.split(",") if p and not (p.isdigit() and 0 < int(p) < 65536)]
+    if bad:  # the part, not the list: "1,99999" is not in the DSN's text, and was hidden
+        raise InvalidDsn(scrub(f"{where}: port {bad[0]!r} is not a TCP port number", dsn=dsn))
 
 
 def safe_repr(obj: Any, fields: Mapping[str, Any]) -> str:

@@ -462,8 +462,10 @@ def validate_dsn(dsn: str) -> None:
     except UnicodeError:  # surrogates from undecodable bytes in the environment
         raise ConfigError(f"{where}: it is not valid UTF-8 text") from None
     port = str(fields.get("port", "5432") or "")
-    if not all(part.isdigit() and 0 < int(part) < 65536 for part in port.split(",")):
-        raise ConfigError(scrub(f"{where}: port {port!r} is not a TCP port number", dsn=dsn))
+    # An empty item is libpq's default port (host1:5433,host2 gives "5433,").
+    bad = [part for part in port.split(",") if part and not (part.isdigit() and 0 < int(part) < 65536)]
+    if bad:  # the part, not the list: "1,99999" is not in the DSN's text, and was hidden
+        raise ConfigError(scrub(f"{where}: port {bad[0]!r} is not a TCP port number", dsn=dsn))
     sslmode = fields.get("sslmode")
     if sslmode is not None and sslmode not in _SSLMODES:
         raise ConfigError(scrub(

@@ -78,7 +78,7 @@ def test_build_settings_parses_units_and_defaults() -> None:
     [
         ({"bootstrap_servers": "k:9092"}, "no database given"),
         ({"dsn": DSN}, "no Kafka cluster given"),
-        ({"dsn": "host=db port=", "bootstrap_servers": "k"}, "not a valid PostgreSQL connection string"),
+        ({"dsn": "host=db port=abc", "bootstrap_servers": "k"}, "not a valid PostgreSQL connection string"),
         ({"dsn": DSN, "bootstrap_servers": "k", "batch_size": "0"}, "--batch-size"),
         ({"dsn": DSN, "bootstrap_servers": "k", "batch_size": "ten"}, "OUTBOX_RELAY_BATCH_SIZE"),
         ({"dsn": DSN, "bootstrap_servers": "k", "poll_interval_s": "-1"}, "--poll-interval-s"),
@@ -251,3 +251,14 @@ def test_the_guarantees_spelt_as_librdkafka_reads_them_are_taken() -> None:
     config = producer_config(build_settings({"dsn": DSN, "bootstrap_servers": "k:9092"},
                                             kafka_properties={"enable.idempotence": "1", "acks": "-1"}))
     assert config["enable.idempotence"] == "true" and config["acks"] == "all"
+
+
+def test_a_multi_host_dsn_is_checked_port_by_port() -> None:
+    """An empty item of a port list is libpq's default port, and was refused ("h1:5433,h2"
+    is a valid failover DSN); a bad item was named as the whole list, which the scrub then
+    hid as '***' (not in the DSN's text)."""
+    base = {"bootstrap_servers": "k:9092"}
+    assert build_settings({**base, "dsn": "postgresql://u:s3cret@h1:5433,h2/app"})
+    with pytest.raises(ConfigError, match="port '99999' is not a TCP port number") as refused:
+        build_settings({**base, "dsn": "postgresql://u:s3cret@h1:1,h2:99999/app"})
+    assert "s3cret" not in str(refused.value)

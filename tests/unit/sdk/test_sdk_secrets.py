@@ -89,3 +89,12 @@ def test_the_consumer_logs_its_config_without_secrets() -> None:
         consumer = InboxConsumer(config, lambda conn, message: None)
         consumer.log.info("probe", config=config)
     assert_hidden(repr(logs))
+
+
+def test_the_sdk_takes_a_multi_host_dsn_with_a_default_port() -> None:
+    """"h1:5433,h2" (the second host on libpq's default port) was refused as an invalid DSN."""
+    from outbox_core.secrets import InvalidDsn, validate_dsn
+
+    validate_dsn("postgresql://u:s3cret@h1:5433,h2/app")
+    with pytest.raises(InvalidDsn, match="port '99999'"):
+        validate_dsn("postgresql://u:s3cret@h1:1,h2:99999/app")
