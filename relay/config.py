@@ -425,6 +425,9 @@ def kafka_env_properties(env: Mapping[str, str]) -> dict[str, str]:
         if not name.startswith(KAFKA_ENV_PREFIX):
             continue
         prop = name[len(KAFKA_ENV_PREFIX) :].lower()
+        if not prop.strip("_") or prop == "_file":  # librdkafka: 'No such configuration property: ""'
+            raise ConfigError(f"{name} names no Kafka property ({KAFKA_ENV_PREFIX}<PROPERTY>, "
+                              f"e.g. {KAFKA_ENV_PREFIX}SECURITY_PROTOCOL)")
         if prop.endswith("_file"):
             content = read_secret_file(env, name[: -len("_FILE")])
             if content is not None:

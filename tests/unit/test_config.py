@@ -49,6 +49,12 @@ def test_a_secret_file_beside_its_variable_or_empty_is_refused_not_guessed(tmp_p
         build_settings({"dsn": "   ", "bootstrap_servers": "k:9092"})  # not the local socket
 
 
+def test_a_kafka_variable_without_a_property_is_named() -> None:
+    for name in ("OUTBOX_RELAY_KAFKA_", "OUTBOX_RELAY_KAFKA__FILE"):
+        with pytest.raises(ConfigError, match=f"{name} names no Kafka property"):
+            kafka_env_properties({name: "x"})
+
+
 def test_kafka_properties_pass_through_from_env(tmp_path) -> None:
     pw = tmp_path / "pw"
     pw.write_text("hunter2")
