@@ -43,6 +43,9 @@ LABELLED = {
     "outbox_relay_failed_attempts_total",
     "outbox_relay_dead_lettered_total",
 }
+#: Gauges with a series only while their state lasts (a partition stalled): a live scrape
+#: declares them (HELP and TYPE) without a sample.
+DECLARED_ONLY = {"outbox_relay_stalled_rows"}
 
 
 def dashboard_queries(node: Any) -> Iterator[str]:
@@ -81,8 +84,9 @@ def get(url: str) -> tuple[int, bytes]:
 def scraped_names(port: int) -> set[str]:
     status, body = get(f"http://127.0.0.1:{port}/metrics")
     assert status == 200
-    return {sample.name for family in text_string_to_metric_families(body.decode())
-            for sample in family.samples}
+    families = list(text_string_to_metric_families(body.decode()))
+    return ({sample.name for family in families for sample in family.samples}
+            | {family.name for family in families if family.name in DECLARED_ONLY})
 
 
 def insert_rows(dsn: str, topic: str) -> None:
