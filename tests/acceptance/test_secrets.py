@@ -182,10 +182,12 @@ def test_failing_runs_show_no_secret(mode: str, outbox_db, broker, tmp_path: Pat
 
     if mode == "file":
         return
-    # librdkafka refuses the TLS settings: the passphrase is not in its message.
+    # librdkafka refuses the TLS settings: the passphrase is not in its message.  (A key
+    # file that is not there is refused before librdkafka sees it: one that is not a key.)
     env = relay_env(outbox_db, broker.bootstrap)
+    (tmp_path / "not-a-key.pem").write_text("not a key\n")
     env.update(OUTBOX_RELAY_KAFKA_SECURITY_PROTOCOL="SSL",
-               OUTBOX_RELAY_KAFKA_SSL_KEY_LOCATION=str(tmp_path / "no-such-key.pem"),
+               OUTBOX_RELAY_KAFKA_SSL_KEY_LOCATION=str(tmp_path / "not-a-key.pem"),
                OUTBOX_RELAY_KAFKA_SSL_KEY_PASSWORD=KEY_PASSPHRASE,
                OUTBOX_RELAY_KAFKA_SASL_PASSWORD=SASL_PASSWORD)
     result = subprocess.run(relay_cmd("run"), env=env, capture_output=True, text=True, timeout=60)
