@@ -108,10 +108,14 @@ def test_requeue_republishes_with_the_same_event_id_after_the_cause_is_fixed(
                           capture_output=True, text=True)
     assert gone.returncode == 1 and f"no dead letter with event_id {dead['event_id']}" in gone.stderr
     assert "Traceback" not in gone.stderr
+    unknown = "6802ca8b-db27-41d2-9955-ed1884f2bd28"
     for action in ("requeue", "purge"):  # a mistyped id said "requeued 0" and exit 0
-        typo = subprocess.run(relay_cmd("dead-letters", action, "not-a-uuid", "--dsn", outbox_db),
+        typo = subprocess.run(relay_cmd("dead-letters", action, unknown, "--dsn", outbox_db),
                               capture_output=True, text=True)
-        assert typo.returncode == 1 and "no dead letter with event_id not-a-uuid" in typo.stderr
+        assert typo.returncode == 1 and f"no dead letter with event_id {unknown}" in typo.stderr
+        malformed = subprocess.run(relay_cmd("dead-letters", action, "not-a-uuid", "--dsn", outbox_db),
+                                   capture_output=True, text=True)
+        assert malformed.returncode == 2 and "'not-a-uuid' is not an event_id" in malformed.stderr
     cancel = subprocess.run(relay_cmd("replay", "cancel", "4242", "--dsn", outbox_db),
                             capture_output=True, text=True)
     assert cancel.returncode == 1 and "no active replay 4242" in cancel.stderr
