@@ -142,7 +142,9 @@ def test_bench_ab_times_rows_that_come_alone(pg_server, broker, tmp_path):
                             "lone rows commit->mark max ms"}
     for figure in figures.values():
         assert len(figure["old"]) == len(figure["new"]) == 1
-        assert 0 < figure["old_median"] < 1000 and 0 < figure["new_median"] < 1000
+        # A commit's time is when COMMIT returned to the writer: on a loaded machine that can
+        # come after the relay, woken at the commit, marked the row (CI read -1.09 ms once).
+        assert -50 < figure["old_median"] < 1000 and -50 < figure["new_median"] < 1000
 
 
 def test_bench_ab_refuses_a_tree_that_is_not_a_checkout(tmp_path):
