@@ -160,6 +160,13 @@ class Relay:
                 f"stop every relay and run `outbox-relay migrate --shards {s.shards}` to change it"
             )
         self.schema_ok = True
+        if not self._retry_db(lambda: self.store.take_owner_lock(s.owner)) and not self.stopping:
+            # Two replicas given one --owner: the second idled without a word, holding no
+            # shard (the replicas table counts the name once, so the first takes them all).
+            self.log.warning("owner_in_use", owner=s.owner,
+                             detail="another live relay process runs under this --owner; this one "
+                                    "takes only shards nobody holds. Give each replica its own "
+                                    "--owner (the default, host name and pid, is)")
         # Before the loop takes any lease: the shards it takes from other replicas would
         # otherwise wait for the new client's producer id (Publisher.warm_up).  A client
         # error that ends the relay (an untrusted certificate) stops the wait at once.

@@ -442,6 +442,12 @@ class Store:
         })
         return {ShardId(r["shard"]): Token(r["token"]) for r in rows}
 
+    def take_owner_lock(self, owner: str) -> bool:
+        """The owner name's advisory lock (leases.sql): False while another live process
+        runs under the same name."""
+        (row,) = self._fetch("leases", "take_owner_lock", {"owner": owner})
+        return bool(row["sole"])
+
     def claim_shards(self, *, owner: str, limit: int, lease_s: float,
                      held: Sequence[ShardId] | None = None) -> dict[ShardId, Token]:
         """Free or expired shards; with ``held`` (the shards this process holds), also the

@@ -313,3 +313,17 @@ def test_a_relay_restarted_under_its_own_name_resumes_at_once(outbox_db, broker,
     assert published_total(second) > 0
     # The killed process's unacknowledged batches are published again: at most its window.
     verify(outbox_db, broker.bootstrap, topic, max_duplicates=BATCH * DEPTH)
+
+
+def test_two_replicas_given_one_owner_name_say_so(outbox_db, broker, spawn):
+    """Two replicas given one --owner (a constant in a Deployment of two): the second held
+    no shard and said nothing, so the scale-out was lost without a word."""
+    first = start_relay(spawn, outbox_db, broker.bootstrap, "pod-x")
+    wait_owners(outbox_db, {"pod-x"})
+    second = start_relay(spawn, outbox_db, broker.bootstrap, "pod-x")
+    second.wait_for_log("relay_started", timeout_s=60)
+    assert '"owner_in_use"' in second.log_text(), second.log_tail()
+    assert "owner_in_use" not in first.log_text()  # the first took the name's lock first
+    for relay in (second, first):
+        relay.sigterm()
+        assert relay.wait(30) == 0

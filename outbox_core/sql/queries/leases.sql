@@ -64,6 +64,12 @@ FROM free
 WHERE s.shard = free.shard
 RETURNING s.shard, s.token, extract(epoch FROM s.lease_until)::float8 AS lease_until_epoch
 
+-- name: take_owner_lock
+-- The owner name's session advisory lock (claim_shards' classid 726374, objid
+-- hashtext(owner)), taken at start on the relay's main connection: false while another
+-- live session holds it, that is another live process running under this --owner.
+SELECT pg_try_advisory_lock(726374, hashtext(%(owner)s)) AS sole
+
 -- name: release_shards
 UPDATE outbox_relay_shards AS s
 SET owner = NULL, lease_until = NULL
