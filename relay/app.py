@@ -43,6 +43,7 @@ from outbox_core.backoff import backoff_s
 from relay import __version__
 from relay.config import (
     Settings,
+    ignored_options,
     mark_connections,
     mask_dsn,
     masked_properties,
@@ -212,6 +213,9 @@ class Relay:
                                    metrics=self.metrics, partitioned=bool(partitioned), log=self.log)
         self.gauges = BacklogGauges(self.store, interval_s=s.backlog_interval_s,
                                     publish=self._backlog, log=self.log, clock=self.clock)
+        ignored = ignored_options(s)
+        if ignored:
+            self.log.warning("options_ignored", options=ignored, detail="they apply with --exactly-once true")
         self.log.info("relay_started", shards=nshards, owner=s.owner)
 
     def _exactly_once(self, nshards: int) -> Any:

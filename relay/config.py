@@ -534,6 +534,16 @@ def build_settings(
     return Settings(**parsed)
 
 
+def ignored_options(settings: Settings) -> list[str]:
+    """The --exactly-once-* options set away from their defaults while the mode is off:
+    they were ignored without a word (the relay logs them at start)."""
+    if settings.exactly_once:
+        return []
+    return [option.flag for option in OPTIONS
+            if option.name.startswith("exactly_once_")
+            and getattr(settings, option.name) != getattr(Settings, option.name)]
+
+
 def mark_connections(settings: Settings) -> int:
     """The mark connections the relay opens: ``--mark-connections``, or by default
     :data:`DEFAULT_MARK_CONNECTIONS` (:data:`DEFAULT_EXACTLY_ONCE_MARK_CONNECTIONS` in

@@ -268,3 +268,14 @@ def test_a_multi_host_dsn_is_checked_port_by_port() -> None:
     with pytest.raises(ConfigError, match="port '99999' is not a TCP port number") as refused:
         build_settings({**base, "dsn": "postgresql://u:s3cret@h1:1,h2:99999/app"})
     assert "s3cret" not in str(refused.value)
+
+
+def test_exactly_once_options_without_the_mode_are_named() -> None:
+    """--exactly-once-* options set while the mode was off were ignored without a word."""
+    from relay.config import ignored_options
+
+    base = {"dsn": DSN, "bootstrap_servers": "k:9092"}
+    assert ignored_options(build_settings(base)) == []
+    set_alone = build_settings({**base, "exactly_once_pipeline_depth": "8", "exactly_once_position_topic": "p"})
+    assert ignored_options(set_alone) == ["--exactly-once-position-topic", "--exactly-once-pipeline-depth"]
+    assert ignored_options(build_settings({**base, "exactly_once": "true", "exactly_once_pipeline_depth": "8"})) == []
