@@ -2,7 +2,9 @@
 
 Same guarantee and rules: the insert runs in the caller's transaction and never
 commits.  Validation and encoding are shared (:func:`consumer_sdk.outbox.prepare`);
-only the await differs.
+only the await differs.  A connection that is not a ``psycopg.AsyncConnection`` (a sync
+``psycopg.Connection``, None) raises :class:`~consumer_sdk.outbox.WrongConnection` before
+any SQL: a sync connection would write the row and then fail at the await.
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ import psycopg
 import psycopg.errors
 
 from consumer_sdk.errors import SchemaMissing
-from consumer_sdk.outbox import OutboxEvent, prepare, require_transaction
+from consumer_sdk.outbox import OutboxEvent, WrongConnection, prepare, require_transaction
 from outbox_core.queries import query
 
 
 async def write_events(conn: psycopg.AsyncConnection[Any], events: Sequence[OutboxEvent], *,
                        wake_relay: bool = True) -> list[uuid.UUID]:
     """:func:`consumer_sdk.outbox.write_events` on an async connection (``wake_relay`` too)."""
+    if not isinstance(conn, psycopg.AsyncConnection):
+        raise WrongConnection("conn must be a psycopg.AsyncConnection, not "
+                              f"{'None' if conn is None else type(conn).__name__}: on a sync "
+                              "psycopg.Connection use consumer_sdk.write_event / write_events")
     prepared = prepare(events)
     if not prepared.event_ids:
         return []
@@ -44,7 +50,7 @@ async def write_event(
     headers: Mapping[str, str | None] | None = None,
     traceparent: str | None = None,
     tracestate: str | None = None,
-    event_id: uuid.UUID | None = None,
+    event_id: uuid.UUID | str | None = None,
     wake_relay: bool = True,
 ) -> uuid.UUID:
     """Insert one event in the caller's transaction; returns its ``event_id``. Never commits.

@@ -18,10 +18,20 @@ every insert and every mark writes, land on neighbouring pages.  A W3C trace con
 passed as ``traceparent``/``tracestate`` travels in the headers of the same names.
 
 The asyncio twins live in :mod:`consumer_sdk.aio` and share :func:`prepare`.
+
+Bad arguments are refused before anything reaches the database, so the caller's
+transaction stays usable: :class:`InvalidEvent` (a ``ValueError``) names the argument
+and what is allowed, without echoing payload or header values.  A connection that is
+not a sync ``psycopg.Connection`` (an ``AsyncConnection``, None) raises
+:class:`WrongConnection` (an ``InvalidEvent`` and a ``TypeError``).  Text stored in
+PostgreSQL can hold neither NUL characters nor lone surrogates, so topic, key, payload
+strings, headers and ``tracestate`` with either are refused.  Patterns are matched with
+``fullmatch`` (``$`` would accept a trailing newline).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -42,8 +52,13 @@ from outbox_core.queries import query
 
 _log = structlog.get_logger("consumer_sdk.outbox")
 
-_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+#: A UUID's text as PostgreSQL's uuid input reads it: 32 hex digits, with or without
+#: the usual hyphens, optionally in braces; either case.
+_UUID = re.compile(r"(\{)?[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}(?(1)\})")
+#: A NUL escaped by json.dumps: ``\\u0000`` preceded by an even number of backslashes.
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 TRACEPARENT_HEADER = "traceparent"
 TRACESTATE_HEADER = "tracestate"
 _MAX_TRACESTATE_CHARS = 512
@@ -59,7 +74,7 @@ class OutboxEvent:
     headers: Mapping[str, str | None] | None = None
     traceparent: str | None = None
     tracestate: str | None = None
-    event_id: uuid.UUID | None = None
+    event_id: uuid.UUID | str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,70 +105,190 @@ def new_event_id() -> uuid.UUID:
 
 def valid_traceparent(value: str) -> bool:
     """A W3C ``traceparent`` of a known shape, not the invalid all-zero ids or version ff."""
-    match = _TRACEPARENT.match(value)
+    match = _TRACEPARENT.fullmatch(value)
     if match is None:
         return False
     version, trace_id, parent_id, _flags = match.groups()
     return version != "ff" and trace_id != "0" * 32 and parent_id != "0" * 16
 
 
+class WrongConnection(InvalidEvent, TypeError):
+    """The connection is not a sync psycopg.Connection: on a psycopg.AsyncConnection use the async API, consumer_sdk.write_event_async / write_events_async (consumer_sdk.aio)."""
+
+
+def _storable(name: str, value: str) -> None:
+    """Refuse a NUL character or a lone surrogate (PostgreSQL text cannot hold them)."""
+    if "\x00" in value:
+        raise InvalidEvent(f"{name} must not contain NUL characters (PostgreSQL text cannot hold them)")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidEvent(f"{name} is not valid UTF-8 text (it holds a lone surrogate)") from None
+
+
+def _json_storable(name: str, encoded: str) -> str:
+    """JSON text that jsonb accepts: no ``\\u0000`` escape, no lone surrogate."""
+    if "\\u0000" in encoded and _JSON_NUL.search(encoded):
+        raise InvalidEvent(f"{name} must not contain NUL characters (jsonb cannot hold \\u0000)")
+    if not encoded.isascii():
+        try:
+            encoded.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidEvent(f"{name} is not valid UTF-8 text (it holds a lone surrogate)") from None
+    return encoded
+
+
+def _json_key(key: Any) -> Any:
+    """The object key json.dumps writes for ``key`` (str, int, float, bool, None)."""
+    return key if isinstance(key, str) else json.dumps(key)
+
+
+def _refuse_colliding_keys(payload: Any) -> None:
+    """Refuse a dict whose keys collide once json.dumps turns them into strings
+    (``{1: "a", "1": "b"}``): jsonb would keep only the last.  Iterative: no depth limit."""
+    stack = [payload]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if not all(isinstance(k, str) for k in node):
+                if len({_json_key(k) for k in node}) != len(node):
+                    raise InvalidEvent("the payload has a dict whose keys collide once converted to "
+                                       "JSON strings (like 1 and '1'): keys must be distinct as strings")
+            stack.extend(v for v in node.values() if isinstance(v, dict | list | tuple))
+        elif isinstance(node, list | tuple):
+            stack.extend(v for v in node if isinstance(v, dict | list | tuple))
+
+
 def encode_payload(payload: Any) -> tuple[str | None, bytes | None]:
-    """``(json_text, raw_bytes)``: at most one is set; both None is a tombstone."""
+    """``(json_text, raw_bytes)``: at most one is set; both None is a tombstone.
+
+    JSON payloads follow json.dumps (dict keys may be str, int, float, bool or None,
+    written as strings), except that keys colliding once stringified (``{1: "a", "1": "b"}``)
+    are refused rather than collapsed by jsonb, as are NaN/Infinity, NUL characters and lone
+    surrogates in strings, and nesting too deep to encode."""
     if payload is None:
         return None, None
     if isinstance(payload, bytes | bytearray | memoryview):
         return None, bytes(payload)
     try:
-        return json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False), None
+        text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidEvent(f"the payload is neither bytes nor JSON-encodable: {exc}") from None
+    except RecursionError:
+        raise InvalidEvent("the payload is nested too deeply to encode as JSON") from None
+    _json_storable("the payload", text)
+    _refuse_colliding_keys(payload)
+    return text, None
+
+
+def _trace_argument(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidEvent(f"{name} must be None or a str, not {type(value).__name__}")
+    return value
+
+
+def _one_trace_value(name: str, argument: str | None, header: str | None) -> str | None:
+    """The argument or the header of the same name; refused when both are given and differ."""
+    if argument is not None and header is not None and argument != header:
+        raise InvalidEvent(f"{name} is given both as an argument and in headers, with different "
+                           f"values: give it once")
+    return argument if argument is not None else header
 
 
 def encode_headers(event: OutboxEvent) -> str:
-    """The headers as a JSON object of strings, with the trace context when it is valid."""
+    """The headers as a JSON object of strings, with the trace context when it is valid.
+
+    ``headers`` must be a mapping of non-empty str names to str (or None) values.  A
+    ``traceparent``/``tracestate`` given in ``headers`` is treated like the argument of the
+    same name (giving both with different values is refused).  An invalid traceparent is
+    dropped, with its tracestate, and logged: it never fails the business transaction."""
+    if event.headers is not None and not isinstance(event.headers, Mapping):
+        raise InvalidEvent("headers must be None or a mapping of str names to str (or None) values, "
+                           f"not {type(event.headers).__name__}")
+    traceparent = _trace_argument("traceparent", event.traceparent)
+    tracestate = _trace_argument("tracestate", event.tracestate)
     headers: dict[str, str | None] = {}
     for name, value in (event.headers or {}).items():
         if not isinstance(name, str) or not name:
-            raise InvalidEvent(f"header names must be non-empty strings, got {name!r}")
+            raise InvalidEvent(f"header names must be non-empty strings, got {type(name).__name__}")
+        _storable("a header name", name)
         if name == EVENT_ID_HEADER:
             raise InvalidEvent("the event_id header is reserved: pass event_id= instead")
         if value is not None and not isinstance(value, str):
             raise InvalidEvent(f"header {name!r} must be a string or None, not {type(value).__name__}")
+        if value is not None:
+            _storable(f"header {name!r}", value)
         headers[name] = value
-    if event.traceparent is not None:
-        if valid_traceparent(event.traceparent):
-            headers[TRACEPARENT_HEADER] = event.traceparent
-            if event.tracestate and len(event.tracestate) <= _MAX_TRACESTATE_CHARS:
-                headers[TRACESTATE_HEADER] = event.tracestate
+    if tracestate is not None:
+        _storable("tracestate", tracestate)
+    if event.headers is not None:
+        traceparent = _one_trace_value(TRACEPARENT_HEADER, traceparent, headers.get(TRACEPARENT_HEADER))
+        tracestate = _one_trace_value(TRACESTATE_HEADER, tracestate, headers.get(TRACESTATE_HEADER))
+    if traceparent is not None:
+        headers.pop(TRACEPARENT_HEADER, None)
+        headers.pop(TRACESTATE_HEADER, None)
+        if valid_traceparent(traceparent):
+            headers[TRACEPARENT_HEADER] = traceparent
+            if tracestate and len(tracestate) <= _MAX_TRACESTATE_CHARS:
+                headers[TRACESTATE_HEADER] = tracestate
         else:  # a broken trace header must not fail the business transaction
-            _log.warning("trace_context_invalid", traceparent=event.traceparent[:100])
-    return json.dumps(headers, separators=(",", ":"), ensure_ascii=False)
+            _log.warning("trace_context_invalid", traceparent=traceparent[:100])
+    return _json_storable("headers", json.dumps(headers, separators=(",", ":"), ensure_ascii=False))
 
 
 def _check(event: OutboxEvent) -> None:
-    if not isinstance(event.topic, str) or not _TOPIC.match(event.topic) or event.topic in (".", ".."):
-        raise InvalidEvent(f"invalid Kafka topic name {event.topic!r}: 1-249 of [A-Za-z0-9._-]")
-    if event.key is not None and (not isinstance(event.key, str) or "\x00" in event.key):
-        raise InvalidEvent("the key must be a str without NUL characters, or None")
+    if not isinstance(event.topic, str) or not _TOPIC.fullmatch(event.topic) or event.topic in (".", ".."):
+        shown = repr(event.topic) if isinstance(event.topic, str) else type(event.topic).__name__
+        raise InvalidEvent(f"invalid Kafka topic name {shown[:120]}: 1-249 of [A-Za-z0-9._-], "
+                           "not '.' or '..'")
+    if event.key is not None:
+        if not isinstance(event.key, str):
+            raise InvalidEvent("the key must be a str without NUL characters, or None, "
+                               f"not {type(event.key).__name__}")
+        _storable("the key", event.key)
+
+
+def _event_id(value: Any) -> uuid.UUID:
+    """The event id to store: given (a ``uuid.UUID`` or its text, canonicalized) or new."""
+    if value is None:
+        return new_event_id()
+    if isinstance(value, uuid.UUID):
+        return value
+    if isinstance(value, str) and _UUID.fullmatch(value):
+        return uuid.UUID(value)
+    raise InvalidEvent("event_id must be None, a uuid.UUID or a UUID's text (32 hex digits, "
+                       f"optionally hyphenated or in braces), not this {type(value).__name__}")
 
 
 def prepare(events: Iterable[OutboxEvent]) -> Prepared:
-    """Validate and encode events into the ``insert_events`` parameters (no I/O)."""
+    """Validate and encode events into the ``insert_events`` parameters (no I/O).
+
+    An event id may be given as a ``uuid.UUID`` or its text; the ``uuid.UUID`` stored is the
+    one returned.  The same id twice in one batch is refused."""
+    events = _event_list(events)
     ids: list[uuid.UUID] = []
+    seen: set[uuid.UUID] = set()
     params: dict[str, list[Any]] = {
         "event_ids": [], "topics": [], "keys": [], "payloads": [], "payloads_bytes": [], "headers": [],
     }
     for event in events:
+        if not isinstance(event, OutboxEvent):
+            raise InvalidEvent(f"events must be OutboxEvent instances, not {type(event).__name__}")
         _check(event)
-        event_id = event.event_id or new_event_id()
+        event_id = _event_id(event.event_id)
+        if event_id in seen:
+            raise InvalidEvent(f"event_id {event_id} is given twice in one batch: event ids are unique")
+        seen.add(event_id)
         text, raw = encode_payload(event.payload)
+        headers = encode_headers(event)
         ids.append(event_id)
         params["event_ids"].append(event_id)
         params["topics"].append(event.topic)
         params["keys"].append(event.key)
         params["payloads"].append(text)
         params["payloads_bytes"].append(raw)
-        params["headers"].append(encode_headers(event))
+        params["headers"].append(headers)
     return Prepared(ids, params)
 
 
@@ -161,6 +296,36 @@ def require_transaction(autocommit: bool, status: TransactionStatus) -> None:
     """Refuse an autocommit connection outside a transaction block: the row would commit alone."""
     if autocommit and status == TransactionStatus.IDLE:
         raise TransactionRequired()
+
+
+def require_sync_connection(conn: Any) -> None:
+    """Refuse None, a ``psycopg.AsyncConnection`` or any object whose ``execute`` is a
+    coroutine function: its statements would never run while an id came back."""
+    if isinstance(conn, psycopg.Connection):
+        return
+    if conn is None or isinstance(conn, psycopg.AsyncConnection) or \
+            not callable(getattr(conn, "execute", None)) or inspect.iscoroutinefunction(conn.execute):
+        raise WrongConnection("conn must be a sync psycopg.Connection, not "
+                              f"{'None' if conn is None else type(conn).__name__}: on a "
+                              "psycopg.AsyncConnection use consumer_sdk.write_event_async / "
+                              "write_events_async (consumer_sdk.aio)")
+
+
+def _ran(result: Any) -> None:
+    """An ``execute`` that returned an awaitable did not run its statement: refuse it."""
+    if inspect.isawaitable(result):
+        close = getattr(result, "close", None)
+        if callable(close):
+            close()
+        raise WrongConnection()
+
+
+def _event_list(events: Any) -> Any:
+    if events is None or isinstance(events, OutboxEvent | str | bytes | Mapping) or \
+            not isinstance(events, Iterable):
+        raise InvalidEvent("events must be a sequence of OutboxEvent, not "
+                           f"{'None' if events is None else type(events).__name__}")
+    return events
 
 
 def write_events(conn: psycopg.Connection[Any], events: Sequence[OutboxEvent], *,
@@ -172,14 +337,15 @@ def write_events(conn: psycopg.Connection[Any], events: Sequence[OutboxEvent], *
     PostgreSQL refuses to prepare one that notified.  The relay then finds the rows at its
     poll (``--poll-interval-s``) once the transaction commits.  Needs migration 0014.
     """
+    require_sync_connection(conn)
     prepared = prepare(events)
     if not prepared.event_ids:
         return []
     require_transaction(conn.autocommit, conn.info.transaction_status)
     try:
         if not wake_relay:
-            conn.execute(query("sdk_outbox", "leave_relay_asleep"))
-        conn.execute(query("sdk_outbox", "insert_events"), prepared.params)
+            _ran(conn.execute(query("sdk_outbox", "leave_relay_asleep")))
+        _ran(conn.execute(query("sdk_outbox", "insert_events"), prepared.params))
     except psycopg.errors.UndefinedTable as exc:
         raise SchemaMissing() from exc
     return prepared.event_ids
@@ -194,11 +360,14 @@ def write_event(
     headers: Mapping[str, str | None] | None = None,
     traceparent: str | None = None,
     tracestate: str | None = None,
-    event_id: uuid.UUID | None = None,
+    event_id: uuid.UUID | str | None = None,
     wake_relay: bool = True,
 ) -> uuid.UUID:
     """Insert one event in the caller's transaction; returns its ``event_id``. Never commits.
 
+    ``event_id`` may be a ``uuid.UUID`` or its text (``"{96122457-773D-...}"`` too); the
+    ``uuid.UUID`` returned is the one stored.  Bad arguments raise :class:`InvalidEvent`
+    before any SQL (see the module docstring).
     ``wake_relay=False``: in a transaction that will be prepared (see ``write_events``)."""
     event = OutboxEvent(topic=topic, key=key, payload=payload, headers=headers,
                         traceparent=traceparent, tracestate=tracestate, event_id=event_id)
