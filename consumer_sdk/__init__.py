@@ -52,8 +52,10 @@ from consumer_sdk.model import (
 )
 from consumer_sdk.outbox import OutboxEvent, new_event_id, write_event, write_events
 from consumer_sdk.processor import BatchHandler, StatementsHandler
-from consumer_sdk.retention import RetentionFinding, retention_safe
-from consumer_sdk.store import PgInboxStore, cleanup_inbox
+
+# cleanup_inbox: the checked one (retention_s 0 or below deleted every dedup row).
+from consumer_sdk.retention import RetentionFinding, cleanup_inbox, retention_safe
+from consumer_sdk.store import PgInboxStore
 
 __all__ = [
     "Action",

@@ -7,6 +7,7 @@ by the SDK only, after the database commit (:data:`REQUIRED_CONSUMER`).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -42,7 +43,74 @@ DEFAULT_CONSUMER: dict[str, Any] = {"auto.offset.reset": "earliest", "enable.par
 _SHARED_PREFIXES = ("bootstrap.", "security.", "sasl.", "ssl.", "client.", "socket.", "broker.",
                     "reconnect.", "api.", "metadata.", "enable.ssl", "debug", "log")
 _ACTIONS = ("dead_letter", "skip", "stop")
-_NAME = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
+_NAME = re.compile(r"[A-Za-z0-9._:-]{1,200}")  # always fullmatch: "$" would let "name\n" through
+#: Kafka's topic names: 1-249 of these, not "." or ".." (regex subscriptions are not supported).
+_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MAX_GROUP_ID_CHARS = 255
+
+#: Upper bounds of the duration options (seconds).  Beyond them librdkafka's and PostgreSQL's
+#: own limits break in ways found only later (``consume(timeout=)`` past ~2.1e6 s returns at once,
+#: an interval past ~9.2e12 s is 'interval out of range'), and no sane setting comes near them.
+MAX_WAIT_S = 24 * 3600.0  #: a day: poll_timeout_s, dead_letter_timeout_s, back-offs
+MAX_CLEANUP_INTERVAL_S = 365 * 24 * 3600.0  #: a year
+MAX_INBOX_RETENTION_S = 100 * 365.25 * 24 * 3600.0  #: 100 years (None keeps rows for ever)
+#: The shortest inbox retention: an inbox row must outlive every redelivery of its event
+#: (a rebalance, a crash between the database and the offset commits, a prefetched poll), and
+#: these take seconds to minutes; 0 or a negative value would delete every row at once.
+MIN_INBOX_RETENTION_S = 60.0
+#: The most records one option may ask for (confluent-kafka's ``consume()`` limit).
+MAX_RECORDS = 1_000_000
+MAX_RETRY_MULTIPLIER = 1000.0
+
+
+def check_int(option: str, value: object, low: int, high: int) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is an int (not a bool) in ``low..high``."""
+    if type(value) is bool or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{option} must be an integer from {low:,} to {high:,}, got {value!r}")
+
+
+def check_seconds(option: str, value: object, high: float, *, low: float = 0.0, low_open: bool = True) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is a finite real number in ``(low, high]``
+    (``[low, high]`` when not ``low_open``)."""
+    ok = (type(value) is not bool and isinstance(value, int | float) and math.isfinite(value)
+          and (low < value if low_open else low <= value) and value <= high)
+    if not ok:
+        bound = f"> {low:g}" if low_open else f">= {low:g}"
+        raise ConfigError(f"{option} must be a finite number of seconds {bound} and <= {high:g}, got {value!r}")
+
+
+def check_bool(option: str, value: object) -> None:
+    if type(value) is not bool:
+        raise ConfigError(f"{option} must be True or False, got {value!r}")
+
+
+def check_topic(option: str, topic: object) -> None:
+    """Kafka's topic name rule; a leading '^' (a librdkafka regex subscription) is refused."""
+    if isinstance(topic, str) and topic.startswith("^"):
+        raise ConfigError(f"{option}: regex subscriptions are not supported, got {topic!r}")
+    if not isinstance(topic, str) or not _TOPIC.fullmatch(topic) or topic in (".", ".."):
+        raise ConfigError(f"{option} must be a Kafka topic name (1-249 of [A-Za-z0-9._-], not '.' "
+                          f"or '..'), got {topic!r}")
+
+
+def check_retry(retry: object) -> None:
+    """The retry policy as the consumer needs it: a RetryPolicy (which refuses NaN and inf
+    itself) whose waits are at most ``MAX_WAIT_S`` and multiplier at most ``MAX_RETRY_MULTIPLIER``."""
+    if not isinstance(retry, RetryPolicy):
+        raise ConfigError(f"retry must be a consumer_sdk.RetryPolicy, got {type(retry).__name__}")
+    if retry.max_attempts is not None:
+        check_int("retry.max_attempts (or None: retry forever)", retry.max_attempts, 1, 2**31 - 1)
+    check_seconds("retry.backoff_initial_s", retry.backoff_initial_s, MAX_WAIT_S)
+    check_seconds("retry.backoff_max_s", retry.backoff_max_s, MAX_WAIT_S)
+    if retry.backoff_initial_s > retry.backoff_max_s:
+        raise ConfigError(f"need retry.backoff_initial_s <= retry.backoff_max_s, got "
+                          f"{retry.backoff_initial_s!r} > {retry.backoff_max_s!r}")
+    m = retry.backoff_multiplier
+    if type(m) is bool or not isinstance(m, int | float) or not 1 <= m <= MAX_RETRY_MULTIPLIER:
+        raise ConfigError(f"retry.backoff_multiplier must be a number from 1 to {MAX_RETRY_MULTIPLIER:g}, got {m!r}")
+    if retry.then not in ("dead_letter", "stop"):
+        raise ConfigError(f"retry.then must be 'dead_letter' or 'stop', got {retry.then!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +146,16 @@ class InboxConfig:
     None (the default) is ``DEFAULT_DB_SPIN_US``, or 0 when this process may use less than
     one core (a container's CPU limit, read from its cgroup at start: there a poll's CPU
     counts against the quota, and throttling cost more than the wake-ups it saved).
+
+    Every value is checked here and a bad one raises :class:`~consumer_sdk.errors.ConfigError`
+    naming the option, its allowed range and the value (a DSN by its type only).  Counts are
+    ints (not bools) of 1 to ``MAX_RECORDS``; durations are finite seconds > 0, at most
+    ``MAX_WAIT_S`` (a day) for waits and back-offs, ``MAX_CLEANUP_INTERVAL_S`` (a year) for
+    ``cleanup_interval_s``, and ``MIN_INBOX_RETENTION_S`` (60 s) to ``MAX_INBOX_RETENTION_S``
+    (100 years) for ``inbox_retention_s``.  ``topics`` is a list or tuple of Kafka topic names
+    (no regex subscription); ``dead_letter_topic``, filled in, must be a topic name that is not
+    consumed.  ``kafka_properties`` may not set ``group.id`` (use ``group_id``), nor
+    ``bootstrap.servers`` when ``bootstrap_servers`` is set.
     """
 
     name: str
@@ -109,41 +187,92 @@ class InboxConfig:
     db_spin_us: float | None = None
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise ConfigError(f"name must be 1-200 of [A-Za-z0-9._:-], got {self.name!r}")
+        if self.group_id is not None:
+            g = self.group_id
+            if not isinstance(g, str) or not 1 <= len(g) <= MAX_GROUP_ID_CHARS or _CONTROL.search(g) \
+                    or g != g.strip():
+                raise ConfigError(f"group_id must be None (the name) or 1-{MAX_GROUP_ID_CHARS} characters "
+                                  f"without control characters or surrounding spaces, got {g!r}")
+        if not isinstance(self.dsn, str):  # the value itself may hold a password: only its type is named
+            raise ConfigError(f"dsn must be a libpq connection string, got {type(self.dsn).__name__}")
+        if self.dsn and not self.dsn.strip():
+            raise ConfigError("dsn must not be blank (leave it '' only when passing connect= to the consumer)")
         if self.dsn:
             validate_dsn(self.dsn, option="InboxConfig.dsn")
-        if isinstance(self.topics, str) or not self.topics:
-            raise ConfigError("topics must be a non-empty list of topic names")
-        if not self.bootstrap_servers and "bootstrap.servers" not in self.kafka_properties:
-            raise ConfigError("no Kafka cluster given: set bootstrap_servers")
+        self._check_kafka()
         if self.assignment not in ("subscribe", "assign"):
-            raise ConfigError("assignment must be 'subscribe' or 'assign'")
+            raise ConfigError(f"assignment must be 'subscribe' or 'assign', got {self.assignment!r}")
         for name in ("on_invalid_event_id", "on_payload_mismatch"):
             if getattr(self, name) not in _ACTIONS:
-                raise ConfigError(f"{name} must be one of {', '.join(_ACTIONS)}")
+                raise ConfigError(f"{name} must be one of {', '.join(_ACTIONS)}, got {getattr(self, name)!r}")
+        check_retry(self.retry)
+        for name in ("check_dead_letter_topics", "check_retention", "savepoint_per_message"):
+            check_bool(name, getattr(self, name))
+        replays = self.apply_replays
+        if not isinstance(replays, list | tuple | set | frozenset) \
+                or not all(isinstance(r, str) and r for r in replays):
+            raise ConfigError(f"apply_replays must be a list of replay ids (non-empty strings), got {replays!r}")
         self._check_numbers()
-        if "{topic}" not in self.dead_letter_topic and self.dead_letter_topic in self.topics:
-            raise ConfigError("dead_letter_topic must differ from the consumed topics")
-        strategy = str(self.kafka_properties.get("partition.assignment.strategy", ""))
+        self._check_dead_letter_topic()
+
+    def _check_kafka(self) -> None:
+        topics = self.topics
+        if not isinstance(topics, list | tuple) or not topics:
+            raise ConfigError(f"topics must be a non-empty list of topic names, got {topics!r}")
+        for topic in topics:
+            check_topic("topics", topic)
+        if not isinstance(self.bootstrap_servers, str):
+            raise ConfigError(f"bootstrap_servers must be a string, got {type(self.bootstrap_servers).__name__}")
+        props = self.kafka_properties
+        if not isinstance(props, Mapping) or not all(isinstance(k, str) for k in props):
+            raise ConfigError(f"kafka_properties must be a mapping of librdkafka property names, "
+                              f"got {type(props).__name__}")
+        if "group.id" in props:
+            raise ConfigError("kafka_properties must not set group.id: use InboxConfig.group_id "
+                              "(default: name)")
+        if "bootstrap.servers" in props and self.bootstrap_servers:
+            raise ConfigError("kafka_properties must not set bootstrap.servers as well as bootstrap_servers: "
+                              "use InboxConfig.bootstrap_servers")
+        if not self.bootstrap_servers.strip() and not str(props.get("bootstrap.servers", "")).strip():
+            raise ConfigError("no Kafka cluster given: set bootstrap_servers")
+        strategy = str(props.get("partition.assignment.strategy", ""))
         if "cooperative" in strategy:
             raise ConfigError("cooperative rebalancing is not supported: use range or roundrobin")
 
+    def _check_dead_letter_topic(self) -> None:
+        template = self.dead_letter_topic
+        if not isinstance(template, str):
+            raise ConfigError(f"dead_letter_topic must be a string, got {template!r}")
+        for topic in self.topics:
+            filled = template.replace("{topic}", topic)
+            if self.may_dead_letter():  # a letter is produced there: it must be a topic name
+                check_topic(f"dead_letter_topic (filled in for {topic!r})", filled)
+            if filled in self.topics:
+                raise ConfigError(f"dead_letter_topic must differ from the consumed topics: {template!r} "
+                                  f"gives {filled!r}, which is consumed (dead letters would come back for ever)")
+
     def _check_numbers(self) -> None:
-        if self.batch_size < 1 or self.prefetch_records < 1:
-            raise ConfigError("batch_size and prefetch_records must be at least 1")
-        if self.poll_timeout_s <= 0 or self.dead_letter_timeout_s <= 0 or self.cleanup_interval_s <= 0:
-            raise ConfigError("poll_timeout_s, dead_letter_timeout_s and cleanup_interval_s must be positive")
-        if self.inbox_retention_s is not None and self.inbox_retention_s <= 0:
-            raise ConfigError("inbox_retention_s must be positive (or None: keep the inbox forever)")
-        if not 1000 <= self.dead_letter_max_bytes <= DEFAULT_DEAD_LETTER_MAX_BYTES:
-            raise ConfigError(f"dead_letter_max_bytes must be 1000..{DEFAULT_DEAD_LETTER_MAX_BYTES}")
-        if self.cleanup_batch < 1:
-            raise ConfigError("cleanup_batch must be at least 1")
-        if not 0 < self.db_backoff_initial_s <= self.db_backoff_max_s:
-            raise ConfigError("need 0 < db_backoff_initial_s <= db_backoff_max_s")
-        if self.db_spin_us is not None and not 0 <= self.db_spin_us <= MAX_DB_SPIN_US:
-            raise ConfigError(f"db_spin_us must be 0 (off) to {MAX_DB_SPIN_US:,.0f}, got {self.db_spin_us!r}")
+        check_int("batch_size", self.batch_size, 1, MAX_RECORDS)
+        check_int("prefetch_records", self.prefetch_records, 1, MAX_RECORDS)
+        check_int("cleanup_batch", self.cleanup_batch, 1, MAX_RECORDS)
+        check_int("dead_letter_max_bytes", self.dead_letter_max_bytes, 1000, DEFAULT_DEAD_LETTER_MAX_BYTES)
+        check_seconds("poll_timeout_s", self.poll_timeout_s, MAX_WAIT_S)
+        check_seconds("dead_letter_timeout_s", self.dead_letter_timeout_s, MAX_WAIT_S)
+        check_seconds("cleanup_interval_s", self.cleanup_interval_s, MAX_CLEANUP_INTERVAL_S)
+        if self.inbox_retention_s is not None:
+            check_seconds("inbox_retention_s (or None: keep the inbox for ever)", self.inbox_retention_s,
+                          MAX_INBOX_RETENTION_S, low=MIN_INBOX_RETENTION_S, low_open=False)
+        check_seconds("db_backoff_initial_s", self.db_backoff_initial_s, MAX_WAIT_S)
+        check_seconds("db_backoff_max_s", self.db_backoff_max_s, MAX_WAIT_S)
+        if self.db_backoff_initial_s > self.db_backoff_max_s:
+            raise ConfigError(f"need db_backoff_initial_s <= db_backoff_max_s, got {self.db_backoff_initial_s!r} "
+                              f"> {self.db_backoff_max_s!r}")
+        if self.db_spin_us is not None:
+            s = self.db_spin_us
+            if type(s) is bool or not isinstance(s, int | float) or not 0 <= s <= MAX_DB_SPIN_US:
+                raise ConfigError(f"db_spin_us must be 0 (off) to {MAX_DB_SPIN_US:,.0f}, got {s!r}")
 
     def __repr__(self) -> str:
         """No secret: the DSN's password and secret Kafka properties show as ``***``."""

@@ -47,7 +47,13 @@ from confluent_kafka import (
 from consumer_sdk import kafka
 from consumer_sdk.config import DEFAULT_DB_SPIN_US, InboxConfig
 from consumer_sdk.dead_letters import KafkaDeadLetters
-from consumer_sdk.errors import DatabaseUnavailable, DeadLetterBlocked, KafkaFatal, RetriableError
+from consumer_sdk.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    DeadLetterBlocked,
+    KafkaFatal,
+    RetriableError,
+)
 from consumer_sdk.metrics import ConsumerMetrics
 from consumer_sdk.model import BatchResult, DeadLetter, InboxMessage, KafkaRecord
 from consumer_sdk.offsets import OffsetBook, TopicPart
@@ -55,8 +61,13 @@ from consumer_sdk.parking import ParkingLot
 from consumer_sdk.processor import BatchHandler, Processor, StatementsHandler
 from consumer_sdk.rejections import DeadLetterSink, Policies
 from consumer_sdk.replays import with_replays
-from consumer_sdk.retention import RetentionFinding, check_retention, report_retention
-from consumer_sdk.store import ConnectionFactory, PgInboxStore, cleanup_inbox, connect_factory
+from consumer_sdk.retention import (
+    RetentionFinding,
+    check_retention,
+    cleanup_inbox,
+    report_retention,
+)
+from consumer_sdk.store import ConnectionFactory, PgInboxStore, connect_factory
 from outbox_core import cgroup
 from outbox_core.backoff import backoff_s
 from outbox_core.spin import default_budget_us
@@ -101,6 +112,19 @@ class InboxConsumer:
                  log: Any = None, connect: ConnectionFactory | None = None,
                  dead_letters: DeadLetterSink | None = None, sleep: Callable[[float], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if not isinstance(config, InboxConfig):
+            raise ConfigError(f"config must be an InboxConfig, got {type(config).__name__}")
+        given = {"handler": handler, "batch_handler": batch_handler, "statements": statements}
+        if sum(h is not None for h in given.values()) != 1:
+            raise TypeError("give one of a handler, a batch_handler or statements")
+        for what, fn in given.items():
+            if fn is not None and not callable(fn):
+                raise ConfigError(f"{what} must be callable (a function of the connection and the message), "
+                                  f"got {fn!r}")
+        if connect is None and not config.dsn.strip():
+            raise ConfigError("InboxConfig.dsn is empty: give a libpq connection string, or pass connect=")
+        if connect is not None and not callable(connect):
+            raise ConfigError(f"connect must be callable (a connection factory), got {type(connect).__name__}")
         self.config = config
         self.metrics = metrics if metrics is not None else ConsumerMetrics()
         self.log = (log if log is not None else structlog.get_logger("consumer_sdk.inbox")).bind(
@@ -114,8 +138,6 @@ class InboxConsumer:
             connect = connect_factory(config.dsn, application_name=f"outbox-consumer:{config.name}"[:63],
                                       spin_s=spin_us / 1e6)
         self.store = PgInboxStore(connect)
-        if sum(h is not None for h in (handler, batch_handler, statements)) != 1:
-            raise TypeError("give one of a handler, a batch_handler or statements")
         self._handler = handler
         self._batch_handler = batch_handler
         self._statements = statements

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from consumer_sdk.errors import ConfigError
 from outbox_core.backoff import ceiling_s
 
 #: What happens to a message a policy rejects: sent to the dead-letter topic and
@@ -154,14 +156,22 @@ class RetryPolicy:
     then: Literal["dead_letter", "stop"] = "dead_letter"
 
     def __post_init__(self) -> None:
-        if self.max_attempts is not None and self.max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1 (or None: retry forever)")
+        """ConfigError (a ValueError) for a policy the consumer cannot follow: NaN took the
+        back-off away (95,724 attempts in 40 s) and max_attempts=nan dead-lettered at once."""
+        attempts = self.max_attempts
+        if attempts is not None and (isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1):
+            raise ConfigError(f"max_attempts must be a whole number of at least 1 (or None: retry "
+                              f"forever), got {attempts!r}")
+        for name in ("backoff_initial_s", "backoff_max_s", "backoff_multiplier"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value!r}")
         if self.backoff_initial_s < 0 or self.backoff_max_s < self.backoff_initial_s:
-            raise ValueError("need 0 <= backoff_initial_s <= backoff_max_s")
+            raise ConfigError("need 0 <= backoff_initial_s <= backoff_max_s")
         if self.backoff_multiplier < 1:
-            raise ValueError("backoff_multiplier must be at least 1")
+            raise ConfigError("backoff_multiplier must be at least 1")
         if self.then not in ("dead_letter", "stop"):
-            raise ValueError("then must be 'dead_letter' or 'stop'")
+            raise ConfigError("then must be 'dead_letter' or 'stop'")
 
     def allows(self, attempt: int) -> bool:
         """Whether attempt number ``attempt`` (1-based) may run."""

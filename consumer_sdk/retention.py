@@ -11,6 +11,7 @@ redelivered message could outlive its inbox row.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,19 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin._config import ConfigResource
 from confluent_kafka.admin._resource import ResourceType
 
+from consumer_sdk.errors import ConfigError
 from consumer_sdk.metrics import ConsumerMetrics
+from consumer_sdk.store import PgInboxStore
+from consumer_sdk.store import cleanup_inbox as _cleanup_inbox
+
+#: The shortest retention :func:`cleanup_inbox` accepts.  An inbox row is what drops a
+#: redelivered event; redeliveries (a rebalance, a crash between the database and the offset
+#: commits, a prefetched poll handed out again) come seconds to minutes later, so a retention
+#: of 0, a negative one or a few seconds would delete every row and apply those events twice.
+MIN_RETENTION_S = 60.0
+#: The longest: PostgreSQL's interval arithmetic fails ('interval out of range') near 9.2e12 s.
+MAX_RETENTION_S = 100 * 365.25 * 24 * 3600.0
+MAX_CLEANUP_BATCH = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +99,25 @@ def report_retention(findings: Sequence[RetentionFinding], *, consumer: str, met
                       topic_retention_s=finding.topic_retention_s, inbox_retention_s=finding.inbox_retention_s,
                       hint="a message redelivered after its inbox row was deleted would be applied again; "
                            "raise inbox_retention_s above the topic's retention.ms")
+
+
+def check_cleanup(retention_s: object, batch: object, max_batches: object = 1) -> None:
+    """Raise :class:`ConfigError` unless ``retention_s`` is finite seconds in
+    ``MIN_RETENTION_S..MAX_RETENTION_S`` and ``batch``/``max_batches`` are positive ints."""
+    if type(retention_s) is bool or not isinstance(retention_s, int | float) or not math.isfinite(retention_s) \
+            or not MIN_RETENTION_S <= retention_s <= MAX_RETENTION_S:
+        raise ConfigError(f"retention_s must be finite seconds from {MIN_RETENTION_S:g} to {MAX_RETENTION_S:g} "
+                          f"(a shorter one deletes rows that redeliveries still need), got {retention_s!r}")
+    for option, value in (("batch", batch), ("max_batches", max_batches)):
+        if type(value) is bool or not isinstance(value, int) or not 1 <= value <= MAX_CLEANUP_BATCH:
+            raise ConfigError(f"{option} must be an integer from 1 to {MAX_CLEANUP_BATCH:,}, got {value!r}")
+
+
+def cleanup_inbox(store: PgInboxStore, *, consumer: str, retention_s: float, batch: int = 1000,
+                  max_batches: int = 100) -> int:
+    """:func:`consumer_sdk.store.cleanup_inbox` with its arguments checked first
+    (:func:`check_cleanup`): a bad one raises :class:`ConfigError` and deletes nothing."""
+    check_cleanup(retention_s, batch, max_batches)
+    if not isinstance(consumer, str) or not consumer:
+        raise ConfigError(f"consumer must be an inbox name, got {consumer!r}")
+    return _cleanup_inbox(store, consumer=consumer, retention_s=retention_s, batch=batch, max_batches=max_batches)
