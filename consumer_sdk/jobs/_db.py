@@ -18,6 +18,7 @@ import psycopg
 import psycopg.errors
 
 from consumer_sdk.errors import DatabaseUnavailable, FatalError, SchemaMissing, TransactionConflict
+from consumer_sdk.jobs._check import json_storable
 from consumer_sdk.jobs.errors import InvalidJob
 from outbox_core.queries import query
 
@@ -47,13 +48,15 @@ def translated() -> Iterator[None]:
 
 
 def to_json(value: Any, *, what: str = "value") -> str:
-    """Compact JSON text for a jsonb parameter; :class:`InvalidJob` when not encodable."""
+    """Compact JSON text for a jsonb parameter; :class:`InvalidJob` when not encodable or
+    not storable (a NUL character, a lone surrogate)."""
     if value is None:  # most handlers return nothing: no encoder for that
         return "null"
     try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        encoded = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidJob(f"the {what} is not JSON-encodable: {exc}") from None
+    return json_storable(what, encoded)
 
 
 def from_json(text: str | None) -> Any:

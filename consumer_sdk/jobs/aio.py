@@ -32,7 +32,13 @@ from consumer_sdk.jobs.model import (
     RunId,
     RunState,
 )
-from consumer_sdk.jobs.runs import accept_plan, accepted_done, make_request, status_plan
+from consumer_sdk.jobs.runs import (
+    accept_plan,
+    accepted_done,
+    check_options,
+    make_request,
+    status_plan,
+)
 from consumer_sdk.jobs.waits import activate_plan
 
 AsyncConnectionT = psycopg.AsyncConnection[Any]
@@ -59,6 +65,7 @@ async def accept(
     now: datetime | None = None,
 ) -> Accepted:
     """:func:`consumer_sdk.jobs.accept` on an asyncio connection (not inside a transaction)."""
+    check_options(admission=admission, events_topic=events_topic)
     request = make_request(owner_id=owner_id, request_key=request_key, kind=kind, body=body, queue=queue,
                            max_attempts=max_attempts, traceparent=traceparent, tracestate=tracestate)
     if conn.info.transaction_status != TransactionStatus.IDLE:
@@ -74,17 +81,19 @@ async def accept(
 async def run_status(conn: AsyncConnectionT, run_id: RunId | str, *, owner_id: str | None = None,
                      now: datetime | None = None) -> RunState | None:
     """:func:`consumer_sdk.jobs.run_status` on an asyncio connection."""
+    plan = status_plan(run_id, owner_id, now)  # checks the arguments first
     with translated():
-        return await run_async(conn, status_plan(run_id, owner_id, now))
+        return await run_async(conn, plan)
 
 
 async def activate(conn: AsyncConnectionT, key: str, payload: Any = None, *, now: datetime | None = None,
                    events_topic: str | None = None) -> Activation:
     """:func:`consumer_sdk.jobs.activate` on an asyncio connection (a savepoint inside the
     caller's transaction, else a transaction of its own)."""
+    plan = activate_plan(key, payload, now, events_topic)  # checks the arguments first
     with translated():
         async with conn.transaction():
-            return await run_async(conn, activate_plan(key, payload, now, events_topic))
+            return await run_async(conn, plan)
 
 
 __all__ = ["AsyncAcceptHook", "accept", "activate", "run_status"]

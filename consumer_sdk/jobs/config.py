@@ -7,9 +7,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 from consumer_sdk.config import MAX_DB_SPIN_US
+from consumer_sdk.jobs import _check
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.fairness import Limits
-from consumer_sdk.jobs.model import BULK, INTERACTIVE, QUEUE_NAME
+from consumer_sdk.jobs.model import BULK, INTERACTIVE
 from consumer_sdk.jobs.retry import Backoff
 from consumer_sdk.secrets import safe_repr, validate_dsn
 
@@ -17,6 +18,15 @@ DEFAULT_LEASE_S = 30.0
 DEFAULT_POLL_INTERVAL_S = 5.0
 DEFAULT_RECONCILE_INTERVAL_S = 10.0
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
+
+#: Bounds of the durations (seconds).  A lease shorter than the relay's (relay/config.py
+#: MIN_LEASE_S) expires under a healthy worker; none may exceed a day.
+MIN_LEASE_S = 1.0
+MIN_HEARTBEAT_S = 0.1
+MAX_DURATION_S = 86_400.0
+MAX_OWNERS_PER_ROUND = 100_000
+#: PostgreSQL keeps the first 63 bytes of application_name (NAMEDATALEN - 1).
+MAX_APPLICATION_NAME_CHARS = 63
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +54,21 @@ class WorkerConfig:
       sleeping on it (:mod:`outbox_core.spin`).  Off by default: with a pool's threads
       polling at once, they compete for the interpreter and the cores (measured: 0.74 x
       the jobs a second, 1.5 x the CPU a job, with 8 threads at 100 µs).
+
+    Everything is checked at construction; a bad value raises
+    :class:`~consumer_sdk.jobs.errors.InvalidJob` (a ``ValueError``) naming it:
+
+    * ``queues``: a list or tuple (not a str) of distinct queue names;
+    * ``max_concurrency`` an int from 1 to 10,000; ``queue_limits`` ints >= 0 for queues
+      in ``queues`` only; ``owner_limit`` and ``owner_limits`` (str owner ids) ints >= 1;
+    * ``lease_duration_s`` from 1 s (the relay's minimum lease) to 1 day;
+      ``heartbeat_interval_s`` from 0.1 s to half the lease; ``poll_interval_s`` and
+      ``reconcile_interval_s`` above 0 up to 1 day; ``drain_timeout_s`` 0 to 1 day;
+      all finite numbers;
+    * ``events_topic`` None or a Kafka topic name (1-249 of ``[A-Za-z0-9._-]``, not
+      ``.`` or ``..``); ``worker_id`` None or 1-200 characters; ``application_name`` a
+      string of at most 63 ASCII characters; ``backoff`` a :class:`Backoff`;
+      ``listen`` a bool; ``max_owners_per_round`` an int from 1 to 100,000.
     """
 
     dsn: str
@@ -70,23 +95,49 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         validate_dsn(self.dsn, option="WorkerConfig.dsn")
         self._resolve_aliases()
-        if not self.queues or any(not isinstance(q, str) or not QUEUE_NAME.match(q) for q in self.queues):
-            raise InvalidJob("queues must be a non-empty list of names of 1-64 [A-Za-z0-9_.:-]")
-        if len(set(self.queues)) != len(self.queues):
-            raise InvalidJob("queues must not repeat")
-        if not self.lease_duration_s > 0 or not self.poll_interval_s > 0 or not self.reconcile_interval_s > 0:
-            raise InvalidJob("lease_duration_s, poll_interval_s and reconcile_interval_s must be positive")
-        if self.heartbeat_interval_s is not None and not 0 < self.heartbeat_interval_s <= self.lease_duration_s / 2:
-            raise InvalidJob("heartbeat_interval_s must be positive and at most half of lease_duration_s")
-        if self.drain_timeout_s < 0:
-            raise InvalidJob("drain_timeout_s must be >= 0")
-        if not 0 <= self.db_spin_us <= MAX_DB_SPIN_US:
+        self._check_queues()
+        _check.seconds("lease_duration_s", self.lease_duration_s, MIN_LEASE_S, MAX_DURATION_S)
+        if self.heartbeat_interval_s is not None:
+            _check.seconds("heartbeat_interval_s", self.heartbeat_interval_s, MIN_HEARTBEAT_S,
+                           self.lease_duration_s / 2)
+        _check.seconds("poll_interval_s", self.poll_interval_s, 0.0, MAX_DURATION_S, lo_open=True)
+        _check.seconds("reconcile_interval_s", self.reconcile_interval_s, 0.0, MAX_DURATION_S, lo_open=True)
+        _check.seconds("drain_timeout_s", self.drain_timeout_s, 0.0, MAX_DURATION_S)
+        if isinstance(self.db_spin_us, bool) or not isinstance(self.db_spin_us, (int, float)) \
+                or not 0 <= self.db_spin_us <= MAX_DB_SPIN_US:
             raise InvalidJob(f"db_spin_us must be 0 (off) to {MAX_DB_SPIN_US:,.0f}, got {self.db_spin_us!r}")
+        if not isinstance(self.backoff, Backoff):
+            raise InvalidJob(f"backoff must be a Backoff, got {self.backoff!r:.80}")
+        _check.topic("events_topic", self.events_topic)
+        if not isinstance(self.listen, bool):
+            raise InvalidJob(f"listen must be a bool, got {self.listen!r:.80}")
+        if self.worker_id is not None:
+            _check.text("worker_id", self.worker_id)
+        _check.integer("max_owners_per_round", self.max_owners_per_round, 1, MAX_OWNERS_PER_ROUND)
+        name = self.application_name
+        if not isinstance(name, str) or len(name) > MAX_APPLICATION_NAME_CHARS or not name.isascii() \
+                or not name.isprintable():
+            raise InvalidJob(f"application_name must be a string of at most {MAX_APPLICATION_NAME_CHARS} "
+                             f"printable ASCII characters, got {name!r:.80}")
+        unserved = [q for q in self.queue_limits if q not in self.queues] \
+            if isinstance(self.queue_limits, Mapping) else []
+        if unserved:
+            raise InvalidJob(f"queue_limits names queues this pool does not serve: {unserved!r:.80} "
+                             f"(queues: {list(self.queues)!r:.80})")
         self.limits  # validates the limits  # noqa: B018
 
     def __repr__(self) -> str:
         """No secret: the DSN's password shows as ``***``."""
         return safe_repr(self, {f.name: getattr(self, f.name) for f in fields(self)})
+
+    def _check_queues(self) -> None:
+        queues = self.queues
+        if not isinstance(queues, (list, tuple)) or not queues:
+            raise InvalidJob(f"queues must be a non-empty list or tuple of queue names, got {queues!r:.80}")
+        for queue in queues:
+            _check.queue("each of queues", queue)
+        if len(set(queues)) != len(queues):
+            raise InvalidJob(f"queues must not repeat, got {list(queues)!r:.80}")
 
     def _resolve_aliases(self) -> None:
         for old, new in (("lease_s", "lease_duration_s"), ("heartbeat_s", "heartbeat_interval_s")):
@@ -107,7 +158,9 @@ class WorkerConfig:
         try:
             return Limits(max_concurrency=self.max_concurrency, queue_limits=self.queue_limits,
                           owner_limit=self.owner_limit, owner_limits=self.owner_limits)
-        except ValueError as exc:
+        except InvalidJob:
+            raise
+        except ValueError as exc:  # pragma: no cover - Limits raises InvalidJob
             raise InvalidJob(str(exc)) from None
 
     @property

@@ -17,15 +17,25 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from consumer_sdk.jobs import _check
+from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.model import ClaimedJob, Lane, Take
 
 LaneKey = tuple[str, str]
+
+#: The most jobs one pool runs at once (a thread and a connection each).
+MAX_CONCURRENCY = 10_000
 
 
 @dataclass(frozen=True, kw_only=True)
 class Limits:
     """Concurrency limits.  ``max_concurrency`` and ``queue_limits`` are per pool (process);
-    ``owner_limit``/``owner_limits`` hold across every worker sharing the database."""
+    ``owner_limit``/``owner_limits`` hold across every worker sharing the database.
+
+    Checked at construction (:class:`~consumer_sdk.jobs.errors.InvalidJob`, a ``ValueError``):
+    ``max_concurrency`` an int from 1 to 10,000; ``queue_limits`` queue names to ints >= 0;
+    ``owner_limit`` and ``owner_limits`` (owner ids to limits) ints >= 1; at most 2**31-1 each.
+    """
 
     max_concurrency: int
     queue_limits: Mapping[str, int] = field(default_factory=dict)
@@ -33,12 +43,18 @@ class Limits:
     owner_limits: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.max_concurrency < 1:
-            raise ValueError("max_concurrency must be at least 1")
-        if self.owner_limit < 1 or any(v < 0 for v in self.owner_limits.values()):
-            raise ValueError("owner limits must be positive")
-        if any(v < 0 for v in self.queue_limits.values()):
-            raise ValueError("queue limits must be >= 0")
+        _check.integer("max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY)
+        _check.integer("owner_limit", self.owner_limit, 1)
+        for name, mapping, lowest in (("queue_limits", self.queue_limits, 0),
+                                      ("owner_limits", self.owner_limits, 1)):
+            if not isinstance(mapping, Mapping):
+                raise InvalidJob(f"{name} must be a mapping of names to limits, got {mapping!r:.80}")
+            for key, value in mapping.items():
+                if name == "queue_limits":
+                    _check.queue(f"a {name} key", key)
+                else:
+                    _check.text(f"an {name} key", key)
+                _check.integer(f"{name}[{key!r}]", value, lowest)
 
     def for_queue(self, queue: str) -> int:
         return min(self.max_concurrency, self.queue_limits.get(queue, self.max_concurrency))

@@ -8,11 +8,15 @@ seconds in ``float`` with ``_s`` in their names.
 from __future__ import annotations
 
 import math
-import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, NewType
+
+from consumer_sdk.jobs import _check
+from consumer_sdk.jobs._check import MAX_DELAY_S
+from consumer_sdk.jobs._check import QUEUE_NAME as QUEUE_NAME
+from consumer_sdk.jobs.errors import InvalidJob
 
 JobId = NewType("JobId", int)
 RunId = NewType("RunId", uuid.UUID)
@@ -28,10 +32,9 @@ DeadReason = Literal["permanent_error", "attempts_exhausted", "lease_expired"]
 Outcome = Literal["succeeded", "retried", "failed", "waiting", "requeued", "released", "lost",
                   "completing"]
 
-#: Well-known queues; any name matching :data:`QUEUE_NAME` works.
+#: Well-known queues; any name matching :data:`QUEUE_NAME` (use ``fullmatch``) works.
 INTERACTIVE = "interactive"
 BULK = "bulk"
-QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 #: Outbox header naming the queue of the job an event is about (the wake-up hint).
 QUEUE_HEADER = "jobs_queue"
@@ -82,7 +85,14 @@ class ClaimedJob:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NewJob:
-    """A standalone job to enqueue (a run's job is created by ``accept``)."""
+    """A standalone job to enqueue (a run's job is created by ``accept``).
+
+    Checked at construction with ``accept``'s rules (:class:`~consumer_sdk.jobs.errors.InvalidJob`
+    otherwise): ``owner_id`` and ``kind`` 1-200 characters, ``queue`` a queue name,
+    ``max_attempts`` an int from 1 to 2**31-1, ``delay_s`` finite from 0 to 100 years;
+    a malformed ``traceparent`` string is dropped (with ``tracestate``) and logged.
+    The payload is checked by ``enqueue`` (JSON-encodable, storable).
+    """
 
     owner_id: str
     queue: str
@@ -92,6 +102,20 @@ class NewJob:
     delay_s: float = 0.0
     traceparent: str | None = None
     tracestate: str | None = None
+
+    def __post_init__(self) -> None:
+        _check.job_fields(owner_id=self.owner_id, kind=self.kind, queue_name=self.queue,
+                          max_attempts=self.max_attempts)
+        _check.seconds("delay_s", self.delay_s, 0.0, MAX_DELAY_S)
+        traceparent, tracestate = _check.trace(self.traceparent, self.tracestate)
+        if (traceparent, tracestate) != (self.traceparent, self.tracestate):
+            object.__setattr__(self, "traceparent", traceparent)
+            object.__setattr__(self, "tracestate", tracestate)
+
+
+#: The longest activation key; the longest wait cause.
+MAX_KEY_CHARS = 500
+MAX_CAUSE_CHARS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +128,10 @@ class WaitFor:
     handler then sees ``ctx.activation is None``).  At least one of the two is
     required.  A key stays recorded: waiting again on a key already activated
     resumes at once, so use one key per awaited fact.
+
+    Checked at construction (:class:`~consumer_sdk.jobs.errors.InvalidJob`, a
+    ``ValueError``): ``key`` None or 1-500 characters, ``cause`` a string of at most
+    1,000 characters, ``timeout_s`` None or finite from 0 to 100 years.
     """
 
     key: str | None
@@ -112,9 +140,12 @@ class WaitFor:
 
     def __post_init__(self) -> None:
         if self.key is None and self.timeout_s is None:
-            raise ValueError("WaitFor needs an activation key, a timeout_s, or both")
-        if self.timeout_s is not None and not self.timeout_s >= 0:
-            raise ValueError("timeout_s must be >= 0")
+            raise InvalidJob("WaitFor needs an activation key, a timeout_s, or both")
+        if self.key is not None:
+            _check.text("WaitFor key", self.key, max_chars=MAX_KEY_CHARS)
+        _check.text("WaitFor cause", self.cause, max_chars=MAX_CAUSE_CHARS, min_chars=0)
+        if self.timeout_s is not None:
+            _check.seconds("WaitFor timeout_s", self.timeout_s, 0.0, MAX_DELAY_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +247,11 @@ class QueueStats:
     waiting: int
 
 
+MAX_CAPACITY_PER_S = 1_000_000.0
+MAX_HORIZON_S = 86_400.0
+MAX_PENDING = 1_000_000_000  # count_cap (2 * bound + 1) stays a PostgreSQL integer
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdmissionPolicy:
     """Admission control of one queue: refuse when the backlog exceeds ``horizon_s`` of work.
@@ -224,14 +260,22 @@ class AdmissionPolicy:
     (configured from measurement); the bound is ``capacity_per_s * horizon_s``
     pending (queued or running) jobs.  The check is soft: concurrent accepts may
     pass it together by a few jobs.
+
+    Both are checked at construction (:class:`~consumer_sdk.jobs.errors.InvalidJob`, a
+    ``ValueError``): finite, positive, ``capacity_per_s`` at most 1,000,000 a second,
+    ``horizon_s`` at most a day, and their product (the bound) at most 1,000,000,000 jobs.
     """
 
     capacity_per_s: float
     horizon_s: float
 
     def __post_init__(self) -> None:
-        if not (self.capacity_per_s > 0 and self.horizon_s > 0):
-            raise ValueError("capacity_per_s and horizon_s must be positive")
+        _check.seconds("capacity_per_s", self.capacity_per_s, 0.0, MAX_CAPACITY_PER_S, lo_open=True,
+                       unit="jobs a second")
+        _check.seconds("horizon_s", self.horizon_s, 0.0, MAX_HORIZON_S, lo_open=True)
+        if self.capacity_per_s * self.horizon_s > MAX_PENDING:
+            raise InvalidJob(f"capacity_per_s * horizon_s must be at most {MAX_PENDING:,} jobs, got "
+                             f"{self.capacity_per_s * self.horizon_s:g}")
 
     @property
     def max_pending(self) -> int:

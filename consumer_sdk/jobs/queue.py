@@ -29,6 +29,7 @@ from psycopg.pq import TransactionStatus
 from consumer_sdk import _wire
 from consumer_sdk.errors import SchemaMissing
 from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
+from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.events import EventType, JobFacts, write_job_event
 from consumer_sdk.jobs.model import (
     ClaimedJob,
@@ -68,7 +69,14 @@ def check_schema(conn: ConnectionT) -> None:
 
 
 def enqueue(conn: ConnectionT, jobs: Sequence[NewJob], *, now: datetime | None = None) -> list[JobId]:
-    """Insert standalone jobs in one statement (the caller's transaction, if one is open)."""
+    """Insert standalone jobs in one statement (the caller's transaction, if one is open).
+
+    Each job was checked when its :class:`NewJob` was built (accept's rules); here the
+    payloads are encoded (InvalidJob when not JSON that jsonb can store) before the
+    database is touched.
+    """
+    if isinstance(jobs, (str, bytes)) or not all(isinstance(j, NewJob) for j in jobs):
+        raise InvalidJob(f"jobs must be a sequence of NewJob, got {jobs!r:.80}")
     if not jobs:
         return []
     params: dict[str, Any] = {

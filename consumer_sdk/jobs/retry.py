@@ -15,10 +15,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from consumer_sdk.errors import PermanentError
-from consumer_sdk.jobs.errors import LeaseLost
+from consumer_sdk.jobs import _check
+from consumer_sdk.jobs.errors import InvalidJob, LeaseLost
 from outbox_core.backoff import backoff_s, ceiling_s
 
 Verdict = Literal["retry", "fail_permanent", "fail_exhausted", "lost"]
+
+
+MAX_MULTIPLIER = 1000.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +32,10 @@ class Backoff:
     The ceiling grows as ``initial_s * multiplier ** (n - 1)`` up to ``max_s``;
     the delay is drawn uniformly from ``[ceiling * (1 - jitter), ceiling]`` so
     that jobs that failed together do not come back together.
+
+    Checked at construction (:class:`~consumer_sdk.jobs.errors.InvalidJob`, a
+    ``ValueError``): ``0 <= initial_s <= max_s <= 100 years``, all finite;
+    ``multiplier`` finite from 1 to 1,000; ``jitter`` within [0, 1].
     """
 
     initial_s: float = 1.0
@@ -36,12 +44,13 @@ class Backoff:
     jitter: float = 0.5
 
     def __post_init__(self) -> None:
-        if not 0 <= self.initial_s <= self.max_s:
-            raise ValueError("need 0 <= initial_s <= max_s")
-        if self.multiplier < 1:
-            raise ValueError("multiplier must be >= 1")
-        if not 0 <= self.jitter <= 1:
-            raise ValueError("jitter must be within [0, 1]")
+        _check.seconds("Backoff initial_s", self.initial_s, 0.0, _check.MAX_DELAY_S)
+        _check.seconds("Backoff max_s", self.max_s, 0.0, _check.MAX_DELAY_S)
+        if not self.initial_s <= self.max_s:
+            raise InvalidJob(f"Backoff needs 0 <= initial_s <= max_s, got initial_s={self.initial_s!r}, "
+                             f"max_s={self.max_s!r}")
+        _check.seconds("Backoff multiplier", self.multiplier, 1.0, MAX_MULTIPLIER, unit="times")
+        _check.seconds("Backoff jitter", self.jitter, 0.0, 1.0, unit="fractions of the ceiling")
 
     def ceiling_s(self, failed_attempt: int) -> float:
         return ceiling_s(failed_attempt, initial_s=self.initial_s, max_s=self.max_s, multiplier=self.multiplier)

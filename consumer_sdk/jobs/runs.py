@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 from psycopg.pq import TransactionStatus
 
-from consumer_sdk.jobs import _plan
+from consumer_sdk.jobs import _check, _plan
 from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
 from consumer_sdk.jobs._plan import Plan, event_step, step
 from consumer_sdk.jobs.errors import (
@@ -43,17 +43,15 @@ from consumer_sdk.jobs.events import JobFacts, write_job_event
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import (
     INTERACTIVE,
-    QUEUE_NAME,
     Accepted,
     AdmissionPolicy,
     JobId,
     RunId,
     RunState,
 )
-from consumer_sdk.outbox import valid_traceparent
 
 _log = structlog.get_logger("consumer_sdk.jobs.runs")
-_MAX_ID_CHARS = 200
+_MAX_ID_CHARS = _check.MAX_ID_CHARS
 
 #: Called inside accept's transaction after the run is inserted: write your own rows there.
 AcceptHook = Callable[[ConnectionT, Accepted], None]
@@ -90,8 +88,14 @@ def accept(
 
     ``conn`` must not be inside a transaction.  ``on_accept`` runs inside the
     transaction for new runs only.  Raises RequestKeyConflict, AdmissionRefused,
-    InvalidJob, TransactionActive.
+    InvalidJob, TransactionActive.  Every argument is checked before the database is
+    touched (:class:`InvalidJob` names the bad one): ``owner_id``, ``request_key`` and
+    ``kind`` 1-200 characters without NUL, ``queue`` a queue name, ``max_attempts`` an
+    int from 1 to 2**31-1, ``events_topic`` None or a Kafka topic name, ``admission``
+    None or an :class:`AdmissionPolicy`, the body JSON that jsonb can store.  A
+    malformed ``traceparent`` string is dropped (with ``tracestate``) and logged.
     """
+    check_options(admission=admission, events_topic=events_topic)
     request = make_request(owner_id=owner_id, request_key=request_key, kind=kind, body=body, queue=queue,
                            max_attempts=max_attempts, traceparent=traceparent, tracestate=tracestate)
     if conn.info.transaction_status != TransactionStatus.IDLE:
@@ -107,12 +111,17 @@ def make_request(*, owner_id: str, request_key: str, kind: str, body: Any, queue
                  traceparent: str | None, tracestate: str | None) -> _Request:
     """Validate and encode an accept request (no I/O); shared by the sync and asyncio APIs."""
     _validate(owner_id, request_key, kind, queue, max_attempts)
-    if traceparent is not None and not valid_traceparent(traceparent):
-        _log.warning("trace_context_invalid", traceparent=traceparent[:100])
-        traceparent = tracestate = None
+    traceparent, tracestate = _check.trace(traceparent, tracestate)
     return _Request(owner_id=owner_id, request_key=request_key, kind=kind, queue=queue,
                     goal=to_json(body, what="body"), digest=body_sha256(kind, body),
                     traceparent=traceparent, tracestate=tracestate, max_attempts=max_attempts)
+
+
+def check_options(*, admission: Any, events_topic: Any) -> None:
+    """accept's options other than the request (shared by the sync and asyncio APIs)."""
+    if admission is not None and not isinstance(admission, AdmissionPolicy):
+        raise InvalidJob(f"admission must be None or an AdmissionPolicy, got {admission!r:.80}")
+    _check.topic("events_topic", events_topic)
 
 
 def accept_plan(r: _Request, admission: AdmissionPolicy | None, metrics: JobsMetrics | None,
@@ -172,13 +181,9 @@ def _store(r: _Request, admission: AdmissionPolicy | None,
 
 
 def _validate(owner_id: str, request_key: str, kind: str, queue: str, max_attempts: int) -> None:
-    for name, value in (("owner_id", owner_id), ("request_key", request_key), ("kind", kind)):
-        if not isinstance(value, str) or not 0 < len(value) <= _MAX_ID_CHARS:
-            raise InvalidJob(f"{name} must be a non-empty string of at most {_MAX_ID_CHARS} characters")
-    if not isinstance(queue, str) or not QUEUE_NAME.match(queue):
-        raise InvalidJob(f"invalid queue name {queue!r}: 1-64 of [A-Za-z0-9_.:-]")
-    if max_attempts < 1:
-        raise InvalidJob("max_attempts must be at least 1")
+    """accept's rules; NewJob (enqueue) applies the same ones (:func:`_check.job_fields`)."""
+    _check.job_fields(owner_id=owner_id, kind=kind, queue_name=queue, max_attempts=max_attempts)
+    _check.text("request_key", request_key)
 
 
 def _existing(found: Any, digest: bytes, request_key: str) -> Accepted:
@@ -203,14 +208,33 @@ def _refuse(queue: str, admission: AdmissionPolicy, pending: int, metrics: JobsM
 
 def run_status(conn: ConnectionT, run_id: RunId | str, *, owner_id: str | None = None,
                now: datetime | None = None) -> RunState | None:
-    """The run (for ``owner_id`` only, unless None), or None when there is none."""
+    """The run (for ``owner_id`` only, unless None), or None when there is none.
+
+    ``run_id`` must be a ``uuid.UUID`` or a UUID's text and ``owner_id`` None or an
+    owner id: anything else (``"not-a-uuid"``, None) raises :class:`InvalidJob` (a
+    ``ValueError``; a status endpoint answers 400) before the database is asked; a
+    well-formed id of no run (of this owner) returns None (404).
+    """
+    plan = status_plan(run_id, owner_id, now)  # checks the arguments first
     with translated():
-        return _plan.run(conn, status_plan(run_id, owner_id, now))
+        return _plan.run(conn, plan)
 
 
 def status_plan(run_id: RunId | str, owner_id: str | None, now: datetime | None) -> Plan[RunState | None]:
-    row = yield step("run_status", {"run_id": str(run_id), "owner_id": owner_id, "now": now})
+    """Check the arguments (now: InvalidJob) and return the plan reading the run."""
+    params = {"run_id": _check.run_id(run_id), "owner_id": _owner(owner_id, optional=True), "now": now}
+    return _status_plan(params)
+
+
+def _status_plan(params: Mapping[str, Any]) -> Plan[RunState | None]:
+    row = yield step("run_status", params)
     return None if row is None else _state(row)
+
+
+def _owner(owner_id: Any, *, optional: bool = False) -> str | None:
+    if owner_id is None and optional:
+        return None
+    return _check.text("owner_id", owner_id)
 
 
 def _state(r: Any) -> RunState:
@@ -227,11 +251,14 @@ def cancel_run(conn: ConnectionT, *, owner_id: str, run_id: RunId | str, events_
     """Cancel the owner's run unless it already ended; returns its state afterwards.
 
     A worker running it stops at its next heartbeat or write and writes nothing.
-    Raises RunNotFound when the owner has no such run.
+    Raises RunNotFound when the owner has no such run, :class:`InvalidJob` (before the
+    database is touched) when ``run_id`` is not a UUID, ``owner_id`` not an owner id or
+    ``events_topic`` not None or a Kafka topic name.
     """
+    params = {"run_id": _check.run_id(run_id), "owner_id": _owner(owner_id), "now": now}
+    _check.topic("events_topic", events_topic)
     with translated(), conn.transaction():
-        row = conn.execute(q("cancel_run"), {"run_id": str(run_id), "owner_id": owner_id,
-                                             "now": now}).fetchone()
+        row = conn.execute(q("cancel_run"), params).fetchone()
         if row is not None:
             facts = JobFacts(job_id=JobId(row[0]), queue=row[2], kind=row[3], run_id=row[4],
                              attempts=row[5], traceparent=row[6], tracestate=row[7], age_s=row[8])

@@ -24,14 +24,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from consumer_sdk.jobs import _plan
+from consumer_sdk.jobs import _check, _plan
 from consumer_sdk.jobs._db import ConnectionT, q, to_json, translated
 from consumer_sdk.jobs._plan import Plan, event_step, step
-from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.events import JobFacts, write_job_event
+from consumer_sdk.jobs.model import MAX_KEY_CHARS as MAX_KEY_CHARS
 from consumer_sdk.jobs.model import Activation, JobId, Lease, WaitFor
-
-MAX_KEY_CHARS = 500
 
 
 def park(conn: ConnectionT, lease: Lease, wait: WaitFor, *, now: datetime | None = None) -> str | None:
@@ -57,14 +55,21 @@ def activate(conn: ConnectionT, key: str, payload: Any = None, *, now: datetime 
     trigger), from a ``job.resumed`` event to ``events_topic`` once relayed, or
     from their poll.
     """
+    plan = activate_plan(key, payload, now, events_topic)  # checks the arguments first
     with translated(), conn.transaction():
-        return _plan.run(conn, activate_plan(key, payload, now, events_topic))
+        return _plan.run(conn, plan)
 
 
 def activate_plan(key: str, payload: Any, now: datetime | None, events_topic: str | None) -> Plan[Activation]:
-    """The statements of :func:`activate` (shared with its asyncio twin)."""
+    """Check the arguments (now: InvalidJob) and return the statements of :func:`activate`
+    (shared with its asyncio twin)."""
     _check_key(key)
     encoded = to_json(payload, what="activation payload")
+    _check.topic("events_topic", events_topic)
+    return _activate_plan(key, encoded, now, events_topic)
+
+
+def _activate_plan(key: str, encoded: str, now: datetime | None, events_topic: str | None) -> Plan[Activation]:
     yield step("activation_lock", {"key": key}, "none")
     rows = yield step("activate", {"key": key, "now": now, "payload": encoded}, "all")
     resumed = [_facts(r[1:]) for r in rows if r[1] is not None]
@@ -100,5 +105,5 @@ def _facts(r: Any) -> JobFacts:
 
 
 def _check_key(key: str | None) -> None:
-    if key is not None and not (isinstance(key, str) and 0 < len(key) <= MAX_KEY_CHARS):
-        raise InvalidJob(f"an activation key is a non-empty string of at most {MAX_KEY_CHARS} characters")
+    if key is not None:
+        _check.text("the activation key", key, max_chars=MAX_KEY_CHARS)

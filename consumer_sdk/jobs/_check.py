@@ -1,0 +1,158 @@
+"""Argument checks shared by the jobs API (pure: no I/O).
+
+Every public entry point checks its arguments here before anything reaches the
+database, and a bad one raises :class:`~consumer_sdk.jobs.errors.InvalidJob` (a
+``ValueError``) naming the parameter, what is allowed and the value received.
+Regular expressions are matched with ``fullmatch`` (``$`` would accept a trailing
+newline).  Text stored in PostgreSQL may hold neither NUL characters nor lone
+surrogates (they cannot be encoded as UTF-8).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from typing import Any
+
+import structlog
+
+from consumer_sdk.jobs.errors import InvalidJob
+
+_log = structlog.get_logger("consumer_sdk.jobs")
+
+#: Queue names (the ``jobs_queue_valid`` CHECK of 0005_jobs.sql).
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}\Z")
+#: Kafka topic names (the outbox's rule): 1-249 of these characters, not "." or "..".
+TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_UUID = re.compile(r"[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}")
+#: A NUL escaped by json.dumps: ``\\u0000`` preceded by an even number of backslashes.
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+#: owner_id, request_key, kind, worker ids: the runs table's length CHECKs.
+MAX_ID_CHARS = 200
+#: max_attempts and limits are stored as PostgreSQL ``integer``.
+MAX_INT4 = 2**31 - 1
+#: The longest delay or wait accepted: 100 years (PostgreSQL intervals hold far more).
+MAX_DELAY_S = 100 * 365.25 * 86400.0
+_MAX_TRACESTATE_CHARS = 512
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def text(name: str, value: Any, *, max_chars: int = MAX_ID_CHARS, min_chars: int = 1) -> str:
+    """A str of ``min_chars``..``max_chars`` characters that PostgreSQL can store."""
+    if not isinstance(value, str) or not min_chars <= len(value) <= max_chars:
+        what = "a non-empty string" if min_chars == 1 else "a string"
+        raise InvalidJob(f"{name} must be {what} of at most {max_chars} characters, got {_shown(value)}")
+    storable(name, value)
+    return value
+
+
+def storable(name: str, value: str) -> None:
+    """Refuse a NUL character or a lone surrogate (PostgreSQL text cannot hold them)."""
+    if "\x00" in value:
+        raise InvalidJob(f"{name} must not contain NUL characters, got {_shown(value)}")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidJob(f"{name} must be valid Unicode (no lone surrogates), got {_shown(value)}") from None
+
+
+def json_storable(what: str, encoded: str) -> str:
+    """JSON text that jsonb accepts: no ``\\u0000`` escape, no lone surrogate."""
+    if "\\u0000" in encoded and _JSON_NUL.search(encoded):
+        raise InvalidJob(f"the {what} must not contain NUL characters (jsonb cannot store \\u0000)")
+    if not encoded.isascii():
+        try:
+            encoded.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidJob(f"the {what} must be valid Unicode (no lone surrogates)") from None
+    return encoded
+
+
+def queue(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not QUEUE_NAME.fullmatch(value):
+        raise InvalidJob(f"{name} must be a queue name of 1-64 of [A-Za-z0-9_.:-], got {_shown(value)}")
+    return value
+
+
+def topic(name: str, value: Any) -> str | None:
+    """None, or a Kafka topic name: 1-249 of [A-Za-z0-9._-], not "." or ".."."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not TOPIC_NAME.fullmatch(value) or value in (".", ".."):
+        raise InvalidJob(f"{name} must be None or a Kafka topic name of 1-249 of [A-Za-z0-9._-] "
+                         f"(not '.' or '..'), got {_shown(value)}")
+    return value
+
+
+def integer(name: str, value: Any, lo: int, hi: int = MAX_INT4) -> int:
+    """An int (not a bool, not a float) within ``[lo, hi]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidJob(f"{name} must be an integer from {lo:,} to {hi:,}, got {_shown(value)}")
+    return value
+
+
+def seconds(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False,
+            unit: str = "seconds") -> float:
+    """A finite number of seconds (int or float, not a bool) within ``[lo, hi]`` (``(lo, hi]``)."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and (lo < value if lo_open else lo <= value) and value <= hi)
+    if not ok:
+        low = f"more than {lo:g}" if lo_open else f"from {lo:g}"
+        raise InvalidJob(f"{name} must be a finite number of {unit} {low} to {hi:g}, got {_shown(value)}")
+    return float(value)
+
+
+def job_fields(*, owner_id: Any, kind: Any, queue_name: Any, max_attempts: Any) -> None:
+    """What accept() and NewJob/enqueue both require of a job."""
+    text("owner_id", owner_id)
+    text("kind", kind)
+    queue("queue", queue_name)
+    integer("max_attempts", max_attempts, 1)
+
+
+def valid_traceparent(value: str) -> bool:
+    """A W3C ``traceparent`` of a known shape, not the invalid all-zero ids or version ff."""
+    match = _TRACEPARENT.fullmatch(value)
+    if match is None:
+        return False
+    version, trace_id, parent_id, _flags = match.groups()
+    return version != "ff" and trace_id != "0" * 32 and parent_id != "0" * 16
+
+
+def trace(traceparent: Any, tracestate: Any) -> tuple[str | None, str | None]:
+    """The trace context to store: a malformed ``traceparent`` is dropped (with ``tracestate``)
+    and logged, never failing the request; a non-string one is a programming error."""
+    if traceparent is not None and not isinstance(traceparent, str):
+        raise InvalidJob(f"traceparent must be None or a str, got {_shown(traceparent)}")
+    if tracestate is not None and not isinstance(tracestate, str):
+        raise InvalidJob(f"tracestate must be None or a str, got {_shown(tracestate)}")
+    if traceparent is None:
+        return None, None
+    if not valid_traceparent(traceparent):
+        _log.warning("trace_context_invalid", traceparent=traceparent[:100])
+        return None, None
+    if tracestate is not None:
+        try:
+            storable("tracestate", tracestate)
+        except InvalidJob:
+            tracestate = None
+        if tracestate is not None and len(tracestate) > _MAX_TRACESTATE_CHARS:
+            tracestate = None
+    return traceparent, tracestate
+
+
+def run_id(value: Any) -> str:
+    """A run id (a ``uuid.UUID`` or its text) in canonical form."""
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, str) and _UUID.fullmatch(value):
+        return str(uuid.UUID(value))
+    raise InvalidJob(f"run_id must be a UUID (uuid.UUID or its text), got {_shown(value)}")
