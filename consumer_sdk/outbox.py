@@ -49,6 +49,7 @@ from psycopg.pq import TransactionStatus
 from consumer_sdk.errors import InvalidEvent, SchemaMissing, TransactionRequired
 from consumer_sdk.model import EVENT_ID_HEADER
 from outbox_core.queries import query
+from outbox_core.text import refuse_unstorable
 
 _log = structlog.get_logger("consumer_sdk.outbox")
 
@@ -57,8 +58,6 @@ _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f
 #: A UUID's text as PostgreSQL's uuid input reads it: 32 hex digits, with or without
 #: the usual hyphens, optionally in braces; either case.
 _UUID = re.compile(r"(\{)?[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}(?(1)\})")
-#: A NUL escaped by json.dumps: ``\\u0000`` preceded by an even number of backslashes.
-_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 TRACEPARENT_HEADER = "traceparent"
 TRACESTATE_HEADER = "tracestate"
 _MAX_TRACESTATE_CHARS = 512
@@ -117,26 +116,11 @@ class WrongConnection(InvalidEvent, TypeError):
 
 
 def _storable(name: str, value: str) -> None:
-    """Refuse a NUL character or a lone surrogate (PostgreSQL text cannot hold them)."""
-    if "\x00" in value:
-        raise InvalidEvent(f"{name} must not contain NUL characters (PostgreSQL text cannot hold them)")
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidEvent(f"{name} is not valid UTF-8 text (it holds a lone surrogate)") from None
+    refuse_unstorable(name, value, InvalidEvent)
 
 
 def _json_storable(name: str, encoded: str) -> str:
-    """JSON text that jsonb accepts: no ``\\u0000`` escape, no lone surrogate."""
-    if "\\u0000" in encoded and _JSON_NUL.search(encoded):
-        raise InvalidEvent(f"{name} must not contain NUL characters (jsonb cannot hold \\u0000)")
-    if not encoded.isascii():
-        try:
-            encoded.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidEvent(f"{name} is not valid UTF-8 text (it holds a lone surrogate)") from None
-    return encoded
+    return refuse_unstorable(name, encoded, InvalidEvent, json=True)
 
 
 def _json_key(key: Any) -> Any:

@@ -5,11 +5,19 @@ are not UTF-8 become lone surrogates, and the first library that encodes the str
 again (psycopg's conninfo, librdkafka's configuration, a query parameter) raises where a
 person reads only a traceback.  The CLIs call :func:`first_undecodable` first and refuse
 such input in one line that names where it is, never what it is (it may be a secret).
+
+:func:`refuse_unstorable` refuses what PostgreSQL cannot store (a NUL character, a lone
+surrogate), for the SDK's checks of events and jobs before they are sent.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
+
+#: A NUL escaped by json.dumps: ``\u0000`` after an even number of backslashes (``\\u0000``
+#: is a backslash and the text "u0000", which jsonb takes).
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def is_utf8(text: str) -> bool:
@@ -37,3 +45,13 @@ def first_undecodable(argv: Sequence[str], env: Mapping[str, str], prefix: str) 
             return f"the value after {before}"
         return f"command-line argument {index + 1}"
     return None
+
+
+def refuse_unstorable(name: str, text: str, error: type[Exception], *, json: bool = False) -> str:
+    """``text`` unchanged, or ``error`` naming ``name`` when PostgreSQL cannot store it: a NUL
+    character (in JSON text, an escaped one: jsonb refuses ``\\u0000``) or a lone surrogate."""
+    if ("\\u0000" in text and _JSON_NUL.search(text)) if json else "\x00" in text:
+        raise error(f"{name} must not contain NUL characters (PostgreSQL cannot store them)")
+    if not text.isascii() and not is_utf8(text):
+        raise error(f"{name} is not valid UTF-8 text (it holds a lone surrogate)")
+    return text

@@ -18,6 +18,8 @@ from typing import Any
 import structlog
 
 from consumer_sdk.jobs.errors import InvalidJob
+from consumer_sdk.outbox import valid_traceparent
+from outbox_core.text import refuse_unstorable
 
 _log = structlog.get_logger("consumer_sdk.jobs")
 
@@ -25,10 +27,7 @@ _log = structlog.get_logger("consumer_sdk.jobs")
 QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}\Z")
 #: Kafka topic names (the outbox's rule): 1-249 of these characters, not "." or "..".
 TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
-_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _UUID = re.compile(r"[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}")
-#: A NUL escaped by json.dumps: ``\\u0000`` preceded by an even number of backslashes.
-_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 #: owner_id, request_key, kind, worker ids: the runs table's length CHECKs.
 MAX_ID_CHARS = 200
@@ -54,26 +53,11 @@ def text(name: str, value: Any, *, max_chars: int = MAX_ID_CHARS, min_chars: int
 
 
 def storable(name: str, value: str) -> None:
-    """Refuse a NUL character or a lone surrogate (PostgreSQL text cannot hold them)."""
-    if "\x00" in value:
-        raise InvalidJob(f"{name} must not contain NUL characters, got {_shown(value)}")
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidJob(f"{name} must be valid Unicode (no lone surrogates), got {_shown(value)}") from None
+    refuse_unstorable(name, value, InvalidJob)
 
 
 def json_storable(what: str, encoded: str) -> str:
-    """JSON text that jsonb accepts: no ``\\u0000`` escape, no lone surrogate."""
-    if "\\u0000" in encoded and _JSON_NUL.search(encoded):
-        raise InvalidJob(f"the {what} must not contain NUL characters (jsonb cannot store \\u0000)")
-    if not encoded.isascii():
-        try:
-            encoded.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidJob(f"the {what} must be valid Unicode (no lone surrogates)") from None
-    return encoded
+    return refuse_unstorable(f"the {what}", encoded, InvalidJob, json=True)
 
 
 def queue(name: str, value: Any) -> str:
@@ -116,15 +100,6 @@ def job_fields(*, owner_id: Any, kind: Any, queue_name: Any, max_attempts: Any) 
     text("kind", kind)
     queue("queue", queue_name)
     integer("max_attempts", max_attempts, 1)
-
-
-def valid_traceparent(value: str) -> bool:
-    """A W3C ``traceparent`` of a known shape, not the invalid all-zero ids or version ff."""
-    match = _TRACEPARENT.fullmatch(value)
-    if match is None:
-        return False
-    version, trace_id, parent_id, _flags = match.groups()
-    return version != "ff" and trace_id != "0" * 32 and parent_id != "0" * 16
 
 
 def trace(traceparent: Any, tracestate: Any) -> tuple[str | None, str | None]:
