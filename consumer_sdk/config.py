@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from consumer_sdk.errors import ConfigError
-from consumer_sdk.model import Action, RetryPolicy
+from consumer_sdk.model import Action, RetryPolicy, valid_topic_name
 from consumer_sdk.secrets import safe_repr, validate_dsn
 
 DEFAULT_BATCH_SIZE = 1
@@ -44,8 +44,6 @@ _SHARED_PREFIXES = ("bootstrap.", "security.", "sasl.", "ssl.", "client.", "sock
                     "reconnect.", "api.", "metadata.", "enable.ssl", "debug", "log")
 _ACTIONS = ("dead_letter", "skip", "stop")
 _NAME = re.compile(r"[A-Za-z0-9._:-]{1,200}")  # always fullmatch: "$" would let "name\n" through
-#: Kafka's topic names: 1-249 of these, not "." or ".." (regex subscriptions are not supported).
-_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 MAX_GROUP_ID_CHARS = 255
 
@@ -89,7 +87,7 @@ def check_topic(option: str, topic: object) -> None:
     """Kafka's topic name rule; a leading '^' (a librdkafka regex subscription) is refused."""
     if isinstance(topic, str) and topic.startswith("^"):
         raise ConfigError(f"{option}: regex subscriptions are not supported, got {topic!r}")
-    if not isinstance(topic, str) or not _TOPIC.fullmatch(topic) or topic in (".", ".."):
+    if not valid_topic_name(topic):
         raise ConfigError(f"{option} must be a Kafka topic name (1-249 of [A-Za-z0-9._-], not '.' "
                           f"or '..'), got {topic!r}")
 

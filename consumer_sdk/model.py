@@ -10,10 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from consumer_sdk.errors import ConfigError
 from outbox_core.backoff import ceiling_s
@@ -27,6 +28,14 @@ Action = Literal["dead_letter", "skip", "stop"]
 Claim = Literal["new", "duplicate", "mismatch"]
 
 EVENT_ID_HEADER = "event_id"
+
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+def valid_topic_name(value: object) -> TypeGuard[str]:
+    """Kafka's rule for a topic name (the outbox's CHECK): 1-249 of [A-Za-z0-9._-], not "."
+    or "..", matched whole (a trailing newline is not one)."""
+    return isinstance(value, str) and _TOPIC_NAME.fullmatch(value) is not None and value not in (".", "..")
 
 Headers = tuple[tuple[str, bytes | None], ...]
 

@@ -47,13 +47,12 @@ import structlog
 from psycopg.pq import TransactionStatus
 
 from consumer_sdk.errors import InvalidEvent, SchemaMissing, TransactionRequired
-from consumer_sdk.model import EVENT_ID_HEADER
+from consumer_sdk.model import EVENT_ID_HEADER, valid_topic_name
 from outbox_core.queries import query
 from outbox_core.text import refuse_unstorable
 
 _log = structlog.get_logger("consumer_sdk.outbox")
 
-_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 #: A UUID's text as PostgreSQL's uuid input reads it: 32 hex digits, with or without
 #: the usual hyphens, optionally in braces; either case.
@@ -222,7 +221,7 @@ def encode_headers(event: OutboxEvent) -> str:
 
 
 def _check(event: OutboxEvent) -> None:
-    if not isinstance(event.topic, str) or not _TOPIC.fullmatch(event.topic) or event.topic in (".", ".."):
+    if not valid_topic_name(event.topic):
         shown = repr(event.topic) if isinstance(event.topic, str) else type(event.topic).__name__
         raise InvalidEvent(f"invalid Kafka topic name {shown[:120]}: 1-249 of [A-Za-z0-9._-], "
                            "not '.' or '..'")

@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 
 from consumer_sdk.jobs.errors import InvalidJob
+from consumer_sdk.model import valid_topic_name
 from consumer_sdk.outbox import valid_traceparent
 from outbox_core.text import refuse_unstorable
 
@@ -25,8 +26,6 @@ _log = structlog.get_logger("consumer_sdk.jobs")
 
 #: Queue names (the ``jobs_queue_valid`` CHECK of 0005_jobs.sql).
 QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}\Z")
-#: Kafka topic names (the outbox's rule): 1-249 of these characters, not "." or "..".
-TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _UUID = re.compile(r"[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}")
 
 #: owner_id, request_key, kind, worker ids: the runs table's length CHECKs.
@@ -70,7 +69,7 @@ def topic(name: str, value: Any) -> str | None:
     """None, or a Kafka topic name: 1-249 of [A-Za-z0-9._-], not "." or ".."."""
     if value is None:
         return None
-    if not isinstance(value, str) or not TOPIC_NAME.fullmatch(value) or value in (".", ".."):
+    if not valid_topic_name(value):
         raise InvalidJob(f"{name} must be None or a Kafka topic name of 1-249 of [A-Za-z0-9._-] "
                          f"(not '.' or '..'), got {_shown(value)}")
     return value
