@@ -75,9 +75,14 @@ DEFAULT_EXACTLY_ONCE_COMMIT_INTERVAL_S = 0.1
 #: librdkafka settings the relay needs for its guarantees; a user may override
 #: the tuning ones but not these (see :func:`producer_config`).
 REQUIRED_PRODUCER = {"enable.idempotence": "true", "acks": "all"}
-#: Each required property under every name librdkafka reads it by, and the values it reads
-#: as the required one (acks=-1 is all; enable.idempotence=1 is true).
-_REQUIRED_NAMES = {"enable.idempotence": ("enable.idempotence",), "acks": ("acks", "request.required.acks")}
+#: librdkafka's properties known under two names (rdkafka_conf.c): canonical -> alias.  Its
+#: errors name the canonical one (relay/publisher.py names the alias the user wrote), and
+#: a required property may be given under either.
+KAFKA_ALIASES = {"queue.buffering.max.ms": "linger.ms", "message.send.max.retries": "retries",
+                 "max.in.flight.requests.per.connection": "max.in.flight",
+                 "compression.codec": "compression.type", "request.required.acks": "acks",
+                 "message.timeout.ms": "delivery.timeout.ms"}
+#: The values librdkafka reads as the required one (acks=-1 is all; enable.idempotence=1 is true).
 _REQUIRED_EQUIVALENTS = {"enable.idempotence": {"true", "1"}, "acks": {"all", "-1"}}
 DEFAULT_PRODUCER = {
     "partitioner": "murmur2_random",  # keys land on the same partitions as with Java clients
@@ -560,7 +565,7 @@ def producer_config(settings: Settings) -> dict[str, str]:
         config["linger.ms"] = UNPACED_LINGER_MS
     config.update(settings.kafka_properties)
     for name, value in REQUIRED_PRODUCER.items():
-        for given_name in _REQUIRED_NAMES[name]:
+        for given_name in (name, *(c for c, alias in KAFKA_ALIASES.items() if alias == name)):
             given = config.pop(given_name, None)
             if given is not None and given.strip().lower() not in _REQUIRED_EQUIVALENTS[name]:
                 raise ConfigError(

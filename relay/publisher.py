@@ -19,6 +19,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from relay.config import KAFKA_ALIASES
 from relay.errors import ConfigError
 from relay.model import OutboxRow
 from relay.stalls import default_partition
@@ -135,18 +136,11 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-#: librdkafka's aliases whose errors name the property they stand for (rdkafka_conf.c):
-#: ``linger.ms=abc`` was refused as 'Invalid value for configuration property
-#: "queue.buffering.max.ms"', a name the user never wrote.
-ALIASED = {"queue.buffering.max.ms": "linger.ms", "message.send.max.retries": "retries",
-           "max.in.flight.requests.per.connection": "max.in.flight",
-           "compression.codec": "compression.type", "request.required.acks": "acks",
-           "message.timeout.ms": "delivery.timeout.ms"}
-
-
 def named_as_given(message: str, config: Mapping[str, Any]) -> str:
-    """librdkafka's error with each property named as the configuration names it."""
-    for canonical, alias in ALIASED.items():
+    """librdkafka's error with each property named as the configuration names it:
+    ``linger.ms=abc`` was refused as 'Invalid value for configuration property
+    "queue.buffering.max.ms"', a name the user never wrote."""
+    for canonical, alias in KAFKA_ALIASES.items():
         quoted = f'"{canonical}"'
         if quoted in message and canonical not in config and alias in config:
             message = message.replace(quoted, f'"{alias}" (librdkafka\'s {canonical})')
