@@ -236,8 +236,7 @@ class Relay:
                 failures += 1
                 if failures == 1:  # this reason, even when the producer's client said so first
                     self.log.warning("broker_unavailable", error=f"exactly-once: {exc}")
-                self.broker_up = False  # the state _client_error keeps: /readyz, the gauge
-                self.metrics.broker_up.set(0)
+                self._broker_down()
                 self._stop.wait(backoff_s(failures, initial_s=s.backoff_initial_s, max_s=s.backoff_max_s))
                 if self.stopping:
                     return None
@@ -303,6 +302,11 @@ class Relay:
             self.metrics.broker_up.set(1)
             self.log.info("broker_recovered")
 
+    def _broker_down(self) -> None:
+        """No broker answers: /readyz and the gauge say so until :meth:`_broker_ok`."""
+        self.broker_up = False
+        self.metrics.broker_up.set(0)
+
     def _db_down(self, exc: Exception) -> None:
         # Logged once per state change; a lost connection that turns out to be a read-only
         # server (failover to a standby) is a change worth its own event.
@@ -322,8 +326,7 @@ class Relay:
         if state is BrokerState.UNREACHABLE:
             if self.broker_up:
                 self.log.warning("broker_unavailable", error=message)
-            self.broker_up = False
-            self.metrics.broker_up.set(0)
+            self._broker_down()
         elif state is BrokerState.FATAL:
             self.log.error("producer_fatal", error=message)
         else:
