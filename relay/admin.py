@@ -108,9 +108,7 @@ def status(settings: Settings, *, as_json: bool) -> int:
     conn = store.connect(settings.dsn, application_name="outbox-relay-status")
     try:
         (schema,) = _rows(conn, "relay", "schema_check", {"table": settings.table})
-        problem = store.schema_problem(schema, settings.table)
-        if problem is not None:
-            raise problem
+        store.require_schema(schema, settings.table)
         (backlog,) = _rows(conn, "admin", "status_backlog", {}, settings.table)
         (dead,) = _rows(conn, "admin", "status_dead_letters", {})
         shards = _rows(conn, "leases", "shard_table", {"now": None})
@@ -186,11 +184,17 @@ def cleanup(settings: Settings, *, retention_s: float, batch: int) -> int:
 
 
 def _check_dead_letter_args(args: argparse.Namespace) -> None:
-    """Before connecting: `purge ID --all` purged every dead letter, the ID ignored."""
+    """Before connecting (`purge ID --all` purged every dead letter, the ID ignored): the
+    EVENT_IDs each action takes, and each a UUID."""
     if args.action == "list":
         return
-    if args.event_ids and getattr(args, "all", False):
+    if args.action == "show" and len(args.event_ids) != 1:
+        raise ConfigError("dead-letters show takes exactly one EVENT_ID")
+    every = getattr(args, "all", False)
+    if args.event_ids and every:
         raise ConfigError(f"dead-letters {args.action}: give EVENT_IDs or --all, not both")
+    if args.action != "show" and not args.event_ids and not every:
+        raise ConfigError(f"dead-letters {args.action} needs EVENT_ID arguments or --all")
     for event_id in args.event_ids:
         try:
             uuid.UUID(event_id)
@@ -214,16 +218,12 @@ def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
                 print(f"{len(items)} dead letter(s)")
             return 0
         if action == "show":
-            if len(args.event_ids) != 1:
-                raise ConfigError("dead-letters show takes exactly one EVENT_ID")
             shown = show_dead_letter(conn, args.event_ids[0])
             if shown is None:
                 raise NotFound(f"no dead letter with event_id {args.event_ids[0]}")
             json.dump(shown, sys.stdout, indent=2)
             sys.stdout.write("\n")
             return 0
-        if not args.event_ids and not args.all:
-            raise ConfigError(f"dead-letters {action} needs EVENT_ID arguments or --all")
         try:
             rows = move_dead_letters(conn, action, event_ids=args.event_ids, every=bool(args.all),
                                      table=settings.table)

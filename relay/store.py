@@ -30,7 +30,6 @@ from relay.errors import (
     DatabaseUnavailable,
     FatalError,
     PermissionDenied,
-    RelayError,
     SchemaMissing,
     TransactionPoolerUnsupported,
 )
@@ -69,19 +68,18 @@ def connect(dsn: str, *, application_name: str = "outbox-relay", autocommit: boo
         raise translate_connect_error(exc, dsn) from None
 
 
-def schema_problem(check: dict[str, Any], table: str) -> RelayError | None:
-    """What ``schema_check`` found wrong, said so a person can act (None: nothing): the
-    relay's own tables there but not the outbox names a ``--table`` that is not there, or
-    one that is not an outbox (migrating would help neither)."""
+def require_schema(check: dict[str, Any], table: str) -> None:
+    """Raise what ``schema_check`` found wrong, said so a person can act: the relay's own
+    tables there but not the outbox names a ``--table`` that is not there, or one that is
+    not an outbox (migrating would help neither)."""
     if not (check["has_shards"] and check["has_settings"]):
-        return SchemaMissing()
+        raise SchemaMissing()
     if not check["has_outbox"]:
-        return SchemaMissing(f"no table or view {table!r} (--table / OUTBOX_RELAY_TABLE): name the "
-                             "outbox table, or the view `migrate --debezium-table` made")
+        raise SchemaMissing(f"no table or view {table!r} (--table / OUTBOX_RELAY_TABLE): name the "
+                            "outbox table, or the view `migrate --debezium-table` made")
     if check["missing_columns"]:
-        return ConfigError(f"{table!r} (--table / OUTBOX_RELAY_TABLE) is not an outbox: it has no "
-                           f"column {', '.join(check['missing_columns'])}")
-    return None
+        raise ConfigError(f"{table!r} (--table / OUTBOX_RELAY_TABLE) is not an outbox: it has no "
+                          f"column {', '.join(check['missing_columns'])}")
 
 
 @contextmanager
@@ -290,9 +288,7 @@ class Store:
         """Raise SchemaMissing unless migrated (ConfigError when ``table`` is not an outbox);
         return the configured shard count."""
         (row,) = self._fetch("relay", "schema_check", {"table": self.table})
-        problem = schema_problem(row, self.table)
-        if problem is not None:
-            raise problem
+        require_schema(row, self.table)
         settings = self._fetch("relay", "read_settings", {})
         if not settings:
             raise SchemaMissing("the relay settings row is missing: run `outbox-relay migrate`")
