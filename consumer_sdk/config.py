@@ -62,20 +62,31 @@ MAX_RECORDS = 1_000_000
 MAX_RETRY_MULTIPLIER = 1000.0
 
 
-def check_int(option: str, value: object, low: int, high: int) -> None:
-    """Raise :class:`ConfigError` unless ``value`` is an int (not a bool) in ``low..high``."""
+def shown(value: object) -> str:
+    """A value in an error message, its repr cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_int(option: str, value: Any, low: int, high: int, *,
+              error: type[Exception] = ConfigError) -> int:
+    """``value`` if it is an int (not a bool) in ``low..high``, else ``error`` (the SDK's
+    configurations raise ConfigError, the jobs' InvalidJob)."""
     if type(value) is bool or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"{option} must be an integer from {low:,} to {high:,}, got {value!r}")
+        raise error(f"{option} must be an integer from {low:,} to {high:,}, got {shown(value)}")
+    return value
 
 
-def check_seconds(option: str, value: object, high: float, *, low: float = 0.0, low_open: bool = True) -> None:
-    """Raise :class:`ConfigError` unless ``value`` is a finite real number in ``(low, high]``
-    (``[low, high]`` when not ``low_open``)."""
+def check_seconds(option: str, value: Any, high: float, *, low: float = 0.0, low_open: bool = True,
+                  unit: str = "seconds", error: type[Exception] = ConfigError) -> float:
+    """``value`` as a float if it is a finite real number (not a bool) in ``(low, high]``
+    (``[low, high]`` when not ``low_open``), else ``error``."""
     ok = (type(value) is not bool and isinstance(value, int | float) and math.isfinite(value)
           and (low < value if low_open else low <= value) and value <= high)
     if not ok:
-        bound = f"> {low:g}" if low_open else f">= {low:g}"
-        raise ConfigError(f"{option} must be a finite number of seconds {bound} and <= {high:g}, got {value!r}")
+        bound = f"more than {low:g}" if low_open else f"from {low:g}"
+        raise error(f"{option} must be a finite number of {unit} {bound} to {high:g}, got {shown(value)}")
+    return float(value)
 
 
 def check_bool(option: str, value: object) -> None:

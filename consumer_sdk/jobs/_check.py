@@ -10,13 +10,13 @@ surrogates (they cannot be encoded as UTF-8).
 
 from __future__ import annotations
 
-import math
 import re
 import uuid
 from typing import Any
 
 import structlog
 
+from consumer_sdk.config import check_int, check_seconds, shown
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.model import valid_topic_name
 from consumer_sdk.outbox import valid_traceparent
@@ -37,16 +37,13 @@ MAX_DELAY_S = 100 * 365.25 * 86400.0
 _MAX_TRACESTATE_CHARS = 512
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def text(name: str, value: Any, *, max_chars: int = MAX_ID_CHARS, min_chars: int = 1) -> str:
     """A str of ``min_chars``..``max_chars`` characters that PostgreSQL can store."""
     if not isinstance(value, str) or not min_chars <= len(value) <= max_chars:
         what = "a non-empty string" if min_chars == 1 else "a string"
-        raise InvalidJob(f"{name} must be {what} of at most {max_chars} characters, got {_shown(value)}")
+        raise InvalidJob(f"{name} must be {what} of at most {max_chars} characters, got {shown(value)}")
     storable(name, value)
     return value
 
@@ -61,7 +58,7 @@ def json_storable(what: str, encoded: str) -> str:
 
 def queue(name: str, value: Any) -> str:
     if not isinstance(value, str) or not QUEUE_NAME.fullmatch(value):
-        raise InvalidJob(f"{name} must be a queue name of 1-64 of [A-Za-z0-9_.:-], got {_shown(value)}")
+        raise InvalidJob(f"{name} must be a queue name of 1-64 of [A-Za-z0-9_.:-], got {shown(value)}")
     return value
 
 
@@ -71,26 +68,19 @@ def topic(name: str, value: Any) -> str | None:
         return None
     if not valid_topic_name(value):
         raise InvalidJob(f"{name} must be None or a Kafka topic name of 1-249 of [A-Za-z0-9._-] "
-                         f"(not '.' or '..'), got {_shown(value)}")
+                         f"(not '.' or '..'), got {shown(value)}")
     return value
 
 
 def integer(name: str, value: Any, lo: int, hi: int = MAX_INT4) -> int:
     """An int (not a bool, not a float) within ``[lo, hi]``."""
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise InvalidJob(f"{name} must be an integer from {lo:,} to {hi:,}, got {_shown(value)}")
-    return value
+    return check_int(name, value, lo, hi, error=InvalidJob)
 
 
 def seconds(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False,
             unit: str = "seconds") -> float:
     """A finite number of seconds (int or float, not a bool) within ``[lo, hi]`` (``(lo, hi]``)."""
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-          and (lo < value if lo_open else lo <= value) and value <= hi)
-    if not ok:
-        low = f"more than {lo:g}" if lo_open else f"from {lo:g}"
-        raise InvalidJob(f"{name} must be a finite number of {unit} {low} to {hi:g}, got {_shown(value)}")
-    return float(value)
+    return check_seconds(name, value, hi, low=lo, low_open=lo_open, unit=unit, error=InvalidJob)
 
 
 def job_fields(*, owner_id: Any, kind: Any, queue_name: Any, max_attempts: Any) -> None:
@@ -105,9 +95,9 @@ def trace(traceparent: Any, tracestate: Any) -> tuple[str | None, str | None]:
     """The trace context to store: a malformed ``traceparent`` is dropped (with ``tracestate``)
     and logged, never failing the request; a non-string one is a programming error."""
     if traceparent is not None and not isinstance(traceparent, str):
-        raise InvalidJob(f"traceparent must be None or a str, got {_shown(traceparent)}")
+        raise InvalidJob(f"traceparent must be None or a str, got {shown(traceparent)}")
     if tracestate is not None and not isinstance(tracestate, str):
-        raise InvalidJob(f"tracestate must be None or a str, got {_shown(tracestate)}")
+        raise InvalidJob(f"tracestate must be None or a str, got {shown(tracestate)}")
     if traceparent is None:
         return None, None
     if not valid_traceparent(traceparent):
@@ -129,4 +119,4 @@ def run_id(value: Any) -> str:
         return str(value)
     if isinstance(value, str) and _UUID.fullmatch(value):
         return str(uuid.UUID(value))
-    raise InvalidJob(f"run_id must be a UUID (uuid.UUID or its text), got {_shown(value)}")
+    raise InvalidJob(f"run_id must be a UUID (uuid.UUID or its text), got {shown(value)}")
