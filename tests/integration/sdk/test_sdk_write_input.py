@@ -15,7 +15,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.pq import TransactionStatus
 
 from consumer_sdk import (
     InvalidEvent,
@@ -26,25 +25,11 @@ from consumer_sdk import (
     write_events_async,
 )
 from consumer_sdk.outbox import prepare, valid_traceparent
+from tests.fixtures.sdk_fakes import RecordingConnection
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 OTHER_TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 SECRET = "s3cr3t-value"
-
-
-class RecordingConnection:
-    """Just enough of psycopg.Connection to record statements (sync execute)."""
-
-    autocommit = False
-
-    class info:  # noqa: N801 - mimics conn.info
-        transaction_status = TransactionStatus.INTRANS
-
-    def __init__(self) -> None:
-        self.statements: list[tuple[str, Any]] = []
-
-    def execute(self, sql: str, params: Any = None) -> None:
-        self.statements.append((sql, params))
 
 
 class AsyncLikeConnection(RecordingConnection):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
 
 import pytest
 from psycopg.pq import TransactionStatus
@@ -17,6 +16,7 @@ from consumer_sdk.outbox import (
     require_transaction,
     valid_traceparent,
 )
+from tests.fixtures.sdk_fakes import RecordingConnection
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -106,21 +106,6 @@ def test_autocommit_outside_a_transaction_is_refused():
         require_transaction(True, TransactionStatus.IDLE)
     require_transaction(True, TransactionStatus.INTRANS)
     require_transaction(False, TransactionStatus.IDLE)  # psycopg opens one; the caller commits
-
-
-class RecordingConnection:
-    """Just enough of psycopg.Connection to count statements."""
-
-    autocommit = False
-
-    class info:  # noqa: N801 - mimics conn.info
-        transaction_status = TransactionStatus.IDLE
-
-    def __init__(self) -> None:
-        self.statements: list[tuple[str, Any]] = []
-
-    def execute(self, sql: str, params: Any) -> None:
-        self.statements.append((sql, params))
 
 
 def test_many_events_are_one_statement():
