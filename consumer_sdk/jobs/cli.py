@@ -29,6 +29,7 @@ from typing import Any, NoReturn, TextIO, TypeVar
 import psycopg
 
 from consumer_sdk import _pg
+from consumer_sdk.config import shown
 from consumer_sdk.errors import ConfigError, OutboxSdkError
 from consumer_sdk.jobs import admin
 from consumer_sdk.jobs.model import BULK, INTERACTIVE, QUEUE_NAME, DeadLetterRecord, RunId
@@ -75,11 +76,6 @@ def _env_value(flag: str, env: Mapping[str, str]) -> _FromEnvironment | None:
     return None if value is None else _FromEnvironment(value)
 
 
-def _shown(text: str) -> str:
-    """The input quoted in an error, cut short: a 5,000-digit number is still one short line."""
-    return repr(text if len(text) <= 40 else text[:40] + "...")
-
-
 class _Parser(argparse.ArgumentParser):
     """An error is one line, as the relay's (not argparse's usage block)."""
 
@@ -88,18 +84,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _number(kind: type[float] | type[int], what: str, bounds: tuple[float, float],
-            shown: str) -> Callable[[str], Any]:
-    """Parse a finite number within ``bounds`` (``shown`` names the range), or a ValueError
-    whose text is the one-line reason."""
+            bounds_text: str) -> Callable[[str], Any]:
+    """Parse a finite number within ``bounds`` (``bounds_text`` names the range), or a
+    ValueError whose text is the one-line reason."""
     def parse(text: str) -> float | int:
         try:
             value = kind(text)
         except ValueError:  # (or more than 4300 digits: out of range, not "not a number")
             if text.strip().lstrip("+-").isdigit():
-                raise ValueError(f"must be {shown}, got {_shown(text)}") from None
-            raise ValueError(f"not {what}: {_shown(text)}") from None
+                raise ValueError(f"must be {bounds_text}, got {shown(text)}") from None
+            raise ValueError(f"not {what}: {shown(text)}") from None
         if not (math.isfinite(value) and bounds[0] <= value <= bounds[1]):
-            raise ValueError(f"must be {shown}, got {_shown(text)}")
+            raise ValueError(f"must be {bounds_text}, got {shown(text)}")
         return value
     return parse
 
@@ -136,7 +132,7 @@ def _run_id(text: str) -> RunId:
         return RunId(uuid.UUID(text))
     except ValueError:
         raise ValueError(f"not a run id (a UUID such as 123e4567-e89b-12d3-a456-426614174000): "
-                         f"{_shown(text)}") from None
+                         f"{shown(text)}") from None
 
 
 _limit = _number(int, "a whole number", LIMIT_RANGE, f"from {LIMIT_RANGE[0]} to {LIMIT_RANGE[1]}")
