@@ -77,6 +77,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
                          "mark_bench_event_id_unique_pending_index"),
     "pk_only": ("mark_bench_event_id_unique_pending", "mark_bench_event_id_unique_pending_index",
                 "mark_bench_drop_published_index", "mark_bench_published_brin"),
+    "btree_ff50": ("mark_bench_pkey_ff50", "mark_bench_event_id_ff50"),
 }
 #: Variants whose rows are loaded otherwise: bytea_payload's payload is bytes, not jsonb.
 LOADS: dict[str, str] = {"bytea_payload": "bench_load_pending_bytes"}
@@ -122,6 +123,7 @@ def measure(admin_dsn: str, variant: str, args: argparse.Namespace, split: CpuSp
                           "payload_bytes": args.payload_bytes, "count": args.rows})
             conn.execute("VACUUM ANALYZE outbox")
             bytes_share = conn.execute(query("bench", "mark_bench_bytes_share")).fetchone()
+            loaded = conn.execute(query("bench", "mark_bench_index_size")).fetchone()
             conn.execute("CHECKPOINT")  # each variant's marks start with the same WAL state
         store = Store(dsn, keep_published=variant != "delete")
         try:
@@ -140,11 +142,12 @@ def measure(admin_dsn: str, variant: str, args: argparse.Namespace, split: CpuSp
         with psycopg.connect(dsn, autocommit=True) as conn:
             time.sleep(0.6)  # noqa: TID251 - the statistics collector's flush of the marks
             stats = conn.execute(query("bench", "mark_bench_table_stats")).fetchone()
-    updates, hot, heap = stats if stats else (0, 0, 0)
+    updates, hot, heap, indexes = stats if stats else (0, 0, 0, 0)
     return {"claim_rows_per_s": rows / claim[0], "mark_rows_per_s": rows / mark[0],
             **{f"claim_{k}": v / rows * 1e6 for k, v in claim[1].items()},
             **{f"mark_{k}": v / rows * 1e6 for k, v in mark[1].items()},
             "hot_share": hot / updates if updates else 0.0, "heap_mb": heap / 2**20,
+            "indexes_loaded_mb": (loaded[0] if loaded else 0) / 2**20, "indexes_mb": indexes / 2**20,
             "bytes_payload_share": bytes_share[0] if bytes_share else 0.0}
 
 
@@ -230,7 +233,8 @@ def _line(f: dict[str, float]) -> str:
     cpu = (f" (PostgreSQL {f['claim_postgres_cpu_us']:.1f} µs/row)" if "claim_postgres_cpu_us" in f else "")
     mark_cpu = (f" (PostgreSQL {f['mark_postgres_cpu_us']:.1f} µs/row)" if "mark_postgres_cpu_us" in f else "")
     line = (f"claim {f['claim_rows_per_s']:9.0f} rows/s{cpu}, mark {f['mark_rows_per_s']:9.0f} rows/s"
-            f"{mark_cpu}, HOT {100 * f['hot_share']:.0f} %, heap {f['heap_mb']:.0f} MB")
+            f"{mark_cpu}, HOT {100 * f['hot_share']:.0f} %, heap {f['heap_mb']:.0f} MB, indexes "
+            f"{f['indexes_loaded_mb']:.0f} MB pending -> {f['indexes_mb']:.0f} MB marked")
     if "drain_events_per_s" in f:
         split = " + ".join(f"{k[6:-7]} {v:.1f}" for k, v in f.items() if k.startswith("drain_") and k.endswith("_cpu_us"))
         line += (f"; drain {f['drain_events_per_s']:.0f} events/s = {f['drain_ratio_to_floor']:.2f} x the "

@@ -11,6 +11,7 @@ unpublished rows, all in one transaction, so no row committed meanwhile is lost.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,7 +83,8 @@ def maintain(conn: psycopg.Connection[Any], *, retention_s: float | None,
             # the whole outbox that writers queue behind.
             continue
         lo = datetime.combine(day, datetime.min.time(), tzinfo=UTC)
-        if _try(conn, [_ddl("create_partition", name, lo=lo, hi=lo + timedelta(days=1))],
+        if _try(conn, [_ddl("create_partition", name, lo=lo, hi=lo + timedelta(days=1)),
+                       functools.partial(_mark_room, conn, name)],
                 name, report):
             report.created.append(name)
     if retention_s is not None:
@@ -93,6 +95,13 @@ def maintain(conn: psycopg.Connection[Any], *, retention_s: float | None,
     row = conn.execute(query("partitions", "default_partition_rows")).fetchone()
     report.default_rows = int(row[0]) if row else 0
     return report
+
+
+def _mark_room(conn: psycopg.Connection[Any], partition: str) -> None:
+    """Give a new partition's primary key and event_id index the room migration 0015 gives
+    the plain outbox's (a partitioned index takes no fillfactor of its own)."""
+    for schema, index in conn.execute(query("partitions", "mark_room_indexes"), {"partition": partition}).fetchall():
+        conn.execute(sql.SQL(query("partitions", "mark_room")).format(index=sql.Identifier(schema, index)))
 
 
 class _Pending(Exception):

@@ -141,13 +141,26 @@ ALTER TABLE outbox SET (fillfactor = 50)
 -- name: mark_bench_fillfactor_70
 ALTER TABLE outbox SET (fillfactor = 70)
 
+-- name: mark_bench_pkey_ff50
+-- Room in the primary key's leaves for a second entry of every row (a mark's new version):
+-- B-tree fillfactor applies where ascending keys split the rightmost leaf.
+ALTER INDEX outbox_pkey SET (fillfactor = 50)
+
+-- name: mark_bench_event_id_ff50
+-- The same room in event_id's unique index (version 7 ids: ascending too).
+ALTER INDEX outbox_event_id_unique SET (fillfactor = 50)
+
 -- name: mark_bench_bytes_share
 -- The share of loaded rows whose payload is bytes (bytea_payload: all; the others: none).
 SELECT coalesce(avg((payload_bytes IS NOT NULL)::int), 0)::float8 FROM outbox
 
 -- name: mark_bench_table_stats
-SELECT n_tup_upd AS updates, n_tup_hot_upd AS hot_updates, pg_table_size('outbox') AS heap_bytes
+SELECT n_tup_upd AS updates, n_tup_hot_upd AS hot_updates, pg_table_size('outbox') AS heap_bytes,
+       pg_indexes_size('outbox') AS index_bytes
 FROM pg_stat_user_tables WHERE relname = 'outbox'
+
+-- name: mark_bench_index_size
+SELECT pg_indexes_size('outbox') AS index_bytes
 
 -- name: claim_bench_plain
 -- claim_bench's reference: the relay's claim columns from the pending rows after a position,

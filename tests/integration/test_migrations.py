@@ -114,3 +114,65 @@ def test_the_name_checks_are_validated_and_have_no_counted_repetition(db_dsn):
     assert topic_valid and queue_valid, checks
     assert "{" not in topic and "length(topic) <= 249" in topic, topic
     assert "{" not in queue and "length(queue) <= 64" in queue, queue
+
+
+UNIQUE_INDEXES = """
+SELECT c.oid::regclass::text AS name, coalesce(c.reloptions, '{}') AS options, pg_relation_size(c.oid) AS bytes
+FROM pg_class AS c
+WHERE c.oid IN ('outbox_pkey'::regclass, 'outbox_event_id_unique'::regclass)
+   OR c.oid IN (SELECT inhrelid FROM pg_inherits
+                WHERE inhparent IN ('outbox_pkey'::regclass, 'outbox_event_id_unique'::regclass))
+ORDER BY 1
+"""
+
+
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_the_relays_marks_find_room_in_the_unique_indexes(db_dsn, partitioned):
+    """0015: a mark is not a HOT update, so it adds an entry for each row's new version to the
+    primary key and to event_id's index, next to the pending version's.  With leaves left 50 %
+    full where ascending inserts split them, a backlog's marks split none: the indexes do not
+    grow.  At PostgreSQL's default (90 %) the same marks nearly doubled them (the primary key
+    456 -> 896 kB, event_id's 632 -> 1,240 kB, on the migrations before 0015): every leaf
+    they wrote into was split, after a bottom-up deletion that found nothing to delete.  On a partitioned outbox, each partition's indexes get the room: those
+    that exist at the migration (the default partition) and those the relay creates."""
+    from relay.model import Cursor, Lease, ShardId, Token
+    from relay.store import Store
+
+    migrate.apply(db_dsn, partitioned=partitioned)
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute(migrate.migrations(partitioned=partitioned)[-1].sql.encode())  # idempotent
+        conn.execute("INSERT INTO outbox (topic, key, payload) "
+                     "SELECT 't.room', 'k' || (g % 100), jsonb_build_object('n', g) "
+                     "FROM generate_series(1, 20000) AS g")
+        before = conn.execute(UNIQUE_INDEXES).fetchall()
+    names = [name for name, _, _ in before]
+    if partitioned:  # the default partition's (the migration's) and today's (the relay's)
+        assert any(n.startswith("outbox_default") for n in names), names
+        assert any(n.startswith("outbox_p2") for n in names), names
+    else:
+        assert names == ["outbox_event_id_unique", "outbox_pkey"], names
+    for name, options, _ in before:
+        if name not in ("outbox_pkey", "outbox_event_id_unique") or not partitioned:
+            assert "fillfactor=50" in options, (name, options)
+
+    store = Store(db_dsn)
+    try:
+        held = store.claim_shards(owner="room", limit=1 << 16, lease_s=600)
+        leases = [Lease(ShardId(s), Token(t), 1e18) for s, t in held.items()]
+        shards = sorted(ShardId(s) for s in held)
+        cursor, marked = Cursor(), 0
+        while True:
+            rows, snapshot, _ = store.claim(shards=shards, nshards=len(shards), after=cursor, limit=1000)
+            if not rows:
+                break
+            cursor = cursor.advanced(rows[-1], snapshot or cursor.cur)
+            marked += len(store.mark_published(owner="room", leases=leases, rows=rows)[1])
+    finally:
+        store.close()
+    assert marked == 20000
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        after = conn.execute(UNIQUE_INDEXES).fetchall()
+    # At most the rightmost leaf's split (it is never split at the fillfactor before the marks).
+    grown = {name: (b, a) for (name, _, b), (_, _, a) in zip(before, after, strict=True)
+             if a > b + 2 * 8192}
+    assert not grown, grown

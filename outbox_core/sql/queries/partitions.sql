@@ -20,6 +20,20 @@ SET LOCAL lock_timeout = '200ms'
 -- name: create_partition
 CREATE TABLE IF NOT EXISTS {partition} PARTITION OF outbox FOR VALUES FROM ({lo}) TO ({hi})
 
+-- name: mark_room_indexes
+-- A new partition's primary key and event_id index (its parts of the outbox's two unique
+-- indexes), which get the fillfactor migration 0015 gives the plain outbox's.
+SELECT n.nspname AS schema, c.relname AS name
+FROM pg_inherits AS i
+JOIN pg_class AS c ON c.oid = i.inhrelid
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+JOIN pg_index AS x ON x.indexrelid = c.oid
+WHERE i.inhparent IN (to_regclass('outbox_pkey'), to_regclass('outbox_event_id_unique'))
+  AND x.indrelid = to_regclass(%(partition)s)
+
+-- name: mark_room
+ALTER INDEX {index} SET (fillfactor = 50)
+
 -- name: lock_for_drop
 -- Before the pending check, in the same transaction: the locks DETACH takes, in the
 -- order writers take them (the parent, then the partition).  No writer can then
