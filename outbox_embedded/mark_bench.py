@@ -9,12 +9,16 @@ then the relay's own statements through its own store (relay/store.py), one conn
 claims of ``--batch-size`` until the backlog is claimed, then each batch's fenced mark.
 Reported per variant (medians): claims and marks in rows/s, PostgreSQL's CPU per row for
 each (its whole process tree, when the server is on this machine), the share of marks that
-were HOT updates, and the heap's size after the marks.
+were HOT updates, the heap's size after the marks, and the indexes' sizes before and after
+them.
 
 Variants:
 
 * ``migrated``: the schema as ``outbox-relay migrate`` leaves it (the partial index of
-  pending rows, the back-off index, the cleanup's index of published rows);
+  pending rows, the back-off index, the cleanup's index of published rows; since migration
+  0015 the two unique indexes at fillfactor 50);
+* ``unique_ff90``: the two unique indexes at PostgreSQL's default fillfactor, as before
+  migration 0015 (a mark's new entries split the leaves they go to);
 * ``no_published_index``: without the cleanup's index (one index fewer per mark);
 * ``hot_ff50`` / ``hot_ff70``: no index naming ``published_at`` (the claim's index over
   all rows, the back-off index without it, cleanup by a BRIN index) and a fillfactor of
@@ -77,7 +81,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
                          "mark_bench_event_id_unique_pending_index"),
     "pk_only": ("mark_bench_event_id_unique_pending", "mark_bench_event_id_unique_pending_index",
                 "mark_bench_drop_published_index", "mark_bench_published_brin"),
-    "btree_ff50": ("mark_bench_pkey_ff50", "mark_bench_event_id_ff50"),
+    "unique_ff90": ("mark_bench_pkey_ff_default", "mark_bench_event_id_ff_default"),
 }
 #: Variants whose rows are loaded otherwise: bytea_payload's payload is bytes, not jsonb.
 LOADS: dict[str, str] = {"bytea_payload": "bench_load_pending_bytes"}

@@ -141,14 +141,14 @@ ALTER TABLE outbox SET (fillfactor = 50)
 -- name: mark_bench_fillfactor_70
 ALTER TABLE outbox SET (fillfactor = 70)
 
--- name: mark_bench_pkey_ff50
--- Room in the primary key's leaves for a second entry of every row (a mark's new version):
--- B-tree fillfactor applies where ascending keys split the rightmost leaf.
-ALTER INDEX outbox_pkey SET (fillfactor = 50)
+-- name: mark_bench_pkey_ff_default
+-- The primary key as before migration 0015: PostgreSQL's default fillfactor (90), leaves
+-- nearly full where ascending inserts split them, so a mark's new entries split them.
+ALTER INDEX outbox_pkey RESET (fillfactor)
 
--- name: mark_bench_event_id_ff50
--- The same room in event_id's unique index (version 7 ids: ascending too).
-ALTER INDEX outbox_event_id_unique SET (fillfactor = 50)
+-- name: mark_bench_event_id_ff_default
+-- event_id's unique index as before migration 0015.
+ALTER INDEX outbox_event_id_unique RESET (fillfactor)
 
 -- name: mark_bench_bytes_share
 -- The share of loaded rows whose payload is bytes (bytea_payload: all; the others: none).
