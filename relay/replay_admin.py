@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--until", metavar="TIME", help="created_at up to (excluded; default: now)")
     parser.add_argument("--topic", action="append", default=[], metavar="T", help="only this topic, repeatable")
     parser.add_argument("--key", action="append", default=[], metavar="K", help="only this key, repeatable")
-    parser.add_argument("--rate", type=float, default=DEFAULT_REPLAY_RATE, metavar="N",
+    parser.add_argument("--rate", type=float, default=None, metavar="N",
                         help=f"events per second over all replicas (default: {DEFAULT_REPLAY_RATE:g})")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the rows per topic and the range retained; record nothing")
@@ -70,7 +70,48 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
     return {k: _iso(v) for k, v in row.items()}
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, before connecting, what the action does not take: ``replay list 5`` listed every
+    replay and ``replay cancel 5 --since 2h`` cancelled replay 5, each dropping the rest in
+    silence; a request's own values are checked here too (:func:`_request_values`)."""
+    chosen = [flag for flag, given in (
+        ("--since", args.since is not None), ("--until", args.until is not None),
+        ("--topic", bool(args.topic)), ("--key", bool(args.key)), ("--rate", args.rate is not None),
+        ("--dry-run", args.dry_run)) if given]
+    if args.action is None:
+        _request_values(args)
+        return
+    if args.action == "list" and args.replay_id is not None:
+        raise ConfigError(f"replay list takes no ID (got {args.replay_id}); it lists the latest "
+                          "replays, and `replay cancel ID` cancels one")
+    if args.action == "cancel" and args.replay_id is None:
+        raise ConfigError("replay cancel takes the replay's ID")
+    if chosen:
+        raise ConfigError(f"replay {args.action} takes no {', '.join(chosen)}: "
+                          f"{'that chooses' if len(chosen) == 1 else 'those choose'} what a new replay sends "
+                          "(`replay --since TIME ...`)")
+
+
+def _request_values(args: argparse.Namespace) -> tuple[datetime, datetime | None, float]:
+    """A replay request's range and rate, checked: (since, until or None, rate)."""
+    if not args.since:
+        raise ConfigError("replay needs --since TIME (or: replay list | replay cancel ID)")
+    rate = DEFAULT_REPLAY_RATE if args.rate is None else args.rate
+    if not MIN_REPLAY_RATE <= rate <= MAX_REPLAY_RATE:  # NaN fails too
+        # inf was stored and killed every relay that ran the replay (int(inf) tokens).
+        raise ConfigError(f"--rate must be {MIN_REPLAY_RATE:g} to {MAX_REPLAY_RATE:,.0f} events "
+                          f"per second, got {rate:g}")
+    since = parse_time(args.since)
+    until = parse_time(args.until) if args.until else None
+    if until is not None and until <= since:
+        raise ConfigError("--until must be after --since")
+    if until is None and since >= datetime.now(UTC):  # the range would be empty
+        raise ConfigError(f"--since {args.since!r} is in the future: nothing was created after it yet")
+    return since, until, rate
+
+
 def command(settings: Settings, args: argparse.Namespace) -> int:
+    check_arguments(args)
     store = ReplayStore(settings.dsn, application_name="outbox-relay-replay", table=settings.table)
     try:
         store.check_schema()
@@ -83,11 +124,12 @@ def command(settings: Settings, args: argparse.Namespace) -> int:
                     print(line)
             return 0
         if args.action == "cancel":
-            if args.replay_id is None:
-                raise ConfigError("replay cancel takes the replay's ID")
             if not store.cancel(args.replay_id):
                 raise NotFound(f"no active replay {args.replay_id}")
-            print(f"cancelled replay {args.replay_id}")
+            if args.json:
+                _dump({"cancelled": args.replay_id})
+            else:
+                print(f"cancelled replay {args.replay_id}")
             return 0
         return _request(store, args)
     finally:
@@ -95,18 +137,7 @@ def command(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _request(store: ReplayStore, args: argparse.Namespace) -> int:
-    if not args.since:
-        raise ConfigError("replay needs --since TIME (or: replay list | replay cancel ID)")
-    if not MIN_REPLAY_RATE <= args.rate <= MAX_REPLAY_RATE:  # NaN fails too
-        # inf was stored and killed every relay that ran the replay (int(inf) tokens).
-        raise ConfigError(f"--rate must be {MIN_REPLAY_RATE:g} to {MAX_REPLAY_RATE:,.0f} events "
-                          f"per second, got {args.rate:g}")
-    since = parse_time(args.since)
-    until = parse_time(args.until) if args.until else None
-    if until is not None and until <= since:
-        raise ConfigError("--until must be after --since")
-    if until is None and since >= datetime.now(UTC):  # the range would be empty
-        raise ConfigError(f"--since {args.since!r} is in the future: nothing was created after it yet")
+    since, until, rate = _request_values(args)
     if args.dry_run:
         per_topic, retained = store.dry_run(since=since, until=until, topics=args.topic, keys=args.key)
         report = {"topics": [_plain(r) for r in per_topic], "retained": _plain(retained),
@@ -124,13 +155,13 @@ def _request(store: ReplayStore, args: argparse.Namespace) -> int:
                   f"{_iso(r['last_created_at'])}")
         print(f"{report['rows']} row(s) would be replayed (dry run: nothing recorded)")
         return 0
-    row = store.create(since=since, until=until, topics=args.topic, keys=args.key, rate=args.rate,
+    row = store.create(since=since, until=until, topics=args.topic, keys=args.key, rate=rate,
                        requested_by=None)
     if args.json:
         _dump(_plain(row))
     else:
         print(f"replay {row['id']} requested: {row['selected_rows']} row(s) created "
-              f"{_iso(row['since'])} .. {_iso(row['until'])}, at most {args.rate:g} events/s")
+              f"{_iso(row['since'])} .. {_iso(row['until'])}, at most {rate:g} events/s")
     return 0
 
 

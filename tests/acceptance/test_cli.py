@@ -105,6 +105,25 @@ def test_a_value_out_of_any_range_is_refused_in_one_line(outbox_db, args, named)
         assert scalar(outbox_db, "SELECT count(*) FROM outbox_relay_replays") == 0
 
 
+@pytest.mark.parametrize(("args", "named"), [
+    (("replay", "list", "5"), "takes no ID"),
+    (("replay", "list", "--since", "2h"), "--since"),
+    (("replay", "cancel", "5", "--since", "2h", "--topic", "t"), "--since, --topic"),
+    (("replay", "cancel", "5", "--rate", "10"), "--rate"),
+    (("replay", "cancel", "5", "--dry-run"), "--dry-run"),
+    (("replay", "cancel"), "the replay's ID"),
+    (("replay", "--since", "2h", "--rate", "0"), "--rate"),
+])
+def test_a_replay_command_refuses_what_it_does_not_take_before_connecting(args, named):
+    """`replay list 5` listed every replay and `replay cancel 5 --since 2h` cancelled replay 5,
+    each dropping the rest in silence; a bad --rate was found only after connecting (exit 3
+    with the database down, where the mistake is the command's).  Refused now, exit 2, with
+    no database behind the DSN: nothing is asked of it."""
+    result = run_cli(*args, "--dsn", f"postgresql://nobody@127.0.0.1:{free_port()}/none", timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert named in one_clear_line(result)
+
+
 def test_a_replay_stored_with_a_time_psycopg_cannot_read_does_not_break_the_replay_list(outbox_db):
     """A replay stored before the CLI bounded its times (a year before 1 in UTC) could not
     be read back: `replay list`, `status`, the console and every relay's start died on it."""
@@ -115,6 +134,10 @@ def test_a_replay_stored_with_a_time_psycopg_cannot_read_does_not_break_the_repl
         assert result.returncode == 0, result.stderr[-2000:]
         (replay,) = json.loads(result.stdout)
         assert replay["since"].startswith("1970-01-01") and replay["state"] == "active"
+        # --json was dropped in silence by `replay cancel` (it printed a sentence).
+        result = run_cli("replay", "cancel", str(replay["id"]), "--json", "--dsn", outbox_db, timeout=60)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert json.loads(result.stdout) == {"cancelled": replay["id"]}
     finally:
         scalar(outbox_db, "DELETE FROM outbox_relay_replays RETURNING 1")
 
