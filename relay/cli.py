@@ -144,6 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the command (and sub-command: ``dead-letters list``) ``args`` was read by."""
+    for dest in ("command", "action"):
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = getattr(args, dest, None)
+        if sub is None or chosen not in sub.choices:
+            break
+        parser = sub.choices[chosen]
+    return parser
+
+
 def settings_from(args: argparse.Namespace, env: Mapping[str, str], command: str,
                   *, require_broker: bool) -> Any:
     values: dict[str, Any] = env_values(env, command)
@@ -167,7 +178,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and args.command not in EMBEDDED_COMMANDS:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        # Named by the command's own parser: "see outbox-relay status --help", where the
+        # top-level help lists the commands and none of their options.
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if args.command in EMBEDDED_COMMANDS:
             return _embedded(args.command, rest, env)

@@ -31,10 +31,15 @@ def one_clear_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
-def test_unknown_option():
-    result = run_cli("run", "--bogus-flag", "1")
+@pytest.mark.parametrize("command", [("run",), ("status",), ("dead-letters", "list"), ("replay",)])
+def test_unknown_option(command):
+    """Named by the command's own usage: it pointed at `outbox-relay --help`, which lists the
+    commands and none of their options."""
+    result = run_cli(*command, "--bogus-flag")
     assert result.returncode == 2
-    assert "unrecognized arguments: --bogus-flag" in one_clear_line(result)
+    line = one_clear_line(result)
+    assert "unrecognized arguments: --bogus-flag" in line
+    assert f"see outbox-relay {' '.join(command)} --help" in line, line
 
 
 def test_missing_dsn():
