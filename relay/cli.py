@@ -245,6 +245,12 @@ def _check_adopt_options(args: argparse.Namespace) -> None:
              if value is not None]
     if given and not args.debezium_table:
         raise ConfigError(f"{', '.join(given)}: only with --debezium-table TABLE")
+    source = args.cloudevents_source
+    if source is not None and (not source or any(c.isspace() or not c.isprintable() for c in source)):
+        # '' was taken: every row then carried an empty ce_source header, which CloudEvents
+        # forbids (a non-empty URI reference), and no consumer could tell the producers apart.
+        raise ConfigError(f"--cloudevents-source {source!r}: CloudEvents needs a non-empty URI "
+                          "reference without spaces, such as /orders-service or urn:example:orders")
     if args.print_sql and args.debezium_table:
         raise ConfigError("--print prints the migrations only; adopt a Debezium table with "
                           "migrate --debezium-table TABLE (without --print)")

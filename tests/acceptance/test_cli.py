@@ -212,6 +212,16 @@ def test_adoption_options_without_an_adoption_are_refused(args):
     assert "--debezium-table" in one_clear_line(result)
 
 
+@pytest.mark.parametrize("source", ["", " ", "orders service", "a\tb"])
+def test_an_empty_or_spaced_cloudevents_source_is_refused_before_connecting(source):
+    """`--cloudevents-source ''` was taken: every adopted row then carried an empty ce_source
+    header, which CloudEvents forbids (a non-empty URI reference)."""
+    result = run_cli("migrate", "--debezium-table", "events", "--cloudevents-source", source,
+                     "--dsn", f"postgresql://nobody@127.0.0.1:{free_port()}/none", timeout=20)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--cloudevents-source" in one_clear_line(result) and "URI reference" in result.stderr
+
+
 def test_missing_schema(db_dsn, broker):
     result = run_cli("run", env=relay_env(db_dsn, broker.bootstrap))
     assert result.returncode == 3
