@@ -152,7 +152,15 @@ class Loop:
     def _idle_wait(self, now: float, wake_by: float) -> None:
         pump = self.pump
         next_poll = self.next_poll if self.wakeup.sleeping else now + self.poll_interval_s
-        until = self._until(now, min(next_poll, wake_by), pump.claim_not_before)
+        if self.wakeup.sleeping and not self.woken and not pump.busy():
+            # Asleep, a turn claims at the poll or once a notification came, and one ends the
+            # wait by itself: the pace the poll's claim set (the next claim not before ~80 ms)
+            # is no reason to wake, and doing so ran a turn that did nothing each poll
+            # interval, half of an idle relay's wake-ups.  The poll itself waits for the pace
+            # (or a back-off) when that ends later, rather than find it not due and skip.
+            until = min(max(next_poll, pump.claim_not_before), wake_by)
+        else:
+            until = self._until(now, min(next_poll, wake_by), pump.claim_not_before)
         timeout = max(0.0, until - self.clock())
         if self.replayer is not None and self.replayer.busy() and not pump.busy():
             self.replayer.wait(min(timeout, BUSY_WAIT_S))
