@@ -295,7 +295,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(name="backoff_max_s", parse=_positive_float, default=DEFAULT_BACKOFF_MAX_S,
            help="cap of the exponential back-off for retries, seconds"),
     Option(name="stuck_after_s", parse=_positive_float, default=DEFAULT_STUCK_AFTER_S,
-           help="/healthz fails when rows are pending and nothing was published for this long"),
+           help="/healthz fails when rows are pending, the database and the broker are up, and "
+                "nothing was published for this long (counted from the later of the last publish "
+                "and their return)"),
     Option(name="cleanup_retention_s", parse=_positive_float, default=None,
            help="when set, run deletes published rows older than this, seconds",
            commands=("run", "cleanup")),
