@@ -46,6 +46,7 @@ from outbox_embedded.cpu_split import CpuSplit
 from outbox_embedded.options import (
     MAX_PAYLOAD_BYTES,
     admin_dsn,
+    check_broker,
     check_database,
     json_path,
     number,
@@ -68,6 +69,9 @@ from relay.store import Store
 
 DRAIN_POLL_S = 0.25  # how often a drain asks the relay's /metrics whether it is done
 SPREAD_TIMEOUT_S = 120.0  # replicas that started hold their shares of the shards within this
+#: pgbench's writers of the NOTIFY figure: each is a connection, and the embedded server
+#: takes 200 (pgbench failed with a traceback past the server's max_connections).
+MAX_NOTIFY_CLIENTS = 100
 
 
 #: The gaps between rows that come alone (uniform, seconds): longer than a paced claim's
@@ -92,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="already-published rows for the slowdown figure (0 skips it)")
     p.add_argument("--bloat-rows", type=whole(0, zero="0 skips it"), default=1_000_000,
                    help="rows passed through for the cleanup on/off figure (0 skips it)")
-    p.add_argument("--notify-clients", type=whole(0, zero="0 skips it"), default=8,
+    p.add_argument("--notify-clients", type=whole(0, MAX_NOTIFY_CLIENTS, zero="0 skips it"), default=8,
                    help="concurrent writers (pgbench) for the NOTIFY cost figure (0 skips it)")
     p.add_argument("--notify-s", type=seconds, default=5.0, help="duration of each pgbench run")
     p.add_argument("--low-rate", type=number(zero="0 skips it"), default=100.0,
@@ -949,6 +953,8 @@ def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
          f"{plural(args.keys, 'key')}, {plural(args.runs, 'run')} each")
     if args.dsn:
         check_database(_admin_dsn(args.dsn), application_name="outbox-relay bench")
+    if args.bootstrap_servers:
+        check_broker(args.bootstrap_servers)
     # Durable: PostgreSQL's defaults (fsync, synchronous commit, full-page writes on), as
     # the relay meets them in production; the tests' embedded server runs without them.
     with services(args, durable=True) as (dsn, bootstrap):

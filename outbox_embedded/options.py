@@ -22,8 +22,11 @@ import psycopg.conninfo
 from relay.config import MAX_INT, MAX_SECONDS
 from relay.store import connect, translate_connect_error
 
-__all__ = ["MAX_PAYLOAD_BYTES", "admin_dsn", "check_database", "json_path", "number", "plural",
-           "seconds", "whole"]
+__all__ = ["BROKER_CHECK_S", "MAX_PAYLOAD_BYTES", "admin_dsn", "check_broker", "check_database",
+           "json_path", "number", "plural", "seconds", "whole"]
+
+#: How long an external --bootstrap-servers has to answer a metadata request at start.
+BROKER_CHECK_S = 10.0
 
 #: Under librdkafka's default message.max.bytes (1,000,000), with room for the key and
 #: headers: a bigger row is dead-lettered by its size and a drain waits for it in vain.
@@ -112,6 +115,26 @@ def check_database(dsn: str, *, application_name: str) -> None:
     exit code 1, rejected credentials: 4, a bad DSN: 2), in one masked line."""
     with connect(dsn, application_name=application_name):
         pass
+
+
+def check_broker(bootstrap: str, *, timeout_s: float = BROKER_CHECK_S) -> None:
+    """Ask ``bootstrap`` for the cluster's metadata once, before anything starts: a bench
+    given a broker that is not there started its database, measured its floors, produced
+    into nothing for two minutes and then waited out its first drain's ten.  One line (the
+    relay's FatalError, exit code 1) naming the servers and the client's reason."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    from relay.errors import FatalError
+
+    # log_level 0: the client's own connection errors are summed up in the line below.
+    client = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    try:
+        client.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        reason = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
+        raise FatalError(f"--bootstrap-servers {bootstrap}: no Kafka broker answered within "
+                         f"{timeout_s:g} s ({reason})") from None
 
 
 def plural(count: int, word: str) -> str:

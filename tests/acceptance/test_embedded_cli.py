@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from outbox_embedded.procs import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 #: The CLI in a child whose `embedded` extra looks uninstalled: find_spec says "no such module"
@@ -115,6 +117,17 @@ def test_bench_with_an_unreachable_database_says_so_in_one_line():
     assert "s3cret-pw" not in result.stdout + result.stderr
 
 
+def test_bench_with_an_unreachable_broker_says_so_in_one_line_before_it_starts():
+    """It started its database, measured its floors, produced into nothing for two minutes
+    and then waited out its first drain's ten: now one line, and nothing started."""
+    result = run(CLI, "bench", "--bootstrap-servers", f"127.0.0.1:{free_port()}", "--rows", "1")
+    assert result.returncode == 1, result.stderr
+    line = one_line(result)
+    assert line.startswith("outbox-relay: error: --bootstrap-servers 127.0.0.1:"), line
+    assert "no Kafka broker answered" in line, line
+    assert "starting an embedded" not in result.stdout, result.stdout
+
+
 def test_bench_with_a_dsn_libpq_cannot_read_exits_2():
     result = run(CLI, "bench", "--dsn", "postgresql://bench:s3cret-pw@127.0.0.1:notaport/x",
                  "--bootstrap-servers", "127.0.0.1:1", "--rows", "1")
@@ -138,6 +151,7 @@ def test_bench_says_1_row_1_key_1_run():
     ("--rate", "0"), ("--rate", "-5"), ("--rate", "nan"), ("--rate", "inf"),
     ("--low-rate", "-1"), ("--low-rate", "nan"),
     ("--published-rows", "-1"), ("--bloat-rows", "-1"), ("--lone-rows", "-1"), ("--notify-clients", "-1"),
+    ("--notify-clients", "101"),
     ("--latency-s", "0"), ("--latency-s", "nan"), ("--idle-s", "0"), ("--idle-s", "inf"),
     ("--notify-s", "-1"),
 ])
