@@ -68,6 +68,7 @@ _BAD_OPTION = re.compile(
     r"invalid [\w ]+ value|invalid integer value .* for connection option|"
     r"could not parse network address|could not match \d+ (port numbers|host names|hostaddr values)",
     re.IGNORECASE)
+_LIBPQ_WRAPPING = re.compile(r'^(connection is bad:\s*)?(connection to server (at|on) .*? failed:\s*)?')
 # libpq's and OpenSSL's words for a TLS set-up that fails the same way every time (no FATAL):
 # retried, they kept a relay waiting for a database it would never reach, as "unreachable".
 # A connection lost mid-handshake ("SSL SYSCALL error", "closed unexpectedly") stays retried.
@@ -113,7 +114,9 @@ def classify_connect_error(exc: BaseException, *, dsn: str = "") -> FailedConnec
     if _NO_PASSWORD.search(text):
         return FailedConnect(ConnectFailure.CREDENTIALS, masked(first))
     if _BAD_OPTION.search(text):
-        return FailedConnect(ConnectFailure.INVALID_DSN, masked(first))
+        # libpq's wrapping ("connection is bad: connection to server at ..., port 1 failed:")
+        # says nothing about the value it refused: the detail starts at what it refused.
+        return FailedConnect(ConnectFailure.INVALID_DSN, masked(_LIBPQ_WRAPPING.sub("", first)))
     if _TLS_SETUP.search(text):
         return FailedConnect(ConnectFailure.REFUSED, masked(first))
     return FailedConnect(ConnectFailure.UNREACHABLE, masked(first))

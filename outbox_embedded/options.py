@@ -107,13 +107,13 @@ def admin_dsn(dsn: str) -> str:
     try:
         return psycopg.conninfo.make_conninfo(dsn, dbname="postgres")
     except psycopg.ProgrammingError as exc:
-        raise translate_connect_error(exc, dsn) from None
+        raise translate_connect_error(exc, dsn, option="--dsn") from None
 
 
 def check_database(dsn: str, *, application_name: str) -> None:
     """Connect to ``dsn`` once and close: a failure is the relay's error for it (unreachable:
     exit code 1, rejected credentials: 4, a bad DSN: 2), in one masked line."""
-    with connect(dsn, application_name=application_name):
+    with connect(dsn, application_name=application_name, option="--dsn"):
         pass
 
 

@@ -22,7 +22,7 @@ from psycopg.rows import dict_row, tuple_row
 
 from outbox_core.connect_errors import ConnectFailure, classify_connect_error
 from outbox_core.pooling import transaction_pooled
-from relay.config import mask_text
+from relay.config import ENV_PREFIX, mask_text
 from relay.errors import (
     AuthenticationFailed,
     ConfigError,
@@ -48,15 +48,24 @@ _CONNECT_ERRORS: dict[ConnectFailure, type[Exception]] = {
 }
 
 
-def translate_connect_error(exc: psycopg.Error, dsn: str = "") -> Exception:
-    """The relay's error for a failed connection attempt (see ``_CONNECT_ERRORS``)."""
+#: What gave the relay its DSN, named when libpq refuses the string or a value in it.
+DSN_OPTION = f"--dsn / {ENV_PREFIX}DSN"
+
+
+def translate_connect_error(exc: psycopg.Error, dsn: str = "", *, option: str = DSN_OPTION) -> Exception:
+    """The relay's error for a failed connection attempt (see ``_CONNECT_ERRORS``); a DSN
+    libpq refuses, at parse or connect time, is named by ``option``, as the checks at start
+    name it (relay/config.py): "invalid PostgreSQL connection string: connection is bad:
+    ..." did not say where the string came from."""
     failed = classify_connect_error(exc, dsn=dsn)
+    if failed.kind is ConnectFailure.INVALID_DSN:
+        return ConfigError(f"{option} is not a valid PostgreSQL connection string: {failed.detail}")
     return _CONNECT_ERRORS[failed.kind](failed.message)
 
 
 def connect(dsn: str, *, application_name: str = "outbox-relay", autocommit: bool = True,
-            connect_timeout_s: int = 5) -> psycopg.Connection[Any]:
-    """A new connection, errors translated."""
+            connect_timeout_s: int = 5, option: str = DSN_OPTION) -> psycopg.Connection[Any]:
+    """A new connection, errors translated (``option``: what gave the DSN)."""
     try:
         return psycopg.connect(
             dsn,
@@ -65,7 +74,7 @@ def connect(dsn: str, *, application_name: str = "outbox-relay", autocommit: boo
             connect_timeout=connect_timeout_s,
         )
     except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
-        raise translate_connect_error(exc, dsn) from None
+        raise translate_connect_error(exc, dsn, option=option) from None
 
 
 def require_schema(check: dict[str, Any], table: str) -> None:

@@ -61,16 +61,21 @@ def test_malformed_dsn(dsn):
     assert "hunter2" not in result.stderr + result.stdout
 
 
-@pytest.mark.parametrize("option", ["target_session_attrs=bogus", "keepalives=abc"])
+@pytest.mark.parametrize("option", ["target_session_attrs=bogus", "keepalives=abc", "gssencmode=bogus",
+                                    "load_balance_hosts=bogus"])
 def test_an_option_value_libpq_refuses_only_when_it_connects_is_a_bad_dsn(option):
     """libpq parses these DSNs and refuses the value only when it connects; the relay read
-    that as an unreachable database and `run` waited for it for ever."""
+    that as an unreachable database and `run` waited for it for ever.  The line names where
+    the string came from, as the checks at start do, and not libpq's wrapping ("invalid
+    PostgreSQL connection string: connection is bad: connection to server at ... failed:")."""
     dsn = f"postgresql://u:hunter2@127.0.0.1:{free_port()}/app?{option}"
     for command in (("run", "--bootstrap-servers", "127.0.0.1:1"), ("status",)):
         result = run_cli(*command, "--dsn", dsn, timeout=60)
         assert result.returncode == 2, (command, result.stderr[-2000:])
         line = one_clear_line(result)
         assert "connection string" in line and option.split("=")[0] in line
+        assert "--dsn / OUTBOX_RELAY_DSN is not a valid" in line, line
+        assert "connection is bad" not in line and "connection to server" not in line, line
         assert "hunter2" not in result.stderr + result.stdout
 
 

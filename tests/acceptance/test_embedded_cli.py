@@ -133,7 +133,7 @@ def test_bench_with_a_dsn_libpq_cannot_read_exits_2():
                  "--bootstrap-servers", "127.0.0.1:1", "--rows", "1")
     assert result.returncode == 2, result.stderr
     line = one_line(result)
-    assert line.startswith("outbox-relay: error: invalid PostgreSQL connection string: "), line
+    assert line.startswith("outbox-relay: error: --dsn is not a valid PostgreSQL connection string: "), line
     assert "s3cret-pw" not in result.stdout + result.stderr
 
 
