@@ -164,7 +164,8 @@ class InboxConfig:
     (100 years) for ``inbox_retention_s``.  ``topics`` is a list or tuple of Kafka topic names
     (no regex subscription); ``dead_letter_topic``, filled in, must be a topic name that is not
     consumed.  ``kafka_properties`` may not set ``group.id`` (use ``group_id``), nor
-    ``bootstrap.servers`` when ``bootstrap_servers`` is set.
+    ``bootstrap.servers`` when ``bootstrap_servers`` is set, nor ``enable.auto.commit`` or
+    ``enable.auto.offset.store`` to anything but false (the SDK commits offsets itself).
     """
 
     name: str
@@ -241,6 +242,13 @@ class InboxConfig:
         if "group.id" in props:
             raise ConfigError("kafka_properties must not set group.id: use InboxConfig.group_id "
                               "(default: name)")
+        for name, wanted in REQUIRED_CONSUMER.items():
+            # Set by the SDK whatever was given; given otherwise, it was dropped in silence,
+            # and a service that asked for auto-commit believed it had it.
+            if name in props and str(props[name]).strip().lower() not in ("false", "0"):
+                raise ConfigError(f"kafka_properties must not set {name}={props[name]!r}: the SDK "
+                                  "stores and commits offsets itself, after the database commit of "
+                                  f"the messages' handling (it sets {name}={str(wanted).lower()})")
         if "bootstrap.servers" in props and self.bootstrap_servers:
             raise ConfigError("kafka_properties must not set bootstrap.servers as well as bootstrap_servers: "
                               "use InboxConfig.bootstrap_servers")

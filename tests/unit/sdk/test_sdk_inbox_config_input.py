@@ -212,6 +212,17 @@ def test_kafka_properties_may_not_override_a_field() -> None:
     assert config(bootstrap_servers="", kafka_properties={"bootstrap.servers": "k:9092"})
 
 
+@pytest.mark.parametrize("props", [{"enable.auto.commit": True}, {"enable.auto.commit": "true"},
+                                   {"enable.auto.offset.store": "1"}, {"enable.auto.commit": "yes"}])
+def test_kafka_properties_may_not_turn_on_automatic_offsets(props: dict[str, Any]) -> None:
+    """The SDK sets both false whatever was given: a service that asked for auto-commit had
+    its wish dropped in silence and believed it had it.  False is accepted (it is what the
+    SDK sets)."""
+    name = next(iter(props))
+    refused(f"must not set {name}=", kafka_properties=props)
+    assert config(kafka_properties={name: False, "session.timeout.ms": 6000}).consumer_kafka()[name] is False
+
+
 @pytest.mark.parametrize("props", [None, [("fetch.wait.max.ms", 50)], "fetch.wait.max.ms=50", {5: "x"}])
 def test_kafka_properties_that_are_no_mapping_are_refused(props: Any) -> None:
     refused("kafka_properties must be a mapping", kafka_properties=props)

@@ -63,7 +63,7 @@ def _config(**overrides):
 
 
 def test_config_forces_manual_offsets_and_defaults_to_the_name_as_group():
-    config = _config(kafka_properties={"enable.auto.commit": True, "session.timeout.ms": 6000,
+    config = _config(kafka_properties={"enable.auto.commit": False, "session.timeout.ms": 6000,
                                        "sasl.password": "s"})
     kafka = config.consumer_kafka()
     assert {k: kafka[k] for k in REQUIRED_CONSUMER} == REQUIRED_CONSUMER
