@@ -19,6 +19,8 @@ KNOWN_FAILURE_CLASSES = ("message_too_large", "record_rejected", "invalid_topic"
                          "topic_not_authorized", "bad_headers")
 #: What made a sleeping relay claim the rows it woke for (relay/loop.py).
 WAKE_REASONS = ("notify", "poll")
+#: Exactly-once mode's Kafka transactions, by how each ended (relay/exactly_once.py).
+TRANSACTION_RESULTS = ("committed", "aborted", "fenced")
 BATCH_BUCKETS = (1, 5, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 
 
@@ -103,3 +105,5 @@ class RelayMetrics:
             self.wakeups.labels(wake)
         for transient in ("transient", "timeout", "producer_fatal"):
             self.publish_errors.labels(transient)
+        for result in TRANSACTION_RESULTS:  # exactly-once mode's: 0 in the default mode
+            self.transactions.labels(result)

@@ -43,9 +43,10 @@ LABELLED = {
     "outbox_relay_failed_attempts_total",
     "outbox_relay_dead_lettered_total",
 }
-#: Gauges with a series only while their state lasts (a partition stalled): a live scrape
-#: declares them (HELP and TYPE) without a sample.
-DECLARED_ONLY = {"outbox_relay_stalled_rows"}
+#: Series that exist only while their state lasts (a partition stalled, a replay active: by
+#: replay id): a live scrape declares them (HELP and TYPE) without a sample.
+DECLARED_ONLY = {"outbox_relay_stalled_rows", "outbox_relay_replay_rows_left",
+                 "outbox_relay_replayed_events_total"}
 
 
 def dashboard_queries(node: Any) -> Iterator[str]:
@@ -85,8 +86,8 @@ def scraped_names(port: int) -> set[str]:
     status, body = get(f"http://127.0.0.1:{port}/metrics")
     assert status == 200
     families = list(text_string_to_metric_families(body.decode()))
-    return ({sample.name for family in families for sample in family.samples}
-            | {family.name for family in families if family.name in DECLARED_ONLY})
+    declared = {family.name + ("_total" if family.type == "counter" else "") for family in families}
+    return {sample.name for family in families for sample in family.samples} | (declared & DECLARED_ONLY)
 
 
 def insert_rows(dsn: str, topic: str) -> None:
