@@ -460,9 +460,14 @@ def parse_kafka_property(text: str) -> tuple[str, str]:
 _SSLMODES = {"disable", "allow", "prefer", "require", "verify-ca", "verify-full"}
 
 
+#: What gave the relay its DSN, named when libpq refuses the string or a value in it (here,
+#: before connecting, and by relay/store.py when libpq refuses it only as it connects).
+DSN_OPTION = f"--dsn / {ENV_PREFIX}DSN"
+
+
 def validate_dsn(dsn: str) -> None:
     """Reject what libpq would only reject at connect time, with the option named."""
-    where = f"--dsn / {ENV_PREFIX}DSN is not a valid PostgreSQL connection string"
+    where = f"{DSN_OPTION} is not a valid PostgreSQL connection string"
     if "\x00" in dsn:  # libpq would silently cut the string there
         raise ConfigError(f"{where}: it contains a NUL character")
     try:

@@ -22,7 +22,7 @@ from psycopg.rows import dict_row, tuple_row
 
 from outbox_core.connect_errors import ConnectFailure, classify_connect_error
 from outbox_core.pooling import transaction_pooled
-from relay.config import ENV_PREFIX, mask_text
+from relay.config import DSN_OPTION, mask_text
 from relay.errors import (
     AuthenticationFailed,
     ConfigError,
@@ -39,17 +39,13 @@ from relay.wire import INTERNALS, Prepared
 
 # The relay's reading of a failed connection attempt (outbox_core.connect_errors classifies it,
 # for the SDK too): only an unreachable database is waited for; rejected credentials end the
-# process with exit code 4 (the DSN is read once, so retrying would resend the same password).
+# process with exit code 4 (the DSN is read once, so retrying would resend the same password);
+# an invalid DSN is a ConfigError naming its option (:func:`translate_connect_error`).
 _CONNECT_ERRORS: dict[ConnectFailure, type[Exception]] = {
     ConnectFailure.UNREACHABLE: DatabaseUnavailable,
     ConnectFailure.CREDENTIALS: AuthenticationFailed,
     ConnectFailure.REFUSED: FatalError,
-    ConnectFailure.INVALID_DSN: ConfigError,
 }
-
-
-#: What gave the relay its DSN, named when libpq refuses the string or a value in it.
-DSN_OPTION = f"--dsn / {ENV_PREFIX}DSN"
 
 
 def translate_connect_error(exc: psycopg.Error, dsn: str = "", *, option: str = DSN_OPTION) -> Exception:
