@@ -89,6 +89,12 @@ def check_seconds(option: str, value: Any, high: float, *, low: float = 0.0, low
     return float(value)
 
 
+def check_db_spin_us(value: Any, *, error: type[Exception] = ConfigError) -> None:
+    """``db_spin_us`` of the consumer and of the jobs' pool: 0 (off) to ``MAX_DB_SPIN_US``."""
+    if type(value) is bool or not isinstance(value, int | float) or not 0 <= value <= MAX_DB_SPIN_US:
+        raise error(f"db_spin_us must be 0 (off) to {MAX_DB_SPIN_US:,.0f}, got {value!r}")
+
+
 def check_bool(option: str, value: object) -> None:
     if type(value) is not bool:
         raise ConfigError(f"{option} must be True or False, got {value!r}")
@@ -287,9 +293,7 @@ class InboxConfig:
             raise ConfigError(f"need db_backoff_initial_s <= db_backoff_max_s, got {self.db_backoff_initial_s!r} "
                               f"> {self.db_backoff_max_s!r}")
         if self.db_spin_us is not None:
-            s = self.db_spin_us
-            if type(s) is bool or not isinstance(s, int | float) or not 0 <= s <= MAX_DB_SPIN_US:
-                raise ConfigError(f"db_spin_us must be 0 (off) to {MAX_DB_SPIN_US:,.0f}, got {s!r}")
+            check_db_spin_us(self.db_spin_us)
 
     def __repr__(self) -> str:
         """No secret: the DSN's password and secret Kafka properties show as ``***``."""

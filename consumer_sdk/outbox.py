@@ -59,7 +59,8 @@ _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f
 _UUID = re.compile(r"(\{)?[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}(?(1)\})")
 TRACEPARENT_HEADER = "traceparent"
 TRACESTATE_HEADER = "tracestate"
-_MAX_TRACESTATE_CHARS = 512
+#: The longest tracestate kept (W3C: 32 list members; longer is dropped, never refused).
+MAX_TRACESTATE_CHARS = 512
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,7 +225,7 @@ def encode_headers(event: OutboxEvent) -> str:
         headers.pop(TRACESTATE_HEADER, None)
         if valid_traceparent(traceparent):
             headers[TRACEPARENT_HEADER] = traceparent
-            if tracestate and len(tracestate) <= _MAX_TRACESTATE_CHARS:
+            if tracestate and len(tracestate) <= MAX_TRACESTATE_CHARS:
                 headers[TRACESTATE_HEADER] = tracestate
         else:  # a broken trace header must not fail the business transaction
             _log.warning("trace_context_invalid", traceparent=traceparent[:100])

@@ -11,7 +11,6 @@ redelivered message could outlive its inbox row.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,19 +19,17 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin._config import ConfigResource
 from confluent_kafka.admin._resource import ResourceType
 
+from consumer_sdk.config import (
+    MAX_INBOX_RETENTION_S,
+    MAX_RECORDS,
+    MIN_INBOX_RETENTION_S,
+    check_int,
+    check_seconds,
+)
 from consumer_sdk.errors import ConfigError
 from consumer_sdk.metrics import ConsumerMetrics
 from consumer_sdk.store import PgInboxStore
 from consumer_sdk.store import cleanup_inbox as _cleanup_inbox
-
-#: The shortest retention :func:`cleanup_inbox` accepts.  An inbox row is what drops a
-#: redelivered event; redeliveries (a rebalance, a crash between the database and the offset
-#: commits, a prefetched poll handed out again) come seconds to minutes later, so a retention
-#: of 0, a negative one or a few seconds would delete every row and apply those events twice.
-MIN_RETENTION_S = 60.0
-#: The longest: PostgreSQL's interval arithmetic fails ('interval out of range') near 9.2e12 s.
-MAX_RETENTION_S = 100 * 365.25 * 24 * 3600.0
-MAX_CLEANUP_BATCH = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,15 +99,14 @@ def report_retention(findings: Sequence[RetentionFinding], *, consumer: str, met
 
 
 def check_cleanup(retention_s: object, batch: object, max_batches: object = 1) -> None:
-    """Raise :class:`ConfigError` unless ``retention_s`` is finite seconds in
-    ``MIN_RETENTION_S..MAX_RETENTION_S`` and ``batch``/``max_batches`` are positive ints."""
-    if type(retention_s) is bool or not isinstance(retention_s, int | float) or not math.isfinite(retention_s) \
-            or not MIN_RETENTION_S <= retention_s <= MAX_RETENTION_S:
-        raise ConfigError(f"retention_s must be finite seconds from {MIN_RETENTION_S:g} to {MAX_RETENTION_S:g} "
-                          f"(a shorter one deletes rows that redeliveries still need), got {retention_s!r}")
-    for option, value in (("batch", batch), ("max_batches", max_batches)):
-        if type(value) is bool or not isinstance(value, int) or not 1 <= value <= MAX_CLEANUP_BATCH:
-            raise ConfigError(f"{option} must be an integer from 1 to {MAX_CLEANUP_BATCH:,}, got {value!r}")
+    """Raise :class:`ConfigError` unless ``retention_s`` is finite seconds within the consumer's
+    own bounds of ``inbox_retention_s`` (``MIN_INBOX_RETENTION_S``: an inbox row must outlive
+    every redelivery of its event, which comes seconds to minutes later; 0 or a negative one
+    deleted every row) and ``batch``/``max_batches`` are ints from 1 to ``MAX_RECORDS``."""
+    check_seconds("retention_s (a shorter one deletes rows that redeliveries still need)", retention_s,
+                  MAX_INBOX_RETENTION_S, low=MIN_INBOX_RETENTION_S, low_open=False)
+    check_int("batch", batch, 1, MAX_RECORDS)
+    check_int("max_batches", max_batches, 1, MAX_RECORDS)
 
 
 def cleanup_inbox(store: PgInboxStore, *, consumer: str, retention_s: float, batch: int = 1000,

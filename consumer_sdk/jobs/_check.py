@@ -19,7 +19,7 @@ import structlog
 from consumer_sdk.config import check_int, check_seconds, shown
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.model import valid_topic_name
-from consumer_sdk.outbox import valid_traceparent
+from consumer_sdk.outbox import MAX_TRACESTATE_CHARS, valid_traceparent
 from outbox_core.text import refuse_unstorable
 
 _log = structlog.get_logger("consumer_sdk.jobs")
@@ -34,9 +34,6 @@ MAX_ID_CHARS = 200
 MAX_INT4 = 2**31 - 1
 #: The longest delay or wait accepted: 100 years (PostgreSQL intervals hold far more).
 MAX_DELAY_S = 100 * 365.25 * 86400.0
-_MAX_TRACESTATE_CHARS = 512
-
-
 
 
 def text(name: str, value: Any, *, max_chars: int = MAX_ID_CHARS, min_chars: int = 1) -> str:
@@ -108,7 +105,7 @@ def trace(traceparent: Any, tracestate: Any) -> tuple[str | None, str | None]:
             storable("tracestate", tracestate)
         except InvalidJob:
             tracestate = None
-        if tracestate is not None and len(tracestate) > _MAX_TRACESTATE_CHARS:
+        if tracestate is not None and len(tracestate) > MAX_TRACESTATE_CHARS:
             tracestate = None
     return traceparent, tracestate
 

@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
-from consumer_sdk.config import MAX_DB_SPIN_US
+from consumer_sdk.config import check_db_spin_us
 from consumer_sdk.jobs import _check
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.fairness import Limits
@@ -103,9 +103,7 @@ class WorkerConfig:
         _check.seconds("poll_interval_s", self.poll_interval_s, 0.0, MAX_DURATION_S, lo_open=True)
         _check.seconds("reconcile_interval_s", self.reconcile_interval_s, 0.0, MAX_DURATION_S, lo_open=True)
         _check.seconds("drain_timeout_s", self.drain_timeout_s, 0.0, MAX_DURATION_S)
-        if isinstance(self.db_spin_us, bool) or not isinstance(self.db_spin_us, (int, float)) \
-                or not 0 <= self.db_spin_us <= MAX_DB_SPIN_US:
-            raise InvalidJob(f"db_spin_us must be 0 (off) to {MAX_DB_SPIN_US:,.0f}, got {self.db_spin_us!r}")
+        check_db_spin_us(self.db_spin_us, error=InvalidJob)
         if not isinstance(self.backoff, Backoff):
             raise InvalidJob(f"backoff must be a Backoff, got {self.backoff!r:.80}")
         _check.topic("events_topic", self.events_topic)
@@ -155,13 +153,9 @@ class WorkerConfig:
 
     @property
     def limits(self) -> Limits:
-        try:
-            return Limits(max_concurrency=self.max_concurrency, queue_limits=self.queue_limits,
-                          owner_limit=self.owner_limit, owner_limits=self.owner_limits)
-        except InvalidJob:
-            raise
-        except ValueError as exc:  # pragma: no cover - Limits raises InvalidJob
-            raise InvalidJob(str(exc)) from None
+        """The pool's limits (Limits checks them: InvalidJob)."""
+        return Limits(max_concurrency=self.max_concurrency, queue_limits=self.queue_limits,
+                      owner_limit=self.owner_limit, owner_limits=self.owner_limits)
 
     @property
     def idle_in_transaction_ms(self) -> int:

@@ -45,15 +45,13 @@ class Limits:
     def __post_init__(self) -> None:
         _check.integer("max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY)
         _check.integer("owner_limit", self.owner_limit, 1)
-        for name, mapping, lowest in (("queue_limits", self.queue_limits, 0),
-                                      ("owner_limits", self.owner_limits, 1)):
+        for name, mapping, check_key, key_name, lowest in (
+                ("queue_limits", self.queue_limits, _check.queue, "a queue_limits key", 0),
+                ("owner_limits", self.owner_limits, _check.text, "an owner_limits key", 1)):
             if not isinstance(mapping, Mapping):
                 raise InvalidJob(f"{name} must be a mapping of names to limits, got {mapping!r:.80}")
             for key, value in mapping.items():
-                if name == "queue_limits":
-                    _check.queue(f"a {name} key", key)
-                else:
-                    _check.text(f"an {name} key", key)
+                check_key(key_name, key)
                 _check.integer(f"{name}[{key!r}]", value, lowest)
 
     def for_queue(self, queue: str) -> int:

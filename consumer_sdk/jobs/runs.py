@@ -51,7 +51,6 @@ from consumer_sdk.jobs.model import (
 )
 
 _log = structlog.get_logger("consumer_sdk.jobs.runs")
-_MAX_ID_CHARS = _check.MAX_ID_CHARS
 
 #: Called inside accept's transaction after the run is inserted: write your own rows there.
 AcceptHook = Callable[[ConnectionT, Accepted], None]
