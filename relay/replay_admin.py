@@ -70,17 +70,17 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
     return {k: _iso(v) for k, v in row.items()}
 
 
-def check_arguments(args: argparse.Namespace) -> None:
+def check_arguments(args: argparse.Namespace) -> tuple[datetime, datetime | None, float] | None:
     """Refuse, before connecting, what the action does not take: ``replay list 5`` listed every
     replay and ``replay cancel 5 --since 2h`` cancelled replay 5, each dropping the rest in
-    silence; a request's own values are checked here too (:func:`_request_values`)."""
+    silence.  A request's values are checked here too and returned (:func:`_request_values`);
+    None for list and cancel."""
     chosen = [flag for flag, given in (
         ("--since", args.since is not None), ("--until", args.until is not None),
         ("--topic", bool(args.topic)), ("--key", bool(args.key)), ("--rate", args.rate is not None),
         ("--dry-run", args.dry_run)) if given]
     if args.action is None:
-        _request_values(args)
-        return
+        return _request_values(args)
     if args.action == "list" and args.replay_id is not None:
         raise ConfigError(f"replay list takes no ID (got {args.replay_id}); it lists the latest "
                           "replays, and `replay cancel ID` cancels one")
@@ -90,6 +90,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ConfigError(f"replay {args.action} takes no {', '.join(chosen)}: "
                           f"{'that chooses' if len(chosen) == 1 else 'those choose'} what a new replay sends "
                           "(`replay --since TIME ...`)")
+    return None
 
 
 def _request_values(args: argparse.Namespace) -> tuple[datetime, datetime | None, float]:
@@ -111,7 +112,7 @@ def _request_values(args: argparse.Namespace) -> tuple[datetime, datetime | None
 
 
 def command(settings: Settings, args: argparse.Namespace) -> int:
-    check_arguments(args)
+    request = check_arguments(args)
     store = ReplayStore(settings.dsn, application_name="outbox-relay-replay", table=settings.table)
     try:
         store.check_schema()
@@ -131,13 +132,14 @@ def command(settings: Settings, args: argparse.Namespace) -> int:
             else:
                 print(f"cancelled replay {args.replay_id}")
             return 0
-        return _request(store, args)
+        assert request is not None  # neither list nor cancel
+        return _request(store, args, *request)
     finally:
         store.close()
 
 
-def _request(store: ReplayStore, args: argparse.Namespace) -> int:
-    since, until, rate = _request_values(args)
+def _request(store: ReplayStore, args: argparse.Namespace, since: datetime, until: datetime | None,
+             rate: float) -> int:
     if args.dry_run:
         per_topic, retained = store.dry_run(since=since, until=until, topics=args.topic, keys=args.key)
         report = {"topics": [_plain(r) for r in per_topic], "retained": _plain(retained),
