@@ -41,8 +41,8 @@ def fair_share(shards: int, live_replicas: int) -> int:
 
 
 class LeaseStore(Protocol):
-    def heartbeat_replica(self, *, owner: str, ttl_s: float, stalled: str = "{}") -> int: ...
-    def renew(self, *, owner: str, leases: Any, lease_s: float) -> dict[ShardId, Token]: ...
+    def heartbeat(self, *, owner: str, ttl_s: float, leases: Any, lease_s: float,
+                  stalled: str = "{}") -> tuple[int, dict[ShardId, Token]]: ...
     def claim_shards(self, *, owner: str, limit: int, lease_s: float,
                      held: Any = None) -> dict[ShardId, Token]: ...
     def release(self, *, owner: str, leases: Any) -> set[ShardId]: ...
@@ -128,11 +128,10 @@ class LeaseManager:
         sent_at = self._clock()
         self._last_heartbeat = sent_at
         self._next_heartbeat = sent_at + self.heartbeat_s
-        change.live_replicas = self._store.heartbeat_replica(owner=self.owner, ttl_s=self.lease_s,
-                                                             stalled=self._stalled())
-
         held = list(self.leases.values())
-        renewed = self._store.renew(owner=self.owner, leases=held, lease_s=self.lease_s)
+        change.live_replicas, renewed = self._store.heartbeat(
+            owner=self.owner, ttl_s=self.lease_s, leases=held, lease_s=self.lease_s,
+            stalled=self._stalled())
         deadline = local_deadline(sent_at, self.lease_s)
         for lease in held:
             if renewed.get(lease.shard) == lease.token:

@@ -420,28 +420,25 @@ class Store:
 
     # -- leases ---------------------------------------------------------------------------
 
-    def heartbeat_replica(self, *, owner: str, ttl_s: float, stalled: str = "{}") -> int:
-        """Announce this replica (and, as JSON, the partitions it waits on); returns the
-        number of live replicas (itself included)."""
-        (row,) = self._fetch("leases", "heartbeat_replica",
-                             {"owner": owner, "ttl_s": ttl_s, "now": self.now, "stalled": stalled})
-        return max(1, int(row["live"]))
+    def heartbeat(self, *, owner: str, ttl_s: float, leases: Sequence[Lease], lease_s: float,
+                  stalled: str = "{}") -> tuple[int, dict[ShardId, Token]]:
+        """One heartbeat in one statement: announce this replica (and, as JSON, the
+        partitions it waits on) and renew ``leases`` by token.  Returns the number of live
+        replicas (itself included) and the leases renewed, shard to token: a lease missing
+        there was taken over by another replica."""
+        (row,) = self._fetch("leases", "heartbeat", {
+            "owner": owner, "ttl_s": ttl_s, "now": self.now, "stalled": stalled, "lease_s": lease_s,
+            "shards": int_array(lease.shard for lease in leases),
+            "tokens": int_array(lease.token for lease in leases),
+        })
+        renewed = {ShardId(shard): Token(token) for shard, token in zip(row["shards"], row["tokens"], strict=True)}
+        return max(1, int(row["live"])), renewed
 
     def forget_replica(self, *, owner: str) -> None:
         self._fetch("leases", "forget_replica", {"owner": owner})
 
     def notify_shards(self, *, owner: str) -> None:
         self._fetch("leases", "notify_shards", {"owner": owner})
-
-    def renew(self, *, owner: str, leases: Sequence[Lease],
-              lease_s: float) -> dict[ShardId, Token]:
-        if not leases:
-            return {}
-        rows = self._fetch("leases", "renew_leases", {
-            "owner": owner, "shards": int_array(lease.shard for lease in leases),
-            "tokens": int_array(lease.token for lease in leases), "lease_s": lease_s, "now": self.now,
-        })
-        return {ShardId(r["shard"]): Token(r["token"]) for r in rows}
 
     def take_owner_lock(self, owner: str) -> bool:
         """The owner name's advisory lock (leases.sql): False while another live process

@@ -38,7 +38,8 @@ def test_a_late_writer_is_rejected_and_the_new_owner_is_accepted(db_dsn):
         assert held == set() and marked == set()
         assert scalar(dsn, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") == 0
         # A's renewal and release are rejected too.
-        assert at(a, 12).renew(owner="A", leases=[Lease(ShardId(0), Token(1), 0)], lease_s=10) == {}
+        assert at(a, 12).heartbeat(owner="A", ttl_s=10, leases=[Lease(ShardId(0), Token(1), 0)],
+                                   lease_s=10) == (1, {})
         assert a.release(owner="A", leases=[Lease(ShardId(0), Token(1), 0)]) == set()
         # A's dead-letter move and failure record are fenced as well.
         assert not a.dead_letter(owner="A", lease=Lease(ShardId(0), Token(1), 0), row=rows[0],
@@ -51,6 +52,34 @@ def test_a_late_writer_is_rejected_and_the_new_owner_is_accepted(db_dsn):
         assert held == {ShardId(0)} and marked == {rows[0].id, rows[1].id}
         owner, token = scalar(dsn, "SELECT array[owner, token::text] FROM outbox_relay_shards")
         assert (owner, token) == ("B", "2")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_one_heartbeat_statement_renews_each_lease_by_its_own_token_and_counts_replicas(db_dsn):
+    """The heartbeat is one statement (issue 18's thirty-third pass): the replica's row,
+    the renewals and the live count together, each renewed shard paired with its token."""
+    dsn = migrated(db_dsn, shards=4)
+    a, b = Store(dsn), Store(dsn)
+    try:
+        assert at(a, 0).claim_shards(owner="A", limit=3, lease_s=10) == {
+            ShardId(0): Token(1), ShardId(1): Token(1), ShardId(2): Token(1)}
+        assert at(b, 0).claim_shards(owner="B", limit=1, lease_s=10) == {ShardId(3): Token(1)}
+        # B took shard 1 over (a new token); A's heartbeat still offers it, out of order.
+        b.conn.execute("UPDATE outbox_relay_shards SET owner = 'B', token = 7 WHERE shard = 1")
+        live, renewed = at(a, 5).heartbeat(owner="A", ttl_s=10, lease_s=20, leases=[
+            Lease(ShardId(2), Token(1), 0), Lease(ShardId(0), Token(1), 0), Lease(ShardId(1), Token(1), 0)])
+        assert live == 1 and renewed == {ShardId(0): Token(1), ShardId(2): Token(1)}
+        live, renewed = at(b, 6).heartbeat(owner="B", ttl_s=10, lease_s=10, leases=[
+            Lease(ShardId(1), Token(7), 0), Lease(ShardId(3), Token(1), 0)])
+        assert live == 2 and renewed == {ShardId(1): Token(7), ShardId(3): Token(1)}
+        until = dict(a.conn.execute(
+            "SELECT shard, extract(epoch FROM lease_until - %s)::int FROM outbox_relay_shards", [T0]).fetchall())
+        assert until == {0: 25, 1: 16, 2: 25, 3: 16}
+        # No leases: the replica is still announced and counted.
+        assert at(b, 7).heartbeat(owner="C", ttl_s=10, lease_s=10, leases=[]) == (3, {})
+        assert scalar(dsn, "SELECT count(*) FROM outbox_relay_replicas") == 3
     finally:
         a.close()
         b.close()
@@ -116,7 +145,8 @@ def test_a_restarted_process_of_the_same_name_resumes_its_leases_at_once_unless_
         tokens = dict(new.conn.execute("SELECT shard, token FROM outbox_relay_shards").fetchall())
         assert tokens == {0: 2, 1: 2, 2: 1, 3: 1}
         # The old process's late writes are fenced by the new tokens.
-        assert old.renew(owner="pod-1", leases=[Lease(ShardId(0), Token(1), 0)], lease_s=10) == {}
+        assert old.heartbeat(owner="pod-1", ttl_s=10, leases=[Lease(ShardId(0), Token(1), 0)],
+                             lease_s=10)[1] == {}
         # Another owner's live leases are never taken this way.
         assert at(other, 3).claim_shards(owner="pod-2", limit=4, lease_s=10, held=[]) == {}
     finally:

@@ -31,11 +31,12 @@ class FakeLeaseStore:
         self.replicas: dict[str, float] = {}
         self.notices: list[str] = []  # notify_shards, by sender
 
-    def heartbeat_replica(self, *, owner: str, ttl_s: float, stalled: str = "{}") -> int:
+    def heartbeat(self, *, owner: str, ttl_s: float, leases, lease_s: float, stalled: str = "{}"):
         self.replicas[owner] = self.now + ttl_s
-        return sum(1 for until in self.replicas.values() if until > self.now)
+        live = sum(1 for until in self.replicas.values() if until > self.now)
+        return live, self._renew(owner=owner, leases=leases, lease_s=lease_s)
 
-    def renew(self, *, owner, leases, lease_s):
+    def _renew(self, *, owner, leases, lease_s):
         out = {}
         for lease in leases:
             o, _, token = self.table[lease.shard]

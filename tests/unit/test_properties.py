@@ -400,7 +400,7 @@ def named_statements(table: str) -> list[tuple[str, Any]]:
 
 CANNED: Mapping[str, list[dict[str, Any]]] = {
     "mark_published": [{"held": [0], "marked": [1]}],
-    "heartbeat_replica": [{"live": 1}],
+    "heartbeat": [{"live": 1, "shards": [0], "tokens": [1]}],
     "record_failure": [{"attempts": 1}],
     "dead_letter": [{"id": 1}],
     "cleanup_batch": [{"deleted": 0, "last_published_at": None}],
@@ -478,16 +478,15 @@ def test_the_store_sends_only_named_queries_with_input_as_parameters(
         store.mark_published(owner=owner, leases=[lease], rows=[row("{}")])
         store.record_failure(owner=owner, lease=lease, row=row("{}"), error=error, backoff_s=1.0)
         store.dead_letter(owner=owner, lease=lease, row=row("{}"), reason=reason, error=error)
-        store.heartbeat_replica(owner=owner, ttl_s=10.0)
-        store.renew(owner=owner, leases=[lease], lease_s=10.0)
+        store.heartbeat(owner=owner, ttl_s=10.0, leases=[lease], lease_s=10.0)
         store.claim_shards(owner=owner, limit=4, lease_s=10.0)
         store.release(owner=owner, leases=[lease])
         store.forget_replica(owner=owner)
         store.cleanup_batch(retention_s=retention, limit=100)
         store.backlog()
     assert [name for name, _ in fake.sent if name != "async_commit"] == [
-        "claim_batch", "mark_published", "record_failure", "dead_letter", "heartbeat_replica",
-        "renew_leases", "claim_shards", "release_shards", "forget_replica", "cleanup_batch",
+        "claim_batch", "mark_published", "record_failure", "dead_letter", "heartbeat",
+        "claim_shards", "release_shards", "forget_replica", "cleanup_batch",
         "backlog"]
     sent_values = [v for _, params in fake.sent for v in (params or {}).values()]
     assert owner in sent_values and reason in sent_values

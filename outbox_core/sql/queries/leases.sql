@@ -1,18 +1,31 @@
 -- Named queries for shard leases and replica membership.
 
--- name: heartbeat_replica
--- Announce this replica and count the live ones (itself included) in one round trip.
+-- name: heartbeat
+-- One heartbeat in one round trip: announce this replica, renew the leases it holds by
+-- token, and count the live replicas (itself included).  A shard missing from the
+-- renewed arrays was claimed by another replica (a new token): this one must stop.
+-- (Two statements until issue 18's thirty-third pass: an idle relay's heartbeat was a
+-- quarter of its statements.)  The arrays are ordered by shard, so each token is its
+-- shard's.
 WITH me AS (
     INSERT INTO outbox_relay_replicas (owner, seen_until, stalled)
     VALUES (%(owner)s, coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(ttl_s)s),
             %(stalled)s::jsonb)
     ON CONFLICT (owner) DO UPDATE SET seen_until = excluded.seen_until, stalled = excluded.stalled
     RETURNING owner
+), renewed AS (
+    UPDATE outbox_relay_shards AS s
+    SET lease_until = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease_s)s)
+    FROM unnest(%(shards)s::int[], %(tokens)s::bigint[]) AS h(shard, token)
+    WHERE s.shard = h.shard AND s.token = h.token AND s.owner = %(owner)s
+    RETURNING s.shard, s.token
 )
-SELECT 1 + count(*) AS live
-FROM outbox_relay_replicas AS r
-WHERE r.seen_until > coalesce(%(now)s::timestamptz, now())
-  AND r.owner <> (SELECT owner FROM me)
+SELECT (SELECT 1 + count(*)
+        FROM outbox_relay_replicas AS r
+        WHERE r.seen_until > coalesce(%(now)s::timestamptz, now())
+          AND r.owner <> (SELECT owner FROM me)) AS live,
+       (SELECT coalesce(array_agg(shard ORDER BY shard), '{}') FROM renewed) AS shards,
+       (SELECT coalesce(array_agg(token ORDER BY shard), '{}') FROM renewed) AS tokens
 
 -- name: forget_replica
 DELETE FROM outbox_relay_replicas WHERE owner = %(owner)s
@@ -20,15 +33,6 @@ DELETE FROM outbox_relay_replicas WHERE owner = %(owner)s
 -- name: prune_replicas
 DELETE FROM outbox_relay_replicas
 WHERE seen_until < coalesce(%(now)s::timestamptz, now()) - interval '1 hour'
-
--- name: renew_leases
--- Only leases this owner still holds with the same token; a missing shard in the
--- result means another replica claimed it (a new token) and this one must stop.
-UPDATE outbox_relay_shards AS s
-SET lease_until = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease_s)s)
-FROM unnest(%(shards)s::int[], %(tokens)s::bigint[]) AS h(shard, token)
-WHERE s.shard = h.shard AND s.token = h.token AND s.owner = %(owner)s
-RETURNING s.shard, s.token, extract(epoch FROM s.lease_until)::float8 AS lease_until_epoch
 
 -- name: claim_shards
 -- Unowned or expired shards, at most %(limit)s, each with a new token.  With

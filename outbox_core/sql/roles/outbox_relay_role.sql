@@ -20,12 +20,12 @@
 --   outbox_dead_letters    SELECT, INSERT        dead_letter (INSERT ... RETURNING id),
 --                                                status, dead-letters list / show
 --   outbox_relay_shards    SELECT, UPDATE (owner, lease_until, token)
---                                                claim_shards / renew / release; the
+--                                                claim_shards / heartbeat (renewal) / release; the
 --                                                FOR SHARE / FOR UPDATE row locks of
 --                                                mark_published, record_failure,
 --                                                dead_letter and claim_shards need UPDATE
 --   outbox_relay_replicas  SELECT, INSERT, UPDATE (seen_until, stalled), DELETE
---                                                heartbeat_replica (upsert), forget_replica
+--                                                heartbeat (upsert), forget_replica
 --   outbox_relay_settings  SELECT                read_settings (the shard count)
 --   outbox_relay_replays   SELECT, UPDATE (state, finished_at)
 --                                                list_replays, replay_batch,
