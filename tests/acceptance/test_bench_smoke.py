@@ -47,6 +47,11 @@ def test_bench_runs_end_to_end_and_writes_every_figure(pg_server, broker, tmp_pa
     assert figures["ratio_to_naive_runs"] == [figures["ratio_to_naive"]]
     assert figures["ratio_to_floor_runs"] == [figures["ratio_to_floor"]]
     assert figures["keep_published_false"]["relay_events_per_s"] > 0
+    # NOTIFY's cost: 2 x --runs + 1 pairs, the figure their median; the relay asleep at the
+    # start of a run with the trigger on was woken by a writer's notification.
+    costs = sorted(figures["notify_writer_cost_runs"])
+    assert len(costs) == 3 and abs(figures["notify_writer_cost"] - costs[1]) < 1e-3
+    assert figures["notify_wakeups"] >= 1
     assert [s["events_per_s"] for s in figures["steady"]] == [200, 50]
     for steady in figures["steady"]:
         assert steady["relay_cpu_percent"] > 0 and steady["claims_per_s"] > 0
