@@ -25,7 +25,9 @@ and what is allowed, without echoing payload or header values.  A connection tha
 not a sync ``psycopg.Connection`` (an ``AsyncConnection``, None) raises
 :class:`WrongConnection` (an ``InvalidEvent`` and a ``TypeError``).  Text stored in
 PostgreSQL can hold neither NUL characters nor lone surrogates, so topic, key, payload
-strings, headers and ``tracestate`` with either are refused.  Patterns are matched with
+strings and headers with either are refused; trace context never fails a write (an
+invalid ``traceparent`` is dropped, with its ``tracestate``; a ``tracestate`` too long or
+unstorable is dropped, :func:`kept_tracestate`).  Patterns are matched with
 ``fullmatch`` (``$`` would accept a trailing newline).
 """
 
@@ -49,14 +51,11 @@ from psycopg.pq import TransactionStatus
 from consumer_sdk.errors import InvalidEvent, SchemaMissing, TransactionRequired
 from consumer_sdk.model import EVENT_ID_HEADER, valid_topic_name
 from outbox_core.queries import query
-from outbox_core.text import refuse_unstorable
+from outbox_core.text import refuse_unstorable, uuid_from_text
 
 _log = structlog.get_logger("consumer_sdk.outbox")
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
-#: A UUID's text as PostgreSQL's uuid input reads it: 32 hex digits, with or without
-#: the usual hyphens, optionally in braces; either case.
-_UUID = re.compile(r"(\{)?[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}(?(1)\})")
 TRACEPARENT_HEADER = "traceparent"
 TRACESTATE_HEADER = "tracestate"
 #: The longest tracestate kept (W3C: 32 list members; longer is dropped, never refused).
@@ -113,6 +112,19 @@ def valid_traceparent(value: str) -> bool:
 
 class WrongConnection(InvalidEvent, TypeError):
     """The connection is not a sync psycopg.Connection: on a psycopg.AsyncConnection use the async API, consumer_sdk.write_event_async / write_events_async (consumer_sdk.aio)."""
+
+
+def kept_tracestate(tracestate: str | None) -> str | None:
+    """The ``tracestate`` stored beside a valid traceparent, or None: one longer than
+    ``MAX_TRACESTATE_CHARS`` or that PostgreSQL cannot store (a NUL character, a lone
+    surrogate) is dropped, never refused.  Events and jobs keep the same (a NUL in an event's
+    tracestate failed the business transaction, where a job's was dropped)."""
+    if tracestate is None or len(tracestate) > MAX_TRACESTATE_CHARS:
+        return None
+    try:
+        return refuse_unstorable("tracestate", tracestate, ValueError)
+    except ValueError:
+        return None
 
 
 def _storable(name: str, value: str) -> None:
@@ -196,8 +208,9 @@ def encode_headers(event: OutboxEvent) -> str:
 
     ``headers`` must be a mapping of non-empty str names to str (or None) values.  A
     ``traceparent``/``tracestate`` given in ``headers`` is treated like the argument of the
-    same name (giving both with different values is refused).  An invalid traceparent is
-    dropped, with its tracestate, and logged: it never fails the business transaction."""
+    same name (giving both with different values is refused).  Trace context never fails
+    the business transaction: an invalid traceparent is dropped, with its tracestate, and
+    logged; a tracestate without a traceparent, too long or unstorable is dropped."""
     if event.headers is not None and not isinstance(event.headers, Mapping):
         raise InvalidEvent("headers must be None or a mapping of str names to str (or None) values, "
                            f"not {type(event.headers).__name__}")
@@ -212,20 +225,21 @@ def encode_headers(event: OutboxEvent) -> str:
             raise InvalidEvent("the event_id header is reserved: pass event_id= instead")
         if value is not None and not isinstance(value, str):
             raise InvalidEvent(f"header {name!r} must be a string or None, not {type(value).__name__}")
-        if value is not None:
-            _storable(f"header {name!r}", value)
+        if value is not None and name not in (TRACEPARENT_HEADER, TRACESTATE_HEADER):
+            _storable(f"header {name!r}", value)  # the trace context's are kept or dropped below
         headers[name] = value
-    if tracestate is not None:
-        _storable("tracestate", tracestate)
     if event.headers is not None:
         traceparent = _one_trace_value(TRACEPARENT_HEADER, traceparent, headers.get(TRACEPARENT_HEADER))
         tracestate = _one_trace_value(TRACESTATE_HEADER, tracestate, headers.get(TRACESTATE_HEADER))
+    # The trace headers are the trace context's: kept only beside a valid traceparent (W3C:
+    # a tracestate without one means nothing), whether given as arguments or in headers.
+    headers.pop(TRACEPARENT_HEADER, None)
+    headers.pop(TRACESTATE_HEADER, None)
     if traceparent is not None:
-        headers.pop(TRACEPARENT_HEADER, None)
-        headers.pop(TRACESTATE_HEADER, None)
         if valid_traceparent(traceparent):
             headers[TRACEPARENT_HEADER] = traceparent
-            if tracestate and len(tracestate) <= MAX_TRACESTATE_CHARS:
+            tracestate = kept_tracestate(tracestate)
+            if tracestate:
                 headers[TRACESTATE_HEADER] = tracestate
         else:  # a broken trace header must not fail the business transaction
             _log.warning("trace_context_invalid", traceparent=traceparent[:100])
@@ -250,8 +264,9 @@ def _event_id(value: Any) -> uuid.UUID:
         return new_event_id()
     if isinstance(value, uuid.UUID):
         return value
-    if isinstance(value, str) and _UUID.fullmatch(value):
-        return uuid.UUID(value)
+    parsed = uuid_from_text(value)
+    if parsed is not None:
+        return parsed
     raise InvalidEvent("event_id must be None, a uuid.UUID or a UUID's text (32 hex digits, "
                        f"optionally hyphenated or in braces), not this {type(value).__name__}")
 

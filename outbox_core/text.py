@@ -8,16 +8,33 @@ such input in one line that names where it is, never what it is (it may be a sec
 
 :func:`refuse_unstorable` refuses what PostgreSQL cannot store (a NUL character, a lone
 surrogate), for the SDK's checks of events and jobs before they are sent.
+
+:func:`uuid_from_text` reads a UUID's text the one way every id is read (an event's, a
+run's, a console address's), before it reaches PostgreSQL's uuid input.
 """
 
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Mapping, Sequence
 
 #: A NUL escaped by json.dumps: ``\u0000`` after an even number of backslashes (``\\u0000``
 #: is a backslash and the text "u0000", which jsonb takes).
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+#: A UUID's text as PostgreSQL's uuid input reads it: 32 hex digits, with or without the
+#: usual hyphens, optionally in braces; either case.  (Python's uuid.UUID also takes a
+#: "urn:uuid:" prefix and hyphens anywhere, which PostgreSQL refuses.)
+_UUID = re.compile(r"(\{)?[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}(?(1)\})")
+
+
+def uuid_from_text(value: object) -> uuid.UUID | None:
+    """The UUID that ``value``'s text names, or None when it is not a str of that form."""
+    if isinstance(value, str) and _UUID.fullmatch(value):
+        return uuid.UUID(value)
+    return None
 
 
 def is_utf8(text: str) -> bool:

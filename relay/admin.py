@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import uuid
 from datetime import datetime
 from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
 
+from outbox_core.text import uuid_from_text
 from relay import migrate, store
 from relay.config import Settings
 from relay.errors import ConfigError, NotFound, PermissionDenied
@@ -195,11 +195,15 @@ def _check_dead_letter_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"dead-letters {args.action}: give EVENT_IDs or --all, not both")
     if args.action != "show" and not args.event_ids and not every:
         raise ConfigError(f"dead-letters {args.action} needs EVENT_ID arguments or --all")
+    canonical = []
     for event_id in args.event_ids:
-        try:
-            uuid.UUID(event_id)
-        except ValueError:
-            raise ConfigError(f"dead-letters {args.action}: {event_id!r} is not an event_id (a UUID)") from None
+        parsed = uuid_from_text(event_id)
+        if parsed is None:
+            raise ConfigError(f"dead-letters {args.action}: {event_id!r} is not an event_id (a UUID)")
+        canonical.append(str(parsed))
+    # The ids as PostgreSQL prints them: the rows moved are told from the ones not found by
+    # that text (an id given in capitals or braces was requeued, then said not found).
+    args.event_ids = canonical
 
 
 def dead_letters(settings: Settings, args: argparse.Namespace) -> int:

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import re
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
+from outbox_core.text import uuid_from_text
 from relay import console_views as views
 from relay.errors import RelayError
 
 if TYPE_CHECKING:
     from relay.console import Console, Session
 
-_UUID = re.compile(r"^[0-9a-fA-F-]{36}$")
 _ACTIONS = {
     "/actions/dead-letters/requeue": ("event_id", "/dead-letters"),
     "/actions/dead-letters/purge": ("event_id", "/dead-letters"),
@@ -21,6 +20,14 @@ _ACTIONS = {
     "/actions/jobs/retry": ("job_id", "/jobs"),
     "/actions/runs/cancel": ("run_id", "/jobs"),
 }
+
+
+def _uuid(text: str) -> str | None:
+    """A UUID's text in canonical form, or None: an address or a form's id that is not one
+    is refused here (404, "not an event_id"), before PostgreSQL's uuid input or the jobs
+    API refuse it with an error the handler did not expect (no answer, a traceback)."""
+    parsed = uuid_from_text(text)
+    return None if parsed is None else str(parsed)
 
 
 class Routes:
@@ -61,8 +68,8 @@ class Routes:
             self._page("Relay status", views.status(store.status(), store.list_replays(limit=20)), path, query)
         elif path == "/dead-letters":
             self._page("Dead letters", views.dead_letters(store.dead_letters(), self.csrf), path, query)
-        elif path.startswith("/dead-letters/") and _UUID.match(path.rsplit("/", 1)[1]):
-            row = store.dead_letter_row(path.rsplit("/", 1)[1])
+        elif path.startswith("/dead-letters/") and (event_id := _uuid(path.rsplit("/", 1)[1])):
+            row = store.dead_letter_row(event_id)
             if row is None:
                 self._page("Not found", "<p>no such dead letter</p>", path, query, HTTPStatus.NOT_FOUND)
                 return
@@ -79,8 +86,8 @@ class Routes:
             body = views.jobs(store.jobs_by_state(), runs, store.job_dead_letters(),
                               filters, self.csrf)
             self._page("Jobs", body, path, query)
-        elif path.startswith("/runs/") and _UUID.match(path.rsplit("/", 1)[1]):
-            state, job, steps = store.run(path.rsplit("/", 1)[1])
+        elif path.startswith("/runs/") and (run_id := _uuid(path.rsplit("/", 1)[1])):
+            state, job, steps = store.run(run_id)
             if state is None:
                 self._page("Not found", "<p>no such run</p>", path, query, HTTPStatus.NOT_FOUND)
                 return
@@ -131,17 +138,19 @@ class Routes:
     def _act(self, path: str, target: str) -> str:
         store = self.c.store
         if path.startswith("/actions/dead-letters/"):
-            if not _UUID.match(target):
+            event_id = _uuid(target)
+            if event_id is None:
                 raise ValueError("not an event_id")
-            moved = store.move_dead_letter(path.rsplit("/", 1)[1], target)
+            moved = store.move_dead_letter(path.rsplit("/", 1)[1], event_id)
             return f"{'requeued' if path.endswith('requeue') else 'purged'} {moved}"
         if path == "/actions/replays/cancel":
             return "cancelled" if store.cancel(int(target)) else "not active"
         if path == "/actions/jobs/retry":
             return "queued again" if store.retry_job(int(target)) else "no dead letter"
-        if not _UUID.match(target):
+        run_id = _uuid(target)
+        if run_id is None:
             raise ValueError("not a run id")
-        return f"now {store.cancel_run(target)}"
+        return f"now {store.cancel_run(run_id)}"
 
     def _login(self, form: dict[str, str]) -> None:
         csrf = form.get("csrf", "")

@@ -19,14 +19,13 @@ import structlog
 from consumer_sdk.config import check_int, check_seconds, shown
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.model import valid_topic_name
-from consumer_sdk.outbox import MAX_TRACESTATE_CHARS, valid_traceparent
-from outbox_core.text import refuse_unstorable
+from consumer_sdk.outbox import kept_tracestate, valid_traceparent
+from outbox_core.text import refuse_unstorable, uuid_from_text
 
 _log = structlog.get_logger("consumer_sdk.jobs")
 
 #: Queue names (the ``jobs_queue_valid`` CHECK of 0005_jobs.sql).
 QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}\Z")
-_UUID = re.compile(r"[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}")
 
 #: owner_id, request_key, kind, worker ids: the runs table's length CHECKs.
 MAX_ID_CHARS = 200
@@ -100,20 +99,15 @@ def trace(traceparent: Any, tracestate: Any) -> tuple[str | None, str | None]:
     if not valid_traceparent(traceparent):
         _log.warning("trace_context_invalid", traceparent=traceparent[:100])
         return None, None
-    if tracestate is not None:
-        try:
-            storable("tracestate", tracestate)
-        except InvalidJob:
-            tracestate = None
-        if tracestate is not None and len(tracestate) > MAX_TRACESTATE_CHARS:
-            tracestate = None
-    return traceparent, tracestate
+    return traceparent, kept_tracestate(tracestate)
 
 
 def run_id(value: Any) -> str:
     """A run id (a ``uuid.UUID`` or its text) in canonical form."""
     if isinstance(value, uuid.UUID):
         return str(value)
-    if isinstance(value, str) and _UUID.fullmatch(value):
-        return str(uuid.UUID(value))
-    raise InvalidJob(f"run_id must be a UUID (uuid.UUID or its text), got {shown(value)}")
+    parsed = uuid_from_text(value)
+    if parsed is not None:
+        return str(parsed)
+    raise InvalidJob(f"run_id must be a UUID (uuid.UUID or its text: 32 hex digits, optionally "
+                     f"hyphenated or in braces), got {shown(value)}")

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import sys
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, NoReturn, TextIO, TypeVar
@@ -36,7 +35,7 @@ from consumer_sdk.jobs.model import BULK, INTERACTIVE, QUEUE_NAME, DeadLetterRec
 from consumer_sdk.jobs.reconciler import Reconciler, active_queues
 from consumer_sdk.jobs.runs import error_reference, run_status
 from consumer_sdk.secrets import mask_text, validate_dsn
-from outbox_core.text import first_undecodable
+from outbox_core.text import first_undecodable, uuid_from_text
 
 PROG = "python -m consumer_sdk.jobs"
 ENV_PREFIX = "OUTBOX_JOBS_"
@@ -128,11 +127,11 @@ def _option(parser: argparse.ArgumentParser, flag: str, parse: Callable[[str], _
 def _run_id(text: str) -> RunId:
     """A run id is a UUID (``runs.accept`` hands out ``uuid.UUID``); checked here, not by the
     database's "invalid input syntax for type uuid"."""
-    try:
-        return RunId(uuid.UUID(text))
-    except ValueError:
+    parsed = uuid_from_text(text)
+    if parsed is None:
         raise ValueError(f"not a run id (a UUID such as 123e4567-e89b-12d3-a456-426614174000): "
-                         f"{shown(text)}") from None
+                         f"{shown(text)}")
+    return RunId(parsed)
 
 
 _limit = _number(int, "a whole number", LIMIT_RANGE, f"from {LIMIT_RANGE[0]} to {LIMIT_RANGE[1]}")

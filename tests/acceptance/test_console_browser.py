@@ -251,6 +251,14 @@ def test_console_refuses_forged_requests_and_is_read_only_by_default(outbox_db, 
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(ro_url + "login", timeout=10)  # noqa: S310 - no sign-in when read-only
     assert missing.value.code == 404
+    # An address whose id is not a UUID is not found.  Both raised in the handler (the dead
+    # letter's id went to PostgreSQL's uuid input, the run's to InvalidJob): a traceback,
+    # and the connection closed without an answer.
+    for path in ("dead-letters/" + "-" * 36, "runs/" + "-" * 36, "runs/urn:uuid:" + "0" * 32):
+        with pytest.raises(urllib.error.HTTPError) as not_an_id:
+            urllib.request.urlopen(ro_url + path, timeout=10)  # noqa: S310
+        assert not_an_id.value.code == 404, path
+    assert "Traceback" not in ro.log_text()
 
 
 def test_a_dead_letter_of_many_megabytes_is_listed_and_shown_cut(outbox_db, spawn, tmp_path):

@@ -93,9 +93,12 @@ def test_requeue_republishes_with_the_same_event_id_after_the_cause_is_fixed(
                                                     outbox_db), capture_output=True, text=True,
                                           check=True).stdout)
         assert shown["reason"] == "unknown_topic" and json.loads(shown["payload"])["key"] == "k"
-        out = subprocess.run(relay_cmd("dead-letters", "requeue", dead["event_id"], "--dsn", outbox_db),
-                             capture_output=True, text=True, check=True)
-        assert "requeued 1" in out.stdout
+        # In capitals and braces, as PostgreSQL reads it too: requeued, and not said to be
+        # missing after (the ids moved were told from the ones given by their text).
+        given = "{" + dead["event_id"].upper() + "}"
+        out = subprocess.run(relay_cmd("dead-letters", "requeue", given, "--dsn", outbox_db),
+                             capture_output=True, text=True)
+        assert out.returncode == 0 and "requeued 1" in out.stdout, out.stderr
         wait_drained(outbox_db, timeout_s=60)
     (record,) = read_all(broker.bootstrap, missing_topic, expected=1, timeout_s=30)
     assert record.headers["event_id"].decode() == dead["event_id"]
@@ -113,9 +116,11 @@ def test_requeue_republishes_with_the_same_event_id_after_the_cause_is_fixed(
         typo = subprocess.run(relay_cmd("dead-letters", action, unknown, "--dsn", outbox_db),
                               capture_output=True, text=True)
         assert typo.returncode == 1 and f"no dead letter with event_id {unknown}" in typo.stderr
-        malformed = subprocess.run(relay_cmd("dead-letters", action, "not-a-uuid", "--dsn", outbox_db),
-                                   capture_output=True, text=True)
-        assert malformed.returncode == 2 and "'not-a-uuid' is not an event_id" in malformed.stderr
+        # Python's uuid.UUID reads a "urn:uuid:" prefix that PostgreSQL's uuid input refuses.
+        for bad in ("not-a-uuid", f"urn:uuid:{unknown}"):
+            malformed = subprocess.run(relay_cmd("dead-letters", action, bad, "--dsn", outbox_db),
+                                       capture_output=True, text=True)
+            assert malformed.returncode == 2 and f"{bad!r} is not an event_id" in malformed.stderr
     cancel = subprocess.run(relay_cmd("replay", "cancel", "4242", "--dsn", outbox_db),
                             capture_output=True, text=True)
     assert cancel.returncode == 1 and "no active replay 4242" in cancel.stderr

@@ -102,6 +102,10 @@ def test_cli_refuses_arguments_that_are_not_utf8(conn, args, capsys):
     (["dead-letters", "list", "--limit", "99999999999999999999"], 2, "argument --limit: must be from 1 to 10000"),
     (["dead-letters", "show", "99999999999999999999"], 2, "argument JOB_ID: must be a job id from 1 to"),
     (["runs", "show", "not-a-uuid"], 2, "argument RUN_ID: not a run id"),
+    # Python's uuid.UUID reads a "urn:uuid:" prefix; PostgreSQL's uuid input refused it.
+    (["runs", "show", "urn:uuid:123e4567-e89b-12d3-a456-426614174000"], 2, "argument RUN_ID: not a run id"),
+    # Braces and capitals PostgreSQL reads as the same run id.
+    (["runs", "show", "{123E4567-E89B-12D3-A456-426614174000}"], 1, "no run 123e4567-e89b-12d3-a456-426614174000"),
     (["cleanup", "--older-than-days", "1e10"], 2, "argument --older-than-days: must be a number of days"),
     # Not found: on stderr (it was on stdout), exit 1.
     (["runs", "show", "123e4567-e89b-12d3-a456-426614174000"], 1, "no run 123e4567-e89b-12d3-a456-426614174000"),

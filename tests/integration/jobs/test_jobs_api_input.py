@@ -274,7 +274,9 @@ def good_accept(**overrides: Any) -> dict[str, Any]:
 # -- 10: run ids -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("run_id", ["not-a-uuid", None, 5, "", "6802ca8b-db27-41d2-9955-ed1884f2bd28\n"])
+@pytest.mark.parametrize("run_id", ["not-a-uuid", None, 5, "", "6802ca8b-db27-41d2-9955-ed1884f2bd28\n",
+                                    "urn:uuid:6802ca8b-db27-41d2-9955-ed1884f2bd28",
+                                    "{6802ca8b-db27-41d2-9955-ed1884f2bd28"])
 def test_run_status_refuses_a_malformed_run_id(conn, run_id: Any) -> None:
     with pytest.raises(InvalidJob, match="run_id must be a UUID"):
         run_status(conn, run_id)
@@ -285,6 +287,9 @@ def test_run_status_refuses_a_malformed_run_id(conn, run_id: Any) -> None:
     run = accept(conn, **good_accept())
     assert run_status(conn, run.run_id).run_id == run.run_id  # type: ignore[union-attr]
     assert run_status(conn, str(run.run_id).upper(), owner_id="u1") is not None
+    # As an event_id is read (consumer_sdk.outbox): in braces and without hyphens too.
+    assert run_status(conn, "{" + str(run.run_id) + "}").run_id == run.run_id  # type: ignore[union-attr]
+    assert run_status(conn, run.run_id.hex).run_id == run.run_id  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("owner_id", [5, "", "u\x00"])
