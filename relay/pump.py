@@ -84,8 +84,7 @@ CREATED, TOPIC, _SHARD, _ID = (attrgetter("created_epoch"), attrgetter("topic"),
 class PumpStore(MarkStore, FailureStore, Protocol):
     def claim(self, *, shards: Any, nshards: int, after: Cursor, limit: int,
               max_bytes: int, budget_bytes: int, sent_retries: Iterable[int]) -> Claimed: ...
-    def restamp_foreign(self) -> int: ...
-    def next_retry_s(self, *, shards: Sequence[ShardId], nshards: int) -> float | None: ...
+    def sweep(self, *, shards: Sequence[ShardId], nshards: int) -> tuple[int, float | None]: ...
 
 
 class PumpPublisher(FailurePublisher, Protocol):
@@ -297,13 +296,12 @@ class Pump:
         if not self.stalls.partitions:
             self.stalls.held.clear()  # their rows come back in this rewind, in order
         self.next_sweep = now + SWEEP_INTERVAL_S
-        restamped = self.store.restamp_foreign()
-        if self.leases.leases:
-            # Rows another replica (or this relay before a restart) put in back-off: sent
-            # at their retry time, as this relay's own are, not at the next periodic pass.
-            due_in = self.store.next_retry_s(shards=sorted(self.leases.leases), nshards=self.nshards)
-            if due_in is not None:
-                self.failures.wake_at(now + max(0.0, due_in))
+        # One statement: rows with a foreign xid restamped, and when a row another replica (or
+        # this relay before a restart) put in back-off is due: sent at its retry time, as this
+        # relay's own are, not at the next periodic pass.
+        restamped, due_in = self.store.sweep(shards=sorted(self.leases.leases), nshards=self.nshards)
+        if due_in is not None and self.leases.leases:
+            self.failures.wake_at(now + max(0.0, due_in))
         self._rewind_cost_s = self.clock() - now  # the claim from "nothing seen" adds its own
         if restamped:
             self.log.warning("foreign_xids_restamped", rows=restamped)

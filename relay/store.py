@@ -336,20 +336,20 @@ class Store:
         cut = bool(found) and len(found) < limit and max(map(_RUNNING_BYTES, found)) >= budget_bytes
         return Claimed(rows, snapshot, cut)
 
-    def restamp_foreign(self) -> int:
-        """Give rows whose xid is not this cluster's (restored, replicated from another
-        cluster: above every xid assigned here) this transaction's; returns how many."""
-        rows = self._fetch("relay", "restamp_foreign", {})
-        return int(rows[0]["restamped"]) if rows else 0
-
-    def next_retry_s(self, *, shards: Sequence[ShardId], nshards: int) -> float | None:
-        """In how many seconds the earliest row in back-off of ``shards`` is due (None: no
-        retry ahead among the first NEXT_RETRY_LOOK rows in back-off)."""
-        rows = self._fetch("relay", "next_retry", {
-            "shards": int_array(shards), "nshards": nshards, "all_shards": len(shards) == nshards,
+    def sweep(self, *, shards: Sequence[ShardId], nshards: int) -> tuple[int, float | None]:
+        """A rewind's look at the table, one statement: give rows whose xid is not this
+        cluster's (restored, replicated from another cluster: above every xid assigned here)
+        this transaction's, and find when the earliest row in back-off of ``shards`` is due.
+        Returns (rows restamped, seconds until that retry or None: none ahead among the
+        first NEXT_RETRY_LOOK rows in back-off, or no shards)."""
+        rows = self._fetch("relay", "sweep", {
+            "shards": int_array(shards), "nshards": nshards,
+            "all_shards": bool(shards) and len(shards) == nshards,
             "limit": NEXT_RETRY_LOOK, "now": self.now})
-        due = rows[0]["due_in_s"] if rows else None
-        return None if due is None else float(due)
+        if not rows:
+            return 0, None
+        due = rows[0]["due_in_s"]
+        return int(rows[0]["restamped"]), None if due is None else float(due)
 
     def mark_published(self, *, owner: str, leases: Sequence[Lease],
                        rows: Sequence[OutboxRow]) -> tuple[set[ShardId], set[RowId]]:

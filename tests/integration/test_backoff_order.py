@@ -127,7 +127,7 @@ def test_a_relay_that_did_not_schedule_a_retry_keeps_its_keys_order(outbox_db, b
 
 
 def test_the_next_retry_is_read_for_the_shards_held(outbox_db):
-    """Store.next_retry_s: seconds until the earliest row in back-off of the shards given is
+    """Store.sweep: seconds until the earliest row in back-off of the shards given is
     due; rows due already, and rows of other shards, do not count."""
     # A key in each of the 4 shards, so that each row's shard holds it alone.  (Keys a, b, c
     # and d put two rows in one shard, and the checks of one shard below never ran.)
@@ -145,14 +145,20 @@ def test_the_next_retry_is_read_for_the_shards_held(outbox_db):
             conn.execute("UPDATE outbox SET attempts = 1, retry_at = now() + make_interval(secs => %s) "
                          "WHERE id = %s", (ahead_s, row_id))
     store = Store(outbox_db)
+
+    def due_in(shards: list[int]) -> float | None:
+        restamped, due = store.sweep(shards=[ShardId(s) for s in shards], nshards=4)
+        assert restamped == 0  # the same statement restamps foreign xids: none here
+        return due
+
     try:
-        everything = store.next_retry_s(shards=[ShardId(s) for s in range(4)], nshards=4)
+        everything = due_in(list(range(4)))
         assert everything is not None and 28 < everything <= 30
-        alone = store.next_retry_s(shards=[ShardId(shard[rows[3]])], nshards=4)  # the 90 s row's
+        alone = due_in([shard[rows[3]]])  # the 90 s row's
         assert alone is not None and 88 < alone <= 90
-        pair = store.next_retry_s(shards=[ShardId(shard[rows[1]]), ShardId(shard[rows[3]])], nshards=4)
+        pair = due_in([shard[rows[1]], shard[rows[3]]])
         assert pair is not None and 58 < pair <= 60
-        assert store.next_retry_s(shards=[ShardId(shard[rows[2]])], nshards=4) is None  # due already
-        assert store.next_retry_s(shards=[], nshards=4) is None
+        assert due_in([shard[rows[2]]]) is None  # due already
+        assert due_in([]) is None
     finally:
         store.close()

@@ -47,8 +47,8 @@ class Store:
                        key=lambda r: (r.xid, r.id))
         return Claimed(found[:limit], None if after.cur else f"{xmax}:{xmax}:")
 
-    def restamp_foreign(self) -> int:
-        return 0
+    def sweep(self, *, shards: Any, nshards: int) -> tuple[int, float | None]:
+        return 0, self.next_retry_s(shards=shards, nshards=nshards)  # no foreign xids
 
     def next_retry_s(self, *, shards: Any, nshards: int) -> float | None:
         return None  # nothing in back-off

@@ -405,6 +405,7 @@ CANNED: Mapping[str, list[dict[str, Any]]] = {
     "dead_letter": [{"id": 1}],
     "cleanup_batch": [{"deleted": 0, "last_published_at": None}],
     "backlog": [{"pending": 0, "oldest_age_s": 0.0, "retrying": 0}],
+    "sweep": [{"restamped": 0, "due_in_s": None}],
 }
 
 
@@ -484,10 +485,11 @@ def test_the_store_sends_only_named_queries_with_input_as_parameters(
         store.forget_replica(owner=owner)
         store.cleanup_batch(retention_s=retention, limit=100)
         store.backlog()
+        store.sweep(shards=[lease.shard], nshards=16)
     assert [name for name, _ in fake.sent if name != "async_commit"] == [
         "claim_batch", "mark_published", "record_failure", "dead_letter", "heartbeat",
         "claim_shards", "release_shards", "forget_replica", "cleanup_batch",
-        "backlog"]
+        "backlog", "sweep"]
     sent_values = [v for _, params in fake.sent for v in (params or {}).values()]
     assert owner in sent_values and reason in sent_values
     assert error[:2000] in sent_values

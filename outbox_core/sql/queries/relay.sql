@@ -123,7 +123,13 @@ SELECT NULL, NULL, NULL, NULL, NULL, (SELECT s::text FROM cur), NULL, NULL, NULL
        NULL, NULL
 WHERE %(cur)s::text IS NULL
 
--- name: restamp_foreign
+-- name: sweep
+-- A rewind's look at the table before its claim from "nothing seen", in one round trip
+-- (two statements until issue 18's thirty-third pass: with the heartbeat's two, a fifth of
+-- an idle relay's statements): the rows with a foreign xid restamped, and when the next
+-- row in back-off of the shards held is due.
+--
+-- restamped:
 -- Rows whose xid is not one of this cluster's (copied by pg_dump/restore or logical
 -- replication from another cluster) and that no window would hold in order: a
 -- visible row whose xid is at or above this statement's snapshot xmax, or names a
@@ -132,6 +138,14 @@ WHERE %(cur)s::text IS NULL
 -- committed, in id order within their keys.  (Foreign xids that happen to name a
 -- committed transaction look like old rows: the periodic sweeps relay them in
 -- their original (xid, id) order.)
+--
+-- due_in_s:
+-- In how many seconds the earliest row in back-off of the shards held is due (NULL: none
+-- ahead).  A rewind asks, so that a retry another replica scheduled (or this relay before a
+-- restart) is sent at its time: only a full pass sends a due row, and its key waits for it.
+-- Reads at most the first %(limit)s entries of the small retrying index, in its own order
+-- (so that only that index answers, whatever the statistics say); rows beyond them are
+-- sent at the periodic pass.
 WITH restamped AS (
     UPDATE {table} AS o
     SET xid = pg_current_xact_id()
@@ -140,23 +154,16 @@ WITH restamped AS (
                ELSE pg_xact_status(o.xid) IS DISTINCT FROM 'committed' END
     RETURNING 1
 )
-SELECT count(*) AS restamped FROM restamped
-
--- name: next_retry
--- In how many seconds the earliest row in back-off of the shards held is due (NULL: none
--- ahead).  A rewind asks, so that a retry another replica scheduled (or this relay before a
--- restart) is sent at its time: only a full pass sends a due row, and its key waits for it.
--- Reads at most the first %(limit)s entries of the small retrying index, in its own order
--- (so that only that index answers, whatever the statistics say); rows beyond them are
--- sent at the periodic pass.
-SELECT extract(epoch FROM min(w.retry_at) - coalesce(%(now)s::timestamptz, now()))::float8 AS due_in_s
-FROM (SELECT r.retry_at, r.key, r.event_id
-      FROM {table} AS r
-      WHERE r.published_at IS NULL AND r.retry_at IS NOT NULL
-      ORDER BY r.key, r.xid, r.id
-      LIMIT %(limit)s) AS w
-WHERE w.retry_at > coalesce(%(now)s::timestamptz, now())
-  AND (%(all_shards)s OR (hashtext(coalesce(w.key, w.event_id::text)) & 2147483647) %% %(nshards)s = ANY(%(shards)s::int[]))
+SELECT (SELECT count(*) FROM restamped) AS restamped,
+       (SELECT extract(epoch FROM min(w.retry_at) - coalesce(%(now)s::timestamptz, now()))::float8
+        FROM (SELECT r.retry_at, r.key, r.event_id
+              FROM {table} AS r
+              WHERE r.published_at IS NULL AND r.retry_at IS NOT NULL
+              ORDER BY r.key, r.xid, r.id
+              LIMIT %(limit)s) AS w
+        WHERE w.retry_at > coalesce(%(now)s::timestamptz, now())
+          AND (%(all_shards)s OR (hashtext(coalesce(w.key, w.event_id::text)) & 2147483647) %% %(nshards)s
+                                 = ANY(%(shards)s::int[]))) AS due_in_s
 
 -- name: mark_published
 -- Fenced: rows are marked only in shards whose lease this owner still holds with

@@ -12,7 +12,7 @@
 --                                                dead_letter's RETURNING o.*
 --                          UPDATE (published_at, attempts, last_error, retry_at, xid)
 --                                                mark_published, record_failure,
---                                                restamp_foreign (xid); the
+--                                                sweep (restamps xid); the
 --                                                column privilege also allows the row
 --                                                locks of cleanup_batch (FOR UPDATE)
 --                          DELETE                dead_letter (moves a row), cleanup_batch,
