@@ -17,7 +17,13 @@ import psycopg
 import psycopg.errors
 
 from consumer_sdk.errors import SchemaMissing
-from consumer_sdk.outbox import OutboxEvent, WrongConnection, prepare, require_transaction
+from consumer_sdk.outbox import (
+    OutboxEvent,
+    WrongConnection,
+    duplicate_event,
+    prepare,
+    require_transaction,
+)
 from outbox_core.queries import query
 
 
@@ -38,6 +44,11 @@ async def write_events(conn: psycopg.AsyncConnection[Any], events: Sequence[Outb
         await conn.execute(query("sdk_outbox", "insert_events"), prepared.params)
     except psycopg.errors.UndefinedTable as exc:
         raise SchemaMissing() from exc
+    except psycopg.errors.UniqueViolation as exc:
+        duplicate = duplicate_event(exc)
+        if duplicate is None:
+            raise
+        raise duplicate from exc
     return prepared.event_ids
 
 

@@ -33,6 +33,10 @@ class InvalidEvent(OutboxSdkError, ValueError):
     """The event cannot be written to the outbox (topic, key, payload or headers)."""
 
 
+class DuplicateEvent(OutboxSdkError):
+    """An event with this event_id is in the outbox already: each event is written once.  The transaction is aborted."""
+
+
 class SchemaMissing(OutboxSdkError):
     """The outbox schema is missing: run `outbox-relay migrate` first."""
 

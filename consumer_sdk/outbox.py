@@ -48,7 +48,7 @@ import psycopg.errors
 import structlog
 from psycopg.pq import TransactionStatus
 
-from consumer_sdk.errors import InvalidEvent, SchemaMissing, TransactionRequired
+from consumer_sdk.errors import DuplicateEvent, InvalidEvent, SchemaMissing, TransactionRequired
 from consumer_sdk.model import EVENT_ID_HEADER, valid_topic_name
 from outbox_core.queries import query
 from outbox_core.text import refuse_unstorable, uuid_from_text
@@ -358,7 +358,29 @@ def write_events(conn: psycopg.Connection[Any], events: Sequence[OutboxEvent], *
         _ran(conn.execute(query("sdk_outbox", "insert_events"), prepared.params))
     except psycopg.errors.UndefinedTable as exc:
         raise SchemaMissing() from exc
+    except psycopg.errors.UniqueViolation as exc:
+        duplicate = duplicate_event(exc)
+        if duplicate is None:
+            raise
+        raise duplicate from exc
     return prepared.event_ids
+
+
+#: The unique constraint on the outbox's event_id (0001_outbox.sql, and its partitioned
+#: twin, whose partitions' indexes PostgreSQL names "<partition>_event_id_created_at_key").
+EVENT_ID_CONSTRAINT = "outbox_event_id_unique"
+
+
+def duplicate_event(exc: psycopg.errors.UniqueViolation) -> DuplicateEvent | None:
+    """The SDK's error for an insert that found its event_id in the outbox already (which
+    PostgreSQL names in its detail, "Key (event_id)=(...) already exists."); None when
+    another unique constraint refused the row (the driver's error is raised then)."""
+    name = exc.diag.constraint_name
+    if name != EVENT_ID_CONSTRAINT and name != f"{exc.diag.table_name}_event_id_created_at_key":
+        return None
+    return DuplicateEvent(f"{exc.diag.message_detail or 'an event_id is in the outbox already.'} "
+                          "Each event is written once (write_events returns the ids it wrote); "
+                          "the transaction is aborted: roll it back")
 
 
 def write_event(

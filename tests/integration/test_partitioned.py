@@ -7,6 +7,7 @@ import subprocess
 from datetime import UTC, datetime, timedelta
 
 import psycopg
+import pytest
 
 from relay import migrate
 from tests.fixtures.broker import read_all
@@ -99,3 +100,17 @@ def test_partitioned_is_refused_on_an_existing_plain_outbox(outbox_db):
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert "already exists as a plain table" in result.stderr
+
+
+def test_an_event_id_written_twice_in_a_transaction_is_a_duplicate_event(db_dsn):
+    """On the partitioned outbox event_id is unique with created_at (the transaction's
+    time), and a partition's index refuses the row: it is a DuplicateEvent there too, not
+    psycopg's UniqueViolation."""
+    from consumer_sdk import DuplicateEvent, write_event
+
+    migrate.apply(db_dsn, partitioned=True)
+    with psycopg.connect(db_dsn) as conn:
+        event_id = write_event(conn, topic="orders", key="k", payload={})
+        with pytest.raises(DuplicateEvent, match=f"{event_id}.*written once"):
+            write_event(conn, topic="orders", key="k", payload={}, event_id=event_id)
+        conn.rollback()

@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from consumer_sdk import (
+    DuplicateEvent,
     InboxMessage,
     OutboxEvent,
     SchemaMissing,
@@ -83,6 +84,33 @@ def test_write_events_is_one_statement_in_list_order(sdk_db):
     with psycopg.connect(sdk_db) as conn:  # one transaction, one statement: one xid, one NOTIFY
         xids = conn.execute("SELECT count(DISTINCT xid) FROM outbox").fetchone()
     assert xids == (1,)
+
+
+def test_an_event_id_written_before_is_a_duplicate_event_not_a_driver_error(sdk_db):
+    """Writing an event_id the outbox holds already (a retried request whose event was
+    committed) raised psycopg's UniqueViolation, the one driver error the SDK's writes let
+    through; now DuplicateEvent (an OutboxSdkError) names the id and says the transaction
+    is aborted."""
+    with psycopg.connect(sdk_db) as conn:
+        event_id = write_event(conn, topic="orders", key="o-1", payload={"n": 1})
+        conn.commit()
+        with pytest.raises(DuplicateEvent, match=f"{event_id}.*written once.*aborted") as caught:
+            write_events(conn, [OutboxEvent(topic="orders", key="o-2", payload={"n": 2}),
+                                OutboxEvent(topic="orders", key="o-1", payload={"n": 3}, event_id=event_id)])
+        assert isinstance(caught.value.__cause__, psycopg.errors.UniqueViolation)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+        conn.rollback()
+        write_event(conn, topic="orders", key="o-3", payload={"n": 4})  # usable after the rollback
+        conn.commit()
+
+    async def twin() -> None:
+        async with await psycopg.AsyncConnection.connect(sdk_db) as conn:
+            with pytest.raises(DuplicateEvent, match=str(event_id)):
+                await write_event_async(conn, topic="orders", key="o-1", payload={}, event_id=str(event_id))
+            await conn.rollback()
+
+    asyncio.run(twin())
+    assert [(r[2], r[3]) for r in _rows(sdk_db)] == [("o-1", {"n": 1}), ("o-3", {"n": 4})]
 
 
 def test_an_unmigrated_database_gives_schema_missing(db_dsn):
