@@ -41,8 +41,17 @@ EMBEDDED_COMMANDS = {
 
 
 class _Parser(argparse.ArgumentParser):
+    #: Its sub-commands' parsers by name, once add_subparsers made them: what
+    #: _command_parser walks, without argparse's private ``_actions``.
+    commands: dict[str, argparse.ArgumentParser]
+
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        action = super().add_subparsers(**kwargs)
+        self.commands = action.choices  # the same dict: filled by each add_parser
+        return action
 
 
 def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
@@ -147,11 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
     """The parser of the command (and sub-command: ``dead-letters list``) ``args`` was read by."""
     for dest in ("command", "action"):
-        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        commands = getattr(parser, "commands", {})
         chosen = getattr(args, dest, None)
-        if sub is None or chosen not in sub.choices:
+        if chosen not in commands:
             break
-        parser = sub.choices[chosen]
+        parser = commands[chosen]
     return parser
 
 
