@@ -10,14 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeGuard
+from typing import Any, Literal
 
 from consumer_sdk.errors import ConfigError
 from outbox_core.backoff import ceiling_s
+from outbox_core.text import valid_topic_name as valid_topic_name
 
 #: What happens to a message a policy rejects: sent to the dead-letter topic and
 #: acknowledged, acknowledged with a log line only, or the consumer stops before it.
@@ -29,13 +29,6 @@ Claim = Literal["new", "duplicate", "mismatch"]
 
 EVENT_ID_HEADER = "event_id"
 
-_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
-
-
-def valid_topic_name(value: object) -> TypeGuard[str]:
-    """Kafka's rule for a topic name (the outbox's CHECK): 1-249 of [A-Za-z0-9._-], not "."
-    or "..", matched whole (a trailing newline is not one)."""
-    return isinstance(value, str) and _TOPIC_NAME.fullmatch(value) is not None and value not in (".", "..")
 
 Headers = tuple[tuple[str, bytes | None], ...]
 

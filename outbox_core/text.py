@@ -10,7 +10,9 @@ such input in one line that names where it is, never what it is (it may be a sec
 surrogate), for the SDK's checks of events and jobs before they are sent.
 
 :func:`uuid_from_text` reads a UUID's text the one way every id is read (an event's, a
-run's, a console address's), before it reaches PostgreSQL's uuid input.
+run's, a console address's), before it reaches PostgreSQL's uuid input;
+:func:`valid_topic_name` is Kafka's rule for a topic's name, for the SDK's events and
+options and the relay's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Mapping, Sequence
+from typing import TypeGuard
 
 #: A NUL escaped by json.dumps: ``\u0000`` after an even number of backslashes (``\\u0000``
 #: is a backslash and the text "u0000", which jsonb takes).
@@ -28,6 +31,15 @@ _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 #: usual hyphens, optionally in braces; either case.  (Python's uuid.UUID also takes a
 #: "urn:uuid:" prefix and hyphens anywhere, which PostgreSQL refuses.)
 _UUID = re.compile(r"(\{)?[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}(?(1)\})")
+
+
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+def valid_topic_name(value: object) -> TypeGuard[str]:
+    """Kafka's rule for a topic name (the outbox's CHECK): 1-249 of [A-Za-z0-9._-], not "."
+    or "..", matched whole (a trailing newline is not one)."""
+    return isinstance(value, str) and _TOPIC_NAME.fullmatch(value) is not None and value not in (".", "..")
 
 
 def uuid_from_text(value: object) -> uuid.UUID | None:

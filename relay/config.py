@@ -26,6 +26,7 @@ from outbox_core.secrets import mask_dsn as mask_dsn
 from outbox_core.secrets import mask_text as mask_text
 from outbox_core.secrets import masked_properties as masked_properties
 from outbox_core.secrets import scrub
+from outbox_core.text import valid_topic_name
 from relay.errors import ConfigError
 
 ENV_PREFIX = "OUTBOX_RELAY_"
@@ -214,13 +215,10 @@ def _table_name(text: str) -> str:
     return text
 
 
-_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}\Z")
-
-
 def _topic_name(text: str) -> str:
     """Kafka's rule (the outbox's CHECK): an empty position topic was a broker_unavailable
     retried for ever ("cannot read metadata of : ...")."""
-    if not _TOPIC.match(text) or text in (".", ".."):
+    if not valid_topic_name(text):
         raise ValueError("must be a Kafka topic name: 1 to 249 of A-Z a-z 0-9 . _ -")
     return text
 
