@@ -124,8 +124,15 @@ def _passwords(dsn: str) -> list[str]:
     return sorted({p for p in found if p}, key=len, reverse=True)
 
 
+#: libpq's sslmode values.
+SSLMODES = frozenset({"disable", "allow", "prefer", "require", "verify-ca", "verify-full"})
+
+
 def validate_dsn(dsn: str, *, option: str = "dsn") -> None:
-    """Reject a DSN libpq cannot parse, with :class:`InvalidDsn` showing no piece of its password."""
+    """Reject a DSN libpq cannot parse or would refuse only at connect time (a port that is
+    not one, an unknown sslmode), with :class:`InvalidDsn` naming ``option`` and showing no
+    piece of its password.  The relay's checks at start and the SDK's configurations both
+    call it."""
     where = f"{option} is not a valid PostgreSQL connection string"
     if "\x00" in dsn:
         raise InvalidDsn(f"{where}: it contains a NUL character")
@@ -140,6 +147,10 @@ def validate_dsn(dsn: str, *, option: str = "dsn") -> None:
     bad = [p for p in port.split(",") if p and not (p.isdigit() and 0 < int(p) < 65536)]
     if bad:  # the part, not the list: "1,99999" is not in the DSN's text, and was hidden
         raise InvalidDsn(scrub(f"{where}: port {bad[0]!r} is not a TCP port number", dsn=dsn))
+    sslmode = parts.get("sslmode")
+    if sslmode is not None and sslmode not in SSLMODES:  # libpq refuses it only as it connects
+        raise InvalidDsn(scrub(
+            f"{where}: sslmode {sslmode!r} is not one of {', '.join(sorted(SSLMODES))}", dsn=dsn))
 
 
 def safe_repr(obj: Any, fields: Mapping[str, Any]) -> str:

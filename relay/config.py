@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psycopg.conninfo
+from outbox_core.secrets import InvalidDsn
 
 # One masking for the relay and the SDK; re-exported: relay code imports them from here.
 from outbox_core.secrets import is_secret as is_secret
 from outbox_core.secrets import mask_dsn as mask_dsn
 from outbox_core.secrets import mask_text as mask_text
 from outbox_core.secrets import masked_properties as masked_properties
-from outbox_core.secrets import scrub
+from outbox_core.secrets import validate_dsn as _validate_dsn
 from outbox_core.text import valid_topic_name
 from relay.errors import ConfigError
 
@@ -455,34 +455,18 @@ def parse_kafka_property(text: str) -> tuple[str, str]:
     return name, value
 
 
-_SSLMODES = {"disable", "allow", "prefer", "require", "verify-ca", "verify-full"}
-
-
 #: What gave the relay its DSN, named when libpq refuses the string or a value in it (here,
 #: before connecting, and by relay/store.py when libpq refuses it only as it connects).
 DSN_OPTION = f"--dsn / {ENV_PREFIX}DSN"
 
 
 def validate_dsn(dsn: str) -> None:
-    """Reject what libpq would only reject at connect time, with the option named."""
-    where = f"{DSN_OPTION} is not a valid PostgreSQL connection string"
-    if "\x00" in dsn:  # libpq would silently cut the string there
-        raise ConfigError(f"{where}: it contains a NUL character")
+    """Reject what libpq would only reject at connect time, with the option named
+    (outbox_core.secrets.validate_dsn, the SDK's check too)."""
     try:
-        fields = psycopg.conninfo.conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError as exc:
-        raise ConfigError(f"{where}: {scrub(str(exc).strip(), dsn=dsn)}") from None
-    except UnicodeError:  # surrogates from undecodable bytes in the environment
-        raise ConfigError(f"{where}: it is not valid UTF-8 text") from None
-    port = str(fields.get("port", "5432") or "")
-    # An empty item is libpq's default port (host1:5433,host2 gives "5433,").
-    bad = [part for part in port.split(",") if part and not (part.isdigit() and 0 < int(part) < 65536)]
-    if bad:  # the part, not the list: "1,99999" is not in the DSN's text, and was hidden
-        raise ConfigError(scrub(f"{where}: port {bad[0]!r} is not a TCP port number", dsn=dsn))
-    sslmode = fields.get("sslmode")
-    if sslmode is not None and sslmode not in _SSLMODES:
-        raise ConfigError(scrub(
-            f"{where}: sslmode {sslmode!r} is not one of {', '.join(sorted(_SSLMODES))}", dsn=dsn))
+        _validate_dsn(dsn, option=DSN_OPTION)
+    except InvalidDsn as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def parse_option(name: str, raw: Any) -> Any:

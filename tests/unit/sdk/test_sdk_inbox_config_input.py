@@ -154,6 +154,19 @@ def test_dsn_that_is_no_connection_string_is_refused(dsn: Any) -> None:
     refused("dsn", dsn=dsn)
 
 
+@pytest.mark.parametrize("dsn", ["postgresql://svc:s3cret@db/app?sslmode=sometimes",
+                                 "host=db sslmode=verify password=s3cret"])
+def test_a_dsn_libpq_would_refuse_only_as_it_connects_is_refused_at_construction(dsn: str) -> None:
+    """An unknown sslmode passed the SDK's check (the relay's alone knew libpq's values) and
+    failed at the first connection; InboxConfig and WorkerConfig refuse it now, naming it."""
+    from consumer_sdk.jobs import WorkerConfig
+
+    error = refused(r"InboxConfig\.dsn is not a valid PostgreSQL connection string: sslmode", dsn=dsn)
+    assert "s3cret" not in str(error)
+    with pytest.raises(ConfigError, match=r"WorkerConfig\.dsn .* sslmode"):
+        WorkerConfig(dsn=dsn)
+
+
 def test_empty_dsn_without_a_connection_factory_is_refused() -> None:
     with pytest.raises(ConfigError, match="dsn is empty"):
         InboxConsumer(config(dsn=""), handler, metrics=ConsumerMetrics())
