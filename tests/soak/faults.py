@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import Producer
 
-from consumer_sdk import InvalidEvent, TransactionRequired, write_event
+from consumer_sdk import DuplicateEvent, InvalidEvent, TransactionRequired, write_event
 from tests.soak.config import _KAFKA_LOG, BAD_INPUTS, POISON_PAD, TOPIC, _scalar
 from tests.soak.plan import Fault
 from tests.soak.state import SoakState
@@ -191,7 +191,7 @@ class FaultInjection(SoakState):
             ("sql_invalid_json", psycopg.errors.InvalidTextRepresentation,
              lambda c: c.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, 'bad', 'not json')",
                                  (TOPIC,))),
-            ("sdk_reused_event_id", psycopg.errors.UniqueViolation,
+            ("sdk_reused_event_id", DuplicateEvent,
              lambda c: write_event(c, topic=TOPIC, key="bad", payload={},
                                    event_id=_scalar(c, "SELECT event_id FROM outbox LIMIT 1"))),
         ]
