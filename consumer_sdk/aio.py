@@ -14,13 +14,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psycopg
-import psycopg.errors
 
-from consumer_sdk.errors import SchemaMissing
 from consumer_sdk.outbox import (
     OutboxEvent,
     WrongConnection,
-    duplicate_event,
+    insert_errors,
     prepare,
     require_transaction,
 )
@@ -38,17 +36,10 @@ async def write_events(conn: psycopg.AsyncConnection[Any], events: Sequence[Outb
     if not prepared.event_ids:
         return []
     require_transaction(conn.autocommit, conn.info.transaction_status)
-    try:
+    with insert_errors():
         if not wake_relay:
             await conn.execute(query("sdk_outbox", "leave_relay_asleep"))
         await conn.execute(query("sdk_outbox", "insert_events"), prepared.params)
-    except psycopg.errors.UndefinedTable as exc:
-        raise SchemaMissing() from exc
-    except psycopg.errors.UniqueViolation as exc:
-        duplicate = duplicate_event(exc)
-        if duplicate is None:
-            raise
-        raise duplicate from exc
     return prepared.event_ids
 
 

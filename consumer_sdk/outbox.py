@@ -39,7 +39,8 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -352,17 +353,10 @@ def write_events(conn: psycopg.Connection[Any], events: Sequence[OutboxEvent], *
     if not prepared.event_ids:
         return []
     require_transaction(conn.autocommit, conn.info.transaction_status)
-    try:
+    with insert_errors():
         if not wake_relay:
             _ran(conn.execute(query("sdk_outbox", "leave_relay_asleep")))
         _ran(conn.execute(query("sdk_outbox", "insert_events"), prepared.params))
-    except psycopg.errors.UndefinedTable as exc:
-        raise SchemaMissing() from exc
-    except psycopg.errors.UniqueViolation as exc:
-        duplicate = duplicate_event(exc)
-        if duplicate is None:
-            raise
-        raise duplicate from exc
     return prepared.event_ids
 
 
@@ -371,16 +365,24 @@ def write_events(conn: psycopg.Connection[Any], events: Sequence[OutboxEvent], *
 EVENT_ID_CONSTRAINT = "outbox_event_id_unique"
 
 
-def duplicate_event(exc: psycopg.errors.UniqueViolation) -> DuplicateEvent | None:
-    """The SDK's error for an insert that found its event_id in the outbox already (which
-    PostgreSQL names in its detail, "Key (event_id)=(...) already exists."); None when
-    another unique constraint refused the row (the driver's error is raised then)."""
-    name = exc.diag.constraint_name
-    if name != EVENT_ID_CONSTRAINT and name != f"{exc.diag.table_name}_event_id_created_at_key":
-        return None
-    return DuplicateEvent(f"{exc.diag.message_detail or 'an event_id is in the outbox already.'} "
-                          "Each event is written once (write_events returns the ids it wrote); "
-                          "the transaction is aborted: roll it back")
+@contextmanager
+def insert_errors() -> Iterator[None]:
+    """The driver's errors of the events' insert as the SDK's, for write_events and its
+    asyncio twin (consumer_sdk.aio): no outbox table is :class:`SchemaMissing`; an event_id
+    the outbox holds already (PostgreSQL names it in its detail, "Key (event_id)=(...)
+    already exists.") is :class:`DuplicateEvent`.  Another unique constraint's refusal is
+    raised unchanged."""
+    try:
+        yield
+    except psycopg.errors.UndefinedTable as exc:
+        raise SchemaMissing() from exc
+    except psycopg.errors.UniqueViolation as exc:
+        name = exc.diag.constraint_name
+        if name != EVENT_ID_CONSTRAINT and name != f"{exc.diag.table_name}_event_id_created_at_key":
+            raise
+        raise DuplicateEvent(f"{exc.diag.message_detail or 'an event_id is in the outbox already.'} "
+                             "Each event is written once (write_events returns the ids it wrote); "
+                             "the transaction is aborted: roll it back") from exc
 
 
 def write_event(
