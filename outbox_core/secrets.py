@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import psycopg.conninfo
 
@@ -35,6 +35,10 @@ _TEXT_QUERY_PASSWORD = re.compile(r"(password=)[^&\s]*", re.IGNORECASE)
 _DSN_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.?)*'?|.*?(?=\s+\w+\s*=|\s*$))",
                               re.IGNORECASE | re.DOTALL)
 _DSN_QUERY_PASSWORD = re.compile(r"(password=)[^&]*", re.IGNORECASE)
+# A URI's query parameter.  libpq decodes a %-escape in its key as in its value, so
+# "?pass%77ord=..." gives the password as "?password=..." does: the key is read decoded.
+_DSN_QUERY_PARAM = re.compile(r"([?&])([^=&]*)(=)([^&]*)")
+_TEXT_QUERY_PARAM = re.compile(r"([?&])([^=&\s]*)(=)([^&\s]*)")
 _QUOTED = re.compile(r"""(["'])(.*?)\1""", re.DOTALL)
 # libpq's message for a bad %-escape in a URI quotes the token from the escape on, which
 # may itself start with a quote: the whole rest of that line is hidden.
@@ -67,14 +71,22 @@ def mask_dsn(dsn: str) -> str:
     userinfo, at, host = rest.rpartition("@")
     if at and ":" in userinfo:
         rest = f"{userinfo.split(':', 1)[0]}:{MASK}@{host}"
-    return dsn[: scheme.end()] + _DSN_QUERY_PASSWORD.sub(rf"\1{MASK}", rest)
+    return dsn[: scheme.end()] + _DSN_QUERY_PARAM.sub(_hide_password_param,
+                                                      _DSN_QUERY_PASSWORD.sub(rf"\1{MASK}", rest))
 
 
 def mask_text(text: str) -> str:
     """Masks anything that looks like a DSN password inside free text."""
     masked = _TEXT_URI_PASSWORD.sub(rf"\1{MASK}\3", text)
     masked = _TEXT_KV_PASSWORD.sub(rf"\1{MASK}", masked)
-    return _TEXT_QUERY_PASSWORD.sub(rf"\1{MASK}", masked)
+    return _TEXT_QUERY_PARAM.sub(_hide_password_param, _TEXT_QUERY_PASSWORD.sub(rf"\1{MASK}", masked))
+
+
+def _hide_password_param(match: re.Match[str]) -> str:
+    """A query parameter with its value masked when its key, %-decoded, names a password."""
+    if "password" not in unquote(match.group(2)).lower():
+        return match.group(0)
+    return f"{match.group(1)}{match.group(2)}{match.group(3)}{MASK}"
 
 
 def masked_properties(props: Mapping[str, Any]) -> dict[str, Any]:

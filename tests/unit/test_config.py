@@ -11,6 +11,7 @@ from relay.config import (
     kafka_env_properties,
     mark_connections,
     mask_dsn,
+    mask_text,
     parse_kafka_property,
     producer_config,
 )
@@ -173,12 +174,17 @@ def test_kafka_property_flag_parsing() -> None:
         "host=db user=relay password=s3cret dbname=app",
         "host=db password='s3 cret' dbname=app",
         "postgresql://db/app?user=relay&password=s3cret",
+        # libpq decodes a query key's %-escapes: these name the password too.
+        "postgresql://relay@db/app?pass%77ord=s3cret",
+        "postgresql://relay@db/app?%70assword=s3cret&sslmode=require",
     ],
 )
 def test_mask_dsn_hides_passwords(dsn) -> None:
     masked = mask_dsn(dsn)
     assert "s3cret" not in masked and "s3 cret" not in masked
     assert "***" in masked
+    in_text = mask_text(f"could not reach {dsn} now")
+    assert "s3cret" not in in_text and "***" in in_text
 
 
 def test_settings_repr_hides_the_dsn_password() -> None:

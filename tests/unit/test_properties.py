@@ -86,12 +86,12 @@ def kv_quote(value: str) -> str:
 
 @st.composite
 def dsns(draw: st.DrawFn, password: st.SearchStrategy[str]) -> tuple[str, str, str]:
-    """(dsn, the same DSN with the password "X", the password) in one of five forms.
+    """(dsn, the same DSN with the password "X", the password) in one of six forms.
 
     An unquoted key=value password has no white space and does not start with a
     quote: libpq would read anything else as more options, and so would anyone.
     """
-    form = draw(st.sampled_from(["uri-raw", "uri-encoded", "query", "kv-quoted", "kv-raw"]))
+    form = draw(st.sampled_from(["uri-raw", "uri-encoded", "query", "query-key", "kv-quoted", "kv-raw"]))
     if form == "kv-raw":
         password = password.filter(lambda p: p[:1] != "'" and not any(c.isspace() for c in p))
     pw = draw(password)
@@ -103,6 +103,10 @@ def dsns(draw: st.DrawFn, password: st.SearchStrategy[str]) -> tuple[str, str, s
     elif form == "query":
         sep = "&" if query else "?"
         make = lambda p: f"postgresql://{host}{port}/app{query}{sep}password={quote(p, safe='')}"  # noqa: E731
+    elif form == "query-key":  # libpq decodes a key's %-escapes too: "pass%77ord" is "password"
+        sep = "&" if query else "?"
+        key = draw(st.sampled_from(["pass%77ord", "%70assword", "%70%61%73%73%77%6F%72%64", "sslpass%77ord"]))
+        make = lambda p: f"postgresql://{host}{port}/app{query}{sep}{key}={quote(p, safe='')}"  # noqa: E731
     elif form == "kv-quoted":
         make = lambda p: f"host={host or 'db'} user={user or 'u'} password={kv_quote(p)} dbname=app"  # noqa: E731
     else:
