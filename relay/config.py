@@ -20,7 +20,8 @@ from typing import Any
 
 from outbox_core.secrets import InvalidDsn
 
-# One masking for the relay and the SDK; re-exported: relay code imports them from here.
+# One masking for the relay and the SDK: the four imported "as" themselves are re-exported
+# (relay code imports them from here); validate_dsn and valid_topic_name are this module's.
 from outbox_core.secrets import is_secret as is_secret
 from outbox_core.secrets import mask_dsn as mask_dsn
 from outbox_core.secrets import mask_text as mask_text
