@@ -146,6 +146,10 @@ def validate_dsn(dsn: str, *, option: str = "dsn") -> None:
     piece of its password.  The relay's checks at start and the SDK's configurations both
     call it."""
     where = f"{option} is not a valid PostgreSQL connection string"
+    if not isinstance(dsn, str):  # "argument of type 'NoneType' is not iterable" said nothing
+        raise InvalidDsn(f"{option} must be a PostgreSQL connection string (str), not {type(dsn).__name__}")
+    if not dsn.strip():
+        raise InvalidDsn(f"{option} is empty: give a PostgreSQL connection string")
     if "\x00" in dsn:
         raise InvalidDsn(f"{where}: it contains a NUL character")
     try:

@@ -21,6 +21,7 @@ from consumer_sdk.errors import DatabaseUnavailable, FatalError, SchemaMissing, 
 from consumer_sdk.jobs._check import json_storable
 from consumer_sdk.jobs.errors import InvalidJob
 from outbox_core.queries import query
+from outbox_core.text import has_colliding_keys
 
 ConnectionT = psycopg.Connection[Any]
 
@@ -56,6 +57,11 @@ def to_json(value: Any, *, what: str = "value") -> str:
         encoded = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidJob(f"the {what} is not JSON-encodable: {exc}") from None
+    except RecursionError:
+        raise InvalidJob(f"the {what} is nested too deeply to encode as JSON") from None
+    if has_colliding_keys(value):  # as write_event refuses them: jsonb would keep the last only
+        raise InvalidJob(f"the {what} has a dict whose keys collide once converted to JSON strings "
+                         "(like 1 and '1'): keys must be distinct as strings")
     return json_storable(what, encoded)
 
 

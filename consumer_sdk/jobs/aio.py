@@ -18,11 +18,9 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.pq import TransactionStatus
 
 from consumer_sdk.jobs._db import translated
 from consumer_sdk.jobs._plan import run_async
-from consumer_sdk.jobs.errors import TransactionActive
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import (
     INTERACTIVE,
@@ -35,6 +33,7 @@ from consumer_sdk.jobs.model import (
 from consumer_sdk.jobs.runs import (
     accept_plan,
     accepted_done,
+    check_idle,
     check_options,
     make_request,
     status_plan,
@@ -65,11 +64,10 @@ async def accept(
     now: datetime | None = None,
 ) -> Accepted:
     """:func:`consumer_sdk.jobs.accept` on an asyncio connection (not inside a transaction)."""
-    check_options(admission=admission, events_topic=events_topic)
+    check_options(admission=admission, events_topic=events_topic, metrics=metrics, on_accept=on_accept)
     request = make_request(owner_id=owner_id, request_key=request_key, kind=kind, body=body, queue=queue,
                            max_attempts=max_attempts, traceparent=traceparent, tracestate=tracestate)
-    if conn.info.transaction_status != TransactionStatus.IDLE:
-        raise TransactionActive()
+    check_idle(conn)
     with translated():
         async with conn.transaction():
             accepted = await run_async(conn, accept_plan(request, admission, metrics, now, events_topic))

@@ -5,11 +5,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from consumer_sdk.config import check_db_spin_us
 from consumer_sdk.jobs import _check
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.fairness import Limits
+from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import BULK, INTERACTIVE
 from consumer_sdk.jobs.retry import Backoff
 from consumer_sdk.secrets import safe_repr, validate_dsn
@@ -55,8 +57,10 @@ class WorkerConfig:
       polling at once, they compete for the interpreter and the cores (measured: 0.74 x
       the jobs a second, 1.5 x the CPU a job, with 8 threads at 100 µs).
 
-    Everything is checked at construction; a bad value raises
-    :class:`~consumer_sdk.jobs.errors.InvalidJob` (a ``ValueError``) naming it:
+    Everything is checked at construction; a ``dsn`` that is not a libpq connection string
+    raises :class:`~consumer_sdk.errors.ConfigError`, as every DSN of the SDK does, and any
+    other bad value :class:`~consumer_sdk.jobs.errors.InvalidJob` (both ``ValueError``)
+    naming it:
 
     * ``queues``: a list or tuple (not a str) of distinct queue names;
     * ``max_concurrency`` an int from 1 to 10,000; ``queue_limits`` ints >= 0 for queues
@@ -165,3 +169,22 @@ class WorkerConfig:
         also resets the server's idle timer on the handler's connection (``fence_keepalive``),
         so it lives as long as the lease is renewed."""
         return max(1000, int(self.lease_duration_s * 1000))
+
+
+def check_pool_arguments(config: Any, handlers: Any, metrics: Any) -> WorkerConfig:
+    """WorkerPool's arguments checked: ``config``, or :class:`InvalidJob` for a pool that could
+    not run.  A handler that is not callable failed each of its jobs' attempts with a
+    TypeError, and handlers that are not a mapping crashed the executor with the job left
+    running (found by an audit of the SDK's inputs)."""
+    if not isinstance(config, WorkerConfig):
+        raise InvalidJob(f"config must be a WorkerConfig, got {config!r:.80}")
+    if not isinstance(handlers, Mapping):
+        raise InvalidJob(f"handlers must be a mapping of job kinds to callables, got {handlers!r:.80}")
+    for kind, handler in handlers.items():
+        if not isinstance(kind, str) or not kind:
+            raise InvalidJob(f"handlers' keys must be job kinds (non-empty str), got {kind!r:.80}")
+        if not callable(handler):
+            raise InvalidJob(f"the handler of kind {kind!r:.80} must be callable, got {handler!r:.80}")
+    if metrics is not None and not isinstance(metrics, JobsMetrics):
+        raise InvalidJob(f"metrics must be None or a JobsMetrics, got {metrics!r:.80}")
+    return config

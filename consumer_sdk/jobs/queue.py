@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -68,15 +68,16 @@ def check_schema(conn: ConnectionT) -> None:
 # -- enqueue and claim -----------------------------------------------------------------
 
 
-def enqueue(conn: ConnectionT, jobs: Sequence[NewJob], *, now: datetime | None = None) -> list[JobId]:
+def enqueue(conn: ConnectionT, jobs: Iterable[NewJob], *, now: datetime | None = None) -> list[JobId]:
     """Insert standalone jobs in one statement (the caller's transaction, if one is open).
 
-    Each job was checked when its :class:`NewJob` was built (accept's rules); here the
-    payloads are encoded (InvalidJob when not JSON that jsonb can store) before the
-    database is touched.
-    """
-    if isinstance(jobs, (str, bytes)) or not all(isinstance(j, NewJob) for j in jobs):
-        raise InvalidJob(f"jobs must be a sequence of NewJob, got {jobs!r:.80}")
+    ``jobs`` is any iterable of :class:`NewJob` (read once), each checked when built (accept's
+    rules); the payloads are encoded here (InvalidJob when jsonb cannot store them)."""
+    # Read once: a generator checked by all() was empty by the insert (nothing written).
+    listed = list(jobs) if isinstance(jobs, Iterable) and not isinstance(jobs, (str, bytes)) else [jobs]
+    if not all(isinstance(j, NewJob) for j in listed):
+        raise InvalidJob(f"jobs must be an iterable of NewJob, got {jobs!r:.80}")
+    jobs = listed
     if not jobs:
         return []
     params: dict[str, Any] = {

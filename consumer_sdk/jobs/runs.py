@@ -29,6 +29,7 @@ from typing import Any
 import structlog
 from psycopg.pq import TransactionStatus
 
+from consumer_sdk.errors import DatabaseUnavailable
 from consumer_sdk.jobs import _check, _plan
 from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
 from consumer_sdk.jobs._plan import Plan, event_step, step
@@ -59,11 +60,24 @@ AcceptHook = Callable[[ConnectionT, Accepted], None]
 def body_sha256(kind: str, body: Any) -> bytes:
     """The digest that makes a request key mean one thing: canonical JSON of kind and body."""
     try:
-        text = json.dumps({"kind": kind, "body": body}, sort_keys=True, separators=(",", ":"),
-                          ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        text = _canonical({"kind": kind, "body": body})
+    except TypeError:
+        # Keys of several types in one dict ({1: "a", "x": "b"}, which json.dumps writes as
+        # strings) cannot be sorted: sort them as the strings stored.  Only then: for every
+        # other body the digest stays what it was, so stored runs keep matching their requests.
+        try:
+            text = _canonical({"kind": kind, "body": json.loads(to_json(body, what="body"))})
+        except TypeError as exc:
+            raise InvalidJob(f"the body is not JSON-encodable: {exc}") from None
+    except ValueError as exc:
         raise InvalidJob(f"the body is not JSON-encodable: {exc}") from None
+    except RecursionError:
+        raise InvalidJob("the body is nested too deeply to encode as JSON") from None
     return hashlib.sha256(text.encode()).digest()
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def accept(
@@ -94,11 +108,10 @@ def accept(
     None or an :class:`AdmissionPolicy`, the body JSON that jsonb can store.  A
     malformed ``traceparent`` string is dropped (with ``tracestate``) and logged.
     """
-    check_options(admission=admission, events_topic=events_topic)
+    check_options(admission=admission, events_topic=events_topic, metrics=metrics, on_accept=on_accept)
     request = make_request(owner_id=owner_id, request_key=request_key, kind=kind, body=body, queue=queue,
                            max_attempts=max_attempts, traceparent=traceparent, tracestate=tracestate)
-    if conn.info.transaction_status != TransactionStatus.IDLE:
-        raise TransactionActive()
+    check_idle(conn)
     with translated(), conn.transaction():
         accepted = _plan.run(conn, accept_plan(request, admission, metrics, now, events_topic))
         if accepted.created and on_accept is not None:
@@ -116,11 +129,27 @@ def make_request(*, owner_id: str, request_key: str, kind: str, body: Any, queue
                     traceparent=traceparent, tracestate=tracestate, max_attempts=max_attempts)
 
 
-def check_options(*, admission: Any, events_topic: Any) -> None:
-    """accept's options other than the request (shared by the sync and asyncio APIs)."""
+def check_idle(conn: Any) -> None:
+    """accept's connection (sync or asyncio): :class:`TransactionActive` inside a transaction;
+    :class:`DatabaseUnavailable` when closed or broken, whose status is not idle either and
+    read as a transaction left open."""
+    status = conn.info.transaction_status
+    if status == TransactionStatus.UNKNOWN:
+        raise DatabaseUnavailable("database unavailable: the connection is closed or broken")
+    if status != TransactionStatus.IDLE:
+        raise TransactionActive()
+
+
+def check_options(*, admission: Any, events_topic: Any, metrics: Any = None, on_accept: Any = None) -> None:
+    """accept's options other than the request (shared by the sync and asyncio APIs): all
+    before the transaction, where a bad ``metrics`` failed only after the run was committed."""
     if admission is not None and not isinstance(admission, AdmissionPolicy):
         raise InvalidJob(f"admission must be None or an AdmissionPolicy, got {admission!r:.80}")
     _check.topic("events_topic", events_topic)
+    if metrics is not None and not isinstance(metrics, JobsMetrics):
+        raise InvalidJob(f"metrics must be None or a JobsMetrics, got {metrics!r:.80}")
+    if on_accept is not None and not callable(on_accept):
+        raise InvalidJob(f"on_accept must be None or a callable, got {on_accept!r:.80}")
 
 
 def accept_plan(r: _Request, admission: AdmissionPolicy | None, metrics: JobsMetrics | None,

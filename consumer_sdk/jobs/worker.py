@@ -43,7 +43,7 @@ from consumer_sdk.errors import FatalError, OutboxSdkError
 from consumer_sdk.jobs import queue as jobq
 from consumer_sdk.jobs._conn import ConnectionFactory, ConnSlot, PoolerAware, pool_connect_factory
 from consumer_sdk.jobs.completions import Completions
-from consumer_sdk.jobs.config import WorkerConfig
+from consumer_sdk.jobs.config import WorkerConfig, check_pool_arguments
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.executor import Executor, Handler
 from consumer_sdk.jobs.fairness import RoundRobin, after_round, plan
@@ -71,7 +71,7 @@ class WorkerPool:
                  connect: ConnectionFactory | None = None, clock: Callable[[], float] = time.monotonic,
                  db_now: Callable[[], datetime | None] = lambda: None,
                  rand: Callable[[], float] = random.random) -> None:
-        self.config = config
+        self.config = check_pool_arguments(config, handlers, metrics)
         self.worker_id = config.worker_id or jobq.new_worker_id()
         self.metrics = metrics if metrics is not None else JobsMetrics()
         self.log = (log if log is not None else structlog.get_logger("consumer_sdk.jobs.worker")).bind(

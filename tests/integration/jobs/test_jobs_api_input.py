@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from consumer_sdk.errors import ConfigError, DatabaseUnavailable
 from consumer_sdk.jobs import (
     AdmissionPolicy,
     Backoff,
@@ -26,6 +27,7 @@ from consumer_sdk.jobs import (
     NewJob,
     WaitFor,
     WorkerConfig,
+    WorkerPool,
     accept,
     activate,
     aio,
@@ -417,3 +419,111 @@ def test_enqueue_stores_a_garbage_traceparent_as_none(conn, jobs_db) -> None:
                                       traceparent="garbage", tracestate="a=b")])
     assert scalar(jobs_db, "SELECT traceparent IS NULL AND tracestate IS NULL FROM jobs WHERE id = %s",
                   (job_id,)) is True
+
+
+# -- 12: found by an audit of the SDK's inputs (2026-12-06); each failed on the code before -----
+
+
+def test_enqueue_writes_every_job_of_a_generator(conn, jobs_db) -> None:
+    # all() read the generator to check it and the insert found it empty: [] and no row.
+    ids = enqueue(conn, (NewJob(owner_id="o", queue="bulk", kind="k", payload=i) for i in range(3)))
+    assert len(ids) == 3 and counts(jobs_db) == (0, 3, 0)
+    assert scalar(jobs_db, "SELECT array_agg(payload::text ORDER BY id)::text FROM jobs") == '{0,1,2}'
+    with pytest.raises(InvalidJob, match="iterable of NewJob"):
+        enqueue(conn, (x for x in ["not a job"]))
+    with pytest.raises(InvalidJob, match="iterable of NewJob"):
+        enqueue(conn, 5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("payload", [{1: "int", "1": "str"}, [{"a": {True: 1, "true": 2}}]])
+def test_job_payloads_whose_keys_collide_as_strings_are_refused(conn, jobs_db, payload: Any) -> None:
+    # jsonb keeps one of them: write_event refused it, enqueue, activate and accept stored the last.
+    with pytest.raises(InvalidJob, match="collide"):
+        enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="k", payload=payload)])
+    with pytest.raises(InvalidJob, match="collide"):
+        activate(conn, "key", payload)
+    with pytest.raises(InvalidJob, match="collide"):
+        accept(conn, **good_accept(body=payload))
+    assert counts(jobs_db) == (0, 0, 0)
+
+
+def test_a_job_payload_nested_too_deeply_is_refused_not_a_recursion_error(conn, jobs_db) -> None:
+    deep: list[Any] = []
+    node = deep
+    for _ in range(50_000):
+        node.append([])
+        node = node[0]
+    with pytest.raises(InvalidJob, match="nested too deeply"):
+        enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="k", payload=deep)])
+    with pytest.raises(InvalidJob, match="nested too deeply"):
+        accept(conn, **good_accept(body=deep))
+    assert counts(jobs_db) == (0, 0, 0)
+
+
+def test_accept_takes_a_body_with_keys_of_several_types(conn, jobs_db) -> None:
+    # The request key's digest sorted the keys: 1 and "x" do not compare, and a body json.dumps
+    # writes as {"1": "a", "x": "b"} was refused as "not JSON-encodable".
+    first = accept(conn, **good_accept(body={1: "a", "x": "b"}))
+    again = accept(conn, **good_accept(body={"x": "b", 1: "a"}))  # the same request, retried
+    assert first.created and not again.created and again.run_id == first.run_id
+    # Every other body keeps the digest it had: stored runs still match their retries.
+    assert accept(conn, **good_accept(request_key="k2", body={"b": [1, 2.5], "a": None})).created
+
+
+@pytest.mark.parametrize(("option", "value"), [("metrics", object()), ("on_accept", 1)])
+def test_accept_refuses_a_bad_metrics_or_hook_before_committing(conn, jobs_db, option: str, value: Any) -> None:
+    # A bad metrics raised AttributeError after the run was committed: the caller saw a
+    # failure for a run that existed.
+    with pytest.raises(InvalidJob, match=f"^{option} must be None or a"):
+        accept(conn, **good_accept(), **{option: value})
+    assert counts(jobs_db) == (0, 0, 0)
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(jobs_db, autocommit=True) as aconn:
+            with pytest.raises(InvalidJob, match=f"^{option} must be None or a"):
+                await aio.accept(aconn, **good_accept(), **{option: value})
+
+    asyncio.run(main())
+    assert counts(jobs_db) == (0, 0, 0)
+
+
+def test_accept_on_a_closed_connection_says_so(jobs_db) -> None:
+    # It said "call it on a connection that is not inside one" (TransactionActive).
+    closed = psycopg.connect(jobs_db, autocommit=True)
+    closed.close()
+    with pytest.raises(DatabaseUnavailable, match="closed"):
+        accept(closed, **good_accept())
+
+    async def main() -> None:
+        aclosed = await psycopg.AsyncConnection.connect(jobs_db, autocommit=True)
+        await aclosed.close()
+        with pytest.raises(DatabaseUnavailable, match="closed"):
+            await aio.accept(aclosed, **good_accept())
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("config", "handlers", "words"), [
+    (WorkerConfig(dsn=DSN), {"kx": 1}, ("handler of kind 'kx' must be callable",)),
+    (WorkerConfig(dsn=DSN), None, ("handlers must be a mapping",)),
+    (WorkerConfig(dsn=DSN), [lambda job: None], ("handlers must be a mapping",)),
+    (WorkerConfig(dsn=DSN), {5: lambda job: None}, ("job kinds",)),
+    (DSN, {"k": lambda job: None}, ("config must be a WorkerConfig",)),
+])
+def test_a_worker_pool_refuses_what_it_could_not_run(config: Any, handlers: Any, words: tuple[str, ...]) -> None:
+    # {"kx": 1} failed every kx job's attempts with a TypeError; handlers=None crashed the
+    # executor and left the job running; a str config raised AttributeError.
+    refused(lambda: WorkerPool(config, handlers), *words)
+
+
+@pytest.mark.parametrize(("dsn", "words"), [
+    (None, ("WorkerConfig.dsn must be a PostgreSQL connection string (str), not NoneType",)),
+    (b"host=db", ("not bytes",)),
+    ("   ", ("WorkerConfig.dsn is empty",)),
+])
+def test_a_worker_config_names_a_dsn_that_is_not_one(dsn: Any, words: tuple[str, ...]) -> None:
+    # None raised "argument of type 'NoneType' is not iterable"; a blank one was accepted.
+    with pytest.raises(ConfigError) as info:
+        WorkerConfig(dsn=dsn)
+    for word in words:
+        assert word in str(info.value)
