@@ -51,6 +51,7 @@ from psycopg.pq import TransactionStatus
 
 from consumer_sdk.errors import DuplicateEvent, InvalidEvent, SchemaMissing, TransactionRequired
 from consumer_sdk.model import EVENT_ID_HEADER, valid_topic_name
+from consumer_sdk.replays import REPLAY_HEADER
 from outbox_core.queries import query
 from outbox_core.text import has_colliding_keys, refuse_unstorable, uuid_from_text
 
@@ -177,7 +178,8 @@ def _one_trace_value(name: str, argument: str | None, header: str | None) -> str
 def encode_headers(event: OutboxEvent) -> str:
     """The headers as a JSON object of strings, with the trace context when it is valid.
 
-    ``headers`` must be a mapping of non-empty str names to str (or None) values.  A
+    ``headers`` must be a mapping of non-empty str names to str (or None) values, without
+    the two the relay sets (``event_id``, ``replay_id``).  A
     ``traceparent``/``tracestate`` given in ``headers`` is treated like the argument of the
     same name (giving both with different values is refused).  Trace context never fails
     the business transaction: an invalid traceparent is dropped, with its tracestate, and
@@ -194,6 +196,9 @@ def encode_headers(event: OutboxEvent) -> str:
         _storable("a header name", name)
         if name == EVENT_ID_HEADER:
             raise InvalidEvent("the event_id header is reserved: pass event_id= instead")
+        if name == REPLAY_HEADER:  # a consumer applying that replay would apply the event again
+            raise InvalidEvent("the replay_id header is reserved: the relay sets it on the events "
+                               "it republishes (outbox-relay replay)")
         if value is not None and not isinstance(value, str):
             raise InvalidEvent(f"header {name!r} must be a string or None, not {type(value).__name__}")
         if value is not None and name not in (TRACEPARENT_HEADER, TRACESTATE_HEADER):

@@ -86,6 +86,14 @@ def test_invalid_events_are_refused_before_any_sql(event):
         prepare([event])
 
 
+@pytest.mark.parametrize("name", ["event_id", "replay_id"])
+def test_the_headers_the_relay_sets_are_reserved(name):
+    # replay_id was not: an event written with it was, at a consumer applying that replay
+    # (InboxConfig.apply_replays), deduplicated under the replay's inbox key and applied again.
+    with pytest.raises(InvalidEvent, match=f"the {name} header is reserved"):
+        prepare([OutboxEvent(topic="t", key=None, payload={}, headers={name: "1"})])
+
+
 def test_trace_context_goes_into_the_headers_when_valid():
     [headers] = prepare([OutboxEvent(topic="t", key=None, payload={}, headers={"h": "v", "n": None},
                                      traceparent=TRACEPARENT, tracestate="congo=t61")]).params["headers"]
