@@ -27,6 +27,7 @@ from relay.config import (
     build_settings,
     env_values,
     kafka_env_properties,
+    mask_text,
     parse_kafka_property,
 )
 from relay.errors import ConfigError, RelayError
@@ -46,7 +47,9 @@ class _Parser(argparse.ArgumentParser):
     commands: dict[str, argparse.ArgumentParser]
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        # argparse quotes what it could not place, a DSN given without --dsn among them
+        # ("unrecognized arguments: postgresql://relay:s3cret@db/app"): masked like a log line.
+        self.exit(2, f"{self.prog}: error: {mask_text(message)} (see {self.prog} --help)\n")
 
     def add_subparsers(self, **kwargs: Any) -> Any:
         action = super().add_subparsers(**kwargs)

@@ -78,8 +78,8 @@ def _env_value(flag: str, env: Mapping[str, str]) -> _FromEnvironment | None:
 class _Parser(argparse.ArgumentParser):
     """An error is one line, as the relay's (not argparse's usage block)."""
 
-    def error(self, message: str) -> NoReturn:
-        self.exit(ConfigError.exit_code, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+    def error(self, message: str) -> NoReturn:  # a DSN argparse quotes shows no password
+        self.exit(ConfigError.exit_code, f"{self.prog}: error: {mask_text(message)} (see {self.prog} --help)\n")
 
 
 def _number(kind: type[float] | type[int], what: str, bounds: tuple[float, float],
