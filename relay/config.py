@@ -201,6 +201,16 @@ def _port(text: str) -> int:
     return value
 
 
+def _bind_host(text: str) -> str:
+    """An address to listen on.  An empty one was taken as every interface, and the
+    console's check of the Host header (against DNS rebinding) then allowed any name."""
+    host = text.strip()
+    if not host or any(c.isspace() for c in host):
+        raise ValueError("must be a host name or IP address to listen on "
+                         "(0.0.0.0 or :: for every interface)")
+    return host
+
+
 def _log_format(text: str) -> str:
     if text not in ("auto", "json", "console"):
         raise ValueError("must be one of auto, json, console")
@@ -260,7 +270,7 @@ OPTIONS: tuple[Option, ...] = (
                 "message.max.bytes are dead-lettered by size, never fetched)"),
     Option(name="metrics_port", parse=_port, default=DEFAULT_METRICS_PORT,
            help="port of /metrics, /healthz and /readyz (0 disables)"),
-    Option(name="metrics_host", default=DEFAULT_METRICS_HOST,
+    Option(name="metrics_host", parse=_bind_host, default=DEFAULT_METRICS_HOST,
            help="address the metrics/health server binds to"),
     Option(name="log_format", parse=_log_format, default="auto",
            help="auto (JSON unless stdout is a terminal), json or console",
@@ -325,7 +335,7 @@ OPTIONS: tuple[Option, ...] = (
            default=DEFAULT_EXACTLY_ONCE_COMMIT_INTERVAL_S,
            help="the shortest time between the starts of a shard's transactions in exactly-once "
                 "mode (0: back to back); a shard with 1,000 rows waiting starts at once"),
-    Option(name="console_host", default=DEFAULT_CONSOLE_HOST, commands=("console",),
+    Option(name="console_host", parse=_bind_host, default=DEFAULT_CONSOLE_HOST, commands=("console",),
            help="address the console binds to (only this machine unless told otherwise)"),
     Option(name="console_port", parse=_port, default=DEFAULT_CONSOLE_PORT, commands=("console",),
            help="port of the console (0: any free port, printed at start)"),

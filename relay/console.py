@@ -126,7 +126,7 @@ def make_handler(console: Console) -> type[BaseHTTPRequestHandler]:
             console.log.debug("console_request", client=self.client_address[0], line=format % args)
 
         def _host_ok(self) -> bool:
-            return not console.hosts or (self.headers.get("Host") or "") in console.hosts
+            return (self.headers.get("Host") or "") in console.hosts  # none allowed: none served
 
         def _origin_ok(self) -> bool:
             origin = self.headers.get("Origin")

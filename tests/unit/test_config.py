@@ -187,6 +187,16 @@ def test_mask_dsn_hides_passwords(dsn) -> None:
     assert "s3cret" not in in_text and "***" in in_text
 
 
+@pytest.mark.parametrize(("option", "value"), [("console_host", ""), ("console_host", " "),
+                                               ("metrics_host", ""), ("console_host", "a b")])
+def test_an_empty_address_to_listen_on_is_refused(option: str, value: str) -> None:
+    # --console-host "" listened on every interface, and the console's Host check (against
+    # DNS rebinding) then allowed any name: a request for evil.example was served (200).
+    with pytest.raises(ConfigError, match=f"--{option.replace('_', '-')} .* must be a host name or IP address"):
+        build_settings({"dsn": DSN, "bootstrap_servers": "k", option: value})
+    assert getattr(build_settings({"dsn": DSN, "bootstrap_servers": "k", option: " 0.0.0.0 "}), option) == "0.0.0.0"
+
+
 def test_settings_repr_hides_the_dsn_password() -> None:
     s = build_settings({"dsn": DSN, "bootstrap_servers": "k"})
     assert "s3cret" not in repr(s)
