@@ -22,7 +22,10 @@ class InvalidDsn(ValueError):
     Each caller turns it into its own configuration error."""
 
 SECRET_MARKERS = ("password", "secret", "passphrase", "sasl.oauthbearer.config", "key.pem", "token",
-                  "jaas")  # sasl.jaas.config: a Java client's login line, with its password
+                  "jaas",  # sasl.jaas.config: a Java client's login line, with its password
+                  # Misspelt names ("sasl.passwd"): shown in a repr or a log line before librdkafka
+                  # refuses them as unknown, their values are hidden too.
+                  "passw", "passwd", "pwd")
 MASK = "***"
 
 _URI_SCHEME = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")

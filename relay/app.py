@@ -131,11 +131,14 @@ class Relay:
         s = self.settings
         self.metrics.build_info.info({"version": __version__})
         self.metrics.broker_up.set(1)  # until the client reports every broker down
+        # The client first: librdkafka refuses a property it does not know, and a misspelt
+        # secret's name ("sasl.passwd") is none that masking knows; so its value was logged
+        # here in clear before the refusal.  Every property logged is one librdkafka took.
+        self.publisher = Publisher(producer_config(s), on_client_error=self._client_error)
         self.log.info("relay_starting", version=__version__, dsn=mask_dsn(s.dsn),
                       bootstrap_servers=s.bootstrap_servers,
                       kafka=masked_properties(s.kafka_properties), batch_size=s.batch_size,
                       pipeline_depth=s.pipeline_depth, lease_duration_s=s.lease_duration_s)
-        self.publisher = Publisher(producer_config(s), on_client_error=self._client_error)
         if s.metrics_port:
             try:
                 self.http = HealthServer(host=s.metrics_host, port=s.metrics_port,
