@@ -414,6 +414,20 @@ def read_secret_file(env: Mapping[str, str], name: str) -> str | None:
         raise ConfigError(f"{name}_FILE: {path!r} is not a readable UTF-8 text file") from None
 
 
+def secret_from_file(env: Mapping[str, str], name: str) -> str:
+    """``NAME_FILE``'s content, when it is set: the same rules for every secret's file (the
+    DSN's, the console token's, a Kafka property's).  With ``NAME`` set too, one was meant to
+    replace the other, and which one is in use is a guess (an empty variable beside its file
+    hid the file: "no database given"; a Kafka property's pair took whichever the environment
+    listed last); an empty file is a mount gone wrong, not an empty password."""
+    if env.get(name):
+        raise ConfigError(f"set one of {name} or {name}_FILE, not both")
+    value = read_secret_file(env, name)
+    if not (value or "").strip():
+        raise ConfigError(f"{name}_FILE: {env[name + '_FILE']} is empty")
+    return value or ""
+
+
 def env_values(env: Mapping[str, str], command: str) -> dict[str, str]:
     """The raw option values found in the environment: the ONE env mapping."""
     found: dict[str, str] = {}
@@ -422,13 +436,7 @@ def env_values(env: Mapping[str, str], command: str) -> dict[str, str]:
             continue
         value = env.get(option.env)
         if option.secret and env.get(option.env + "_FILE"):
-            # Both set: one was meant to replace the other, and which one is in use is a guess
-            # (an empty variable beside its file hid the file: "no database given").
-            if value:
-                raise ConfigError(f"set one of {option.env} or {option.env}_FILE, not both")
-            value = read_secret_file(env, option.env)
-            if not (value or "").strip():
-                raise ConfigError(f"{option.env}_FILE: {env[option.env + '_FILE']} is empty")
+            value = secret_from_file(env, option.env)
         if value is not None and value != "":
             found[option.name] = value
     return found
@@ -445,10 +453,11 @@ def kafka_env_properties(env: Mapping[str, str]) -> dict[str, str]:
             raise ConfigError(f"{name} names no Kafka property ({KAFKA_ENV_PREFIX}<PROPERTY>, "
                               f"e.g. {KAFKA_ENV_PREFIX}SECURITY_PROTOCOL)")
         if prop.endswith("_file"):
-            content = read_secret_file(env, name[: -len("_FILE")])
-            if content is not None:
-                props[prop[: -len("_file")].replace("_", ".")] = content
+            if value:
+                props[prop[: -len("_file")].replace("_", ".")] = secret_from_file(env, name[: -len("_FILE")])
             continue
+        if env.get(name + "_FILE"):
+            continue  # the pair is its _FILE's to refuse (secret_from_file)
         props[prop.replace("_", ".")] = value
     return props
 

@@ -50,6 +50,25 @@ def test_a_secret_file_beside_its_variable_or_empty_is_refused_not_guessed(tmp_p
         build_settings({"dsn": "   ", "bootstrap_servers": "k:9092"})  # not the local socket
 
 
+@pytest.mark.parametrize("order", ["variable first", "file first"])
+def test_a_kafka_secret_file_follows_the_dsns_rules(tmp_path, order: str) -> None:
+    """A Kafka property's _FILE beside its variable was taken or not by the environment's
+    order, and an empty file was an empty password (found by an audit of the command line)."""
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    pair = [("OUTBOX_RELAY_KAFKA_SASL_PASSWORD", "other"), ("OUTBOX_RELAY_KAFKA_SASL_PASSWORD_FILE", str(pw))]
+    env = dict(pair if order == "variable first" else pair[::-1])
+    with pytest.raises(ConfigError, match="set one of OUTBOX_RELAY_KAFKA_SASL_PASSWORD or "
+                                         "OUTBOX_RELAY_KAFKA_SASL_PASSWORD_FILE, not both"):
+        kafka_env_properties(env)
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="OUTBOX_RELAY_KAFKA_SASL_PASSWORD_FILE: .*empty is empty"):
+        kafka_env_properties({"OUTBOX_RELAY_KAFKA_SASL_PASSWORD_FILE": str(empty)})
+    assert kafka_env_properties({"OUTBOX_RELAY_KAFKA_SASL_PASSWORD": "",
+                                 "OUTBOX_RELAY_KAFKA_SASL_PASSWORD_FILE": str(pw)}) == {"sasl.password": "s3cret"}
+
+
 def test_a_kafka_variable_without_a_property_is_named() -> None:
     for name in ("OUTBOX_RELAY_KAFKA_", "OUTBOX_RELAY_KAFKA__FILE"):
         with pytest.raises(ConfigError, match=f"{name} names no Kafka property"):
