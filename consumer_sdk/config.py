@@ -16,6 +16,7 @@ from typing import Any, Literal
 from consumer_sdk.errors import ConfigError
 from consumer_sdk.model import Action, RetryPolicy, valid_topic_name
 from consumer_sdk.secrets import safe_repr, validate_dsn
+from outbox_core.text import bootstrap_servers_problem
 
 DEFAULT_BATCH_SIZE = 1
 DEFAULT_PREFETCH_RECORDS = 500
@@ -260,6 +261,10 @@ class InboxConfig:
                               "use InboxConfig.bootstrap_servers")
         if not self.bootstrap_servers.strip() and not str(props.get("bootstrap.servers", "")).strip():
             raise ConfigError("no Kafka cluster given: set bootstrap_servers")
+        # librdkafka reports a malformed list only while connecting, as a cluster that is down.
+        problem = bootstrap_servers_problem(self.bootstrap_servers or props.get("bootstrap.servers"))
+        if problem is not None:
+            raise ConfigError(f"bootstrap_servers {problem}")
         strategy = str(props.get("partition.assignment.strategy", ""))
         if "cooperative" in strategy:
             raise ConfigError("cooperative rebalancing is not supported: use range or roundrobin")

@@ -13,7 +13,8 @@ surrogate), for the SDK's checks of events and jobs before they are sent.
 run's, a console address's), before it reaches PostgreSQL's uuid input;
 :func:`valid_topic_name` is Kafka's rule for a topic's name, for the SDK's events and
 options and the relay's.  :func:`has_colliding_keys` finds what jsonb would collapse, for
-the SDK's event payloads and job payloads alike.
+the SDK's event payloads and job payloads alike.  :func:`bootstrap_servers_problem` reads
+a Kafka cluster's address list before librdkafka would, for the relay and the SDK.
 """
 
 from __future__ import annotations
@@ -118,3 +119,34 @@ def has_colliding_keys(value: Any) -> bool:
         elif isinstance(node, list | tuple):
             stack.extend(node)
     return False
+
+
+#: One entry of bootstrap.servers: an optional listener's protocol, a host (an IPv6
+#: address in brackets) and an optional port.
+_BROKER = re.compile(r"(?:[A-Za-z_]+://)?(?P<host>\[[0-9A-Fa-f:.%\w]+\]|[^\s:/\[\]]+)(?::(?P<port>[^:]*))?")
+
+
+def bootstrap_servers_problem(value: object) -> str | None:
+    """What is wrong with a bootstrap.servers list (``host:port,host:port``), or None.
+
+    librdkafka takes anything and reports it only while connecting, the same way as a
+    cluster that is down ("No brokers configured" for a blank entry, a connection to
+    port 0 for ``host:abc``, to a port taken modulo 65536 for ``host:99999``), so a relay
+    retried for ever and an SDK consumer reported it as the cluster being unavailable."""
+    if not isinstance(value, str):
+        return f"must be a string of host:port pairs, not {type(value).__name__}"
+    entries = [e.strip() for e in value.split(",")]
+    if not any(entries):
+        return "names no broker (host:port, comma-separated)"
+    for entry in entries:
+        if not entry:
+            continue  # "a,,b": librdkafka skips it
+        match = _BROKER.fullmatch(entry)
+        if match is None:
+            if entry.count(":") > 1 and "[" not in entry and not any(c.isspace() for c in entry):
+                continue  # a bare IPv6 address: librdkafka's to read
+            return f"{entry!r} is not host:port"
+        port = match.group("port")
+        if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+            return f"{entry!r}: {port!r} is not a TCP port (1-65535)"
+    return None

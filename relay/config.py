@@ -27,7 +27,7 @@ from outbox_core.secrets import mask_dsn as mask_dsn
 from outbox_core.secrets import mask_text as mask_text
 from outbox_core.secrets import masked_properties as masked_properties
 from outbox_core.secrets import validate_dsn as _validate_dsn
-from outbox_core.text import valid_topic_name
+from outbox_core.text import bootstrap_servers_problem, valid_topic_name
 from relay.errors import ConfigError
 
 ENV_PREFIX = "OUTBOX_RELAY_"
@@ -526,6 +526,10 @@ def build_settings(
             raise ConfigError(
                 f"no Kafka cluster given: set --bootstrap-servers or {ENV_PREFIX}BOOTSTRAP_SERVERS"
             )
+    if parsed.get("bootstrap_servers"):
+        problem = bootstrap_servers_problem(parsed["bootstrap_servers"])
+        if problem is not None:  # librdkafka would retry it for ever, as a cluster that is down
+            raise ConfigError(f"--bootstrap-servers / {ENV_PREFIX}BOOTSTRAP_SERVERS {problem}")
     lease = parsed.get("lease_duration_s", DEFAULT_LEASE_DURATION_S)
     heartbeat = parsed.get("heartbeat_interval_s") or lease / 3
     if heartbeat >= lease:

@@ -216,6 +216,16 @@ def test_an_empty_address_to_listen_on_is_refused(option: str, value: str) -> No
     assert getattr(build_settings({"dsn": DSN, "bootstrap_servers": "k", option: " 0.0.0.0 "}), option) == "0.0.0.0"
 
 
+@pytest.mark.parametrize("servers", [" ", "127.0.0.1:abc", "127.0.0.1:99999"])
+def test_a_bootstrap_list_librdkafka_would_retry_for_ever_is_refused(servers: str) -> None:
+    # `run` logged broker_unavailable for ever: "No brokers configured", a connection to
+    # port 0, to a port the user never gave (found by an audit of the command line).
+    with pytest.raises(ConfigError, match="^--bootstrap-servers / OUTBOX_RELAY_BOOTSTRAP_SERVERS "):
+        build_settings({"dsn": DSN, "bootstrap_servers": servers})
+    with pytest.raises(ConfigError, match="^--bootstrap-servers"):
+        build_settings({"dsn": DSN}, kafka_properties={"bootstrap.servers": servers})
+
+
 def test_settings_repr_hides_the_dsn_password() -> None:
     s = build_settings({"dsn": DSN, "bootstrap_servers": "k"})
     assert "s3cret" not in repr(s)

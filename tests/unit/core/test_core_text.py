@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from outbox_core.text import first_undecodable
+import pytest
+
+from outbox_core.text import bootstrap_servers_problem, first_undecodable
 
 
 def test_names_the_variable_the_flag_or_the_position_never_the_value() -> None:
@@ -15,3 +17,23 @@ def test_names_the_variable_the_flag_or_the_position_never_the_value() -> None:
     assert first_undecodable(["run", "--dsn", "pw\udcff"], {}, "P_") == "the value after --dsn"
     assert first_undecodable(["replay", "ab\udcff"], {}, "P_") == "command-line argument 2"
     assert first_undecodable(["--dsn=a", "b\udcff"], {}, "P_") == "command-line argument 2"
+
+
+@pytest.mark.parametrize("servers", [
+    "127.0.0.1:9092", "k", "a:1,b:2", "PLAINTEXT://h:9092", "[::1]:9092", "::1", "a,,b",
+    "SASL_SSL://broker-1.example.com:9093, broker-2:9093", "kafka-0.kafka.ns.svc.cluster.local:9092",
+])
+def test_a_bootstrap_list_librdkafka_can_use_passes(servers: str) -> None:
+    assert bootstrap_servers_problem(servers) is None
+
+
+@pytest.mark.parametrize(("servers", "problem"), [
+    (" ", "names no broker"), (" , ", "names no broker"),
+    ("127.0.0.1:abc", "'abc' is not a TCP port"),  # librdkafka connected to port 0
+    ("127.0.0.1:99999", "'99999' is not a TCP port"),  # ... to 99999 modulo 65536
+    ("h:0", "'0' is not a TCP port"), ("h:", "'' is not a TCP port"),
+    ("host name:9092", "'host name:9092' is not host:port"), (None, "not NoneType"),
+])
+def test_a_bootstrap_list_librdkafka_would_retry_for_ever_is_named(servers: object, problem: str) -> None:
+    found = bootstrap_servers_problem(servers)
+    assert found is not None and problem in found, found

@@ -272,3 +272,14 @@ def test_the_exported_cleanup_inbox_is_the_checked_one() -> None:
     from consumer_sdk import retention
 
     assert consumer_sdk.cleanup_inbox is retention.cleanup_inbox
+
+
+# -- a bootstrap list librdkafka would report only as a cluster that is down ---------------------
+
+
+@pytest.mark.parametrize("servers", ["127.0.0.1:99999", "not a host,,", "127.0.0.1:abc"])
+def test_a_malformed_bootstrap_list_is_refused_at_construction(servers: str) -> None:
+    # start() reported it as a retriable KafkaUnavailable ("Broker transport failure") after
+    # 10 s, as it reports a cluster that is down (found by an audit of the SDK's inputs).
+    refused("^bootstrap_servers ", bootstrap_servers=servers)
+    refused("^bootstrap_servers ", bootstrap_servers="", kafka_properties={"bootstrap.servers": servers})
