@@ -210,6 +210,10 @@ def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
     _check_dead_letter_args(args)
     conn = store.connect(settings.dsn, application_name="outbox-relay-dead-letters")
     try:
+        # As status and cleanup do: a --table that is not there said "the outbox schema is
+        # missing: run migrate" on requeue (which would not help) and listed on regardless.
+        (schema,) = _rows(conn, "relay", "schema_check", {"table": settings.table})
+        store.require_schema(schema, settings.table)
         action = args.action
         if action == "list":
             items = list_dead_letters(conn, limit=args.limit)

@@ -236,7 +236,8 @@ def test_missing_schema(db_dsn, broker):
 def test_a_table_that_is_not_there_is_named_not_blamed_on_the_schema(outbox_db, broker):
     """A mistyped --table said "the outbox schema is missing: run outbox-relay migrate",
     which cannot help: the schema is there.  Now the line names the table and the option."""
-    for command in (("run",), ("status",)):
+    # dead-letters too (an audit of the command line): requeue blamed the schema, list exited 0.
+    for command in (("run",), ("status",), ("dead-letters", "requeue", "--all"), ("dead-letters", "list")):
         result = run_cli(*command, "--table", "nosuch", env=relay_env(outbox_db, broker.bootstrap))
         assert result.returncode == 3, result.stderr[-2000:]
         line = one_clear_line(result)
