@@ -23,11 +23,14 @@ def dispatch(command: str, args: argparse.Namespace, settings: Settings) -> int:
 
     log = logs.get()
     if command == "migrate":
+        # Checked before anything is applied: a bad --debezium-table or --topic-template was
+        # refused only after the migrations had changed the database (an audit's finding).
+        adoption = _adoption(args) if args.debezium_table else None
         applied = migrate.apply(settings.dsn, shards=settings.shards, partitioned=args.partitioned,
                                 log=log, lock_timeout_s=settings.lock_timeout_s)
         print(f"migrations applied: {', '.join(applied) if applied else 'none (schema up to date)'}")
-        if args.debezium_table:
-            return _adopt(settings, args)
+        if adoption is not None:
+            return _adopt(settings, args, *adoption)
         return 0
     if command == "status":
         return status(settings, as_json=args.json)
@@ -48,8 +51,9 @@ def dispatch(command: str, args: argparse.Namespace, settings: Settings) -> int:
     raise ConfigError(f"unknown command {command!r}")
 
 
-def _adopt(settings: Settings, args: argparse.Namespace) -> int:
-    from relay.adopt import DEFAULT_TOPIC_TEMPLATE, adopt
+def _adoption(args: argparse.Namespace) -> tuple[str, str, str]:
+    """migrate --debezium-table's options checked (no I/O): (source, view, topic template)."""
+    from relay.adopt import DEFAULT_TOPIC_TEMPLATE, topic_expression
     from relay.config import _table_name
 
     try:
@@ -57,12 +61,18 @@ def _adopt(settings: Settings, args: argparse.Namespace) -> int:
         view = _table_name(args.view or f"{source}_relay")
     except ValueError as exc:
         raise ConfigError(f"--debezium-table/--view: {exc}") from None
+    template = DEFAULT_TOPIC_TEMPLATE if args.topic_template is None else args.topic_template
+    topic_expression(template)  # ConfigError when it is not one
+    return source, view, template
+
+
+def _adopt(settings: Settings, args: argparse.Namespace, source: str, view: str, template: str) -> int:
+    from relay.adopt import adopt
+
     conn = store.connect(settings.dsn, application_name="outbox-relay-migrate", autocommit=True)
     try:
         with store.translated():
-            report = adopt(conn, source=source, view=view,
-                           topic_template=(DEFAULT_TOPIC_TEMPLATE if args.topic_template is None
-                                           else args.topic_template),
+            report = adopt(conn, source=source, view=view, topic_template=template,
                            ce_source=args.cloudevents_source, existing=args.existing or "published")
     except psycopg.errors.ProgrammingError as exc:  # SQLSTATE class 42
         # A table without Debezium's columns (aggregatetype ...), a --view naming a table or

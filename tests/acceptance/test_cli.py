@@ -217,6 +217,20 @@ def test_adoption_options_without_an_adoption_are_refused(args):
     assert "--debezium-table" in one_clear_line(result)
 
 
+@pytest.mark.parametrize(("args", "named"), [
+    (("--debezium-table", "bad name"), "--debezium-table/--view"),
+    (("--debezium-table", "events", "--topic-template", "{nosuch}"), "--topic-template"),
+    (("--debezium-table", "events", "--topic-template", "bad topic {type}"), "--topic-template"),
+])
+def test_adoption_options_are_checked_before_anything_is_migrated(args, named):
+    """Each was refused only after the migrations had been applied to the database (an audit
+    of the command line): here no server listens, so anything that connected first fails
+    differently."""
+    result = run_cli("migrate", *args, "--dsn", f"postgresql://nobody@127.0.0.1:{free_port()}/none", timeout=20)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert named in one_clear_line(result) and "migrations applied" not in result.stdout
+
+
 @pytest.mark.parametrize("source", ["", " ", "orders service", "a\tb"])
 def test_an_empty_or_spaced_cloudevents_source_is_refused_before_connecting(source):
     """`--cloudevents-source ''` was taken: every adopted row then carried an empty ce_source
