@@ -69,6 +69,13 @@ from relay.wakeup import Wakeup
 SHARDS_LOOK_S = 0.1
 
 
+
+def application_name(owner: str, role: str) -> str:
+    """``outbox-relay:<owner><role>``, the owner cut so that the whole fits PostgreSQL's 63
+    characters with the role kept (``:mark``, ``:probe``): the server cut the end, and a long
+    ``--owner`` showed every connection of the replica under the same name."""
+    return f"outbox-relay:{owner}"[: 63 - len(role)] + role
+
 class Relay:
     """One relay replica.  ``start()`` validates and connects; ``run()`` loops until ``stop()``."""
 
@@ -152,7 +159,7 @@ class Relay:
         # Before any session state is set: a transaction pooler would spread it (see
         # check_not_transaction_pooled); refused with one line and exit code 5.
         self._retry_db(lambda: check_not_transaction_pooled(
-            s.dsn, application_name=f"outbox-relay:{s.owner}:probe"))
+            s.dsn, application_name=application_name(s.owner, ":probe")))
         if self.stopping:
             return
         nshards = self._retry_db(self.store.check_schema)
@@ -201,7 +208,7 @@ class Relay:
                          claim_interval_s=s.claim_interval_s,
                          claim_interval_max_s=max(s.claim_interval_s, s.claim_interval_max_s))
         self.replayer = Replayer(
-            ReplayStore(s.dsn, application_name=f"outbox-relay:{s.owner}:replay"[:63],
+            ReplayStore(s.dsn, application_name=application_name(s.owner, ":replay"),
                         on_statement=self.metrics.db_statements.inc, table=s.table),
             self.publisher, owner=s.owner, nshards=nshards, metrics=self.metrics, log=self.log,
             clock=self.clock, lose=self.leases.lose, budget_bytes=s.batch_max_bytes)
@@ -268,7 +275,7 @@ class Relay:
     def _store(self, role: str) -> Store:
         """A store (connection) of this replica, named ``outbox-relay:<owner><role>``."""
         s = self.settings
-        return Store(s.dsn, application_name=f"outbox-relay:{s.owner}{role}",
+        return Store(s.dsn, application_name=application_name(s.owner, role),
                      on_statement=self.metrics.db_statements.inc, table=s.table,
                      keep_published=s.keep_published)
 

@@ -201,6 +201,9 @@ def _port(text: str) -> int:
     return value
 
 
+MAX_OWNER_CHARS = 200
+
+
 def _bind_host(text: str) -> str:
     """An address to listen on.  An empty one was taken as every interface, and the
     console's check of the Host header (against DNS rebinding) then allowed any name."""
@@ -209,6 +212,16 @@ def _bind_host(text: str) -> str:
         raise ValueError("must be a host name or IP address to listen on "
                          "(0.0.0.0 or :: for every interface)")
     return host
+
+
+def _owner(text: str) -> str:
+    """A replica's name: in leases, status, logs and the console.  A name of 9,950
+    characters overflowed the connection's start-up packet (through application_name), and
+    the relay took the refusal for a database outage, retried for ever."""
+    owner = text.strip()
+    if not 0 < len(owner) <= MAX_OWNER_CHARS or not owner.isprintable():
+        raise ValueError(f"must be 1-{MAX_OWNER_CHARS} printable characters")
+    return owner
 
 
 def _log_format(text: str) -> str:
@@ -279,7 +292,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(name="log_level", parse=_log_level, default="info", help="debug, info, warning or error",
            commands=("run", "migrate", "status", "cleanup", "dead-letters", "demo", "replay",
                      "console")),
-    Option(name="owner", default=None,
+    Option(name="owner", parse=_owner, default=None,
            help="this replica's name in leases and status (default: host name and pid)"),
     Option(name="table", parse=_table_name, default="outbox",
            help="the outbox table, or the view `migrate --debezium-table` made over another table",
