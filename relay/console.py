@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,7 +68,7 @@ class Console:
         self.hosts: set[str] = set()
 
     def allow_hosts(self, host: str, port: int) -> None:
-        names = {host} if host not in ("0.0.0.0", "::", "") else set()  # noqa: S104 - compared, not bound
+        names = {_url_host(host)} if host not in ("0.0.0.0", "::", "") else set()  # noqa: S104 - compared, not bound
         if host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", "::"):  # noqa: S104
             names |= {"127.0.0.1", "localhost", "[::1]"}
         self.hosts = {f"{name}:{port}" for name in names}
@@ -183,6 +184,23 @@ def make_handler(console: Console) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def _url_host(host: str) -> str:
+    """The host as a URL and a Host header write it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
+def _server_class(host: str) -> type[HTTPServer]:
+    """HTTPServer binds IPv4 only: --console-host ::1 failed ("Address family for hostname not
+    supported") where --metrics-host ::1 works (relay/http.py chooses the family the same way)."""
+    if ":" not in host:
+        return HTTPServer
+
+    class HTTPServerV6(HTTPServer):
+        address_family = socket.AF_INET6
+
+    return HTTPServerV6
+
+
 def serve(settings: Settings, *, log: Any, ready: Callable[[str], None] = print) -> HTTPServer:
     """Bind the console; ``ready`` receives its URL.  The caller runs ``serve_forever``."""
     console = Console(settings, log=log)
@@ -191,13 +209,14 @@ def serve(settings: Settings, *, log: Any, ready: Callable[[str], None] = print)
     except DatabaseUnavailable as exc:  # may come back: the pages say so meanwhile
         log.warning("console_database_unavailable", error=str(exc))
     try:
-        server = HTTPServer((settings.console_host, settings.console_port), make_handler(console))
+        server = _server_class(settings.console_host)((settings.console_host, settings.console_port),
+                                                      make_handler(console))
     except OSError as exc:
         raise ConfigError(f"--console-host/--console-port: cannot listen on {settings.console_host}:"
                           f"{settings.console_port}: {exc.strerror or exc}") from None
     port = int(server.server_address[1])
     console.allow_hosts(settings.console_host, port)
-    url = f"http://{settings.console_host}:{port}/"
+    url = f"http://{_url_host(settings.console_host)}:{port}/"
     log.info("console_listening", url=url, actions=console.actions)
     ready(f"console listening on {url} ({'actions enabled' if console.actions else 'read-only'})")
     return server

@@ -299,3 +299,21 @@ def test_a_dead_letter_of_many_megabytes_is_listed_and_shown_cut(outbox_db, spaw
                            timeout=60)
     whole = json.loads(shown.stdout)
     assert len(whole["key"]) == big and whole["payload_size"] == big + 11
+
+
+def test_the_console_listens_on_an_ipv6_address(outbox_db, spawn):
+    """`--console-host ::1` failed with "Address family for hostname not supported" (the
+    console's server bound IPv4 only), where `--metrics-host ::1` works; and an IPv6 address's
+    own Host header ([::1]:port) is the one its check must allow (an audit's finding)."""
+    env = relay_env(outbox_db, "", console_port=0, console_host="::1")
+    proc = spawn(relay_cmd("console"), env=env, name="console-v6")
+    line = proc.wait_for_log(re.compile(r"console listening on http://\[::1\]:\d+/"), timeout_s=30)
+    url = line.split("on ", 1)[1].split()[0]
+    with urllib.request.urlopen(url, timeout=10) as page:  # noqa: S310 - ::1 only
+        assert page.status == 200
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(url, headers={"Host": "rebound.example:80"}),  # noqa: S310
+                               timeout=10)
+    assert refused.value.code == 421
+    proc.sigterm()
+    assert proc.wait(10) == 0
