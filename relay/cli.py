@@ -29,6 +29,7 @@ from relay.config import (
     kafka_env_properties,
     mask_text,
     parse_kafka_property,
+    unknown_env_variables,
 )
 from relay.errors import ConfigError, RelayError
 
@@ -193,6 +194,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         # Named by the command's own parser: "see outbox-relay status --help", where the
         # top-level help lists the commands and none of their options.
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command not in EMBEDDED_COMMANDS:
+        for name, close in unknown_env_variables(env):  # the name only: its value may be a secret
+            hint = f" (did you mean {close}?)" if close else ""
+            print(f"{PROG}: warning: {name} is no option of {PROG}{hint}: it is ignored", file=sys.stderr)
     try:
         if args.command in EMBEDDED_COMMANDS:
             return _embedded(args.command, rest, env)

@@ -10,6 +10,7 @@ file named by ``<VARIABLE>_FILE``, as Kubernetes mounts secrets.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import socket
@@ -439,6 +440,29 @@ def secret_from_file(env: Mapping[str, str], name: str) -> str:
     if not (value or "").strip():
         raise ConfigError(f"{name}_FILE: {env[name + '_FILE']} is empty")
     return value or ""
+
+
+#: What Kubernetes sets for a Service of the same name (enableServiceLinks): OUTBOX_RELAY_PORT,
+#: OUTBOX_RELAY_SERVICE_HOST, OUTBOX_RELAY_PORT_9464_TCP_ADDR ... are no typing mistakes.
+_SERVICE_LINK = re.compile(r"(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)(_\w+)?)?)")
+
+
+def unknown_env_variables(env: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``OUTBOX_RELAY_*`` variables that are no option of any command, each with the known one
+    it most resembles (or None): a misspelt ``OUTBOX_RELAY_EXACTLY_ONC=true`` was ignored in
+    silence, where a misspelt flag is refused.  Only warned about (relay/cli.py): another
+    tool's variable may share the prefix."""
+    known = {option.env for option in OPTIONS}
+    known |= {option.env + "_FILE" for option in OPTIONS if option.secret}
+    found = []
+    for name in sorted(env):
+        if (not name.startswith(ENV_PREFIX) or name.startswith(KAFKA_ENV_PREFIX) or name in known
+                or _SERVICE_LINK.fullmatch(name[len(ENV_PREFIX):])):
+            continue
+        suffixes = sorted(k[len(ENV_PREFIX):] for k in known)
+        close = difflib.get_close_matches(name[len(ENV_PREFIX):], suffixes, n=1, cutoff=0.75)
+        found.append((name, ENV_PREFIX + close[0] if close else None))
+    return found
 
 
 def env_values(env: Mapping[str, str], command: str) -> dict[str, str]:

@@ -14,6 +14,7 @@ from relay.config import (
     mask_text,
     parse_kafka_property,
     producer_config,
+    unknown_env_variables,
 )
 from relay.errors import ConfigError
 
@@ -341,3 +342,23 @@ def test_exactly_once_options_without_the_mode_are_named() -> None:
     set_alone = build_settings({**base, "exactly_once_pipeline_depth": "8", "exactly_once_position_topic": "p"})
     assert ignored_options(set_alone) == ["--exactly-once-position-topic", "--exactly-once-pipeline-depth"]
     assert ignored_options(build_settings({**base, "exactly_once": "true", "exactly_once_pipeline_depth": "8"})) == []
+
+
+def test_a_misspelt_variable_is_named_with_the_option_it_resembles(capsys: pytest.CaptureFixture[str]) -> None:
+    """OUTBOX_RELAY_EXACTLY_ONC=true was ignored in silence, where a misspelt flag is refused
+    (an audit of the command line).  Kubernetes' service links for a Service named
+    outbox-relay share the prefix and are no mistake."""
+    env = {"OUTBOX_RELAY_EXACTLY_ONC": "true", "OUTBOX_RELAY_BATCHSIZE": "abc", "OUTBOX_RELAY_FOO": "1",
+           "OUTBOX_RELAY_DSN_FILE": "/x", "OUTBOX_RELAY_KAFKA_ACKS": "all", "OUTBOX_RELAY_PORT": "tcp://10.0.0.1:9464",
+           "OUTBOX_RELAY_SERVICE_HOST": "10.0.0.1", "OUTBOX_RELAY_PORT_9464_TCP_ADDR": "10.0.0.1",
+           "OUTBOX_RELAY_SERVICE_PORT_METRICS": "9464"}
+    assert unknown_env_variables(env) == [("OUTBOX_RELAY_BATCHSIZE", "OUTBOX_RELAY_BATCH_SIZE"),
+                                          ("OUTBOX_RELAY_EXACTLY_ONC", "OUTBOX_RELAY_EXACTLY_ONCE"),
+                                          ("OUTBOX_RELAY_FOO", None)]
+    from relay import cli
+
+    cli.main(["status", "--dsn", "postgresql://nobody@127.0.0.1:1/none?connect_timeout=2"],
+             env={"OUTBOX_RELAY_KEEP_PUBLISH": "s3cret-looking"})
+    err = capsys.readouterr().err
+    assert ("warning: OUTBOX_RELAY_KEEP_PUBLISH is no option of outbox-relay (did you mean "
+            "OUTBOX_RELAY_KEEP_PUBLISHED?): it is ignored") in err and "s3cret-looking" not in err
