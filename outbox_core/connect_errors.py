@@ -66,7 +66,9 @@ _NO_PASSWORD = re.compile(r"fe_sendauth: no password supplied", re.IGNORECASE)
 # string: retried, a typo such as target_session_attrs=bogus kept a relay waiting for ever.
 _BAD_OPTION = re.compile(
     r"invalid [\w ]+ value|invalid integer value .* for connection option|"
-    r"could not parse network address|could not match \d+ (port numbers|host names|hostaddr values)",
+    r"could not parse network address|could not match \d+ (port numbers|host names|hostaddr values)|"
+    # service=name that no pg_service.conf defines: "database unreachable", retried for ever.
+    r"definition of service \".*\" not found|service file \".*\" not found",
     re.IGNORECASE)
 _LIBPQ_WRAPPING = re.compile(r'^(connection is bad:\s*)?(connection to server (at|on) .*? failed:\s*)?')
 # libpq's and OpenSSL's words for a TLS set-up that fails the same way every time (no FATAL):

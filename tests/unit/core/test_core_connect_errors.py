@@ -39,6 +39,9 @@ SAID = [
     ('invalid integer value "abc" for connection option "keepalives"', ConnectFailure.INVALID_DSN),
     ('could not parse network address "notanip": Name or service not known', ConnectFailure.INVALID_DSN),
     ("could not match 3 port numbers to 2 hosts", ConnectFailure.INVALID_DSN),
+    # A service no pg_service.conf defines was an outage (an audit of the relay's command line).
+    ('connection is bad: definition of service "nosuch" not found', ConnectFailure.INVALID_DSN),
+    ('service file "/etc/pg_service.conf" not found', ConnectFailure.INVALID_DSN),
     ("SSL SYSCALL error: EOF detected", ConnectFailure.UNREACHABLE),
     ("SSL connection has been closed unexpectedly", ConnectFailure.UNREACHABLE),
 ]
