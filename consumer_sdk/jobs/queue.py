@@ -28,6 +28,7 @@ from psycopg.pq import TransactionStatus
 
 from consumer_sdk import _wire
 from consumer_sdk.errors import SchemaMissing
+from consumer_sdk.jobs import _check
 from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.events import EventType, JobFacts, write_job_event
@@ -303,8 +304,8 @@ def put_result_statement(lease: Lease, key: str, value: Any, *,
 
 def results(conn: ConnectionT, job_id: JobId) -> dict[str, Any]:
     """A job's results by key."""
-    with translated():
-        rows = conn.execute(q("results"), {"id": job_id}).fetchall()
+    with translated():  # a job id that is no bigint was a FatalError from PostgreSQL's input
+        rows = conn.execute(q("results"), {"id": _check.integer("job_id", job_id, 1, 2**63 - 1)}).fetchall()
     return {r[0]: from_json(r[1]) for r in rows}
 
 

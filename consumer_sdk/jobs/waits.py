@@ -81,8 +81,9 @@ def _activate_plan(key: str, encoded: str, now: datetime | None, events_topic: s
 
 def resume_job(conn: ConnectionT, job_id: JobId, *, now: datetime | None = None) -> bool:
     """Resume one waiting job by id (an API call); False when it was not waiting."""
+    params = {"id": _check.integer("job_id", job_id, 1, 2**63 - 1), "now": now}
     with translated():
-        return conn.execute(q("resume_job"), {"id": job_id, "now": now}).fetchone() is not None
+        return conn.execute(q("resume_job"), params).fetchone() is not None
 
 
 def resume_ready(conn: ConnectionT, *, limit: int = 500, now: datetime | None = None,

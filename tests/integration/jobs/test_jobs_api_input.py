@@ -33,6 +33,8 @@ from consumer_sdk.jobs import (
     aio,
     cancel_run,
     enqueue,
+    results,
+    resume_job,
     run_status,
 )
 from consumer_sdk.jobs.fairness import Limits
@@ -527,3 +529,14 @@ def test_a_worker_config_names_a_dsn_that_is_not_one(dsn: Any, words: tuple[str,
         WorkerConfig(dsn=dsn)
     for word in words:
         assert word in str(info.value)
+
+
+@pytest.mark.parametrize("job_id", ["x", "1", 0, True, 2**63, 1.5, None])
+def test_a_job_id_that_is_no_job_id_is_refused_before_the_database(conn, job_id: Any) -> None:
+    # It reached PostgreSQL's bigint input: FatalError('jobs statement failed: invalid input
+    # syntax for type bigint'), or "operator does not exist" for a UUID.
+    with pytest.raises(InvalidJob, match="^job_id must be"):
+        results(conn, job_id)
+    with pytest.raises(InvalidJob, match="^job_id must be"):
+        resume_job(conn, job_id)
+    assert results(conn, 1) == {} and resume_job(conn, 1) is False  # no such job: nothing, no error
