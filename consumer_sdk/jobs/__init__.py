@@ -61,10 +61,10 @@ from consumer_sdk.jobs.model import (
     Token,
     WaitFor,
 )
-from consumer_sdk.jobs.queue import enqueue, results
+from consumer_sdk.jobs.queue import enqueue
 from consumer_sdk.jobs.reconciler import Reconciler, ReconcileResult
 from consumer_sdk.jobs.retry import Backoff
-from consumer_sdk.jobs.runs import accept, body_sha256, cancel_run, owner_view, run_status
+from consumer_sdk.jobs.runs import accept, body_sha256, cancel_run, owner_view, results, run_status
 from consumer_sdk.jobs.waits import activate, resume_job
 from consumer_sdk.jobs.wake import Listener, activation_handler, wake_handler
 from consumer_sdk.jobs.worker import WorkerPool

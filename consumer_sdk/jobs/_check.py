@@ -14,6 +14,7 @@ import re
 import uuid
 from typing import Any
 
+import psycopg
 import structlog
 
 from consumer_sdk.config import check_int, check_seconds, shown
@@ -100,6 +101,19 @@ def trace(traceparent: Any, tracestate: Any) -> tuple[str | None, str | None]:
         _log.warning("trace_context_invalid", traceparent=traceparent[:100])
         return None, None
     return traceparent, kept_tracestate(tracestate)
+
+
+def connection(conn: Any, *, asyncio: bool) -> None:
+    """A psycopg connection of the API's kind: an asyncio one given to a sync function raised
+    TypeError/AttributeError (and warned of a coroutine never awaited), a sync one given to
+    consumer_sdk.jobs.aio ran its statement and then failed to await the cursor."""
+    wanted = psycopg.AsyncConnection if asyncio else psycopg.Connection
+    if isinstance(conn, wanted):
+        return
+    twin = ("" if not isinstance(conn, psycopg.AsyncConnection | psycopg.Connection)
+            else ": use consumer_sdk.jobs.aio for an asyncio connection" if not asyncio
+            else ": use consumer_sdk.jobs for a sync connection")
+    raise InvalidJob(f"conn must be a psycopg.{wanted.__name__}, not {type(conn).__name__}{twin}")
 
 
 def run_id(value: Any) -> str:

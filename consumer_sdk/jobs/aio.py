@@ -19,6 +19,7 @@ from typing import Any
 
 import psycopg
 
+from consumer_sdk.jobs import _check
 from consumer_sdk.jobs._db import translated
 from consumer_sdk.jobs._plan import run_async
 from consumer_sdk.jobs.metrics import JobsMetrics
@@ -67,7 +68,7 @@ async def accept(
     check_options(admission=admission, events_topic=events_topic, metrics=metrics, on_accept=on_accept)
     request = make_request(owner_id=owner_id, request_key=request_key, kind=kind, body=body, queue=queue,
                            max_attempts=max_attempts, traceparent=traceparent, tracestate=tracestate)
-    check_idle(conn)
+    check_idle(conn, asyncio=True)
     with translated():
         async with conn.transaction():
             accepted = await run_async(conn, accept_plan(request, admission, metrics, now, events_topic))
@@ -80,6 +81,7 @@ async def run_status(conn: AsyncConnectionT, run_id: RunId | str, *, owner_id: s
                      now: datetime | None = None) -> RunState | None:
     """:func:`consumer_sdk.jobs.run_status` on an asyncio connection."""
     plan = status_plan(run_id, owner_id, now)  # checks the arguments first
+    _check.connection(conn, asyncio=True)
     with translated():
         return await run_async(conn, plan)
 
@@ -89,6 +91,7 @@ async def activate(conn: AsyncConnectionT, key: str, payload: Any = None, *, now
     """:func:`consumer_sdk.jobs.activate` on an asyncio connection (a savepoint inside the
     caller's transaction, else a transaction of its own)."""
     plan = activate_plan(key, payload, now, events_topic)  # checks the arguments first
+    _check.connection(conn, asyncio=True)
     with translated():
         async with conn.transaction():
             return await run_async(conn, plan)

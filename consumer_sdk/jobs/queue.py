@@ -79,6 +79,7 @@ def enqueue(conn: ConnectionT, jobs: Iterable[NewJob], *, now: datetime | None =
     if not all(isinstance(j, NewJob) for j in listed):
         raise InvalidJob(f"jobs must be an iterable of NewJob, got {jobs!r:.80}")
     jobs = listed
+    _check.connection(conn, asyncio=False)
     if not jobs:
         return []
     params: dict[str, Any] = {
@@ -300,13 +301,6 @@ def put_result_statement(lease: Lease, key: str, value: Any, *,
     """:func:`put_result`'s statement and parameters (for :func:`fenced_execute`)."""
     return q("put_result"), {"id": lease.job_id, "key": key, "token": lease.token,
                              "value": to_json(value, what="result"), "now": now}
-
-
-def results(conn: ConnectionT, job_id: JobId) -> dict[str, Any]:
-    """A job's results by key."""
-    with translated():  # a job id that is no bigint was a FatalError from PostgreSQL's input
-        rows = conn.execute(q("results"), {"id": _check.integer("job_id", job_id, 1, 2**63 - 1)}).fetchall()
-    return {r[0]: from_json(r[1]) for r in rows}
 
 
 def complete(conn: ConnectionT, lease: Lease, *, result: Any = None, now: datetime | None = None,

@@ -129,10 +129,11 @@ def make_request(*, owner_id: str, request_key: str, kind: str, body: Any, queue
                     traceparent=traceparent, tracestate=tracestate, max_attempts=max_attempts)
 
 
-def check_idle(conn: Any) -> None:
+def check_idle(conn: Any, *, asyncio: bool = False) -> None:
     """accept's connection (sync or asyncio): :class:`TransactionActive` inside a transaction;
     :class:`DatabaseUnavailable` when closed or broken, whose status is not idle either and
     read as a transaction left open."""
+    _check.connection(conn, asyncio=asyncio)
     status = conn.info.transaction_status
     if status == TransactionStatus.UNKNOWN:
         raise DatabaseUnavailable("database unavailable: the connection is closed or broken")
@@ -244,6 +245,7 @@ def run_status(conn: ConnectionT, run_id: RunId | str, *, owner_id: str | None =
     well-formed id of no run (of this owner) returns None (404).
     """
     plan = status_plan(run_id, owner_id, now)  # checks the arguments first
+    _check.connection(conn, asyncio=False)
     with translated():
         return _plan.run(conn, plan)
 
@@ -285,6 +287,7 @@ def cancel_run(conn: ConnectionT, *, owner_id: str, run_id: RunId | str, events_
     """
     params = {"run_id": _check.run_id(run_id), "owner_id": _owner(owner_id), "now": now}
     _check.topic("events_topic", events_topic)
+    _check.connection(conn, asyncio=False)
     with translated(), conn.transaction():
         row = conn.execute(q("cancel_run"), params).fetchone()
         if row is not None:
@@ -342,3 +345,12 @@ def owner_view(state: RunState) -> Mapping[str, Any]:
     if state.dead_reason:
         view["failure_reason"] = state.dead_reason
     return view
+
+
+def results(conn: ConnectionT, job_id: JobId) -> dict[str, Any]:
+    """A job's results by key (what its attempts wrote with ``JobContext.put_result``)."""
+    params = {"id": _check.integer("job_id", job_id, 1, 2**63 - 1)}  # not PostgreSQL's FatalError
+    _check.connection(conn, asyncio=False)
+    with translated():
+        rows = conn.execute(q("results"), params).fetchall()
+    return {r[0]: from_json(r[1]) for r in rows}

@@ -56,6 +56,7 @@ def activate(conn: ConnectionT, key: str, payload: Any = None, *, now: datetime 
     from their poll.
     """
     plan = activate_plan(key, payload, now, events_topic)  # checks the arguments first
+    _check.connection(conn, asyncio=False)
     with translated(), conn.transaction():
         return _plan.run(conn, plan)
 
@@ -82,6 +83,7 @@ def _activate_plan(key: str, encoded: str, now: datetime | None, events_topic: s
 def resume_job(conn: ConnectionT, job_id: JobId, *, now: datetime | None = None) -> bool:
     """Resume one waiting job by id (an API call); False when it was not waiting."""
     params = {"id": _check.integer("job_id", job_id, 1, 2**63 - 1), "now": now}
+    _check.connection(conn, asyncio=False)
     with translated():
         return conn.execute(q("resume_job"), params).fetchone() is not None
 

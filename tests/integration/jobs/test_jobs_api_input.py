@@ -540,3 +540,30 @@ def test_a_job_id_that_is_no_job_id_is_refused_before_the_database(conn, job_id:
     with pytest.raises(InvalidJob, match="^job_id must be"):
         resume_job(conn, job_id)
     assert results(conn, 1) == {} and resume_job(conn, 1) is False  # no such job: nothing, no error
+
+
+def test_each_api_function_refuses_the_other_kind_of_connection(conn, jobs_db) -> None:
+    # A sync function given an AsyncConnection raised TypeError or AttributeError (with "coroutine
+    # never awaited" warnings); jobs.aio given a sync one ran its statement, then failed to await
+    # the cursor (an audit of the SDK's inputs).
+    run = accept(conn, **good_accept())
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(jobs_db, autocommit=True) as aconn:
+            for call in (lambda: accept(aconn, **good_accept(request_key="k2")),
+                         lambda: run_status(aconn, run.run_id),
+                         lambda: cancel_run(aconn, owner_id="u1", run_id=run.run_id),
+                         lambda: activate(aconn, "key"), lambda: resume_job(aconn, 1),
+                         lambda: results(aconn, 1),
+                         lambda: enqueue(aconn, [NewJob(owner_id="o", queue="bulk", kind="k", payload={})])):
+                refused(call, "conn must be a psycopg.Connection, not AsyncConnection", "consumer_sdk.jobs.aio")
+        for coroutine in (aio.accept(conn, **good_accept(request_key="k3")),  # type: ignore[arg-type]
+                          aio.run_status(conn, run.run_id),  # type: ignore[arg-type]
+                          aio.activate(conn, "key")):  # type: ignore[arg-type]
+            with pytest.raises(InvalidJob, match="conn must be a psycopg.AsyncConnection, not Connection"):
+                await coroutine
+        with pytest.raises(InvalidJob, match="conn must be a psycopg.AsyncConnection, not NoneType$"):
+            await aio.accept(None, **good_accept())  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert counts(jobs_db) == (1, 1, 0)  # the first run only: nothing else was written
