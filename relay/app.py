@@ -150,7 +150,7 @@ class Relay:
             try:
                 self.http = HealthServer(host=s.metrics_host, port=s.metrics_port,
                                          registry=self.metrics.registry, health=self.health,
-                                         ready=self.ready)
+                                         ready=self.ready, started=self.started)
             except OSError as exc:
                 raise ConfigError(f"--metrics-host/--metrics-port: cannot listen on "
                                   f"{s.metrics_host}:{s.metrics_port}: {exc.strerror or exc}") from None
@@ -496,6 +496,13 @@ class Relay:
     def ready(self) -> tuple[bool, dict[str, Any]]:
         ok = self.db_up and self.broker_up and self.schema_ok
         return ok, {"database": self.db_up, "broker": self.broker_up, "schema": self.schema_ok}
+
+    def started(self) -> tuple[bool, dict[str, Any]]:
+        """``/startupz``: the database was reached and the schema found (a wrong DSN, rejected
+        credentials, an unmigrated schema fail it), whatever Kafka does.  A sidecar's
+        startupProbe on ``/readyz`` held every application pod that started during a Kafka
+        outage out of its Service, and had its relay killed after the probe's threshold."""
+        return self.schema_ok, {"database": self.db_up, "schema": self.schema_ok, "broker": self.broker_up}
 
 
 def install_signal_handlers(relay: Relay) -> None:

@@ -283,7 +283,7 @@ OPTIONS: tuple[Option, ...] = (
                 "memory is bounded by bytes, not rows (rows over the producer's "
                 "message.max.bytes are dead-lettered by size, never fetched)"),
     Option(name="metrics_port", parse=_port, default=DEFAULT_METRICS_PORT,
-           help="port of /metrics, /healthz and /readyz (0 disables)"),
+           help="port of /metrics, /healthz, /readyz and /startupz (0 disables)"),
     Option(name="metrics_host", parse=_bind_host, default=DEFAULT_METRICS_HOST,
            help="address the metrics/health server binds to"),
     Option(name="log_format", parse=_log_format, default="auto",

@@ -1,9 +1,11 @@
-"""``/metrics``, ``/healthz`` and ``/readyz`` on a small selector-based HTTP server.
+"""``/metrics``, ``/healthz``, ``/readyz`` and ``/startupz`` on a small selector-based HTTP server.
 
 No endpoint changes state.  ``/healthz`` answers whether the loop is alive and
 making progress: it fails when the loop stopped ticking, or when rows are pending
 and nothing was published for ``stuck_after_s``.  ``/readyz`` answers whether the
-database and the broker are reachable and the schema is present.
+database and the broker are reachable and the schema is present.  ``/startupz``
+answers whether the relay got through its start: the database reached and the schema
+found, whatever Kafka does (a sidecar's startupProbe: see deploy/k8s/deployment.yaml).
 
 One thread serves every connection, whatever clients do: the requests are tiny
 and the answers computed in microseconds, so nothing is gained by a thread per
@@ -54,12 +56,14 @@ class _Conn:
 
 class HealthServer:
     def __init__(self, *, host: str, port: int, registry: CollectorRegistry,
-                 health: Check, ready: Check, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 health: Check, ready: Check, started: Check | None = None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._registry = registry
         self._health = health
         self._ready = ready
+        self._started = started or ready
         self.max_connections = max(1, max_connections)
         self.timeout_s = timeout_s
         self._clock = clock
@@ -227,8 +231,9 @@ class HealthServer:
         try:
             if target == b"/metrics":
                 return 200, generate_latest(self._registry), CONTENT_TYPE_LATEST, head_only
-            if target in (b"/healthz", b"/readyz"):
-                ok, detail = (self._health if target == b"/healthz" else self._ready)()
+            check = {b"/healthz": self._health, b"/readyz": self._ready, b"/startupz": self._started}.get(target)
+            if check is not None:
+                ok, detail = check()
                 return (200 if ok else 503, json.dumps({"ok": ok, **detail}).encode(),
                         "application/json", head_only)
         except Exception as exc:  # noqa: BLE001 - a failing check answers 500, the server lives on

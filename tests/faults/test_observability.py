@@ -81,6 +81,24 @@ def test_metrics_move_and_the_oldest_age_rises_while_the_broker_is_cut(
     assert relay.wait(30) == 0
 
 
+def test_a_relay_that_starts_while_kafka_is_cut_passes_its_startup_probe(outbox_db, proxied_broker, spawn):
+    # The sidecar's startupProbe was /readyz, which asks for Kafka: every application pod that
+    # started during a Kafka outage stayed out of its Service, and its relay was killed at the
+    # probe's threshold (a review of deploy/).  /startupz asks for the database and the schema.
+    tansu, proxy = proxied_broker
+    proxy.cut()
+    port = free_port()
+    relay = spawn(relay_cmd("run"), name="relay", env=relay_env(
+        outbox_db, tansu.bootstrap, metrics_port=port, metrics_host="127.0.0.1"))
+    wait_until(lambda: get(port, "/startupz")[0] == 200, timeout_s=30, message="never started")
+    wait_until(lambda: get(port, "/readyz")[0] == 503, timeout_s=30, message="ready with Kafka cut")
+    status, body = get(port, "/startupz")
+    assert status == 200 and json.loads(body) == {"ok": True, "database": True, "schema": True, "broker": False}
+    proxy.restore()
+    relay.sigterm()
+    assert relay.wait(30) == 0
+
+
 def test_readiness_fails_while_the_database_is_down(own_db_dsn, own_pg_running, broker, topic, spawn):
     dsn = migrated(own_db_dsn)
     port = free_port()
