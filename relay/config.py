@@ -202,7 +202,7 @@ def _port(text: str) -> int:
     return value
 
 
-MAX_OWNER_CHARS = 200
+MAX_OWNER_CHARS = 253  # a Kubernetes pod name (metadata.name) or a host name may be this long
 
 
 def _bind_host(text: str) -> str:
