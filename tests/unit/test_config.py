@@ -357,8 +357,10 @@ def test_a_misspelt_variable_is_named_with_the_option_it_resembles(capsys: pytes
                                           ("OUTBOX_RELAY_FOO", None)]
     from relay import cli
 
-    cli.main(["status", "--dsn", "postgresql://nobody@127.0.0.1:1/none?connect_timeout=2"],
-             env={"OUTBOX_RELAY_KEEP_PUBLISH": "s3cret-looking"})
+    # A bad log format stops it before it configures the logs (which would write to this
+    # test's captured stdout, closed for every later test of the process).
+    assert cli.main(["status", "--dsn", "postgresql://nobody@127.0.0.1:1/none"],
+                    env={"OUTBOX_RELAY_KEEP_PUBLISH": "s3cret-looking", "OUTBOX_RELAY_LOG_FORMAT": "bogus"}) == 2
     err = capsys.readouterr().err
     assert ("warning: OUTBOX_RELAY_KEEP_PUBLISH is no option of outbox-relay (did you mean "
             "OUTBOX_RELAY_KEEP_PUBLISHED?): it is ignored") in err and "s3cret-looking" not in err
