@@ -74,6 +74,10 @@ class Outcome:
     offset: int = -1
 
 
+#: A dead letter over the size limit (Publisher._produce_dead_letter), sent again without its value.
+_TOO_LARGE = "too large"
+_SIZE_CODES = frozenset(code for code, name in PERMANENT_CODES.items() if name == "message_too_large")
+
 #: The outcome of every acknowledged row: one shared value (nothing reads an acknowledged
 #: row's partition or offset), not a new frozen dataclass per delivery report.
 DELIVERED = Outcome(ok=True)
@@ -267,7 +271,17 @@ class Publisher:
                     refreshed = True
                     self._refresh_metadata(row.topic)
                     continue
-                return classify(exc.args[0])
+                outcome = classify(exc.args[0])
+                if outcome.error_class == "message_too_large":
+                    # Refused here, by the client, for this record alone (its size with the
+                    # record's overhead, or a jsonb payload whose text is far longer than its
+                    # stored size, escapes included): no record batch shares the blame, and a
+                    # refusal taken for a suspect one was sent alone again and again, a
+                    # transient back-off each time, for ever (an audit with hostile rows).
+                    return Outcome(ok=False, error_class="message_too_large", permanent=True, hopeless=True,
+                                   message=f"{outcome.message}: the client refused it at produce "
+                                           "(over message.max.bytes with the record's overhead)")
+                return outcome
 
     def partition_of(self, row: OutboxRow) -> int | None:
         """The partition the producer sends a keyed ``row`` to; None when it cannot be
@@ -315,19 +329,37 @@ class Publisher:
         if row.headers_json is not None:  # None: too large to carry (the claim left them out)
             headers.append(("dlt_original_headers", (row.headers_json or "{}").encode()))
         value = None if reason == "message_too_large" else row.value
+        problem = self._produce_dead_letter(row, topic, value, headers, timeout_s)
+        if problem is _TOO_LARGE and value is not None:
+            # The row's value was within the limit and the letter, with its headers, is not:
+            # sent without it (the row keeps it in outbox_dead_letters).  Failing instead held
+            # the row and every later row of its key for ever, retried every second.
+            headers.append(("dlt_value_dropped", b"the dead letter with the value was over message.max.bytes"))
+            problem = self._produce_dead_letter(row, topic, None, headers, timeout_s)
+        if problem is _TOO_LARGE:
+            return f"dead-letter topic {topic}: the dead letter is over message.max.bytes"
+        return None if problem is None else f"dead-letter topic {topic}: {problem}"
+
+    def _produce_dead_letter(self, row: OutboxRow, topic: str, value: bytes | None,
+                             headers: list[tuple[str, str | bytes | None]], timeout_s: float) -> str | None:
+        """One dead letter produced and waited for: None, the error, or ``_TOO_LARGE``."""
         done: list[KafkaError | None] = []
         try:
             self._producer.produce(topic, value=value, headers=headers,
                                    key=row.key.encode() if row.key is not None else None,
                                    on_delivery=lambda err, msg: done.append(err))
-        except (KafkaException, BufferError) as exc:
-            return f"dead-letter topic {topic}: {exc}"
+        except KafkaException as exc:
+            return _TOO_LARGE if exc.args[0].code() in _SIZE_CODES else str(exc)
+        except BufferError as exc:
+            return str(exc) or "the client's queue is full"
         deadline = time.monotonic() + timeout_s
         while not done and time.monotonic() < deadline:
             self._producer.poll(0.05)
         if not done:
-            return f"dead-letter topic {topic}: no acknowledgement within {timeout_s} s"
-        return None if done[0] is None else f"dead-letter topic {topic}: {done[0].str()}"
+            return f"no acknowledgement within {timeout_s} s"
+        if done[0] is None:
+            return None
+        return _TOO_LARGE if done[0].code() in _SIZE_CODES else str(done[0].str())
 
     def poll(self, timeout_s: float) -> int:
         """Serve delivery reports and client errors; returns the number served.  Waits at

@@ -4,6 +4,7 @@ with a readable reason, other keys flowing, the poison key's later rows after it
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 
 import psycopg
@@ -182,3 +183,58 @@ def test_a_row_over_the_limit_by_its_key_or_headers_is_dead_lettered_and_its_key
     assert scalar(outbox_db, "SELECT length(key) FROM outbox_dead_letters WHERE left(key, 3) = 'kkk'") == len(long_key)
     published = {r.key for r in read_all(broker.bootstrap, topic, expected=2, timeout_s=30)}
     assert published == {b"hdr", b"fine"}  # hdr's second row, after its first was dead-lettered
+
+
+def test_a_row_the_client_refuses_at_produce_is_dead_lettered_at_once_and_nothing_waits(
+        outbox_db, broker, topic):
+    """A jsonb payload stored in 25 kB whose text, every control character escaped, is about
+    137 kB: the claim trusts the stored size (under half the limit), and the client refuses the
+    record at produce().  That refusal was taken for a record batch's, the row sent alone
+    again and again, a transient back-off each time, for ever: its key's later row waited,
+    and every other key's rows waited about a second per turn (an audit with hostile rows)."""
+    chars = random.Random(7)
+    escaped = "".join(chr(chars.randint(1, 31)) for _ in range(25_000))
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("INSERT INTO outbox (topic, key, payload) VALUES (%s, 'esc', %s)",
+                     (topic, json.dumps({"key": "esc", "seq": 0, "pad": escaped})))
+        write(conn, topic, "esc", 1)
+        for seq in range(100):
+            write(conn, topic, f"ok{seq % 10}", seq // 10)
+        stored, text = conn.execute("SELECT pg_column_size(payload), octet_length(payload::text) FROM outbox "
+                                    "WHERE key = 'esc' ORDER BY id LIMIT 1").fetchone()
+    assert stored <= MAX_BYTES // 2 < MAX_BYTES < text, (stored, text)  # what the claim trusts, what Kafka gets
+    with relay(outbox_db, broker.bootstrap) as r:
+        wait_drained(outbox_db, timeout_s=60)
+        failed = r.metrics.registry.get_sample_value("outbox_relay_publish_errors_total",
+                                                     {"error_class": "message_too_large"})
+    (dead,) = dead_letters(outbox_db)
+    assert (dead["key"], dead["reason"], dead["attempts"]) == ("esc", "message_too_large", 1), dead
+    assert "refused it at produce" in dead["error"]
+    assert failed == 1  # refused once, not sent alone again and again
+    records = read_all(broker.bootstrap, topic, expected=101, timeout_s=60)
+    assert sorted(json.loads(r.value)["key"] for r in records).count("esc") == 1
+
+
+def test_a_dead_letter_over_the_limit_with_its_value_goes_without_it(outbox_db, broker, topic, topic_name):
+    """A row refused for its headers whose value is just under the limit: the dead letter,
+    value plus the dlt_ headers, was over it, refused, and the row retried every second for
+    ever (310 attempts of 3 in an audit), its key's later rows held.  The letter now goes
+    without the value (the dead-letter table keeps it) and says so."""
+    dlt = topic_name("dlt")
+    create_topic(broker.bootstrap, dlt, partitions=1)
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        write(conn, topic, "near", 0, pad=MAX_BYTES - 300, headers='{"n": 1}')  # bad_headers
+        write(conn, topic, "near", 1)
+        write(conn, topic, "fine", 0)
+    thread = relay(outbox_db, broker.bootstrap)
+    object.__setattr__(thread.relay.settings, "dead_letter_topic", dlt)
+    with thread:
+        wait_drained(outbox_db, timeout_s=60)
+    (letter,) = read_all(broker.bootstrap, dlt, expected=1, timeout_s=30)
+    assert letter.value is None and letter.headers["dlt_reason"] == b"bad_headers"
+    assert b"over message.max.bytes" in letter.headers["dlt_value_dropped"]
+    (dead,) = dead_letters(outbox_db)
+    assert (dead["key"], dead["reason"], dead["attempts"]) == ("near", "bad_headers", 2), dead
+    assert scalar(outbox_db, "SELECT octet_length(payload::text) FROM outbox_dead_letters") > MAX_BYTES - 300
+    published = [json.loads(r.value) for r in read_all(broker.bootstrap, topic, expected=2, timeout_s=30)]
+    assert sorted((p["key"], p["seq"]) for p in published) == [("fine", 0), ("near", 1)]
