@@ -37,7 +37,9 @@ def dead_letter_headers(letter: DeadLetter) -> list[tuple[str, str | bytes | Non
         "dlq_source_partition": str(record.partition),
         "dlq_source_offset": str(record.offset),
     }
-    headers.extend((name, value.encode()) for name, value in extra.items())
+    # backslashreplace: an error's text may hold lone surrogates (rejections.describe writes
+    # them as escapes; a DeadLetter built elsewhere may not): never a crash at the letter.
+    headers.extend((name, value.encode("utf-8", "backslashreplace")) for name, value in extra.items())
     return headers
 
 

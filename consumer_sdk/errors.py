@@ -19,7 +19,10 @@ class OutboxSdkError(Exception):
     exit_code = 1
 
     def __init__(self, message: str | None = None) -> None:
-        super().__init__(message or (self.__doc__ or "").strip().splitlines()[0])
+        # A subclass of its own without a docstring (class NotFound(PermanentError): pass),
+        # raised without a message, raised IndexError here instead of itself.
+        lines = (self.__doc__ or "").strip().splitlines()
+        super().__init__(message or (lines[0] if lines else type(self).__name__))
 
 
 # -- producing side --------------------------------------------------------------------

@@ -135,7 +135,11 @@ class InboxStore(Protocol):
 
 class _HandlerFailed(Exception):
     def __init__(self, error: BaseException, index: int = 0) -> None:
-        super().__init__(str(error))
+        try:
+            text = str(error)
+        except Exception:  # noqa: BLE001 - the handler's exception's __str__, not this code's
+            text = type(error).__name__
+        super().__init__(text)
         self.error = error
         self.index = index
 

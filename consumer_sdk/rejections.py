@@ -56,8 +56,18 @@ class Halt:
 
 
 def describe(error: BaseException) -> str:
-    """``Type: message``, bounded, for logs and dead-letter headers."""
-    text = f"{type(error).__name__}: {error}"
+    """``Type: message``, bounded, for logs and dead-letter headers: always UTF-8 text.
+
+    A handler's error is the handler's text: a message built from undecodable bytes
+    (``value.decode("utf-8", "surrogateescape")``) holds lone surrogates, which the dead
+    letter's header could not encode, and an exception whose ``__str__`` raises could not
+    be formatted; either crashed the consumer at the same record after every restart (an
+    audit with hostile records).  Surrogates are written as ``\\udcXX`` escapes."""
+    try:
+        message = str(error)
+    except Exception as exc:  # noqa: BLE001 - the handler's exception, not this code's
+        message = f"<its message could not be formatted: {type(exc).__name__}>"
+    text = f"{type(error).__name__}: {message}".encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
 
 

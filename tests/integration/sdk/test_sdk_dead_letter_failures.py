@@ -78,3 +78,47 @@ def test_a_refused_dead_letter_pauses_its_partition_and_never_reruns_the_handler
     thread.stop()
     assert calls[(0, 0)] == 1 and all(calls[(1, o)] == 1 for o in range(3))
     assert thread.sample("outbox_consumer_database_errors_total", consumer=name) == 0
+
+
+class _Unprintable(PermanentError):
+    def __str__(self) -> str:
+        raise AttributeError("no message")
+
+
+@pytest.mark.parametrize("error", [
+    PermanentError("bad payload: " + b'{"name": "caf\xe9"}'.decode("utf-8", "surrogateescape")),
+    _Unprintable(),
+])
+def test_a_handler_error_that_is_no_utf8_text_is_dead_lettered_and_the_partition_moves_on(
+        sdk_db, broker, sdk_topic, run_consumer, error: PermanentError):
+    """A handler's error built from undecodable bytes (lone surrogates) could not be encoded
+    into the dead letter's header, and one whose __str__ raises could not be formatted:
+    run() raised UnicodeEncodeError / AttributeError at that record after every restart, the
+    records behind it never applied (an audit with hostile records)."""
+    produce_raw(broker.bootstrap, sdk_topic, [(b"bad", b'{"name": "caf\xe9"}', _headers()),
+                                              (b"good", b'{"n": 1}', _headers())])
+    applied: list[bytes] = []
+
+    def handler(conn: Any, message: InboxMessage) -> None:
+        if message.key == b"bad":
+            raise error
+        applied.append(message.key or b"")
+
+    thread = run_consumer(make_config(sdk_db, broker, sdk_topic), handler)
+    wait_settled(thread, 2)
+    [letter] = read_all(broker.bootstrap, f"{sdk_topic}.dlq", expected=1, timeout_s=20)
+    thread.stop()
+    assert applied == [b"good"] and thread.error is None
+    shown = letter.headers["dlq_error"].decode()
+    assert shown in ('PermanentError: bad payload: {"name": "caf\\udce9"}',
+                     "_Unprintable: <its message could not be formatted: AttributeError>"), shown
+
+
+def test_an_sdk_error_subclass_without_a_docstring_raised_bare_is_itself() -> None:
+    """class NotFound(PermanentError): pass; raise NotFound() raised IndexError (the message
+    came from the docstring's first line, and there was none)."""
+    class NotFound(PermanentError):
+        pass
+
+    assert str(NotFound()) == "NotFound" and str(NotFound("gone")) == "gone"
+    assert str(PermanentError()).startswith("Raised by a handler")
