@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from datetime import datetime
 from typing import Any
@@ -110,8 +111,16 @@ def _rows(conn: Any, group: str, name: str, params: dict[str, Any],
         return cur.fetchall() if cur.description else []
 
 
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat() if value is not None else None
+def _iso(value: datetime | str | None) -> str | None:
+    """ISO 8601, or ``infinity`` / ``-infinity`` as PostgreSQL writes them (store.connect)."""
+    return value if value is None or isinstance(value, str) else value.isoformat()
+
+
+def _finite(seconds: Any) -> float | None:
+    """An age in seconds, or None for an infinite one (a created_at of ±infinity): JSON has no
+    Infinity, and `status --json` printed it, which strict parsers refuse."""
+    value = float(seconds)
+    return round(value, 3) if math.isfinite(value) else None
 
 
 def status(settings: Settings, *, as_json: bool) -> int:
@@ -130,7 +139,7 @@ def status(settings: Settings, *, as_json: bool) -> int:
     replays = status_section(settings)
     report: dict[str, Any] = {
         "pending": int(backlog["pending"]),
-        "oldest_pending_age_s": round(float(backlog["oldest_pending_age_s"]), 3),
+        "oldest_pending_age_s": _finite(backlog["oldest_pending_age_s"]),
         "retrying": int(backlog["retrying"]),
         "dead_letters": int(dead["dead_letters"]),
         "shards": [
@@ -149,7 +158,8 @@ def status(settings: Settings, *, as_json: bool) -> int:
         sys.stdout.write("\n")
         return 0
     print(f"pending rows:        {report['pending']}")
-    print(f"oldest pending age:  {report['oldest_pending_age_s']:.1f} s")
+    age = report["oldest_pending_age_s"]
+    print("oldest pending age:  " + (f"{age:.1f} s" if age is not None else "unknown (a created_at is infinite)"))
     print(f"retrying rows:       {report['retrying']}")
     print(f"dead letters:        {report['dead_letters']}")
     print()

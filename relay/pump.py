@@ -30,6 +30,7 @@ of that (an earlier in-flight batch failing behind it) is counted in
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -582,8 +583,11 @@ class Pump:
         if self.sent_retries:  # marked: no longer in back-off
             self.sent_retries.difference_update(map(_ID, done))
         latencies = [now_wall - epoch for epoch in map(CREATED, done)]
-        if latencies and min(latencies) < 0.0:  # a writer's clock ahead of this one
-            latencies = [max(0.0, latency) for latency in latencies]
+        if latencies and not 0.0 <= min(latencies) <= max(latencies) < math.inf:
+            # A writer's clock ahead of this one (below 0), or a created_at of ±infinity (the
+            # schema allows it): one infinite observation kept the histogram's sum at +Inf for
+            # the process's life, and every mean latency after it NaN (an audit's finding).
+            latencies = [max(0.0, latency) for latency in latencies if math.isfinite(latency)]
         observe_many(self.metrics.commit_to_ack, latencies)
         for topic, count in Counter(map(TOPIC, done)).items():
             self.metrics.published.labels(topic).inc(count)

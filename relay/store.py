@@ -18,7 +18,9 @@ from typing import Any, NoReturn
 
 import psycopg
 import psycopg.errors
+from psycopg.abc import Buffer
 from psycopg.rows import dict_row, tuple_row
+from psycopg.types.datetime import TimestamptzLoader
 
 from outbox_core.connect_errors import ConnectFailure, classify_connect_error
 from outbox_core.pooling import transaction_pooled
@@ -63,7 +65,7 @@ def connect(dsn: str, *, application_name: str = "outbox-relay", autocommit: boo
             connect_timeout_s: int = 5, option: str = DSN_OPTION) -> psycopg.Connection[Any]:
     """A new connection, errors translated (``option``: what gave the DSN)."""
     try:
-        return psycopg.connect(
+        conn = psycopg.connect(
             dsn,
             autocommit=autocommit,
             application_name=application_name,
@@ -71,6 +73,19 @@ def connect(dsn: str, *, application_name: str = "outbox-relay", autocommit: boo
         )
     except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
         raise translate_connect_error(exc, dsn, option=option) from None
+    conn.adapters.register_loader("timestamptz", _TimestamptzOrInfinity)
+    return conn
+
+
+class _TimestamptzOrInfinity(TimestamptzLoader):
+    """``infinity`` and ``-infinity`` as that text: Python's datetime has neither, and a row
+    with such a created_at (the schema allows it) made `dead-letters list` and `show` fail
+    with a traceback, hiding every dead letter (an audit with hostile rows)."""
+
+    def load(self, data: Buffer) -> Any:
+        if data in (b"infinity", b"-infinity"):
+            return bytes(data).decode()
+        return super().load(data)
 
 
 def require_schema(check: dict[str, Any], table: str) -> None:

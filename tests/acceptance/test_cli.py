@@ -473,3 +473,34 @@ def test_shard_count_change_is_refused_while_relays_hold_leases(outbox_db, broke
     assert "shards_changed" in changed.stdout + changed.stderr  # not only "migrations applied: none"
     status = json.loads(run_cli("status", "--json", "--dsn", outbox_db).stdout)
     assert [s["shard"] for s in status["shards"]] == list(range(8))
+
+
+def _strict_json(text: str) -> object:
+    def refuse(constant: str) -> object:
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_rows_created_at_infinity_are_listed_shown_and_counted(outbox_db):
+    """The schema allows created_at 'infinity' and '-infinity'.  `dead-letters list` and
+    `show` failed with a traceback (psycopg: timestamp too large), hiding every dead letter,
+    and `status --json` printed Infinity, which is no JSON (an audit with hostile rows)."""
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        for n, when in enumerate(("infinity", "-infinity", "2026-12-06 10:00:00+00")):
+            conn.execute("INSERT INTO outbox_dead_letters (id, event_id, topic, key, payload, headers, created_at, "
+                         "reason, error, attempts) VALUES (%s, gen_random_uuid(), 't', %s, '{}', '{}', %s, "
+                         "'bad_headers', 'x', 3)", (n + 1, f"k{n}", when))
+        conn.execute("INSERT INTO outbox (topic, key, payload, created_at) VALUES ('t', 'p', '{}', '-infinity')")
+        event_id = conn.execute("SELECT event_id::text FROM outbox_dead_letters WHERE id = 1").fetchone()[0]
+    env = relay_env(outbox_db, "")
+    listed = run_cli("dead-letters", "list", "--json", env=env)
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr[-2000:]
+    created = sorted(d["created_at"] for d in _strict_json(listed.stdout))  # type: ignore[union-attr]
+    assert created == ["-infinity", "2026-12-06T10:00:00+00:00", "infinity"]
+    shown = run_cli("dead-letters", "show", event_id, env=env)
+    assert shown.returncode == 0 and _strict_json(shown.stdout)["created_at"] == "infinity"  # type: ignore[index]
+    status = run_cli("status", "--json", env=env)
+    assert status.returncode == 0, status.stderr[-2000:]
+    assert _strict_json(status.stdout)["oldest_pending_age_s"] is None  # type: ignore[index]
+    text = run_cli("status", env=env)
+    assert text.returncode == 0 and "oldest pending age:  unknown" in text.stdout
