@@ -120,7 +120,7 @@ class Failures:
         if attempts >= self.max_attempts and self.dead_letter_topic:
             problem = self.publisher.send_dead_letter(row, topic=self.dead_letter_topic,
                                                       reason=outcome.error_class,
-                                                      error=outcome.message, attempts=attempts)
+                                                      error=outcome.message, attempts=row.attempts + 1)
             if problem is not None:  # not moved: retried later, never in neither place
                 outcome = Outcome(ok=False, error_class=outcome.error_class, message=problem,
                                   permanent=True)
@@ -132,7 +132,9 @@ class Failures:
                 self.metrics.dead_lettered.labels(outcome.error_class).inc()
                 self.log.error("row_dead_lettered", row_id=row.id, event_id=row.event_id,
                                topic=row.topic, reason=outcome.error_class,
-                               error=outcome.message, attempts=attempts)
+                               # The attempts made, as outbox_dead_letters records them: a
+                               # hopeless row's is 1, where the log said max_attempts (an audit).
+                               error=outcome.message, attempts=row.attempts + 1)
             else:
                 result.fenced += 1
                 self.metrics.fenced_writes.inc()

@@ -146,6 +146,11 @@ def test_dead_letter_topic_gets_the_row_with_its_reason(outbox_db, broker, topic
     assert json.loads(hdr.value)["key"] == "hdr"  # the original value travels along
     assert records[b"big"].value is None and records[b"big"].headers["dlt_reason"] == b"message_too_large"
     assert len(dead_letters(outbox_db)) == 2  # and both are in the dead-letter table too
+    # The attempts made, as the table records them: a row dead-lettered by its size at once
+    # made one (the letter said max_attempts, 2 here, and so did the log).
+    attempts = {d["key"]: d["attempts"] for d in dead_letters(outbox_db)}
+    assert attempts == {"big": 1, "hdr": 2}
+    assert {k: int(r.headers["dlt_attempts"]) for k, r in records.items()} == {b"big": 1, b"hdr": 2}
 
 
 def test_a_row_over_the_limit_by_its_key_or_headers_is_dead_lettered_and_its_key_waits_for_it(
