@@ -27,7 +27,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from relay.errors import ConfigError, LeaseLost
 from relay.model import OutboxRow, RowId, ShardId, Token
-from relay.publisher import _KAFKA_LOG, Outcome, await_cluster, classify
+from relay.publisher import _KAFKA_LOG, Outcome, await_cluster, classify, refused_at_produce
 
 INIT_TIMEOUT_S = 30.0  # init_transactions waits for the previous holder's transaction to end
 COMMIT_TIMEOUT_S = 30.0
@@ -406,4 +406,4 @@ class ShardWorker:
                     continue
                 if err.fatal() or err.code() in FENCED_CODES or err.txn_requires_abort():
                     raise
-                return classify(err)
+                return refused_at_produce(err)

@@ -171,6 +171,21 @@ def classify(error: KafkaError) -> Outcome:
     return Outcome(ok=False, error_class="transient", message=message)
 
 
+def refused_at_produce(error: KafkaError) -> Outcome:
+    """The outcome of a record the client refused in ``produce()`` itself.
+
+    A size refusal there is the record's own (its size with the record's overhead, or a jsonb
+    payload whose text is far longer than its stored size, escapes included): no record batch
+    shares the blame.  Taken for a batch's, the row was sent alone again and again, a
+    transient back-off each time, for ever (an audit with hostile rows): hopeless instead."""
+    outcome = classify(error)
+    if outcome.error_class != "message_too_large":
+        return outcome
+    return Outcome(ok=False, error_class="message_too_large", permanent=True, hopeless=True,
+                   message=f"{outcome.message}: the client refused it at produce "
+                           "(over message.max.bytes with the record's overhead)")
+
+
 PARTITIONS_TTL_S = 60.0  # how long a topic's partition count is trusted
 PARTITIONS_TIMEOUT_S = 1.0  # a metadata request for it; only when a partition looks stalled
 WARM_UP_TIMEOUT_S = 2.0  # Publisher.warm_up: how long a new client may take to reach the cluster
@@ -271,17 +286,7 @@ class Publisher:
                     refreshed = True
                     self._refresh_metadata(row.topic)
                     continue
-                outcome = classify(exc.args[0])
-                if outcome.error_class == "message_too_large":
-                    # Refused here, by the client, for this record alone (its size with the
-                    # record's overhead, or a jsonb payload whose text is far longer than its
-                    # stored size, escapes included): no record batch shares the blame, and a
-                    # refusal taken for a suspect one was sent alone again and again, a
-                    # transient back-off each time, for ever (an audit with hostile rows).
-                    return Outcome(ok=False, error_class="message_too_large", permanent=True, hopeless=True,
-                                   message=f"{outcome.message}: the client refused it at produce "
-                                           "(over message.max.bytes with the record's overhead)")
-                return outcome
+                return refused_at_produce(exc.args[0])
 
     def partition_of(self, row: OutboxRow) -> int | None:
         """The partition the producer sends a keyed ``row`` to; None when it cannot be
