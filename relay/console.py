@@ -16,12 +16,14 @@ from __future__ import annotations
 import hmac
 import secrets
 import socket
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.cookies import SimpleCookie
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -50,7 +52,7 @@ class Session:
 
 
 class Console:
-    """The console's state: settings, store, sessions.  One request at a time."""
+    """The console's state: settings, store, sessions.  One request at a time (``lock``)."""
 
     def __init__(self, settings: Settings, *, log: Any, clock: Callable[[], float] = time.monotonic) -> None:
         if settings.console_actions and not settings.console_token:
@@ -66,6 +68,16 @@ class Console:
         self.sessions: dict[str, Session] = {}
         self.login_csrf: dict[str, float] = {}
         self.hosts: set[str] = set()
+        #: Requests are read on threads of their own (one slow client held every other one
+        #: for as long as it trickled bytes); what they do runs under this lock, one at a time.
+        self.lock = threading.Lock()
+        #: Signs an action's result shown after its redirect (``?done=``): any text in that
+        #: parameter was shown in the banner, a link could put a fake result or a phishing
+        #: line inside the console (an audit of its web security).
+        self.flash_key = secrets.token_bytes(32)
+
+    def flash_sig(self, text: str) -> str:
+        return hmac.new(self.flash_key, text.encode("utf-8", "backslashreplace"), "sha256").hexdigest()[:32]
 
     def allow_hosts(self, host: str, port: int) -> None:
         names = {_url_host(host)} if host not in ("0.0.0.0", "::", "") else set()  # noqa: S104 - compared, not bound
@@ -107,10 +119,17 @@ class Console:
         return token
 
 
+class FormTooLarge(ValueError):
+    """A form over ``MAX_FORM_BYTES`` (413)."""
+
+
 def _form(handler: BaseHTTPRequestHandler) -> dict[str, str]:
-    length = int(handler.headers.get("Content-Length") or 0)
+    text = (handler.headers.get("Content-Length") or "0").strip()
+    if not text.isdigit():  # "-1" read until the client closed, past the form limit
+        raise ValueError(f"Content-Length {text[:20]!r} is not a length")
+    length = int(text)
     if length > MAX_FORM_BYTES:
-        raise ValueError("form too large")
+        raise FormTooLarge("form too large")
     body = handler.rfile.read(length).decode("utf-8", errors="replace")
     return {k: v[0] for k, v in parse_qs(body, keep_blank_values=True).items()}
 
@@ -122,6 +141,13 @@ def make_handler(console: Console) -> type[BaseHTTPRequestHandler]:
         server_version = "outbox-relay-console"
         sys_version = ""
         timeout = REQUEST_TIMEOUT_S
+
+        def end_headers(self) -> None:
+            # Every response's: the pages', the redirects' (the sign-in's, which sets the
+            # session cookie, among them) and the standard library's error pages (501, 414, 431).
+            for name, value in HEADERS.items():
+                self.send_header(name, value)
+            super().end_headers()
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib's name
             console.log.debug("console_request", client=self.client_address[0], line=format % args)
@@ -145,8 +171,6 @@ def make_handler(console: Console) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
-            for name, value in HEADERS.items():
-                self.send_header(name, value)
             if cookie is not None:
                 self.send_header("Set-Cookie", cookie)
             self.end_headers()
@@ -166,7 +190,8 @@ def make_handler(console: Console) -> type[BaseHTTPRequestHandler]:
                 return
             parts = urlsplit(self.path)
             query = {k: v[0] for k, v in parse_qs(parts.query).items()}
-            Routes(console, self).get(unquote(parts.path), query)
+            with console.lock:
+                Routes(console, self).get(unquote(parts.path), query)
 
         def do_POST(self) -> None:  # noqa: N802 - stdlib's name
             if not self._host_ok() or not self._origin_ok():
@@ -176,10 +201,14 @@ def make_handler(console: Console) -> type[BaseHTTPRequestHandler]:
                 return
             try:
                 form = _form(self)
-            except ValueError:
+            except FormTooLarge:
                 self.send_page(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "form too large", content_type="text/plain")
                 return
-            Routes(console, self).post(urlsplit(self.path).path, form)
+            except ValueError as exc:
+                self.send_page(HTTPStatus.BAD_REQUEST, str(exc), content_type="text/plain")
+                return
+            with console.lock:
+                Routes(console, self).post(urlsplit(self.path).path, form)
 
     return Handler
 
@@ -189,16 +218,31 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _server_class(host: str) -> type[HTTPServer]:
+class _Server(ThreadingHTTPServer):
+    """A thread per connection (a request is read there, and acted on under the console's
+    lock); a request that fails (a client gone mid-answer) is one log line, not a traceback
+    on stderr that any local client could repeat."""
+
+    daemon_threads = True
+    log: Any = None
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if self.log is not None:
+            self.log.warning("console_request_failed", client=str(client_address[0]),
+                             error=f"{type(error).__name__}: {error}"[:200])
+
+
+def _server_class(host: str) -> type[_Server]:
     """HTTPServer binds IPv4 only: --console-host ::1 failed ("Address family for hostname not
     supported") where --metrics-host ::1 works (relay/http.py chooses the family the same way)."""
     if ":" not in host:
-        return HTTPServer
+        return _Server
 
-    class HTTPServerV6(HTTPServer):
+    class ServerV6(_Server):
         address_family = socket.AF_INET6
 
-    return HTTPServerV6
+    return ServerV6
 
 
 def serve(settings: Settings, *, log: Any, ready: Callable[[str], None] = print) -> HTTPServer:
@@ -214,6 +258,7 @@ def serve(settings: Settings, *, log: Any, ready: Callable[[str], None] = print)
     except OSError as exc:
         raise ConfigError(f"--console-host/--console-port: cannot listen on {settings.console_host}:"
                           f"{settings.console_port}: {exc.strerror or exc}") from None
+    server.log = log
     port = int(server.server_address[1])
     console.allow_hosts(settings.console_host, port)
     url = f"http://{_url_host(settings.console_host)}:{port}/"

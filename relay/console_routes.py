@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hmac
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
+import psycopg
+
+from consumer_sdk.errors import OutboxSdkError
 from outbox_core.text import uuid_from_text
 from relay import console_views as views
 from relay.errors import RelayError
@@ -48,13 +52,19 @@ class Routes:
     def _page(self, title: str, body: str, path: str, query: dict[str, str],
               status: int = HTTPStatus.OK) -> None:
         who = self.session.who if self.session else None
+        flash = query.get("done")
+        if flash is not None and not hmac.compare_digest(query.get("sig", ""), self.c.flash_sig(flash)):
+            flash = None  # not this console's: any text was shown as an action's result
         self.h.send_page(status, views.page(title, body, path=path, who=who, actions=self.c.actions,
-                                            flash=query.get("done")))
+                                            flash=flash))
 
     def get(self, path: str, query: dict[str, str]) -> None:
         try:
             self._get(path, query)
-        except RelayError as exc:
+        except (ValueError, psycopg.DataError) as exc:  # a filter with a NUL, a malformed job id
+            self.c.store.reset()
+            self._page("Bad request", f"<p>{views.e(exc)}</p>", path, {}, HTTPStatus.BAD_REQUEST)
+        except (RelayError, OutboxSdkError, psycopg.Error) as exc:  # the jobs' pages raise the SDK's
             self.c.store.reset()
             self.c.log.warning("console_database_error", error=str(exc))
             self._page("Database unavailable", f"<p>{views.e(exc)}</p>", path, {},
@@ -117,8 +127,6 @@ class Routes:
         if self.session is None:
             self._refuse(path, "no_session", "sign in first")
             return
-        import hmac
-
         if not hmac.compare_digest(form.get("csrf", "").encode(), self.session.csrf.encode()):
             self._refuse(path, "csrf", "stale or missing form token: reload the page")
             return
@@ -129,11 +137,12 @@ class Routes:
         target = form.get(field, "")
         try:
             result = self._act(path, target)
-        except (RelayError, ValueError) as exc:
-            self.c.store.reset()
+        except (RelayError, OutboxSdkError, ValueError, psycopg.Error) as exc:
+            self.c.store.reset()  # the jobs' actions raise the SDK's errors: they crashed the request
             result = f"failed: {exc}"
         self._log(path.removeprefix("/actions/"), target, result)
-        self.h.redirect(back + "?" + urlencode({"done": f"{path.removeprefix('/actions/')} {target}: {result}"}))
+        done = f"{path.removeprefix('/actions/')} {target}: {result}"
+        self.h.redirect(back + "?" + urlencode({"done": done, "sig": self.c.flash_sig(done)}))
 
     def _act(self, path: str, target: str) -> str:
         store = self.c.store

@@ -317,3 +317,72 @@ def test_the_console_listens_on_an_ipv6_address(outbox_db, spawn):
     assert refused.value.code == 421
     proc.sigterm()
     assert proc.wait(10) == 0
+
+
+def _raw(url: str, request: bytes, *, timeout_s: float = 10) -> bytes:
+    """Send ``request`` as is (its Host header filled in); the answer's bytes."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s) as sock:
+        sock.sendall(request.replace(b"HOST", parts.netloc.encode()))
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_the_console_answers_what_an_audit_of_its_web_security_sent(outbox_db, spawn, tmp_path):
+    """Each of these failed on the code before (an audit of the console's web security):
+    a NUL in a /jobs filter got no answer and a traceback; a negative Content-Length read the
+    body past the form limit until the client closed; one client trickling a request held
+    every other one; redirects and the standard library's error pages had no CSP; any text
+    in ?done= was shown as an action's result; the jobs' pages got no answer when the
+    database connection was gone; a client gone mid-answer printed a traceback."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    proc, url = _console(spawn, outbox_db, tmp_path, actions=True)
+    with pytest.raises(urllib.error.HTTPError) as nul:
+        urllib.request.urlopen(url + "jobs?owner=%00", timeout=10)  # noqa: S310 - 127.0.0.1 only
+    assert nul.value.code == 400
+    answer = _raw(url, b"POST /actions/x HTTP/1.1\r\nHost: HOST\r\nOrigin: http://HOST\r\n"
+                       b"Content-Length: -1\r\nConnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.0 400") or answer.startswith(b"HTTP/1.1 400"), answer[:80]
+    for request in (b"PUT / HTTP/1.1\r\nHost: HOST\r\nConnection: close\r\n\r\n",
+                    b"GET /logout HTTP/1.1\r\nHost: HOST\r\nConnection: close\r\n\r\n"):
+        answer = _raw(url, request)
+        assert b"Content-Security-Policy: default-src 'none'" in answer, answer[:300]
+    with urllib.request.urlopen(url + "?done=session+expired%3A+sign+in+at+evil.example", timeout=10) as page:  # noqa: S310
+        assert b"evil.example" not in page.read()
+    # A client that sends a byte at a time does not hold the others.
+    parts = urlsplit(url)
+    slow = socket.create_connection((parts.hostname, parts.port), timeout=10)
+    slow.sendall(b"GET / HTTP/1.1\r\n")
+    started = time.monotonic()
+    with urllib.request.urlopen(url, timeout=10) as page:  # noqa: S310
+        assert page.status == 200
+    assert time.monotonic() - started < 5
+    slow.close()
+    # The console's database connection cut: the jobs' pages say so.
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                     "WHERE application_name = 'outbox-relay-console'")
+    with pytest.raises(urllib.error.HTTPError) as gone:
+        urllib.request.urlopen(url + "runs/44444444-4444-4444-8444-444444444444", timeout=10)  # noqa: S310
+    assert gone.value.code == 503
+    with pytest.raises(urllib.error.HTTPError) as back:  # ... and once it is back, they work again
+        urllib.request.urlopen(url + "runs/44444444-4444-4444-8444-444444444444", timeout=10)  # noqa: S310
+    assert back.value.code == 404  # no such run
+    # A client gone mid-answer is one log line, not a traceback.
+    reset = socket.create_connection((parts.hostname, parts.port), timeout=10)
+    reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    reset.sendall(f"GET /dead-letters HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n".encode())
+    reset.close()
+    with urllib.request.urlopen(url, timeout=10) as page:  # noqa: S310 - still serving
+        assert page.status == 200
+    proc.sigterm()
+    assert proc.wait(10) == 0
+    assert "Traceback" not in proc.log_text(), proc.log_text()[-3000:]
