@@ -153,7 +153,9 @@ def make_handler(console: Console) -> type[BaseHTTPRequestHandler]:
             console.log.debug("console_request", client=self.client_address[0], line=format % args)
 
         def _host_ok(self) -> bool:
-            return (self.headers.get("Host") or "") in console.hosts  # none allowed: none served
+            # One Host header, of this console: with two, only the first was checked.
+            hosts = self.headers.get_all("Host") or []
+            return len(hosts) == 1 and hosts[0] in console.hosts  # none allowed: none served
 
         def _origin_ok(self) -> bool:
             origin = self.headers.get("Origin")

@@ -355,6 +355,8 @@ def test_the_console_answers_what_an_audit_of_its_web_security_sent(outbox_db, s
                     b"GET /logout HTTP/1.1\r\nHost: HOST\r\nConnection: close\r\n\r\n"):
         answer = _raw(url, request)
         assert b"Content-Security-Policy: default-src 'none'" in answer, answer[:300]
+    two_hosts = _raw(url, b"GET / HTTP/1.1\r\nHost: HOST\r\nHost: evil.example\r\nConnection: close\r\n\r\n")
+    assert b" 421 " in two_hosts.split(b"\r\n", 1)[0], two_hosts[:80]  # only the first was checked
     with urllib.request.urlopen(url + "?done=session+expired%3A+sign+in+at+evil.example", timeout=10) as page:  # noqa: S310
         assert b"evil.example" not in page.read()
     # A client that sends a byte at a time does not hold the others.
