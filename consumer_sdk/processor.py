@@ -81,7 +81,7 @@ from consumer_sdk.model import (
     to_message,
 )
 from consumer_sdk.rejections import DeadLetterSink as DeadLetterSink
-from consumer_sdk.rejections import Halt, Rejections, describe
+from consumer_sdk.rejections import Halt, Rejections, describe, message_of
 from consumer_sdk.rejections import Policies as Policies
 from consumer_sdk.replays import REPLAY_HEADER
 
@@ -135,11 +135,7 @@ class InboxStore(Protocol):
 
 class _HandlerFailed(Exception):
     def __init__(self, error: BaseException, index: int = 0) -> None:
-        try:
-            text = str(error)
-        except Exception:  # noqa: BLE001 - the handler's exception's __str__, not this code's
-            text = type(error).__name__
-        super().__init__(text)
+        super().__init__(message_of(error))
         self.error = error
         self.index = index
 

@@ -63,12 +63,17 @@ def describe(error: BaseException) -> str:
     letter's header could not encode, and an exception whose ``__str__`` raises could not
     be formatted; either crashed the consumer at the same record after every restart (an
     audit with hostile records).  Surrogates are written as ``\\udcXX`` escapes."""
-    try:
-        message = str(error)
-    except Exception as exc:  # noqa: BLE001 - the handler's exception, not this code's
-        message = f"<its message could not be formatted: {type(exc).__name__}>"
-    text = f"{type(error).__name__}: {message}".encode("utf-8", "backslashreplace").decode("utf-8")
+    text = f"{type(error).__name__}: {message_of(error)}".encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+def message_of(error: BaseException) -> str:
+    """``str(error)``, or what says it could not be had: a handler's exception whose
+    ``__str__`` raises is the handler's, and must not crash the consumer."""
+    try:
+        return str(error)
+    except Exception as exc:  # noqa: BLE001 - the handler's exception, not this code's
+        return f"<its message could not be formatted: {type(exc).__name__}>"
 
 
 class Rejections:

@@ -26,7 +26,7 @@ import psycopg.errors
 from psycopg import pq
 
 from consumer_sdk.jobs import deferred as deferred_fence
-from consumer_sdk.jobs import fenced, queue, runs
+from consumer_sdk.jobs import fenced, queue
 from consumer_sdk.jobs._db import ConnectionT, first_line, q
 from consumer_sdk.jobs.deferred import Deferred, DeferringConnection
 from consumer_sdk.jobs.errors import LeaseLost
@@ -296,7 +296,7 @@ class JobContext:
 
     def results(self) -> dict[str, Any]:
         """The results written so far by any attempt of this job (to skip finished steps)."""
-        return runs.results(self.conn, self.job.id)
+        return queue.results(self.conn, self.job.id)
 
 
 def _rollback_deferred(conn: ConnectionT) -> None:

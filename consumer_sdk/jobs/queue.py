@@ -303,6 +303,12 @@ def put_result_statement(lease: Lease, key: str, value: Any, *,
                              "value": to_json(value, what="result"), "now": now}
 
 
+def results(conn: ConnectionT, job_id: JobId) -> dict[str, Any]:
+    """A job's results by key (JobContext.results; the checked API is runs.results)."""
+    with translated():
+        return {r[0]: from_json(r[1]) for r in conn.execute(q("results"), {"id": job_id}).fetchall()}
+
+
 def complete(conn: ConnectionT, lease: Lease, *, result: Any = None, now: datetime | None = None,
              events_topic: str | None = None, result_json: str | None = None) -> JobFacts | None:
     """Mark the job succeeded with ``result`` (or ``result_json``, already encoded); None when

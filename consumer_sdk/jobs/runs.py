@@ -30,7 +30,7 @@ import structlog
 from psycopg.pq import TransactionStatus
 
 from consumer_sdk.errors import DatabaseUnavailable
-from consumer_sdk.jobs import _check, _plan
+from consumer_sdk.jobs import _check, _plan, queue
 from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
 from consumer_sdk.jobs._plan import Plan, event_step, step
 from consumer_sdk.jobs.errors import (
@@ -348,9 +348,8 @@ def owner_view(state: RunState) -> Mapping[str, Any]:
 
 
 def results(conn: ConnectionT, job_id: JobId) -> dict[str, Any]:
-    """A job's results by key (what its attempts wrote with ``JobContext.put_result``)."""
-    params = {"id": _check.integer("job_id", job_id, 1, 2**63 - 1)}  # not PostgreSQL's FatalError
+    """A job's results by key (what its attempts wrote with ``JobContext.put_result``), its
+    arguments checked first: a job id that is no bigint was PostgreSQL's FatalError."""
+    job = JobId(_check.integer("job_id", job_id, 1, 2**63 - 1))
     _check.connection(conn, asyncio=False)
-    with translated():
-        rows = conn.execute(q("results"), params).fetchall()
-    return {r[0]: from_json(r[1]) for r in rows}
+    return queue.results(conn, job)
