@@ -25,7 +25,7 @@ SECRET_MARKERS = ("password", "secret", "passphrase", "sasl.oauthbearer.config",
                   "jaas",  # sasl.jaas.config: a Java client's login line, with its password
                   # Misspelt names ("sasl.passwd"): shown in a repr or a log line before librdkafka
                   # refuses them as unknown, their values are hidden too.
-                  "passw", "passwd", "pwd")
+                  "passw", "pwd")  # "passw" covers passwd and passwort too
 MASK = "***"
 
 _URI_SCHEME = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")

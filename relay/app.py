@@ -69,12 +69,12 @@ from relay.wakeup import Wakeup
 SHARDS_LOOK_S = 0.1
 
 
-
 def application_name(owner: str, role: str) -> str:
     """``outbox-relay:<owner><role>``, the owner cut so that the whole fits PostgreSQL's 63
     characters with the role kept (``:mark``, ``:probe``): the server cut the end, and a long
     ``--owner`` showed every connection of the replica under the same name."""
     return f"outbox-relay:{owner}"[: 63 - len(role)] + role
+
 
 class Relay:
     """One relay replica.  ``start()`` validates and connects; ``run()`` loops until ``stop()``."""

@@ -454,12 +454,12 @@ def unknown_env_variables(env: Mapping[str, str]) -> list[tuple[str, str | None]
     tool's variable may share the prefix."""
     known = {option.env for option in OPTIONS}
     known |= {option.env + "_FILE" for option in OPTIONS if option.secret}
+    suffixes = sorted(k[len(ENV_PREFIX):] for k in known)
     found = []
     for name in sorted(env):
         if (not name.startswith(ENV_PREFIX) or name.startswith(KAFKA_ENV_PREFIX) or name in known
                 or _SERVICE_LINK.fullmatch(name[len(ENV_PREFIX):])):
             continue
-        suffixes = sorted(k[len(ENV_PREFIX):] for k in known)
         close = difflib.get_close_matches(name[len(ENV_PREFIX):], suffixes, n=1, cutoff=0.75)
         found.append((name, ENV_PREFIX + close[0] if close else None))
     return found

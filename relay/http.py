@@ -61,9 +61,7 @@ class HealthServer:
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._registry = registry
-        self._health = health
-        self._ready = ready
-        self._started = started or ready
+        self._checks = {b"/healthz": health, b"/readyz": ready, b"/startupz": started or ready}
         self.max_connections = max(1, max_connections)
         self.timeout_s = timeout_s
         self._clock = clock
@@ -231,7 +229,7 @@ class HealthServer:
         try:
             if target == b"/metrics":
                 return 200, generate_latest(self._registry), CONTENT_TYPE_LATEST, head_only
-            check = {b"/healthz": self._health, b"/readyz": self._ready, b"/startupz": self._started}.get(target)
+            check = self._checks.get(target)
             if check is not None:
                 ok, detail = check()
                 return (200 if ok else 503, json.dumps({"ok": ok, **detail}).encode(),
