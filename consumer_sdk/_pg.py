@@ -19,7 +19,7 @@ import psycopg.errors
 
 from consumer_sdk.errors import AuthenticationFailed, ConfigError, DatabaseUnavailable, FatalError
 from outbox_core import spin
-from outbox_core.connect_errors import ConnectFailure, classify_connect_error
+from outbox_core.connect_errors import ConnectFailure, classify_connect_error, connect_timeout
 
 #: A connection's class, and its class when it polls its socket (:func:`connect`).
 Classes = tuple[type[psycopg.Connection[Any]], type[spin.SpinningConnection]]
@@ -58,7 +58,8 @@ def connect(dsn: str, *, application_name: str, connect_timeout_s: int = 5,
     polls (the worker pool's: :mod:`consumer_sdk.jobs.deferred`)."""
     try:
         return spin.connect(dsn, spin_s=spin_s, plain=classes[0], spinning=classes[1], autocommit=True,
-                            application_name=application_name[:63], connect_timeout=connect_timeout_s)
+                            application_name=application_name[:63],
+                            **connect_timeout(dsn, connect_timeout_s))
     except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
         raise translate_connect_error(exc, dsn) from None
 
@@ -79,6 +80,6 @@ async def connect_async(dsn: str, *, application_name: str,
     """The asyncio twin of :func:`connect`."""
     try:
         return await psycopg.AsyncConnection.connect(dsn, autocommit=True, application_name=application_name[:63],
-                                                     connect_timeout=connect_timeout_s)
+                                                     **connect_timeout(dsn, connect_timeout_s))
     except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
         raise translate_connect_error(exc, dsn) from None

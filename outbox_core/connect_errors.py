@@ -28,15 +28,18 @@ no piece of the DSN's password (:func:`outbox_core.secrets.scrub`).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from outbox_core.secrets import scrub
 
-__all__ = ["ConnectFailure", "FailedConnect", "classify_connect_error"]
+__all__ = ["ConnectFailure", "FailedConnect", "classify_connect_error", "connect_timeout"]
 
 
 class ConnectFailure(StrEnum):
@@ -122,3 +125,19 @@ def classify_connect_error(exc: BaseException, *, dsn: str = "") -> FailedConnec
     if _TLS_SETUP.search(text):
         return FailedConnect(ConnectFailure.REFUSED, masked(first))
     return FailedConnect(ConnectFailure.UNREACHABLE, masked(first))
+
+
+def connect_timeout(dsn: str, default_s: int) -> dict[str, Any]:
+    """The ``connect_timeout`` argument for ``psycopg.connect(dsn, ...)``: ``default_s``,
+    unless the DSN or ``PGCONNECT_TIMEOUT`` sets one (then nothing, and libpq reads theirs).
+
+    An argument outranks the DSN's own value, so one given always replaced a DBA's
+    ``connect_timeout=15`` for a distant server with the caller's default, silently.  A
+    DSN libpq cannot parse gets the default: connecting then says what is wrong with it."""
+    if os.environ.get("PGCONNECT_TIMEOUT", "").strip():
+        return {}
+    try:
+        given = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return {"connect_timeout": default_s}
+    return {} if str(given.get("connect_timeout", "")).strip() else {"connect_timeout": default_s}

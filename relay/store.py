@@ -22,7 +22,7 @@ from psycopg.abc import Buffer
 from psycopg.rows import dict_row, tuple_row
 from psycopg.types.datetime import TimestamptzLoader
 
-from outbox_core.connect_errors import ConnectFailure, classify_connect_error
+from outbox_core.connect_errors import ConnectFailure, classify_connect_error, connect_timeout
 from outbox_core.pooling import transaction_pooled
 from relay.config import DSN_OPTION, mask_text
 from relay.errors import (
@@ -65,12 +65,8 @@ def connect(dsn: str, *, application_name: str = "outbox-relay", autocommit: boo
             connect_timeout_s: int = 5, option: str = DSN_OPTION) -> psycopg.Connection[Any]:
     """A new connection, errors translated (``option``: what gave the DSN)."""
     try:
-        conn = psycopg.connect(
-            dsn,
-            autocommit=autocommit,
-            application_name=application_name,
-            connect_timeout=connect_timeout_s,
-        )
+        conn = psycopg.connect(dsn, autocommit=autocommit, application_name=application_name,
+                               **connect_timeout(dsn, connect_timeout_s))
     except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
         raise translate_connect_error(exc, dsn, option=option) from None
     conn.adapters.register_loader("timestamptz", _TimestamptzOrInfinity)
