@@ -36,6 +36,14 @@ SESSION_TTL_S = 8 * 3600
 MIN_TOKEN_CHARS = 16
 REQUEST_TIMEOUT_S = 10.0
 MAX_FORM_BYTES = 16 * 1024
+#: Connections served at once; more are closed unanswered (each is a thread reading it).
+MAX_CONNECTIONS = 64
+#: Sign-in forms handed out and not yet used; past it the oldest is forgotten.
+MAX_LOGIN_FORMS = 1000
+#: Refused sign-ins within ``SIGN_IN_WINDOW_S`` before every sign-in is refused (429) until
+#: the oldest of them leaves the window: a token guessed at no more than this rate.
+MAX_REFUSED_SIGN_INS = 10
+SIGN_IN_WINDOW_S = 60.0
 HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'self'; form-action 'self'; "
                                "frame-ancestors 'none'; base-uri 'none'",
@@ -67,6 +75,7 @@ class Console:
         self.store = ConsoleStore(settings.dsn, application_name="outbox-relay-console", table=settings.table)
         self.sessions: dict[str, Session] = {}
         self.login_csrf: dict[str, float] = {}
+        self.refused_sign_ins: list[float] = []
         self.hosts: set[str] = set()
         #: Requests are read on threads of their own (one slow client held every other one
         #: for as long as it trickled bytes); what they do runs under this lock, one at a time.
@@ -112,11 +121,25 @@ class Console:
         return sid
 
     def new_login_csrf(self) -> str:
+        # Bounded: each GET of /login made one, kept ten minutes, however many were asked for.
         now = self.clock()
-        self.login_csrf = {t: exp for t, exp in self.login_csrf.items() if exp > now}
+        live = [(t, exp) for t, exp in self.login_csrf.items() if exp > now]
+        self.login_csrf = dict(live[-(MAX_LOGIN_FORMS - 1):])
         token = secrets.token_urlsafe(24)
         self.login_csrf[token] = now + 600
         return token
+
+    def sign_in_wait_s(self) -> float:
+        """Seconds until a sign-in may be tried again, after ``MAX_REFUSED_SIGN_INS`` refused
+        ones in a window (0: now).  Nothing limited the guesses at the token before."""
+        now = self.clock()
+        self.refused_sign_ins = [at for at in self.refused_sign_ins if at > now - SIGN_IN_WINDOW_S]
+        if len(self.refused_sign_ins) < MAX_REFUSED_SIGN_INS:
+            return 0.0
+        return self.refused_sign_ins[0] + SIGN_IN_WINDOW_S - now
+
+    def sign_in_refused(self) -> None:
+        self.refused_sign_ins.append(self.clock())
 
 
 class FormTooLarge(ValueError):
@@ -188,6 +211,8 @@ def make_handler(console: Console) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # noqa: N802 - stdlib's name
             if not self._host_ok():
+                console.log.warning("console_refused", client=self.client_address[0], path=self.path[:200],
+                                    reason="host")
                 self.send_page(HTTPStatus.MISDIRECTED_REQUEST, "unknown host", content_type="text/plain")
                 return
             parts = urlsplit(self.path)
@@ -226,7 +251,32 @@ class _Server(ThreadingHTTPServer):
     on stderr that any local client could repeat."""
 
     daemon_threads = True
+    request_queue_size = MAX_CONNECTIONS  # the listen queue: 5 made the kernel hold back a burst
     log: Any = None
+    busy_logged = 0.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Before, a thread for every connection however many: a client opening thousands
+        # and trickling bytes grew the console by a thread and a socket each.
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            now = time.monotonic()
+            if self.log is not None and now - self.busy_logged > 10:  # one line per 10 s of it
+                self.busy_logged = now
+                self.log.warning("console_busy", client=str(client_address[0]), connections=MAX_CONNECTIONS,
+                                 hint="connections over the limit are closed unanswered")
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         error = sys.exc_info()[1]

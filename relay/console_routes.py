@@ -162,11 +162,19 @@ class Routes:
         return f"now {store.cancel_run(run_id)}"
 
     def _login(self, form: dict[str, str]) -> None:
+        wait_s = self.c.sign_in_wait_s()
+        if wait_s > 0:
+            self.c.log.warning("console_refused", client=self.h.client_address[0], path="/login",
+                               reason="too_many_refused_sign_ins", retry_in_s=round(wait_s, 1))
+            self._page("Sign in", views.login(self.c.new_login_csrf(), "too many refused sign-ins: try again "
+                                              f"in {int(wait_s) + 1} s"), "/login", {}, HTTPStatus.TOO_MANY_REQUESTS)
+            return
         csrf = form.get("csrf", "")
         fresh = self.c.login_csrf.pop(csrf, None) is not None
         who = " ".join(form.get("who", "").split())[:64]
         sid = self.c.sign_in(who, form.get("token", "")) if fresh and who else None
         if sid is None:
+            self.c.sign_in_refused()
             self.c.log.warning("console_sign_in_refused", client=self.h.client_address[0], who=who)
             self._page("Sign in", views.login(self.c.new_login_csrf(), "wrong token, name missing or stale form"),
                        "/login", {}, HTTPStatus.FORBIDDEN)

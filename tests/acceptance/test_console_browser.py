@@ -388,3 +388,69 @@ def test_the_console_answers_what_an_audit_of_its_web_security_sent(outbox_db, s
     proc.sigterm()
     assert proc.wait(10) == 0
     assert "Traceback" not in proc.log_text(), proc.log_text()[-3000:]
+
+
+def _login_form(url: str) -> str:
+    with urllib.request.urlopen(url + "login", timeout=10) as page:  # noqa: S310 - 127.0.0.1 only
+        found = re.search(r'name="csrf" value="([^"]+)"', page.read().decode())
+    assert found is not None
+    return found.group(1)
+
+
+def test_the_console_limits_guesses_at_its_token_and_its_connections(outbox_db, spawn, tmp_path):
+    """Each of these was open on the code before (found by an audit of the console's web
+    security): any number of wrong tokens could be tried, each GET of /login kept a form for
+    ten minutes however many were asked for, a request refused for its Host left no log line,
+    and every connection got a thread of its own however many were open."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from relay.console import MAX_CONNECTIONS, MAX_LOGIN_FORMS, MAX_REFUSED_SIGN_INS
+
+    proc, url = _console(spawn, outbox_db, tmp_path, actions=True)
+    origin = url.rstrip("/")
+    first = _login_form(url)
+    for _ in range(MAX_LOGIN_FORMS):
+        newest = _login_form(url)
+    assert _post(url + "login", {"who": "alice", "token": TOKEN, "csrf": first}, Origin=origin) == 403  # forgotten
+    assert _post(url + "login", {"who": "alice", "token": TOKEN, "csrf": newest}, Origin=origin) == 200  # signed in
+    for _ in range(MAX_REFUSED_SIGN_INS - 1):
+        assert _post(url + "login", {"who": "mallory", "token": "wrong-" * 4, "csrf": _login_form(url)},
+                     Origin=origin) == 403
+    # The right token too is refused now, for the rest of the minute: guesses are that slow.
+    assert _post(url + "login", {"who": "alice", "token": TOKEN, "csrf": _login_form(url)}, Origin=origin) == 429
+    assert "too_many_refused_sign_ins" in proc.log_text()
+    request = urllib.request.Request(url, headers={"Host": "rebound.example:80"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)  # noqa: S310 - 127.0.0.1 only
+    assert refused.value.code == 421
+    proc.wait_for_log(re.compile(r"\"reason\": \"host\""), timeout_s=10)
+    # Connections past the limit are closed unanswered, and served again once others end.
+    parts = urlsplit(url)
+    held = [socket.create_connection((parts.hostname, parts.port), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    for sock in held:
+        sock.sendall(b"GET / HTTP/1.1\r\n")  # a request never finished
+
+    def extra_answered() -> bytes:
+        # Until the server has taken in every held connection, an extra one may still be served.
+        with socket.create_connection((parts.hostname, parts.port), timeout=3) as extra:
+            extra.sendall(f"GET / HTTP/1.1\r\nHost: {parts.netloc}\r\nConnection: close\r\n\r\n".encode())
+            return extra.recv(100)
+
+    wait_until(lambda: extra_answered() == b"", timeout_s=20, ignore=(OSError,),
+               message="a connection past the limit closed unanswered")
+    proc.wait_for_log(re.compile(r"console_busy"), timeout_s=10)
+    for sock in held:
+        sock.close()
+    wait_until(lambda: _served(url), timeout_s=15, message="the console serving again")
+    proc.sigterm()
+    assert proc.wait(10) == 0
+    assert "Traceback" not in proc.log_text(), proc.log_text()[-3000:]
+
+
+def _served(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as page:  # noqa: S310 - 127.0.0.1 only
+            return page.status == 200
+    except OSError:
+        return False
