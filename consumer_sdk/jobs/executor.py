@@ -31,7 +31,7 @@ from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.errors import InvalidJob, PermanentJobError
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import DeadReason, Outcome, WaitFor
-from consumer_sdk.jobs.retry import Backoff, describe, verdict
+from consumer_sdk.jobs.retry import Backoff, describe, error_type, verdict
 
 #: A handler: do the job's work for ``ctx``; return its result or a WaitFor, or raise.
 Handler = Callable[[JobContext], Any]
@@ -75,7 +75,10 @@ class Executor:
             if handler is None:
                 raise PermanentJobError(f"no handler is registered for kind {job.kind!r}")
             value = handler(ctx)
-        except Exception as exc:  # noqa: BLE001 - every handler failure is classified
+        except BaseException as exc:  # noqa: BLE001 - every handler failure is classified
+            # KeyboardInterrupt, SystemExit, asyncio.CancelledError or any BaseException a
+            # handler raises are its failure too: caught as Exception only, each ended an
+            # executor thread, the pool kept claiming jobs for it, and they stayed running.
             _tidy(ctx)
             outcome = self._after_error(ctx, exc, log)
         else:
@@ -118,7 +121,7 @@ class Executor:
         except InvalidJob as exc:  # the result or wait cannot be stored: it never will be
             return self._fail(ctx, "permanent_error", exc, log)
 
-    def _after_error(self, ctx: JobContext, exc: Exception, log: Any) -> Outcome:
+    def _after_error(self, ctx: JobContext, exc: BaseException, log: Any) -> Outcome:
         job = ctx.job
         if ctx.cancel_reason in NO_AUTHORITY:
             return "lost"
@@ -172,9 +175,9 @@ class Executor:
         self.metrics.parked.labels(ctx.job.queue).inc()
         return "waiting" if status == "waiting" else "requeued"
 
-    def _retry(self, ctx: JobContext, exc: Exception) -> Outcome:
+    def _retry(self, ctx: JobContext, exc: BaseException) -> Outcome:
         delay_s = self.backoff.delay_s(ctx.job.attempts, self.rand)
-        due = queue.retry(ctx.conn, ctx.lease, error=describe(exc), error_type=type(exc).__name__,
+        due = queue.retry(ctx.conn, ctx.lease, error=describe(exc), error_type=error_type(exc),
                           backoff_s=delay_s, now=self.db_now())
         if due is None:
             return "lost"
@@ -184,7 +187,7 @@ class Executor:
 
     def _dead(self, ctx: JobContext, reason: DeadReason, exc: BaseException) -> Outcome:
         facts = queue.fail(ctx.conn, ctx.lease, reason=reason, error=describe(exc),
-                           error_type=type(exc).__name__, now=self.db_now(),
+                           error_type=error_type(exc), now=self.db_now(),
                            events_topic=self.events_topic)
         if facts is None:
             return "lost"

@@ -46,11 +46,27 @@ class Heartbeat:
         self._keepalives: dict[JobId, Future[bool]] = {}
 
     def loop(self, every_s: float, stop: threading.Event) -> None:
+        watch = threading.Thread(target=self._watch, args=(every_s, stop), name="jobs-lease-watch", daemon=True)
+        watch.start()
         try:
             while not stop.wait(every_s):
                 self.once()
         finally:
             self._slot.close()
+
+    def _watch(self, every_s: float, stop: threading.Event) -> None:
+        """Cancel the attempts whose local deadline passed, without the database.  The
+        heartbeat did that only once its statement failed: in a partition that drops packets
+        the statement waited for TCP, for many minutes, and the handlers ran on while
+        another worker had taken their jobs (an audit of the worker pool)."""
+        while not stop.wait(min(every_s, 0.5)):
+            self.expire_overdue()
+
+    def expire_overdue(self) -> int:
+        """Cancel the running attempts past their local deadline (``lease_unconfirmed``)."""
+        now = self._clock()
+        return sum(self._lose(c, "lease_unconfirmed") for c in self._running()
+                   if not c.cancelled and now >= c.deadline)
 
     def close(self) -> None:
         self._keepalive_pool.shutdown(wait=False, cancel_futures=True)
@@ -74,8 +90,7 @@ class Heartbeat:
         except OutboxSdkError as exc:
             self.metrics.heartbeat_failures.inc()
             self.log.warning("heartbeat_failed", error=str(exc), jobs=len(contexts))
-            expired = [c for c in contexts if sent_at >= c.deadline]
-            return sum(self._lose(c, "lease_unconfirmed") for c in expired)
+            return self.expire_overdue()
         deadline = local_deadline(sent_at, self.lease_s)
         count = 0
         for ctx in contexts:

@@ -17,6 +17,7 @@ from typing import Literal
 from consumer_sdk.errors import PermanentError
 from consumer_sdk.jobs import _check
 from consumer_sdk.jobs.errors import InvalidJob, LeaseLost
+from consumer_sdk.rejections import message_of
 from outbox_core.backoff import backoff_s, ceiling_s
 
 Verdict = Literal["retry", "fail_permanent", "fail_exhausted", "lost"]
@@ -72,7 +73,22 @@ def verdict(exc: BaseException, *, attempts: int, max_attempts: int) -> Verdict:
 
 
 def describe(exc: BaseException, *, limit: int = 2000) -> str:
-    """A readable one-paragraph error for the dead letter: ``Type: message``, bounded."""
-    text = str(exc).strip() or "(no message)"
-    line = f"{type(exc).__name__}: {text}"
+    """A readable one-paragraph error for the dead letter: ``Type: message``, bounded, and
+    text PostgreSQL can store.  An exception whose ``__str__`` raised, or whose message held
+    a NUL or lone surrogates (bytes decoded with ``surrogateescape``), made the attempt's
+    write fail: no back-off, the job left to its lease, and its dead letter said the
+    workers had stopped renewing it (an audit of the worker pool)."""
+    text = message_of(exc).strip() or "(no message)"
+    line = storable(f"{error_type(exc)}: {text}")
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def error_type(exc: BaseException) -> str:
+    """The exception's class name, as stored in ``last_error_type`` (bounded)."""
+    return storable(type(exc).__name__)[:200]
+
+
+def storable(text: str) -> str:
+    """``text`` with lone surrogates as ``\\udcXX`` and NUL as ``\\x00``: PostgreSQL's text
+    holds neither."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
