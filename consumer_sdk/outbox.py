@@ -327,7 +327,9 @@ def write_events(conn: psycopg.Connection[Any], events: Sequence[OutboxEvent], *
     prepared = prepare(events)
     if not prepared.event_ids:
         return []
-    require_transaction(conn.autocommit, conn.info.transaction_status)
+    deferred = getattr(conn, "deferred", None)  # a worker pool's connection in ctx.fenced_transaction()
+    if deferred is None or not deferred.pending:  # pending: BEGIN and the fence go with the insert
+        require_transaction(conn.autocommit, conn.info.transaction_status)
     with insert_errors():
         if not wake_relay:
             _ran(conn.execute(query("sdk_outbox", "leave_relay_asleep")))

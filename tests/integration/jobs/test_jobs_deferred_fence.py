@@ -318,3 +318,20 @@ def test_the_first_statement_is_prepared_as_psycopg_would_prepare_it(dconn, jobs
     with ctx.fenced_transaction() as tx:
         tx.execute(INSERT, _params(job, 8))
     assert rows(jobs_db, "SELECT count(*) FROM effects") == [(8,)]
+
+
+def test_write_event_may_be_the_first_statement_of_a_fenced_transaction(dconn, jobs_db):
+    # It refused with TransactionRequired: BEGIN, held back until the first statement, had
+    # not been sent, so the autocommit connection looked outside a transaction (an audit
+    # of the worker pool; enqueue, activate and accept went through).
+    from consumer_sdk import write_event
+
+    job = _job(dconn, now=at(0), lease_s=10)
+    ctx = JobContext(job, dconn, deadline=float("inf"), db_now=lambda: at(5))
+    with ctx.fenced_transaction() as tx:
+        write_event(tx, topic="t.jobs", key="k", payload={"step": 1})
+    late = JobContext(job, dconn, deadline=float("inf"), db_now=lambda: at(10.5))
+    with pytest.raises(LeaseLost), late.fenced_transaction() as tx:
+        write_event(tx, topic="t.jobs", key="k", payload={"step": 2})
+    assert _idle(dconn)
+    assert rows(jobs_db, "SELECT payload::text FROM outbox") == [('{"step": 1}',)]
