@@ -40,7 +40,9 @@ def translated() -> Iterator[None]:
         raise SchemaMissing("the jobs schema is missing: run `outbox-relay migrate` (0005_jobs)") from exc
     except psycopg.errors.TransactionRollback as exc:
         raise TransactionConflict(f"transaction aborted: {first_line(exc)}") from exc
-    except psycopg.errors.IntegrityError as exc:
+    except (psycopg.errors.IntegrityError, psycopg.errors.ProgramLimitExceeded) as exc:
+        # A limit (a jsonb over 256 MB, an index row too large) is the row's, not a passing
+        # outage: read as DatabaseUnavailable, its write was tried again for ever.
         raise InvalidJob(f"the database refused the row: {first_line(exc)}") from exc
     except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
         raise DatabaseUnavailable(f"database unavailable: {first_line(exc)}") from exc

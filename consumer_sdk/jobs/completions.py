@@ -33,6 +33,9 @@ from consumer_sdk.jobs.model import JobId
 from consumer_sdk.jobs.queue import Done
 
 T = TypeVar("T")
+#: The results' characters one round writes at most (PostgreSQL caps the statement's jsonb
+#: array of completions at 256 MB: two results of 140 MB failed it at every round, for ever).
+MAX_ROUND_CHARS = 32 * 1024 * 1024
 #: Writes these completions (and maybe more): (the facts of the jobs completed, the rest).
 Write = Callable[[Sequence[Done]], tuple[Mapping[JobId, JobFacts], T]]
 
@@ -59,6 +62,7 @@ class Completions:
         self._clock = clock
         self.within_s = within_s
         self._pending: list[Pending] = []
+        self._chars = 0  # the pending results' characters
         #: When the oldest success must be written at the latest (None: none waits).
         self.due: float | None = None
         #: The owners of the jobs the last write completed, with how many each.
@@ -67,10 +71,14 @@ class Completions:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, ctx: JobContext, result_json: str, duration_s: float, *, wake_before: float) -> bool:
+    def add(self, ctx: JobContext, result_json: str, duration_s: float, *, wake_before: float) -> bool | None:
         """Keep a success (call it under the lock); True when it is the first since the last
-        round and due before ``wake_before``: the dispatcher must be woken."""
+        round and due before ``wake_before``: the dispatcher must be woken.  None, and not
+        kept, when the round has no room for its result: its executor writes it alone."""
+        if self._chars + len(result_json) > MAX_ROUND_CHARS:
+            return None
         ctx.completing = True
+        self._chars += len(result_json)
         self._pending.append(Pending(ctx, Done(ctx.job.id, ctx.job.token, result_json), duration_s))
         if self.due is not None:
             return False
@@ -81,7 +89,7 @@ class Completions:
         """Take every waiting success, ``write`` them and settle them; put them back first
         in line if ``write`` raises."""
         with self._lock:
-            pending, self._pending, self.due = self._pending, [], None
+            pending, self._pending, self.due, self._chars = self._pending, [], None, 0
         self.last_written = Counter()
         lost = [p for p in pending if p.ctx.cancel_reason in NO_AUTHORITY]
         if lost:  # not written at all: the pool knows their lease lost
@@ -93,6 +101,7 @@ class Completions:
             if pending:
                 with self._lock:
                     self._pending[:0] = pending
+                    self._chars += sum(len(p.done.result_json) for p in pending)
                     self.due = self._clock() + self.within_s
             raise
         self.settle(pending, facts)

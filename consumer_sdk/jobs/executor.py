@@ -92,7 +92,10 @@ class Executor:
             assert self.complete_later is not None
             if self.complete_later(ctx, later.result_json, elapsed):
                 return "completing"
-            outcome = self._write(ctx, log, lambda: self._complete(ctx, later.result_json))
+            try:
+                outcome = self._write(ctx, log, lambda: self._complete(ctx, later.result_json))
+            except InvalidJob as exc:  # the result cannot be stored (over jsonb's limit): it never will be
+                outcome = self._fail(ctx, "permanent_error", exc, log)
         if outcome == "lost":
             self.metrics.leases_lost.labels(job.queue, ctx.cancel_reason or "write_refused").inc()
         log.info("job_attempt_finished", outcome=outcome, duration_s=round(elapsed, 4),

@@ -13,8 +13,8 @@ Threads, each with its own connection:
   job and takes the next), the handler on the executor's connection (see
   :class:`~consumer_sdk.jobs.context.JobContext`); a success is handed to the dispatcher
   (its lease still held and renewed); every other outcome is written by the executor;
-* the heartbeat (:mod:`consumer_sdk.jobs.heartbeat`): every ``heartbeat_interval_s``,
-  renews every lease of the pool in one statement, cancels the attempts that lost one;
+* the heartbeat (:mod:`consumer_sdk.jobs.heartbeat`): every ``heartbeat_interval_s`` one statement
+  renews the pool's leases; an attempt that lost one, or passed its local deadline, is cancelled;
 * the listener (``listen=True``): LISTEN outbox_jobs, a wake-up per notification.
 
 Completions are written per round: see :mod:`consumer_sdk.jobs.completions` on crashes.
@@ -385,9 +385,9 @@ class WorkerPool:
         if not self._dispatching or self._stopping.is_set():
             return False
         with self._lock:  # the dispatcher computes its wait under it: it saw `due`, or we see its wait
-            if self._done.add(ctx, result_json, duration_s, wake_before=self._sleeping_until):
+            if wake := self._done.add(ctx, result_json, duration_s, wake_before=self._sleeping_until):
                 self._wake.set()
-        return True
+        return wake is not None  # None: too large for a round, written alone by the executor
 
     def _write_completions(self, conn: Any) -> None:
         if len(self._done):

@@ -114,3 +114,45 @@ def test_a_partition_that_drops_packets_cancels_the_handlers_at_their_deadline(c
     assert reason == "lease_unconfirmed"
     assert at - cut_at < 3.5
     proxy.restore()
+
+
+def test_large_results_finishing_together_are_written_and_the_pool_claims_on(conn, jobs_db, pools):
+    # Two results of 140 MB, each storable: written in one round's statement, whose jsonb
+    # array of completions PostgreSQL caps at 256 MB, they failed it at every round, read
+    # as "database unavailable", and nothing was claimed again (an audit of the pool).
+    both = threading.Barrier(2)
+
+    def big(ctx: Any) -> str:
+        both.wait(20)
+        return "x" * 140_000_000
+
+    pools({"big": big, "small": lambda ctx: "ok"}, max_concurrency=2, lease_duration_s=60.0, **FAST)
+    enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="big", payload={}) for _ in range(2)])
+    wait_until(lambda: rows(jobs_db, "SELECT count(*) FROM jobs WHERE status = 'succeeded'") == [(2,)],
+               timeout_s=60, message=lambda: str(rows(jobs_db, "SELECT id, status, attempts FROM jobs")))
+    assert rows(jobs_db, "SELECT octet_length(result::text) FROM jobs") == [(140_000_002,), (140_000_002,)]
+    enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="small", payload={}) for _ in range(5)])
+    wait_until(lambda: rows(jobs_db, "SELECT count(*) FROM jobs WHERE status = 'succeeded'") == [(7,)],
+               timeout_s=20, message="the small jobs done after them")
+
+
+def test_a_result_the_database_refuses_for_its_size_fails_the_job_with_the_reason(conn, jobs_db, pools):
+    # A result over jsonb's 256 MB limit: PostgreSQL's program_limit_exceeded (54000), read
+    # as "database unavailable", left the job to its lease attempt after attempt.  The
+    # limit is raised here by a trigger with that SQLSTATE, for a result of 34 MB (too large
+    # for a round's statement too: written alone).
+    conn.execute("""
+        CREATE FUNCTION refuse_large_result() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            RAISE EXCEPTION 'total size of jsonb array elements exceeds the maximum of 268435455 bytes'
+                USING ERRCODE = '54000';
+        END $$;
+        CREATE TRIGGER refuse_large_result BEFORE UPDATE OF result ON jobs FOR EACH ROW
+            WHEN (octet_length(NEW.result::text) > 34000000) EXECUTE FUNCTION refuse_large_result();
+    """)
+    pools({"big": lambda ctx: "x" * 34_000_001}, max_concurrency=1, lease_duration_s=60.0, **FAST)
+    enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="big", payload={}, max_attempts=5)])
+    wait_until(lambda: "big" in _dead_letters(jobs_db), timeout_s=20, message="the job dead-lettered")
+    reason, error_type, error, attempts = _dead_letters(jobs_db)["big"]
+    assert (reason, error_type, attempts) == ("permanent_error", "InvalidJob", 1)
+    assert "exceeds the maximum of 268435455 bytes" in error
