@@ -256,7 +256,11 @@ class ShardWorker:
     def _run(self) -> None:
         result = self._init()
         self._results.put(result)
-        while result.ok:
+        # On after a transaction aborted cleanly (a row the broker refused, a topic missing):
+        # the pump rewinds and sends this shard's rows again, to this worker.  Ending here,
+        # as it did on any failure, left the shard's next job to a thread that was gone: its
+        # rows pending for ever, its lease still renewed (an audit of exactly-once mode).
+        while not result.broken:
             job = self._jobs.get()
             if job is None:
                 break

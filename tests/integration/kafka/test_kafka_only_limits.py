@@ -62,8 +62,8 @@ def _dead_letters(dsn: str) -> list[dict[str, Any]]:
     return list(json.loads(out.stdout))
 
 
-def _run_relay(spawn: Any, dsn: str, bootstrap: str, max_attempts: int) -> Any:
-    env = relay_env(dsn, bootstrap, max_attempts=max_attempts, backoff_max_s=0.5)
+def _run_relay(spawn: Any, dsn: str, bootstrap: str, max_attempts: int, **settings: str) -> Any:
+    env = relay_env(dsn, bootstrap, max_attempts=max_attempts, backoff_max_s=0.5, **settings)
     env["OUTBOX_RELAY_KAFKA_TOPIC_METADATA_PROPAGATION_MAX_MS"] = "1000"
     return spawn(relay_cmd("run"), env=env, name="relay-limits")
 
@@ -76,9 +76,13 @@ def _small_topic(broker: ApacheKafkaBroker, name: str) -> None:
     del admin
 
 
+@pytest.mark.parametrize("mode", ["default", "exactly-once"])
 def test_records_over_the_brokers_limits_and_unknown_topics_are_dead_lettered(
-        outbox_db, strict_kafka, spawn, topic_name):
-    """Each refused row is alone in its partition; the other topics' rows flow meanwhile."""
+        outbox_db, strict_kafka, spawn, topic_name, mode):
+    """Each refused row is alone in its partition; the other topics' rows flow meanwhile.
+    In exactly-once mode a refused row aborts its shard's transaction: until an audit of
+    that mode, the shard's worker ended with it, and the row and every later row of its
+    shard stayed pending for ever, nothing dead-lettered."""
     topic, big, small = topic_name("ok"), topic_name("big"), topic_name("small")
     missing = topic_name("never-created")
     create_topic(strict_kafka.bootstrap, topic, partitions=3)
@@ -91,7 +95,10 @@ def test_records_over_the_brokers_limits_and_unknown_topics_are_dead_lettered(
         _write(conn, missing, "lost", 0)                           # unknown topic, no auto-create
         for seq in range(200):
             good.add(_write(conn, topic, f"ok{seq % 10}", seq // 10))
-    relay = _run_relay(spawn, outbox_db, strict_kafka.bootstrap, max_attempts=2)
+    eo = {} if mode == "default" else {
+        "exactly_once": "true", "exactly_once_position_topic": topic_name("pos"),
+        "exactly_once_transactional_id_prefix": topic_name("txn") + "."}
+    relay = _run_relay(spawn, outbox_db, strict_kafka.bootstrap, max_attempts=2, **eo)
     wait_drained(outbox_db, timeout_s=90)
 
     delivery = check_delivery(read_all(strict_kafka.bootstrap, topic, good, timeout_s=60), good)
