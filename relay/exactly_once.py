@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from relay.errors import LeaseLost
 from relay.exactly_once_shard import Headers, Job, Result, ShardWorker, ensure_position_topic
@@ -58,6 +58,12 @@ MAX_ROWS_PER_TRANSACTION = 20_000
 FULL_TRANSACTION_ROWS = 1_000
 
 
+class RecoveryStore(MarkStore, Protocol):
+    """The recovery connection's store (relay.store.Store)."""
+
+    def rows_holding(self, listed: list[tuple[RowId, str]]) -> list[RowId]: ...
+
+
 @dataclass(slots=True)
 class _Shard:
     worker: ShardWorker
@@ -65,7 +71,7 @@ class _Shard:
     running: bool = False  # a transaction job is out
     started_at: float = float("-inf")  # when the last transaction job went out (clock)
     buffer: list[tuple[OutboxRow, Headers, DeliveryCallback]] = field(default_factory=list)
-    unconfirmed: set[RowId] = field(default_factory=set)  # committed, mark not confirmed
+    unconfirmed: dict[RowId, str] = field(default_factory=dict)  # committed, mark not confirmed: event_id
     poisoned: bool = False  # a transaction failed: nothing more until the pump rewinds
 
 
@@ -74,7 +80,7 @@ class TransactionalPublisher:
 
     def __init__(self, *, config: dict[str, str], plain: Publisher, leases: LeaseManager,
                  table: str, position_topic: str, transactional_id_prefix: str,
-                 recovery_store: MarkStore, log: Any, metrics: Any = None,
+                 recovery_store: RecoveryStore, log: Any, metrics: Any = None,
                  clock: Callable[[], float] = time.monotonic, commit_interval_s: float = 0.0,
                  outbox: str = "", on_fatal: Callable[[str], None] | None = None) -> None:
         self._config = dict(config)
@@ -119,7 +125,8 @@ class TransactionalPublisher:
         to list them any more."""
         done = set(ids)
         for state in self._shards.values():
-            state.unconfirmed -= done
+            for row_id in done & state.unconfirmed.keys():
+                del state.unconfirmed[row_id]
 
     def rewound(self) -> None:
         """The pump rewound: failed shards may produce again."""
@@ -140,7 +147,7 @@ class TransactionalPublisher:
         elif state.poisoned:
             outcome = Outcome(ok=False, error_class="earlier_transaction_failed",
                               message="an earlier transaction of this shard failed")
-        elif row.id in state.unconfirmed:  # committed already; its mark was lost
+        elif state.unconfirmed.get(row.id) == row.event_id:  # committed already; its mark was lost
             outcome = Outcome(ok=True)
         else:
             state.buffer.append((row, headers, on_delivery))
@@ -194,16 +201,22 @@ class TransactionalPublisher:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _recover(self, shard: ShardId, token: Token, ids: list[RowId]) -> None:
-        """On a worker's thread: mark what the last committed position lists (fenced)."""
-        rows = [OutboxRow(id=i, event_id="", topic="", key=None, value=None, headers_json="",
-                          xid=0, shard=shard, attempts=0, created_epoch=0.0) for i in ids]
+    def _recover(self, shard: ShardId, token: Token, ids: list[RowId], event_ids: list[str] | None) -> None:
+        """On a worker's thread: mark what the last committed position lists (fenced), the
+        rows that still hold the event the record names.  A database restored from a backup
+        hands the ids published since out again, to new rows, which were marked published
+        by the id alone and never sent (an audit of exactly-once mode).  A record from
+        before event ids were listed is read by its ids."""
         with self._store_lock:
+            found = ids if event_ids is None else self._store.rows_holding(list(zip(ids, event_ids, strict=True)))
+            rows = [OutboxRow(id=i, event_id="", topic="", key=None, value=None, headers_json="",
+                              xid=0, shard=shard, attempts=0, created_epoch=0.0) for i in found]
             held, marked = self._store.mark_published(owner=self._leases.owner,
                                                       leases=[Lease(shard, token, 0.0)], rows=rows)
         if shard not in held:
             raise LeaseLost(f"shard {shard}: lease taken over during recovery")
-        self._log.info("exactly_once_recovered", shard=shard, listed=len(ids), marked=len(marked))
+        self._log.info("exactly_once_recovered", shard=shard, listed=len(ids), marked=len(marked),
+                       other_events=len(ids) - len(found))
 
     def _sync_leases(self) -> None:
         held = {shard: lease.token for shard, lease in self._leases.leases.items()}
@@ -261,7 +274,7 @@ class TransactionalPublisher:
             outcome = "committed" if result.ok else ("fenced" if result.fenced else "aborted")
             self._metrics.transactions.labels(outcome).inc()
         if result.ok and current and state is not None:
-            state.unconfirmed.update(row.id for row in result.rows)
+            state.unconfirmed.update((row.id, row.event_id) for row in result.rows)
         elif not result.ok:
             self._log.warning("transaction_failed", shard=worker.shard, rows=len(result.rows),
                               fenced=result.fenced, error=result.error)
@@ -334,9 +347,9 @@ class TransactionalPublisher:
             del state.buffer[:MAX_ROWS_PER_TRANSACTION]
             state.running = True
             state.started_at = now
-            ids = state.unconfirmed | {row.id for row, _h, _cb in take}
+            listed = {**state.unconfirmed, **{row.id: row.event_id for row, _h, _cb in take}}
             state.worker.submit(Job(rows=[(row, h) for row, h, _cb in take],
-                                    position_ids=sorted(ids),
+                                    position=sorted(listed.items()),
                                     callbacks={row.id: cb for row, _h, cb in take}))
         self._serve_immediate()
 

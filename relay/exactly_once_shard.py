@@ -44,7 +44,7 @@ SHARED_PREFIXES = ("bootstrap.servers", "security.", "sasl.", "ssl.", "client.",
                    "enable.ssl", "retry.backoff", "connections.max.idle")
 
 Headers = list[tuple[str, str | bytes | None]]
-Recover = Callable[[ShardId, Token, list[RowId]], None]
+Recover = Callable[[ShardId, Token, list[RowId], "list[str] | None"], None]
 
 
 def shared_config(config: dict[str, str]) -> dict[str, Any]:
@@ -110,6 +110,8 @@ class Position:
     ids: list[RowId]  # the rows it lists ([]: no record)
     writer: str | None  # the outbox that wrote it (None: no record, or one from before 0013)
     end: int  # the partition's high watermark when the read began
+    #: Each listed row's event_id (None: a record written before they were listed).
+    event_ids: list[str] | None = None
 
 
 class PositionReader:
@@ -161,7 +163,9 @@ class PositionReader:
         if last is None:
             return Position([], None, high)
         record = json.loads(last)
-        return Position([RowId(int(i)) for i in record["ids"]], record.get("outbox"), high)
+        event_ids = record.get("event_ids")
+        return Position([RowId(int(i)) for i in record["ids"]], record.get("outbox"), high,
+                        None if event_ids is None else [str(e) for e in event_ids])
 
     def close(self) -> None:
         self._consumer.close()
@@ -202,7 +206,7 @@ def _last_record(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> by
 @dataclass(slots=True)
 class Job:
     rows: list[tuple[OutboxRow, Headers]]
-    position_ids: list[RowId]
+    position: list[tuple[RowId, str]]  # what the position record lists: (id, event_id)
     callbacks: dict[RowId, Any]  # the pump's; only handed back, never called here
 
 
@@ -307,7 +311,7 @@ class ShardWorker:
             if reader.end() != position.end:
                 position = reader.read()
                 self._refuse_foreign(position.writer)
-            self._recover(self.shard, self.token, position.ids)
+            self._recover(self.shard, self.token, position.ids, position.event_ids)
         except KafkaException as exc:
             err = exc.args[0]
             return Result(self, init=True, fenced=err.code() in FENCED_CODES, broken=True,
@@ -355,8 +359,10 @@ class ShardWorker:
                     break
             if failed_row is not None:  # nothing of this transaction may commit
                 raise KafkaException(KafkaError(KafkaError._STATE, failed_row[1].message))
-            value = json.dumps({"token": self.token, "ids": job.position_ids,
-                                "outbox": self._outbox}).encode()
+            # The event ids too: a row id alone may name another row by the time the record
+            # is read (a database restored from a backup hands its ids out again).
+            value = json.dumps({"token": self.token, "ids": [i for i, _ in job.position],
+                                "event_ids": [e for _, e in job.position], "outbox": self._outbox}).encode()
             producer.produce(self._position_topic, value=value, key=str(self.shard).encode(),
                              partition=self.shard)
             producer.commit_transaction(COMMIT_TIMEOUT_S)

@@ -102,7 +102,7 @@ def test_rows_go_in_one_transaction_and_report_inside_poll(setup) -> None:
         assert publisher.send(row(i), cb(seen)) is None
     publisher.poll(0)
     assert [r.id for r, _ in worker.jobs[0].rows] == [1, 2]
-    assert worker.jobs[0].position_ids == [1, 2]
+    assert worker.jobs[0].position == [(1, "e1"), (2, "e2")]
     worker.finish()
     assert seen == []  # never from the worker: only inside poll
     publisher.poll(0)
@@ -110,13 +110,13 @@ def test_rows_go_in_one_transaction_and_report_inside_poll(setup) -> None:
     # Not confirmed yet: the next position record still lists them.
     publisher.send(row(3), cb(seen))
     publisher.poll(0)
-    assert worker.jobs[1].position_ids == [1, 2, 3]
+    assert worker.jobs[1].position == [(1, "e1"), (2, "e2"), (3, "e3")]
     publisher.confirm_marked([RowId(1), RowId(2)])
     worker.finish()
     publisher.poll(0)
     publisher.send(row(4), cb(seen))
     publisher.poll(0)
-    assert worker.jobs[2].position_ids == [3, 4]
+    assert worker.jobs[2].position == [(3, "e3"), (4, "e4")]
 
 
 def test_a_committed_row_claimed_again_is_not_produced_again(setup) -> None:
@@ -130,6 +130,12 @@ def test_a_committed_row_claimed_again_is_not_produced_again(setup) -> None:
     publisher.poll(0)
     assert len(worker.jobs) == 1
     assert seen == [(1, True, ""), (1, True, "")]
+    # Another event under that id (a database restored from a backup hands ids out again):
+    # produced, not taken for the committed one.
+    other = row(1)._replace(event_id="e1-after-a-restore")
+    publisher.send(other, cb(seen))
+    publisher.poll(0)
+    assert len(worker.jobs) == 2 and worker.jobs[1].rows[0][0] is other
 
 
 def test_a_failed_transaction_fails_what_follows_until_the_rewind(setup) -> None:
@@ -357,7 +363,7 @@ def test_another_outboxs_position_record_stops_the_relay_and_marks_nothing(
     for writer in ("9f2a-this/outbox", None):
         assert init([Position([RowId(5)], writer, 7)], [7]).ok
         assert FakeReader.reads == 1
-    assert [ids for _shard, _token, ids in recovered] == [[5], [5]]
+    assert [ids for _shard, _token, ids, _events in recovered] == [[5], [5]]
     assert inits == ["x.outbox.3"] * 2
     # The end moved (the previous holder's open transaction aborted or committed): read again.
     assert init([Position([RowId(5)], None, 7), Position([RowId(6)], "9f2a-this/outbox", 9)], [9]).ok
