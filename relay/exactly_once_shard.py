@@ -100,7 +100,8 @@ def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
 
 
 class ForeignPosition(Exception):
-    """A shard's position record was written by another outbox's relay."""
+    """A shard's position record was written by another outbox's relay, or is not one a
+    relay wrote: a person must act (the relay stops, nothing marked)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,10 +163,28 @@ class PositionReader:
             tail *= 8
         if last is None:
             return Position([], None, high)
-        record = json.loads(last)
-        event_ids = record.get("event_ids")
-        return Position([RowId(int(i)) for i in record["ids"]], record.get("outbox"), high,
-                        None if event_ids is None else [str(e) for e in event_ids])
+        value, offset = last
+        if value is None:  # a tombstone: nothing listed (a relay writes none)
+            return Position([], None, high)
+        try:
+            record = json.loads(value)
+            ids = [RowId(int(i)) for i in record["ids"]]
+            event_ids = record.get("event_ids")
+            if event_ids is not None and (not isinstance(event_ids, list) or len(event_ids) != len(ids)):
+                raise ValueError("event_ids do not match ids")
+            writer = record.get("outbox")
+            if writer is not None and not isinstance(writer, str):
+                raise ValueError("outbox is not a string")
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError
+            # Retried for ever before, as "KeyError: 'ids'", naming no record, the shard held
+            # and its rows pending (an audit of exactly-once mode).
+            where = f"{self._tp.topic}[{self._tp.partition}]@{offset}"
+            raise ForeignPosition(
+                f"exactly-once: the last record of {where} is not a position record a relay wrote "
+                f"({type(exc).__name__}: {str(exc)[:120]}): something else writes to the position topic. "
+                "Stop it; then, to go on, produce a record {\"ids\": []} to that partition (rows "
+                "committed to Kafka whose mark was lost may then be sent again). Nothing was marked") from None
+        return Position(ids, writer, high, None if event_ids is None else [str(e) for e in event_ids])
 
     def close(self) -> None:
         self._consumer.close()
@@ -181,10 +200,11 @@ def read_position(config: dict[str, str], topic: str, shard: ShardId,
         reader.close()
 
 
-def _last_record(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> bytes | None:
-    """Read from ``tp`` to the end (read_committed: the last stable offset)."""
+def _last_record(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> tuple[bytes | None, int] | None:
+    """Read from ``tp`` to the end (read_committed: the last stable offset): the last
+    record's value and offset."""
     consumer.assign([tp])
-    last: bytes | None = None
+    last: tuple[bytes | None, int] | None = None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         # One message at a time: consume(n, timeout) waits out its timeout unless n came,
@@ -195,7 +215,7 @@ def _last_record(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> by
             continue
         err = msg.error()
         if err is None:
-            last = msg.value()
+            last = msg.value(), msg.offset() or 0
         elif err.code() == KafkaError._PARTITION_EOF:
             return last
         elif err.fatal() or not err.retriable():

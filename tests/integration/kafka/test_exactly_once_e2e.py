@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from tests.fixtures.broker import create_topic, read_all
@@ -286,3 +287,41 @@ def test_the_position_read_finds_the_last_committed_record(kafka_broker, topic_n
     finally:
         reader.close()
     producer.flush(10)
+
+
+def test_a_record_no_relay_wrote_stops_the_relay_with_where_it_is(db_dsn, kafka_broker, topic_name):
+    """Something else wrote to the position topic: its record was read as JSONDecodeError or
+    KeyError: 'ids', retried for ever, the shard held and its rows pending, the log naming
+    no record (an audit of exactly-once mode).  Now the relay stops, as for another
+    outbox's record, with the topic, the partition and the offset; nothing is marked."""
+    from confluent_kafka import Producer
+
+    from relay.exactly_once_shard import ForeignPosition, ensure_position_topic, read_position
+    from relay.model import ShardId
+
+    config = {"bootstrap.servers": kafka_broker.bootstrap}
+    eo = _eo(topic_name)
+    position_topic = eo["exactly_once_position_topic"]
+    ensure_position_topic(config, position_topic, 16)
+    producer = Producer(config)
+    for partition, value in ((3, b"not json"), (4, b'{"token": 1}'), (5, b'{"ids": [1, 2], "event_ids": ["x"]}'),
+                             (6, None)):
+        producer.produce(position_topic, value, key=str(partition).encode(), partition=partition)
+    assert producer.flush(30) == 0
+    for partition in (3, 4, 5):
+        with pytest.raises(ForeignPosition, match=rf"{position_topic}\[{partition}\]@0 is not a position record"):
+            read_position(config, position_topic, ShardId(partition))
+    assert read_position(config, position_topic, ShardId(6)).ids == []  # a tombstone lists nothing
+    dsn = migrated(db_dsn)
+    topic = topic_name("eo-garbage")
+    create_topic(kafka_broker.bootstrap, topic, partitions=3)
+    insert_rows(dsn, topic, 200, keys=20)
+    relay = RelayThread(dsn, kafka_broker.bootstrap, **eo).start()
+    relay._thread.join(60)  # noqa: SLF001 - it stops on its own
+    stopped = not relay._thread.is_alive()  # noqa: SLF001
+    if not stopped:
+        relay.relay.stop()
+        relay._thread.join(30)  # noqa: SLF001
+    assert stopped, "the relay did not stop"
+    assert relay.error is not None and getattr(relay.error, "exit_code", None) == 2, relay.error
+    assert "is not a position record a relay wrote" in str(relay.error)
