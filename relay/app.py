@@ -258,7 +258,7 @@ class Relay:
             transactional_id_prefix=s.exactly_once_transactional_id_prefix,
             recovery_store=self._store(":exactly-once"), log=self.log, metrics=self.metrics,
             clock=self.clock, commit_interval_s=s.exactly_once_commit_interval_s,
-            outbox=outbox, on_fatal=lambda message: self._end(ConfigError(message)))
+            outbox=outbox, on_fatal=lambda message: self._end(ConfigError(message)), nshards=nshards)
 
     def _backlog(self, pending: int, oldest_age_s: float, retrying: int) -> None:
         """The backlog gauges' figures (relay/gauges.py)."""

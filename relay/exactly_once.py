@@ -43,8 +43,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from relay.errors import LeaseLost
-from relay.exactly_once_shard import Headers, Job, Result, ShardWorker, ensure_position_topic
+from relay.errors import ConfigError, LeaseLost
+from relay.exactly_once_shard import (
+    BrokerUnreachable,
+    Headers,
+    Job,
+    Result,
+    ShardWorker,
+    ensure_position_topic,
+    event_digest,
+)
 from relay.leases import LeaseManager
 from relay.marker import MarkStore
 from relay.model import Lease, OutboxRow, RowId, ShardId, Token
@@ -52,6 +60,7 @@ from relay.publisher import BadRow, DeliveryCallback, Outcome, Publisher, encode
 
 INIT_RETRY_INITIAL_S = 0.5
 INIT_RETRY_MAX_S = 10.0
+POSITION_RECREATE_EVERY_S = 5.0  # a deleted position topic is created again at most this often
 MAX_ROWS_PER_TRANSACTION = 20_000
 #: A shard's buffer this full starts its transaction without waiting out the commit interval:
 #: a backlog is drained in transactions of this size or more, back to back.
@@ -61,7 +70,7 @@ FULL_TRANSACTION_ROWS = 1_000
 class RecoveryStore(MarkStore, Protocol):
     """The recovery connection's store (relay.store.Store)."""
 
-    def rows_holding(self, listed: list[tuple[RowId, str]]) -> list[RowId]: ...
+    def event_ids(self, ids: list[RowId]) -> list[tuple[RowId, str]]: ...
 
 
 @dataclass(slots=True)
@@ -71,7 +80,8 @@ class _Shard:
     running: bool = False  # a transaction job is out
     started_at: float = float("-inf")  # when the last transaction job went out (clock)
     buffer: list[tuple[OutboxRow, Headers, DeliveryCallback]] = field(default_factory=list)
-    unconfirmed: dict[RowId, str] = field(default_factory=dict)  # committed, mark not confirmed: event_id
+    #: Committed rows whose mark is not confirmed, with their event_digest.
+    unconfirmed: dict[RowId, int] = field(default_factory=dict)
     poisoned: bool = False  # a transaction failed: nothing more until the pump rewinds
 
 
@@ -82,8 +92,10 @@ class TransactionalPublisher:
                  table: str, position_topic: str, transactional_id_prefix: str,
                  recovery_store: RecoveryStore, log: Any, metrics: Any = None,
                  clock: Callable[[], float] = time.monotonic, commit_interval_s: float = 0.0,
-                 outbox: str = "", on_fatal: Callable[[str], None] | None = None) -> None:
+                 outbox: str = "", on_fatal: Callable[[str], None] | None = None, nshards: int = 0) -> None:
         self._config = dict(config)
+        self._nshards = nshards  # the position topic's partitions, should it be created again
+        self._recreate_after = float("-inf")
         self._outbox = outbox  # migration 0013's identity, in every position record
         self._on_fatal = on_fatal
         self._commit_interval_s = commit_interval_s
@@ -147,7 +159,8 @@ class TransactionalPublisher:
         elif state.poisoned:
             outcome = Outcome(ok=False, error_class="earlier_transaction_failed",
                               message="an earlier transaction of this shard failed")
-        elif state.unconfirmed.get(row.id) == row.event_id:  # committed already; its mark was lost
+        elif row.id in state.unconfirmed and state.unconfirmed[row.id] == event_digest(row.event_id):
+            # committed already; its mark was lost
             outcome = Outcome(ok=True)
         else:
             state.buffer.append((row, headers, on_delivery))
@@ -201,14 +214,18 @@ class TransactionalPublisher:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _recover(self, shard: ShardId, token: Token, ids: list[RowId], event_ids: list[str] | None) -> None:
+    def _recover(self, shard: ShardId, token: Token, ids: list[RowId], events: list[int] | None) -> None:
         """On a worker's thread: mark what the last committed position lists (fenced), the
         rows that still hold the event the record names.  A database restored from a backup
         hands the ids published since out again, to new rows, which were marked published
         by the id alone and never sent (an audit of exactly-once mode).  A record from
         before event ids were listed is read by its ids."""
         with self._store_lock:
-            found = ids if event_ids is None else self._store.rows_holding(list(zip(ids, event_ids, strict=True)))
+            if events is None:
+                found = ids
+            else:
+                listed = dict(zip(ids, events, strict=True))
+                found = [i for i, event_id in self._store.event_ids(ids) if event_digest(event_id) == listed[i]]
             rows = [OutboxRow(id=i, event_id="", topic="", key=None, value=None, headers_json="",
                               xid=0, shard=shard, attempts=0, created_epoch=0.0) for i in found]
             held, marked = self._store.mark_published(owner=self._leases.owner,
@@ -274,7 +291,7 @@ class TransactionalPublisher:
             outcome = "committed" if result.ok else ("fenced" if result.fenced else "aborted")
             self._metrics.transactions.labels(outcome).inc()
         if result.ok and current and state is not None:
-            state.unconfirmed.update((row.id, row.event_id) for row in result.rows)
+            state.unconfirmed.update((row.id, event_digest(row.event_id)) for row in result.rows)
         elif not result.ok:
             self._log.warning("transaction_failed", shard=worker.shard, rows=len(result.rows),
                               fenced=result.fenced, error=result.error)
@@ -307,6 +324,8 @@ class TransactionalPublisher:
             if self._on_fatal is not None:
                 self._on_fatal(result.error)
             return 0
+        if result.position_missing:
+            self._recreate_position_topic()
         _, last = self._retry.get(shard, (0.0, 0.0))
         wait = min(INIT_RETRY_MAX_S, max(INIT_RETRY_INITIAL_S, last * 2))
         self._retry[shard] = (self._clock() + wait, wait)
@@ -316,6 +335,21 @@ class TransactionalPublisher:
         if result.fenced:
             self._lose(result.worker)
         return 0
+
+    def _recreate_position_topic(self) -> None:
+        """The position topic went away under the running relay (deleted): create it again,
+        as a start does, at most every few seconds.  Until an audit of this mode the shards
+        retried for ever, the log blaming the event topics' partitions."""
+        now = self._clock()
+        if now < self._recreate_after or not self._nshards:
+            return
+        self._recreate_after = now + POSITION_RECREATE_EVERY_S
+        self._log.error("exactly_once_position_topic_missing", topic=self._position_topic,
+                        hint="created again; rows committed to Kafka whose mark was lost since may be sent again")
+        try:
+            ensure_position_topic(self._config, self._position_topic, self._nshards)
+        except (ConfigError, BrokerUnreachable) as exc:
+            self._log.warning("exactly_once_position_topic_not_created", topic=self._position_topic, error=str(exc))
 
     def _lose(self, worker: ShardWorker) -> None:
         """A fenced producer loses its lease, unless the shard is held again since (with
@@ -347,7 +381,7 @@ class TransactionalPublisher:
             del state.buffer[:MAX_ROWS_PER_TRANSACTION]
             state.running = True
             state.started_at = now
-            listed = {**state.unconfirmed, **{row.id: row.event_id for row, _h, _cb in take}}
+            listed = {**state.unconfirmed, **{row.id: event_digest(row.event_id) for row, _h, _cb in take}}
             state.worker.submit(Job(rows=[(row, h) for row, h, _cb in take],
                                     position=sorted(listed.items()),
                                     callbacks={row.id: cb for row, _h, cb in take}))

@@ -13,6 +13,7 @@ queue; this thread never calls the pump's callbacks.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import queue
 import threading
@@ -44,7 +45,13 @@ SHARED_PREFIXES = ("bootstrap.servers", "security.", "sasl.", "ssl.", "client.",
                    "enable.ssl", "retry.backoff", "connections.max.idle")
 
 Headers = list[tuple[str, str | bytes | None]]
-Recover = Callable[[ShardId, Token, list[RowId], "list[str] | None"], None]
+
+
+def event_digest(event_id: str) -> int:
+    """What a position record lists of a row's event_id: 48 bits of its BLAKE2b digest (the
+    whole id made a record of 20,000 rows about 1 MB, the topic's default limit)."""
+    return int.from_bytes(hashlib.blake2b(event_id.lower().encode(), digest_size=6).digest(), "big")
+Recover = Callable[[ShardId, Token, list[RowId], "list[int] | None"], None]
 
 
 def shared_config(config: dict[str, str]) -> dict[str, Any]:
@@ -57,6 +64,8 @@ class BrokerUnreachable(Exception):
     """No broker answered (or in time): waited for, like the relay's own producer's."""
 
 
+#: Errors of a position read that mean the position topic (or the shard's partition) is gone.
+POSITION_MISSING = {KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC}
 #: Errors of an admin request that mean no broker answered, not a refusal.
 UNANSWERED = {KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE,
               KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT}
@@ -111,8 +120,8 @@ class Position:
     ids: list[RowId]  # the rows it lists ([]: no record)
     writer: str | None  # the outbox that wrote it (None: no record, or one from before 0013)
     end: int  # the partition's high watermark when the read began
-    #: Each listed row's event_id (None: a record written before they were listed).
-    event_ids: list[str] | None = None
+    #: Each listed row's :func:`event_digest` (None: a record written before they were listed).
+    events: list[int] | None = None
 
 
 class PositionReader:
@@ -169,9 +178,11 @@ class PositionReader:
         try:
             record = json.loads(value)
             ids = [RowId(int(i)) for i in record["ids"]]
-            event_ids = record.get("event_ids")
-            if event_ids is not None and (not isinstance(event_ids, list) or len(event_ids) != len(ids)):
-                raise ValueError("event_ids do not match ids")
+            events = record.get("events")
+            if events is not None:
+                if not isinstance(events, list) or len(events) != len(ids):
+                    raise ValueError("events do not match ids")
+                events = [int(e) for e in events]
             writer = record.get("outbox")
             if writer is not None and not isinstance(writer, str):
                 raise ValueError("outbox is not a string")
@@ -184,7 +195,7 @@ class PositionReader:
                 f"({type(exc).__name__}: {str(exc)[:120]}): something else writes to the position topic. "
                 "Stop it; then, to go on, produce a record {\"ids\": []} to that partition (rows "
                 "committed to Kafka whose mark was lost may then be sent again). Nothing was marked") from None
-        return Position(ids, writer, high, None if event_ids is None else [str(e) for e in event_ids])
+        return Position(ids, writer, high, events)
 
     def close(self) -> None:
         self._consumer.close()
@@ -226,7 +237,7 @@ def _last_record(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> tu
 @dataclass(slots=True)
 class Job:
     rows: list[tuple[OutboxRow, Headers]]
-    position: list[tuple[RowId, str]]  # what the position record lists: (id, event_id)
+    position: list[tuple[RowId, int]]  # what the position record lists: (id, event_digest)
     callbacks: dict[RowId, Any]  # the pump's; only handed back, never called here
 
 
@@ -243,6 +254,7 @@ class Result:
     fenced: bool = False  # another holder's producer took over: the lease is gone
     broken: bool = False  # this producer cannot go on: a new one must init (and recover)
     foreign: bool = False  # the shard's position record is another outbox's: a person must act
+    position_missing: bool = False  # the position topic (or its partition) is not there
     error: str = ""
 
 
@@ -331,10 +343,11 @@ class ShardWorker:
             if reader.end() != position.end:
                 position = reader.read()
                 self._refuse_foreign(position.writer)
-            self._recover(self.shard, self.token, position.ids, position.event_ids)
+            self._recover(self.shard, self.token, position.ids, position.events)
         except KafkaException as exc:
             err = exc.args[0]
             return Result(self, init=True, fenced=err.code() in FENCED_CODES, broken=True,
+                          position_missing=reader is not None and err.code() in POSITION_MISSING,
                           error=err.str())
         except ForeignPosition as exc:
             return Result(self, init=True, broken=True, foreign=True, error=str(exc))
@@ -382,7 +395,7 @@ class ShardWorker:
             # The event ids too: a row id alone may name another row by the time the record
             # is read (a database restored from a backup hands its ids out again).
             value = json.dumps({"token": self.token, "ids": [i for i, _ in job.position],
-                                "event_ids": [e for _, e in job.position], "outbox": self._outbox}).encode()
+                                "events": [e for _, e in job.position], "outbox": self._outbox}).encode()
             producer.produce(self._position_topic, value=value, key=str(self.shard).encode(),
                              partition=self.shard)
             producer.commit_transaction(COMMIT_TIMEOUT_S)

@@ -378,13 +378,12 @@ class Store:
         })
         return set(held), set(marked)  # ShardId and RowId are ints
 
-    def rows_holding(self, listed: Sequence[tuple[RowId, str]]) -> list[RowId]:
-        """The ids among ``listed`` (id, event_id) whose row holds that event_id."""
-        if not listed:
+    def event_ids(self, ids: Sequence[RowId]) -> list[tuple[RowId, str]]:
+        """The event_id of each row of ``ids`` still in the table."""
+        if not ids:
             return []
-        rows = self._fetch("relay", "rows_holding", {"ids": [i for i, _ in listed],
-                                                     "event_ids": [e for _, e in listed]})
-        return [RowId(int(r["id"])) for r in rows]
+        rows = self._fetch("relay", "event_ids", {"ids": list(ids)})
+        return [(RowId(int(r["id"])), str(r["event_id"])) for r in rows]
 
     def record_failure(self, *, owner: str, lease: Lease, row: OutboxRow, error: str,
                        backoff_s: float) -> int | None:

@@ -191,14 +191,13 @@ WITH held AS (
 SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
        (SELECT coalesce(array_agg(id), ARRAY[]::bigint[]) FROM marked) AS marked
 
--- name: rows_holding
--- Exactly-once recovery: of the (id, event_id) pairs a position record lists, the ids
--- whose row still holds that event.  A database restored from a backup hands out again
--- the ids published since: a record read after it names new rows by their ids.
-SELECT o.id
+-- name: event_ids
+-- Exactly-once recovery: the event_id of each row a position record lists, to mark only
+-- the rows that still hold the listed events.  A database restored from a backup hands
+-- out again the ids published since: a record read after it names new rows by their ids.
+SELECT o.id, o.event_id
 FROM {table} AS o
-JOIN unnest(%(ids)s::bigint[], %(event_ids)s::uuid[]) AS r(id, event_id)
-  ON o.id = r.id AND o.event_id = r.event_id
+WHERE o.id = ANY(%(ids)s::bigint[])
 
 -- name: delete_published
 -- mark_published for a relay run with --keep-published false: the acknowledged rows
