@@ -158,6 +158,10 @@ class Executor:
         except OutboxSdkError as exc:
             ctx.cancel("write_failed")
             log.warning("job_write_failed", error=str(exc))
+            # Not reused: a handler may have left the session unfit for the pool's statements
+            # (SET search_path, a statement_timeout), and every later job of this executor
+            # failed its writes and waited out its lease (an audit of the worker pool).
+            _close(ctx.conn)
             return "lost"
         if outcome == "lost":
             log.warning("lease_lost", detail="a fenced write matched no row")
@@ -242,3 +246,11 @@ def _tidy(ctx: JobContext) -> None:
         return
     if not conn.autocommit:
         conn.autocommit = True
+
+
+def _close(conn: Any) -> None:
+    """Close the executor's connection: its slot opens another for the next job."""
+    try:
+        conn.close()
+    except Exception:  # noqa: BLE001 - best effort on a connection being dropped
+        pass

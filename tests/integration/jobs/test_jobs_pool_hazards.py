@@ -156,3 +156,30 @@ def test_a_result_the_database_refuses_for_its_size_fails_the_job_with_the_reaso
     reason, error_type, error, attempts = _dead_letters(jobs_db)["big"]
     assert (reason, error_type, attempts) == ("permanent_error", "InvalidJob", 1)
     assert "exceeds the maximum of 268435455 bytes" in error
+
+
+def test_a_handler_that_spoils_its_session_spoils_no_other_job(conn, jobs_db, pools):
+    # A handler's SET search_path stayed on the executor's connection: every later job
+    # there failed its writes and waited out its lease, and was dead-lettered as
+    # lease_expired (an audit of the pool).  A connection whose write failed is not reused.
+    def poison(ctx: Any) -> str:
+        ctx.conn.execute("SET search_path TO pg_catalog")
+        return "ok"
+
+    def fails(ctx: Any) -> None:
+        raise RuntimeError("transient")
+
+    def ok(ctx: Any) -> str:
+        ctx.put_result("r", 1)
+        return "ok"
+
+    pools({"poison": poison, "fails": fails, "ok": ok}, max_concurrency=1, lease_duration_s=2.0, **FAST)
+    enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="poison", payload={})])
+    wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [("succeeded",)], timeout_s=10,
+               message="the poisoning job done")
+    enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="fails", payload={}, max_attempts=3)])
+    enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="ok", payload={}) for _ in range(3)])
+    wait_until(lambda: rows(jobs_db, "SELECT count(*) FROM jobs WHERE status IN ('succeeded', 'failed')")
+               == [(5,)], timeout_s=30, message=lambda: str(rows(jobs_db, "SELECT kind, status, attempts FROM jobs")))
+    assert rows(jobs_db, "SELECT kind, status FROM jobs WHERE kind = 'ok'") == [("ok", "succeeded")] * 3
+    assert _dead_letters(jobs_db)["fails"][:2] == ("attempts_exhausted", "RuntimeError")
