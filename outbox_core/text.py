@@ -150,3 +150,15 @@ def bootstrap_servers_problem(value: object) -> str | None:
         if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
             return f"{entry!r}: {port!r} is not a TCP port (1-65535)"
     return None
+
+
+# Control characters but newline and tab, and the invisible ones that reorder or hide text
+# (bidirectional overrides and isolates, zero-width characters, the byte-order mark).
+_HIDDEN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]")
+
+
+def visible(text: str) -> str:
+    """``text`` with control and invisible characters as ``\\u202e``-style escapes, for a
+    person to read (a terminal, a web page): an error holding ``ESC [2J`` cleared an
+    operator's terminal, a right-to-left override showed an id backwards."""
+    return _HIDDEN.sub(lambda m: f"\\u{ord(m.group()):04x}", text)

@@ -7,12 +7,13 @@ Payloads, headers and raw error texts are not shown unless asked for on one row
 from __future__ import annotations
 
 import base64
-import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from html import escape
 from typing import Any
 from urllib.parse import quote, urlencode
+
+from outbox_core.text import visible
 
 CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#222;background:#fafafa}
@@ -31,11 +32,6 @@ white-space:pre-wrap;max-width:960px}.flash{background:#fff8e1;border:1px solid 
 NAV = (("/", "Status"), ("/dead-letters", "Dead letters"), ("/replays", "Replays"), ("/jobs", "Jobs"))
 
 
-# Control characters but newline and tab, and the invisible ones that reorder or hide text
-# (bidirectional overrides and isolates, zero-width characters, the byte-order mark).
-_HIDDEN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]")
-
-
 def e(value: Any) -> str:
     """Escaped text of any value (None shows as a dash).  Control and invisible characters
     show as ``\\u202e``: a key or an error holding a right-to-left override was shown
@@ -44,7 +40,7 @@ def e(value: Any) -> str:
         return "-"
     if isinstance(value, datetime):
         return escape(value.isoformat(timespec="seconds"))
-    return escape(_HIDDEN.sub(lambda m: f"\\u{ord(m.group()):04x}", str(value)), quote=True)
+    return escape(visible(str(value)), quote=True)
 
 
 def page(title: str, body: str, *, path: str, who: str | None, actions: bool, flash: str | None) -> str:

@@ -26,6 +26,7 @@ from dataclasses import asdict
 from typing import Any, NoReturn, TextIO, TypeVar
 
 import psycopg
+import structlog
 
 from consumer_sdk import _pg
 from consumer_sdk.config import shown
@@ -35,7 +36,7 @@ from consumer_sdk.jobs.model import BULK, INTERACTIVE, QUEUE_NAME, DeadLetterRec
 from consumer_sdk.jobs.reconciler import Reconciler, active_queues
 from consumer_sdk.jobs.runs import error_reference, run_status
 from consumer_sdk.secrets import mask_text, validate_dsn
-from outbox_core.text import first_undecodable, uuid_from_text
+from outbox_core.text import first_undecodable, uuid_from_text, visible
 
 PROG = "python -m consumer_sdk.jobs"
 ENV_PREFIX = "OUTBOX_JOBS_"
@@ -272,15 +273,21 @@ def _run(conn: psycopg.Connection[Any], args: argparse.Namespace, out: TextIO) -
         return 0
     queues = (args.queues.split(",") if args.queues is not None
               else sorted({INTERACTIVE, BULK, *active_queues(conn)}))
-    result = Reconciler(queues=queues).run_once(conn)
+    # Its log lines on stderr: on stdout (structlog's default) one came before the JSON.
+    log = structlog.wrap_logger(structlog.PrintLogger(sys.stderr), processors=[structlog.processors.JSONRenderer()])
+    result = Reconciler(queues=queues, log=log).run_once(conn)
     print(_json(asdict(result)), file=out)
     return 0
 
 
 def _text(r: DeadLetterRecord) -> str:
-    return (f"job {r.job_id} ({r.queue}/{r.kind}, run {r.run_id}) dead at {r.dead_at:%Y-%m-%d %H:%M:%S%z}\n"
+    # The error is the handler's text: its control characters (ESC [2J, a fake line after
+    # a carriage return) reached the operator's terminal as they were (an audit of the pool).
+    error = visible(r.error).replace("\n", "\n            ")
+    return (f"job {r.job_id} ({visible(r.queue)}/{visible(r.kind)}, run {r.run_id}) dead at "
+            f"{r.dead_at:%Y-%m-%d %H:%M:%S%z}\n"
             f"  reason:   {r.reason} after {r.attempts} attempt(s)\n"
-            f"  error:    {r.error}\n"
+            f"  error:    {error}\n"
             f"  trace_id: {r.trace_id or '-'}")
 
 

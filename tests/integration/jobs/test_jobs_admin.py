@@ -122,3 +122,27 @@ def test_cli_bad_input_and_not_found_against_a_database(conn, args, code, err, c
     assert got == code
     assert out.getvalue() == "" and captured.out == ""
     assert err in captured.err and captured.err.count("\n") == 1
+
+
+def test_cli_output_is_clean_for_scripts_and_terminals(conn):
+    """Found by an audit of the pool: `reconcile` printed its reaper's log line on stdout
+    before the JSON, and `dead-letters list` printed a handler's error as it was, control
+    characters and all (ESC [2J cleared the operator's terminal)."""
+    import subprocess
+    import sys
+
+    enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="k", payload={}, max_attempts=1)])
+    (job,) = claim_next(conn, "gone-worker", now=None, lease_s=0.05)
+    conn.execute("SELECT pg_sleep(0.1)")  # its lease expires: the reconciler reaps it
+    run = subprocess.run([sys.executable, "-m", "consumer_sdk.jobs", "reconcile", "--dsn", conn.info.dsn],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["failed_expired"] == 1  # stdout is the JSON alone
+    assert "leases_expired" in run.stderr
+    conn.execute("UPDATE job_dead_letters SET error = %s WHERE job_id = %s",
+                 ("boom\n\x1b[2J\x1b[31mFAKE: all good\x1b[0m\r\x07", job.id))
+    shown = subprocess.run([sys.executable, "-m", "consumer_sdk.jobs", "dead-letters", "list", "--dsn",
+                            conn.info.dsn], capture_output=True, text=True, timeout=60, check=False)
+    assert shown.returncode == 0, shown.stderr
+    assert "\x1b" not in shown.stdout and "\r" not in shown.stdout and "\x07" not in shown.stdout
+    assert "boom\n            \\u001b[2J\\u001b[31mFAKE: all good\\u001b[0m\\u000d\\u0007" in shown.stdout
