@@ -70,6 +70,7 @@ from consumer_sdk.retention import (
 from consumer_sdk.store import ConnectionFactory, PgInboxStore, connect_factory
 from outbox_core import cgroup
 from outbox_core.backoff import backoff_s
+from outbox_core.secrets import scrub
 from outbox_core.spin import default_budget_us
 
 #: The handler: apply one message with ``conn``, inside the consumer's transaction.
@@ -275,9 +276,9 @@ class InboxConsumer:
         if err is None:
             return kafka.record_of(msg)
         if err.fatal():
-            self._fatal = err.str()
+            self._fatal = self._kafka_text(err)
         elif err.code() != KafkaError._PARTITION_EOF:
-            self.log.warning("kafka_consume_error", error=err.str(), topic=msg.topic(),
+            self.log.warning("kafka_consume_error", error=self._kafka_text(err), topic=msg.topic(),
                              partition=msg.partition())
         return None
 
@@ -459,11 +460,16 @@ class InboxConsumer:
     def _client_error(self, err: KafkaError) -> None:
         if err.fatal() or err.code() in _CREDENTIALS_REJECTED:
             # librdkafka retries a rejected password forever; no retry can fix it.
-            self._fatal = err.str()
-            self.log.error("kafka_fatal", error=err.str())
+            self._fatal = self._kafka_text(err)
+            self.log.error("kafka_fatal", error=self._fatal)
         elif err.code() != self._last_client_error:
-            self.log.warning("kafka_client_error", error=err.str())
+            self.log.warning("kafka_client_error", error=self._kafka_text(err))
         self._last_client_error = err.code()
+
+    def _kafka_text(self, err: KafkaError) -> str:
+        """librdkafka's text, which may quote a secret property's value (a malformed
+        sasl.oauthbearer.config, from where its parsing stopped), masked."""
+        return scrub(err.str(), properties=self.config.kafka_properties)
 
     def _keepalive_sleep(self, duration_s: float) -> None:
         """Wait with the partitions paused, polling so the group keeps this member.

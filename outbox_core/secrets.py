@@ -51,6 +51,7 @@ _BAD_PERCENT = re.compile(r'(invalid percent-encoded token: ")(.*)(")')
 # space ("password=abc def"); it is hidden whatever it is.
 _MISSING_EQUALS = re.compile(r'(missing "=" after ")(.*?)(" in connection info string)', re.DOTALL)
 _LIBPQ_LITERALS = frozenset({"=", "]", ":", "/"})
+_BEGINNING_AT = re.compile(r"(\bbeginning at:)[^\n]*")
 #: libpq's Unix socket: ``<directory>/.s.PGSQL.<port>``, a host directory and a port: no secret.
 _SOCKET_FILE = re.compile(r"/[^\x00]*/\.s\.PGSQL\.\d+")
 
@@ -102,7 +103,11 @@ def scrub(text: str, *, dsn: str = "", properties: Mapping[str, Any] | None = No
     and every quoted fragment the masked DSN does not show replaced by ``***``."""
     for name, value in (properties or {}).items():
         if is_secret(str(name)) and isinstance(value, str) and value:
-            text = text.replace(value, MASK)
+            for piece in _pieces(value):
+                text = text.replace(piece, MASK)
+    # librdkafka quotes the rest of a property it could not parse ("Unrecognized
+    # sasl.oauthbearer.config beginning at: <the rest of the value>").
+    text = _BEGINNING_AT.sub(rf"\1 {MASK}", text)
     if not dsn:
         return mask_text(text)
     for password in _passwords(dsn):
@@ -117,6 +122,17 @@ def scrub(text: str, *, dsn: str = "", properties: Mapping[str, Any] | None = No
         return match.group(0) if shown else f"{quote}{MASK}{quote}"
 
     return _QUOTED.sub(hide, mask_text(text))
+
+
+def _pieces(value: str) -> list[str]:
+    """A secret property's value, and the parts of it an error may quote alone: its
+    words and the values of its ``key=value`` words (sasl.oauthbearer.config's client
+    secret), longest first; a piece of fewer than 4 characters is too common to hide."""
+    pieces = {value}
+    for word in value.split():
+        pieces.add(word)
+        pieces.add(word.partition("=")[2])
+    return sorted((p for p in pieces if len(p) >= 4), key=len, reverse=True)
 
 
 def _passwords(dsn: str) -> list[str]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from outbox_core.secrets import scrub
 from relay.config import KAFKA_ALIASES
 from relay.errors import ConfigError
 from relay.model import OutboxRow
@@ -235,21 +236,24 @@ class Publisher:
         try:
             return Producer(config)
         except KafkaException as exc:
-            message = named_as_given(_one_line(exc.args[0].str()), self._config)
+            message = named_as_given(_one_line(scrub(exc.args[0].str(), properties=self._config)), self._config)
             raise ConfigError(f"invalid Kafka configuration: {message}") from None
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid Kafka configuration: {_one_line(str(exc))}") from None
 
     def _error_cb(self, error: KafkaError) -> None:
         code = error.code()
+        # librdkafka's text may quote a secret property's value (a malformed
+        # sasl.oauthbearer.config, from where its parsing stopped): masked as in the logs.
+        text = scrub(error.str(), properties=self._config)
         if code in FATAL_CLIENT_CODES:
-            self._on_client_error(BrokerState.CONFIG, f"{FATAL_CLIENT_CODES[code]}: {error.str()}", True)
+            self._on_client_error(BrokerState.CONFIG, f"{FATAL_CLIENT_CODES[code]}: {text}", True)
         elif error.fatal():
-            self._on_client_error(BrokerState.FATAL, error.str(), False)
+            self._on_client_error(BrokerState.FATAL, text, False)
         elif code in UNREACHABLE_CODES:
-            self._on_client_error(BrokerState.UNREACHABLE, error.str(), False)
+            self._on_client_error(BrokerState.UNREACHABLE, text, False)
         else:
-            self._on_client_error(BrokerState.ERROR, error.str(), False)
+            self._on_client_error(BrokerState.ERROR, text, False)
 
     def send(self, row: OutboxRow, on_delivery: DeliveryCallback) -> Outcome | None:
         """Queue one row.  Returns an Outcome at once when it cannot be queued, else None."""
