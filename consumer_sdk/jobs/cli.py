@@ -161,7 +161,9 @@ def read_dsn_file(env: Mapping[str, str]) -> str | None:
     if len(data) > MAX_DSN_FILE_BYTES:
         raise ConfigError(f"{ENV_DSN_FILE}: {path} is larger than {MAX_DSN_FILE_BYTES} bytes, not a DSN")
     try:
-        text = data.decode("utf-8").rstrip("\n")
+        # Newlines read as the relay's Path.read_text reads them: a file written on Windows
+        # kept its \r, and "sslmode=disable\r" was refused where the relay took the file.
+        text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n").rstrip("\n")
     except ValueError:  # the content is never echoed
         raise ConfigError(f"{ENV_DSN_FILE}: {path!r} is not a readable UTF-8 text file") from None
     if not text.strip():

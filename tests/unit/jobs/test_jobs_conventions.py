@@ -191,6 +191,11 @@ def test_the_dsn_can_come_from_a_file(tmp_path: Path, monkeypatch: pytest.Monkey
     secret.write_text("postgresql://jobs:s3cret@db.internal/jobs\n")
     code = jobs_cli.main(["runs", "show", A_RUN_ID], out=io.StringIO(), env={"OUTBOX_JOBS_DSN_FILE": str(secret)})
     assert (code, used) == (1, ["postgresql://jobs:s3cret@db.internal/jobs"])  # one trailing newline gone
+    # Written on Windows: read as the relay reads OUTBOX_RELAY_DSN_FILE (its \r kept, it was
+    # refused: "sslmode '***' is not one of ...", an audit of the security paths).
+    secret.write_bytes(b"host=db.internal\r\ndbname=jobs sslmode=disable\r\n")
+    jobs_cli.main(["runs", "show", A_RUN_ID], out=io.StringIO(), env={"OUTBOX_JOBS_DSN_FILE": str(secret)})
+    assert used[-1] == "host=db.internal\ndbname=jobs sslmode=disable"
     assert "s3cret" not in capsys.readouterr().err
     with pytest.raises(SystemExit):
         jobs_cli.main(["runs", "show", "--help"], out=io.StringIO(), env={})
