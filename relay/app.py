@@ -247,7 +247,12 @@ class Relay:
                 if failures == 1:  # this reason, even when the producer's client said so first
                     self.log.warning("broker_unavailable", error=f"exactly-once: {exc}")
                 self._broker_down()
-                self._stop.wait(backoff_s(failures, initial_s=s.backoff_initial_s, max_s=s.backoff_max_s))
+                # The admin client behind it says only "Broker transport failure": the producer's
+                # own client errors say why (rejected credentials, an untrusted certificate) and
+                # end the relay.  Unread here, it waited for ever (an audit of the security paths).
+                self.publisher.poll(0)
+                if not self.stopping:
+                    self._stop.wait(backoff_s(failures, initial_s=s.backoff_initial_s, max_s=s.backoff_max_s))
                 if self.stopping:
                     return None
         if failures:

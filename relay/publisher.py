@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -50,6 +51,12 @@ FATAL_CLIENT_CODES = {
 
 #: Client errors that mean every broker is gone right now.
 UNREACHABLE_CODES = {KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE}
+#: librdkafka's words, in a transport error, for a TLS set-up that cannot work: TLS against
+#: a plaintext listener, or a listener that requires a client certificate the client has
+#: not.  Read as the configuration's fault while no broker has answered yet (later, such a
+#: failure may be a broker restarting mid-handshake): until an audit of the security paths
+#: the relay waited for them for ever, as for a broker that is down.
+TLS_SETUP_FAILED = re.compile(r"connecting to a PLAINTEXT broker listener\?|alert certificate required")
 
 
 class BrokerState(StrEnum):
@@ -220,6 +227,7 @@ class Publisher:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._config = dict(config)
         self._on_client_error = on_client_error
+        self._answered = False  # a broker answered this client (warm_up): transport errors may be passing
         self._producer = self._new_producer()
         self._closed = False
         self._clock = clock
@@ -248,6 +256,8 @@ class Publisher:
         text = scrub(error.str(), properties=self._config)
         if code in FATAL_CLIENT_CODES:
             self._on_client_error(BrokerState.CONFIG, f"{FATAL_CLIENT_CODES[code]}: {text}", True)
+        elif code == KafkaError._TRANSPORT and not self._answered and TLS_SETUP_FAILED.search(text):
+            self._on_client_error(BrokerState.CONFIG, f"{FATAL_CLIENT_CODES[KafkaError._SSL]}: {text}", True)
         elif error.fatal():
             self._on_client_error(BrokerState.FATAL, text, False)
         elif code in UNREACHABLE_CODES:
@@ -404,7 +414,8 @@ class Publisher:
         connection's set-up came after the leases, the shards taken over idle meanwhile.
         Every metadata answer from a connected broker runs librdkafka's producer-id state
         machine, so the id is asked for a round trip before this returns."""
-        return await_cluster(self._producer, timeout_s, stopping=stopping)
+        self._answered = await_cluster(self._producer, timeout_s, stopping=stopping) or self._answered
+        return self._answered
 
     def recreate(self) -> None:
         """Replace a producer that hit a fatal (idempotence) error; unacked rows stay pending."""

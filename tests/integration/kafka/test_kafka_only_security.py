@@ -149,9 +149,15 @@ def test_relay_publishes_with_scram_sha_512_over_tls(outbox_db, secure_kafka, sp
     assert_no_password(secure_kafka.broker.log_path.read_text(), "the broker's log")
 
 
-def test_relay_refuses_a_wrong_scram_password_in_one_line(outbox_db, secure_kafka, topic_name):
+@pytest.mark.parametrize("mode", ["default", "exactly-once"])
+def test_relay_refuses_a_wrong_scram_password_in_one_line(outbox_db, secure_kafka, topic_name, mode):
+    # In exactly-once mode the relay waited for ever, saying only "Broker transport failure"
+    # about its position topic (an audit of the security paths).
     insert_rows(outbox_db, ALLOWED_PREFIX + topic_name("wrong"), 5)
-    result = run_relay(secure_kafka.relay_env(outbox_db, WRONG_PASSWORD))
+    eo = {} if mode == "default" else {
+        "exactly_once": "true", "exactly_once_position_topic": ALLOWED_PREFIX + topic_name("pos"),
+        "exactly_once_transactional_id_prefix": ALLOWED_PREFIX + topic_name("txn") + "."}
+    result = run_relay(secure_kafka.relay_env(outbox_db, WRONG_PASSWORD, **eo))
     out = result.stdout + result.stderr
     # README "Failures and exit codes": a refusal by the Kafka cluster is one line; the
     # relay's FatalError exits 1 (exit 4 is the database's AuthenticationFailed).
@@ -164,6 +170,23 @@ def test_relay_refuses_a_wrong_scram_password_in_one_line(outbox_db, secure_kafk
     assert_no_password(secure_kafka.broker.log_path.read_text(), "the broker's log")
     assert int(psycopg.connect(outbox_db).execute(
         "SELECT count(*) FROM outbox WHERE published_at IS NULL").fetchone()[0]) == 5
+
+
+def test_relay_refuses_tls_against_a_plaintext_listener_in_one_line(outbox_db, secure_kafka, topic_name):
+    """A TLS set-up that cannot work, reported by librdkafka as a transport error: the
+    relay waited for it for ever, as for a broker that is down (an audit of the security
+    paths).  README: a TLS handshake that failed is one line, exit 1."""
+    insert_rows(outbox_db, ALLOWED_PREFIX + topic_name("plain"), 5)
+    env = secure_kafka.relay_env(outbox_db, RELAY_PASSWORD)
+    env["OUTBOX_RELAY_BOOTSTRAP_SERVERS"] = secure_kafka.broker.bootstrap  # the PLAINTEXT listener
+    result = run_relay(env)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("outbox-relay: error: the TLS handshake with the Kafka "
+                                                   "cluster failed"), result.stderr
+    assert "PLAINTEXT broker listener" in lines[0]
+    assert_no_password(out, "the relay's output")
 
 
 def _consumer(secure: SecureKafka, dsn: str, topic: str, password: str) -> InboxConsumer:
