@@ -265,6 +265,15 @@ class InboxConfig:
         problem = bootstrap_servers_problem(self.bootstrap_servers or props.get("bootstrap.servers"))
         if problem is not None:
             raise ConfigError(f"bootstrap_servers {problem}")
+        mechanism = str(props.get("sasl.mechanism", props.get("sasl.mechanisms", ""))).strip().upper()
+        if mechanism == "OAUTHBEARER" and "oauth_cb" not in props \
+                and str(props.get("sasl.oauthbearer.method", "default")).strip().lower() != "oidc" \
+                and str(props.get("enable.sasl.oauthbearer.unsecure.jwt", "")).strip().lower() not in ("true", "1"):
+            # librdkafka then waits for a token that never comes: nothing consumed, nothing said.
+            raise ConfigError("kafka_properties: sasl.mechanism=OAUTHBEARER needs a token source: "
+                              "sasl.oauthbearer.method=oidc (with its client id, secret and token "
+                              "endpoint), an oauth_cb, or enable.sasl.oauthbearer.unsecure.jwt=true "
+                              "for a test cluster")
         strategy = str(props.get("partition.assignment.strategy", ""))
         if "cooperative" in strategy:
             raise ConfigError("cooperative rebalancing is not supported: use range or roundrobin")

@@ -629,7 +629,24 @@ def producer_config(settings: Settings) -> dict[str, str]:
                           "from --exactly-once-transactional-id-prefix")
     config["bootstrap.servers"] = settings.bootstrap_servers
     check_kafka_files(config)
+    check_oauthbearer(config)
     return config
+
+
+def check_oauthbearer(config: Mapping[str, str]) -> None:
+    """SASL OAUTHBEARER needs a token source the relay can use: librdkafka otherwise waits
+    for an application's token callback, which a sidecar configured by its environment
+    cannot give, and the relay sent nothing and said nothing about Kafka, even at debug
+    (an audit of the security paths)."""
+    if str(config.get("sasl.mechanism", config.get("sasl.mechanisms", ""))).strip().upper() != "OAUTHBEARER":
+        return
+    method = str(config.get("sasl.oauthbearer.method", "default")).strip().lower()
+    unsecured = str(config.get("enable.sasl.oauthbearer.unsecure.jwt", "false")).strip().lower() in ("true", "1")
+    if method != "oidc" and not unsecured:
+        raise ConfigError("kafka property sasl.mechanism=OAUTHBEARER needs a token source: set "
+                          "sasl.oauthbearer.method=oidc (with sasl.oauthbearer.client.id, "
+                          "sasl.oauthbearer.client.secret and sasl.oauthbearer.token.endpoint.url), or "
+                          "enable.sasl.oauthbearer.unsecure.jwt=true for a test cluster")
 
 
 #: librdkafka properties that name a file (or, for ssl.ca.location, a directory).

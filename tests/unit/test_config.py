@@ -308,11 +308,21 @@ def test_a_socket_path_in_a_connection_error_is_shown_and_the_password_is_not() 
     # a broker_unavailable retried for ever; a dead-letter topic Kafka refuses
     ({"exactly_once": "true", "exactly_once_position_topic": ""}, {}, "--exactly-once-position-topic"),
     ({"dead_letter_topic": "bad topic"}, {}, "--dead-letter-topic"),
+    # librdkafka waited for an application's token callback: nothing sent, nothing said
+    ({}, {"security.protocol": "SASL_SSL", "sasl.mechanism": "OAUTHBEARER"}, "needs a token source"),
+    ({}, {"sasl.mechanisms": "oauthbearer", "sasl.oauthbearer.method": "default"}, "needs a token source"),
 ])
 def test_settings_that_cannot_work_are_refused(values, props, fragment) -> None:
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         producer_config(build_settings({"dsn": DSN, "bootstrap_servers": "k:9092", **values},
                                        kafka_properties=props))
+
+
+def test_oauthbearer_with_a_token_source_is_taken() -> None:
+    for props in ({"sasl.mechanism": "OAUTHBEARER", "sasl.oauthbearer.method": "oidc"},
+                  {"sasl.mechanism": "OAUTHBEARER", "enable.sasl.oauthbearer.unsecure.jwt": "true"},
+                  {"sasl.mechanism": "SCRAM-SHA-512"}):
+        assert producer_config(build_settings({"dsn": DSN, "bootstrap_servers": "k:9092"}, kafka_properties=props))
 
 
 def test_the_guarantees_spelt_as_librdkafka_reads_them_are_taken() -> None:

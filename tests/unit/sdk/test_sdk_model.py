@@ -78,10 +78,19 @@ def test_config_forces_manual_offsets_and_defaults_to_the_name_as_group():
     {"batch_size": 0}, {"poll_timeout_s": 0}, {"on_invalid_event_id": "ignore"},
     {"inbox_retention_s": 0}, {"dead_letter_topic": "t"}, {"assignment": "manual"},
     {"kafka_properties": {"partition.assignment.strategy": "cooperative-sticky"}},
+    # librdkafka waits for a token that never comes (an audit of the security paths)
+    {"kafka_properties": {"sasl.mechanism": "OAUTHBEARER"}},
 ])
 def test_config_validation(overrides):
     with pytest.raises(ConfigError):
         _config(**overrides)
+
+
+def test_oauthbearer_with_a_token_source_is_taken():
+    for props in ({"sasl.mechanism": "OAUTHBEARER", "sasl.oauthbearer.method": "oidc"},
+                  {"sasl.mechanism": "OAUTHBEARER", "oauth_cb": lambda config: ("token", 1e12)},
+                  {"sasl.mechanism": "OAUTHBEARER", "enable.sasl.oauthbearer.unsecure.jwt": "true"}):
+        assert _config(kafka_properties=props)
 
 
 @pytest.mark.parametrize(("topic_s", "inbox_s", "safe"), [
