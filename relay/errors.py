@@ -64,6 +64,11 @@ class DatabaseUnavailable(RetriableError):
     """The database cannot be reached right now."""
 
 
+class StatementCancelled(DatabaseUnavailable):
+    """The server cancelled a statement (a statement_timeout on the role, an operator's
+    pg_cancel_backend): the connection is fine, the statement was too slow for it."""
+
+
 class DatabaseReadOnly(DatabaseUnavailable):
     """The database is read-only (a standby, or a primary during failover); waiting for a writable one."""
 

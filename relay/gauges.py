@@ -22,7 +22,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from relay.errors import StatementCancelled
+
 COST_RATIO = 20.0  # a refresh that took T waits at least COST_RATIO * T for the next
+CANCELLED_WAIT_S = 60.0  # a count the server cancelled is tried again no sooner
 SLOW_S = 0.5  # a refresh this slow is logged, with when the next one runs
 
 Publish = Callable[[int, float, int], None]  # pending rows, oldest pending age (s), in back-off
@@ -40,10 +43,22 @@ class BacklogGauges:
 
     def run_once(self, now: float) -> None:
         """Refresh when due.  The store's errors propagate (the loop waits them out), and
-        a refresh that failed is tried again at the next turn."""
+        a refresh that failed is tried again at the next turn; but a count the server
+        cancelled (a statement_timeout set on the relay's role, shorter than the count of a
+        large backlog) is skipped: retried first at every turn, it kept the relay from ever
+        claiming again, the gauges at 0 (an audit of the relay's operation)."""
         if now < self.next_at:
             return
-        took = self.refresh()
+        try:
+            took = self.refresh()
+        except StatementCancelled as exc:
+            took = self.clock() - now
+            self.next_at = self.clock() + max(CANCELLED_WAIT_S, COST_RATIO * took)
+            if self.log is not None:
+                self.log.warning("backlog_count_cancelled", error=str(exc), next_refresh_in_s=round(self.next_at - self.clock(), 1),
+                                 hint="the server cancelled the count of pending rows (a statement_timeout on the "
+                                      "relay's role?); the backlog gauges keep their last figures. Publishing goes on")
+            return
         wait_s = self.next_wait(took)
         self.next_at = self.clock() + wait_s
         if took >= SLOW_S and self.log is not None:

@@ -33,6 +33,7 @@ from relay.errors import (
     FatalError,
     PermissionDenied,
     SchemaMissing,
+    StatementCancelled,
     TransactionPoolerUnsupported,
 )
 from relay.model import Claimed, Cursor, Lease, OutboxRow, RowId, ShardId, Token
@@ -115,6 +116,8 @@ def translated() -> Iterator[None]:
         # reconnects (a multi-host DSN with target_session_attrs=read-write finds the new primary).
         raise DatabaseReadOnly(f"the database is read-only (standby or failover): "
                                f"{exc.diag.message_primary}") from None
+    except psycopg.errors.QueryCanceled as exc:
+        raise StatementCancelled(f"statement cancelled: {mask_text(str(exc).strip())}") from exc
     except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
         raise DatabaseUnavailable(f"database connection lost: {mask_text(str(exc).strip())}") from exc
 

@@ -75,3 +75,32 @@ def test_a_failed_count_propagates_and_is_tried_again_at_the_next_turn() -> None
         g.run_once(clock[0])
     g.run_once(clock[0])
     assert published == [(1, 0.0, 0)] and store.counts == 2
+
+
+def test_a_count_the_server_cancelled_is_skipped_and_publishing_goes_on() -> None:
+    # A statement_timeout on the relay's role shorter than the count of a large backlog: the
+    # count failed as "database unavailable", was retried first at every turn, and the relay
+    # never claimed again, its gauges at 0 (an audit of the relay's operation).
+    from relay.errors import StatementCancelled
+    from relay.gauges import CANCELLED_WAIT_S
+
+    g, store, published, log, clock = gauges([StatementCancelled("statement timeout"), (5, 1.0, 0)], took_s=0.1)
+    g.run_once(clock[0])  # no exception: the loop goes on claiming
+    assert published == [] and [e for e, _ in log.events] == ["backlog_count_cancelled"]
+    assert g.next_at == pytest.approx(100.1 + CANCELLED_WAIT_S)
+    clock[0] = g.next_at
+    g.run_once(clock[0])
+    assert published == [(5, 1.0, 0)]
+
+
+def test_the_store_tells_a_cancelled_statement_from_a_lost_connection() -> None:
+    import psycopg.errors
+
+    from relay.errors import StatementCancelled
+    from relay.store import translated
+
+    with pytest.raises(StatementCancelled, match="statement cancelled"), translated():
+        raise psycopg.errors.QueryCanceled("canceling statement due to statement timeout")
+    with pytest.raises(DatabaseUnavailable) as lost, translated():
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+    assert not isinstance(lost.value, StatementCancelled)
