@@ -223,11 +223,12 @@ _CLOSED: Any = _ClosedProducer()
 class Publisher:
     """Owns one confluent-kafka Producer.  Not thread-safe: the pump's thread calls it."""
 
+    _answered = False  # a broker answered this client (warm_up): transport errors may be passing
+
     def __init__(self, config: dict[str, str], *, on_client_error: ErrorCallback,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._config = dict(config)
         self._on_client_error = on_client_error
-        self._answered = False  # a broker answered this client (warm_up): transport errors may be passing
         self._producer = self._new_producer()
         self._closed = False
         self._clock = clock
