@@ -8,6 +8,8 @@ client connection, and a pooler without prepared-statement support (PgBouncer be
 name a statement was prepared under on one server can be missing on the next, or hold
 another client's statement there, which then runs with this one's parameters.
 
+PgBouncer's ``pool_mode=statement`` refuses the probe's transaction block: a pooler too.
+
 The probe: connection A asks for its server process and ends its transaction; connection
 B then holds a transaction and asks for its own.  Directly connected, B's differs from
 A's and A keeps its own.  A pooler that handed A's server to B (PgBouncer reuses the
@@ -31,8 +33,15 @@ def transaction_pooled(connect: Callable[[], Any]) -> bool:
         second = connect()
         try:
             pid_a = _backend_pid(first)
-            with second.transaction():
-                return bool(_backend_pid(second) == pid_a or _backend_pid(first) != pid_a)
+            try:
+                with second.transaction():
+                    return bool(_backend_pid(second) == pid_a or _backend_pid(first) != pid_a)
+            except Exception as exc:
+                # PgBouncer's statement mode refuses any transaction block: a pooler too.  The
+                # relay waited for it for ever as for a database that is down (an audit).
+                if "statement pooling mode" in str(exc):
+                    return True
+                raise
         finally:
             second.close()
     finally:

@@ -78,7 +78,7 @@ def pgbouncer(db_dsn: str, tmp_path: Path, spawn: Callable[..., Proc]) -> Iterat
         dsn = make_conninfo(db_dsn, host="127.0.0.1", port=str(port))
 
         def up() -> bool:
-            with psycopg.connect(dsn, connect_timeout=2) as conn:
+            with psycopg.connect(dsn, connect_timeout=2, autocommit=True) as conn:  # statement mode too
                 return conn.execute("SELECT 1").fetchone() == (1,)
 
         wait_until(up, timeout_s=15, ignore=(psycopg.OperationalError,),
@@ -101,11 +101,14 @@ def _settings_seen_through(dsn: str) -> set[str]:
     return seen
 
 
-def test_relay_refuses_a_transaction_pooler_with_one_line(outbox_db, pgbouncer, broker, topic, spawn):
+@pytest.mark.parametrize("mode", ["transaction", "statement"])
+def test_relay_refuses_a_transaction_pooler_with_one_line(outbox_db, pgbouncer, broker, topic, spawn, mode):
+    # In statement mode the probe's transaction block was refused, and the relay waited for
+    # ever as for a database that is down (an audit of the relay's operation).
     with psycopg.connect(outbox_db, autocommit=True) as conn:  # durable commits by default
         conn.execute(sql.SQL("ALTER DATABASE {} SET synchronous_commit = on").format(
             sql.Identifier(conninfo_to_dict(outbox_db)["dbname"])))
-    pooled = pgbouncer("transaction")
+    pooled = pgbouncer(mode)
     insert_rows(outbox_db, topic, 10)
     relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap), name="relay")
     assert relay.wait(30) == 5
