@@ -192,6 +192,8 @@ class Wakeup:
         if self._conn is None or self._conn.closed:
             self._conn = connect(self._dsn, application_name=self._application_name)
             self._count()
+            self._conn.execute(query("relay", "keep_session"))
+            self._count()
             self._conn.execute(query("relay", "listen"))
             self._count()
             self._conn.execute(query("relay", "listen_shards"))

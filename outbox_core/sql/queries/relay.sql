@@ -300,8 +300,18 @@ SELECT outbox_id::text AS outbox_id FROM outbox_relay_settings
 -- name: async_commit
 -- The relay's own writes (marks, lease renewals, dead-letter moves) commit without
 -- waiting for the WAL flush: losing one to a database crash means a redelivery or
--- a fenced write, never a lost row.
-SET synchronous_commit = off
+-- a fenced write, never a lost row.  And its sessions, idle between polls by design,
+-- are not ended by an idle_session_timeout set for the role or the database: ended,
+-- they flapped (database_unavailable, database_recovered) and a mark lost with one sent
+-- its rows again (an audit: 8 duplicates of 9 rows at one row every 5 s, 3 s timeout).
+SELECT set_config('synchronous_commit', 'off', false),
+       CASE WHEN current_setting('server_version_num')::int >= 140000
+            THEN set_config('idle_session_timeout', '0', false) END
+
+-- name: keep_session
+-- The LISTEN session idles most of all: see async_commit.
+SELECT CASE WHEN current_setting('server_version_num')::int >= 140000
+            THEN set_config('idle_session_timeout', '0', false) END
 
 -- name: listen
 LISTEN outbox_relay
