@@ -113,4 +113,10 @@ class Janitor:
             except RelayError as exc:  # e.g. no DELETE privilege: says so each round
                 if self.log is not None:
                     self.log.error("cleanup_failed", error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - a round's failure must not end the thread
+                # Anything else ended the thread with a traceback, retention and partition
+                # maintenance stopped for good while the relay said it was healthy.
+                if self.log is not None:
+                    self.log.error("cleanup_failed", error=f"{type(exc).__name__}: {exc}"[:500])
+                self.store.reset()
             self._stopping.wait(self.interval_s)

@@ -146,3 +146,9 @@ def _try(conn: psycopg.Connection[Any], steps: list[sql.Composed | Callable[[], 
         # time): they are relayed as usual and deleted row by row by the cleanup.
         report.blocked_by_default.append(name)
         return False
+    except (psycopg.errors.DuplicateTable, psycopg.errors.UniqueViolation, psycopg.errors.UndefinedTable):
+        # Another maintainer (a replica's cleanup, the daily `cleanup`, a second `migrate
+        # --partitioned`) created or dropped it since this one listed the partitions: its
+        # CREATE ... IF NOT EXISTS raced and raised, which ended the relay's cleanup thread
+        # (an audit of the relay's operation).  Theirs is done: nothing to do here.
+        return False

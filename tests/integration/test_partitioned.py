@@ -95,6 +95,38 @@ def test_a_retention_under_a_day_does_not_make_and_drop_yesterday_at_every_run(d
         assert week[0].created == [yesterday] and (week[1].created, week[1].dropped) == ([], [])
 
 
+def test_two_maintainers_racing_for_the_same_partitions_both_come_through(db_dsn):
+    """Two maintainers (replicas' cleanups, the daily `cleanup`, a second `migrate
+    --partitioned`) creating the same days: CREATE ... IF NOT EXISTS raced and raised
+    DuplicateTable, 39 times in 40 in an audit of the relay's operation, and that ended the
+    relay's cleanup thread for good.  Each gets the days made, by itself or the other."""
+    import threading
+
+    from relay.partitions import maintain
+
+    migrate.apply(db_dsn, partitioned=True)
+    base = datetime.combine(datetime.now(UTC).date(), datetime.min.time(), tzinfo=UTC) + timedelta(days=30)
+    errors: list[BaseException] = []
+
+    def run(day: int, start: threading.Barrier) -> None:
+        try:
+            with psycopg.connect(db_dsn, autocommit=True) as conn:
+                start.wait(10)
+                maintain(conn, retention_s=None, now=base + timedelta(days=day * 10))
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    for day in range(10):  # ten fresh ranges of days, two maintainers on each
+        start = threading.Barrier(2)
+        threads = [threading.Thread(target=run, args=(day, start)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert errors == []
+    assert len(partitions(db_dsn)) >= 10 * 8
+
+
 def test_partitioned_is_refused_on_an_existing_plain_outbox(outbox_db):
     result = subprocess.run(relay_cmd("migrate", "--dsn", outbox_db, "--partitioned"),
                             capture_output=True, text=True)

@@ -81,6 +81,40 @@ def test_stop_without_waiting_lets_the_round_finish_then_the_thread_closes_its_c
     assert store.closed == 1 and store.calls == 1  # no round after the stop
 
 
+class FailingCleanupStore(CleanupStore):
+    """Its first rounds fail with an error no handler named."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def cleanup_batch(self, *, retention_s: float, limit: int, after: Any = None) -> tuple[int, Any]:
+        self.calls += 1
+        if self.calls <= 2:
+            raise ValueError("something no handler named")
+        return super().cleanup_batch(retention_s=retention_s, limit=limit, after=after)
+
+
+def test_a_round_that_fails_unexpectedly_does_not_end_the_janitor() -> None:
+    # The thread ended with a traceback (a partition-creation race raised DuplicateTable):
+    # retention and partition maintenance stopped for good while the relay said it was healthy.
+    store, events = FailingCleanupStore(), []
+
+    class Log:
+        def error(self, event: str, **kw: Any) -> None:
+            events.append((event, kw))
+
+        def __getattr__(self, name: str) -> Any:
+            return lambda *a, **k: None
+
+    janitor = Janitor(store, retention_s=60, batch=10, interval_s=0.01, log=Log())
+    janitor.start()
+    assert store.rounds.wait(10)  # the third round came
+    janitor.stop(5.0)
+    assert [e for e, _ in events[:2]] == ["cleanup_failed"] * 2
+    assert "ValueError: something no handler named" in events[0][1]["error"]
+
+
 def test_a_janitor_never_started_stops_and_closes_its_connection() -> None:
     store = CleanupStore()
     janitor = Janitor(store, retention_s=None, batch=10, interval_s=1)
