@@ -54,10 +54,20 @@ class KafkaDeadLetters:
     def __init__(self, config: Mapping[str, Any], *, topic_template: str, timeout_s: float) -> None:
         self._template = topic_template
         self._timeout_s = timeout_s
+        self._config = {**config, **REQUIRED_PRODUCER, "error_cb": self._on_error}
+        #: librdkafka's fatal error: the producer can never send again (an idempotent producer
+        #: refused its producer id, a principal without IdempotentWrite).  It is replaced at the
+        #: next send, so a letter goes once the cause is fixed (the runbook's promise); kept, the
+        #: partition stayed paused until a restart (an audit of the security paths).
+        self._fatal = False
         try:
-            self._producer = Producer({**config, **REQUIRED_PRODUCER})
+            self._producer = Producer(self._config)
         except (KafkaException, TypeError, ValueError) as exc:
             raise ConfigError(f"invalid Kafka configuration for the dead-letter producer: {exc}") from None
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self._fatal = True
 
     def send(self, letter: DeadLetter) -> None:
         """Produce ``letter`` and wait for its acknowledgement; :class:`DeadLetterFailed` otherwise."""
@@ -66,17 +76,34 @@ class KafkaDeadLetters:
         def report(err: KafkaError | None, _msg: Message) -> None:
             outcome.append(err)
 
+        if self._fatal:
+            self._fatal = False
+            self._producer = Producer(self._config)  # the old one is dropped: it can send nothing
         topic = dead_letter_topic(self._template, letter.record.topic)
         try:
             self._producer.produce(topic, key=letter.record.key, value=letter.record.value,
                                    headers=dead_letter_headers(letter), on_delivery=report)
         except (KafkaException, BufferError) as exc:
+            if isinstance(exc, KafkaException) and exc.args[0].fatal():
+                self._fatal = True
             raise DeadLetterFailed(f"cannot queue a dead letter for {topic}: {exc}") from exc
-        self._producer.flush(self._timeout_s)
+        try:
+            self._producer.flush(self._timeout_s)
+        except Exception as exc:  # noqa: BLE001 - confluent-kafka raised SystemError at a fatal error
+            self._fatal = True
+            cause = exc.__cause__ or exc.__context__ or exc
+            raise DeadLetterFailed(f"dead letter to {topic} failed: {cause}") from exc
         if not outcome:
             raise DeadLetterFailed(f"no acknowledgement for a dead letter to {topic} within {self._timeout_s}s")
         if outcome[0] is not None:
+            if outcome[0].fatal():
+                self._fatal = True
             raise DeadLetterFailed(f"dead letter to {topic} failed: {outcome[0].str()}")
 
     def close(self, timeout_s: float = 5.0) -> None:
-        self._producer.flush(timeout_s)
+        """Wait up to ``timeout_s`` for what is queued; a producer in a fatal state raised here
+        (a raw KafkaException out of the consumer's close, its store left open)."""
+        try:
+            self._producer.flush(timeout_s)
+        except KafkaException:
+            pass

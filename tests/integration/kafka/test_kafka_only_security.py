@@ -291,3 +291,51 @@ def _dead_letters(dsn: str) -> list[dict[str, Any]]:
     out = subprocess.run(relay_cmd("dead-letters", "list", "--json", "--dsn", dsn),
                          capture_output=True, text=True, check=True)
     return list(json.loads(out.stdout))
+
+
+def test_the_sdks_dead_letters_go_once_the_principal_may_write_them(secure_kafka, topic_name):
+    """A consumer's principal without WRITE (a read-only consumer): the idempotent
+    dead-letter producer got librdkafka's fatal error at its first letter, and kept it: after
+    WRITE was granted every letter still failed ("Local: Fatal error") until a restart, where
+    the runbook promises the next retry sends it, and close() raised a raw KafkaException
+    (an audit of the security paths).  The producer is replaced after a fatal error."""
+    from consumer_sdk.dead_letters import KafkaDeadLetters
+    from consumer_sdk.errors import DeadLetterFailed
+    from consumer_sdk.model import DeadLetter, KafkaRecord
+
+    user, password = f"dlq-{uuid.uuid4().hex[:8]}", "dlq-password-0123456789"
+    admin = admin_client(secure_kafka.broker.bootstrap)
+    info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 4096)
+    for f in admin.alter_user_scram_credentials([UserScramCredentialUpsertion(user, info, password.encode())]).values():
+        f.result(timeout=30)
+    source = ALLOWED_PREFIX + topic_name("src")
+    dlq = source + ".dlq"
+    create_topic(secure_kafka.broker.bootstrap, dlq, partitions=1)
+    # A consumer's rights: READ (and so DESCRIBE) on its topics, no WRITE anywhere.
+    for f in admin.create_acls([_acl(ResourceType.TOPIC, ALLOWED_PREFIX, ResourcePatternType.PREFIXED, user,
+                                     AclOperation.READ)]).values():
+        f.result(timeout=30)
+    letters = KafkaDeadLetters({**secure_kafka.client(user, password), "bootstrap.servers": secure_kafka.sasl_bootstrap},
+                               topic_template="{topic}.dlq", timeout_s=10)
+    letter = DeadLetter(record=KafkaRecord(topic=source, partition=0, offset=7, key=b"k", value=b"v"),
+                        consumer="c", reason="permanent_error", error="boom", error_type="PermanentError", attempts=1)
+    with pytest.raises(DeadLetterFailed):
+        letters.send(letter)
+    for f in admin.create_acls([_acl(ResourceType.TOPIC, dlq, ResourcePatternType.LITERAL, user,
+                                     AclOperation.WRITE)]).values():
+        f.result(timeout=30)
+
+    failures: list[str] = []
+
+    def sent() -> bool:
+        try:
+            letters.send(letter)
+        except DeadLetterFailed as exc:
+            failures.append(str(exc))
+            return False
+        return True
+
+    wait_until(sent, timeout_s=60, interval_s=1.0,
+               message=lambda: f"the letter sent once WRITE was granted; {failures[:1]} ... {failures[-1:]}")
+    letters.close()
+    assert len(read_all(secure_kafka.broker.bootstrap, dlq, 1, timeout_s=30)) >= 1
