@@ -105,7 +105,7 @@ def _adopt(settings: Settings, args: argparse.Namespace, source: str, view: str,
 
 def _rows(conn: Any, group: str, name: str, params: dict[str, Any],
           table: str = "outbox") -> list[dict[str, Any]]:
-    with store.translated():
+    with store.translated(schema_behind=True):
         cur = conn.cursor(row_factory=dict_row)
         cur.execute(compose(group, name, table=table), params)
         return cur.fetchall() if cur.description else []

@@ -39,6 +39,10 @@ class SchemaMissing(FatalError):
     exit_code = 3
 
 
+class SchemaBehind(SchemaMissing):
+    """The schema lacks a column or function this relay uses: a migration it needs is not applied."""
+
+
 class PermissionDenied(FatalError):
     """The database role lacks a privilege this operation needs."""
 

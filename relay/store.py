@@ -32,6 +32,7 @@ from relay.errors import (
     DatabaseUnavailable,
     FatalError,
     PermissionDenied,
+    SchemaBehind,
     SchemaMissing,
     StatementCancelled,
     TransactionPoolerUnsupported,
@@ -100,14 +101,23 @@ def require_schema(check: dict[str, Any], table: str) -> None:
 
 
 @contextmanager
-def translated() -> Iterator[None]:
-    """Translate driver errors raised inside the block."""
+def translated(*, schema_behind: bool = False) -> Iterator[None]:
+    """Translate driver errors raised inside the block; with ``schema_behind`` (the relay's
+    own statements, not a migration's), a missing column or function is a schema older
+    than the relay."""
     try:
         yield
     except psycopg.errors.UndefinedTable as exc:
         raise SchemaMissing(
             f"the outbox schema is missing ({exc.diag.message_primary}): run `outbox-relay migrate`"
         ) from None
+    except (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction) as exc:
+        if not schema_behind:
+            raise
+        # A schema older than the relay (a migration not applied): a traceback and exit 1
+        # before, after relay_started (an audit of the relay's operation).
+        raise SchemaBehind(f"the schema is older than this relay ({exc.diag.message_primary}): "
+                           "run `outbox-relay migrate`") from None
     except psycopg.errors.InsufficientPrivilege as exc:
         raise PermissionDenied(f"permission denied: {exc.diag.message_primary}") from None
     except psycopg.errors.ReadOnlySqlTransaction as exc:
@@ -298,7 +308,7 @@ class Store:
         if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError,
                             psycopg.errors.ReadOnlySqlTransaction)):
             self.reset()
-        with translated():
+        with translated(schema_behind=True):
             raise exc
 
     # -- schema ---------------------------------------------------------------------------
@@ -318,7 +328,7 @@ class Store:
         database's outbox and the table's name.  ConfigError without that migration."""
         try:
             rows = self._fetch("relay", "read_outbox_id", {})
-        except psycopg.errors.UndefinedColumn:  # the connection is autocommit: still usable
+        except SchemaBehind:  # the connection is autocommit: still usable
             raise ConfigError("exactly-once mode needs migration 0013 (the outbox's identity in "
                               "its position records): run `outbox-relay migrate`") from None
         if not rows:

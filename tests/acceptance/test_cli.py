@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.fixtures.outbox import relay_cmd, relay_env, scalar
+from tests.fixtures.outbox import insert_rows, relay_cmd, relay_env, scalar
 from tests.fixtures.procs import free_port
 
 
@@ -245,6 +245,22 @@ def test_missing_schema(db_dsn, broker):
     result = run_cli("run", env=relay_env(db_dsn, broker.bootstrap))
     assert result.returncode == 3
     assert "outbox-relay migrate" in one_clear_line(result)
+
+
+def test_a_schema_older_than_the_relay_is_one_line_asking_for_migrate(outbox_db, broker):
+    """A database without migration 0008 (its replicas' stalled column): run logged
+    relay_started and died with a traceback (UndefinedColumn), status too (an audit of the
+    relay's operation).  Now one line, exit 3, as for a schema that is not there."""
+    import psycopg
+
+    insert_rows(outbox_db, "t.older", 3)
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("ALTER TABLE outbox_relay_replicas DROP COLUMN stalled")
+    for command in (("run",), ("status",)):
+        result = run_cli(*command, env=relay_env(outbox_db, broker.bootstrap))
+        assert result.returncode == 3, (command, result.stderr[-2000:])
+        line = one_clear_line(result)
+        assert "older than this relay" in line and "outbox-relay migrate" in line, line
 
 
 def test_a_table_that_is_not_there_is_named_not_blamed_on_the_schema(outbox_db, broker):
