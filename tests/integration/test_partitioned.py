@@ -65,8 +65,16 @@ def test_relay_works_on_a_partitioned_outbox_and_cleanup_drops_old_days(db_dsn, 
                          (datetime.combine(day, datetime.min.time(), tzinfo=UTC),) * 2)
         old_pending = (datetime.now(UTC) - timedelta(days=2)).date()
         conn.execute("UPDATE outbox SET published_at = NULL WHERE created_at::date = %s", (old_pending,))
+        # A published row of a day without a partition, in outbox_default: `cleanup` left such
+        # rows for ever, only run's own cleanup deleted them (an audit of the relay's operation).
+        stray = datetime.now(UTC) - timedelta(days=30)
+        conn.execute("INSERT INTO outbox (topic, key, payload, created_at, published_at) "
+                     "VALUES ('old', 'k', '{}', %s, %s)", (stray, stray))
+    assert scalar(db_dsn, "SELECT count(*) FROM outbox_default") == 1
     out = subprocess.run(relay_cmd("cleanup", "--dsn", db_dsn, "--cleanup-retention-s", "3600"),
                          capture_output=True, text=True, check=True)
+    assert scalar(db_dsn, "SELECT count(*) FROM outbox_default") == 0, out.stdout
+    assert "deleted 1 published rows" in out.stdout, out.stdout
     three_days_ago = (datetime.now(UTC) - timedelta(days=3)).date()
     assert f"dropped: outbox_p{three_days_ago:%Y%m%d}" in out.stdout
     assert f"kept (rows pending): outbox_p{old_pending:%Y%m%d}" in out.stdout
