@@ -51,6 +51,8 @@ def event_digest(event_id: str) -> int:
     """What a position record lists of a row's event_id: 48 bits of its BLAKE2b digest (the
     whole id made a record of 20,000 rows about 1 MB, the topic's default limit)."""
     return int.from_bytes(hashlib.blake2b(event_id.lower().encode(), digest_size=6).digest(), "big")
+
+
 Recover = Callable[[ShardId, Token, list[RowId], "list[int] | None"], None]
 
 
