@@ -251,6 +251,7 @@ class Result:
     rows: list[OutboxRow] = field(default_factory=list)
     callbacks: dict[RowId, Any] = field(default_factory=dict)
     outcomes: dict[RowId, Outcome] = field(default_factory=dict)
+    listed: dict[RowId, int] = field(default_factory=dict)  # the position record's: id -> event_digest
     ok: bool = False
     init: bool = False
     fenced: bool = False  # another holder's producer took over: the lease is gone
@@ -375,7 +376,7 @@ class ShardWorker:
         producer = self._producer
         rows = [row for row, _ in job.rows]
         reports: dict[RowId, Outcome] = {}
-        result = Result(self, rows=rows, callbacks=job.callbacks)
+        result = Result(self, rows=rows, callbacks=job.callbacks, listed=dict(job.position))
 
         def report(row: OutboxRow) -> Callable[[KafkaError | None, Message], None]:
             def done(err: KafkaError | None, msg: Message) -> None:
