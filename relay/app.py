@@ -216,6 +216,9 @@ class Relay:
                          poll_interval_s=s.poll_interval_s, replayer=self.replayer,
                          on_wake=lambda reason: self.metrics.wakeups.labels(reason).inc(), clock=self.clock)
         partitioned = s.table == "outbox" and self._retry_db(self.store.is_partitioned)
+        if partitioned:  # ids may repeat across partitions: marks match event ids too
+            for marking in (self.store, *self.mark_stores):
+                marking.mark_by_event_id()
         if s.cleanup_retention_s or partitioned:
             # A partitioned outbox always gets its coming days' partitions created.
             self.janitor = Janitor(self._store(":cleanup"), retention_s=s.cleanup_retention_s,

@@ -223,6 +223,7 @@ class Store:
         self._dsn = dsn
         self.table = table
         self._mark_query = "mark_published" if keep_published else "delete_published"
+        self._by_event = False  # mark_by_event_id
         # The two statements of every claim cycle, sent as prepared statements below the
         # cursor (relay/wire.py) while ``prepared_cycle``; else through the cursor, like
         # every other statement.
@@ -381,15 +382,27 @@ class Store:
         still held, ids marked)."""
         if not rows:
             return {lease.shard for lease in leases}, set()
-        ((held, marked),) = self._run(self._mark_statement, {
+        params = {
             "owner": owner,
             "held_shards": int_array(lease.shard for lease in leases),
             "held_tokens": int_array(lease.token for lease in leases),
             "ids": int_array(map(_ID, rows)),
             "row_shards": int_array(map(_SHARD, rows)),
             "now": self.now,
-        })
+        }
+        if self._by_event:
+            params["event_ids"] = "{" + ",".join(row.event_id for row in rows) + "}"
+        ((held, marked),) = self._run(self._mark_statement, params)
         return set(held), set(marked)  # ShardId and RowId are ints
+
+    def mark_by_event_id(self) -> None:
+        """Match the rows a mark names by id and event_id, not id alone: a partitioned
+        outbox (see relay.sql's mark_published_by_event).  Idempotent."""
+        if self._by_event:
+            return
+        self._by_event = True
+        self._mark_query += "_by_event"
+        self._mark_statement = Prepared("relay", self._mark_query, table=self.table)
 
     def event_ids(self, ids: Sequence[RowId]) -> list[tuple[RowId, str]]:
         """The event_id of each row of ``ids`` still in the table."""

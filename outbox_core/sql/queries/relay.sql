@@ -191,6 +191,49 @@ WITH held AS (
 SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
        (SELECT coalesce(array_agg(id), ARRAY[]::bigint[]) FROM marked) AS marked
 
+-- name: mark_published_by_event
+-- mark_published on a partitioned outbox, whose primary key (id, created_at) lets two
+-- partitions hold one id (a back-fill with OVERRIDING SYSTEM VALUE, a switchover from
+-- logical replication that left the sequence behind): by id alone, publishing one of
+-- them marked the other too, which was never sent (an audit lost 1,240 rows so).  Each
+-- row is matched by its id and its event_id.
+WITH held AS (
+    SELECT s.shard
+    FROM outbox_relay_shards AS s
+    JOIN unnest(%(held_shards)s::int[], %(held_tokens)s::bigint[]) AS h(shard, token)
+      ON h.shard = s.shard AND h.token = s.token
+    WHERE s.owner = %(owner)s
+    FOR SHARE OF s
+), marked AS (
+    UPDATE {table} AS o
+    SET published_at = coalesce(%(now)s::timestamptz, now()), retry_at = NULL
+    FROM unnest(%(ids)s::bigint[], %(row_shards)s::int[], %(event_ids)s::uuid[]) AS r(id, shard, event_id)
+    WHERE o.id = r.id AND o.event_id = r.event_id AND r.shard IN (SELECT shard FROM held)
+      AND o.published_at IS NULL
+    RETURNING o.id
+)
+SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
+       (SELECT coalesce(array_agg(id), ARRAY[]::bigint[]) FROM marked) AS marked
+
+-- name: delete_published_by_event
+-- delete_published on a partitioned outbox: see mark_published_by_event.
+WITH held AS (
+    SELECT s.shard
+    FROM outbox_relay_shards AS s
+    JOIN unnest(%(held_shards)s::int[], %(held_tokens)s::bigint[]) AS h(shard, token)
+      ON h.shard = s.shard AND h.token = s.token
+    WHERE s.owner = %(owner)s
+    FOR SHARE OF s
+), marked AS (
+    DELETE FROM {table} AS o
+    USING unnest(%(ids)s::bigint[], %(row_shards)s::int[], %(event_ids)s::uuid[]) AS r(id, shard, event_id)
+    WHERE o.id = r.id AND o.event_id = r.event_id AND r.shard IN (SELECT shard FROM held)
+      AND o.published_at IS NULL
+    RETURNING o.id
+)
+SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
+       (SELECT coalesce(array_agg(id), ARRAY[]::bigint[]) FROM marked) AS marked
+
 -- name: event_ids
 -- Exactly-once recovery: the event_id of each row a position record lists, to mark only
 -- the rows that still hold the listed events.  A database restored from a backup hands
