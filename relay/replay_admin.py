@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from relay.config import Settings
-from relay.errors import ConfigError, NotFound
+from relay.errors import ConfigError, NotFound, PermissionDenied
 from relay.replay_store import MAX_REPLAY_RATE, MIN_REPLAY_RATE, ReplayStore
 
 #: Events per second of one replay over all replicas, unless --rate says otherwise.
@@ -157,8 +157,16 @@ def _request(store: ReplayStore, args: argparse.Namespace, since: datetime, unti
                   f"{_iso(r['last_created_at'])}")
         print(f"{report['rows']} row(s) would be replayed (dry run: nothing recorded)")
         return 0
-    row = store.create(since=since, until=until, topics=args.topic, keys=args.key, rate=rate,
-                       requested_by=None)
+    try:
+        row = store.create(since=since, until=until, topics=args.topic, keys=args.key, rate=rate,
+                           requested_by=None)
+    except PermissionDenied as exc:  # the relay's own role may not, by design
+        # It said only "permission denied for table outbox_relay_replays" (an audit of the
+        # relay's operation), where dead-letters requeue says whose DSN to use.
+        raise PermissionDenied(
+            f"{exc}: a replay request writes outbox_relay_replays, which the relay's role "
+            "(outbox_relay) may not: run it with a DSN of the tables' owner or of an operator "
+            "role (outbox_core/sql/roles/outbox_relay_role.sql shows one)") from None
     if args.json:
         _dump(_plain(row))
     else:

@@ -317,6 +317,39 @@ def test_the_role_is_refused_everything_else(relay_login: RelayLogin) -> None:
     assert "permission denied" in line or "may create tables" in line
 
 
+def test_replay_requests_are_the_operators_not_the_relays(relay_login: RelayLogin) -> None:
+    """The relay's role may not request a replay: it said only "permission denied for table
+    outbox_relay_replays" (an audit of the relay's operation); now it says whose DSN to use.
+    The operator role the script's comment shows may, with the grant it lists for it."""
+    refused = cli("replay", "--since", "2000-01-01", dsn=relay_login.dsn)
+    assert refused.returncode != 0
+    line = one_line(refused)
+    assert "outbox_relay_replays" in line and "operator role" in line, line
+    operator, password = f"outbox_operator_{uuid.uuid4().hex[:8]}", f"pw-{uuid.uuid4().hex}"
+    example = ROLE_SCRIPT.read_text()
+    grants = [line.removeprefix("--").strip().split("  --")[0].rstrip(";")
+              for line in example.splitlines() if "TO outbox_relay_operator" in line]
+    assert len(grants) == 3, grants  # the requeue's and purge's, and the replay's
+    group = f"outbox_relay_operator_{uuid.uuid4().hex[:8]}"  # roles are the server's: one a run
+    with psycopg.connect(relay_login.admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} NOLOGIN IN ROLE outbox_relay").format(sql.Identifier(group)))
+        for grant in grants:
+            conn.execute(grant.replace("outbox_relay_operator", group).encode())
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE {}").format(
+            sql.Identifier(operator), sql.Literal(password), sql.Identifier(group)))
+    try:
+        made = cli("replay", "--since", "2000-01-01", dsn=make_conninfo(relay_login.dsn, user=operator,
+                                                                         password=password))
+        assert made.returncode == 0, made.stderr
+        assert "requested" in made.stdout
+    finally:
+        with psycopg.connect(relay_login.admin_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (operator,))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(operator)))
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(group)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(group)))
+
+
 def test_partitioned_outbox_status_under_the_role_and_partitions_with_the_owner(
         partitioned_login: RelayLogin, topic) -> None:
     """Grants on the parent cover what `status` reads through it; partition maintenance

@@ -46,6 +46,7 @@
 --         CREATE ROLE outbox_relay_operator NOLOGIN IN ROLE outbox_relay;
 --         GRANT INSERT ON outbox TO outbox_relay_operator;
 --         GRANT DELETE ON outbox_dead_letters TO outbox_relay_operator;
+--         GRANT INSERT ON outbox_relay_replays TO outbox_relay_operator;  -- `replay`
 --   * anything on outbox_schema_migrations: only `migrate` reads it, and migrate
 --     needs the owner role anyway (CREATE on the schema).  `run`, `status`,
 --     `cleanup` (plain outbox) and `dead-letters list|show` work under this role.
