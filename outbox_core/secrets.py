@@ -52,6 +52,7 @@ _BAD_PERCENT = re.compile(r'(invalid percent-encoded token: ")(.*)(")')
 _MISSING_EQUALS = re.compile(r'(missing "=" after ")(.*?)(" in connection info string)', re.DOTALL)
 _LIBPQ_LITERALS = frozenset({"=", "]", ":", "/"})
 _BEGINNING_AT = re.compile(r"(\bbeginning at:)[^\n]*")
+_CERTIFICATE_NAME = re.compile(r'server certificate for "([^"\n]*)"')
 #: libpq's Unix socket: ``<directory>/.s.PGSQL.<port>``, a host directory and a port: no secret.
 _SOCKET_FILE = re.compile(r"/[^\x00]*/\.s\.PGSQL\.\d+")
 
@@ -115,10 +116,14 @@ def scrub(text: str, *, dsn: str = "", properties: Mapping[str, Any] | None = No
     text = _BAD_PERCENT.sub(rf"\1{MASK}\3", text)
     text = _MISSING_EQUALS.sub(rf"\1{MASK}\3", text)
     visible = mask_dsn(dsn)
+    # The names a server's certificate holds, which libpq quotes when none is the host's:
+    # hidden, the line did not say what the certificate names (an audit of the security paths).
+    certified = set(_CERTIFICATE_NAME.findall(text))
 
     def hide(match: re.Match[str]) -> str:
         quote, token = match.group(1), match.group(2)
-        shown = token in visible or token in _LIBPQ_LITERALS or _SOCKET_FILE.fullmatch(token) is not None
+        shown = token in visible or token in _LIBPQ_LITERALS or _SOCKET_FILE.fullmatch(token) is not None \
+            or token in certified
         return match.group(0) if shown else f"{quote}{MASK}{quote}"
 
     return _QUOTED.sub(hide, mask_text(text))

@@ -292,6 +292,11 @@ def test_a_socket_path_in_a_connection_error_is_shown_and_the_password_is_not() 
     leaked = 'connection to server on socket "/run/s3cret/.s.PGSQL.5433" failed'
     assert "s3cret" not in scrub(leaked, dsn="host=/run/s3cret password=s3cret")
     assert scrub('could not parse "s3cret-ish"', dsn="password=x") == 'could not parse "***"'
+    # The names a server's certificate holds are the server's, not the DSN's: hidden, the line
+    # did not say what the certificate names (an audit of the security paths).
+    said = ('connection to server at "127.0.0.1", port 5432 failed: server certificate for '
+            '"other.example.com" (and 1 other name) does not match host name "127.0.0.1"')
+    assert scrub(said, dsn="host=127.0.0.1 sslmode=verify-full password=s3cret") == said
 
 
 @pytest.mark.parametrize(("values", "props", "fragment"), [
