@@ -84,23 +84,31 @@ def test_exactly_once_drains_every_row_once(db_dsn, kafka_broker, topic_name):
         consumer.close()
 
 
+def _drained_and_listed(db_dsn: str, kafka_broker: Any, topic_name: Any,
+                        label: str) -> tuple[str, str, dict[str, str], list[int]]:
+    """2,000 rows drained in exactly-once mode: (the DSN, the topic, the mode's settings, the
+    row ids the shards' last position records list)."""
+    dsn = migrated(db_dsn)
+    topic = topic_name(label)
+    create_topic(kafka_broker.bootstrap, topic, partitions=3)
+    insert_rows(dsn, topic, 2000, keys=20)
+    eo = _eo(topic_name)
+    with RelayThread(dsn, kafka_broker.bootstrap, **eo):
+        wait_drained(dsn, timeout_s=60)
+    positions = _positions(kafka_broker.bootstrap, eo["exactly_once_position_topic"], 16)
+    listed = sorted({int(i) for p in positions.values() for i in p["ids"]})  # type: ignore[union-attr]
+    assert listed
+    return dsn, topic, eo, listed
+
+
 def test_rows_committed_but_not_marked_are_recovered_not_republished(db_dsn, kafka_broker,
                                                                      topic_name):
     """A crash between the commit and the mark: the next holder reads the position
     record back and marks its rows; nothing is produced twice."""
-    dsn = migrated(db_dsn)
-    topic = topic_name("eo-recover")
-    create_topic(kafka_broker.bootstrap, topic, partitions=3)
-    insert_rows(dsn, topic, 2000, keys=20)
+    dsn, topic, eo, listed = _drained_and_listed(db_dsn, kafka_broker, topic_name, "eo-recover")
     expected = all_event_ids(dsn)
-    eo = _eo(topic_name)
-    with RelayThread(dsn, kafka_broker.bootstrap, **eo):
-        wait_drained(dsn, timeout_s=60)
     # Forget the marks of the rows the last transactions listed, as if the relay had died
     # between the commit and the mark.
-    positions = _positions(kafka_broker.bootstrap, eo["exactly_once_position_topic"], 16)
-    listed = sorted({int(i) for p in positions.values() for i in p["ids"]})  # type: ignore[union-attr]
-    assert listed
     scalar(dsn, "WITH u AS (UPDATE outbox SET published_at = NULL WHERE id = ANY(%(ids)s) "
                 "RETURNING 1) SELECT count(*) FROM u", {"ids": listed})
     assert int(scalar(dsn, "SELECT count(*) FROM outbox WHERE published_at IS NULL")) == len(listed)
@@ -121,16 +129,7 @@ def test_ids_handed_out_again_after_a_restore_are_sent_not_taken_for_the_listed_
     marked those new rows published by their ids without ever sending them (an audit of
     exactly-once mode: 294 and 454 of 500 new rows lost).  The records list the event ids
     too, and only rows that still hold them are marked."""
-    dsn = migrated(db_dsn)
-    topic = topic_name("eo-restore")
-    create_topic(kafka_broker.bootstrap, topic, partitions=3)
-    insert_rows(dsn, topic, 2000, keys=20)
-    eo = _eo(topic_name)
-    with RelayThread(dsn, kafka_broker.bootstrap, **eo):
-        wait_drained(dsn, timeout_s=60)
-    positions = _positions(kafka_broker.bootstrap, eo["exactly_once_position_topic"], 16)
-    listed = sorted({int(i) for p in positions.values() for i in p["ids"]})  # type: ignore[union-attr]
-    assert listed
+    dsn, topic, eo, listed = _drained_and_listed(db_dsn, kafka_broker, topic_name, "eo-restore")
     # As after a restore: the listed ids now name new, pending events.
     scalar(dsn, "WITH u AS (UPDATE outbox SET published_at = NULL, event_id = gen_random_uuid() "
                 "WHERE id = ANY(%(ids)s) RETURNING 1) SELECT count(*) FROM u", {"ids": listed})
