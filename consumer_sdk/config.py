@@ -16,7 +16,7 @@ from typing import Any, Literal
 from consumer_sdk.errors import ConfigError
 from consumer_sdk.model import Action, RetryPolicy, valid_topic_name
 from consumer_sdk.secrets import safe_repr, validate_dsn
-from outbox_core.text import bootstrap_servers_problem
+from outbox_core.text import bootstrap_servers_problem, lacks_token_source
 
 DEFAULT_BATCH_SIZE = 1
 DEFAULT_PREFETCH_RECORDS = 500
@@ -265,11 +265,7 @@ class InboxConfig:
         problem = bootstrap_servers_problem(self.bootstrap_servers or props.get("bootstrap.servers"))
         if problem is not None:
             raise ConfigError(f"bootstrap_servers {problem}")
-        mechanism = str(props.get("sasl.mechanism", props.get("sasl.mechanisms", ""))).strip().upper()
-        if mechanism == "OAUTHBEARER" and "oauth_cb" not in props \
-                and str(props.get("sasl.oauthbearer.method", "default")).strip().lower() != "oidc" \
-                and str(props.get("enable.sasl.oauthbearer.unsecure.jwt", "")).strip().lower() not in ("true", "1"):
-            # librdkafka then waits for a token that never comes: nothing consumed, nothing said.
+        if lacks_token_source(props):
             raise ConfigError("kafka_properties: sasl.mechanism=OAUTHBEARER needs a token source: "
                               "sasl.oauthbearer.method=oidc (with its client id, secret and token "
                               "endpoint), an oauth_cb, or enable.sasl.oauthbearer.unsecure.jwt=true "

@@ -152,6 +152,17 @@ def bootstrap_servers_problem(value: object) -> str | None:
     return None
 
 
+def lacks_token_source(props: Mapping[str, Any]) -> bool:
+    """True for librdkafka properties that choose SASL OAUTHBEARER without a token source
+    (``sasl.oauthbearer.method=oidc``, ``enable.sasl.oauthbearer.unsecure.jwt=true``, or a
+    callable ``oauth_cb``): librdkafka then waits for a token that never comes, and the
+    client sends nothing and says nothing (an audit of the security paths)."""
+    mechanism = str(props.get("sasl.mechanism", props.get("sasl.mechanisms", ""))).strip().upper()
+    return (mechanism == "OAUTHBEARER" and not callable(props.get("oauth_cb"))
+            and str(props.get("sasl.oauthbearer.method", "default")).strip().lower() != "oidc"
+            and str(props.get("enable.sasl.oauthbearer.unsecure.jwt", "")).strip().lower() not in ("true", "1"))
+
+
 # Control characters but newline and tab, and the invisible ones that reorder or hide text
 # (bidirectional overrides and isolates, zero-width characters, the byte-order mark).
 _HIDDEN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]")

@@ -28,7 +28,7 @@ from outbox_core.secrets import mask_dsn as mask_dsn
 from outbox_core.secrets import mask_text as mask_text
 from outbox_core.secrets import masked_properties as masked_properties
 from outbox_core.secrets import validate_dsn as _validate_dsn
-from outbox_core.text import bootstrap_servers_problem, valid_topic_name
+from outbox_core.text import bootstrap_servers_problem, lacks_token_source, valid_topic_name
 from relay.errors import ConfigError
 
 ENV_PREFIX = "OUTBOX_RELAY_"
@@ -634,15 +634,9 @@ def producer_config(settings: Settings) -> dict[str, str]:
 
 
 def check_oauthbearer(config: Mapping[str, str]) -> None:
-    """SASL OAUTHBEARER needs a token source the relay can use: librdkafka otherwise waits
-    for an application's token callback, which a sidecar configured by its environment
-    cannot give, and the relay sent nothing and said nothing about Kafka, even at debug
-    (an audit of the security paths)."""
-    if str(config.get("sasl.mechanism", config.get("sasl.mechanisms", ""))).strip().upper() != "OAUTHBEARER":
-        return
-    method = str(config.get("sasl.oauthbearer.method", "default")).strip().lower()
-    unsecured = str(config.get("enable.sasl.oauthbearer.unsecure.jwt", "false")).strip().lower() in ("true", "1")
-    if method != "oidc" and not unsecured:
+    """SASL OAUTHBEARER needs a token source the relay can use (a sidecar configured by its
+    environment can give no token callback): outbox_core.text.lacks_token_source."""
+    if lacks_token_source(config):
         raise ConfigError("kafka property sasl.mechanism=OAUTHBEARER needs a token source: set "
                           "sasl.oauthbearer.method=oidc (with sasl.oauthbearer.client.id, "
                           "sasl.oauthbearer.client.secret and sasl.oauthbearer.token.endpoint.url), or "
