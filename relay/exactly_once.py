@@ -291,8 +291,7 @@ class TransactionalPublisher:
             outcome = "committed" if result.ok else ("fenced" if result.fenced else "aborted")
             self._metrics.transactions.labels(outcome).inc()
         if result.ok and current and state is not None:
-            listed = result.listed
-            state.unconfirmed.update((row.id, listed.get(row.id) or event_digest(row.event_id)) for row in result.rows)
+            state.unconfirmed.update((row.id, result.listed[row.id]) for row in result.rows)
         elif not result.ok:
             self._log.warning("transaction_failed", shard=worker.shard, rows=len(result.rows),
                               fenced=result.fenced, error=result.error)

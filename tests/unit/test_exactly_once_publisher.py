@@ -40,7 +40,7 @@ class FakeWorker:
         rows = [row for row, _ in job.rows]
         outcome = Outcome(ok=ok, error_class="" if ok else "transaction_aborted")
         self.results.put(Result(self, rows=rows, callbacks=job.callbacks, ok=ok, fenced=fenced,  # type: ignore[arg-type]
-                                outcomes={row.id: outcome for row in rows}))
+                                outcomes={row.id: outcome for row in rows}, listed=dict(job.position)))
 
     @property
     def _thread(self) -> Any:
