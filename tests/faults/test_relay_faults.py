@@ -168,22 +168,33 @@ def test_a_starting_relay_publishes_as_soon_as_it_holds_a_lease(outbox_db, broke
     warm = Producer({"bootstrap.servers": broker.bootstrap, "enable.idempotence": True})
     warm.produce(f"{topic}.warm", value=b"warm")
     assert warm.flush(30) == 0
-    insert_rows(outbox_db, topic, 2_000)
-    expected = all_event_ids(outbox_db)
-    relay = spawn(relay_cmd("run"), env=relay_env(outbox_db, broker.bootstrap), name="relay")
-    wait_drained(outbox_db, timeout_s=60)
-    relay.sigterm()
-    assert relay.wait(30) == 0
-    with psycopg.connect(outbox_db, autocommit=True) as conn:
-        leased, marked = conn.execute("SELECT (SELECT min(at) FROM lease_audit), "
-                                      "(SELECT min(published_at) FROM outbox)").fetchone()
-    gap = (marked - leased).total_seconds()
-    print(f"first lease -> first mark: {gap * 1000:.0f} ms")
     # A claim, a produce and its acknowledgement, and the mark's transaction starting:
     # tens of milliseconds here (56-175 ms in 16 runs on a 2-core machine, two of them
-    # beside two busy loops; 377 ms once in CI, beside the other test workers).  The
-    # timer alone was 500 ms from the client's creation, so the bound stays below it.
-    assert 0 <= gap < 0.45, (gap, relay.log_tail())
+    # beside two busy loops; 377 ms once in CI, 450+ ms a few times, beside the other test
+    # workers).  The timer alone was 500 ms from the client's creation, on every start
+    # (0.99 / 0.99 / 0.49 s with warm_up taken out): so a relay is started up to three
+    # times, each on rows of its own, and one start under the bound passes; the defect
+    # stays above it on all three.
+    gaps = []
+    for start in range(3):
+        insert_rows(outbox_db, topic, 2_000, start=start * 2_000)
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            (began,) = conn.execute("SELECT clock_timestamp()").fetchone()
+        relay = spawn(relay_cmd("run"), env=relay_env(outbox_db, broker.bootstrap), name=f"relay{start}")
+        wait_drained(outbox_db, timeout_s=60)
+        relay.sigterm()
+        assert relay.wait(30) == 0
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            leased, marked = conn.execute(
+                "SELECT (SELECT min(at) FROM lease_audit WHERE at > %(t)s), "
+                "(SELECT min(published_at) FROM outbox WHERE published_at > %(t)s)", {"t": began}).fetchone()
+        gaps.append((marked - leased).total_seconds())
+        print(f"start {start}: first lease -> first mark: {gaps[-1] * 1000:.0f} ms")
+        assert gaps[-1] >= 0, (gaps, relay.log_tail())
+        if gaps[-1] < 0.4:
+            break
+    assert min(gaps) < 0.4, (gaps, relay.log_tail())
+    expected = all_event_ids(outbox_db)
     delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60), expected)
     assert delivery.missing == set() and delivery.order_violations == []
     assert delivery.duplicates == 0
