@@ -19,6 +19,9 @@ Variants:
   0015 the two unique indexes at fillfactor 50);
 * ``unique_ff90``: the two unique indexes at PostgreSQL's default fillfactor, as before
   migration 0015 (a mark's new entries split the leaves they go to);
+* ``heap_ff50``: the migrated schema with the heap at fillfactor 50: marks stay non-HOT
+  (every index as migrated) but each row's new version fits on its own page, so a mark
+  neither extends the table (its extension lock) nor looks for free space elsewhere;
 * ``no_published_index``: without the cleanup's index (one index fewer per mark);
 * ``hot_ff50`` / ``hot_ff70``: no index naming ``published_at`` (the claim's index over
   all rows, the back-off index without it, cleanup by a BRIN index) and a fillfactor of
@@ -82,6 +85,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "pk_only": ("mark_bench_event_id_unique_pending", "mark_bench_event_id_unique_pending_index",
                 "mark_bench_drop_published_index", "mark_bench_published_brin"),
     "unique_ff90": ("mark_bench_pkey_ff_default", "mark_bench_event_id_ff_default"),
+    "heap_ff50": ("mark_bench_fillfactor_50",),
 }
 #: Variants whose rows are loaded otherwise: bytea_payload's payload is bytes, not jsonb.
 LOADS: dict[str, str] = {"bytea_payload": "bench_load_pending_bytes"}
