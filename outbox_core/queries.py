@@ -3,8 +3,11 @@
 The SQL files live inside this package (``outbox_core/sql/``: ``migrations/``,
 ``queries/``, ``roles/``, ``adopt/``), so a wheel, an editable install and the
 repository find them the same way.  A block starts with ``-- name: <name>`` and runs
-to the next one; parameters are psycopg named placeholders.  Neither the relay nor
-the SDK keeps SQL in Python strings: both read these files through this module.
+to the next one; parameters are psycopg named placeholders.  A line ``-- include: <name>``
+in a block stands for the named block of the same file (a fragment several statements
+share, such as the relay's fence on its leases: written once, so that no copy of it can
+drift from the others).  Neither the relay nor the SDK keeps SQL in Python strings: both
+read these files through this module.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import re
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 
-__all__ = ["load", "parse_blocks", "query", "sql_files", "strip_comment_lines"]
+__all__ = ["load", "parse_blocks", "query", "resolve_includes", "sql_files", "strip_comment_lines"]
 
 _NAME = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
+_INCLUDE = re.compile(r"^[ \t]*--\s*include:\s*([a-z_][a-z0-9_]*)[ \t]*$", re.MULTILINE)
 
 
 def sql_files() -> Traversable:
@@ -40,6 +44,26 @@ def parse_blocks(text: str) -> dict[str, str]:
     return blocks
 
 
+def resolve_includes(blocks: dict[str, str]) -> dict[str, str]:
+    """``blocks`` with each ``-- include: <name>`` line replaced by that block's text
+    (itself resolved); an unknown name or a cycle is an error naming the blocks."""
+    done: dict[str, str] = {}
+
+    def resolved(name: str, chain: tuple[str, ...]) -> str:
+        if name in chain:
+            raise ValueError(f"query {chain[0]!r} includes itself: {' -> '.join((*chain, name))}")
+        if name not in done:
+            def one(match: re.Match[str]) -> str:
+                included = match.group(1)
+                if included not in blocks:
+                    raise ValueError(f"query {name!r} includes {included!r}, which does not exist")
+                return resolved(included, (*chain, name))
+            done[name] = _INCLUDE.sub(one, blocks[name])
+        return done[name]
+
+    return {name: resolved(name, ()) for name in blocks}
+
+
 def strip_comment_lines(text: str) -> str:
     """``text`` without its whole-line ``--`` comments and blank lines.
 
@@ -55,7 +79,7 @@ def strip_comment_lines(text: str) -> str:
 @functools.cache
 def load(group: str) -> dict[str, str]:
     """All blocks of ``sql/queries/<group>.sql``, as sent (whole-line comments dropped)."""
-    blocks = parse_blocks((sql_files() / "queries" / f"{group}.sql").read_text(encoding="utf-8"))
+    blocks = resolve_includes(parse_blocks((sql_files() / "queries" / f"{group}.sql").read_text(encoding="utf-8")))
     return {name: strip_comment_lines(text) for name, text in blocks.items()}
 
 

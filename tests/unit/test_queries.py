@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from outbox_core.queries import resolve_includes
 from relay.migrate import migrations, render
 from relay.queries import load, parse_blocks, query
 
@@ -26,6 +27,29 @@ def test_the_claim_is_short_enough_for_psycopgs_conversion_cache() -> None:
     from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
 
     assert len(query("relay", "claim_batch").encode()) <= MAX_CACHED_STATEMENT_LENGTH
+
+
+def test_an_include_line_stands_for_the_named_block() -> None:
+    blocks = parse_blocks("-- name: fence\nSELECT s FROM t\n-- name: a\nWITH h AS (\n"
+                          "    -- include: fence\n)\nSELECT * FROM h\n"
+                          "-- name: b\n-- include: a\n")
+    resolved = resolve_includes(blocks)
+    assert resolved["a"] == "WITH h AS (\nSELECT s FROM t\n)\nSELECT * FROM h"
+    assert resolved["b"] == resolved["a"]  # included blocks are themselves resolved
+    assert resolved["fence"] == "SELECT s FROM t"
+
+
+def test_an_include_of_nothing_or_of_itself_is_refused() -> None:
+    with pytest.raises(ValueError, match="'a' includes 'gone', which does not exist"):
+        resolve_includes(parse_blocks("-- name: a\n-- include: gone\n"))
+    with pytest.raises(ValueError, match="includes itself: a -> b -> a"):
+        resolve_includes(parse_blocks("-- name: a\n-- include: b\n-- name: b\n-- include: a\n"))
+
+
+@pytest.mark.parametrize("group", ["relay", "leases", "admin", "jobs", "inbox", "replay"])
+def test_no_statement_keeps_an_include_line(group) -> None:
+    for name, text in load(group).items():
+        assert "include:" not in text, name
 
 
 def test_duplicate_names_are_refused() -> None:
