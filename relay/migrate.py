@@ -79,7 +79,14 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
     """Apply pending migrations and make sure the shard rows exist; returns what was applied.
 
     ``partitioned`` creates a day-partitioned outbox; it only applies to a database
-    without an outbox yet (converting a live table is a job for its owner).
+    without an outbox yet (converting a live table is a job for its owner).  On an
+    outbox that exists, each migration's variant follows the outbox's layout, whatever
+    the flag: a plain ``migrate`` upgrades a partitioned outbox.
+
+    The whole run holds the run lock (:func:`_hold_run_lock`): a second ``migrate``
+    started meanwhile waits, then finds the work done.  Each migration also checks,
+    under the per-migration lock, that nobody applied it since (an older relay's
+    ``migrate`` takes only that one).
 
     A migration that alters a live table waits for its lock at most ``lock_timeout_s``
     (every writer of the table queues behind that wait), then is rolled back and tried
@@ -87,26 +94,24 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
     the sessions in old transactions that hold table locks.
     """
     applied_now: list[str] = []
+    holder = store_mod.connect(dsn, application_name="outbox-relay-migrate", autocommit=False)
     conn = store_mod.connect(dsn, application_name="outbox-relay-migrate", autocommit=False)
     try:
         with store_mod.translated():
+            _hold_run_lock(holder, log)
             with conn.transaction():
                 conn.execute(query("admin", "migration_lock"))
                 conn.execute(query("admin", "migrations_table"))
-                done = {r[0]: r[2] for r in conn.execute(query("admin", "applied_migrations"))}
-            if partitioned and 1 in done and not _partitioned(conn):
-                raise ConfigError("--partitioned: the outbox already exists as a plain table; "
-                                  "converting it is a manual migration (see README)")
-            for m in migrations(partitioned=partitioned):
-                if m.version in done:
-                    if done[m.version] != m.checksum and log is not None:
-                        log.warning("migration_changed", version=m.version, name=m.name)
-                    continue
-                _apply_one(conn, m, lock_timeout_s=lock_timeout_s, tries=tries, log=log)
-                applied_now.append(m.path.name)
-                if log is not None:
-                    log.info("migration_applied", version=m.version, name=m.name)
-            if partitioned:
+            for plain, variant in zip(migrations(), migrations(partitioned=True), strict=True):
+                m = _apply_one(conn, plain, variant, partitioned=partitioned, lock_timeout_s=lock_timeout_s,
+                               tries=tries, log=log)
+                if m is not None:
+                    applied_now.append(m.path.name)
+                    if log is not None:
+                        log.info("migration_applied", version=m.version, name=m.name)
+            with conn.transaction():
+                partitioned_now = _layout(conn) == "partitioned"
+            if partitioned_now:
                 from relay.partitions import maintain
 
                 conn.autocommit = True
@@ -114,21 +119,40 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
                 conn.autocommit = False
             with conn.transaction():
                 conn.execute(query("admin", "migration_lock"))
-                current = conn.execute(query("relay", "read_settings")).fetchone()
-                if current is None:
-                    conn.execute(query("leases", "set_shards"), {"shards": shards or DEFAULT_SHARDS})
-                    conn.execute(query("leases", "create_shards"), {"shards": shards or DEFAULT_SHARDS})
-                elif shards is not None and shards != current[0]:
-                    _reshard(conn, current[0], shards)
-                    if log is not None:  # said: it printed only "migrations applied: none"
-                        log.info("shards_changed", old=current[0], new=shards)
-                else:
-                    conn.execute(query("leases", "create_shards"), {"shards": current[0]})
+                _ensure_shards(conn, shards, log)
     except psycopg.errors.InsufficientPrivilege as exc:
         raise FatalError(f"migrate needs a role that may create tables: {exc.diag.message_primary}") from None
     finally:
         conn.close()
+        holder.close()
     return applied_now
+
+
+def _hold_run_lock(holder: psycopg.Connection[Any], log: Any) -> None:
+    """Take the run lock in a transaction ``holder`` keeps open until it is closed.
+
+    A transaction's lock, not a session's: through a transaction pooler (which `migrate`
+    supports) a session lock stays on the server connection the pooler hands the next
+    client, and every later `migrate` would wait for ever.  Its own key, not the
+    per-migration lock's, which ``conn`` takes in each of its transactions."""
+    locked = holder.execute(query("admin", "migration_run_lock_try")).fetchone()
+    if not (locked and locked[0]):
+        if log is not None:
+            log.info("migration_waiting", reason="another migrate is running; waiting for it to finish")
+        holder.execute(query("admin", "migration_run_lock"))
+
+
+def _ensure_shards(conn: psycopg.Connection[Any], shards: int | None, log: Any) -> None:
+    current = conn.execute(query("relay", "read_settings")).fetchone()
+    if current is None:
+        conn.execute(query("leases", "set_shards"), {"shards": shards or DEFAULT_SHARDS})
+        conn.execute(query("leases", "create_shards"), {"shards": shards or DEFAULT_SHARDS})
+    elif shards is not None and shards != current[0]:
+        _reshard(conn, current[0], shards)
+        if log is not None:  # said: it printed only "migrations applied: none"
+            log.info("shards_changed", old=current[0], new=shards)
+    else:
+        conn.execute(query("leases", "create_shards"), {"shards": current[0]})
 
 
 class MigrationBlocked(FatalError):
@@ -138,19 +162,28 @@ class MigrationBlocked(FatalError):
     exit_code = 6
 
 
-def _apply_one(conn: psycopg.Connection[Any], m: Migration, *, lock_timeout_s: float, tries: int,
-               log: Any) -> None:
-    """One migration in its own transaction, its lock waits bounded (see :func:`apply`)."""
+def _apply_one(conn: psycopg.Connection[Any], plain: Migration, variant: Migration, *, partitioned: bool,
+               lock_timeout_s: float, tries: int, log: Any) -> Migration | None:
+    """One migration in its own transaction, its lock waits bounded (see :func:`apply`);
+    None when it was applied already.  Decided under the per-migration lock: the file
+    (``plain`` or its partitioned ``variant``) follows the outbox's layout as it is now."""
     timeout = {"lock_timeout": f"{max(1, round(lock_timeout_s * 1000))}ms"}
+    m = plain
     for attempt in range(1, tries + 1):
         try:
             with conn.transaction():
                 conn.execute(query("admin", "migration_lock"))  # another migrate: wait for it
+                m = _chosen(conn, plain, variant, partitioned=partitioned)
+                recorded = conn.execute(query("admin", "migration_checksum"), {"version": m.version}).fetchone()
+                if recorded is not None:
+                    if recorded[0] != m.checksum and log is not None:
+                        log.warning("migration_changed", version=m.version, name=m.name)
+                    return None
                 conn.execute(query("admin", "migration_lock_timeout"), timeout)
                 conn.execute(m.sql.encode())  # a whole file: no parameters
                 conn.execute(query("admin", "record_migration"),
                              {"version": m.version, "name": m.name, "checksum": m.checksum})
-            return
+            return m
         except psycopg.errors.LockNotAvailable:
             if log is not None:
                 log.warning("migration_lock_wait", version=m.version, name=m.name, attempt=attempt,
@@ -168,11 +201,23 @@ def _apply_one(conn: psycopg.Connection[Any], m: Migration, *, lock_timeout_s: f
         f"migrate again (--lock-timeout-s waits longer)")
 
 
-def _partitioned(conn: psycopg.Connection[Any]) -> bool:
-    from relay.partitions import is_partitioned
+def _layout(conn: psycopg.Connection[Any]) -> str:
+    """The outbox's layout now: ``none`` (no outbox yet), ``plain`` or ``partitioned``."""
+    row = conn.execute(query("partitions", "outbox_layout")).fetchone()
+    return str(row[0]) if row else "none"
 
-    with conn.transaction():
-        return is_partitioned(conn)
+
+def _chosen(conn: psycopg.Connection[Any], plain: Migration, variant: Migration, *,
+            partitioned: bool) -> Migration:
+    """The file to apply: the layout of the outbox that exists, else the one asked for.
+    ``--partitioned`` on a plain outbox (made earlier, or by a plain `migrate` that won
+    the race to an empty database) is refused in one line."""
+    layout = _layout(conn)
+    if layout == "plain" and partitioned:
+        raise ConfigError("--partitioned: the outbox already exists as a plain table (an earlier or "
+                          "concurrent `migrate` made it); --partitioned needs a database without an "
+                          "outbox: converting it is a manual migration (see README)")
+    return variant if layout == "partitioned" or (layout == "none" and partitioned) else plain
 
 
 def _reshard(conn: psycopg.Connection[Any], old: int, new: int) -> None:

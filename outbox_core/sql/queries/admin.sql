@@ -12,6 +12,18 @@ CREATE TABLE IF NOT EXISTS outbox_schema_migrations (
 -- Two replicas starting `migrate` at once take turns.
 SELECT pg_advisory_xact_lock(hashtext('outbox-relay-migrate'))
 
+-- name: migration_run_lock_try
+-- Held for a whole `migrate` run by a transaction kept open beside the migrations' own
+-- (relay/migrate.py _hold_run_lock): a second `migrate` waits, then finds the work done.
+SELECT pg_try_advisory_xact_lock(hashtext('outbox-relay-migrate-run')) AS locked
+
+-- name: migration_run_lock
+SELECT pg_advisory_xact_lock(hashtext('outbox-relay-migrate-run'))
+
+-- name: migration_checksum
+-- Read under migration_lock: a migration another `migrate` applied meanwhile is skipped.
+SELECT checksum FROM outbox_schema_migrations WHERE version = %(version)s
+
 -- name: migration_lock_timeout
 -- A migration's transaction waits this long for a table lock (ALTER TABLE takes ACCESS
 -- EXCLUSIVE: while it waits, every writer of the table queues behind it), then fails

@@ -52,3 +52,10 @@ DROP TABLE IF EXISTS {partition}
 
 -- name: default_partition_rows
 SELECT count(*) AS rows FROM outbox_default
+
+-- name: outbox_layout
+-- What `migrate` finds: no outbox yet, a plain one, or a partitioned one.
+SELECT CASE WHEN to_regclass('outbox') IS NULL THEN 'none'
+            WHEN EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = to_regclass('outbox'))
+                THEN 'partitioned'
+            ELSE 'plain' END AS layout
