@@ -100,7 +100,7 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
         with store_mod.translated():
             _hold_run_lock(holder, log)
             with conn.transaction():
-                conn.execute(query("admin", "migration_lock"))
+                _locked(conn)
                 conn.execute(query("admin", "migrations_table"))
             for plain, variant in zip(migrations(), migrations(partitioned=True), strict=True):
                 m = _apply_one(conn, plain, variant, partitioned=partitioned, lock_timeout_s=lock_timeout_s,
@@ -118,7 +118,7 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
                 maintain(conn, retention_s=None)  # today and the coming days exist at once
                 conn.autocommit = False
             with conn.transaction():
-                conn.execute(query("admin", "migration_lock"))
+                _locked(conn)
                 _ensure_shards(conn, shards, log)
     except psycopg.errors.InsufficientPrivilege as exc:
         raise FatalError(f"migrate needs a role that may create tables: {exc.diag.message_primary}") from None
@@ -135,6 +135,7 @@ def _hold_run_lock(holder: psycopg.Connection[Any], log: Any) -> None:
     supports) a session lock stays on the server connection the pooler hands the next
     client, and every later `migrate` would wait for ever.  Its own key, not the
     per-migration lock's, which ``conn`` takes in each of its transactions."""
+    holder.execute(query("admin", "migration_lifts_timeouts"))
     locked = holder.execute(query("admin", "migration_run_lock_try")).fetchone()
     if not (locked and locked[0]):
         if log is not None:
@@ -162,6 +163,30 @@ class MigrationBlocked(FatalError):
     exit_code = 6
 
 
+class MigrationCancelled(MigrationBlocked):
+    """The server cancelled a migration's statement (it was rolled back): run migrate again
+    once whatever cancelled it lets it be.  Exit 6 too: "try again later"."""
+
+
+def _locked(conn: psycopg.Connection[Any]) -> None:
+    """Begin a transaction of migrate's: the application's timeouts lifted, the
+    per-migration lock taken (waited for: another migrate runs one)."""
+    conn.execute(query("admin", "migration_lifts_timeouts"))
+    conn.execute(query("admin", "migration_lock"))
+
+
+def _cancelled(m: Migration, cause: str) -> str:
+    """One line: which migration, what cancelled it, what to do."""
+    if "statement timeout" in cause:
+        what = ("a statement_timeout cancelled it: run migrate with a role, or a DSN option, that "
+                "lifts it (options=-c statement_timeout=0)")
+    else:
+        what = ("an operator (pg_cancel_backend) or a tool that cancels long statements (a pooler's "
+                "query_timeout) cancelled it: let it run")
+    return (f"migration {m.path.name} (level {m.version}) was cancelled ({cause}) and rolled back; "
+            f"the levels before it stay applied. {what}, then run migrate again")
+
+
 def _apply_one(conn: psycopg.Connection[Any], plain: Migration, variant: Migration, *, partitioned: bool,
                lock_timeout_s: float, tries: int, log: Any) -> Migration | None:
     """One migration in its own transaction, its lock waits bounded (see :func:`apply`);
@@ -172,7 +197,7 @@ def _apply_one(conn: psycopg.Connection[Any], plain: Migration, variant: Migrati
     for attempt in range(1, tries + 1):
         try:
             with conn.transaction():
-                conn.execute(query("admin", "migration_lock"))  # another migrate: wait for it
+                _locked(conn)  # another migrate (an older relay's): wait for it
                 m = _chosen(conn, plain, variant, partitioned=partitioned)
                 recorded = conn.execute(query("admin", "migration_checksum"), {"version": m.version}).fetchone()
                 if recorded is not None:
@@ -184,6 +209,8 @@ def _apply_one(conn: psycopg.Connection[Any], plain: Migration, variant: Migrati
                 conn.execute(query("admin", "record_migration"),
                              {"version": m.version, "name": m.name, "checksum": m.checksum})
             return m
+        except psycopg.errors.QueryCanceled as exc:
+            raise MigrationCancelled(_cancelled(m, exc.diag.message_primary or str(exc))) from None
         except psycopg.errors.LockNotAvailable:
             if log is not None:
                 log.warning("migration_lock_wait", version=m.version, name=m.name, attempt=attempt,

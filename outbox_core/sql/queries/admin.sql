@@ -12,6 +12,17 @@ CREATE TABLE IF NOT EXISTS outbox_schema_migrations (
 -- Two replicas starting `migrate` at once take turns.
 SELECT pg_advisory_xact_lock(hashtext('outbox-relay-migrate'))
 
+-- name: migration_lifts_timeouts
+-- First in each of migrate's transactions.  A role's or database's statement_timeout
+-- (ALTER ROLE app SET statement_timeout = '50ms') is meant for the application's queries:
+-- it cancelled a schema migration part way (rolled back, the same at every try), and an
+-- idle_in_transaction_session_timeout would end the transaction holding the run lock.
+-- migrate's waits are bounded by its own lock_timeout instead (migration_lock_timeout).
+-- Local to the transaction: through a transaction pooler nothing stays on the server
+-- connection the application gets next.
+SELECT set_config('statement_timeout', '0', true),
+       set_config('idle_in_transaction_session_timeout', '0', true)
+
 -- name: migration_run_lock_try
 -- Held for a whole `migrate` run by a transaction kept open beside the migrations' own
 -- (relay/migrate.py _hold_run_lock): a second `migrate` waits, then finds the work done.
