@@ -4,8 +4,8 @@ The relay supervises; the loop owner decides.  Each turn of :meth:`Relay.run`: h
 the leases and refresh the backlog gauges when due, then one turn of the loop
 (relay/loop.py: claim when due, run the pump and the replayer once) and its wait (on a
 notification, a delivery report, a mark or the next due time).  Failures of the database
-are waited out here, with capped exponential back-off and jitter (:meth:`_next_wait`),
-logged once per state change; signals, /healthz and /readyz are answered here too.
+are waited out here, on the database's own short back-off (relay/reconnect.py: 0.5 s to
+2 s, not the publish retries'), logged once per state change; signals, /healthz and /readyz are answered here too.
 
 Every long-lived part has ``start()`` and an idempotent ``stop(timeout_s)``; those that
 loop on the caller's thread have ``run_once()``.  Threads, and the connections each owns
@@ -59,6 +59,7 @@ from relay.loop import Loop
 from relay.metrics import RelayMetrics
 from relay.publisher import BrokerState, Publisher
 from relay.pump import Pump
+from relay.reconnect import Reconnects
 from relay.replay import Replayer
 from relay.replay_store import ReplayStore
 from relay.store import Store, check_not_transaction_pooled
@@ -117,7 +118,7 @@ class Relay:
         # last mark, so the minutes of an outage never count against the relay.
         self._deps_up_at = self.last_tick
         self._next_shards_look = 0.0
-        self._db_failures = 0
+        self._reconnects = Reconnects(cap_s=settings.backoff_max_s)  # the database's back-off
         self._db_down_event = ""
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -300,17 +301,15 @@ class Relay:
         return None
 
     def _next_wait(self) -> float:
-        self._db_failures += 1
-        return backoff_s(self._db_failures, initial_s=self.settings.backoff_initial_s,
-                         max_s=self.settings.backoff_max_s)
+        return self._reconnects.next_wait_s()
 
     def _db_ok(self) -> None:
         if not self.db_up:
-            if self._db_failures:
-                self.log.info("database_recovered", after_attempts=self._db_failures)
+            failures = self._reconnects.reset()
+            if failures:
+                self.log.info("database_recovered", after_attempts=failures)
             self.db_up = True
             self._deps_up_at = self.clock()
-            self._db_failures = 0
             self.metrics.database_up.set(1)
 
     def _broker_ok(self) -> None:
@@ -329,7 +328,7 @@ class Relay:
         # Logged once per state change; a lost connection that turns out to be a read-only
         # server (failover to a standby) is a change worth its own event.
         event = "database_read_only" if isinstance(exc, DatabaseReadOnly) else "database_unavailable"
-        if self.db_up or self._db_failures == 0 or event != self._db_down_event:
+        if self.db_up or self._reconnects.failures == 0 or event != self._db_down_event:
             self.log.warning(event, error=str(exc))
             self._db_down_event = event
         self.db_up = False
