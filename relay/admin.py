@@ -193,6 +193,11 @@ def cleanup(settings: Settings, *, retention_s: float, batch: int) -> int:
                   f"dropped: {', '.join(report.dropped) or 'none'}; "
                   f"kept (rows pending): {', '.join(report.kept_pending) or 'none'}; "
                   f"rows in outbox_default: {report.default_rows}")
+            for table, pending in report.detached_pending.items():
+                count = "an unknown number of" if pending is None else str(pending)
+                print(f"warning: {table} is detached from the outbox and holds {count} unpublished "
+                      "rows, which will never be published: attach it again or copy them into the outbox",
+                      file=sys.stderr)
             # Then the strays, row by row, as run's cleanup does (outbox_default's rows, the
             # published rows of days kept for their pending ones): the command stopped at the
             # partitions, and those rows stayed for ever (an audit of the relay's operation).

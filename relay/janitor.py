@@ -50,11 +50,8 @@ class Janitor:
                 if self.log is not None:
                     self.log.warning("partition_maintenance_refused", error=str(exc))
                 return 0
-            if self.log is not None and (report.created or report.dropped or report.default_rows):
-                self.log.info("partitions_maintained", created=report.created, dropped=report.dropped,
-                              kept_pending=report.kept_pending, lock_missed=report.lock_missed,
-                              blocked_by_default=report.blocked_by_default,
-                              default_rows=report.default_rows)
+            if self.log is not None:
+                self._log_partitions(report)
         if self.retention_s is None:
             return 0
         total = 0
@@ -69,6 +66,21 @@ class Janitor:
             if deleted < self.batch:
                 break
         return total
+
+    def _log_partitions(self, report: Any) -> None:
+        assert self.log is not None
+        if report.created or report.dropped or report.default_rows:
+            self.log.info("partitions_maintained", created=report.created, dropped=report.dropped,
+                          kept_pending=report.kept_pending, lock_missed=report.lock_missed,
+                          blocked_by_default=report.blocked_by_default,
+                          default_rows=report.default_rows, detached=sorted(report.detached))
+        for table, pending in report.detached_pending.items():
+            # Each round: its rows left the outbox with it and are never published.
+            self.log.warning("partition_detached_with_pending_rows", table=table,
+                             pending_rows="not counted (locked)" if pending is None else pending,
+                             hint="its unpublished rows are no longer in the outbox and will never "
+                                  "be published: attach it again (ALTER TABLE outbox ATTACH "
+                                  "PARTITION ...) or copy its pending rows into the outbox")
 
     def start(self) -> None:
         """Run a round every ``interval_s`` on a thread of its own until :meth:`stop`.

@@ -25,6 +25,8 @@ from relay.queries import query
 
 _NAME = re.compile(r"^outbox_p(\d{8})$")
 DAYS_AHEAD = 7
+#: A detached partition's unpublished rows are counted up to this many (its pending index).
+DETACHED_COUNT_CAP = 1_000_000
 
 
 @dataclass
@@ -35,6 +37,16 @@ class PartitionReport:
     lock_missed: list[str] = field(default_factory=list)
     blocked_by_default: list[str] = field(default_factory=list)
     default_rows: int = 0
+    #: Tables named as the outbox's daily partitions but not attached to it (a DBA's DETACH
+    #: PARTITION), with their unpublished rows (counted up to DETACHED_COUNT_CAP; None: not
+    #: counted, its lock not granted in time).  Those rows are no longer in the outbox and
+    #: are never published.
+    detached: dict[str, int | None] = field(default_factory=dict)
+
+    @property
+    def detached_pending(self) -> dict[str, int | None]:
+        """The detached tables holding unpublished rows (or not counted)."""
+        return {name: n for name, n in self.detached.items() if n != 0}
 
 
 def partition_name(day: date) -> str:
@@ -72,10 +84,13 @@ def maintain(conn: psycopg.Connection[Any], *, retention_s: float | None,
     now = now or datetime.now(UTC)
     report = PartitionReport()
     existing = {r[0] for r in conn.execute(query("partitions", "list_partitions"))}
+    report.detached = _detached(conn)
     for offset in range(-1, days_ahead + 1):
         day = (now + timedelta(days=offset)).date()
         name = partition_name(day)
-        if name in existing:
+        if name in existing or name in report.detached:
+            # A detached one's name is taken: CREATE TABLE IF NOT EXISTS skipped it, and it was
+            # reported created at every run while the day's rows went to outbox_default.
             continue
         if retention_s is not None and droppable(day, now=now, retention_s=retention_s):
             # Yesterday under a retention shorter than a day: made now, it would be dropped
@@ -95,6 +110,23 @@ def maintain(conn: psycopg.Connection[Any], *, retention_s: float | None,
     row = conn.execute(query("partitions", "default_partition_rows")).fetchone()
     report.default_rows = int(row[0]) if row else 0
     return report
+
+
+def _detached(conn: psycopg.Connection[Any]) -> dict[str, int | None]:
+    """Tables of the outbox's schema named as its daily partitions, not attached to it,
+    with their unpublished rows counted (a short lock wait; None when not granted)."""
+    found: dict[str, int | None] = {}
+    for (name,) in conn.execute(query("partitions", "detached_partitions")).fetchall():
+        try:
+            with conn.transaction():
+                conn.execute(query("partitions", "short_lock_timeout"))
+                row = conn.execute(_ddl("detached_pending", name), {"cap": DETACHED_COUNT_CAP}).fetchone()
+            found[name] = int(row[0]) if row else 0
+        except psycopg.errors.LockNotAvailable:
+            found[name] = None
+        except psycopg.errors.UndefinedTable:
+            continue  # dropped since it was listed
+    return found
 
 
 def _mark_room(conn: psycopg.Connection[Any], partition: str) -> None:

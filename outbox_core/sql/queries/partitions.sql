@@ -59,3 +59,19 @@ SELECT CASE WHEN to_regclass('outbox') IS NULL THEN 'none'
             WHEN EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = to_regclass('outbox'))
                 THEN 'partitioned'
             ELSE 'plain' END AS layout
+
+-- name: detached_partitions
+-- Tables of the outbox's schema named as its daily partitions that are no partition
+-- (a DBA's ALTER TABLE outbox DETACH PARTITION): their rows are no longer in the outbox.
+SELECT c.relname AS name
+FROM pg_class AS c
+WHERE c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass('outbox'))
+  AND c.relname ~ '^outbox_p[0-9]{8}$'
+  AND c.relkind IN ('r', 'p')
+  AND NOT c.relispartition
+ORDER BY c.relname
+
+-- name: detached_pending
+-- A detached partition's unpublished rows, up to %(cap)s (its copy of the pending index).
+SELECT count(*) AS pending
+FROM (SELECT 1 FROM {partition} WHERE published_at IS NULL LIMIT %(cap)s) AS p
