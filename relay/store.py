@@ -396,13 +396,16 @@ class Store:
         return set(held), set(marked)  # ShardId and RowId are ints
 
     def mark_by_event_id(self) -> None:
-        """Match the rows a mark names by id and event_id, not id alone: a partitioned
-        outbox (see relay.sql's mark_published_by_event).  Idempotent."""
+        """Match the rows a mark, a failure or a dead letter names by id and event_id, not id
+        alone: a partitioned outbox (see relay.sql's mark_published_by_event).  Idempotent."""
         if self._by_event:
             return
         self._by_event = True
         self._mark_query += "_by_event"
         self._mark_statement = Prepared("relay", self._mark_query, table=self.table)
+
+    def _event_id(self, row: OutboxRow) -> str | None:
+        return row.event_id if self._by_event else None  # None: by id (the plain outbox)
 
     def event_ids(self, ids: Sequence[RowId]) -> list[tuple[RowId, str]]:
         """The event_id of each row of ``ids`` still in the table."""
@@ -416,7 +419,7 @@ class Store:
         """Count a failed attempt (fenced); None when the lease was lost."""
         rows = self._fetch("relay", "record_failure", {
             "owner": owner, "shard": lease.shard, "token": lease.token, "id": row.id,
-            "error": error[:2000], "backoff_s": backoff_s, "now": self.now,
+            "event_id": self._event_id(row), "error": error[:2000], "backoff_s": backoff_s, "now": self.now,
         })
         return int(rows[0]["attempts"]) if rows else None
 
@@ -425,7 +428,7 @@ class Store:
         """Move a row to the dead letters (fenced, one statement); False when fenced out."""
         rows = self._fetch("relay", "dead_letter", {
             "owner": owner, "shard": lease.shard, "token": lease.token, "id": row.id,
-            "reason": reason, "error": error[:2000],
+            "event_id": self._event_id(row), "reason": reason, "error": error[:2000],
         })
         return bool(rows)
 

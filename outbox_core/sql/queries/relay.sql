@@ -267,7 +267,10 @@ SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
 
 -- name: record_failure
 -- Fenced like mark_published: counts an attempt, keeps the broker's message and
--- schedules the retry.
+-- schedules the retry.  %(event_id)s: the row's event_id on a partitioned outbox, where
+-- two rows may share an id (see mark_published_by_event): by id alone, a row's failure
+-- put its twin in back-off too and counted its attempts toward the dead letters.  NULL
+-- on the plain outbox, whose primary key keeps ids unique.
 WITH held AS (
     SELECT s.shard
     FROM outbox_relay_shards AS s
@@ -278,12 +281,14 @@ UPDATE {table} AS o
 SET attempts = o.attempts + 1,
     last_error = %(error)s,
     retry_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(backoff_s)s)
-WHERE o.id = %(id)s AND o.published_at IS NULL AND EXISTS (SELECT 1 FROM held)
+WHERE o.id = %(id)s AND o.event_id = coalesce(%(event_id)s::uuid, o.event_id)
+  AND o.published_at IS NULL AND EXISTS (SELECT 1 FROM held)
 RETURNING o.attempts
 
 -- name: dead_letter
 -- Fenced move of one row to the dead letters, in one statement: never in both
--- places, never in neither.
+-- places, never in neither.  %(event_id)s as in record_failure: by id alone, a row
+-- refused for good took its pending twin into the dead letters with it.
 WITH held AS (
     SELECT s.shard
     FROM outbox_relay_shards AS s
@@ -291,7 +296,8 @@ WITH held AS (
     FOR SHARE OF s
 ), moved AS (
     DELETE FROM {table} AS o
-    WHERE o.id = %(id)s AND o.published_at IS NULL AND EXISTS (SELECT 1 FROM held)
+    WHERE o.id = %(id)s AND o.event_id = coalesce(%(event_id)s::uuid, o.event_id)
+      AND o.published_at IS NULL AND EXISTS (SELECT 1 FROM held)
     RETURNING o.*
 )
 INSERT INTO outbox_dead_letters
