@@ -70,6 +70,7 @@ from consumer_sdk.retention import (
 from consumer_sdk.store import ConnectionFactory, PgInboxStore, connect_factory
 from outbox_core import cgroup
 from outbox_core.backoff import backoff_s
+from outbox_core.kafka_errors import setup_failure
 from outbox_core.secrets import scrub
 from outbox_core.spin import default_budget_us
 
@@ -94,11 +95,6 @@ _WAIT_OUTCOMES = ("answered_while_polling", "slept_after_polling", "slept_paused
 
 class _Abandon(Exception):
     """The rest of the batch is left unsettled (a rebalance moved partitions, or stop())."""
-
-
-#: Client errors that mean the credentials or the TLS setup are wrong (as for the relay).
-_CREDENTIALS_REJECTED = frozenset({KafkaError._AUTHENTICATION, KafkaError.SASL_AUTHENTICATION_FAILED,
-                                   KafkaError._SSL})
 
 
 class InboxConsumer:
@@ -157,6 +153,7 @@ class InboxConsumer:
         self._stash: list[KafkaRecord] = []  # messages a keep-alive poll returned, processed next
         self._rebalances = 0
         self._fatal: str | None = None
+        self._answered = False  # a broker answered (an assignment, a record): transport errors may pass
         self._last_client_error: int | None = None
         self._next_cleanup = 0.0
         self._closed = False
@@ -274,9 +271,11 @@ class InboxConsumer:
     def _accept(self, msg: Message) -> KafkaRecord | None:
         err = msg.error()
         if err is None:
+            self._answered = True
             return kafka.record_of(msg)
-        if err.fatal():
-            self._fatal = self._kafka_text(err)
+        refused = self._refused(err.code(), msg.topic(), err.str())
+        if err.fatal() or refused is not None:
+            self._fatal = refused or self._kafka_text(err)
         elif err.code() != KafkaError._PARTITION_EOF:
             self.log.warning("kafka_consume_error", error=self._kafka_text(err), topic=msg.topic(),
                              partition=msg.partition())
@@ -416,12 +415,15 @@ class InboxConsumer:
                                on_revoke=self._on_revoke, on_lost=self._on_lost)
         else:
             parts = [TopicPartition(t, p, OFFSET_STORED) for t in self.config.topics
-                     for p in kafka.wait_partitions(consumer, t, stop=self._stop, log=self.log)]
+                     for p in kafka.wait_partitions(consumer, t, stop=self._stop, log=self.log,
+                                                    refused=self._refused)]
+            self._answered = bool(parts)
             consumer.assign(parts)
             self.assigned = {(tp.topic, tp.partition) for tp in parts}
         return consumer
 
     def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._answered = True
         self._rebalances += 1
         self.metrics.rebalances.labels(self.config.name, "assign").inc()
         self.assigned |= {(tp.topic, tp.partition) for tp in partitions}
@@ -458,13 +460,21 @@ class InboxConsumer:
         self.assigned -= parts
 
     def _client_error(self, err: KafkaError) -> None:
-        if err.fatal() or err.code() in _CREDENTIALS_REJECTED:
-            # librdkafka retries a rejected password forever; no retry can fix it.
-            self._fatal = self._kafka_text(err)
+        text = self._kafka_text(err)
+        # librdkafka retries a rejected password, or a TLS set-up that cannot work, for ever.
+        failure = setup_failure(err.code(), text, answered=self._answered)
+        if failure is not None or err.fatal():
+            self._fatal = failure or text
             self.log.error("kafka_fatal", error=self._fatal)
         elif err.code() != self._last_client_error:
             self.log.warning("kafka_client_error", error=self._kafka_text(err))
         self._last_client_error = err.code()
+
+    def _refused(self, code: int, topic: str | None, text: str) -> str | None:
+        """The line naming the ACL this consumer lacks on its own group or topics, or None."""
+        props = self.config.kafka_properties
+        return kafka.access_refused(code, topic, group=self.config.group, topics=self.config.topics,
+                                    properties=props, text=scrub(text, properties=props))
 
     def _kafka_text(self, err: KafkaError) -> str:
         """librdkafka's text, which may quote a secret property's value (a malformed

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
-from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from consumer_sdk.errors import ConfigError, KafkaUnavailable
+from consumer_sdk.errors import ConfigError, KafkaFatal, KafkaUnavailable
 from consumer_sdk.model import KafkaRecord
 from consumer_sdk.offsets import TopicPart
 
@@ -37,13 +38,41 @@ def build_consumer(config: dict[str, Any]) -> Consumer:
         raise ConfigError(f"invalid Kafka consumer configuration: {exc}") from None
 
 
-def wait_partitions(consumer: Consumer, topic: str, *, stop: threading.Event, log: Any) -> list[int]:
-    """The topic's partitions, waiting (until ``stop``) for the topic to exist."""
+def access_refused(code: int, topic: str | None, *, group: str, topics: Sequence[str],
+                   properties: Mapping[str, Any], text: str) -> str | None:
+    """The one line naming the ACL a consumer lacks, when ``code`` says the cluster refused
+    its principal its own ``group`` or one of its own ``topics``; None otherwise.
+
+    librdkafka reports both as an error of a poll, once or every few seconds, and goes on
+    waiting: a consumer without READ on its group or topic logged them and ran for ever,
+    consuming nothing (an audit of the security paths).  ``text`` is librdkafka's, masked."""
+    name = properties.get("sasl.username")
+    principal = f"User:{name}" if isinstance(name, str) and name else "<its principal>"
+    if code == KafkaError.GROUP_AUTHORIZATION_FAILED:
+        return (f"the Kafka cluster refused this consumer's principal ({principal}) its consumer group "
+                f"{group!r} ({text}): grant it READ on the group (kafka-acls --add --allow-principal "
+                f"{principal} --operation Read --group {group})")
+    if code == KafkaError.TOPIC_AUTHORIZATION_FAILED and (topic is None or topic in topics):
+        what = f"topic {topic!r}" if topic else f"its topics {', '.join(topics)}"
+        return (f"the Kafka cluster refused this consumer's principal ({principal}) {what} ({text}): "
+                f"grant it READ on the topic, which includes DESCRIBE (kafka-acls --add --allow-principal "
+                f"{principal} --operation Read --topic {topic or '<topic>'})")
+    return None
+
+
+def wait_partitions(consumer: Consumer, topic: str, *, stop: threading.Event, log: Any,
+                    refused: Callable[[int, str, str], str | None] = lambda *_: None) -> list[int]:
+    """The topic's partitions, waiting (until ``stop``) for the topic to exist; raises
+    :class:`KafkaFatal` when ``refused(code, topic, text)`` reads its error as a refusal."""
     logged = False
     while not stop.is_set():
         meta = consumer.list_topics(topic=topic, timeout=METADATA_TIMEOUT_S).topics.get(topic)
         if meta is not None and meta.error is None and meta.partitions:
             return sorted(meta.partitions)
+        if meta is not None and meta.error is not None:
+            why = refused(meta.error.code(), topic, meta.error.str())
+            if why is not None:
+                raise KafkaFatal(why)
         if not logged:
             log.warning("topic_missing", topic=topic, hint="waiting for it to be created")
             logged = True

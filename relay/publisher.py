@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from outbox_core.kafka_errors import SETUP_CODES, setup_failure
 from outbox_core.secrets import scrub
 from relay.config import KAFKA_ALIASES
 from relay.errors import ConfigError
@@ -41,22 +41,15 @@ PERMANENT_CODES: dict[int, str] = {
     KafkaError.INVALID_MSG_SIZE: "message_too_large",
 }
 
-#: Client errors that mean the configuration is wrong: the process stops with a clear line.
+#: Client errors that mean the configuration is wrong: the process stops with a clear line
+#: (outbox_core.kafka_errors.setup_failure decides the rest, for the SDK too).
 FATAL_CLIENT_CODES = {
-    KafkaError._AUTHENTICATION: "the Kafka cluster rejected the credentials (SASL)",
-    KafkaError._SSL: "the TLS handshake with the Kafka cluster failed",
-    KafkaError.SASL_AUTHENTICATION_FAILED: "the Kafka cluster rejected the credentials (SASL)",
+    **SETUP_CODES,
     KafkaError.CLUSTER_AUTHORIZATION_FAILED: "this principal may not produce (cluster authorization)",
 }
 
 #: Client errors that mean every broker is gone right now.
 UNREACHABLE_CODES = {KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE}
-#: librdkafka's words, in a transport error, for a TLS set-up that cannot work: TLS against
-#: a plaintext listener, or a listener that requires a client certificate the client has
-#: not.  Read as the configuration's fault while no broker has answered yet (later, such a
-#: failure may be a broker restarting mid-handshake): until an audit of the security paths
-#: the relay waited for them for ever, as for a broker that is down.
-TLS_SETUP_FAILED = re.compile(r"connecting to a PLAINTEXT broker listener\?|alert certificate required")
 
 
 class BrokerState(StrEnum):
@@ -255,10 +248,11 @@ class Publisher:
         # librdkafka's text may quote a secret property's value (a malformed
         # sasl.oauthbearer.config, from where its parsing stopped): masked as in the logs.
         text = scrub(error.str(), properties=self._config)
-        if code in FATAL_CLIENT_CODES:
-            self._on_client_error(BrokerState.CONFIG, f"{FATAL_CLIENT_CODES[code]}: {text}", True)
-        elif code == KafkaError._TRANSPORT and not self._answered and TLS_SETUP_FAILED.search(text):
-            self._on_client_error(BrokerState.CONFIG, f"{FATAL_CLIENT_CODES[KafkaError._SSL]}: {text}", True)
+        failure = setup_failure(code, text, answered=self._answered)
+        if failure is None and code in FATAL_CLIENT_CODES:
+            failure = f"{FATAL_CLIENT_CODES[code]}: {text}"
+        if failure is not None:
+            self._on_client_error(BrokerState.CONFIG, failure, True)
         elif error.fatal():
             self._on_client_error(BrokerState.FATAL, text, False)
         elif code in UNREACHABLE_CODES:
