@@ -26,6 +26,8 @@ loop on the caller's thread have ``run_once()``.  Threads, and the connections e
 * exactly-once mode (``relay.exactly_once``): a thread per held shard with its
   transactional producer; batches and results cross through queues, and recovery marks
   on ``outbox-relay:<owner>:exactly-once`` under a lock.
+* the wait watch (``relay.waits``): while the relay is held up, ``...:watch`` reads what
+  its statements wait on in the database (a lock on the outbox); closed once it moves.
 * the health server (``relay.http``): no connection; it calls ``health``/``ready``, which
   read a few numbers the loop writes.
 * librdkafka's own threads, behind the producers.
@@ -40,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outbox_core.backoff import backoff_s
-from relay import __version__
+from relay import __version__, probes
 from relay.config import (
     Settings,
     ignored_options,
@@ -63,6 +65,7 @@ from relay.reconnect import Reconnects
 from relay.replay import Replayer
 from relay.replay_store import ReplayStore
 from relay.store import Store, check_not_transaction_pooled
+from relay.waits import WaitWatch
 from relay.wakeup import Wakeup
 
 #: How often a busy relay looks for a peer's notice that shards change hands (a
@@ -106,6 +109,10 @@ class Relay:
         self.http: HealthServer | None = None
         self.janitor: Janitor | None = None
         self.gauges: BacklogGauges | None = None  # relay/gauges.py, on the loop's thread
+        # What the relay's statements wait on in the database when it is held up (relay/waits.py).
+        self.waits = WaitWatch(settings.dsn, application_name=application_name(settings.owner, ":watch"),
+                               names=self._connection_names(), held_up_s=lambda: probes.held_up_s(self),
+                               on_lock_wait_s=self.metrics.lock_wait.set, log=self.log, clock=clock)
         self.fatal: RelayError | None = None
         self.stop_signal: str | None = None
         self.pending = 0
@@ -116,7 +123,7 @@ class Relay:
         # When the database and the broker were last both seen coming back: /healthz
         # measures "nothing published for stuck_after_s" from the later of this and the
         # last mark, so the minutes of an outage never count against the relay.
-        self._deps_up_at = self.last_tick
+        self.deps_up_at = self.last_tick
         self._next_shards_look = 0.0
         self._reconnects = Reconnects(cap_s=settings.backoff_max_s)  # the database's back-off
         self._db_down_event = ""
@@ -281,6 +288,12 @@ class Relay:
         self.fatal = error
         self.stop()
 
+    def _connection_names(self) -> list[str]:
+        """The application_names of this replica's connections that may wait on the outbox."""
+        roles = ["", ":replay", ":cleanup", ":exactly-once"]
+        roles += [":mark" + (str(i + 1) if i else "") for i in range(mark_connections(self.settings))]
+        return [application_name(self.settings.owner, role) for role in roles]
+
     def _store(self, role: str) -> Store:
         """A store (connection) of this replica, named ``outbox-relay:<owner><role>``."""
         s = self.settings
@@ -309,13 +322,13 @@ class Relay:
             if failures:
                 self.log.info("database_recovered", after_attempts=failures)
             self.db_up = True
-            self._deps_up_at = self.clock()
+            self.deps_up_at = self.clock()
             self.metrics.database_up.set(1)
 
     def _broker_ok(self) -> None:
         if not self.broker_up:
             self.broker_up = True
-            self._deps_up_at = self.clock()
+            self.deps_up_at = self.clock()
             self.metrics.broker_up.set(1)
             self.log.info("broker_recovered")
 
@@ -364,6 +377,7 @@ class Relay:
                 self.pump.start()
             if self.janitor is not None:
                 self.janitor.start()
+            self.waits.start()
             while not self.stopping and self.loop is not None:
                 try:
                     self._tick()
@@ -380,6 +394,7 @@ class Relay:
             self._shutdown()
             return 0
         finally:
+            self.waits.stop(5.0)
             if self.pump is not None:
                 self.pump.stop(10.0)
             if self.exactly_once is not None:
@@ -486,19 +501,8 @@ class Relay:
     # -- probes ---------------------------------------------------------------------------
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        now = self.clock()
-        loop_age = now - self.last_tick
-        since_publish = now - (self.pump.last_marked_at if self.pump else self.last_tick)
-        # An outage of a dependency is readiness's business: a restart would not fix it.
-        # The clock restarts when both are back, so the first batch after a long outage
-        # (acknowledged, its mark on the way) is not taken for a stuck loop.
-        since_progress = min(since_publish, now - self._deps_up_at)
-        stuck = (self.pending > 0 and since_progress > self.settings.stuck_after_s
-                 and self.db_up and self.broker_up)
-        loop_dead = loop_age > max(30.0, self.settings.poll_interval_s * 10) and not self.stopping
-        ok = not stuck and not loop_dead
-        return ok, {"pending": self.pending, "seconds_since_publish": round(since_publish, 1),
-                    "loop_age_s": round(loop_age, 1)}
+        """``/healthz``: relay/probes.py."""
+        return probes.health(self, loop_connection=application_name(self.settings.owner, ""))
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
         ok = self.db_up and self.broker_up and self.schema_ok

@@ -79,6 +79,7 @@ class RelayMetrics:
         self.retrying_rows = Gauge("outbox_relay_retrying_rows", "Rows currently in back-off after a failure.", registry=r)
         self.order_violations = Counter("outbox_relay_order_violations", "Rows acknowledged after an earlier row of their key failed (should stay 0).", registry=r)
         self.database_up = Gauge("outbox_relay_database_up", "1 when the last database call succeeded.", registry=r)
+        self.lock_wait = Gauge("outbox_relay_lock_wait_seconds", "How long the relay's longest-waiting statement has waited for a database lock (0: none), as last looked at while the relay was held up.", registry=r)
         self.broker_up = Gauge("outbox_relay_broker_up", "0 while the client reports every broker down.", registry=r)
         self.in_flight = Gauge("outbox_relay_in_flight_rows", "Rows produced and not yet acknowledged.", registry=r)
         self.transactions = Counter("outbox_relay_transactions", "Kafka transactions in exactly-once mode, by result (committed, aborted, fenced).", ["result"], registry=r)
