@@ -72,6 +72,8 @@ class RecoveryStore(MarkStore, Protocol):
 
     def event_ids(self, ids: list[RowId]) -> list[tuple[RowId, str]]: ...
 
+    def mark_by_event_id(self) -> None: ...
+
 
 @dataclass(slots=True)
 class _Shard:
@@ -219,21 +221,26 @@ class TransactionalPublisher:
         rows that still hold the event the record names.  A database restored from a backup
         hands the ids published since out again, to new rows, which were marked published
         by the id alone and never sent (an audit of exactly-once mode).  A record from
-        before event ids were listed is read by its ids."""
+        before event ids were listed is read by its ids.
+
+        The mark goes by each found row's (id, event_id), on both layouts: a partitioned
+        outbox may hold two rows of one id (see relay.sql's mark_published_by_event), and
+        by id the mark took the listed row's pending twin, never sent, along.  Once per
+        shard taken: the plain layout's faster statement matters not here."""
         with self._store_lock:
-            if events is None:
-                found = ids
-            else:
-                listed = dict(zip(ids, events, strict=True))
-                found = [i for i, event_id in self._store.event_ids(ids) if event_digest(event_id) == listed[i]]
-            rows = [OutboxRow(id=i, event_id="", topic="", key=None, value=None, headers_json="",
-                              xid=0, shard=shard, attempts=0, created_epoch=0.0) for i in found]
+            found = self._store.event_ids(ids)
+            if events is not None:
+                listed = set(zip(ids, events, strict=True))
+                found = [(i, event_id) for i, event_id in found if (i, event_digest(event_id)) in listed]
+            rows = [OutboxRow(id=i, event_id=event_id, topic="", key=None, value=None, headers_json="",
+                              xid=0, shard=shard, attempts=0, created_epoch=0.0) for i, event_id in found]
+            self._store.mark_by_event_id()
             held, marked = self._store.mark_published(owner=self._leases.owner,
                                                       leases=[Lease(shard, token, 0.0)], rows=rows)
         if shard not in held:
             raise LeaseLost(f"shard {shard}: lease taken over during recovery")
         self._log.info("exactly_once_recovered", shard=shard, listed=len(ids), marked=len(marked),
-                       other_events=len(ids) - len(found))
+                       other_events=max(0, len(ids) - len(found)))
 
     def _sync_leases(self) -> None:
         held = {shard: lease.token for shard, lease in self._leases.leases.items()}
