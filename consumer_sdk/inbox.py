@@ -70,7 +70,7 @@ from consumer_sdk.retention import (
 from consumer_sdk.store import ConnectionFactory, PgInboxStore, connect_factory
 from outbox_core import cgroup
 from outbox_core.backoff import backoff_s
-from outbox_core.kafka_errors import setup_failure
+from outbox_core.kafka_errors import TlsListenerProbe, setup_failure
 from outbox_core.secrets import scrub
 from outbox_core.spin import default_budget_us
 
@@ -154,6 +154,7 @@ class InboxConsumer:
         self._rebalances = 0
         self._fatal: str | None = None
         self._answered = False  # a broker answered (an assignment, a record): transport errors may pass
+        self._tls_probe = TlsListenerProbe(config.consumer_kafka())  # a plaintext client, a TLS listener
         self._last_client_error: int | None = None
         self._next_cleanup = 0.0
         self._closed = False
@@ -462,7 +463,8 @@ class InboxConsumer:
     def _client_error(self, err: KafkaError) -> None:
         text = self._kafka_text(err)
         # librdkafka retries a rejected password, or a TLS set-up that cannot work, for ever.
-        failure = setup_failure(err.code(), text, answered=self._answered)
+        failure = (setup_failure(err.code(), text, answered=self._answered)
+                   or self._tls_probe.failure(err.code(), text, answered=self._answered))
         if failure is not None or err.fatal():
             self._fatal = failure or text
             self.log.error("kafka_fatal", error=self._fatal)

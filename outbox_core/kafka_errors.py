@@ -11,11 +11,19 @@ listener, a listener that requires a client certificate the client has not): the
 configuration's fault only while no broker has answered this client yet; later, the same
 words may come from a broker restarting mid-handshake.  Each caller keeps its own
 "answered" flag.
+
+A plaintext client against a TLS listener gets no word from librdkafka but "1/1 brokers are
+down": :class:`TlsListenerProbe` asks the bootstrap addresses for a TLS handshake itself.
 """
 
 from __future__ import annotations
 
 import re
+import socket
+import ssl
+import time
+from collections.abc import Mapping
+from typing import Any
 
 from confluent_kafka import KafkaError
 
@@ -45,3 +53,74 @@ def setup_failure(code: int, text: str, *, answered: bool) -> str | None:
     if code == KafkaError._TRANSPORT and not answered and TLS_SETUP_FAILED.search(text):
         return f"{TLS_FAILED}: {text}"
     return None
+
+
+#: The protocol to suggest when the listener answers TLS and the client does not speak it.
+_WITH_TLS = {"plaintext": "SSL", "sasl_plaintext": "SASL_SSL"}
+PROBE_TIMEOUT_S = 1.0  # one TLS handshake with a bootstrap address
+PROBE_EVERY_S = 10.0  # at most one probe this often per client
+PROBE_ADDRESSES = 3  # bootstrap addresses probed at most
+
+
+def bootstrap_addresses(servers: str) -> list[tuple[str, int]]:
+    """(host, port) of each entry of a bootstrap.servers list (``[v6]:port`` included; port
+    9092 when none is given); entries that are not host:port are left out."""
+    found = []
+    for entry in (e.strip() for e in servers.split(",")):
+        entry = entry.split("://", 1)[-1]
+        if entry.startswith("["):
+            host, _, rest = entry[1:].partition("]")
+            port = rest.removeprefix(":")
+        else:
+            host, _, port = entry.rpartition(":") if ":" in entry else (entry, "", "")
+        port = port or "9092"
+        if host and port.isdigit() and 0 < int(port) < 65536:
+            found.append((host, int(port)))
+    return found
+
+
+def answers_tls(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """True when the listener at host:port completes a TLS handshake, or answers with a TLS
+    alert (one that wants a client certificate); the certificate is not checked: only the
+    protocol is asked about.  A plaintext Kafka listener closes the connection."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock, \
+                context.wrap_socket(sock, server_hostname=host):
+            return True
+    except ssl.SSLError as exc:
+        return "ALERT" in str(exc.reason or "").upper()
+    except (OSError, ValueError):
+        return False
+
+
+class TlsListenerProbe:
+    """A plaintext client (PLAINTEXT, SASL_PLAINTEXT) against a TLS listener: librdkafka says
+    only "1/1 brokers are down", as for a cluster that is down (the listener closes the
+    connection at the client's first request, which is not TLS; so does a proxy without a
+    backend, so that alone proves nothing).  When every broker is down and none has answered
+    yet, :meth:`failure` asks the bootstrap addresses for a TLS handshake itself: one that
+    completes proves the set-up wrong.  At most one probe every ``PROBE_EVERY_S``."""
+
+    def __init__(self, properties: Mapping[str, Any]) -> None:
+        protocol = str(properties.get("security.protocol", "plaintext")).strip().lower()
+        self._suggest = _WITH_TLS.get(protocol)
+        self._protocol = protocol.upper()
+        self._addresses = bootstrap_addresses(str(properties.get("bootstrap.servers", "")))[:PROBE_ADDRESSES]
+        self._next = 0.0
+
+    def failure(self, code: int, text: str, *, answered: bool) -> str | None:
+        """The one line saying the listener expects TLS, or None (not proved, or not asked)."""
+        if code != KafkaError._ALL_BROKERS_DOWN or answered or self._suggest is None:
+            return None
+        now = time.monotonic()
+        if now < self._next:
+            return None
+        self._next = now + PROBE_EVERY_S
+        for host, port in self._addresses:
+            if answers_tls(host, port):
+                return (f"the Kafka listener at {host}:{port} expects TLS, and security.protocol is "
+                        f"{self._protocol}: set it to {self._suggest} (librdkafka said: {text})")
+        return None

@@ -19,7 +19,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from outbox_core.kafka_errors import SETUP_CODES, setup_failure
+from outbox_core.kafka_errors import SETUP_CODES, TlsListenerProbe, setup_failure
 from outbox_core.secrets import scrub
 from relay.config import KAFKA_ALIASES
 from relay.errors import ConfigError
@@ -217,10 +217,12 @@ class Publisher:
     """Owns one confluent-kafka Producer.  Not thread-safe: the pump's thread calls it."""
 
     _answered = False  # a broker answered this client (warm_up): transport errors may be passing
+    _tls_probe: TlsListenerProbe | None = None  # a plaintext client facing a TLS listener
 
     def __init__(self, config: dict[str, str], *, on_client_error: ErrorCallback,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._config = dict(config)
+        self._tls_probe = TlsListenerProbe(self._config)
         self._on_client_error = on_client_error
         self._producer = self._new_producer()
         self._closed = False
@@ -249,6 +251,8 @@ class Publisher:
         # sasl.oauthbearer.config, from where its parsing stopped): masked as in the logs.
         text = scrub(error.str(), properties=self._config)
         failure = setup_failure(code, text, answered=self._answered)
+        if failure is None and self._tls_probe is not None:
+            failure = self._tls_probe.failure(code, text, answered=self._answered)
         if failure is None and code in FATAL_CLIENT_CODES:
             failure = f"{FATAL_CLIENT_CODES[code]}: {text}"
         if failure is not None:

@@ -1,7 +1,8 @@
 """Kafka set-ups that can never work end an SDK consumer, as they end the relay (an audit of
 the security paths): TLS against a plaintext listener, a listener that requires a client
-certificate the client has not, a principal without READ on its group or its topic.
-Before, the InboxConsumer logged them and ran for ever, consuming nothing.
+certificate the client has not, a principal without READ on its group or its topic, and a
+plaintext client against a TLS listener (the relay too).  Before, the InboxConsumer logged
+them and ran for ever, consuming nothing.
 
 One Apache Kafka node (StandardAuthorizer) with a PLAINTEXT listener for the tests' admin
 client (User:ANONYMOUS, a super user), SASL_SSL and SASL_PLAINTEXT listeners (SCRAM-SHA-512)
@@ -10,6 +11,7 @@ and an SSL listener that requires client certificates.
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,9 +33,11 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from consumer_sdk import InboxConfig, InboxConsumer
 from consumer_sdk.errors import KafkaFatal
 from consumer_sdk.metrics import ConsumerMetrics
+from outbox_core.kafka_errors import answers_tls, bootstrap_addresses
 from tests.fixtures.apache_kafka import ApacheKafkaBroker, admin_client, apache_kafka_or_skip
 from tests.fixtures.broker import create_topic
 from tests.fixtures.certs import OPENSSL, make_ca, make_server_cert, pem_keystore
+from tests.fixtures.outbox import insert_rows, relay_cmd, relay_env
 from tests.fixtures.procs import wait_until
 from tests.integration.sdk._support import ConsumerThread, migrate_sdk_db
 
@@ -159,3 +163,38 @@ def test_no_read_on_its_group_ends_the_consumer_naming_the_acl(sdk_dsn, listener
     error = _fatal(sdk_dsn, listeners.sasl_ssl, topic, listeners.scram("SASL_SSL", NO_GROUP), group_id="g-no-acl")
     assert "Group authorization failed" in str(error), error
     assert f"--allow-principal User:{NO_GROUP} --operation Read --group g-no-acl" in str(error)
+
+
+# -- a plaintext client against a TLS listener ----------------------------------------------
+# librdkafka said only "1/1 brokers are down" (the listener closes the connection at the
+# client's first request), and the relay and the SDK waited for ever, as for a cluster that
+# is down (an audit of the security paths).
+
+
+def test_the_probe_tells_a_tls_listener_from_a_plaintext_one(listeners):
+    def answers(bootstrap: str) -> bool:
+        host, port = bootstrap_addresses(bootstrap)[0]
+        return answers_tls(host, port)
+
+    assert answers(listeners.sasl_ssl) and answers(listeners.mtls)
+    assert not answers(listeners.sasl_plaintext) and not answers(listeners.broker.bootstrap)
+
+
+def test_sasl_plaintext_against_a_tls_listener_ends_the_consumer(sdk_dsn, listeners, topic):
+    error = _fatal(sdk_dsn, listeners.sasl_ssl, topic, listeners.scram("SASL_PLAINTEXT"))
+    assert str(error).startswith(f"the Kafka listener at {listeners.sasl_ssl} expects TLS"), error
+    assert "set it to SASL_SSL" in str(error)
+
+
+def test_sasl_plaintext_against_a_tls_listener_ends_the_relay_in_one_line(outbox_db, listeners, topic):
+    insert_rows(outbox_db, topic, 3)
+    env = relay_env(outbox_db, listeners.sasl_ssl)
+    env.update({"OUTBOX_RELAY_KAFKA_" + k.upper().replace(".", "_"): v
+                for k, v in listeners.scram("SASL_PLAINTEXT").items()})
+    result = subprocess.run(relay_cmd("run"), env=env, capture_output=True, text=True, timeout=60,
+                            stdin=subprocess.DEVNULL)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1, (result.stdout + result.stderr)[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"outbox-relay: error: the Kafka listener at {listeners.sasl_ssl} expects TLS"), result.stderr
+    assert "SASL_SSL" in lines[0] and PASSWORD not in result.stdout + result.stderr

@@ -1,0 +1,29 @@
+"""outbox_core.kafka_errors: which client errors end the relay and the SDK, in what words."""
+
+from __future__ import annotations
+
+from confluent_kafka import KafkaError
+
+from outbox_core.kafka_errors import TlsListenerProbe, bootstrap_addresses, setup_failure
+
+
+def test_bootstrap_addresses_reads_every_form_librdkafka_takes() -> None:
+    assert bootstrap_addresses("a:1, sasl_ssl://b:2,[::1]:3,c,,bad:port,d:0") == [
+        ("a", 1), ("b", 2), ("::1", 3), ("c", 9092)]
+
+
+def test_a_tls_transport_error_is_the_set_ups_fault_only_before_any_answer() -> None:
+    text = "ssl://h:1/bootstrap: SSL handshake failed: connecting to a PLAINTEXT broker listener?"
+    assert setup_failure(KafkaError._TRANSPORT, text, answered=False) == (
+        f"the TLS handshake with the Kafka cluster failed: {text}")
+    assert setup_failure(KafkaError._TRANSPORT, text, answered=True) is None
+    assert setup_failure(KafkaError._TRANSPORT, "Connection refused", answered=False) is None
+
+
+def test_the_tls_probe_asks_only_for_a_plaintext_client_that_nothing_answered() -> None:
+    down, never = KafkaError._ALL_BROKERS_DOWN, "127.0.0.1:1"  # a port nothing listens on: nothing to prove
+    plaintext = TlsListenerProbe({"bootstrap.servers": never, "security.protocol": "SASL_PLAINTEXT"})
+    assert plaintext.failure(down, "1/1 brokers are down", answered=True) is None
+    assert plaintext.failure(KafkaError._TRANSPORT, "Disconnected", answered=False) is None
+    tls = TlsListenerProbe({"bootstrap.servers": never, "security.protocol": "SASL_SSL"})
+    assert tls.failure(down, "1/1 brokers are down", answered=False) is None
