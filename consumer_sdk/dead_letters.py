@@ -17,6 +17,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from consumer_sdk.errors import ConfigError, DeadLetterFailed
 from consumer_sdk.model import DeadLetter
+from outbox_core.kafka_errors import refusal_text
 
 REQUIRED_PRODUCER = {"enable.idempotence": True, "acks": "all"}
 DLQ_HEADER_PREFIX = "dlq_"
@@ -63,7 +64,8 @@ class KafkaDeadLetters:
         try:
             self._producer = Producer(self._config)
         except (KafkaException, TypeError, ValueError) as exc:
-            raise ConfigError(f"invalid Kafka configuration for the dead-letter producer: {exc}") from None
+            raise ConfigError("invalid Kafka configuration for the dead-letter producer: "
+                              f"{refusal_text(exc, self._config)}") from None
 
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():

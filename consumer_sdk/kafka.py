@@ -11,6 +11,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 from consumer_sdk.errors import ConfigError, KafkaFatal, KafkaUnavailable
 from consumer_sdk.model import KafkaRecord
 from consumer_sdk.offsets import TopicPart
+from outbox_core.kafka_errors import refusal_text
 
 METADATA_TIMEOUT_S = 10.0
 
@@ -35,7 +36,7 @@ def build_consumer(config: dict[str, Any]) -> Consumer:
     try:
         return Consumer(config)
     except (KafkaException, TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid Kafka consumer configuration: {exc}") from None
+        raise ConfigError(f"invalid Kafka consumer configuration: {refusal_text(exc, config)}") from None
 
 
 def access_refused(code: int, topic: str | None, *, group: str, topics: Sequence[str],

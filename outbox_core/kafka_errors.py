@@ -25,7 +25,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
+
+from outbox_core.secrets import scrub
 
 CREDENTIALS_REJECTED = "the Kafka cluster rejected the credentials (SASL)"
 TLS_FAILED = "the TLS handshake with the Kafka cluster failed"
@@ -124,3 +126,27 @@ class TlsListenerProbe:
                 return (f"the Kafka listener at {host}:{port} expects TLS, and security.protocol is "
                         f"{self._protocol}: set it to {self._suggest} (librdkafka said: {text})")
         return None
+
+
+#: OpenSSL's "PEM lib", all librdkafka says when it cannot read the client's key (a wrong
+#: ssl.key.password, none for an encrypted key, a file that is not a PEM key) or certificate.
+_KEY_UNREADABLE = re.compile(r"ssl\.key\.(location|pem) failed:.*PEM lib")
+_CERTIFICATE_UNREADABLE = re.compile(r"ssl\.certificate\.(location|pem) failed:.*PEM lib")
+
+
+def with_file_hint(text: str) -> str:
+    """``text`` (librdkafka's refusal of a configuration) with what to check when it says only
+    that the client's key or certificate could not be read."""
+    if _KEY_UNREADABLE.search(text):
+        return f"{text}: the client key could not be read: wrong ssl.key.password, or the key file is not PEM"
+    if _CERTIFICATE_UNREADABLE.search(text):
+        return f"{text}: the client certificate could not be read: the file is not a PEM certificate"
+    return text
+
+
+def refusal_text(exc: BaseException, properties: Mapping[str, Any]) -> str:
+    """What a client's constructor raised, as one masked line with :func:`with_file_hint`'s hint
+    (a KafkaException shows librdkafka's text, not the KafkaError's repr)."""
+    cause = exc.args[0] if exc.args else None
+    text = cause.str() if isinstance(exc, KafkaException) and isinstance(cause, KafkaError) else str(exc)
+    return with_file_hint(" ".join(scrub(text, properties=properties).split()))

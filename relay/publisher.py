@@ -19,7 +19,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from outbox_core.kafka_errors import SETUP_CODES, TlsListenerProbe, setup_failure
+from outbox_core.kafka_errors import SETUP_CODES, TlsListenerProbe, refusal_text, setup_failure
 from outbox_core.secrets import scrub
 from relay.config import KAFKA_ALIASES
 from relay.errors import ConfigError
@@ -240,7 +240,7 @@ class Publisher:
         try:
             return Producer(config)
         except KafkaException as exc:
-            message = named_as_given(_one_line(scrub(exc.args[0].str(), properties=self._config)), self._config)
+            message = named_as_given(refusal_text(exc, self._config), self._config)
             raise ConfigError(f"invalid Kafka configuration: {message}") from None
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid Kafka configuration: {_one_line(str(exc))}") from None

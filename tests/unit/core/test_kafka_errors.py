@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 
-from outbox_core.kafka_errors import TlsListenerProbe, bootstrap_addresses, setup_failure
+from outbox_core.kafka_errors import (
+    TlsListenerProbe,
+    bootstrap_addresses,
+    refusal_text,
+    setup_failure,
+    with_file_hint,
+)
 
 
 def test_bootstrap_addresses_reads_every_form_librdkafka_takes() -> None:
@@ -27,3 +33,23 @@ def test_the_tls_probe_asks_only_for_a_plaintext_client_that_nothing_answered() 
     assert plaintext.failure(KafkaError._TRANSPORT, "Disconnected", answered=False) is None
     tls = TlsListenerProbe({"bootstrap.servers": never, "security.protocol": "SASL_SSL"})
     assert tls.failure(down, "1/1 brokers are down", answered=False) is None
+
+
+def test_pem_lib_alone_gets_what_to_check() -> None:
+    key = "Failed to create producer: ssl.key.location failed: error:0A080009:SSL routines::PEM lib"
+    assert with_file_hint(key) == (f"{key}: the client key could not be read: wrong ssl.key.password, "
+                                   "or the key file is not PEM")
+    pem = "Failed to create consumer: ssl.key.pem failed: error:0A080009:SSL routines::PEM lib"
+    assert with_file_hint(pem).endswith("wrong ssl.key.password, or the key file is not PEM")
+    cert = "Failed to create producer: ssl.certificate.location failed: error:0A080009:SSL routines::PEM lib"
+    assert with_file_hint(cert).endswith("the client certificate could not be read: the file is not a PEM certificate")
+    ca = "Failed to create producer: ssl.ca.location failed: error:05880020:x509 certificate routines::BIO lib"
+    assert with_file_hint(ca) == ca
+
+
+def test_a_constructors_refusal_is_one_masked_line_of_librdkafkas_text() -> None:
+    exc = KafkaException(KafkaError(KafkaError._INVALID_ARG,
+                                    "Failed to create producer: ssl.key.location failed:\n PEM lib s3cret"))
+    assert refusal_text(exc, {"ssl.key.password": "s3cret"}) == (
+        "Failed to create producer: ssl.key.location failed: PEM lib ***: the client key could not be read: "
+        "wrong ssl.key.password, or the key file is not PEM")
