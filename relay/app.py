@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outbox_core.backoff import backoff_s
-from relay import __version__, probes
+from relay import __version__, connections, probes
 from relay.config import (
     Settings,
     ignored_options,
@@ -102,6 +102,7 @@ class Relay:
         self.wakeup = Wakeup(settings.dsn, owner=settings.owner, on_statement=self.metrics.db_statements.inc)
         self.publisher: Publisher | None = None
         self.exactly_once: Any = None  # relay/exactly_once.py's publisher, in that mode
+        self._recovery = self._store(":exactly-once") if settings.exactly_once else None
         self.pump: Pump | None = None
         self.loop: Loop | None = None  # wake, sleep and claim decisions (relay/loop.py)
         self.replayer: Replayer | None = None  # replays (relay/replay.py), built at start
@@ -215,10 +216,10 @@ class Relay:
                          max_message_bytes=max_message_bytes(producer_config(s)),
                          claim_interval_s=s.claim_interval_s,
                          claim_interval_max_s=max(s.claim_interval_s, s.claim_interval_max_s))
+        replay_store = ReplayStore(s.dsn, application_name=application_name(s.owner, ":replay"),
+                                   on_statement=self.metrics.db_statements.inc, table=s.table)
         self.replayer = Replayer(
-            ReplayStore(s.dsn, application_name=application_name(s.owner, ":replay"),
-                        on_statement=self.metrics.db_statements.inc, table=s.table),
-            self.publisher, owner=s.owner, nshards=nshards, metrics=self.metrics, log=self.log,
+            replay_store, self.publisher, owner=s.owner, nshards=nshards, metrics=self.metrics, log=self.log,
             clock=self.clock, lose=self.leases.lose, budget_bytes=s.batch_max_bytes)
         self.loop = Loop(pump=self.pump, wakeup=self.wakeup, leases=self.leases,
                          poll_interval_s=s.poll_interval_s, replayer=self.replayer,
@@ -234,6 +235,15 @@ class Relay:
                                    metrics=self.metrics, partitioned=bool(partitioned), log=self.log)
         self.gauges = BacklogGauges(self.store, interval_s=s.backlog_interval_s,
                                     publish=self._backlog, log=self.log, clock=self.clock)
+        # Every connection now, each within a bound, or the relay says which it cannot get
+        # (a session pooler with fewer servers than it needs stalled it without a word).
+        self._retry_db(lambda: connections.acquire(connections.relay_needs(
+            lambda role: application_name(s.owner, role), store=self.store, wakeup=self.wakeup,
+            mark_store=self.mark_stores[0], replay_store=replay_store, recovery_store=self._recovery,
+            cleanup_store=self.janitor.store if self.janitor else None), log=self.log,
+            stopping=lambda: self.stopping, optional=len(self.mark_stores) - 1))
+        if self.stopping:
+            return
         ignored = ignored_options(s)
         if ignored:
             self.log.warning("options_ignored", options=ignored, detail="they apply with --exactly-once true")
@@ -246,7 +256,7 @@ class Relay:
         from relay.exactly_once_shard import BrokerUnreachable
 
         s = self.settings
-        assert self.publisher is not None and self.leases is not None
+        assert self.publisher is not None and self.leases is not None and self._recovery is not None
         outbox = self._retry_db(self.store.outbox_identity) or ""  # before Kafka: migration 0013
         failures = 0
         while True:  # an unreachable broker is waited for, as in the default mode
@@ -272,7 +282,7 @@ class Relay:
             config=producer_config(s), plain=self.publisher, leases=self.leases, table=s.table,
             position_topic=s.exactly_once_position_topic,
             transactional_id_prefix=s.exactly_once_transactional_id_prefix,
-            recovery_store=self._store(":exactly-once"), log=self.log, metrics=self.metrics,
+            recovery_store=self._recovery, log=self.log, metrics=self.metrics,
             clock=self.clock, commit_interval_s=s.exactly_once_commit_interval_s,
             outbox=outbox, on_fatal=lambda message: self._end(ConfigError(message)), nshards=nshards)
 

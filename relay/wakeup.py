@@ -159,6 +159,13 @@ class Wakeup:
         moved, self._moved = self._moved, False
         return moved
 
+    def ping(self) -> None:
+        """Open the LISTEN connection now (its first statements are the round trip): the
+        relay's connections at start (relay/connections.py).  Raises the relay's database
+        errors."""
+        with translated():
+            self._listening()
+
     @property
     def moved(self) -> bool:
         """A notice that shards change hands was read and not yet taken."""

@@ -1,0 +1,121 @@
+"""The database connections a relay holds, and a bounded wait for each at start.
+
+A relay replica holds these connections for as long as it runs (``application_name`` in
+brackets; relay/app.py):
+
+1. claims, leases, dead letters, backlog gauges (``outbox-relay:<owner>``);
+2. LISTEN and the wake-up lock (``outbox-relay-listen``);
+3. marks (``outbox-relay:<owner>:mark``);
+4. replays (``outbox-relay:<owner>:replay``);
+5. retention and partitions, with ``--cleanup-retention-s`` or a partitioned outbox
+   (``...:cleanup``);
+6. exactly-once recovery, in that mode (``...:exactly-once``).
+
+and, when it can get them, one more per ``--mark-connections`` above 1 (``...:mark2``, ...:
+marks go on fewer connections without them, relay/marker.py).  Short-lived: one at start to
+recognise a transaction pooler (``...:probe``), one while the relay is held up to see what
+it waits on (``...:watch``, relay/waits.py).
+
+Behind a session pooler (PgBouncer ``pool_mode = session``) each of them holds a server
+connection for its whole life, and one the pool has no server for is accepted, then waits
+at its first query in the pooler's queue, for ever or until ``query_wait_timeout``: the
+relay stalled without a word (an operations audit, a pool of 3).  So at start
+:func:`acquire` opens each connection and makes one round trip, in a thread of its own,
+and says which it could not get within :data:`CONNECTION_WAIT_S` and how many the relay
+needs, then keeps waiting (a server may come free) and says so again every
+:data:`LOG_EVERY_S`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: How long one connection may take to open and answer its first query before the relay
+#: says it cannot get it.
+CONNECTION_WAIT_S = 10.0
+#: While it still waits, it says so again this often.
+LOG_EVERY_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Needed:
+    """One connection the relay holds: its application_name, what it is for, and how to
+    open it and make one round trip (raises the relay's database errors)."""
+
+    name: str
+    purpose: str
+    open: Callable[[], None]
+
+
+def needs_text(needed: Sequence[Needed], optional: int = 0) -> str:
+    """``the relay needs 4 connections: claims and leases (outbox-relay:a), ...``."""
+    listed = ", ".join(f"{n.purpose} ({n.name})" for n in needed)
+    more = f", and up to {optional} more for marks if it can get them (--mark-connections)" if optional else ""
+    return f"the relay needs {len(needed)} connections: {listed}{more}"
+
+
+def acquire(needed: Sequence[Needed], *, log: Any, stopping: Callable[[], bool], optional: int = 0,
+            within_s: float = CONNECTION_WAIT_S, clock: Callable[[], float] = time.monotonic) -> None:
+    """Open every connection of ``needed`` in turn, each in a thread of its own, waiting as
+    long as it takes (until ``stopping``); one that takes longer than ``within_s`` is
+    logged (``database_connection_waiting``).  Errors of an attempt are raised."""
+    for number, connection in enumerate(needed, start=1):
+        _open_one(connection, number, needed, log=log, stopping=stopping, optional=optional,
+                  within_s=within_s, clock=clock)
+        if stopping():
+            return
+
+
+def _open_one(connection: Needed, number: int, needed: Sequence[Needed], *, log: Any,
+              stopping: Callable[[], bool], optional: int, within_s: float,
+              clock: Callable[[], float]) -> None:
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def attempt() -> None:
+        try:
+            connection.open()
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread below
+            failed.append(exc)
+        finally:
+            done.set()
+
+    began = clock()
+    threading.Thread(target=attempt, daemon=True, name=f"outbox-relay-connect-{number}").start()
+    wait_s, warned = within_s, False
+    while not done.wait(min(wait_s, 0.5)) and not stopping():
+        waited = clock() - began
+        if waited < wait_s:
+            continue
+        warned = True
+        wait_s = waited + LOG_EVERY_S
+        log.warning("database_connection_waiting", connection=connection.name, number=number,
+                    needed=len(needed), waited_s=round(waited, 1),
+                    detail=f"could not get connection {number} of {len(needed)} ({connection.name}: "
+                           f"{connection.purpose}) within {waited:.0f} s: a pooler with fewer server "
+                           f"connections than the relay needs? {needs_text(needed, optional)}; "
+                           f"still waiting for it")
+    if failed:
+        raise failed[0]
+    if warned and done.is_set():
+        log.info("database_connection_ready", connection=connection.name, number=number,
+                 waited_s=round(clock() - began, 1))
+
+
+def relay_needs(name: Callable[[str], str], *, store: Any, wakeup: Any, mark_store: Any,
+                replay_store: Any, cleanup_store: Any = None, recovery_store: Any = None) -> list[Needed]:
+    """The connections of the module's list, in that order (``name(role)``: the
+    application_name of a role; a store that is None is not needed)."""
+    needed = [Needed(name(""), "claims and leases", store.ping),
+              Needed("outbox-relay-listen", "LISTEN and the wake-up lock", wakeup.ping),
+              Needed(name(":mark"), "marks", mark_store.ping),
+              Needed(name(":replay"), "replays", replay_store.ping)]
+    if cleanup_store is not None:
+        needed.append(Needed(name(":cleanup"), "retention and partitions", cleanup_store.ping))
+    if recovery_store is not None:
+        needed.append(Needed(name(":exactly-once"), "exactly-once recovery", recovery_store.ping))
+    return needed
