@@ -192,20 +192,16 @@ class InboxConsumer:
         if self._retry_db(lambda: self.store.bind_group(consumer=self.config.name, group=self.config.group)) \
                 is None and self.stopping:
             return
-        sink = self._dead_letters
-        if sink is None:
-            sink = self._own_dead_letters = KafkaDeadLetters(
-                self.config.dead_letter_kafka(), topic_template=self.config.dead_letter_topic,
-                timeout_s=self.config.dead_letter_timeout_s)
-        self._processor = Processor(
-            consumer=self.config.name, store=with_replays(self.store, self.config.apply_replays),
-            handler=self._handler, dead_letters=sink,
-            policies=Policies(retry=self.config.retry, on_invalid_event_id=self.config.on_invalid_event_id,
-                              on_payload_mismatch=self.config.on_payload_mismatch),
-            metrics=self.metrics, log=self.log, sleep=self._sleep, on_settled=self._settled,
-            batch_size=self.config.batch_size, batch_handler=self._batch_handler,
-            savepoint_per_message=self.config.savepoint_per_message, statements=self._statements)
-        self._consumer = self._new_consumer()
+        # The consumer first: an error in kafka_properties is the consumer's own, and was
+        # reported as the dead-letter producer's, made first with the same properties.
+        consumer = kafka.build_consumer({**self.config.consumer_kafka(), "error_cb": self._client_error})
+        try:
+            self._processor = self._new_processor()
+            self._join(consumer)
+        except BaseException:
+            consumer.close()
+            raise
+        self._consumer = consumer
         if self._own_dead_letters is not None and self.config.check_dead_letter_topics \
                 and self.config.may_dead_letter():
             kafka.require_topics(self._consumer, self.config.dead_letter_topics(), what="dead-letter topic",
@@ -215,6 +211,21 @@ class InboxConsumer:
             self._check_retention()
         self.log.info("consumer_started", group=self.config.group, topics=list(self.config.topics),
                       assignment=self.config.assignment, batch_size=self.config.batch_size)
+
+    def _new_processor(self) -> Processor:
+        sink = self._dead_letters
+        if sink is None:
+            sink = self._own_dead_letters = KafkaDeadLetters(
+                self.config.dead_letter_kafka(), topic_template=self.config.dead_letter_topic,
+                timeout_s=self.config.dead_letter_timeout_s)
+        return Processor(
+            consumer=self.config.name, store=with_replays(self.store, self.config.apply_replays),
+            handler=self._handler, dead_letters=sink,
+            policies=Policies(retry=self.config.retry, on_invalid_event_id=self.config.on_invalid_event_id,
+                              on_payload_mismatch=self.config.on_payload_mismatch),
+            metrics=self.metrics, log=self.log, sleep=self._sleep, on_settled=self._settled,
+            batch_size=self.config.batch_size, batch_handler=self._batch_handler,
+            savepoint_per_message=self.config.savepoint_per_message, statements=self._statements)
 
     def run(self) -> None:
         """Start, then settle batches until :meth:`stop`; always closes.  Fatal errors propagate."""
@@ -409,8 +420,8 @@ class InboxConsumer:
             raise RuntimeError("the consumer is not started (or already closed)")
         return self._consumer
 
-    def _new_consumer(self) -> Consumer:
-        consumer = kafka.build_consumer({**self.config.consumer_kafka(), "error_cb": self._client_error})
+    def _join(self, consumer: Consumer) -> None:
+        """Subscribe (join the group), or assign every partition of the topics."""
         if self.config.assignment == "subscribe":
             consumer.subscribe(list(self.config.topics), on_assign=self._on_assign,
                                on_revoke=self._on_revoke, on_lost=self._on_lost)
@@ -421,7 +432,6 @@ class InboxConsumer:
             self._answered = bool(parts)
             consumer.assign(parts)
             self.assigned = {(tp.topic, tp.partition) for tp in parts}
-        return consumer
 
     def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._answered = True
