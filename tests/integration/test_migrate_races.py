@@ -140,3 +140,21 @@ def test_two_migrate_processes_started_together_on_a_fresh_database(db_dsn, seco
         assert codes == [0, 0] and _partitioned(db_dsn)
     elif codes == [0, 2]:  # the plain one won: the partitioned one was refused
         assert not _partitioned(db_dsn)
+
+
+def test_a_second_migrate_process_waits_and_says_the_schema_is_at_its_level(db_dsn):
+    first, log = _first_paused(db_dsn, partitioned=False)
+    second = subprocess.Popen(relay_cmd("migrate"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OUTBOX_RELAY_DSN": db_dsn, "OUTBOX_RELAY_LOG_FORMAT": "json"})
+    try:
+        wait_until(lambda: second.poll() is not None or _waiting_for_the_run_lock(db_dsn), 30,
+                   message="the second migrate neither waited nor ended")
+    finally:
+        log.go_on.set()
+    out, err = second.communicate(timeout=60)
+    first.join(60)
+    assert first.error is None and first.applied == ALL
+    assert second.returncode == 0, (out, err)
+    assert '"event": "migration_waiting"' in out + err
+    level = migrate.migrations()[-1].version
+    assert f"migrations applied: none (schema up to date: level {level})" in out
