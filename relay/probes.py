@@ -41,9 +41,9 @@ def health(relay: Relay, *, loop_connection: str) -> tuple[bool, dict[str, Any]]
 
 def held_up_s(relay: Relay) -> float:
     """How long the loop has not ticked, or rows in flight were not marked: when the wait
-    watch looks (0 while the database is known to be away: that is said and waited out
-    already)."""
-    if not relay.db_up or relay.stopping:
+    watch looks (0 while the database or the broker is known to be away: that is said and
+    waited out already)."""
+    if not relay.db_up or not relay.broker_up or relay.stopping:
         return 0.0
     now = relay.clock()
     marks = now - relay.pump.last_marked_at if relay.pump is not None and relay.pump.busy() else 0.0

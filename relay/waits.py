@@ -72,8 +72,8 @@ class Waiting:
         what = (f"waiting on a lock on {self.relation or self.wait_event} for {self.running_s:.0f} s"
                 if self.on_lock else
                 f"running for {self.running_s:.0f} s (wait event: {self.wait_event or 'none'})")
-        held = "; ".join(f"pid {b.pid} ({b.application_name or 'no application_name'}, {b.state}): "
-                         f"{b.query}" for b in self.blockers)
+        held = "; ".join(f"pid {b.pid} ({', '.join(filter(None, (b.application_name or 'no application_name', b.state)))})"
+                         f": {b.query}" for b in self.blockers)
         return f"{self.connection} {what}" + (f", held by {held}" if held else "")
 
 

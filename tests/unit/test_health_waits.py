@@ -92,3 +92,10 @@ def test_a_blocking_query_is_cut_and_its_secrets_masked() -> None:
     waiting = waiting_from_row(row)
     assert "hunter2" not in waiting.describe() and "no application_name" in waiting.describe()
     assert len(waiting.blockers[0].query) <= 80
+
+
+def test_a_blocker_the_relays_role_may_not_see_is_still_named_by_pid_and_application_name() -> None:
+    row = (5, "outbox-relay:r1", 7.5, "Lock", "relation", "outbox", "AccessShareLock",
+           [{"pid": 9, "application_name": "dba-x", "state": None, "query": "<insufficient privilege>"}])
+    assert waiting_from_row(row).describe() == ("outbox-relay:r1 waiting on a lock on outbox for 8 s, "
+                                                "held by pid 9 (dba-x): <insufficient privilege>")
