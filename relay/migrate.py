@@ -140,6 +140,7 @@ def _hold_run_lock(holder: psycopg.Connection[Any], log: Any) -> None:
     if not (locked and locked[0]):
         if log is not None:
             log.info("migration_waiting", reason="another migrate is running; waiting for it to finish")
+        holder.execute(query("admin", "migration_run_lock_wait"))
         holder.execute(query("admin", "migration_run_lock"))
 
 

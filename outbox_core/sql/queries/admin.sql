@@ -31,6 +31,12 @@ SELECT pg_try_advisory_xact_lock(hashtext('outbox-relay-migrate-run')) AS locked
 -- name: migration_run_lock
 SELECT pg_advisory_xact_lock(hashtext('outbox-relay-migrate-run'))
 
+-- name: migration_run_lock_wait
+-- Before waiting for the run lock: a role's or database's lock_timeout, meant for the
+-- application's statements, ended that wait (lock_not_available) while another migrate ran
+-- longer than it.  The other migrate's own waits are bounded; this one waits for it.
+SELECT set_config('lock_timeout', '0', true)
+
 -- name: migration_checksum
 -- Read under migration_lock: a migration another `migrate` applied meanwhile is skipped.
 SELECT checksum FROM outbox_schema_migrations WHERE version = %(version)s
