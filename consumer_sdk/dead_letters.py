@@ -16,8 +16,10 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from consumer_sdk.errors import ConfigError, DeadLetterFailed
+from consumer_sdk.kafka import LIBRDKAFKA_LOG
 from consumer_sdk.model import DeadLetter
 from outbox_core.kafka_errors import refusal_text
+from outbox_core.secrets import scrub
 
 REQUIRED_PRODUCER = {"enable.idempotence": True, "acks": "all"}
 DLQ_HEADER_PREFIX = "dlq_"
@@ -55,7 +57,8 @@ class KafkaDeadLetters:
     def __init__(self, config: Mapping[str, Any], *, topic_template: str, timeout_s: float) -> None:
         self._template = topic_template
         self._timeout_s = timeout_s
-        self._config = {**config, **REQUIRED_PRODUCER, "error_cb": self._on_error}
+        self._config = {"logger": LIBRDKAFKA_LOG, **config, **REQUIRED_PRODUCER, "error_cb": self._on_error}
+        self._last_error = ""  # the client's last error (a refused connection, say), masked
         #: librdkafka's fatal error: the producer can never send again (an idempotent producer
         #: refused its producer id, a principal without IdempotentWrite).  It is replaced at the
         #: next send, so a letter goes once the cause is fixed (the runbook's promise); kept, the
@@ -68,6 +71,7 @@ class KafkaDeadLetters:
                               f"{refusal_text(exc, self._config)}") from None
 
     def _on_error(self, err: KafkaError) -> None:
+        self._last_error = scrub(err.str(), properties=self._config)
         if err.fatal():
             self._fatal = True
 
@@ -96,7 +100,8 @@ class KafkaDeadLetters:
             cause = exc.__cause__ or exc.__context__ or exc
             raise DeadLetterFailed(f"dead letter to {topic} failed: {cause}") from exc
         if not outcome:
-            raise DeadLetterFailed(f"no acknowledgement for a dead letter to {topic} within {self._timeout_s}s")
+            last = f" (the client's last error: {self._last_error})" if self._last_error else ""
+            raise DeadLetterFailed(f"no acknowledgement for a dead letter to {topic} within {self._timeout_s}s{last}")
         if outcome[0] is not None:
             if outcome[0].fatal():
                 self._fatal = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -14,6 +15,13 @@ from consumer_sdk.offsets import TopicPart
 from outbox_core.kafka_errors import refusal_text
 
 METADATA_TIMEOUT_S = 10.0
+
+#: librdkafka's own lines (``%3|...|FAIL|...``), for every client the SDK makes: through
+#: logging, never raw to stderr.  The SDK configures no logging: a service that does sees
+#: them under this name; what they report reaches structlog through the clients' error
+#: callbacks (an audit of the security paths found the dead-letter producer's lines raw).
+LIBRDKAFKA_LOG = logging.getLogger("consumer_sdk.librdkafka")
+LIBRDKAFKA_LOG.addHandler(logging.NullHandler())  # no handler anywhere: dropped, not printed
 
 
 def record_of(msg: Message) -> KafkaRecord:
@@ -34,7 +42,7 @@ def record_of(msg: Message) -> KafkaRecord:
 
 def build_consumer(config: dict[str, Any]) -> Consumer:
     try:
-        return Consumer(config)
+        return Consumer({"logger": LIBRDKAFKA_LOG, **config})
     except (KafkaException, TypeError, ValueError) as exc:
         raise ConfigError(f"invalid Kafka consumer configuration: {refusal_text(exc, config)}") from None
 

@@ -223,19 +223,25 @@ def test_inbox_consumer_reads_with_scram_and_refuses_a_wrong_password(db_dsn, se
         good.thread.join(30)
     assert _effects(sdk_db) == len(expected)
 
-    # A wrong password: the SDK reports librdkafka's SASL rejection as a `kafka_client_error`
-    # warning (without the password) and keeps retrying; nothing is consumed or committed.
+    # A wrong password: the SDK logs librdkafka's SASL rejection (`kafka_fatal`, structlog's
+    # output on stdout; librdkafka's own lines no longer go raw to stderr), without the
+    # password, and stops; nothing is consumed or committed.
     capfd.readouterr()
     seen: list[str] = []
+
+    def read() -> str:
+        out, err = capfd.readouterr()
+        return out + err
+
     bad = ConsumerThread(_consumer(secure_kafka, sdk_db, topic, WRONG_PASSWORD)).start()
     try:
-        wait_until(lambda: seen.append(capfd.readouterr().err) or "SASL authentication error"
+        wait_until(lambda: seen.append(read()) or "SASL authentication error"
                    in "".join(seen), timeout_s=60,
                    message=lambda: f"no SASL rejection logged: {''.join(seen)[-2000:]}")
     finally:
         bad.consumer.stop()
         bad.thread.join(30)
-    seen.append(capfd.readouterr().err)
+    seen.append(read())
     assert "Authentication failed" in "".join(seen)
     assert_no_password("".join(seen), "the consumer's log")
     assert _effects(sdk_db) == len(expected)

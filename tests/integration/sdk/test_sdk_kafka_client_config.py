@@ -8,14 +8,19 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from consumer_sdk import InboxConfig, InboxConsumer
-from consumer_sdk.errors import ConfigError
+from consumer_sdk.dead_letters import KafkaDeadLetters
+from consumer_sdk.errors import ConfigError, DeadLetterFailed
 from consumer_sdk.metrics import ConsumerMetrics
+from consumer_sdk.model import DeadLetter, KafkaRecord
+from tests.fixtures.procs import free_port, wait_until
+from tests.integration.sdk._support import ConsumerThread
 
 
 def _consumer(dsn: str, **props: Any) -> InboxConsumer:
-    config = InboxConfig(name="client-config", dsn=dsn, bootstrap_servers="127.0.0.1:1", topics=["t"],
+    config = InboxConfig(name="client-config", dsn=dsn, bootstrap_servers=f"127.0.0.1:{free_port()}", topics=["t"],
                          kafka_properties=props, check_dead_letter_topics=False, check_retention=False)
     return InboxConsumer(config, lambda conn, message: None, metrics=ConsumerMetrics())
 
@@ -27,3 +32,33 @@ def test_an_error_in_the_consumers_properties_names_the_consumer(sdk_db: str) ->
     message = str(caught.value)
     assert message.startswith("invalid Kafka consumer configuration: "), message  # before: "... for the dead-letter producer"
     assert "dead-letter" not in message and "ssl.ca.location" in message
+
+
+def _letter() -> DeadLetter:
+    return DeadLetter(record=KafkaRecord(topic="t", partition=0, offset=7, key=b"k", value=b"v"), consumer="c",
+                      reason="permanent_error", error="boom", error_type="PermanentError", attempts=1)
+
+
+def test_the_dead_letter_producers_own_lines_are_not_printed_raw(capfd: pytest.CaptureFixture[str]) -> None:
+    letters = KafkaDeadLetters({"bootstrap.servers": f"127.0.0.1:{free_port()}"}, topic_template="{topic}.dlq",
+                               timeout_s=3)
+    with pytest.raises(DeadLetterFailed) as caught:
+        letters.send(_letter())
+    letters.close(0)
+    err = capfd.readouterr().err
+    assert "%3|" not in err and "|FAIL|" not in err, err[-2000:]  # before: librdkafka's lines, raw
+    assert "Connection refused" in str(caught.value)  # what they said, in the error instead
+
+
+def test_the_consumers_own_lines_are_not_printed_raw(sdk_db: str, capfd: pytest.CaptureFixture[str]) -> None:
+    consumer = _consumer(sdk_db)
+    thread = ConsumerThread(consumer)
+    with capture_logs() as logs:
+        thread.start()
+        try:
+            wait_until(lambda: any(e["event"] == "kafka_client_error" for e in logs), timeout_s=30,
+                       message="no kafka_client_error logged for a port nothing listens on")
+        finally:
+            thread.stop()
+    err = capfd.readouterr().err
+    assert "%3|" not in err and "|FAIL|" not in err, err[-2000:]
