@@ -165,6 +165,32 @@ SELECT (SELECT count(*) FROM restamped) AS restamped,
           AND (%(all_shards)s OR (hashtext(coalesce(w.key, w.event_id::text)) & 2147483647) %% %(nshards)s
                                  = ANY(%(shards)s::int[]))) AS due_in_s
 
+-- name: fence_held_shards
+-- The fence every mark of a batch takes (included by mark_published and its variants):
+-- the shards of the batch whose lease this owner still holds with the same token.  FOR
+-- SHARE on the lease rows makes a concurrent takeover wait for the mark's transaction (or
+-- makes the mark see the new token and mark nothing).  Written once, so that no copy can
+-- drift from the others.
+SELECT s.shard
+FROM outbox_relay_shards AS s
+JOIN unnest(%(held_shards)s::int[], %(held_tokens)s::bigint[]) AS h(shard, token)
+  ON h.shard = s.shard AND h.token = s.token
+WHERE s.owner = %(owner)s
+FOR SHARE OF s
+
+-- name: fence_held_shard
+-- The same fence for one row's statements (record_failure, dead_letter): its shard, if
+-- this owner still holds its lease with the same token.
+SELECT s.shard
+FROM outbox_relay_shards AS s
+WHERE s.shard = %(shard)s AND s.token = %(token)s AND s.owner = %(owner)s
+FOR SHARE OF s
+
+-- name: fenced_marks_result
+-- What a fenced mark returns: the shards still held, and the ids it marked (or deleted).
+SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
+       (SELECT coalesce(array_agg(id), ARRAY[]::bigint[]) FROM marked) AS marked
+
 -- name: mark_published
 -- Fenced: rows are marked only in shards whose lease this owner still holds with
 -- the same token.  FOR SHARE on the lease rows makes a concurrent takeover wait
@@ -173,12 +199,7 @@ SELECT (SELECT count(*) FROM restamped) AS restamped,
 -- that walks the index's leaves in id order, where a join with unnest looked each id up
 -- from the root, 11 % more execution for a batch of 1,000 (issue 18's thirtieth pass).
 WITH held AS (
-    SELECT s.shard
-    FROM outbox_relay_shards AS s
-    JOIN unnest(%(held_shards)s::int[], %(held_tokens)s::bigint[]) AS h(shard, token)
-      ON h.shard = s.shard AND h.token = s.token
-    WHERE s.owner = %(owner)s
-    FOR SHARE OF s
+    -- include: fence_held_shards
 ), marked AS (
     UPDATE {table} AS o
     SET published_at = coalesce(%(now)s::timestamptz, now()), retry_at = NULL
@@ -188,8 +209,7 @@ WITH held AS (
       AND o.published_at IS NULL
     RETURNING o.id
 )
-SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
-       (SELECT coalesce(array_agg(id), ARRAY[]::bigint[]) FROM marked) AS marked
+-- include: fenced_marks_result
 
 -- name: mark_published_by_event
 -- mark_published on a partitioned outbox, whose primary key (id, created_at) lets two
@@ -198,12 +218,7 @@ SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
 -- them marked the other too, which was never sent (an audit lost 1,240 rows so).  Each
 -- row is matched by its id and its event_id.
 WITH held AS (
-    SELECT s.shard
-    FROM outbox_relay_shards AS s
-    JOIN unnest(%(held_shards)s::int[], %(held_tokens)s::bigint[]) AS h(shard, token)
-      ON h.shard = s.shard AND h.token = s.token
-    WHERE s.owner = %(owner)s
-    FOR SHARE OF s
+    -- include: fence_held_shards
 ), marked AS (
     UPDATE {table} AS o
     SET published_at = coalesce(%(now)s::timestamptz, now()), retry_at = NULL
@@ -212,18 +227,12 @@ WITH held AS (
       AND o.published_at IS NULL
     RETURNING o.id
 )
-SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
-       (SELECT coalesce(array_agg(id), ARRAY[]::bigint[]) FROM marked) AS marked
+-- include: fenced_marks_result
 
 -- name: delete_published_by_event
 -- delete_published on a partitioned outbox: see mark_published_by_event.
 WITH held AS (
-    SELECT s.shard
-    FROM outbox_relay_shards AS s
-    JOIN unnest(%(held_shards)s::int[], %(held_tokens)s::bigint[]) AS h(shard, token)
-      ON h.shard = s.shard AND h.token = s.token
-    WHERE s.owner = %(owner)s
-    FOR SHARE OF s
+    -- include: fence_held_shards
 ), marked AS (
     DELETE FROM {table} AS o
     USING unnest(%(ids)s::bigint[], %(row_shards)s::int[], %(event_ids)s::uuid[]) AS r(id, shard, event_id)
@@ -231,8 +240,7 @@ WITH held AS (
       AND o.published_at IS NULL
     RETURNING o.id
 )
-SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
-       (SELECT coalesce(array_agg(id), ARRAY[]::bigint[]) FROM marked) AS marked
+-- include: fenced_marks_result
 
 -- name: event_ids
 -- Exactly-once recovery: the event_id of each row a position record lists, to mark only
@@ -248,12 +256,7 @@ WHERE o.id = ANY(%(ids)s::bigint[])
 -- row version, where a mark writes a new version of the whole row and an entry in
 -- each of its indexes: about a tenth of the database's work per row.
 WITH held AS (
-    SELECT s.shard
-    FROM outbox_relay_shards AS s
-    JOIN unnest(%(held_shards)s::int[], %(held_tokens)s::bigint[]) AS h(shard, token)
-      ON h.shard = s.shard AND h.token = s.token
-    WHERE s.owner = %(owner)s
-    FOR SHARE OF s
+    -- include: fence_held_shards
 ), marked AS (
     DELETE FROM {table} AS o
     WHERE o.id = ANY(ARRAY(SELECT r.id
@@ -262,8 +265,7 @@ WITH held AS (
       AND o.published_at IS NULL
     RETURNING o.id
 )
-SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
-       (SELECT coalesce(array_agg(id), ARRAY[]::bigint[]) FROM marked) AS marked
+-- include: fenced_marks_result
 
 -- name: record_failure
 -- Fenced like mark_published: counts an attempt, keeps the broker's message and
@@ -272,10 +274,7 @@ SELECT (SELECT coalesce(array_agg(shard), ARRAY[]::int[]) FROM held) AS held,
 -- put its twin in back-off too and counted its attempts toward the dead letters.  NULL
 -- on the plain outbox, whose primary key keeps ids unique.
 WITH held AS (
-    SELECT s.shard
-    FROM outbox_relay_shards AS s
-    WHERE s.shard = %(shard)s AND s.token = %(token)s AND s.owner = %(owner)s
-    FOR SHARE OF s
+    -- include: fence_held_shard
 )
 UPDATE {table} AS o
 SET attempts = o.attempts + 1,
@@ -290,10 +289,7 @@ RETURNING o.attempts
 -- places, never in neither.  %(event_id)s as in record_failure: by id alone, a row
 -- refused for good took its pending twin into the dead letters with it.
 WITH held AS (
-    SELECT s.shard
-    FROM outbox_relay_shards AS s
-    WHERE s.shard = %(shard)s AND s.token = %(token)s AND s.owner = %(owner)s
-    FOR SHARE OF s
+    -- include: fence_held_shard
 ), moved AS (
     DELETE FROM {table} AS o
     WHERE o.id = %(id)s AND o.event_id = coalesce(%(event_id)s::uuid, o.event_id)
