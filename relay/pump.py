@@ -23,8 +23,8 @@ Per-key order: the producer is idempotent, so rows of one partition reach the
 broker in produce order.  When a row fails, no later row of its key is produced
 in that batch, the pump stops claiming, waits for what is in flight, and rewinds
 the cursor to the oldest unpublished row; a row in back-off holds its key's later
-rows back in the claim query itself.  A later row of the key acknowledged in spite
-of that (an earlier in-flight batch failing behind it) is counted in
+rows back in the claim query itself.  A later row of the key in its topic acknowledged
+in spite of that (an earlier in-flight batch failing behind it) is counted in
 ``outbox_relay_order_violations_total``.
 """
 
@@ -159,7 +159,10 @@ class Pump:
         self.backoff_until = 0.0  # the part of claim_not_before that is a back-off, not a pace
         self.next_sweep = clock() + SWEEP_INTERVAL_S
         self._rewind_cost_s: float | None = None  # the last rewind's restamp, until its claim
-        self.failed_keys: set[str] = set()
+        #: (topic, key) of the rows that failed since the last rewind.  Per-key order is a
+        #: key's order in each topic (README "Ordering"): Kafka orders a partition, and a
+        #: key's rows in two topics are produced side by side to two partitions.
+        self.failed_keys: set[tuple[str, str]] = set()
         #: Rows in back-off (a failed attempt before) sent since the last rewind, until
         #: marked: the claim no longer holds their keys' later rows for them.
         self.sent_retries: set[int] = set()
@@ -513,7 +516,7 @@ class Pump:
         for row in batch.rows:
             outcome = batch.outcomes[row.id]
             if outcome.ok:
-                if row.key is not None and row.key in self.failed_keys:
+                if row.key is not None and (row.topic, row.key) in self.failed_keys:
                     result.order_violations += 1
                     self.metrics.order_violations.inc()
                     self.log.error("order_violation", shard=row.shard, row_id=row.id)
@@ -521,7 +524,7 @@ class Pump:
             else:
                 failed.append(row)
                 if row.key is not None:
-                    self.failed_keys.add(row.key)
+                    self.failed_keys.add((row.topic, row.key))
         result.acked += len(acked)
         if acked:
             self._mark(batch, acked)
