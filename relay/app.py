@@ -5,7 +5,8 @@ the leases and refresh the backlog gauges when due, then one turn of the loop
 (relay/loop.py: claim when due, run the pump and the replayer once) and its wait (on a
 notification, a delivery report, a mark or the next due time).  Failures of the database
 are waited out here, on the database's own short back-off (relay/reconnect.py: 0.5 s to
-2 s, not the publish retries'), logged once per state change; signals, /healthz and /readyz are answered here too.
+2 s, not the publish retries'), logged once per state change; signals, /healthz
+(relay/probes.py) and /readyz are answered here too.
 
 Every long-lived part has ``start()`` and an idempotent ``stop(timeout_s)``; those that
 loop on the caller's thread have ``run_once()``.  Threads, and the connections each owns
