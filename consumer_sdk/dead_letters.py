@@ -64,6 +64,7 @@ class KafkaDeadLetters:
         #: next send, so a letter goes once the cause is fixed (the runbook's promise); kept, the
         #: partition stayed paused until a restart (an audit of the security paths).
         self._fatal = False
+        self._closed = False
         try:
             self._producer = Producer(self._config)
         except (KafkaException, TypeError, ValueError) as exc:
@@ -82,9 +83,12 @@ class KafkaDeadLetters:
         def report(err: KafkaError | None, _msg: Message) -> None:
             outcome.append(err)
 
+        if self._closed:
+            raise RuntimeError("the dead-letter producer is closed")
         if self._fatal:
             self._fatal = False
-            self._producer = Producer(self._config)  # the old one is dropped: it can send nothing
+            _destroy(self._producer, 0)  # it can send nothing
+            self._producer = Producer(self._config)
         topic = dead_letter_topic(self._template, letter.record.topic)
         try:
             self._producer.produce(topic, key=letter.record.key, value=letter.record.value,
@@ -108,9 +112,28 @@ class KafkaDeadLetters:
             raise DeadLetterFailed(f"dead letter to {topic} failed: {outcome[0].str()}")
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Wait up to ``timeout_s`` for what is queued; a producer in a fatal state raised here
-        (a raw KafkaException out of the consumer's close, its store left open)."""
+        """Wait up to ``timeout_s`` for what is queued, then destroy the client.  Idempotent."""
+        if not self._closed:
+            self._closed = True
+            _destroy(self._producer, timeout_s)
+
+
+def _destroy(producer: Producer, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for what is queued, give up on the rest, then destroy the
+    client, its threads joined.  Left to the garbage collector (its error callback holds its
+    owner: a cycle), a closed consumer's producer went on reconnecting to a cluster, its
+    threads alive, until a cyclic collection.  A producer in a fatal state raises at flush
+    (a raw KafkaException out of the consumer's close, its store left open, until 158139c)."""
+    try:
+        if timeout_s > 0:
+            producer.flush(timeout_s)
+        producer.purge()
+        producer.flush(0)
+    except Exception:  # noqa: BLE001 - confluent-kafka raised SystemError at a fatal error
+        pass
+    close = getattr(producer, "close", None)  # confluent-kafka >= 2.8
+    if close is not None:
         try:
-            self._producer.flush(timeout_s)
-        except KafkaException:
+            close()
+        except Exception:  # noqa: BLE001 - best effort on a client that is going
             pass

@@ -17,6 +17,7 @@ from consumer_sdk.metrics import ConsumerMetrics
 from consumer_sdk.model import DeadLetter, KafkaRecord
 from tests.fixtures.procs import free_port, wait_until
 from tests.integration.sdk._support import ConsumerThread
+from tests.unit.test_publisher_close import rdkafka_threads
 
 
 def _consumer(dsn: str, **props: Any) -> InboxConsumer:
@@ -62,3 +63,17 @@ def test_the_consumers_own_lines_are_not_printed_raw(sdk_db: str, capfd: pytest.
             thread.stop()
     err = capfd.readouterr().err
     assert "%3|" not in err and "|FAIL|" not in err, err[-2000:]
+
+
+def test_a_closed_dead_letter_producer_leaves_no_client_thread() -> None:
+    before = rdkafka_threads()
+    letters = KafkaDeadLetters({"bootstrap.servers": f"127.0.0.1:{free_port()}"}, topic_template="{topic}.dlq",
+                               timeout_s=1)
+    assert rdkafka_threads() > before
+    with pytest.raises(DeadLetterFailed):
+        letters.send(_letter())
+    letters.close(0)
+    letters.close(0)  # idempotent
+    assert rdkafka_threads() <= before  # before: alive until a cyclic garbage collection
+    with pytest.raises(RuntimeError, match="closed"):
+        letters.send(_letter())
