@@ -166,12 +166,13 @@ def test_mark_bench_prices_each_schema_variant(pg_server, tmp_path):
     result, figures = _bench_module("mark_bench", tmp_path / "marks.json", "--dsn", pg_server.admin_dsn,
                                     "--rows", "3000", "--rounds", "1")
     assert set(figures) == {"migrated", "no_published_index", "hot_ff50", "hot_ff70", "delete", "bytea_payload",
-                            "event_id_pending", "pk_only", "unique_ff90"}
+                            "event_id_pending", "pk_only", "unique_ff90", "heap_ff50"}
     for variant in figures.values():
         assert variant["claim_rows_per_s"] > 0 and variant["mark_rows_per_s"] > 0
         assert variant["indexes_loaded_mb"] > 0 and variant["indexes_mb"] > 0
         assert "claim_postgres_cpu_us" in variant  # the test server is local: its CPU is read
     assert figures["migrated"]["hot_share"] == 0  # published_at is in the pending index's predicate
+    assert figures["heap_ff50"]["hot_share"] == 0  # room on the page does not make it HOT
     assert figures["bytea_payload"]["bytes_payload_share"] == 1 and figures["migrated"]["bytes_payload_share"] == 0
     if int(pg_server.server_version().split(".")[0]) >= 16:  # a BRIN index allows HOT since 16
         assert figures["hot_ff50"]["hot_share"] == 1
