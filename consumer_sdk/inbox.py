@@ -428,7 +428,7 @@ class InboxConsumer:
         else:
             parts = [TopicPartition(t, p, OFFSET_STORED) for t in self.config.topics
                      for p in kafka.wait_partitions(consumer, t, stop=self._stop, log=self.log,
-                                                    refused=self._refused)]
+                                                    refused=self._refused, fatal=lambda: self._fatal)]
             self._answered = bool(parts)
             consumer.assign(parts)
             self.assigned = {(tp.topic, tp.partition) for tp in parts}
@@ -476,8 +476,9 @@ class InboxConsumer:
         failure = (setup_failure(err.code(), text, answered=self._answered)
                    or self._tls_probe.failure(err.code(), text, answered=self._answered))
         if failure is not None or err.fatal():
-            self._fatal = failure or text
-            self.log.error("kafka_fatal", error=self._fatal)
+            if self._fatal is None:  # once: librdkafka repeats it at each try
+                self._fatal = failure or text
+                self.log.error("kafka_fatal", error=self._fatal)
         elif err.code() != self._last_client_error:
             self.log.warning("kafka_client_error", error=self._kafka_text(err))
         self._last_client_error = err.code()

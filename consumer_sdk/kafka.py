@@ -70,12 +70,24 @@ def access_refused(code: int, topic: str | None, *, group: str, topics: Sequence
 
 
 def wait_partitions(consumer: Consumer, topic: str, *, stop: threading.Event, log: Any,
-                    refused: Callable[[int, str, str], str | None] = lambda *_: None) -> list[int]:
-    """The topic's partitions, waiting (until ``stop``) for the topic to exist; raises
-    :class:`KafkaFatal` when ``refused(code, topic, text)`` reads its error as a refusal."""
+                    refused: Callable[[int, str, str], str | None] = lambda *_: None,
+                    fatal: Callable[[], str | None] = lambda: None) -> list[int]:
+    """The topic's partitions, waiting (until ``stop``) for the topic to exist and the cluster
+    to answer; raises :class:`KafkaFatal` when ``refused(code, topic, text)`` reads the
+    topic's error as a refusal, or ``fatal()`` names what the client's error callback found
+    (a TLS set-up that cannot work: the metadata request itself failed as a raw
+    KafkaException out of ``start()`` until an audit of the security paths)."""
     logged = False
     while not stop.is_set():
-        meta = consumer.list_topics(topic=topic, timeout=METADATA_TIMEOUT_S).topics.get(topic)
+        try:
+            meta = consumer.list_topics(topic=topic, timeout=METADATA_TIMEOUT_S).topics.get(topic)
+        except KafkaException as exc:
+            meta, problem = None, str(exc.args[0].str() if exc.args else exc)
+            consumer.poll(0)  # serves the error callback: a consumer's list_topics does not
+        else:
+            problem = "no such topic"
+        if (why := fatal()) is not None:
+            raise KafkaFatal(why)
         if meta is not None and meta.error is None and meta.partitions:
             return sorted(meta.partitions)
         if meta is not None and meta.error is not None:
@@ -83,7 +95,8 @@ def wait_partitions(consumer: Consumer, topic: str, *, stop: threading.Event, lo
             if why is not None:
                 raise KafkaFatal(why)
         if not logged:
-            log.warning("topic_missing", topic=topic, hint="waiting for it to be created")
+            log.warning("topic_missing", topic=topic, error=problem,
+                        hint="waiting for it to be created and the cluster to answer")
             logged = True
         stop.wait(1.0)
     return []

@@ -140,8 +140,9 @@ def _fatal(dsn: str, bootstrap: str, topic: str, props: dict[str, str], **extra:
     return thread.error
 
 
-def test_tls_against_a_plaintext_listener_ends_the_consumer(sdk_dsn, listeners, topic):
-    error = _fatal(sdk_dsn, listeners.sasl_plaintext, topic, listeners.scram("SASL_SSL"))
+@pytest.mark.parametrize("assignment", ["subscribe", "assign"])
+def test_tls_against_a_plaintext_listener_ends_the_consumer(sdk_dsn, listeners, topic, assignment):
+    error = _fatal(sdk_dsn, listeners.sasl_plaintext, topic, listeners.scram("SASL_SSL"), assignment=assignment)
     assert str(error).startswith("the TLS handshake with the Kafka cluster failed"), error
     assert "PLAINTEXT broker listener" in str(error)
 
