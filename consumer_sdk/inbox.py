@@ -577,7 +577,8 @@ class InboxConsumer:
 
     def _check_retention(self) -> None:
         try:
-            self.retention = check_retention(self.config.shared_kafka(), list(self.config.topics),
+            self.retention = check_retention({"logger": kafka.LIBRDKAFKA_LOG, **self.config.shared_kafka()},
+                                             list(self.config.topics),
                                              self.config.inbox_retention_s)
         except Exception as exc:  # noqa: BLE001 - a missing check must not stop the consumer
             self.log.warning("inbox_retention_unchecked", error=str(exc))

@@ -20,9 +20,9 @@ from tests.integration.sdk._support import ConsumerThread
 from tests.unit.test_publisher_close import rdkafka_threads
 
 
-def _consumer(dsn: str, **props: Any) -> InboxConsumer:
+def _consumer(dsn: str, check_retention: bool = False, **props: Any) -> InboxConsumer:
     config = InboxConfig(name="client-config", dsn=dsn, bootstrap_servers=f"127.0.0.1:{free_port()}", topics=["t"],
-                         kafka_properties=props, check_dead_letter_topics=False, check_retention=False)
+                         kafka_properties=props, check_dead_letter_topics=False, check_retention=check_retention)
     return InboxConsumer(config, lambda conn, message: None, metrics=ConsumerMetrics())
 
 
@@ -51,14 +51,18 @@ def test_the_dead_letter_producers_own_lines_are_not_printed_raw(capfd: pytest.C
     assert "Connection refused" in str(caught.value)  # what they said, in the error instead
 
 
-def test_the_consumers_own_lines_are_not_printed_raw(sdk_db: str, capfd: pytest.CaptureFixture[str]) -> None:
-    consumer = _consumer(sdk_db)
+@pytest.mark.parametrize("check_retention", [False, True], ids=["consumer", "retention-check"])
+def test_the_consumers_own_lines_are_not_printed_raw(sdk_db: str, capfd: pytest.CaptureFixture[str],
+                                                     check_retention: bool) -> None:
+    consumer = _consumer(sdk_db, check_retention=check_retention)
     thread = ConsumerThread(consumer)
+    # The retention check's admin client asks the cluster at start, for up to 10 s.
+    event = "inbox_retention_unchecked" if check_retention else "kafka_client_error"
     with capture_logs() as logs:
         thread.start()
         try:
-            wait_until(lambda: any(e["event"] == "kafka_client_error" for e in logs), timeout_s=30,
-                       message="no kafka_client_error logged for a port nothing listens on")
+            wait_until(lambda: any(e["event"] == event for e in logs), timeout_s=30,
+                       message=f"no {event} logged for a port nothing listens on")
         finally:
             thread.stop()
     err = capfd.readouterr().err
