@@ -28,8 +28,10 @@ no piece of the DSN's password (:func:`outbox_core.secrets.scrub`).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -39,7 +41,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from outbox_core.secrets import scrub
 
-__all__ = ["ConnectFailure", "FailedConnect", "classify_connect_error", "connect_timeout"]
+__all__ = ["ConnectFailure", "FailedConnect", "classify_connect_error", "connect_timeout", "unset_options"]
 
 
 class ConnectFailure(StrEnum):
@@ -134,10 +136,25 @@ def connect_timeout(dsn: str, default_s: int) -> dict[str, Any]:
     An argument outranks the DSN's own value, so one given always replaced a DBA's
     ``connect_timeout=15`` for a distant server with the caller's default, silently.  A
     DSN libpq cannot parse gets the default: connecting then says what is wrong with it."""
-    if os.environ.get("PGCONNECT_TIMEOUT", "").strip():
-        return {}
+    return unset_options(dsn, {"connect_timeout": default_s})
+
+
+def unset_options(dsn: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``defaults`` (libpq options, ``{"keepalives_idle": 10, ...}``) that neither the DSN
+    nor the option's libpq environment variable (``PGCONNECT_TIMEOUT``...) sets: arguments
+    for ``psycopg.connect(dsn, ...)`` (or ``make_conninfo``) that never replace a value the
+    DSN's author chose (see :func:`connect_timeout`).  A DSN libpq cannot parse gets them all."""
+    unset = {key: value for key, value in defaults.items()
+             if not os.environ.get(_env_names().get(key, ""), "").strip()}
     try:
         given = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
-        return {"connect_timeout": default_s}
-    return {} if str(given.get("connect_timeout", "")).strip() else {"connect_timeout": default_s}
+        return unset
+    return {key: value for key, value in unset.items() if not str(given.get(key, "")).strip()}
+
+
+@functools.cache
+def _env_names() -> dict[str, str]:
+    """libpq's environment variable of each option that has one (``connect_timeout``:
+    ``PGCONNECT_TIMEOUT``; the keepalives have none)."""
+    return {o.keyword.decode(): o.envvar.decode() for o in psycopg.pq.Conninfo.get_defaults() if o.envvar}

@@ -1,17 +1,32 @@
-"""One lazily (re)connected autocommit connection, owned by one thread of the pool."""
+"""A worker pool's connections: how they are made, and one lazily (re)connected autocommit
+connection owned by one thread of the pool (:class:`ConnSlot`).
+
+Every connection a pool makes carries TCP keep-alives and a ``tcp_user_timeout`` derived
+from its lease (:func:`tcp_options`), unless the DSN sets them: without them a statement
+sent into a partition that drops packets waited for the kernel's retransmissions (15 tries,
+about 15 minutes) and a reply that never came, for ever on an idle connection.  The pool's
+factory (:class:`PoolerAware`) keeps track of the connections it made, so that a pool
+that stops can shut their sockets down (:meth:`PoolerAware.shut_down`).
+"""
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 from psycopg.pq import TransactionStatus
 
 from consumer_sdk import _pg
+from consumer_sdk.errors import DatabaseUnavailable
 from consumer_sdk.jobs._db import ConnectionT, first_line, q, translated
 from consumer_sdk.jobs.deferred import DeferringConnection, SpinningDeferringConnection
+from outbox_core.connect_errors import unset_options
 from outbox_core.pooling import transaction_pooled
 
 if TYPE_CHECKING:
@@ -35,14 +50,35 @@ class PoolerAware:
         self._log: Any = None  # set by probe(); until then no probing
         self._probed = False
         self._lock = threading.Lock()
+        self._made: weakref.WeakSet[ConnectionT] = weakref.WeakSet()  # every connection made
+        self._made_lock = threading.Lock()
+        self.closed = False  # by shut_down(): no connection any more
 
     def __call__(self) -> ConnectionT:
+        if self.closed:
+            raise DatabaseUnavailable("database unavailable: the worker pool stopped")
         conn = self._connect()
         if not self._probed and self._log is not None:
             self._try_probe()  # the database answers now: the start's probe could not reach it
         if self.pooled:
             conn.prepare_threshold = None
+        with self._made_lock:
+            self._made.add(conn)
+            closed = self.closed
+        if closed:  # shut_down() came while it connected
+            conn.close()
+            raise DatabaseUnavailable("database unavailable: the worker pool stopped")
         return conn
+
+    def shut_down(self, *, sockets: bool) -> int:
+        """No connection any more; with ``sockets``, shut down the socket of each connection
+        made and still open, so that a thread waiting on one gets an error at once (its own
+        thread closes it: closing a connection another thread uses is not safe).  Returns how
+        many were shut down."""
+        with self._made_lock:
+            self.closed = True
+            made = list(self._made) if sockets else []
+        return sum(shut_socket(conn) for conn in made if not conn.closed)
 
     def probe(self, log: Any) -> None:
         """At the pool's start.  A database not reachable yet is probed at the first
@@ -80,10 +116,56 @@ def roll_back_open(conn: ConnectionT) -> bool:
     return True
 
 
+def shut_socket(conn: ConnectionT) -> bool:
+    """Shut ``conn``'s socket down (both ways), from any thread: a statement its thread waits
+    on fails at once ("server closed the connection unexpectedly").  The socket is reached
+    through a duplicate of its descriptor, so a descriptor closed and reused meanwhile is
+    never the one shut down.  False when there was no socket any more."""
+    try:
+        duplicate = os.dup(conn.pgconn.socket)
+    except (psycopg.Error, OSError):
+        return False
+    try:
+        sock = socket.socket(fileno=duplicate)
+    except OSError:
+        os.close(duplicate)
+        return False
+    with sock:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+    return True
+
+
+def tcp_options(config: WorkerConfig) -> dict[str, int]:
+    """libpq's TCP settings for a pool's connections, from its lease and heartbeat.
+
+    A connection idle for a heartbeat interval (whole seconds, at least 1) is probed every
+    third of it; data unacknowledged for one lease (``tcp_user_timeout``, which on Linux
+    also ends the probing) closes the connection: a statement waiting on a database that
+    stopped answering fails about one lease later, when the lease is lost anyway (a
+    shorter time would end connections that a lease rides out), at most one lease and a
+    third of a heartbeat for a reply that never comes on a quiet connection.  Elsewhere
+    (no ``tcp_user_timeout``) three unanswered probes end it."""
+    heartbeat_s = config.heartbeat_every_s
+    return {"keepalives": 1, "keepalives_idle": max(1, int(heartbeat_s)),
+            "keepalives_interval": max(1, int(heartbeat_s / 3)), "keepalives_count": 3,
+            "tcp_user_timeout": max(1000, int(config.lease_duration_s * 1000))}
+
+
 def pool_connect_factory(config: WorkerConfig) -> ConnectionFactory:
-    """The connections of a pool run with ``config``: their fenced transactions send BEGIN
+    """The connections of a pool run with ``config``: with :func:`tcp_options` where the DSN
+    does not set them (its own values win, as its ``connect_timeout`` does:
+    :func:`outbox_core.connect_errors.unset_options`); their fenced transactions send BEGIN
     and the fence with the first statement (:mod:`consumer_sdk.jobs.deferred`)."""
-    return _pg.connect_factory(config.dsn, application_name=config.application_name,
+    dsn = config.dsn
+    extra = unset_options(dsn, tcp_options(config))
+    try:
+        dsn = make_conninfo(dsn, **extra)
+    except psycopg.ProgrammingError:  # not libpq's: connecting says what is wrong with it
+        pass
+    return _pg.connect_factory(dsn, application_name=config.application_name,
                                spin_s=config.db_spin_us / 1e6,
                                classes=(DeferringConnection, SpinningDeferringConnection))
 

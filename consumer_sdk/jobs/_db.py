@@ -3,8 +3,10 @@
 Driver errors become SDK errors here (``raise ... from``): an unreachable
 database or a broken connection is :class:`~consumer_sdk.errors.DatabaseUnavailable`,
 an aborted transaction :class:`~consumer_sdk.errors.TransactionConflict`, a
-missing table :class:`~consumer_sdk.errors.SchemaMissing`, a violated CHECK
-:class:`~consumer_sdk.jobs.errors.InvalidJob`.
+missing table :class:`~consumer_sdk.errors.SchemaMissing`, a refused row (a violated
+CHECK, a trigger's refusal, a value or size the database cannot store)
+:class:`~consumer_sdk.jobs.errors.InvalidJob`, a missing grant
+:class:`~consumer_sdk.jobs.errors.PrivilegeMissing`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import psycopg.errors
 
 from consumer_sdk.errors import DatabaseUnavailable, FatalError, SchemaMissing, TransactionConflict
 from consumer_sdk.jobs._check import json_storable
-from consumer_sdk.jobs.errors import InvalidJob
+from consumer_sdk.jobs.errors import InvalidJob, PrivilegeMissing
 from outbox_core.queries import query
 from outbox_core.text import has_colliding_keys
 
@@ -31,22 +33,47 @@ def q(name: str) -> str:
     return query("jobs", name)
 
 
+#: SQLSTATE classes of a refusal of what the statement writes (its rows, its values), not of
+#: the moment: written again, it is refused again.  Triggered action (09), cardinality (21),
+#: data (22: invalid text, out of range...), integrity (23: CHECK, NOT NULL, unique...),
+#: triggered data change (27), routine exceptions (2F, 38, 39), WITH CHECK OPTION (44),
+#: program limits (54: a jsonb over 256 MB, an index row too large) and PL/pgSQL's own (P0:
+#: a trigger's RAISE).  Read as DatabaseUnavailable or FatalError, such a completion was
+#: tried again at every round, for ever, or stopped the pool (an audit of the pool).
+REFUSED_CLASSES = frozenset({"09", "21", "22", "23", "27", "2F", "38", "39", "44", "54", "P0"})
+#: SQLSTATEs outside the connection classes that still pass: the server ended the session
+#: (idle_in_transaction_session_timeout, transaction_timeout), not the statement's doing.
+PASSING_STATES = frozenset({"25P03", "25P04"})
+_GRANTS_HINT = ("grant it to this connection's role (the jobs read and write jobs, runs, job_results, "
+                "job_dead_letters and job_activations, execute outbox_jobs_fence(), and insert into the "
+                "outbox when they write events)")
+
+
+def refused(exc: BaseException) -> bool:
+    """``exc`` is the database's refusal of the row or value written (see REFUSED_CLASSES)."""
+    state = getattr(exc, "sqlstate", None) or ""
+    return isinstance(exc, psycopg.Error) and state[:2] in REFUSED_CLASSES
+
+
 @contextmanager
 def translated() -> Iterator[None]:
-    """Translate driver errors raised inside the block into SDK errors."""
+    """Translate driver errors raised inside the block into SDK errors: what passes (the
+    connection, a conflict, a cancel, a lock timeout, a shutdown) is retriable; a refusal of
+    the row is :class:`InvalidJob` (the job fails for good); a missing grant is
+    :class:`PrivilegeMissing`; anything else a :class:`FatalError`."""
     try:
         yield
     except psycopg.errors.UndefinedTable as exc:
         raise SchemaMissing("the jobs schema is missing: run `outbox-relay migrate` (0005_jobs)") from exc
-    except psycopg.errors.TransactionRollback as exc:
-        raise TransactionConflict(f"transaction aborted: {first_line(exc)}") from exc
-    except (psycopg.errors.IntegrityError, psycopg.errors.ProgramLimitExceeded) as exc:
-        # A limit (a jsonb over 256 MB, an index row too large) is the row's, not a passing
-        # outage: read as DatabaseUnavailable, its write was tried again for ever.
-        raise InvalidJob(f"the database refused the row: {first_line(exc)}") from exc
-    except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-        raise DatabaseUnavailable(f"database unavailable: {first_line(exc)}") from exc
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise PrivilegeMissing(f"the database role lacks a privilege: {first_line(exc)}; {_GRANTS_HINT}") from exc
     except psycopg.Error as exc:
+        if (exc.sqlstate or "").startswith("40"):  # serialization failure, deadlock: psycopg's classes
+            raise TransactionConflict(f"transaction aborted: {first_line(exc)}") from exc  # are not one
+        if refused(exc):
+            raise InvalidJob(f"the database refused the row: {first_line(exc)}") from exc
+        if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) or exc.sqlstate in PASSING_STATES:
+            raise DatabaseUnavailable(f"database unavailable: {first_line(exc)}") from exc
         raise FatalError(f"jobs statement failed: {first_line(exc)}") from exc
 
 

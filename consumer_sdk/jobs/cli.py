@@ -3,7 +3,7 @@
     python -m consumer_sdk.jobs dead-letters list --dsn postgresql://... [--queue bulk] [--json]
     python -m consumer_sdk.jobs dead-letters requeue JOB_ID --dsn ...
     python -m consumer_sdk.jobs runs show RUN_ID --dsn ...
-    python -m consumer_sdk.jobs reconcile --dsn ... [--queues interactive,bulk]
+    python -m consumer_sdk.jobs reconcile --dsn ... [--queues interactive,bulk] [--events-topic jobs.events]
     python -m consumer_sdk.jobs cleanup --older-than-days 30 --dsn ...
 
 Conventions shared with ``outbox-relay`` (README, "One set of conventions"): every
@@ -35,6 +35,7 @@ from consumer_sdk.jobs import admin
 from consumer_sdk.jobs.model import BULK, INTERACTIVE, QUEUE_NAME, DeadLetterRecord, RunId
 from consumer_sdk.jobs.reconciler import Reconciler, active_queues
 from consumer_sdk.jobs.runs import error_reference, run_status
+from consumer_sdk.model import valid_topic_name
 from consumer_sdk.secrets import mask_text, validate_dsn
 from outbox_core.text import first_undecodable, uuid_from_text, visible
 
@@ -135,6 +136,13 @@ def _run_id(text: str) -> RunId:
     return RunId(parsed)
 
 
+def _topic(text: str) -> str:
+    """A Kafka topic name, as WorkerConfig.events_topic takes it."""
+    if not valid_topic_name(text):
+        raise ValueError(f"not a Kafka topic name (1-249 of [A-Za-z0-9._-], not '.' or '..'): {shown(text)}")
+    return text
+
+
 _limit = _number(int, "a whole number", LIMIT_RANGE, f"from {LIMIT_RANGE[0]} to {LIMIT_RANGE[1]}")
 _job_id = _number(int, "a job id (a whole number)", JOB_ID_RANGE,
                   f"a job id from {JOB_ID_RANGE[0]} to {JOB_ID_RANGE[1]}")
@@ -199,6 +207,13 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     reconcile.add_argument("--queues", default=_env_default("--queues", env),
                            help=f"comma-separated (default: {INTERACTIVE}, {BULK} and every queue with "
                                 f"unfinished jobs) (env {env_name('--queues')})")
+    # The pools' WorkerConfig.events_topic: a job the pass fails (its lease expired on its last
+    # attempt) or resumes gets the job.failed or job.resumed event a pool's pass would write.
+    reconcile.add_argument("--events-topic", type=_option(reconcile, "--events-topic", _topic),
+                           default=_env_value("--events-topic", env),
+                           help="the topic of the job events the worker pools write (their "
+                                "WorkerConfig.events_topic): the jobs this pass fails or resumes get "
+                                f"theirs too (default: none written) (env {env_name('--events-topic')})")
     cleanup = top.add_parser("cleanup", parents=[common], help="retention of finished runs and jobs")
     older = _env_value("--older-than-days", env)
     # Bounded: -1, 0 (or 1e-300) deleted every finished run, and its request key, at once.
@@ -277,7 +292,7 @@ def _run(conn: psycopg.Connection[Any], args: argparse.Namespace, out: TextIO) -
               else sorted({INTERACTIVE, BULK, *active_queues(conn)}))
     # Its log lines on stderr: on stdout (structlog's default) one came before the JSON.
     log = structlog.wrap_logger(structlog.PrintLogger(sys.stderr), processors=[structlog.processors.JSONRenderer()])
-    result = Reconciler(queues=queues, log=log).run_once(conn)
+    result = Reconciler(queues=queues, log=log, events_topic=args.events_topic).run_once(conn)
     print(_json(asdict(result)), file=out)
     return 0
 

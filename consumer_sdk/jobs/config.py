@@ -44,14 +44,19 @@ class WorkerConfig:
     * ``lease_duration_s``: how long a claim or heartbeat holds a job;
       ``heartbeat_interval_s`` (default a third of it) how often leases are renewed.
       The names are the relay's (``--lease-duration-s``, ``--heartbeat-interval-s``);
-      ``lease_s`` and ``heartbeat_s`` are deprecated aliases that still work.
+      ``lease_s`` and ``heartbeat_s`` are deprecated aliases that still work.  They also
+      set the TCP keep-alives and ``tcp_user_timeout`` (one lease) of the pool's
+      connections, where the DSN does not (:func:`consumer_sdk.jobs._conn.tcp_options`).
     * ``poll_interval_s``: the safety net; losing every wake-up (NOTIFY, Kafka)
       delays work by at most this much.
     * ``reconcile_interval_s``: how often parked jobs whose wake-up was lost are
       resumed, and the queue gauges refreshed.
     * ``events_topic``: when set, terminal transitions write an event to the outbox.
     * ``drain_timeout_s``: on stop, how long running handlers may finish before
-      they are asked to stop and their jobs are given back.
+      they are asked to stop and their jobs are given back; ``stop()`` returns within
+      ``drain_timeout_s`` + 5 s (``worker.STOP_GRACE_S``) whatever the database does.
+    * ``max_owners_per_round``: the owners with ready work one read of the lanes lists
+      per queue; with more, the reads take turns (:mod:`consumer_sdk.jobs.lanes`).
     * ``db_spin_us``: how long a wait for the database's answer polls the socket before
       sleeping on it (:mod:`outbox_core.spin`).  Off by default: with a pool's threads
       polling at once, they compete for the interpreter and the cores (measured: 0.74 x

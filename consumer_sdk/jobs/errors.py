@@ -8,12 +8,16 @@ Each class's docstring is its default message.  Retryability lives in the type:
   other exception) is retried with back-off until the attempts run out;
 * :class:`LeaseLost` means the worker no longer owns the job: it must stop and
   write nothing more (the fenced writes would update zero rows anyway);
-* :class:`AdmissionRefused` carries ``retry_after_s`` for an HTTP ``Retry-After``.
+* :class:`AdmissionRefused` carries ``retry_after_s`` for an HTTP ``Retry-After``;
+* the database's refusals are translated at the seam (:mod:`consumer_sdk.jobs._db`): a
+  refusal of the row written (a constraint, a trigger, a value or a size it cannot store)
+  is :class:`InvalidJob`, which fails that job for good; a missing grant is
+  :class:`PrivilegeMissing`, a :class:`~consumer_sdk.errors.FatalError` that stops a pool.
 """
 
 from __future__ import annotations
 
-from consumer_sdk.errors import OutboxSdkError, PermanentError, RetriableError
+from consumer_sdk.errors import FatalError, OutboxSdkError, PermanentError, RetriableError
 
 
 class JobsError(OutboxSdkError):
@@ -75,3 +79,11 @@ class PermanentJobError(JobsError, PermanentError):
 
 class TransientJobError(JobsError, RetriableError):
     """Raised by a handler: this attempt failed for a passing reason; retry it with back-off."""
+
+
+class PrivilegeMissing(JobsError, FatalError):
+    """The database role lacks a privilege the jobs need: grant it to the role of the DSN.
+
+    A deployment error, the same for every job: a worker pool that meets it stops claiming
+    (``pool.error``, the ``pool_failed`` log line), so that no job is claimed, its attempt
+    counted, and its outcome left unwritten."""

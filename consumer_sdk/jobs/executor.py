@@ -5,8 +5,11 @@ The handler returns a JSON-encodable result (the job succeeds), or a
 :mod:`consumer_sdk.jobs.retry` for which exception does what.  When the attempt
 was cancelled because its lease was lost (or the run cancelled), nothing is
 written at all; every write is fenced anyway, and a write that matches no row
-is reported as ``lost``.  Database errors while writing are logged and left to
-the lease: the job is reaped and retried after it expires.
+is reported as ``lost``.  A database that cannot be reached while writing is logged
+and left to the lease: the job is reaped and retried after it expires.  A write the
+database refuses for its row (:class:`InvalidJob`: a constraint, a trigger, a value it
+cannot store) fails the job for good with the database's words; a missing grant
+(:class:`PrivilegeMissing`) is reported to the pool (``on_fatal``), which stops claiming.
 
 A success can be handed to ``complete_later`` instead of being written here (the
 worker pool writes the successes of several jobs in one statement, see
@@ -23,12 +26,12 @@ from datetime import datetime
 from typing import Any
 
 from consumer_sdk import _pg
-from consumer_sdk.errors import OutboxSdkError
+from consumer_sdk.errors import FatalError, OutboxSdkError
 from consumer_sdk.jobs import queue, waits
 from consumer_sdk.jobs._conn import roll_back_open
 from consumer_sdk.jobs._db import to_json
 from consumer_sdk.jobs.context import JobContext
-from consumer_sdk.jobs.errors import InvalidJob, PermanentJobError
+from consumer_sdk.jobs.errors import InvalidJob, PermanentJobError, PrivilegeMissing
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import DeadReason, Outcome, WaitFor
 from consumer_sdk.jobs.retry import Backoff, describe, error_type, verdict
@@ -51,7 +54,8 @@ class Executor:
                  log: Any, events_topic: str | None, db_now: Callable[[], datetime | None],
                  on_retry: Callable[[float], None] = lambda delay_s: None,
                  rand: Callable[[], float] = random.random,
-                 complete_later: CompleteLater | None = None) -> None:
+                 complete_later: CompleteLater | None = None,
+                 on_fatal: Callable[[FatalError], None] = lambda exc: None) -> None:
         self.handlers = handlers
         self.backoff = backoff
         self.metrics = metrics
@@ -60,6 +64,7 @@ class Executor:
         self.db_now = db_now
         self.on_retry = on_retry
         self.rand = rand
+        self.on_fatal = on_fatal
         #: Successes go there unless terminal events are written (they need the job's own
         #: transaction).
         self.complete_later = complete_later if not events_topic else None
@@ -92,10 +97,7 @@ class Executor:
             assert self.complete_later is not None
             if self.complete_later(ctx, later.result_json, elapsed):
                 return "completing"
-            try:
-                outcome = self._write(ctx, log, lambda: self._complete(ctx, later.result_json))
-            except InvalidJob as exc:  # the result cannot be stored (over jsonb's limit): it never will be
-                outcome = self._fail(ctx, "permanent_error", exc, log)
+            outcome = self._write(ctx, log, lambda: self._complete(ctx, later.result_json))
         if outcome == "lost":
             self.metrics.leases_lost.labels(job.queue, ctx.cancel_reason or "write_refused").inc()
         log.info("job_attempt_finished", outcome=outcome, duration_s=round(elapsed, 4),
@@ -121,7 +123,7 @@ class Executor:
             if self.complete_later is not None:
                 return _Later(result_json)
             return self._write(ctx, log, lambda: self._complete(ctx, result_json))
-        except InvalidJob as exc:  # the result or wait cannot be stored: it never will be
+        except InvalidJob as exc:  # the result or wait cannot be encoded: it never will be
             return self._fail(ctx, "permanent_error", exc, log)
 
     def _after_error(self, ctx: JobContext, exc: BaseException, log: Any) -> Outcome:
@@ -147,14 +149,21 @@ class Executor:
 
     def _fail(self, ctx: JobContext, reason: DeadReason, exc: BaseException, log: Any) -> Outcome:
         log.warning("job_failed", reason=reason, error=describe(exc, limit=300))
-        return self._write(ctx, log, lambda: self._dead(ctx, reason, exc))
+        return self._write(ctx, log, lambda: self._dead(ctx, reason, exc), failing=True)
 
-    def _write(self, ctx: JobContext, log: Any, write: Callable[[], Outcome]) -> Outcome:
-        """Run one fenced write; a database failure leaves the job to its lease."""
+    def _write(self, ctx: JobContext, log: Any, write: Callable[[], Outcome], *, failing: bool = False) -> Outcome:
+        """Run one fenced write.  A database failure leaves the job to its lease; a refusal of
+        the row fails the job for good (``failing``: this was its failure's write, which
+        cannot be written either: left to its lease); a missing grant goes to ``on_fatal``."""
         try:
             outcome = write()
-        except InvalidJob:
-            raise
+        except InvalidJob as exc:  # written again, it would be refused again (a CHECK, a trigger...)
+            if not failing:
+                return self._fail(ctx, "permanent_error", exc, log)
+            ctx.cancel("write_rejected")
+            log.error("job_write_refused", error=str(exc),
+                      hint="the database refused the job's failure too: it is left to its lease")
+            return "lost"
         except OutboxSdkError as exc:
             ctx.cancel("write_failed")
             log.warning("job_write_failed", error=str(exc))
@@ -162,6 +171,8 @@ class Executor:
             # (SET search_path, a statement_timeout), and every later job of this executor
             # failed its writes and waited out its lease (an audit of the worker pool).
             _close(ctx.conn)
+            if isinstance(exc, PrivilegeMissing):  # a deployment error: every job would meet it
+                self.on_fatal(exc)
             return "lost"
         if outcome == "lost":
             log.warning("lease_lost", detail="a fenced write matched no row")

@@ -66,8 +66,9 @@ def plan(lanes: Sequence[Lane], *, queues: Sequence[str], busy: Mapping[str, int
     """The claims to make now, in the order to make them.
 
     ``busy`` is this pool's running jobs per queue; ``lanes`` the ready work the
-    database reported (with each owner's running jobs in every queue);
-    ``last_served`` the monotonic time each lane last got a job (absent: never).
+    database reported (with each owner's running jobs in every queue), in the order to
+    serve lanes served as long ago; ``last_served`` the monotonic time each lane last got
+    a job (absent: never).
     """
     free_total = limits.max_concurrency - sum(busy.values())
     owner_room: dict[str, int] = {}
@@ -76,9 +77,10 @@ def plan(lanes: Sequence[Lane], *, queues: Sequence[str], busy: Mapping[str, int
         if free_total <= 0:
             break
         room = min(free_total, limits.for_queue(queue) - busy.get(queue, 0))
+        # Stable: among lanes served as long ago, the order of ``lanes`` (the database's, which
+        # starts after the owner served last: see consumer_sdk.jobs.lanes).
         ordered = sorted((lane for lane in lanes if lane.queue == queue),
-                         key=lambda lane: (last_served.get((queue, lane.owner_id), float("-inf")),
-                                           lane.owner_id))
+                         key=lambda lane: last_served.get((queue, lane.owner_id), float("-inf")))
         given = _round_robin(ordered, room, limits, owner_room, takes)
         free_total -= given
     return [Take(q, o, n, limits.for_owner(o)) for (q, o), n in takes.items() if n > 0]

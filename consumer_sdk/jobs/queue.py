@@ -1,5 +1,8 @@
 """The job queue in PostgreSQL: enqueue, claim, heartbeat, complete, retry, fail, release.
 
+The dispatcher's claim path (ready lanes, one round's completions and claims) lives in
+:mod:`consumer_sdk.jobs.claims` and is re-exported here.
+
 Every function takes a connection and ``now`` (None in production: the
 database clock decides; a fixed time in tests).  Pass connections in autocommit
 mode: functions that need several statements open their own short transaction
@@ -14,7 +17,6 @@ to the outbox in the same transaction (``events_topic``).
 
 from __future__ import annotations
 
-import json
 import uuid
 import weakref
 from collections.abc import Iterable, Sequence
@@ -22,32 +24,24 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import psycopg
 import psycopg.errors
-from psycopg.pq import TransactionStatus
 
 from consumer_sdk import _wire
 from consumer_sdk.errors import SchemaMissing
 from consumer_sdk.jobs import _check
 from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
+
+# The claim path, re-exported: this module has every write of the jobs.
+from consumer_sdk.jobs.claims import NO_OWNER_LIMIT as NO_OWNER_LIMIT
+from consumer_sdk.jobs.claims import Done as Done
+from consumer_sdk.jobs.claims import claim as claim
+from consumer_sdk.jobs.claims import complete_and_claim as complete_and_claim
+from consumer_sdk.jobs.claims import complete_many as complete_many
+from consumer_sdk.jobs.claims import ready_lanes as ready_lanes
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.events import EventType, JobFacts, write_job_event
-from consumer_sdk.jobs.model import (
-    ClaimedJob,
-    DeadReason,
-    JobId,
-    Lane,
-    Lease,
-    NewJob,
-    RunId,
-    Take,
-    Token,
-)
+from consumer_sdk.jobs.model import DeadReason, JobId, Lease, NewJob
 from consumer_sdk.store import pipelined
-
-#: An owner limit this large never binds (the default: no per-owner limit); claims of such
-#: owners skip the owners' advisory locks (see claim()).
-NO_OWNER_LIMIT = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +60,7 @@ def check_schema(conn: ConnectionT) -> None:
         raise SchemaMissing("the jobs schema is missing: run `outbox-relay migrate` (0005_jobs)")
 
 
-# -- enqueue and claim -----------------------------------------------------------------
+# -- enqueue and reap (the claim path: consumer_sdk.jobs.claims) ---------------------------
 
 
 def enqueue(conn: ConnectionT, jobs: Iterable[NewJob], *, now: datetime | None = None) -> list[JobId]:
@@ -92,106 +86,6 @@ def enqueue(conn: ConnectionT, jobs: Iterable[NewJob], *, now: datetime | None =
     }
     with translated():
         return [JobId(r[0]) for r in conn.execute(q("enqueue"), params).fetchall()]
-
-
-def ready_lanes(conn: ConnectionT, *, queues: Sequence[str], max_owners: int = 500,
-                count_cap: int = 64, now: datetime | None = None) -> list[Lane]:
-    """The (queue, owner) lanes with ready work, with each owner's running jobs."""
-    params = {"queues": list(queues), "max_owners": max_owners, "count_cap": count_cap, "now": now}
-    with translated():
-        rows = conn.execute(q("ready_lanes"), params).fetchall()
-    return [Lane(queue=r[0], owner_id=r[1], ready=r[2], running=r[3]) for r in rows]
-
-
-def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: float,
-          now: datetime | None = None) -> list[ClaimedJob]:
-    """Claim per ``takes`` in one short transaction; never waits for another claimer.
-
-    Owners whose advisory lock another claimer holds are skipped this time.  The locks
-    serialize the count of an owner's running jobs under its limit; when no take has a
-    limit that can bind (``owner_limit >= NO_OWNER_LIMIT``), the claim is one statement.
-    """
-    return complete_and_claim(conn, worker=worker, done=(), takes=takes, lease_s=lease_s, now=now)[1]
-
-
-def complete_and_claim(conn: ConnectionT, *, worker: str, done: Sequence[Done], takes: Sequence[Take],
-                       lease_s: float, now: datetime | None = None
-                       ) -> tuple[dict[JobId, JobFacts], list[ClaimedJob]]:
-    """:func:`complete_many` and :func:`claim` in the claim's one statement.
-
-    A dispatcher writes the successes its pool collected since the last round and claims
-    for the free slots at once: one round trip without an owner limit, else two (the
-    owners' locks first), the completions in the claim's transaction.  Returns (the
-    completed jobs' facts, the claimed jobs).
-    """
-    takes = [t for t in takes if t.n > 0]
-    if not takes:
-        return complete_many(conn, worker=worker, done=done, now=now), []
-    if conn.info.transaction_status != TransactionStatus.IDLE:
-        raise RuntimeError("jobs.queue.claim() opens its own transaction: call it outside one")
-    if all(t.owner_limit >= NO_OWNER_LIMIT for t in takes):
-        # No owner limit can bind, so there is no count to serialize: the claim alone, one
-        # statement and one round trip (SKIP LOCKED still keeps claimers off each other's rows).
-        with translated():
-            rows = conn.execute(q("claim"), _claim_params(takes, done, worker, lease_s, now)).fetchall()
-        return _split(rows, worker)
-    owners = sorted({t.owner_id for t in takes})
-    # Two round trips: BEGIN with lock_owners, then claim with COMMIT (pipelines; the claim
-    # must be a later statement than the locks, see jobs.sql).
-    with translated():
-        try:
-            with pipelined(conn):
-                conn.execute(q("claim_begin"))
-                locks = conn.execute(q("lock_owners"), {"owners": owners})
-            locked = {r[0] for r in locks.fetchall()}
-            mine = [t for t in takes if t.owner_id in locked]
-            if not mine and not done:
-                conn.rollback()
-                return {}, []
-            with pipelined(conn):
-                claimed = conn.execute(q("claim"), _claim_params(mine, done, worker, lease_s, now))
-                conn.execute(q("claim_commit"))
-            rows = claimed.fetchall()
-        except BaseException:
-            if not (conn.closed or conn.broken) and conn.info.transaction_status != TransactionStatus.IDLE:
-                try:
-                    conn.rollback()
-                except psycopg.Error:
-                    pass
-            raise
-    return _split(rows, worker)
-
-
-def _split(rows: Sequence[Sequence[Any]], worker: str) -> tuple[dict[JobId, JobFacts], list[ClaimedJob]]:
-    """The claim's rows: the completed jobs' facts, the claimed jobs."""
-    facts: dict[JobId, JobFacts] = {}
-    claimed: list[ClaimedJob] = []
-    for r in rows:
-        if r[0] == "claimed":
-            claimed.append(_claimed(r[1:], worker))
-        else:
-            facts[JobId(r[1])] = JobFacts(job_id=JobId(r[1]), run_id=r[2], queue=r[4], kind=r[5],
-                                          attempts=r[7], traceparent=r[10], tracestate=r[11], age_s=r[14])
-    return facts, claimed
-
-
-def _claim_params(takes: Sequence[Take], done: Sequence[Done], worker: str, lease_s: float,
-                  now: datetime | None) -> dict[str, Any]:
-    return {"takes": json.dumps([[t.queue, t.owner_id, t.n, t.owner_limit] for t in takes if t.n > 0]),
-            "done": _done_json(done), "worker": worker, "lease_s": lease_s, "now": now}
-
-
-def _done_json(done: Sequence[Done]) -> str:
-    """[[id, token, result], ...] with each result's JSON text as it is."""
-    return "[" + ",".join(f"[{int(d.job_id)},{int(d.token)},{d.result_json}]" for d in done) + "]"
-
-
-def _claimed(r: Sequence[Any], worker: str) -> ClaimedJob:
-    return ClaimedJob(
-        id=JobId(r[0]), run_id=None if r[1] is None else RunId(r[1]), owner_id=r[2], queue=r[3],
-        kind=r[4], worker=worker, token=Token(r[5]), attempts=r[6], max_attempts=r[7],
-        payload=from_json(r[8]), traceparent=r[9], tracestate=r[10], wait_key=r[11],
-        activation=from_json(r[12]), created_epoch=r[13])
 
 
 def reap_expired(conn: ConnectionT, *, limit: int = 500, now: datetime | None = None,
@@ -323,37 +217,6 @@ def fail(conn: ConnectionT, lease: Lease, *, reason: DeadReason, error: str, err
     """Mark the job failed and write its dead letter, in one statement; None when the lease was lost."""
     params = {**_fence(lease, now), "reason": reason, "error": error, "error_type": error_type}
     return _terminal(conn, "fail", params, lease.job_id, "job.failed", events_topic)
-
-
-@dataclass(frozen=True, slots=True)
-class Done:
-    """A success waiting for its completion: the job, the token it ran under, its result
-    already encoded as JSON text (see :func:`complete_many`)."""
-
-    job_id: JobId
-    token: Token
-    result_json: str
-
-
-def complete_many(conn: ConnectionT, *, worker: str, done: Sequence[Done],
-                  now: datetime | None = None) -> dict[JobId, JobFacts]:
-    """Mark these jobs succeeded in one statement, each fenced as :func:`complete` is.
-
-    Returns the facts of the jobs completed; a job absent from them lost its lease.
-    """
-    if not done:
-        return {}
-    with translated():
-        return _done_facts(conn.execute(q("complete_many"), _done_params(done, worker, now)).fetchall())
-
-
-def _done_params(done: Sequence[Done], worker: str, now: datetime | None) -> dict[str, Any]:
-    return {"done": _done_json(done), "worker": worker, "now": now}
-
-
-def _done_facts(rows: Sequence[Sequence[Any]]) -> dict[JobId, JobFacts]:
-    return {JobId(r[0]): JobFacts(job_id=JobId(r[0]), run_id=r[1], queue=r[2], kind=r[3], attempts=r[4],
-                                  traceparent=r[5], tracestate=r[6], age_s=r[7]) for r in rows}
 
 
 def retry(conn: ConnectionT, lease: Lease, *, error: str, error_type: str | None, backoff_s: float,

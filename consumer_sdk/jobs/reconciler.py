@@ -142,3 +142,27 @@ class Reconciler:
             except OutboxSdkError as exc:
                 self.log.warning("reconcile_failed", error=str(exc))
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+
+class Upkeep:
+    """A worker pool's upkeep between its claims: a reconciler pass every
+    ``reconcile_interval_s``, and expired leases reaped at most every ``reap_interval_s``
+    in between (not every round: a busy pool claims many rounds a second)."""
+
+    def __init__(self, reconciler: Reconciler, *, reconcile_interval_s: float, reap_interval_s: float) -> None:
+        self.reconciler = reconciler
+        self.reconcile_interval_s = reconcile_interval_s
+        self.reap_interval_s = reap_interval_s
+        self.next_reconcile = self.next_reap = 0.0  # monotonic seconds
+
+    def run_due(self, conn: ConnectionT, now: float) -> None:
+        """Reconcile, or reap, when due at ``now`` (the pool's monotonic clock)."""
+        rec = self.reconciler
+        if now >= self.next_reconcile:
+            self.next_reconcile = now + self.reconcile_interval_s
+            self.next_reap = now + self.reap_interval_s
+            rec.run_once(conn)
+        elif now >= self.next_reap:
+            self.next_reap = now + self.reap_interval_s
+            record_reaped(queue.reap_expired(conn, limit=rec.batch, now=rec.db_now(), events_topic=rec.events_topic),
+                          rec.metrics, rec.log)

@@ -61,6 +61,11 @@ class Listener:
         self.connected = threading.Event()
         self.notifications = 0
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The listening thread, once started."""
+        return self._thread
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="jobs-listen", daemon=True)

@@ -5,7 +5,8 @@ Threads, each with its own connection:
 * the dispatcher: on a wake-up (NOTIFY, a relayed event via :meth:`WorkerPool.wake`,
   finished jobs while work is left, a retry falling due) or every ``poll_interval_s``,
   reaps expired leases (at most every quarter lease or poll interval), lists the ready
-  lanes, plans with :mod:`consumer_sdk.jobs.fairness` and claims in one short
+  lanes (:mod:`consumer_sdk.jobs.lanes`: every owner in turn), plans with
+  :mod:`consumer_sdk.jobs.fairness` and claims in one short
   transaction, in the same round trip as the completions of the jobs that succeeded
   since the last round; runs the reconciler every ``reconcile_interval_s``;
 * ``max_concurrency`` executors: one claimed job at a time, from the pool's line
@@ -19,11 +20,17 @@ Threads, each with its own connection:
 
 Completions are written per round: see :mod:`consumer_sdk.jobs.completions` on crashes.
 
+Every connection the pool opens carries TCP keep-alives and a ``tcp_user_timeout`` of
+one lease (:func:`consumer_sdk.jobs._conn.tcp_options`; the DSN's own values win): in a
+partition that drops packets, a statement fails after about a lease instead of the
+kernel's 15 minutes of retransmissions.
+
 No transaction is ever held while a handler runs, except the handler's own
 fenced transactions.  Lifecycle: :meth:`start`, :meth:`run_once` (one dispatch
 round; returns the number of jobs claimed), :meth:`stop` (idempotent: stops
 claiming, lets running jobs finish for ``drain_timeout_s``, then cancels them and
-gives their jobs back).
+gives their jobs back; returns within ``drain_timeout_s`` + :data:`STOP_GRACE_S`
+whatever the database does).
 """
 
 from __future__ import annotations
@@ -46,16 +53,21 @@ from consumer_sdk.jobs.completions import Completions
 from consumer_sdk.jobs.config import WorkerConfig, check_pool_arguments
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.executor import Executor, Handler
-from consumer_sdk.jobs.fairness import RoundRobin, after_round, plan
 from consumer_sdk.jobs.heartbeat import Heartbeat
+from consumer_sdk.jobs.lanes import Lanes
 from consumer_sdk.jobs.line import Line
 from consumer_sdk.jobs.metrics import JobsMetrics
-from consumer_sdk.jobs.model import ClaimedJob, JobId, Lane
-from consumer_sdk.jobs.reconciler import Reconciler, record_reaped
+from consumer_sdk.jobs.model import ClaimedJob, JobId
+from consumer_sdk.jobs.reconciler import Reconciler, Upkeep
+from consumer_sdk.jobs.threads import PoolThreads, left
 from consumer_sdk.jobs.wake import Listener
 from outbox_core.leases import local_deadline
 
-_FINAL_GRACE_S = 5.0
+#: stop() returns at most this long after the drain (``drain_timeout_s``), whatever the database
+#: does: for the cancelled handlers to give their jobs back, the last completions, the heartbeat
+#: and the listener; threads still waiting on the database are let go in its last _LET_GO_S.
+STOP_GRACE_S = 5.0
+_LET_GO_S = 0.5
 #: How long the dispatcher plans from the lanes it last read (updated by its own claims)
 #: before asking the database again; listing lanes is the costliest statement of a round.
 _LANES_TTL_S = 0.25
@@ -80,11 +92,12 @@ class WorkerPool:
         self._clock = clock
         self._db_now = db_now
         self._limits = config.limits
-        self._rr = RoundRobin()
+        self._lanes = Lanes(queues=config.queues, max_owners=config.max_owners_per_round,
+                            ttl_s=min(_LANES_TTL_S, config.poll_interval_s), clock=clock, db_now=db_now)
         self._executor = Executor(handlers=handlers, backoff=config.backoff, metrics=self.metrics,
                                   log=self.log, events_topic=config.events_topic, db_now=db_now,
                                   on_retry=self._retry_scheduled, rand=rand,
-                                  complete_later=self._complete_later)
+                                  complete_later=self._complete_later, on_fatal=self._failed)
         self.reconciler = Reconciler(queues=config.queues, metrics=self.metrics, log=self.log,
                                      events_topic=config.events_topic, db_now=db_now)
         self.outcomes: Counter[str] = Counter()
@@ -95,7 +108,8 @@ class WorkerPool:
         self._line = Line(queues=config.queues, limits=config.limits, ready=threading.Condition(lock))
         #: Successes waiting for the next round (see _complete_later).
         self._done = Completions(lock=self._lock, running=self._running, metrics=self.metrics, log=self.log,
-                                 outcomes=self.outcomes, clock=clock, within_s=_COMPLETE_WITHIN_S)
+                                 outcomes=self.outcomes, clock=clock, within_s=_COMPLETE_WITHIN_S,
+                                 worker_id=self.worker_id, db_now=db_now)
         self._sleeping_until = 0.0  # when the dispatcher wakes up at the latest
         self._dispatching = False  # the dispatcher loop runs (else executors complete their jobs)
         self._wake = threading.Event()
@@ -103,15 +117,12 @@ class WorkerPool:
         self._hb_stop = threading.Event()
         self._dispatch_slot = ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms)
         self._listener = Listener(self._connect, self.wake, log=self.log) if config.listen else None
-        self._threads: dict[str, list[threading.Thread]] = {}
-        self._next_reconcile = self._next_reap = 0.0
-        self._lanes: list[Lane] = []
-        self._lanes_until = 0.0
-        self._lanes_stale = threading.Event()
+        self._threads = PoolThreads()
         self._wake_free = max(1, config.max_concurrency // 4)  # free slots worth a round
-        #: Expired leases are reaped at most this often (and by every reconcile): a lease
-        #: expires by lease_duration_s, so a quarter of it delays a takeover by little.
-        self._reap_interval_s = min(config.poll_interval_s, config.lease_duration_s / 4)
+        #: Expired leases are reaped at most every quarter lease (and by every reconcile): a
+        #: lease expires by lease_duration_s, so that delays a takeover by little.
+        self._upkeep = Upkeep(self.reconciler, reconcile_interval_s=config.reconcile_interval_s,
+                              reap_interval_s=min(config.poll_interval_s, config.lease_duration_s / 4))
         self._next_due: float | None = None
         self._more_work = self._schema_checked = False
         self._started = self._stopped = False
@@ -134,11 +145,11 @@ class WorkerPool:
         self.metrics.workers_capacity.set(self.config.max_concurrency)
         for queue in self.config.queues:  # read when scraped: no update per job
             self.metrics.workers_busy.labels(queue).set_function(partial(self._line.running.__getitem__, queue))
-        self._threads["executor"] = [self._thread(self._executor_loop, f"jobs-exec-{i}")
-                                     for i in range(self.config.max_concurrency)]
-        self._threads["heartbeat"] = [self._thread(
-            lambda: self._hb.loop(self.config.heartbeat_every_s, self._hb_stop), "jobs-heartbeat")]
-        self._threads["dispatch"] = [self._thread(self._dispatch_loop, "jobs-dispatch")]
+        for i in range(self.config.max_concurrency):
+            self._threads.start("executor", self._executor_loop, f"jobs-exec-{i}")
+        self._threads.start("heartbeat", lambda: self._hb.loop(self.config.heartbeat_every_s, self._hb_stop),
+                            "jobs-heartbeat")
+        self._threads.start("dispatch", self._dispatch_loop, "jobs-dispatch")
         if self._listener is not None:
             self._listener.start()
         self.log.info("pool_started", queues=list(self.config.queues),
@@ -149,44 +160,51 @@ class WorkerPool:
         """True while the LISTEN connection is up (always False with ``listen=False``)."""
         return self._listener is not None and self._listener.connected.is_set()
 
-    def _thread(self, target: Callable[[], None], name: str) -> threading.Thread:
-        (thread := threading.Thread(target=target, name=name, daemon=True)).start()
-        return thread
-
     def wake(self, queue: str | None = None) -> None:
         """Claim now instead of at the next poll (any thread, any time; cheap)."""
         if queue is None or queue in self.config.queues:
-            self._lanes_stale.set()  # new work the cached lanes do not know
+            self._lanes.stale.set()  # new work the cached lanes do not know
             self._wake.set()
 
     def stop(self, *, drain_timeout_s: float | None = None) -> None:
-        """Stop claiming, drain, give back what is left; idempotent."""
+        """Stop claiming, drain, give back what is left; idempotent.
+
+        Returns within ``drain_timeout_s`` (the config's by default) + :data:`STOP_GRACE_S`
+        whatever the database does, answering or not: a phase waits only for the time left,
+        and the threads still waiting on the database at the end have their connections
+        shut down (``pool_stop_abandoned``), so they end at once; what they were writing is
+        left to the leases.  (Waiting on each thread in turn, a pool behind a partition took
+        46 s to stop: an audit of the pool.)"""
         if self._stopped:
             return
         self._stopped = True
+        drain = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        end = time.monotonic() + drain + STOP_GRACE_S
+        until = end - _LET_GO_S
         self._stopping.set()
         self._wake.set()
-        for thread in self._threads.get("dispatch", []):
-            thread.join(_FINAL_GRACE_S * 6)  # a round is short; a hung database is not waited out
-        drain = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
-        if not self._wait_idle(drain):
+        self._threads.join("dispatch", min(until, time.monotonic() + STOP_GRACE_S))  # a round is short
+        if not self._wait_idle(min(drain, left(until))):
             with self._lock:
-                left = [ctx for ctx in self._running.values() if not ctx.completing]
-            for ctx in left:
+                running = [ctx for ctx in self._running.values() if not ctx.completing]
+            for ctx in running:
                 ctx.cancel("shutdown")  # lined-up jobs are given back without running
-            self._wait_idle(_FINAL_GRACE_S)
+            self._wait_idle(left(until))
         with self._lock:
             self._line.close()
-        for thread in self._threads.get("executor", []):
-            thread.join(_FINAL_GRACE_S)
-        self._final_completions()
+        self._threads.join("executor", until)
+        if len(self._done) and not self._threads.running("dispatch"):  # else its connection is its own
+            self._threads.start("final", partial(self._done.write_final, self._dispatch_slot),
+                                "jobs-stop-completions")  # the database may not answer: not here
+            self._threads.join("final", until)
         self._hb_stop.set()
-        for thread in self._threads.get("heartbeat", []):
-            thread.join(_FINAL_GRACE_S)
+        self._threads.join("heartbeat", until)
         if self._listener is not None:
-            self._listener.stop()
-        self._dispatch_slot.close()
+            self._listener.stop(left(until))
+        self._threads.let_go(self._connect, self.log, end, [getattr(self._listener, "thread", None)])
         self._hb.close()
+        if not self._threads.started("dispatch"):  # run_once() called without start(): its connection
+            self._dispatch_slot.close()
         self.log.info("pool_stopped", outcomes=dict(self.outcomes))
 
     def _wait_idle(self, timeout_s: float) -> bool:
@@ -194,16 +212,16 @@ class WorkerPool:
         with self._lock:
             return self._lock.wait_for(lambda: self._line.total == 0, timeout=timeout_s)
 
-    def _final_completions(self) -> None:
-        """On stop, after the executors: write the successes still waiting (a failure leaves
-        them to their leases: they run again, see consumer_sdk.jobs.completions)."""
-        for _ in range(3 if len(self._done) else 0):
-            try:
-                self._write_completions(self._dispatch_slot.get())
-                break
-            except OutboxSdkError as exc:
-                self.log.warning("completions_failed", error=str(exc), jobs=len(self._done))
-                self._dispatch_slot.close()
+    def _failed(self, exc: FatalError) -> None:
+        """A person has to act (rejected credentials, a missing grant): every job would meet
+        it, so the pool stops claiming (``error``); running jobs write their own outcomes."""
+        with self._lock:
+            first = self.error is None
+            self.error = self.error or exc
+        if first:
+            self.log.error("pool_failed", error=str(exc), error_type=type(exc).__name__)
+        self._stopping.set()
+        self._wake.set()
 
     # -- state ----------------------------------------------------------------------------
 
@@ -226,50 +244,29 @@ class WorkerPool:
         now = self._clock()
         if self._next_due is not None and now >= self._next_due:
             self._next_due = None
-            self._lanes_stale.set()
-        if now >= self._next_reconcile:
-            self._next_reconcile = now + self.config.reconcile_interval_s
-            self._next_reap = now + self._reap_interval_s
-            self.reconciler.run_once(conn)
-        elif now >= self._next_reap:  # not every round: a busy pool claims many rounds a second
-            self._next_reap = now + self._reap_interval_s
-            record_reaped(jobq.reap_expired(conn, now=self._db_now(),
-                                            events_topic=self.config.events_topic),
-                          self.metrics, self.log)
+            self._lanes.stale.set()
+        self._upkeep.run_due(conn, now)
         with self._lock:
             held, full, claimed = dict(self._line.held), self._line.total >= self._line.capacity, 0
         if self._stopping.is_set() or full:
             self._more_work = True
-            self._write_completions(conn)  # a round without a claim still writes the successes
+            self._done.write_all(conn)  # a round without a claim still writes the successes
         else:
             claimed = self._claim(conn, held)
         self.rounds += 1
         return claimed
 
-    def _ready_lanes(self, conn: Any) -> list[Lane]:
-        """The ready lanes, from the database at most every _LANES_TTL_S while this pool's own
-        claims account for what changed (a wake-up, a retry due or a short claim re-reads)."""
-        now = self._clock()
-        if self._lanes_stale.is_set() or not self._lanes or now >= self._lanes_until:
-            self._lanes_stale.clear()
-            self._lanes = jobq.ready_lanes(conn, queues=self.config.queues,
-                                           max_owners=self.config.max_owners_per_round, now=self._db_now())
-            self._lanes_until = now + min(_LANES_TTL_S, self.config.poll_interval_s)
-        return self._lanes
-
     def _claim(self, conn: Any, held: dict[str, int]) -> int:
-        lanes = self._ready_lanes(conn)
+        lanes = self._lanes.current(conn)
         limits = self._line.ahead if self._line.depth else self._limits
-        takes = plan(lanes, queues=self.config.queues, busy=held, limits=limits, last_served=self._rr.last_served)
+        takes = self._lanes.plan(lanes, busy=held, limits=limits)
         sent_at = self._clock()
         claimed = self._done.write_with(lambda done: jobq.complete_and_claim(
             conn, worker=self.worker_id, done=done, takes=takes, lease_s=self.config.lease_duration_s,
-            now=self._db_now()))
-        self._rr.record(dict.fromkeys((job.queue, job.owner_id) for job in claimed), sent_at)
+            now=self._db_now()), conn=conn)
         self._more_work = sum(lane.ready for lane in lanes) > len(claimed)
-        self._lanes, unblocked = after_round(lanes, takes, claimed, self._done.last_written, limits)
-        if unblocked:  # an owner its limit held back has room now: the next round runs at once
-            self._wake.set()
+        if self._lanes.after_round(lanes, takes, claimed, self._done.last_written, limits, sent_at):
+            self._wake.set()  # an owner its limit held back has room now: the next round runs at once
         if claimed:
             self._launch(claimed, local_deadline(sent_at, self.config.lease_duration_s))
         return len(claimed)
@@ -291,11 +288,9 @@ class WorkerPool:
             try:
                 self.run_once()
                 pause_s = 0.1
-            except FatalError as exc:  # rejected credentials, ...: a person has to act
-                self.error = exc
-                self.log.error("pool_failed", error=str(exc), error_type=type(exc).__name__)
+            except FatalError as exc:  # rejected credentials, a missing grant: a person has to act
                 self._dispatching = False  # running jobs write their own completions
-                self._stopping.set()
+                self._failed(exc)
                 break
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything
                 if isinstance(exc, OutboxSdkError):
@@ -310,13 +305,12 @@ class WorkerPool:
                 self._sleeping_until = self._clock() + wait_s
             self._wake.wait(wait_s)
         self._dispatching = False
-        if self.error is not None:
-            self._dispatch_slot.close()  # stop() writes what is left on it otherwise
+        self._dispatch_slot.close()  # stop() writes what is left on a connection of its own
 
     def _wait_s(self) -> float:
         """Until the next poll, reconcile, retry due or completion due, whichever comes first."""
         now = self._clock()
-        dues = (now + self.config.poll_interval_s, self._next_reconcile, self._next_due, self._done.due)
+        dues = (now + self.config.poll_interval_s, self._upkeep.next_reconcile, self._next_due, self._done.due)
         return max(0.0, min(due for due in dues if due is not None) - now)
 
     def _retry_scheduled(self, delay_s: float) -> None:
@@ -389,11 +383,7 @@ class WorkerPool:
                 self._wake.set()
         return wake is not None  # None: too large for a round, written alone by the executor
 
-    def _write_completions(self, conn: Any) -> None:
-        if len(self._done):
-            self._done.write_with(lambda done: (jobq.complete_many(conn, worker=self.worker_id, done=done,
-                                                                   now=self._db_now()), None))
-
     def heartbeat_once(self) -> int:
         """Renew every running job's lease; cancel the attempts that lost it.  Returns how many."""
         return self._hb.once()
+

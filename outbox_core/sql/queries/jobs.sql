@@ -105,25 +105,45 @@ RETURNING id
 -- name: ready_lanes
 -- The (queue, owner) lanes with work ready now, found by a skip-scan over
 -- jobs_queued_idx (one index probe per owner, not one row per job), at most
--- %(max_owners)s owners per queue.  Each lane comes with its ready jobs counted up
--- to %(count_cap)s and the owner's jobs running under a live lease (any queue).
-WITH RECURSIVE lanes AS (
-    SELECT q.queue,
-           (SELECT j.owner_id FROM jobs AS j
-            WHERE j.status = 'queued' AND j.queue = q.queue
-              AND j.available_at <= coalesce(%(now)s::timestamptz, now())
-            ORDER BY j.owner_id LIMIT 1) AS owner_id,
-           1 AS depth
-    FROM unnest(%(queues)s::text[]) AS q(queue)
+-- %(max_owners)s owners per queue.  A queue's owners are listed from the first one after
+-- its cursor (%(after)s, in %(queues)s's order: the owner the pool served last there;
+-- NULL: from the first owner), then from the first owner up to the cursor: with more
+-- ready owners than %(max_owners)s, each read starts where the pool's service stopped, so
+-- every owner comes in turn (cut in owner_id order instead, the owners after the first
+-- %(max_owners)s waited until those had no work left).  Each lane comes with its ready
+-- jobs counted up to %(count_cap)s and the owner's jobs running under a live lease (any
+-- queue); rows in that order per queue.  Each branch below is gated by conditions on the
+-- previous row only (one-time filters) and is a range of the index: the wrapped part
+-- ends at the cursor instead of filtering the owners after it.
+WITH RECURSIVE lanes(queue, after, owner_id, wrapped, depth) AS (
+    SELECT q.queue, q.after, q.after, false, 0
+    FROM unnest(%(queues)s::text[], %(after)s::text[]) AS q(queue, after)
     UNION ALL
-    SELECT l.queue,
-           (SELECT j.owner_id FROM jobs AS j
-            WHERE j.status = 'queued' AND j.queue = l.queue AND j.owner_id > l.owner_id
-              AND j.available_at <= coalesce(%(now)s::timestamptz, now())
-            ORDER BY j.owner_id LIMIT 1),
-           l.depth + 1
+    SELECT l.queue, l.after, n.owner_id, n.wrapped, l.depth + 1
     FROM lanes AS l
-    WHERE l.owner_id IS NOT NULL AND l.depth < %(max_owners)s
+    CROSS JOIN LATERAL (
+        (SELECT j.owner_id, false AS wrapped FROM jobs AS j  -- no cursor: from the first owner
+         WHERE l.owner_id IS NULL AND j.status = 'queued' AND j.queue = l.queue
+           AND j.available_at <= coalesce(%(now)s::timestamptz, now())
+         ORDER BY j.owner_id LIMIT 1)
+        UNION ALL
+        (SELECT j.owner_id, false FROM jobs AS j  -- the next owner, before wrapping
+         WHERE NOT l.wrapped AND j.status = 'queued' AND j.queue = l.queue AND j.owner_id > l.owner_id
+           AND j.available_at <= coalesce(%(now)s::timestamptz, now())
+         ORDER BY j.owner_id LIMIT 1)
+        UNION ALL
+        (SELECT j.owner_id, true FROM jobs AS j  -- wrapping: the first owner, up to the cursor
+         WHERE NOT l.wrapped AND l.after IS NOT NULL AND j.status = 'queued' AND j.queue = l.queue
+           AND j.owner_id <= l.after AND j.available_at <= coalesce(%(now)s::timestamptz, now())
+         ORDER BY j.owner_id LIMIT 1)
+        UNION ALL
+        (SELECT j.owner_id, true FROM jobs AS j  -- wrapped: the next owner, up to the cursor
+         WHERE l.wrapped AND j.status = 'queued' AND j.queue = l.queue AND j.owner_id > l.owner_id
+           AND j.owner_id <= l.after AND j.available_at <= coalesce(%(now)s::timestamptz, now())
+         ORDER BY j.owner_id LIMIT 1)
+        LIMIT 1
+    ) AS n
+    WHERE l.depth < %(max_owners)s
 )
 SELECT l.queue, l.owner_id,
        (SELECT count(*) FROM (
@@ -135,7 +155,8 @@ SELECT l.queue, l.owner_id,
         WHERE j.status = 'running' AND j.owner_id = l.owner_id
           AND j.lease_until > coalesce(%(now)s::timestamptz, now()))::int AS running
 FROM lanes AS l
-WHERE l.owner_id IS NOT NULL
+WHERE l.depth > 0
+ORDER BY l.depth
 
 -- name: claim_begin
 -- jobs.queue.claim() sends BEGIN itself, in one pipeline with lock_owners.
@@ -410,6 +431,35 @@ WHERE j.id = ANY (ARRAY(SELECT id FROM done_in)) AND j.id = d.id
   AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
 RETURNING j.id, j.run_id, j.queue, j.kind, j.attempts, j.traceparent, j.tracestate,
           extract(epoch FROM j.finished_at - j.created_at)::float8 AS age_s
+
+-- name: confirm_completions
+-- Completions sent again because the reply to the statement that carried them was lost
+-- (the connection broke while it waited, perhaps after the commit): each fenced as in
+-- complete_many; a job this statement's snapshot sees succeeded with the lease's token was
+-- completed by that earlier statement: returned with confirmed = true (a lease lost
+-- otherwise).  Only after such a loss, so the rounds' statements carry no second probe.
+WITH done_in AS (
+    SELECT (e->>0)::bigint AS id, (e->>1)::bigint AS token, e->2 AS result
+    FROM jsonb_array_elements(%(done)s::jsonb) AS e
+), done AS (
+    UPDATE jobs AS j
+    SET status = 'succeeded', result = d.result, lease_until = NULL,
+        finished_at = coalesce(%(now)s::timestamptz, now())
+    FROM done_in AS d
+    WHERE j.id = ANY (ARRAY(SELECT id FROM done_in)) AND j.id = d.id
+      AND j.lease_owner = %(worker)s AND j.lease_token = d.token
+      AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
+    RETURNING j.id, j.run_id, j.queue, j.kind, j.attempts, j.traceparent, j.tracestate,
+              extract(epoch FROM j.finished_at - j.created_at)::float8 AS age_s
+)
+SELECT id, run_id, queue, kind, attempts, traceparent, tracestate, age_s, false AS confirmed
+FROM done
+UNION ALL
+SELECT j.id, j.run_id, j.queue, j.kind, j.attempts, j.traceparent, j.tracestate,
+       extract(epoch FROM j.finished_at - j.created_at)::float8, true
+FROM jobs AS j JOIN done_in AS d ON d.id = j.id
+WHERE j.id = ANY (ARRAY(SELECT id FROM done_in))
+  AND j.status = 'succeeded' AND j.lease_owner = %(worker)s AND j.lease_token = d.token
 
 -- name: retry
 -- A failed attempt that will be tried again after %(backoff_s)s seconds.

@@ -12,6 +12,8 @@ from consumer_sdk.jobs import (
     NewJob,
     Reconciler,
     WaitFor,
+    WorkerConfig,
+    WorkerPool,
     accept,
     activate,
     enqueue,
@@ -146,3 +148,43 @@ def test_cli_output_is_clean_for_scripts_and_terminals(conn):
     assert shown.returncode == 0, shown.stderr
     assert "\x1b" not in shown.stdout and "\r" not in shown.stdout and "\x07" not in shown.stdout
     assert "boom\n            \\u001b[2J\\u001b[31mFAKE: all good\\u001b[0m\\u000d\\u0007" in shown.stdout
+
+
+def _expire(conn, job_id: int) -> None:
+    conn.execute("UPDATE jobs SET lease_until = now() - interval '1 second' WHERE id = %s", (job_id,))
+
+
+def test_cli_reconcile_writes_the_events_the_pools_write(conn, jobs_db):
+    """`reconcile` failed a job whose lease expired on its last attempt without the job.failed
+    event a pool's own pass writes with its WorkerConfig.events_topic: the outbox stayed empty
+    (an audit of the pool).  Given the same topic (--events-topic, or OUTBOX_JOBS_EVENTS_TOPIC),
+    it writes the same event; and a parked job it resumes gets its job.resumed."""
+    ids = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="x", payload={}, max_attempts=1)
+                         for _ in range(3)])
+    assert len(claim_next(conn, "A", now=None, queues=("bulk",), lease_s=60, max_concurrency=3)) == 3
+    topic = "jobs.events"
+    _expire(conn, ids[0])
+    assert jobs_cli.main(["reconcile", "--queues", "bulk", "--events-topic", topic, "--dsn", jobs_db],
+                         out=io.StringIO(), env={}) == 0
+    _expire(conn, ids[1])
+    out = io.StringIO()
+    assert jobs_cli.main(["reconcile", "--dsn", jobs_db], out=out, env={"OUTBOX_JOBS_EVENTS_TOPIC": topic}) == 0
+    assert json.loads(out.getvalue())["failed_expired"] == 1
+    _expire(conn, ids[2])  # a pool's own pass, with that topic in its config
+    pool = WorkerPool(WorkerConfig(dsn=jobs_db, events_topic=topic, listen=False), {"x": lambda ctx: None})
+    assert pool.reconciler.run_once(conn).failed_expired == 1
+
+    events = conn.execute("SELECT topic, key, payload, headers FROM outbox ORDER BY id").fetchall()
+    assert [(t, key, p["type"], p["job_id"]) for t, key, p, _h in events] == \
+        [(topic, f"job-{i}", "job.failed", i) for i in ids]
+    shapes = {json.dumps({**p, "job_id": None}, sort_keys=True) + json.dumps(h, sort_keys=True)
+              for _t, _k, p, h in events}
+    assert len(shapes) == 1, shapes  # the CLI's events are the pool's, but for the job
+
+    waiting = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="w", payload={})])[0]
+    (job,) = claim_next(conn, "A", now=None, queues=("bulk",), lease_s=60)
+    assert waits.park(conn, job.lease, WaitFor(key="approval:1", cause="approval")) == "waiting"
+    conn.execute("INSERT INTO job_activations (key, payload) VALUES ('approval:1', '{}')")  # its wake-up lost
+    assert jobs_cli.main(["reconcile", "--events-topic", topic, "--dsn", jobs_db], out=io.StringIO(), env={}) == 0
+    assert conn.execute("SELECT payload->>'type' FROM outbox WHERE payload->>'job_id' = %s",
+                        (str(waiting),)).fetchall() == [("job.resumed",)]

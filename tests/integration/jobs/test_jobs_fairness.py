@@ -3,11 +3,14 @@ another owner, nor one bulk job of another owner; per-owner limits hold across p
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
 
 from consumer_sdk.jobs import JobContext, NewJob, accept, enqueue
+from consumer_sdk.jobs import queue as jobq
+from consumer_sdk.jobs._db import q
 from tests.fixtures.procs import wait_until
 from tests.integration.jobs._support import scalar
 
@@ -94,3 +97,63 @@ def test_an_owner_at_its_limit_gets_the_freed_slot_without_waiting_for_a_poll(co
           reconcile_interval_s=30.0, listen=False)
     wait_until(lambda: scalar(jobs_db, "SELECT count(*) FROM jobs WHERE status = 'succeeded'") == 12,
                timeout_s=20, message="the limited owner's next job waited for a poll")
+
+
+def _owners(lanes: list[Any], queue: str = "bulk") -> list[str]:
+    return [lane.owner_id for lane in lanes if lane.queue == queue]
+
+
+def test_a_read_of_the_lanes_starts_after_the_owner_served_last_and_wraps_around(conn, jobs_db):
+    """With more ready owners than max_owners_per_round, the lanes were cut in owner_id order:
+    the owners after the first ones were never listed while those had work (an audit of the
+    pool).  Now each queue's list starts after its cursor and wraps, by index ranges only."""
+    enqueue(conn, [NewJob(owner_id=f"o{i:02d}", queue="bulk", kind="k", payload={}) for i in range(12)]
+            + [NewJob(owner_id=f"o{i:02d}", queue="interactive", kind="k", payload={}) for i in range(3)])
+    read = functools.partial(jobq.ready_lanes, conn, queues=["interactive", "bulk"], max_owners=5)
+    assert _owners(read()) == ["o00", "o01", "o02", "o03", "o04"]
+    assert _owners(read(after={"bulk": "o04"})) == ["o05", "o06", "o07", "o08", "o09"]
+    wrapped = read(after={"bulk": "o09"})
+    assert _owners(wrapped) == ["o10", "o11", "o00", "o01", "o02"]
+    assert _owners(wrapped, "interactive") == ["o00", "o01", "o02"]  # each queue its own cursor
+    assert _owners(read(after={"bulk": "o045"})) == ["o05", "o06", "o07", "o08", "o09"]  # gone owners too
+    assert _owners(read(after={"bulk": "o11"})) == ["o00", "o01", "o02", "o03", "o04"]
+    assert _owners(read(after={"bulk": "zz"}, max_owners=50)) == [f"o{i:02d}" for i in range(12)]
+    # Every owner is listed within ceil(owners / max_owners) reads when each read's are served.
+    seen: set[str] = set()
+    after: dict[str, str] = {}
+    for _ in range(3):
+        listed = _owners(read(after=after))
+        seen |= set(listed)
+        after["bulk"] = listed[-1]
+    assert seen == {f"o{i:02d}" for i in range(12)}
+    plan = "\n".join(r[0] for r in conn.execute(
+        "EXPLAIN ANALYZE " + q("ready_lanes"),
+        {"queues": ["bulk"], "after": ["o05"], "max_owners": 5, "count_cap": 64, "now": None}).fetchall())
+    assert "Seq Scan on jobs" not in plan, plan
+
+
+def test_an_owner_behind_more_owners_than_a_round_lists_is_served_in_turn(conn, pools, jobs_db):
+    """520 tenants with 10 jobs each and max_owners_per_round=500: a tenant after them in
+    owner_id order started after 5,119 of their 5,200 jobs (an audit of the pool).  Here 30
+    tenants of 5 jobs and 5 owners a round: the late tenant waits for about one job of
+    each other tenant (one turn), not for their work to run out (before: 130 or more)."""
+    owners = 30
+    enqueue(conn, [NewJob(owner_id=f"a{o:02d}", queue="bulk", kind="bulk", payload={})
+                   for _ in range(5) for o in range(owners)])
+    enqueue(conn, [NewJob(owner_id="zz-late-tenant", queue="bulk", kind="late", payload={})])
+    lock = threading.Lock()
+    seen = {"others": 0, "late_after": -1}
+
+    def other(ctx: JobContext) -> None:
+        with lock:
+            seen["others"] += 1
+
+    def late(ctx: JobContext) -> None:
+        with lock:
+            seen["late_after"] = seen["others"]
+
+    pools({"bulk": other, "late": late}, max_concurrency=2, queues=("bulk",), max_owners_per_round=5,
+          poll_interval_s=0.5)
+    wait_until(lambda: seen["late_after"] >= 0, timeout_s=60, message="the late tenant never started")
+    print(f"late tenant started after {seen['late_after']} of {owners * 5} other jobs")
+    assert seen["late_after"] <= 2 * (owners + 1)

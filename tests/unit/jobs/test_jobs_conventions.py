@@ -150,6 +150,24 @@ def test_numbers_and_ids_out_of_range_are_refused_before_the_database_sees_them(
         assert "1/24 (one hour) to 36500" in err  # the range is given
 
 
+@pytest.mark.parametrize(("argv", "env", "named"), [
+    (["--events-topic", "bad topic"], {}, "--events-topic"),
+    (["--events-topic", "."], {}, "--events-topic"),
+    ([], {"OUTBOX_JOBS_EVENTS_TOPIC": "x" * 250}, "OUTBOX_JOBS_EVENTS_TOPIC"),
+])
+def test_reconcile_refuses_an_events_topic_the_pools_would_refuse(
+        argv: list[str], env: dict[str, str], named: str, no_connection: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The topic the pools write their job events to (WorkerConfig.events_topic, a Kafka
+    topic name) is checked the same way, before anything is connected to."""
+    err = _refused(["reconcile", *argv, "--dsn", UNREACHABLE], env, capsys)
+    assert named in err and "not a Kafka topic name" in err
+    parse = jobs_cli.build_parser({"OUTBOX_JOBS_EVENTS_TOPIC": "jobs.events"}).parse_args
+    assert parse(["reconcile"]).events_topic == "jobs.events"
+    assert parse(["reconcile", "--events-topic", "other_topic-1"]).events_topic == "other_topic-1"  # the flag wins
+    assert jobs_cli.build_parser({}).parse_args(["reconcile"]).events_topic is None
+
+
 def test_the_parser_accepts_the_bounds_and_gives_a_run_id_as_a_uuid() -> None:
     parse = jobs_cli.build_parser({}).parse_args
     assert parse(["runs", "show", A_RUN_ID.upper()]).run_id == uuid.UUID(A_RUN_ID)

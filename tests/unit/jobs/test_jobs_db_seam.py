@@ -1,0 +1,62 @@
+"""The jobs' seam with psycopg (consumer_sdk.jobs._db.translated): what passes is retried,
+a refusal of the row fails that job for good, a missing grant stops a pool, by SQLSTATE.
+
+Read by driver class alone, a CHECK violation (IntegrityError) and a size limit were the
+row's, but a value PostgreSQL could not read (DataError) or a trigger's RAISE were a
+FatalError, which stopped a pool, and idle_in_transaction_session_timeout (an InternalError)
+too (an audit of the pool)."""
+
+from __future__ import annotations
+
+import psycopg
+import psycopg.errors as pg
+import pytest
+
+from consumer_sdk.errors import DatabaseUnavailable, FatalError, SchemaMissing, TransactionConflict
+from consumer_sdk.jobs import InvalidJob, PrivilegeMissing
+from consumer_sdk.jobs._db import translated
+
+
+@pytest.mark.parametrize(("raised", "expected"), [
+    # passing: the connection, a conflict, a cancel, a lock timeout, a shutdown, resources
+    (psycopg.OperationalError("server closed the connection unexpectedly"), DatabaseUnavailable),
+    (pg.SerializationFailure("could not serialize access"), TransactionConflict),
+    (pg.DeadlockDetected("deadlock detected"), TransactionConflict),
+    (pg.LockNotAvailable("canceling statement due to lock timeout"), DatabaseUnavailable),
+    (pg.QueryCanceled("canceling statement due to statement timeout"), DatabaseUnavailable),
+    (pg.AdminShutdown("terminating connection due to administrator command"), DatabaseUnavailable),
+    (pg.CannotConnectNow("the database system is starting up"), DatabaseUnavailable),
+    (pg.TooManyConnections("too many clients"), DatabaseUnavailable),
+    (pg.IdleInTransactionSessionTimeout("terminating connection due to idle-in-transaction timeout"),
+     DatabaseUnavailable),
+    # refused, and would be again: the job's
+    (pg.CheckViolation('new row for relation "jobs" violates check constraint "x"'), InvalidJob),
+    (pg.NotNullViolation("null value"), InvalidJob),
+    (pg.InvalidTextRepresentation("invalid input syntax for type integer"), InvalidJob),
+    (pg.NumericValueOutOfRange("value out of range"), InvalidJob),
+    (pg.CharacterNotInRepertoire("invalid byte sequence"), InvalidJob),
+    (pg.ProgramLimitExceeded("total size of jsonb array elements exceeds the maximum"), InvalidJob),
+    (pg.RaiseException("refused by policy"), InvalidJob),
+    (pg.AssertFailure("assertion failed"), InvalidJob),
+    (pg.CardinalityViolation("more than one row returned by a subquery"), InvalidJob),
+    (pg.TriggeredDataChangeViolation("tuple to be updated was already modified"), InvalidJob),
+    (pg.WithCheckOptionViolation("new row violates check option"), InvalidJob),
+    # a person has to act
+    (pg.InsufficientPrivilege("permission denied for table jobs"), PrivilegeMissing),
+    (pg.UndefinedTable('relation "jobs" does not exist'), SchemaMissing),
+    (pg.UndefinedColumn('column "x" does not exist'), FatalError),
+    (pg.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only transaction"), FatalError),
+])
+def test_each_driver_error_becomes_the_sdk_error_of_its_sqlstate(raised: Exception, expected: type) -> None:
+    with pytest.raises(expected) as info, translated():
+        raise raised
+    assert info.value.__cause__ is raised
+    assert str(raised) in str(info.value) or expected is SchemaMissing
+
+
+def test_a_missing_grant_is_fatal_and_says_what_to_do() -> None:
+    with pytest.raises(FatalError) as info, translated():
+        raise pg.InsufficientPrivilege("permission denied for table job_dead_letters")
+    assert isinstance(info.value, PrivilegeMissing)
+    assert str(info.value).startswith("the database role lacks a privilege: permission denied for table "
+                                      "job_dead_letters; grant it to this connection's role")
