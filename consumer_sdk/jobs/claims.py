@@ -129,18 +129,23 @@ def complete_many(conn: ConnectionT, *, worker: str, done: Sequence[Done],
     :func:`~consumer_sdk.jobs.queue.complete` is.
 
     Returns the facts of the jobs completed; a job absent from them lost its lease.  With
-    ``recheck`` (these completions were sent before, and the reply was lost), a job that
-    statement had completed already is returned too, in ``confirmed`` (``confirm_completions``
-    in jobs.sql: a probe more a job, so only then).
+    ``recheck`` (these completions were sent before, and the reply was lost), the jobs it did
+    not find running are looked for completed by their lease (``completed_by_lease``: a
+    statement more, so only then): those are returned too, in ``confirmed``.
     """
     if not done:
         return Written()
     with translated():
-        if not recheck:
-            return _written([("done", *r) for r in conn.execute(q("complete_many"),
+        written = _written([("done", *r) for r in conn.execute(q("complete_many"),
                                                                  _done_params(done, worker, now)).fetchall()])
-        rows = conn.execute(q("confirm_completions"), _done_params(done, worker, now)).fetchall()
-    return _written([("confirmed" if r[8] else "done", *r[:8]) for r in rows])
+        missing = [d for d in done if d.job_id not in written] if recheck else []
+        if missing:
+            pairs = json.dumps([[int(d.job_id), int(d.token)] for d in missing])
+            found = _written([("confirmed", *r) for r in conn.execute(
+                q("completed_by_lease"), {"done": pairs, "worker": worker}).fetchall()])
+            written.update(found)
+            written.confirmed = found.confirmed
+    return written
 
 
 def _done_params(done: Sequence[Done], worker: str, now: datetime | None) -> dict[str, Any]:

@@ -88,7 +88,7 @@ class Completions:
         self._chars = 0  # the pending results' characters
         #: When the oldest success must be written at the latest (None: none waits).
         self.due: float | None = None
-        #: The owners of the jobs the last write completed, with how many each.
+        #: The owners of the jobs the last write (write_with) completed, with how many each.
         self.last_written: Counter[str] = Counter()
 
     def __len__(self) -> int:
@@ -156,7 +156,6 @@ class Completions:
             self._put_back(pending, unconfirmed=_unknown(exc, conn), error=exc)
             raise
         self.settle(pending, facts)
-        self.last_written.update(p.ctx.job.owner_id for p in pending if p.ctx.job.id in facts)
         return rest
 
     def _put_back(self, pending: list[Pending], *, unconfirmed: bool = False,
@@ -184,7 +183,6 @@ class Completions:
         written = claims.complete_many(conn, worker=self.worker_id, done=[p.done for p in unconfirmed],
                                        now=self._db_now(), recheck=True)
         self.settle(unconfirmed, written)
-        self.last_written.update(p.ctx.job.owner_id for p in unconfirmed if p.ctx.job.id in written)
         return [p for p in pending if not p.unconfirmed]
 
     def _write_each(self, conn: Any, pending: list[Pending]) -> None:
@@ -198,8 +196,6 @@ class Completions:
                     self._refused(conn, p, exc)
                 else:
                     self.settle([p], written)
-                    if p.ctx.job.id in written:
-                        self.last_written[p.ctx.job.owner_id] += 1
             except BaseException as exc:
                 self._put_back(pending[i:], unconfirmed=_unknown(exc, conn), error=exc)
                 raise
@@ -226,7 +222,8 @@ class Completions:
         self._finish(p, "failed", None)
 
     def settle(self, pending: list[Pending], facts: Mapping[JobId, JobFacts]) -> None:
-        """Account for written completions (in ``facts``) and refused ones (lost)."""
+        """Account for written completions (in ``facts``: their owners counted in
+        ``last_written``) and refused ones (lost)."""
         confirmed: frozenset[JobId] = getattr(facts, "confirmed", frozenset())
         for p in pending:
             job = p.ctx.job
@@ -237,6 +234,7 @@ class Completions:
                 if job.id in confirmed:
                     self.log.info("completion_confirmed", job_id=job.id, token=job.token,
                                   detail="an earlier statement had written it: its reply was lost")
+                self.last_written[job.owner_id] += 1
                 self._finish(p, "succeeded", None)
                 continue
             if p.ctx.cancel_reason is None:  # else the heartbeat said so already

@@ -32,14 +32,13 @@ from typing import Any
 
 import psycopg
 import pytest
-import structlog
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from consumer_sdk.jobs import LeaseLost, NewJob, WorkerConfig, WorkerPool, enqueue
+from consumer_sdk.jobs import NewJob, WorkerConfig, WorkerPool, enqueue
 from consumer_sdk.jobs.worker import STOP_GRACE_S
 from tests.fixtures.procs import wait_until
 from tests.fixtures.proxy import TcpProxy
-from tests.integration.jobs._support import migrate_jobs_db, rows
+from tests.integration.jobs._support import migrate_jobs_db, recording_logger, rows
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE_S = 3.0
@@ -57,7 +56,7 @@ sys.stdin.read()
 
 
 @pytest.fixture
-def jobs_db(db_dsn: str) -> str:
+def jobs_db(db_dsn: str) -> str:  # as tests/faults/test_jobs_faults.py: the jobs schema, a fresh database
     return migrate_jobs_db(db_dsn)
 
 
@@ -137,26 +136,19 @@ def veth_link(target_host: str, target_port: int) -> Iterator[Link]:
 def test_a_partition_that_drops_packets_ends_the_pools_statements_and_stop_keeps_its_bound(conn, jobs_db) -> None:
     info = conninfo_to_dict(jobs_db)
     started, release = threading.Event(), threading.Event()
-    events: list[tuple[float, str]] = []
-
-    def record(_logger: Any, _level: str, event: dict[str, Any]) -> dict[str, Any]:
-        events.append((time.monotonic(), event["event"]))
-        raise structlog.DropEvent
+    events: list[dict[str, Any]] = []
 
     def work(ctx: Any) -> str:
         started.set()
-        try:
-            while not release.is_set():
-                ctx.sleep(0.05)
-        except LeaseLost:
-            raise
+        while not release.is_set():
+            ctx.sleep(0.05)  # raises LeaseLost once cancelled
         return "ok"
 
     with veth_link(str(info.get("host") or "127.0.0.1"), int(str(info["port"]))) as link:
         pool = WorkerPool(WorkerConfig(dsn=make_conninfo(jobs_db, host=link.host, port=str(link.port)),
                                        max_concurrency=1, lease_duration_s=LEASE_S, heartbeat_interval_s=1.0,
                                        poll_interval_s=0.2, reconcile_interval_s=0.5, drain_timeout_s=1.0),
-                          {"work": work}, log=structlog.wrap_logger(None, processors=[record]))
+                          {"work": work}, log=recording_logger(events))
         pool.start()
         stopped = False
         try:
@@ -172,8 +164,9 @@ def test_a_partition_that_drops_packets_ends_the_pools_statements_and_stop_keeps
             # listener's quiet connection is probed after a second idle and ends about a
             # lease after its last answer.
             for name in ("heartbeat_failed", "dispatch_failed", "listen_failed"):
-                wait_until(lambda name=name: [t for t, e in events if e == name and t > dropped],
-                           timeout_s=LEASE_S + 3.0, message=lambda name=name: f"no {name} ({events[-5:]})")
+                wait_until(lambda name=name: [e for e in events if e["event"] == name and e["at"] > dropped],
+                           timeout_s=LEASE_S + 3.0,
+                           message=lambda name=name: f"no {name} ({[e['event'] for e in events[-5:]]})")
             began = time.monotonic()
             pool.stop()
             stopped = True

@@ -432,34 +432,21 @@ WHERE j.id = ANY (ARRAY(SELECT id FROM done_in)) AND j.id = d.id
 RETURNING j.id, j.run_id, j.queue, j.kind, j.attempts, j.traceparent, j.tracestate,
           extract(epoch FROM j.finished_at - j.created_at)::float8 AS age_s
 
--- name: confirm_completions
--- Completions sent again because the reply to the statement that carried them was lost
--- (the connection broke while it waited, perhaps after the commit): each fenced as in
--- complete_many; a job this statement's snapshot sees succeeded with the lease's token was
--- completed by that earlier statement: returned with confirmed = true (a lease lost
--- otherwise).  Only after such a loss, so the rounds' statements carry no second probe.
-WITH done_in AS (
-    SELECT (e->>0)::bigint AS id, (e->>1)::bigint AS token, e->2 AS result
+-- name: completed_by_lease
+-- Which of these completions (%(done)s: a JSON array of [job id, lease token]) an earlier
+-- statement of this lease wrote: the job succeeded with the lease's token.  Asked only
+-- after the reply to a statement that carried them was lost (the connection broke while it
+-- waited, perhaps after the commit) and complete_many found them no longer running.
+WITH asked AS (
+    SELECT (e->>0)::bigint AS id, (e->>1)::bigint AS token
     FROM jsonb_array_elements(%(done)s::jsonb) AS e
-), done AS (
-    UPDATE jobs AS j
-    SET status = 'succeeded', result = d.result, lease_until = NULL,
-        finished_at = coalesce(%(now)s::timestamptz, now())
-    FROM done_in AS d
-    WHERE j.id = ANY (ARRAY(SELECT id FROM done_in)) AND j.id = d.id
-      AND j.lease_owner = %(worker)s AND j.lease_token = d.token
-      AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
-    RETURNING j.id, j.run_id, j.queue, j.kind, j.attempts, j.traceparent, j.tracestate,
-              extract(epoch FROM j.finished_at - j.created_at)::float8 AS age_s
 )
-SELECT id, run_id, queue, kind, attempts, traceparent, tracestate, age_s, false AS confirmed
-FROM done
-UNION ALL
 SELECT j.id, j.run_id, j.queue, j.kind, j.attempts, j.traceparent, j.tracestate,
-       extract(epoch FROM j.finished_at - j.created_at)::float8, true
-FROM jobs AS j JOIN done_in AS d ON d.id = j.id
-WHERE j.id = ANY (ARRAY(SELECT id FROM done_in))
-  AND j.status = 'succeeded' AND j.lease_owner = %(worker)s AND j.lease_token = d.token
+       extract(epoch FROM j.finished_at - j.created_at)::float8 AS age_s
+FROM jobs AS j JOIN asked AS a ON a.id = j.id
+-- j.id = ANY: probed through the primary key (see complete_many).
+WHERE j.id = ANY (ARRAY(SELECT id FROM asked)) AND j.lease_token = a.token
+  AND j.status = 'succeeded' AND j.lease_owner = %(worker)s
 
 -- name: retry
 -- A failed attempt that will be tried again after %(backoff_s)s seconds.

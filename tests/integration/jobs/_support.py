@@ -9,10 +9,12 @@ is a count, not a guess.
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import psycopg
+import structlog
 
 from consumer_sdk.jobs import queue as jobq
 from consumer_sdk.jobs.fairness import Limits, plan
@@ -84,3 +86,13 @@ def scalar(dsn: str, sql: str, params: Any = None) -> Any:
 
 def job_status(dsn: str, job_id: int) -> str:
     return str(scalar(dsn, "SELECT status FROM jobs WHERE id = %s", (job_id,)))
+
+
+def recording_logger(into: list[dict[str, Any]]) -> Any:
+    """A pool's ``log=``: each event's fields (bound ones too) and its monotonic time (``at``)
+    appended to ``into``, nothing printed."""
+    def record(_logger: Any, _level: str, event: dict[str, Any]) -> dict[str, Any]:
+        into.append({**event, "at": time.monotonic()})
+        raise structlog.DropEvent
+
+    return structlog.wrap_logger(None, processors=[record])

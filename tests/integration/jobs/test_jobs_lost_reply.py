@@ -18,13 +18,12 @@ import uuid
 from typing import Any
 
 import pytest
-import structlog
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from consumer_sdk.jobs import JobsMetrics, NewJob, WorkerConfig, WorkerPool, enqueue
 from tests.fixtures import proxy as proxy_module
 from tests.fixtures.procs import wait_until
-from tests.integration.jobs._support import rows
+from tests.integration.jobs._support import recording_logger, rows
 
 
 @pytest.fixture
@@ -55,10 +54,6 @@ def test_a_completion_committed_whose_reply_was_lost_is_confirmed_not_reported_l
     go = threading.Event()
     events: list[dict[str, Any]] = []
 
-    def record(_logger: Any, _level: str, event: dict[str, Any]) -> dict[str, Any]:
-        events.append(dict(event))
-        raise structlog.DropEvent
-
     def work(ctx: Any) -> dict[str, str]:
         go.wait(20)
         return {"marker": marker}
@@ -67,7 +62,7 @@ def test_a_completion_committed_whose_reply_was_lost_is_confirmed_not_reported_l
     pool = WorkerPool(WorkerConfig(dsn=make_conninfo(jobs_db, host="127.0.0.1", port=str(proxy.port)),
                                    max_concurrency=1, lease_duration_s=10.0, poll_interval_s=0.1,
                                    reconcile_interval_s=5.0, listen=False, drain_timeout_s=1.0),
-                      {"work": work}, metrics=metrics, log=structlog.wrap_logger(None, processors=[record]))
+                      {"work": work}, metrics=metrics, log=recording_logger(events))
     pool.start()
     try:
         (job_id,) = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="work", payload={})])

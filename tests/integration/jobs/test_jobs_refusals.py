@@ -20,13 +20,12 @@ from typing import Any
 
 import psycopg
 import pytest
-import structlog
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from consumer_sdk.jobs import Backoff, NewJob, PrivilegeMissing, WorkerConfig, WorkerPool, enqueue
 from tests.fixtures.procs import wait_until
-from tests.integration.jobs._support import rows
+from tests.integration.jobs._support import recording_logger, rows
 
 FAST = {"backoff": Backoff(initial_s=0.05, max_s=0.1), "poll_interval_s": 0.1, "reconcile_interval_s": 0.5}
 EVENTS = "jobs.events"
@@ -153,7 +152,7 @@ def test_a_missing_grant_stops_the_pool_with_an_error_that_says_what_to_grant(
     with _role_lacking(jobs_db, table) as dsn:
         pool = WorkerPool(WorkerConfig(dsn=dsn, max_concurrency=1, lease_duration_s=30.0, events_topic=EVENTS,
                                        **FAST), {"ok": lambda ctx: "fine"},
-                          log=_Recorder(structlog.get_logger("test"), logged))
+                          log=recording_logger(logged))
         pool.start()
         try:
             enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="ok", payload={}) for _ in range(4)])
@@ -167,19 +166,3 @@ def test_a_missing_grant_stops_the_pool_with_an_error_that_says_what_to_grant(
             assert rows(jobs_db, "SELECT kind, status, attempts FROM jobs ORDER BY id") == jobs_after
         finally:
             pool.stop(drain_timeout_s=0.5)
-
-
-class _Recorder:
-    """A logger that records each event's fields, then logs it on."""
-
-    def __init__(self, inner: Any, into: list[dict[str, Any]], bound: dict[str, Any] | None = None) -> None:
-        self._inner, self._into, self._bound = inner, into, bound or {}
-
-    def bind(self, **kw: Any) -> _Recorder:
-        return _Recorder(self._inner.bind(**kw), self._into, {**self._bound, **kw})
-
-    def __getattr__(self, level: str) -> Any:
-        def log(event: str, **kw: Any) -> Any:
-            self._into.append({"event": event, "level": level, **self._bound, **kw})
-            return getattr(self._inner, level)(event, **kw)
-        return log
