@@ -21,8 +21,9 @@ from __future__ import annotations
 import re
 import socket
 import ssl
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
@@ -62,6 +63,7 @@ _WITH_TLS = {"plaintext": "SSL", "sasl_plaintext": "SASL_SSL"}
 PROBE_TIMEOUT_S = 1.0  # one TLS handshake with a bootstrap address
 PROBE_EVERY_S = 10.0  # at most one probe this often per client
 PROBE_ADDRESSES = 3  # bootstrap addresses probed at most
+PROBE_WAIT_S = 1.5  # how long the caller waits for a probe (TlsListenerProbe)
 
 
 def bootstrap_addresses(servers: str) -> list[tuple[str, int]]:
@@ -104,28 +106,48 @@ class TlsListenerProbe:
     connection at the client's first request, which is not TLS; so does a proxy without a
     backend, so that alone proves nothing).  When every broker is down and none has answered
     yet, :meth:`failure` asks the bootstrap addresses for a TLS handshake itself: one that
-    completes proves the set-up wrong.  At most one probe every ``PROBE_EVERY_S``."""
+    completes proves the set-up wrong.  At most one probe every ``PROBE_EVERY_S``.
 
-    def __init__(self, properties: Mapping[str, Any]) -> None:
+    The probe runs on a thread of its own and the caller (the relay's loop, the consumer's
+    poll) waits for it at most ``PROBE_WAIT_S``: a host name's resolution is not bounded by
+    the socket's timeout, and during a DNS outage it took the caller's thread for as long as
+    the resolver retried.  A probe not done by then is reported at a later call."""
+
+    def __init__(self, properties: Mapping[str, Any], *,
+                 probe: Callable[[str, int], bool] | None = None) -> None:
+        """``probe(host, port)``: whether a listener answers TLS (:func:`answers_tls`)."""
         protocol = str(properties.get("security.protocol", "plaintext")).strip().lower()
         self._suggest = _WITH_TLS.get(protocol)
         self._protocol = protocol.upper()
         self._addresses = bootstrap_addresses(str(properties.get("bootstrap.servers", "")))[:PROBE_ADDRESSES]
+        self._probe = probe
         self._next = 0.0
+        self._running: threading.Thread | None = None
+        self._found: tuple[str, int] | None = None
 
     def failure(self, code: int, text: str, *, answered: bool) -> str | None:
         """The one line saying the listener expects TLS, or None (not proved, or not asked)."""
         if code != KafkaError._ALL_BROKERS_DOWN or answered or self._suggest is None:
             return None
         now = time.monotonic()
-        if now < self._next:
+        if self._found is None and now >= self._next and not (self._running and self._running.is_alive()):
+            self._next = now + PROBE_EVERY_S
+            self._running = threading.Thread(target=self._look, daemon=True, name="kafka-tls-probe")
+            self._running.start()
+        if self._running is not None:
+            self._running.join(PROBE_WAIT_S)
+        if self._found is None:
             return None
-        self._next = now + PROBE_EVERY_S
+        host, port = self._found
+        return (f"the Kafka listener at {host}:{port} expects TLS, and security.protocol is "
+                f"{self._protocol}: set it to {self._suggest} (librdkafka said: {text})")
+
+    def _look(self) -> None:
+        probe = self._probe or answers_tls
         for host, port in self._addresses:
-            if answers_tls(host, port):
-                return (f"the Kafka listener at {host}:{port} expects TLS, and security.protocol is "
-                        f"{self._protocol}: set it to {self._suggest} (librdkafka said: {text})")
-        return None
+            if probe(host, port):
+                self._found = (host, port)
+                return
 
 
 #: OpenSSL's "PEM lib", all librdkafka says when it cannot read the client's key (a wrong

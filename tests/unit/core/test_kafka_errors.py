@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 from confluent_kafka import KafkaError, KafkaException
 
+from outbox_core import kafka_errors
 from outbox_core.kafka_errors import (
     TlsListenerProbe,
     bootstrap_addresses,
@@ -33,6 +37,28 @@ def test_the_tls_probe_asks_only_for_a_plaintext_client_that_nothing_answered() 
     assert plaintext.failure(KafkaError._TRANSPORT, "Disconnected", answered=False) is None
     tls = TlsListenerProbe({"bootstrap.servers": never, "security.protocol": "SASL_SSL"})
     assert tls.failure(down, "1/1 brokers are down", answered=False) is None
+
+
+def test_a_probe_that_hangs_holds_the_caller_no_longer_than_its_bound(monkeypatch) -> None:
+    # A host name's resolution is not bounded by the socket's timeout: during a DNS outage
+    # the probe waited on the resolver, on the relay's loop thread.  Now the caller waits
+    # at most PROBE_WAIT_S, and a probe done later is reported at a later call.
+    release = threading.Event()
+
+    def resolving_for_long(host: str, port: int) -> bool:
+        release.wait(30)
+        return True
+
+    down = KafkaError._ALL_BROKERS_DOWN
+    monkeypatch.setattr(kafka_errors, "answers_tls", resolving_for_long)
+    probe = TlsListenerProbe({"bootstrap.servers": "kafka.example:9092", "security.protocol": "SASL_PLAINTEXT"})
+    began = time.monotonic()
+    assert probe.failure(down, "1/1 brokers are down", answered=False) is None
+    assert time.monotonic() - began < 3.0  # PROBE_WAIT_S (1.5) and a margin
+    release.set()
+    found = probe.failure(down, "1/1 brokers are down", answered=False)
+    assert found == ("the Kafka listener at kafka.example:9092 expects TLS, and security.protocol is "
+                     "SASL_PLAINTEXT: set it to SASL_SSL (librdkafka said: 1/1 brokers are down)")
 
 
 def test_pem_lib_alone_gets_what_to_check() -> None:
