@@ -61,7 +61,8 @@ def render(shards: int = DEFAULT_SHARDS, *, partitioned: bool = False,
     """Everything ``migrate`` would run, as one script for other migration tools.  It starts
     by setting the session's ``lock_timeout`` (``print_lock_timeout``), as ``migrate`` does
     for each migration: a statement that cannot take its table lock in time fails instead
-    of stalling every writer of the table queued behind it."""
+    of stalling every writer of the table queued behind it; and lifts a role's
+    ``statement_timeout`` and idle-in-transaction timeout, as ``migrate`` does."""
     chosen = migrations(partitioned=partitioned)
     timeout = sql.SQL(query("admin", "print_lock_timeout")).format(
         timeout=sql.Literal(f"{max(1, round(lock_timeout_s * 1000))}ms"))

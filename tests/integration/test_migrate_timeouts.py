@@ -132,3 +132,41 @@ def test_a_migrate_waiting_for_another_outlasts_a_role_lock_timeout(db_dsn):
     assert "Traceback" not in out + err
     assert second.returncode == 0, (out, err)
     assert "migrations applied: none" in out
+
+
+def test_migrate_prints_a_script_a_role_statement_timeout_does_not_cancel(db_dsn):
+    # `migrate --print` is for teams that run their own migration tool.  Its script set the
+    # lock_timeout but kept the role's statement_timeout: a statement waiting for its table
+    # lock behind a writer was cancelled at the role's 50 ms, where `migrate` now waits.
+    migrate.apply(db_dsn)  # the script runs again over an outbox that exists: every file is idempotent
+    writer = psycopg.connect(db_dsn)
+    writer.execute("INSERT INTO outbox (topic, payload) VALUES ('orders', '{}')")
+    _role_statement_timeout(db_dsn, "50ms")
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            with psycopg.connect(db_dsn, autocommit=True, application_name="print-script") as conn:
+                conn.execute(migrate.render(lock_timeout_s=30).encode())
+            outcome["done"] = True
+        except psycopg.Error as exc:
+            outcome["error"] = str(exc).splitlines()[0]
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: not thread.is_alive() or _script_waiting(db_dsn, 0.3), 30,
+                   message="the script neither waited nor ended")
+    finally:
+        writer.commit()
+        writer.close()
+    thread.join(60)
+    assert outcome == {"done": True}
+
+
+def _script_waiting(dsn: str, waited_s: float) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'print-script' "
+                           "AND wait_event_type = 'Lock' AND now() - query_start > make_interval(secs => %s)",
+                           (waited_s,)).fetchone()
+    return bool(row and row[0])

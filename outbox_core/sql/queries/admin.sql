@@ -161,8 +161,13 @@ RETURNING event_id::text AS event_id
 -- For `migrate --print`, first: the session's lock_timeout, as `migrate` sets it for each
 -- migration (--lock-timeout-s); filled in with psycopg.sql.Literal.  A statement that
 -- waits longer for a table lock (ALTER TABLE: every writer of the table queues behind
--- it meanwhile) fails with lock_not_available: run the script again later.
+-- it meanwhile) fails with lock_not_available: run the script again later.  And, as
+-- `migrate` does in its own transactions, no statement_timeout nor idle-in-transaction
+-- timeout from the role or the database (meant for the application's queries): a
+-- migration they cancel is rolled back, the same at every run.
 SET lock_timeout = {timeout};
+SET statement_timeout = 0;
+SET idle_in_transaction_session_timeout = 0;
 
 -- name: print_shards
 -- For `migrate --print`: the shard rows that `migrate` creates; the count is
