@@ -488,13 +488,17 @@ class Bench:
         second in those seconds against ~7,000 once the relay worked, so the figure
         measured how much of the run the relay slept, not what the trigger costs writers
         (issue 18's thirty-third pass).  ``notify_wakeups``: times a notification woke the
-        sleeping relay during the runs with the trigger on (each run starts with it asleep).
+        sleeping relay during the runs with the trigger on.  Each run starts once the relay
+        sleeps (``outbox_relay_sleeping``): after a run it drains what is left and paces its
+        empty claims before it sleeps, and the next run, a trigger's toggle and a pgbench
+        start later, could begin while it was still awake, so no commit notified it and the
+        figure read 0 now and then.
         """
         import tempfile
 
         wakeups = 'outbox_relay_wakeups_total{reason="notify"}'
         with self.fresh_db() as dsn, tempfile.NamedTemporaryFile("w", suffix=".sql") as script, \
-                relay_process(dsn, self.bootstrap, poll_interval_s=str(NOTIFY_RELAY_POLL_S)) as (_, scrape):
+                relay_process(dsn, self.bootstrap, poll_interval_s=str(NOTIFY_RELAY_POLL_S)) as (proc, scrape):
             script.write(query("bench", "bench_pgbench_insert") + ";\n")
             script.flush()
             _pgbench_tps(dsn, script.name, self.args.notify_clients, min(1.0, self.args.notify_s))
@@ -508,6 +512,7 @@ class Bench:
                     with psycopg.connect(dsn, autocommit=True) as conn:
                         conn.execute(query("bench", "bench_notify_trigger_on" if enabled
                                            else "bench_notify_trigger_off"))
+                    _wait(lambda: scrape("outbox_relay_sleeping") == 1, 30, proc)
                     before = scrape(wakeups)
                     pair[enabled] = _pgbench_tps(dsn, script.name, self.args.notify_clients,
                                                  self.args.notify_s)
