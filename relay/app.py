@@ -104,6 +104,8 @@ class Relay:
         self.publisher: Publisher | None = None
         self.exactly_once: Any = None  # relay/exactly_once.py's publisher, in that mode
         self._recovery = self._store(":exactly-once") if settings.exactly_once else None
+        if self._recovery is not None:  # its marks go by (id, event_id) on both layouts:
+            self._recovery.mark_by_event_id()  # see TransactionalPublisher.recover
         self.pump: Pump | None = None
         self.loop: Loop | None = None  # wake, sleep and claim decisions (relay/loop.py)
         self.replayer: Replayer | None = None  # replays (relay/replay.py), built at start

@@ -72,8 +72,6 @@ class RecoveryStore(MarkStore, Protocol):
 
     def event_ids(self, ids: list[RowId]) -> list[tuple[RowId, str]]: ...
 
-    def mark_by_event_id(self) -> None: ...
-
 
 @dataclass(slots=True)
 class _Shard:
@@ -226,7 +224,8 @@ class TransactionalPublisher:
         The mark goes by each found row's (id, event_id), on both layouts: a partitioned
         outbox may hold two rows of one id (see relay.sql's mark_published_by_event), and
         by id the mark took the listed row's pending twin, never sent, along.  Once per
-        shard taken: the plain layout's faster statement matters not here."""
+        shard taken: the plain layout's faster statement matters not here.  The store is
+        set to mark so once, where the relay makes it (relay/app.py)."""
         with self._store_lock:
             found = self._store.event_ids(ids)
             if events is not None:
@@ -234,7 +233,6 @@ class TransactionalPublisher:
                 found = [(i, event_id) for i, event_id in found if (i, event_digest(event_id)) in listed]
             rows = [OutboxRow(id=i, event_id=event_id, topic="", key=None, value=None, headers_json="",
                               xid=0, shard=shard, attempts=0, created_epoch=0.0) for i, event_id in found]
-            self._store.mark_by_event_id()
             held, marked = self._store.mark_published(owner=self._leases.owner,
                                                       leases=[Lease(shard, token, 0.0)], rows=rows)
         if shard not in held:
