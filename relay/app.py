@@ -97,7 +97,7 @@ class Relay:
         self.store = self._store("")
         # Marks run on connections of their own while the pump claims (relay/marker.py):
         # ":mark", then ":mark2" ... (each opened at its first mark).
-        self.mark_stores = [self._store(":mark" + (str(i + 1) if i else ""))
+        self.mark_stores = [self._store(connections.mark_role(i))
                             for i in range(mark_connections(settings))]
         # LISTEN and the wake-up lock, on a connection of their own (relay/wakeup.py).
         self.wakeup = Wakeup(settings.dsn, owner=settings.owner, on_statement=self.metrics.db_statements.inc)
@@ -114,8 +114,10 @@ class Relay:
         self.janitor: Janitor | None = None
         self.gauges: BacklogGauges | None = None  # relay/gauges.py, on the loop's thread
         # What the relay's statements wait on in the database when it is held up (relay/waits.py).
+        watched = connections.watched_names(lambda role: application_name(settings.owner, role),
+                                            marks=mark_connections(settings))
         self.waits = WaitWatch(settings.dsn, application_name=application_name(settings.owner, ":watch"),
-                               names=self._connection_names(), held_up_s=lambda: probes.held_up_s(self),
+                               names=watched, held_up_s=lambda: probes.held_up_s(self),
                                on_lock_wait_s=self.metrics.lock_wait.set, log=self.log, clock=clock)
         self.fatal: RelayError | None = None
         self.stop_signal: str | None = None
@@ -300,12 +302,6 @@ class Relay:
         """Stop the relay from a callback; ``run`` raises ``error`` when its loop ends."""
         self.fatal = error
         self.stop()
-
-    def _connection_names(self) -> list[str]:
-        """The application_names of this replica's connections that may wait on the outbox."""
-        roles = ["", ":replay", ":cleanup", ":exactly-once"]
-        roles += [":mark" + (str(i + 1) if i else "") for i in range(mark_connections(self.settings))]
-        return [application_name(self.settings.owner, role) for role in roles]
 
     def _store(self, role: str) -> Store:
         """A store (connection) of this replica, named ``outbox-relay:<owner><role>``."""

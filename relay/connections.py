@@ -106,16 +106,34 @@ def _open_one(connection: Needed, number: int, needed: Sequence[Needed], *, log:
                  waited_s=round(clock() - began, 1))
 
 
+#: The relay's own connections, role -> what it is for, in the order it opens them (the
+#: role ends the application_name, ``outbox-relay:<owner><role>``; :func:`relay_needs` puts
+#: LISTEN's second).  The one list behind the start-up check and the wait watch's names.
+ROLES = {"": "claims and leases", ":mark": "marks", ":replay": "replays",
+         ":cleanup": "retention and partitions", ":exactly-once": "exactly-once recovery"}
+#: The LISTEN connection's name, whatever the owner (relay/wakeup.py), and its purpose.
+LISTEN = ("outbox-relay-listen", "LISTEN and the wake-up lock")
+
+
+def mark_role(index: int) -> str:
+    """The role of the ``index``-th mark connection (from 0): ``:mark``, ``:mark2``, ..."""
+    return ":mark" + (str(index + 1) if index else "")
+
+
 def relay_needs(name: Callable[[str], str], *, store: Any, wakeup: Any, mark_store: Any,
                 replay_store: Any, cleanup_store: Any = None, recovery_store: Any = None) -> list[Needed]:
-    """The connections of the module's list, in that order (``name(role)``: the
+    """The connections of :data:`ROLES`, LISTEN's second (``name(role)``: the
     application_name of a role; a store that is None is not needed)."""
-    needed = [Needed(name(""), "claims and leases", store.ping),
-              Needed("outbox-relay-listen", "LISTEN and the wake-up lock", wakeup.ping),
-              Needed(name(":mark"), "marks", mark_store.ping),
-              Needed(name(":replay"), "replays", replay_store.ping)]
-    if cleanup_store is not None:
-        needed.append(Needed(name(":cleanup"), "retention and partitions", cleanup_store.ping))
-    if recovery_store is not None:
-        needed.append(Needed(name(":exactly-once"), "exactly-once recovery", recovery_store.ping))
+    stores = {"": store, ":mark": mark_store, ":replay": replay_store, ":cleanup": cleanup_store,
+              ":exactly-once": recovery_store}
+    needed = [Needed(name(role), purpose, stores[role].ping)
+              for role, purpose in ROLES.items() if stores[role] is not None]
+    needed.insert(1, Needed(*LISTEN, wakeup.ping))
     return needed
+
+
+def watched_names(name: Callable[[str], str], *, marks: int) -> list[str]:
+    """The application_names of :data:`ROLES` with each of the ``marks`` mark connections:
+    the connections whose statements may wait on the outbox (relay/waits.py)."""
+    roles = [role for role in ROLES if role != ":mark"] + [mark_role(i) for i in range(marks)]
+    return [name(role) for role in roles]

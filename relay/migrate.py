@@ -20,6 +20,7 @@ from psycopg import sql
 from relay import store as store_mod
 from relay.config import DEFAULT_LOCK_TIMEOUT_S
 from relay.errors import ConfigError, FatalError
+from relay.partitions import is_partitioned, maintain
 from relay.queries import query, sql_files
 
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -111,10 +112,8 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
                     if log is not None:
                         log.info("migration_applied", version=m.version, name=m.name)
             with conn.transaction():
-                partitioned_now = _layout(conn) == "partitioned"
+                partitioned_now = is_partitioned(conn)
             if partitioned_now:
-                from relay.partitions import maintain
-
                 conn.autocommit = True
                 maintain(conn, retention_s=None)  # today and the coming days exist at once
                 conn.autocommit = False
