@@ -51,7 +51,13 @@ from consumer_sdk.model import (
     KafkaRecord,
     RetryPolicy,
 )
-from consumer_sdk.outbox import OutboxEvent, new_event_id, write_event, write_events
+from consumer_sdk.outbox import (
+    ConnectionClosed,
+    OutboxEvent,
+    new_event_id,
+    write_event,
+    write_events,
+)
 from consumer_sdk.processor import BatchHandler, StatementsHandler
 
 # cleanup_inbox: the checked one (retention_s 0 or below deleted every dedup row).
@@ -62,6 +68,7 @@ __all__ = [
     "Action",
     "BatchResult",
     "ConfigError",
+    "ConnectionClosed",
     "ConsumerMetrics",
     "ConsumerStopped",
     "DatabaseUnavailable",

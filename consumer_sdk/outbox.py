@@ -23,7 +23,8 @@ Bad arguments are refused before anything reaches the database, so the caller's
 transaction stays usable: :class:`InvalidEvent` (a ``ValueError``) names the argument
 and what is allowed, without echoing payload or header values.  A connection that is
 not a sync ``psycopg.Connection`` (an ``AsyncConnection``, None) raises
-:class:`WrongConnection` (an ``InvalidEvent`` and a ``TypeError``).  Text stored in
+:class:`WrongConnection` (an ``InvalidEvent`` and a ``TypeError``); a closed one (or one
+psycopg found lost) :class:`ConnectionClosed`, before any SQL.  Text stored in
 PostgreSQL can hold neither NUL characters nor lone surrogates, so topic, key, payload
 strings and headers with either are refused; trace context never fails a write (an
 invalid ``traceparent`` is dropped, with its ``tracestate``; a ``tracestate`` too long or
@@ -49,7 +50,13 @@ import psycopg.errors
 import structlog
 from psycopg.pq import TransactionStatus
 
-from consumer_sdk.errors import DuplicateEvent, InvalidEvent, SchemaMissing, TransactionRequired
+from consumer_sdk.errors import (
+    DuplicateEvent,
+    InvalidEvent,
+    OutboxSdkError,
+    SchemaMissing,
+    TransactionRequired,
+)
 from consumer_sdk.model import EVENT_ID_HEADER, valid_topic_name
 from consumer_sdk.replays import REPLAY_HEADER
 from outbox_core.queries import query
@@ -114,6 +121,10 @@ def valid_traceparent(value: str) -> bool:
 
 class WrongConnection(InvalidEvent, TypeError):
     """The connection is not a sync psycopg.Connection: on a psycopg.AsyncConnection use the async API, consumer_sdk.write_event_async / write_events_async (consumer_sdk.aio)."""
+
+
+class ConnectionClosed(OutboxSdkError, psycopg.OperationalError):
+    """The connection is closed: nothing was written; its transaction, if any, is gone: run it again on an open connection."""
 
 
 def kept_tracestate(tracestate: str | None) -> str | None:
@@ -279,7 +290,9 @@ def prepare(events: Iterable[OutboxEvent]) -> Prepared:
 
 
 def require_transaction(autocommit: bool, status: TransactionStatus) -> None:
-    """Refuse an autocommit connection outside a transaction block: the row would commit alone."""
+    """Refuse a closed connection (status UNKNOWN), and an autocommit one outside a transaction block."""
+    if status == TransactionStatus.UNKNOWN:
+        raise ConnectionClosed()
     if autocommit and status == TransactionStatus.IDLE:
         raise TransactionRequired()
 
@@ -328,8 +341,8 @@ def write_events(conn: psycopg.Connection[Any], events: Sequence[OutboxEvent], *
     if not prepared.event_ids:
         return []
     deferred = getattr(conn, "deferred", None)  # a worker pool's connection in ctx.fenced_transaction()
-    if deferred is None or not deferred.pending:  # pending: BEGIN and the fence go with the insert
-        require_transaction(conn.autocommit, conn.info.transaction_status)
+    if getattr(conn, "closed", False) is True or deferred is None or not deferred.pending:  # pending: BEGIN, fence
+        require_transaction(conn.autocommit, conn.info.transaction_status)  # closed: ConnectionClosed
     with insert_errors():
         if not wake_relay:
             _ran(conn.execute(query("sdk_outbox", "leave_relay_asleep")))
