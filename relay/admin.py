@@ -199,6 +199,10 @@ def cleanup(settings: Settings, *, retention_s: float, batch: int) -> int:
                 print(f"warning: {table} is detached from the outbox and holds {count} unpublished "
                       "rows, which will never be published: attach it again or copy them into the outbox",
                       file=sys.stderr)
+            for table in report.unreadable:
+                print(f"warning: {table} is detached from the outbox and this role has no SELECT privilege "
+                      "on it: its unpublished rows, if any, are not counted (and never published); grant "
+                      "SELECT on it to this role, or look as its owner", file=sys.stderr)
             # Then the strays, row by row, as run's cleanup does (outbox_default's rows, the
             # published rows of days kept for their pending ones): the command stopped at the
             # partitions, and those rows stayed for ever (an audit of the relay's operation).

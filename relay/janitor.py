@@ -81,6 +81,12 @@ class Janitor:
                              hint="its unpublished rows are no longer in the outbox and will never "
                                   "be published: attach it again (ALTER TABLE outbox ATTACH "
                                   "PARTITION ...) or copy its pending rows into the outbox")
+        for table in report.unreadable:
+            # Each round too; maintenance of the attached partitions goes on.
+            self.log.warning("partition_detached_unreadable", table=table, missing_privilege="SELECT",
+                             hint=f"{table} is detached from the outbox and this role has no SELECT "
+                                  "privilege on it: its unpublished rows, if any, are not counted (and "
+                                  "never published). Grant SELECT on it to this role, or look as its owner")
 
     def start(self) -> None:
         """Run a round every ``interval_s`` on a thread of its own until :meth:`stop`.

@@ -42,11 +42,14 @@ class PartitionReport:
     #: counted, its lock not granted in time).  Those rows are no longer in the outbox and
     #: are never published.
     detached: dict[str, int | None] = field(default_factory=dict)
+    #: Those of them this role may not read (SELECT refused): not counted, named apart.
+    unreadable: list[str] = field(default_factory=list)
 
     @property
     def detached_pending(self) -> dict[str, int | None]:
-        """The detached tables holding unpublished rows (or not counted)."""
-        return {name: n for name, n in self.detached.items() if n != 0}
+        """The detached tables holding unpublished rows (or not counted, their lock not
+        granted in time); the unreadable ones are not among them."""
+        return {name: n for name, n in self.detached.items() if n != 0 and name not in self.unreadable}
 
 
 def partition_name(day: date) -> str:
@@ -84,7 +87,7 @@ def maintain(conn: psycopg.Connection[Any], *, retention_s: float | None,
     now = now or datetime.now(UTC)
     report = PartitionReport()
     existing = {r[0] for r in conn.execute(query("partitions", "list_partitions"))}
-    report.detached = _detached(conn)
+    report.detached, report.unreadable = detached(conn)
     for offset in range(-1, days_ahead + 1):
         day = (now + timedelta(days=offset)).date()
         name = partition_name(day)
@@ -112,10 +115,13 @@ def maintain(conn: psycopg.Connection[Any], *, retention_s: float | None,
     return report
 
 
-def _detached(conn: psycopg.Connection[Any]) -> dict[str, int | None]:
+def detached(conn: psycopg.Connection[Any]) -> tuple[dict[str, int | None], list[str]]:
     """Tables of the outbox's schema named as its daily partitions, not attached to it,
-    with their unpublished rows counted (a short lock wait; None when not granted)."""
+    with their unpublished rows counted (a short lock wait; None when not granted); and
+    those of them this role may not read (None too): one such table is reported, the
+    others are counted and maintenance goes on."""
     found: dict[str, int | None] = {}
+    unreadable: list[str] = []
     for (name,) in conn.execute(query("partitions", "detached_partitions")).fetchall():
         try:
             with conn.transaction():
@@ -124,9 +130,15 @@ def _detached(conn: psycopg.Connection[Any]) -> dict[str, int | None]:
             found[name] = int(row[0]) if row else 0
         except psycopg.errors.LockNotAvailable:
             found[name] = None
+        except psycopg.errors.InsufficientPrivilege:
+            # A role without SELECT on it (the least-privilege role: grants on the parent do
+            # not cover a detached table): this raised out of maintain, and the relay turned
+            # partition maintenance off with a warning about creating partitions.
+            found[name] = None
+            unreadable.append(name)
         except psycopg.errors.UndefinedTable:
             continue  # dropped since it was listed
-    return found
+    return found, unreadable
 
 
 def _mark_room(conn: psycopg.Connection[Any], partition: str) -> None:
