@@ -13,7 +13,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from outbox_core.text import uuid_from_text
-from relay import migrate, store
+from relay import migrate, partitions, store
 from relay.config import Settings
 from relay.errors import ConfigError, NotFound, PermissionDenied
 from relay.queries import compose
@@ -133,6 +133,7 @@ def status(settings: Settings, *, as_json: bool) -> int:
         (dead,) = _rows(conn, "admin", "status_dead_letters", {})
         shards = _rows(conn, "leases", "shard_table", {"now": None})
         stalled = _rows(conn, "admin", "status_stalled", {})
+        detached = _detached(conn) if settings.table == "outbox" else []
     finally:
         conn.close()
     from relay.replay_admin import format_replays, status_section
@@ -149,6 +150,9 @@ def status(settings: Settings, *, as_json: bool) -> int:
             for r in shards
         ],
         "replays": replays,
+        # Unpublished rows of tables detached from a partitioned outbox: not in "pending",
+        # never published (pending None: not counted, the table locked or not readable).
+        "detached_pending": detached,
         "stalled_partitions": [
             {"topic": r["topic"], "partition": r["partition"], "rows_waiting": int(r["rows_waiting"]),
              "replica": r["owner"]} for r in stalled
@@ -163,6 +167,9 @@ def status(settings: Settings, *, as_json: bool) -> int:
     print("oldest pending age:  " + (f"{age:.1f} s" if age is not None else "unknown (a created_at is infinite)"))
     print(f"retrying rows:       {report['retrying']}")
     print(f"dead letters:        {report['dead_letters']}")
+    for d in report["detached_pending"]:
+        print(f"detached rows:       {_detached_count(d)} in {d['table']} (detached from the outbox: "
+              "never published; attach it again or copy them into the outbox)")
     print()
     print(f"{'shard':>5}  {'owner':<32}  {'lease until':<32}  {'token':>6}  state")
     for r in report["shards"]:
@@ -180,6 +187,26 @@ def status(settings: Settings, *, as_json: bool) -> int:
         for line in format_replays(replays):
             print(line)
     return 0
+
+
+def _detached(conn: Any) -> list[dict[str, Any]]:
+    """The tables detached from a partitioned outbox that hold unpublished rows (or whose
+    rows were not counted), as `status` shows them (relay/partitions.py)."""
+    with store.translated():
+        if not partitions.is_partitioned(conn):
+            return []
+        counts, unreadable = partitions.detached(conn)
+    return [{"table": name, "pending": n, "readable": name not in unreadable}
+            for name, n in counts.items() if n != 0]
+
+
+def _detached_count(d: dict[str, Any]) -> str:
+    if not d["readable"]:
+        return "unknown unpublished rows (no SELECT privilege on it)"
+    if d["pending"] is None:
+        return "unknown unpublished rows (locked)"
+    capped = "at least " if d["pending"] >= partitions.DETACHED_COUNT_CAP else ""
+    return f"{capped}{d['pending']} unpublished rows"
 
 
 def cleanup(settings: Settings, *, retention_s: float, batch: int) -> int:
