@@ -116,6 +116,12 @@ def roll_back_open(conn: ConnectionT) -> bool:
     return True
 
 
+def outcome_unknown(exc: BaseException, conn: ConnectionT | None) -> bool:
+    """A write that raised ``exc`` on ``conn`` may have committed all the same: the connection
+    broke while it waited for the reply (an error the server sent means nothing committed)."""
+    return isinstance(exc, DatabaseUnavailable) and (conn is None or conn.closed or conn.broken)
+
+
 def shut_socket(conn: ConnectionT) -> bool:
     """Shut ``conn``'s socket down (both ways), from any thread: a statement its thread waits
     on fails at once ("server closed the connection unexpectedly").  The socket is reached

@@ -138,14 +138,22 @@ def complete_many(conn: ConnectionT, *, worker: str, done: Sequence[Done],
     with translated():
         written = _written([("done", *r) for r in conn.execute(q("complete_many"),
                                                                  _done_params(done, worker, now)).fetchall()])
-        missing = [d for d in done if d.job_id not in written] if recheck else []
-        if missing:
-            pairs = json.dumps([[int(d.job_id), int(d.token)] for d in missing])
-            found = _written([("confirmed", *r) for r in conn.execute(
-                q("completed_by_lease"), {"done": pairs, "worker": worker}).fetchall()])
-            written.update(found)
-            written.confirmed = found.confirmed
+    missing = [(d.job_id, d.token) for d in done if d.job_id not in written] if recheck else []
+    if missing:
+        found = completed_by_lease(conn, worker=worker, leases=missing)
+        written.update(found)
+        written.confirmed = found.confirmed
     return written
+
+
+def completed_by_lease(conn: ConnectionT, *, worker: str, leases: Sequence[tuple[JobId, Token]]) -> Written:
+    """Which of these (job id, lease token) an earlier statement of ``worker`` completed: the
+    reply to the statement that carried them was lost, and written again they matched no row.
+    Their facts, all in ``confirmed``; a job absent from them lost its lease."""
+    pairs = json.dumps([[int(job_id), int(token)] for job_id, token in leases])
+    with translated():
+        return _written([("confirmed", *r) for r in conn.execute(
+            q("completed_by_lease"), {"done": pairs, "worker": worker}).fetchall()])
 
 
 def _done_params(done: Sequence[Done], worker: str, now: datetime | None) -> dict[str, Any]:

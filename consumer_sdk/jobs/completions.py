@@ -39,8 +39,9 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from consumer_sdk.errors import DatabaseUnavailable, OutboxSdkError
+from consumer_sdk.errors import OutboxSdkError
 from consumer_sdk.jobs import claims, queue
+from consumer_sdk.jobs._conn import outcome_unknown
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.events import JobFacts
@@ -153,7 +154,7 @@ class Completions:
             self._write_each(conn, pending)
             return write([])[1]
         except BaseException as exc:
-            self._put_back(pending, unconfirmed=_unknown(exc, conn), error=exc)
+            self._put_back(pending, unconfirmed=outcome_unknown(exc, conn), error=exc)
             raise
         self.settle(pending, facts)
         return rest
@@ -197,7 +198,7 @@ class Completions:
                 else:
                     self.settle([p], written)
             except BaseException as exc:
-                self._put_back(pending[i:], unconfirmed=_unknown(exc, conn), error=exc)
+                self._put_back(pending[i:], unconfirmed=outcome_unknown(exc, conn), error=exc)
                 raise
 
     def _refused(self, conn: Any, p: Pending, exc: InvalidJob) -> None:
@@ -252,9 +253,3 @@ class Completions:
                       outcome=outcome, duration_s=round(p.duration_s, 4), reason=reason)
         with self._lock:
             self._running.pop(job.id, None)
-
-
-def _unknown(exc: BaseException, conn: Any) -> bool:
-    """A write that raised ``exc`` may have committed all the same: the connection broke
-    while it waited for the reply (an error the server sent means nothing committed)."""
-    return isinstance(exc, DatabaseUnavailable) and (conn is None or conn.closed or conn.broken)

@@ -25,6 +25,7 @@ import psycopg
 import psycopg.errors
 from psycopg import pq
 
+from consumer_sdk.errors import DatabaseUnavailable
 from consumer_sdk.jobs import deferred as deferred_fence
 from consumer_sdk.jobs import fenced, queue
 from consumer_sdk.jobs._db import ConnectionT, first_line, q
@@ -48,6 +49,7 @@ class JobContext:
                  db_now: Callable[[], datetime | None] = lambda: None) -> None:
         self.job = job
         self._conn = conn
+        self._reconnect: Callable[[], ConnectionT] | None = None
         self.deadline = deadline  # monotonic seconds until which the lease is trusted locally
         self._db_now = db_now
         self._reason: str | None = None  # set once, under _lock: the attempt is cancelled
@@ -64,9 +66,25 @@ class JobContext:
             raise RuntimeError("this JobContext has no connection yet")
         return self._conn
 
-    def bind(self, conn: ConnectionT) -> None:
-        """Give the context its connection (the executor that runs it does, before the handler)."""
+    def bind(self, conn: ConnectionT, *, reconnect: Callable[[], ConnectionT] | None = None) -> None:
+        """Give the context its connection (the executor that runs it does, before the handler);
+        ``reconnect`` makes a new one when it broke (the executor's slot: see :meth:`reconnect`)."""
         self._conn = conn
+        self._reconnect = reconnect
+
+    def reconnect(self) -> ConnectionT:
+        """The attempt's connection broke: close it and bind a new one (``bind``'s ``reconnect``),
+        for the outcome's write.  :class:`~consumer_sdk.errors.DatabaseUnavailable` when none
+        can be made."""
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except psycopg.Error:
+                pass
+        if self._reconnect is None:
+            raise DatabaseUnavailable("database unavailable: the job's connection broke")
+        self._conn = self._reconnect()
+        return self._conn
 
     # -- identity -----------------------------------------------------------------------
 

@@ -11,6 +11,14 @@ database refuses for its row (:class:`InvalidJob`: a constraint, a trigger, a va
 cannot store) fails the job for good with the database's words; a missing grant
 (:class:`PrivilegeMissing`) is reported to the pool (``on_fatal``), which stops claiming.
 
+A success the executor writes itself (the pool writes terminal events, or its result is
+too large for a round) whose connection broke while it waited for the reply may have
+committed all the same (``job_write_unconfirmed``): it is sent again on a new connection
+until the lease's local deadline, and one that matches no row is looked for completed by
+the same lease (``completion_confirmed``, succeeded), as the dispatcher's rounds do (see
+:mod:`consumer_sdk.jobs.completions`).  Reported lost, such a job had succeeded; never
+written, it waited out its lease and ran again.
+
 A success can be handed to ``complete_later`` instead of being written here (the
 worker pool writes the successes of several jobs in one statement, see
 :meth:`~consumer_sdk.jobs.worker.WorkerPool.run_once`): the attempt's outcome is then
@@ -26,12 +34,12 @@ from datetime import datetime
 from typing import Any
 
 from consumer_sdk import _pg
-from consumer_sdk.errors import FatalError, OutboxSdkError
+from consumer_sdk.errors import DatabaseUnavailable, FatalError, OutboxSdkError
 from consumer_sdk.jobs import queue, waits
-from consumer_sdk.jobs._conn import roll_back_open
+from consumer_sdk.jobs._conn import outcome_unknown, roll_back_open
 from consumer_sdk.jobs._db import to_json
 from consumer_sdk.jobs.context import JobContext
-from consumer_sdk.jobs.errors import InvalidJob, PermanentJobError, PrivilegeMissing
+from consumer_sdk.jobs.errors import InvalidJob, LeaseLost, PermanentJobError, PrivilegeMissing
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import DeadReason, Outcome, WaitFor
 from consumer_sdk.jobs.retry import Backoff, describe, error_type, verdict
@@ -45,6 +53,9 @@ CompleteLater = Callable[[JobContext, str, float], bool]
 
 #: Reasons for which the worker no longer has the right to write anything.
 NO_AUTHORITY = frozenset({"lease_lost", "lease_unconfirmed", "cancelled", "fence_ended"})
+#: A write whose reply was lost is sent again at once, then after these pauses (the last
+#: one repeated) until the lease's local deadline.
+_RESEND_PAUSES_S = (0.1, 0.5, 1.0)
 
 
 class Executor:
@@ -97,7 +108,7 @@ class Executor:
             assert self.complete_later is not None
             if self.complete_later(ctx, later.result_json, elapsed):
                 return "completing"
-            outcome = self._write(ctx, log, lambda: self._complete(ctx, later.result_json))
+            outcome = self._write_completion(ctx, log, later.result_json)
         if outcome == "lost":
             self.metrics.leases_lost.labels(job.queue, ctx.cancel_reason or "write_refused").inc()
         log.info("job_attempt_finished", outcome=outcome, duration_s=round(elapsed, 4),
@@ -122,7 +133,7 @@ class Executor:
             result_json = to_json(value, what="result")
             if self.complete_later is not None:
                 return _Later(result_json)
-            return self._write(ctx, log, lambda: self._complete(ctx, result_json))
+            return self._write_completion(ctx, log, result_json)
         except InvalidJob as exc:  # the result or wait cannot be encoded: it never will be
             return self._fail(ctx, "permanent_error", exc, log)
 
@@ -151,12 +162,23 @@ class Executor:
         log.warning("job_failed", reason=reason, error=describe(exc, limit=300))
         return self._write(ctx, log, lambda: self._dead(ctx, reason, exc), failing=True)
 
-    def _write(self, ctx: JobContext, log: Any, write: Callable[[], Outcome], *, failing: bool = False) -> Outcome:
-        """Run one fenced write.  A database failure leaves the job to its lease; a refusal of
-        the row fails the job for good (``failing``: this was its failure's write, which
-        cannot be written either: left to its lease); a missing grant goes to ``on_fatal``."""
+    def _write_completion(self, ctx: JobContext, log: Any, result_json: str) -> Outcome:
+        return self._write(ctx, log, lambda: self._complete(ctx, result_json),
+                           again=lambda conn: self._complete_again(ctx, log, conn, result_json))
+
+    def _write(self, ctx: JobContext, log: Any, write: Callable[[], Outcome], *, failing: bool = False,
+               again: Callable[[Any], Outcome] | None = None) -> Outcome:
+        """Run one fenced write.  A database failure leaves the job to its lease (with ``again``,
+        one whose reply was lost is sent again first: see :meth:`_resend`); a refusal of the row
+        fails the job for good (``failing``: this was its failure's write, which cannot be
+        written either: left to its lease); a missing grant goes to ``on_fatal``."""
         try:
-            outcome = write()
+            try:
+                outcome = write()
+            except DatabaseUnavailable as exc:
+                if again is None or not outcome_unknown(exc, ctx.conn):
+                    raise
+                outcome = self._resend(ctx, log, again, exc)
         except InvalidJob as exc:  # written again, it would be refused again (a CHECK, a trigger...)
             if not failing:
                 return self._fail(ctx, "permanent_error", exc, log)
@@ -177,6 +199,43 @@ class Executor:
         if outcome == "lost":
             log.warning("lease_lost", detail="a fenced write matched no row")
         return outcome
+
+    def _resend(self, ctx: JobContext, log: Any, again: Callable[[Any], Outcome],
+                exc: DatabaseUnavailable) -> Outcome:
+        """The connection broke while the write waited for its reply: it may have committed.
+        ``again`` writes it again (fenced: at most once) on a new connection and finds out;
+        tried until the lease's local deadline or the attempt's cancellation (at least once);
+        raises the last failure when the database never answered."""
+        log.warning("job_write_unconfirmed", error=str(exc),
+                    detail="the connection broke while the outcome was being written: sent again on a "
+                           "new connection, which finds out whether it was")
+        pauses = iter(_RESEND_PAUSES_S)
+        while True:
+            try:
+                return again(ctx.reconnect())
+            except DatabaseUnavailable as failed:
+                exc = failed
+            pause_s = next(pauses, _RESEND_PAUSES_S[-1])
+            if ctx.cancelled or time.monotonic() + pause_s >= ctx.deadline:
+                raise exc
+            try:
+                ctx.sleep(pause_s)  # wakes at once on cancellation (the pool stops, the lease is lost)
+            except LeaseLost:
+                raise exc from None
+
+    def _complete_again(self, ctx: JobContext, log: Any, conn: Any, result_json: str) -> Outcome:
+        """:meth:`_complete` sent again; matching no row, the job may be completed by this very
+        lease (the first write committed): then it succeeded."""
+        facts = queue.complete(conn, ctx.lease, result_json=result_json, now=self.db_now(),
+                               events_topic=self.events_topic)
+        if facts is None:
+            facts = queue.completed_by_lease(conn, worker=ctx.lease.worker,
+                                             leases=[(ctx.job.id, ctx.job.token)]).get(ctx.job.id)
+            if facts is None:
+                return "lost"
+            log.info("completion_confirmed", detail="an earlier statement had written it: its reply was lost")
+        self.metrics.observe_terminal(facts.queue, "succeeded", age_s=facts.age_s, attempts=facts.attempts)
+        return "succeeded"
 
     def _complete(self, ctx: JobContext, result_json: str) -> Outcome:
         facts = queue.complete(ctx.conn, ctx.lease, result_json=result_json, now=self.db_now(),

@@ -37,6 +37,7 @@ from consumer_sdk.jobs.claims import Done as Done
 from consumer_sdk.jobs.claims import claim as claim
 from consumer_sdk.jobs.claims import complete_and_claim as complete_and_claim
 from consumer_sdk.jobs.claims import complete_many as complete_many
+from consumer_sdk.jobs.claims import completed_by_lease as completed_by_lease
 from consumer_sdk.jobs.claims import ready_lanes as ready_lanes
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.events import EventType, JobFacts, write_job_event

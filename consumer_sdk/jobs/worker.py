@@ -349,7 +349,7 @@ class WorkerPool:
 
     def _execute(self, ctx: JobContext, slot: ConnSlot) -> None:
         try:
-            ctx.bind(slot.get())
+            ctx.bind(slot.get(), reconnect=slot.get)
         except OutboxSdkError as exc:  # the lease will expire and the job be retried
             self.log.warning("job_not_started", job_id=ctx.job.id, error=str(exc))
             self.outcomes["not_started"] += 1
