@@ -18,6 +18,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from consumer_sdk.errors import ConfigError, DeadLetterFailed
 from consumer_sdk.kafka import LIBRDKAFKA_LOG
 from consumer_sdk.model import DeadLetter
+from outbox_core.kafka_clients import destroy_producer
 from outbox_core.kafka_errors import refusal_text
 from outbox_core.secrets import scrub
 
@@ -87,7 +88,7 @@ class KafkaDeadLetters:
             raise RuntimeError("the dead-letter producer is closed")
         if self._fatal:
             self._fatal = False
-            _destroy(self._producer, 0)  # it can send nothing
+            destroy_producer(self._producer)  # it can send nothing
             self._producer = Producer(self._config)
         topic = dead_letter_topic(self._template, letter.record.topic)
         try:
@@ -115,25 +116,6 @@ class KafkaDeadLetters:
         """Wait up to ``timeout_s`` for what is queued, then destroy the client.  Idempotent."""
         if not self._closed:
             self._closed = True
-            _destroy(self._producer, timeout_s)
-
-
-def _destroy(producer: Producer, timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for what is queued, give up on the rest, then destroy the
-    client, its threads joined.  Left to the garbage collector (its error callback holds its
-    owner: a cycle), a closed consumer's producer went on reconnecting to a cluster, its
-    threads alive, until a cyclic collection.  A producer in a fatal state raises at flush
-    (a raw KafkaException out of the consumer's close, its store left open, until 158139c)."""
-    try:
-        if timeout_s > 0:
-            producer.flush(timeout_s)
-        producer.purge()
-        producer.flush(0)
-    except Exception:  # noqa: BLE001 - confluent-kafka raised SystemError at a fatal error
-        pass
-    close = getattr(producer, "close", None)  # confluent-kafka >= 2.8
-    if close is not None:
-        try:
-            close()
-        except Exception:  # noqa: BLE001 - best effort on a client that is going
-            pass
+            # Destroyed here, its threads joined: left to the garbage collector (its error
+            # callback holds this object: a cycle), it went on reconnecting to the cluster.
+            destroy_producer(self._producer, timeout_s)

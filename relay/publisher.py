@@ -19,6 +19,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from outbox_core.kafka_clients import destroy_producer
 from outbox_core.kafka_errors import SETUP_CODES, TlsListenerProbe, refusal_text, setup_failure
 from outbox_core.secrets import scrub
 from relay.config import KAFKA_ALIASES
@@ -417,12 +418,14 @@ class Publisher:
         return self._answered
 
     def recreate(self) -> None:
-        """Replace a producer that hit a fatal (idempotence) error; unacked rows stay pending."""
-        try:
-            self._producer.purge()
-            self._producer.flush(0)
-        except Exception:  # noqa: BLE001 - best effort on a dead producer
-            pass
+        """Replace a producer that hit a fatal (idempotence) error; unacked rows stay pending.
+
+        The old client's unacknowledged messages are purged and their reports served here,
+        on the pump's thread, before it goes (as failures: their rows are sent again); then
+        it is destroyed, its threads joined.  Dropped to the garbage collector instead (its
+        error callback holds this object: a cycle), it lived on, reconnecting to the
+        cluster, its threads alive, until a cyclic collection."""
+        destroy_producer(self._producer)
         self._producer = self._new_producer()
 
     def close(self, timeout_s: float = 0.0) -> int:
@@ -438,14 +441,7 @@ class Publisher:
         if self._closed:
             return 0
         self._closed = True
-        producer = self._producer
-        left = int(producer.flush(timeout_s)) if timeout_s > 0 else len(producer)
-        if left:
-            producer.purge()
-            producer.flush(0)  # serve the purged messages' reports
-        close = getattr(producer, "close", None)  # confluent-kafka >= 2.8; else freed below
-        if close is not None:
-            close()
+        left = destroy_producer(self._producer, timeout_s)  # the purged messages' reports served
         self._producer = _CLOSED
         return left
 
