@@ -1,8 +1,8 @@
 """A producer replaced after a fatal idempotence error (``Publisher.recreate``) is destroyed
 at once, its threads joined, after the reports of its unacknowledged rows were served (as
-failures: the rows stay pending).  It was purged and dropped: its error callback holds the
-publisher (a cycle), so it lived on, reconnecting to the cluster, its threads alive, until a
-cyclic collection.  Real tansu behind a proxy that holds the rows in flight."""
+failures: the rows stay pending).  It was purged, flush(0)ed and dropped: the purged in-flight
+rows' reports came after flush(0), to a client destroyed by then, and were never served (their
+batch never settled).  Real tansu behind a proxy that holds the rows in flight."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def row(n: int, topic: str) -> OutboxRow:
 
 @pytest.fixture
 def no_cyclic_collection() -> Iterator[None]:
-    """No cyclic collection during the test: a client left in a reference cycle stays alive
-    (as it may for long in the relay), so what ends it is the code, not the collector's timing."""
+    """No cyclic collection during the test: a client left in a reference cycle would stay
+    alive, so what ends the old client is the code, not the collector's timing."""
     gc.disable()
     try:
         yield
