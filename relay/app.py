@@ -67,7 +67,6 @@ from relay.replay import Replayer
 from relay.replay_store import ReplayStore
 from relay.store import Store, check_not_transaction_pooled
 from relay.waits import WaitWatch
-from relay.wakeup import Wakeup
 
 #: How often a busy relay looks for a peer's notice that shards change hands (a
 #: non-blocking read of the LISTEN connection; an idle one is woken by it).
@@ -100,7 +99,8 @@ class Relay:
         self.mark_stores = [self._store(connections.mark_role(i))
                             for i in range(mark_connections(settings))]
         # LISTEN and the wake-up lock, on a connection of their own (relay/wakeup.py).
-        self.wakeup = Wakeup(settings.dsn, owner=settings.owner, on_statement=self.metrics.db_statements.inc)
+        self.wakeup = connections.CheckedWakeup(settings.dsn, owner=settings.owner,
+                                                on_statement=self.metrics.db_statements.inc)
         self.publisher: Publisher | None = None
         self.exactly_once: Any = None  # relay/exactly_once.py's publisher, in that mode
         self._recovery = self._store(":exactly-once") if settings.exactly_once else None
@@ -113,6 +113,7 @@ class Relay:
         self.http: HealthServer | None = None
         self.janitor: Janitor | None = None
         self.gauges: BacklogGauges | None = None  # relay/gauges.py, on the loop's thread
+        self.connections: connections.Checks | None = None  # checked at start and re-opened
         # What the relay's statements wait on in the database when it is held up (relay/waits.py).
         watched = connections.watched_names(lambda role: application_name(settings.owner, role),
                                             marks=mark_connections(settings))
@@ -241,12 +242,15 @@ class Relay:
         self.gauges = BacklogGauges(self.store, interval_s=s.backlog_interval_s,
                                     publish=self._backlog, log=self.log, clock=self.clock)
         # Every connection now, each within a bound, or the relay says which it cannot get
-        # (a session pooler with fewer servers than it needs stalled it without a word).
-        self._retry_db(lambda: connections.acquire(connections.relay_needs(
+        # (a session pooler with fewer servers than it needs stalled it without a word);
+        # the loop's again whenever it re-opens them (run).
+        self.connections = connections.Checks(connections.relay_needs(
             lambda role: application_name(s.owner, role), store=self.store, wakeup=self.wakeup,
             mark_store=self.mark_stores[0], replay_store=replay_store, recovery_store=self._recovery,
             cleanup_store=self.janitor.store if self.janitor else None), log=self.log,
-            stopping=lambda: self.stopping, optional=len(self.mark_stores) - 1))
+            stopping=lambda: self.stopping, optional=len(self.mark_stores) - 1)
+        self._retry_db(self.connections.at_start)
+        self.wakeup.checks = self.connections  # its re-opens, from now on
         if self.stopping:
             return
         ignored = ignored_options(s)
@@ -389,6 +393,8 @@ class Relay:
             self.waits.start()
             while not self.stopping and self.loop is not None:
                 try:
+                    if not self.db_up and self.connections and not self.connections.reopened():
+                        break  # stopped while waiting for one, after the database went away
                     self._tick()
                     self._db_ok()
                 except DatabaseUnavailable as exc:

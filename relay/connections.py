@@ -24,6 +24,12 @@ relay stalled without a word (an operations audit, a pool of 3).  So at start
 and says which it could not get within :data:`CONNECTION_WAIT_S` and how many the relay
 needs, then keeps waiting (a server may come free) and says so again every
 :data:`LOG_EVERY_S`.
+
+The loop's connections are checked the same way when it re-opens them at run time
+(:class:`Checks`, :class:`CheckedWakeup`): after a database restart or failover one of them
+queued in the pooler held the loop at its first statement, without a word, until liveness
+failed.  The mark, cleanup and exactly-once connections re-open on their own threads and
+are not checked again.
 """
 
 from __future__ import annotations
@@ -31,8 +37,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from relay.errors import DatabaseUnavailable
+from relay.wakeup import Wakeup
 
 #: How long one connection may take to open and answer its first query before the relay
 #: says it cannot get it.
@@ -48,7 +57,10 @@ class Needed:
 
     name: str
     purpose: str
-    open: Callable[[], None]
+    open: Callable[[], object]
+    #: A store of the loop's thread, re-opened after a database error the loop sees: checked
+    #: again then (:meth:`Checks.reopened`).  LISTEN's re-opens itself (:class:`CheckedWakeup`).
+    recheck: bool = False
 
 
 def needs_text(needed: Sequence[Needed], optional: int = 0) -> str:
@@ -59,20 +71,66 @@ def needs_text(needed: Sequence[Needed], optional: int = 0) -> str:
 
 
 def acquire(needed: Sequence[Needed], *, log: Any, stopping: Callable[[], bool], optional: int = 0,
-            within_s: float = CONNECTION_WAIT_S, clock: Callable[[], float] = time.monotonic) -> None:
-    """Open every connection of ``needed`` in turn, each in a thread of its own, waiting as
-    long as it takes (until ``stopping``); one that takes longer than ``within_s`` is
-    logged (``database_connection_waiting``).  Errors of an attempt are raised."""
+            within_s: float = CONNECTION_WAIT_S, clock: Callable[[], float] = time.monotonic,
+            reopened: bool = False) -> None:
+    """Open every connection of ``needed`` in turn (with ``reopened``, only the loop's stores),
+    each in a thread of its own, waiting as long as it takes (until ``stopping``); one that
+    takes longer than ``within_s`` is logged (``database_connection_waiting``).  Errors of
+    an attempt are raised."""
     for number, connection in enumerate(needed, start=1):
+        if reopened and not connection.recheck:
+            continue
         _open_one(connection, number, needed, log=log, stopping=stopping, optional=optional,
-                  within_s=within_s, clock=clock)
+                  within_s=within_s, clock=clock, reopened=reopened)
         if stopping():
             return
 
 
+class Checks:
+    """The relay's connections (:func:`relay_needs`), all checked at start, and the loop's
+    again when it re-opens them after the database went away: behind a session pooler with
+    no server free, one of them waited at its first statement and held the loop there
+    without a word until liveness failed.  Owned by the loop's thread."""
+
+    def __init__(self, needed: Sequence[Needed], *, log: Any, stopping: Callable[[], bool],
+                 optional: int = 0) -> None:
+        self.needed, self.log, self.stopping, self.optional = list(needed), log, stopping, optional
+
+    def at_start(self) -> None:
+        acquire(self.needed, log=self.log, stopping=self.stopping, optional=self.optional)
+
+    def reopened(self) -> bool:
+        """The loop's stores after the database went away; False: stopped meanwhile."""
+        acquire(self.needed, log=self.log, stopping=self.stopping, optional=self.optional, reopened=True)
+        return not self.stopping()
+
+    def reopen(self, name: str, open_: Callable[[], object]) -> None:
+        """Re-open the connection ``name`` with ``open_``, checked as at start."""
+        number, connection = next((i, n) for i, n in enumerate(self.needed, start=1) if n.name == name)
+        _open_one(replace(connection, open=open_), number, self.needed, log=self.log,
+                  stopping=self.stopping, optional=self.optional, within_s=CONNECTION_WAIT_S,
+                  clock=time.monotonic, reopened=True)
+
+
+class CheckedWakeup(Wakeup):
+    """The LISTEN connection (relay/wakeup.py), which re-opens itself when it broke, without
+    the loop seeing a database error: once :attr:`checks` is set (after the start's check),
+    each re-open is checked as at start."""
+
+    checks: Checks | None = None
+
+    def _listening(self) -> Any:
+        if self.checks is None or (self._conn is not None and not self._conn.closed):
+            return super()._listening()
+        self.checks.reopen(LISTEN[0], super()._listening)
+        if self._conn is None or self._conn.closed:
+            raise DatabaseUnavailable("stopped while waiting for the LISTEN connection")
+        return self._conn
+
+
 def _open_one(connection: Needed, number: int, needed: Sequence[Needed], *, log: Any,
               stopping: Callable[[], bool], optional: int, within_s: float,
-              clock: Callable[[], float]) -> None:
+              clock: Callable[[], float], reopened: bool) -> None:
     done = threading.Event()
     failed: list[BaseException] = []
 
@@ -94,7 +152,7 @@ def _open_one(connection: Needed, number: int, needed: Sequence[Needed], *, log:
         warned = True
         wait_s = waited + LOG_EVERY_S
         log.warning("database_connection_waiting", connection=connection.name, number=number,
-                    needed=len(needed), waited_s=round(waited, 1),
+                    needed=len(needed), waited_s=round(waited, 1), reopened=reopened,
                     detail=f"could not get connection {number} of {len(needed)} ({connection.name}: "
                            f"{connection.purpose}) within {waited:.0f} s: a pooler with fewer server "
                            f"connections than the relay needs? {needs_text(needed, optional)}; "
@@ -103,7 +161,7 @@ def _open_one(connection: Needed, number: int, needed: Sequence[Needed], *, log:
         raise failed[0]
     if warned and done.is_set():
         log.info("database_connection_ready", connection=connection.name, number=number,
-                 waited_s=round(clock() - began, 1))
+                 waited_s=round(clock() - began, 1), reopened=reopened)
 
 
 #: The relay's own connections, role -> what it is for, in the order it opens them (the
@@ -111,6 +169,8 @@ def _open_one(connection: Needed, number: int, needed: Sequence[Needed], *, log:
 #: LISTEN's second).  The one list behind the start-up check and the wait watch's names.
 ROLES = {"": "claims and leases", ":mark": "marks", ":replay": "replays",
          ":cleanup": "retention and partitions", ":exactly-once": "exactly-once recovery"}
+#: The roles of the loop thread's stores (relay/app.py; LISTEN is its connection too).
+LOOP_ROLES = ("", ":replay")
 #: The LISTEN connection's name, whatever the owner (relay/wakeup.py), and its purpose.
 LISTEN = ("outbox-relay-listen", "LISTEN and the wake-up lock")
 
@@ -126,7 +186,7 @@ def relay_needs(name: Callable[[str], str], *, store: Any, wakeup: Any, mark_sto
     application_name of a role; a store that is None is not needed)."""
     stores = {"": store, ":mark": mark_store, ":replay": replay_store, ":cleanup": cleanup_store,
               ":exactly-once": recovery_store}
-    needed = [Needed(name(role), purpose, stores[role].ping)
+    needed = [Needed(name(role), purpose, stores[role].ping, recheck=role in LOOP_ROLES)
               for role, purpose in ROLES.items() if stores[role] is not None]
     needed.insert(1, Needed(*LISTEN, wakeup.ping))
     return needed
