@@ -195,7 +195,7 @@ def _detached(conn: Any) -> list[dict[str, Any]]:
     with store.translated():
         if not partitions.is_partitioned(conn):
             return []
-        counts, unreadable = partitions.detached(conn)
+        counts, unreadable = partitions.detached(conn, bounded=False)  # no transaction block
     return [{"table": name, "pending": n, "readable": name not in unreadable}
             for name, n in counts.items() if n != 0]
 

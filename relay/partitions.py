@@ -11,6 +11,7 @@ unpublished rows, all in one transaction, so no row committed meanwhile is lost.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Callable
@@ -115,19 +116,19 @@ def maintain(conn: psycopg.Connection[Any], *, retention_s: float | None,
     return report
 
 
-def detached(conn: psycopg.Connection[Any]) -> tuple[dict[str, int | None], list[str]]:
+def detached(conn: psycopg.Connection[Any], *, bounded: bool = True
+             ) -> tuple[dict[str, int | None], list[str]]:
     """Tables of the outbox's schema named as its daily partitions, not attached to it,
     with their unpublished rows counted (a short lock wait; None when not granted); and
     those of them this role may not read (None too): one such table is reported, the
-    others are counted and maintenance goes on."""
+    others are counted and maintenance goes on.  ``bounded`` False: each count one
+    statement, waiting for its lock like any read (`status`, which must work through a
+    statement pooler: the lock wait's bound needs a transaction block)."""
     found: dict[str, int | None] = {}
     unreadable: list[str] = []
     for (name,) in conn.execute(query("partitions", "detached_partitions")).fetchall():
         try:
-            with conn.transaction():
-                conn.execute(query("partitions", "short_lock_timeout"))
-                row = conn.execute(_ddl("detached_pending", name), {"cap": DETACHED_COUNT_CAP}).fetchone()
-            found[name] = int(row[0]) if row else 0
+            found[name] = _count_pending(conn, name, bounded=bounded)
         except psycopg.errors.LockNotAvailable:
             found[name] = None
         except psycopg.errors.InsufficientPrivilege:
@@ -139,6 +140,15 @@ def detached(conn: psycopg.Connection[Any]) -> tuple[dict[str, int | None], list
         except psycopg.errors.UndefinedTable:
             continue  # dropped since it was listed
     return found, unreadable
+
+
+def _count_pending(conn: psycopg.Connection[Any], name: str, *, bounded: bool) -> int:
+    """A detached table's unpublished rows; ``bounded``: under the short lock wait."""
+    with conn.transaction() if bounded else contextlib.nullcontext():
+        if bounded:
+            conn.execute(query("partitions", "short_lock_timeout"))
+        row = conn.execute(_ddl("detached_pending", name), {"cap": DETACHED_COUNT_CAP}).fetchone()
+    return int(row[0]) if row else 0
 
 
 def _mark_room(conn: psycopg.Connection[Any], partition: str) -> None:

@@ -15,6 +15,7 @@ import subprocess
 from tests.fixtures.outbox import relay_cmd
 from tests.integration.test_least_privilege import login_role
 from tests.integration.test_partition_detached import PUBLISHED, ROWS, _detach_a_coming_day
+from tests.integration.test_pgbouncer import pgbouncer  # noqa: F401 - the fixture
 
 
 def _status(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -40,3 +41,11 @@ def test_status_under_the_relays_role_names_a_detached_partition_it_may_not_read
     with login_role(db_dsn) as login:
         report = json.loads(_status(login.dsn, "--json").stdout)
     assert report["detached_pending"] == [{"table": name, "pending": None, "readable": False}]
+
+
+def test_status_counts_them_through_a_statement_pooler(db_dsn, pgbouncer):  # noqa: F811 - the fixture
+    # status works through a statement-mode pooler (README): the count's bounded lock wait,
+    # a transaction block, made it fail there ("transaction blocks not allowed"), exit 1.
+    name = _detach_a_coming_day(db_dsn)
+    report = json.loads(_status(pgbouncer("statement"), "--json").stdout)
+    assert report["detached_pending"] == [{"table": name, "pending": ROWS - PUBLISHED, "readable": True}]
