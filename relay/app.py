@@ -53,6 +53,7 @@ from relay.config import (
     max_message_bytes,
     producer_config,
 )
+from relay.connections import application_name
 from relay.errors import ConfigError, DatabaseReadOnly, DatabaseUnavailable, FatalError, RelayError
 from relay.gauges import BacklogGauges
 from relay.http import HealthServer
@@ -71,13 +72,6 @@ from relay.waits import WaitWatch
 #: How often a busy relay looks for a peer's notice that shards change hands (a
 #: non-blocking read of the LISTEN connection; an idle one is woken by it).
 SHARDS_LOOK_S = 0.1
-
-
-def application_name(owner: str, role: str) -> str:
-    """``outbox-relay:<owner><role>``, the owner cut so that the whole fits PostgreSQL's 63
-    characters with the role kept (``:mark``, ``:probe``): the server cut the end, and a long
-    ``--owner`` showed every connection of the replica under the same name."""
-    return f"outbox-relay:{owner}"[: 63 - len(role)] + role
 
 
 class Relay:

@@ -175,6 +175,13 @@ LOOP_ROLES = ("", ":replay")
 LISTEN = ("outbox-relay-listen", "LISTEN and the wake-up lock")
 
 
+def application_name(owner: str, role: str) -> str:
+    """``outbox-relay:<owner><role>``, the owner cut so that the whole fits PostgreSQL's 63
+    characters with the role kept (``:mark``, ``:probe``): the server cut the end, and a long
+    ``--owner`` showed every connection of the replica under the same name."""
+    return f"outbox-relay:{owner}"[: 63 - len(role)] + role
+
+
 def mark_role(index: int) -> str:
     """The role of the ``index``-th mark connection (from 0): ``:mark``, ``:mark2``, ..."""
     return ":mark" + (str(index + 1) if index else "")
