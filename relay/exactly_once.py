@@ -292,22 +292,26 @@ class TransactionalPublisher:
             return self._apply_init(result, state if current else None)
         if current and state is not None:
             state.running = False
+        # Open past transaction.timeout.ms, it was the broker's timeout that aborted it and
+        # fenced its producer (librdkafka: "fenced by a newer instance"), not another owner:
+        # a lone replica paused past it said it was fenced.
+        fenced = result.fenced and not result.timed_out
         if self._metrics is not None:
-            outcome = "committed" if result.ok else ("fenced" if result.fenced else "aborted")
+            outcome = "committed" if result.ok else ("fenced" if fenced else "aborted")
             self._metrics.transactions.labels(outcome).inc()
         if result.ok and current and state is not None:
             state.unconfirmed.update((row.id, result.listed[row.id]) for row in result.rows)
         elif not result.ok:
             self._log.warning("transaction_failed", shard=worker.shard, rows=len(result.rows),
-                              fenced=result.fenced, error=result.error)
+                              fenced=fenced, timed_out=result.timed_out, error=result.error)
             if current and state is not None:
                 state.poisoned = True
                 self._fail_buffer(state, "earlier_transaction_failed")
                 if result.broken:
                     self._close_shard(worker.shard, "producer_replaced")
                     self._retry[worker.shard] = (self._clock() + INIT_RETRY_INITIAL_S, 0.0)
-            if result.fenced:
-                self._lose(worker)
+            if result.fenced:  # the lease is given up either way: taken again at a heartbeat
+                self._lose(worker, "kafka_transaction_timed_out" if result.timed_out else "kafka_producer_fenced")
         for row in result.rows:
             result.callbacks[row.id](row, result.outcomes[row.id])
         return len(result.rows) + self._serve_immediate()
@@ -356,12 +360,12 @@ class TransactionalPublisher:
         except (ConfigError, BrokerUnreachable) as exc:
             self._log.warning("exactly_once_position_topic_not_created", topic=self._position_topic, error=str(exc))
 
-    def _lose(self, worker: ShardWorker) -> None:
+    def _lose(self, worker: ShardWorker, why: str = "kafka_producer_fenced") -> None:
         """A fenced producer loses its lease, unless the shard is held again since (with
         another token: our own new producer may be what fenced the old one)."""
         lease = self._leases.leases.get(worker.shard)
         if lease is not None and lease.token == worker.token:
-            self._leases.lose([worker.shard], "kafka_producer_fenced")
+            self._leases.lose([worker.shard], why)
 
     def _start_jobs(self) -> None:
         """Start a transaction for every shard with rows buffered and none running, unless

@@ -33,6 +33,7 @@ from relay.publisher import _KAFKA_LOG, Outcome, await_cluster, classify, refuse
 INIT_TIMEOUT_S = 30.0  # init_transactions waits for the previous holder's transaction to end
 COMMIT_TIMEOUT_S = 30.0
 POSITION_READ_TIMEOUT_S = 20.0
+DEFAULT_TRANSACTION_TIMEOUT_MS = 60_000  # librdkafka's transaction.timeout.ms
 POSITION_TAIL = 64  # offsets read back from the end of a position partition, at first
 FENCED_CODES = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
 #: A partition's leader not known yet or moving: its offsets are asked again.
@@ -45,6 +46,23 @@ SHARED_PREFIXES = ("bootstrap.servers", "security.", "sasl.", "ssl.", "client.",
                    "enable.ssl", "retry.backoff", "connections.max.idle")
 
 Headers = list[tuple[str, str | bytes | None]]
+
+
+def transaction_timeout_s(config: dict[str, str]) -> float:
+    """The producer's ``transaction.timeout.ms`` in seconds (librdkafka's default: 60 s)."""
+    try:
+        return max(0.001, float(config.get("transaction.timeout.ms", DEFAULT_TRANSACTION_TIMEOUT_MS)) / 1000.0)
+    except ValueError:  # librdkafka refuses it when the producer is made
+        return DEFAULT_TRANSACTION_TIMEOUT_MS / 1000.0
+
+
+def timed_out_text(open_s: float, timeout_s: float, error: str) -> str:
+    """Why a transaction open longer than ``transaction.timeout.ms`` failed.  The broker aborts
+    it for its timeout and fences the producer's epoch, which librdkafka reports as "fenced by
+    a newer instance" (or its messages as timed out) although no other producer need exist."""
+    return (f"the transaction timed out (open {open_s:.1f} s, transaction.timeout.ms "
+            f"{timeout_s * 1000:.0f} ms: the relay was held up, paused or starved of CPU) and was "
+            f"aborted; its rows are sent again (librdkafka: {error})")
 
 
 def event_digest(event_id: str) -> int:
@@ -254,7 +272,10 @@ class Result:
     listed: dict[RowId, int] = field(default_factory=dict)  # the position record's: id -> event_digest
     ok: bool = False
     init: bool = False
-    fenced: bool = False  # another holder's producer took over: the lease is gone
+    fenced: bool = False  # Kafka fenced the producer (another holder's, or the timeout's epoch bump)
+    #: The transaction was open longer than transaction.timeout.ms: the broker aborted it
+    #: (and fenced this producer's epoch) for its timeout, whoever else holds the shard.
+    timed_out: bool = False
     broken: bool = False  # this producer cannot go on: a new one must init (and recover)
     foreign: bool = False  # the shard's position record is another outbox's: a person must act
     position_missing: bool = False  # the position topic (or its partition) is not there
@@ -269,6 +290,7 @@ class ShardWorker:
                  results: queue.SimpleQueue[Result], outbox: str) -> None:
         self.shard, self.token = shard, token
         self._config = {**config, "transactional.id": transactional_id}
+        self._timeout_s = transaction_timeout_s(config)
         self._position_topic = position_topic
         self._outbox = outbox  # written into each position record, checked on reading one
         self._recover = recover
@@ -386,6 +408,7 @@ class ShardWorker:
             return done
 
         failed_row: tuple[RowId, Outcome] | None = None
+        began = time.monotonic()  # the broker's timer starts later, at the first partition added
         try:
             producer.begin_transaction()
             for row, headers in job.rows:
@@ -406,6 +429,10 @@ class ShardWorker:
             err: KafkaError = exc.args[0]
             result.error = err.str() if failed_row is None else failed_row[1].message
             result.fenced = err.code() in FENCED_CODES
+            result.timed_out = (failed_row is None and time.monotonic() - began >= self._timeout_s
+                                and (result.fenced or err.txn_requires_abort()))  # not "outcome unknown"
+            if result.timed_out:
+                result.error = timed_out_text(time.monotonic() - began, self._timeout_s, result.error)
             if err.fatal() or result.fenced:
                 result.broken = True
             elif err.retriable() and not err.txn_requires_abort():
@@ -415,7 +442,7 @@ class ShardWorker:
                     producer.abort_transaction(COMMIT_TIMEOUT_S)
                 except KafkaException:
                     result.broken = True
-            cause = "fenced" if result.fenced else "transaction_aborted"
+            cause = "fenced" if result.fenced and not result.timed_out else "transaction_aborted"
             for row in rows:
                 own = reports.get(row.id)
                 if failed_row is not None and failed_row[0] == row.id:
