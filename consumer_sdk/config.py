@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from consumer_sdk.errors import ConfigError
+from consumer_sdk.kafka_properties import check_consumer_properties
 from consumer_sdk.model import Action, RetryPolicy, valid_topic_name
 from consumer_sdk.secrets import safe_repr, validate_dsn
 from outbox_core.text import bootstrap_servers_problem, lacks_token_source
@@ -172,7 +173,10 @@ class InboxConfig:
     (no regex subscription); ``dead_letter_topic``, filled in, must be a topic name that is not
     consumed.  ``kafka_properties`` may not set ``group.id`` (use ``group_id``), nor
     ``bootstrap.servers`` when ``bootstrap_servers`` is set, nor ``enable.auto.commit`` or
-    ``enable.auto.offset.store`` to anything but false (the SDK commits offsets itself).
+    ``enable.auto.offset.store`` to anything but false (the SDK commits offsets itself); librdkafka
+    checks the consumer's properties here too (a client made and destroyed at once, which contacts
+    nothing: :mod:`consumer_sdk.kafka_properties`), so an unknown property or a value it refuses
+    raises "invalid Kafka consumer configuration: ..." naming it, not ``start()``.
     """
 
     name: str
@@ -233,6 +237,9 @@ class InboxConfig:
             raise ConfigError(f"apply_replays must be a list of replay ids (non-empty strings), got {replays!r}")
         self._check_numbers()
         self._check_dead_letter_topic()
+        # librdkafka's own check, here rather than at start(): a misspelled property raised
+        # at run time, perhaps on another thread.  It contacts nothing (kafka_properties.py).
+        check_consumer_properties(self.consumer_kafka())
 
     def _check_kafka(self) -> None:
         topics = self.topics

@@ -87,7 +87,9 @@ def test_config_validation(overrides):
 
 
 def test_oauthbearer_with_a_token_source_is_taken():
-    for props in ({"sasl.mechanism": "OAUTHBEARER", "sasl.oauthbearer.method": "oidc"},
+    oidc = {"sasl.oauthbearer.client.id": "c", "sasl.oauthbearer.client.secret": "s",  # librdkafka needs them
+            "sasl.oauthbearer.token.endpoint.url": "https://idp.example/token"}
+    for props in ({"sasl.mechanism": "OAUTHBEARER", "sasl.oauthbearer.method": "oidc", **oidc},
                   {"sasl.mechanism": "OAUTHBEARER", "oauth_cb": lambda config: ("token", 1e12)},
                   {"sasl.mechanism": "OAUTHBEARER", "enable.sasl.oauthbearer.unsecure.jwt": "true"}):
         assert _config(kafka_properties=props)
