@@ -64,6 +64,7 @@ from consumer_sdk.jobs.model import (
 )
 from consumer_sdk.jobs.queue import enqueue
 from consumer_sdk.jobs.reconciler import Reconciler, ReconcileResult
+from consumer_sdk.jobs.refusals import PoolHealth
 from consumer_sdk.jobs.retry import Backoff
 from consumer_sdk.jobs.runs import accept, body_sha256, cancel_run, owner_view, results, run_status
 from consumer_sdk.jobs.waits import activate, resume_job
@@ -93,6 +94,7 @@ __all__ = [
     "Listener",
     "NewJob",
     "PermanentJobError",
+    "PoolHealth",
     "PrivilegeMissing",
     "ReconcileResult",
     "Reconciler",

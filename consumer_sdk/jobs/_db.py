@@ -77,6 +77,19 @@ def translated() -> Iterator[None]:
         raise FatalError(f"jobs statement failed: {first_line(exc)}") from exc
 
 
+def refusal_cause(exc: BaseException) -> tuple[str, str, str]:
+    """What tells one refusal (:class:`InvalidJob` raised by :func:`translated`) from another
+    of the same statement: its SQLSTATE, the constraint, and where it was raised (the last
+    line of PL/pgSQL's context, the outermost: a trigger's function and line) or else the
+    message.  Not the message alone: a trigger's words often name the row (``job 17 ...``)."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, psycopg.Error) else None
+    if cause is None:
+        return "", "", first_line(exc)
+    diag = cause.diag
+    where = (diag.context or "").strip().splitlines()
+    return cause.sqlstate or "", diag.constraint_name or "", where[-1] if where else first_line(cause)
+
+
 def to_json(value: Any, *, what: str = "value") -> str:
     """Compact JSON text for a jsonb parameter; :class:`InvalidJob` when not encodable or
     not storable (a NUL character, a lone surrogate)."""

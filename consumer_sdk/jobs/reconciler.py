@@ -31,6 +31,7 @@ from consumer_sdk.jobs._conn import ConnectionFactory, ConnSlot
 from consumer_sdk.jobs._db import ConnectionT, q, translated
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import QueueStats
+from consumer_sdk.jobs.refusals import Refusals, Refused
 
 
 @dataclass(slots=True)
@@ -147,16 +148,31 @@ class Reconciler:
 class Upkeep:
     """A worker pool's upkeep between its claims: a reconciler pass every
     ``reconcile_interval_s``, and expired leases reaped at most every ``reap_interval_s``
-    in between (not every round: a busy pool claims many rounds a second)."""
+    in between (not every round: a busy pool claims many rounds a second).  A pass or a
+    reap the database refuses (``refusals``: a trigger, a constraint) is not raised: the
+    claims go on, the expired jobs wait, and the next try comes after the refusal's
+    back-off (:mod:`consumer_sdk.jobs.refusals`)."""
 
-    def __init__(self, reconciler: Reconciler, *, reconcile_interval_s: float, reap_interval_s: float) -> None:
+    def __init__(self, reconciler: Reconciler, *, reconcile_interval_s: float, reap_interval_s: float,
+                 refusals: Refusals) -> None:
         self.reconciler = reconciler
         self.reconcile_interval_s = reconcile_interval_s
         self.reap_interval_s = reap_interval_s
+        self.refusals = refusals
         self.next_reconcile = self.next_reap = 0.0  # monotonic seconds
 
     def run_due(self, conn: ConnectionT, now: float) -> None:
         """Reconcile, or reap, when due at ``now`` (the pool's monotonic clock)."""
+        if now < self.next_reconcile and now < self.next_reap:
+            return
+        try:
+            with self.refusals.watch("reap"):
+                self._run_due(conn, now)
+        except Refused as refused:
+            self.next_reap = max(self.next_reap, now + refused.pause_s)
+            self.next_reconcile = max(self.next_reconcile, self.next_reap)
+
+    def _run_due(self, conn: ConnectionT, now: float) -> None:
         rec = self.reconciler
         if now >= self.next_reconcile:
             self.next_reconcile = now + self.reconcile_interval_s

@@ -8,7 +8,7 @@ Threads, each with its own connection:
   lanes (:mod:`consumer_sdk.jobs.lanes`: every owner in turn), plans with
   :mod:`consumer_sdk.jobs.fairness` and claims in one short
   transaction, in the same round trip as the completions of the jobs that succeeded
-  since the last round; runs the reconciler every ``reconcile_interval_s``;
+  since the last round; runs the reconciler every ``reconcile_interval_s`` (refusals: :mod:`.refusals`);
 * ``max_concurrency`` executors: one claimed job at a time, from the pool's line
   (:mod:`consumer_sdk.jobs.line`: short jobs are claimed ahead; one lock section finishes a
   job and takes the next), the handler on the executor's connection (see
@@ -59,6 +59,7 @@ from consumer_sdk.jobs.line import Line
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import ClaimedJob, JobId
 from consumer_sdk.jobs.reconciler import Reconciler, Upkeep
+from consumer_sdk.jobs.refusals import PoolHealth, Refusals, Refused
 from consumer_sdk.jobs.threads import PoolThreads, left
 from consumer_sdk.jobs.wake import Listener
 from outbox_core.leases import local_deadline
@@ -121,7 +122,8 @@ class WorkerPool:
         self._wake_free = max(1, config.max_concurrency // 4)  # free slots worth a round
         #: Expired leases are reaped at most every quarter lease (and by every reconcile): a
         #: lease expires by lease_duration_s, so that delays a takeover by little.
-        self._upkeep = Upkeep(self.reconciler, reconcile_interval_s=config.reconcile_interval_s,
+        self._refusals = refusals = Refusals(log=self.log, rand=rand)
+        self._upkeep = Upkeep(self.reconciler, reconcile_interval_s=config.reconcile_interval_s, refusals=refusals,
                               reap_interval_s=min(config.poll_interval_s, config.lease_duration_s / 4))
         self._next_due: float | None = None
         self._more_work = self._schema_checked = False
@@ -233,6 +235,10 @@ class WorkerPool:
         with self._lock:
             return list(self._running.values())
 
+    def health(self) -> PoolHealth:
+        """For a readiness probe (see :class:`~consumer_sdk.jobs.refusals.PoolHealth`)."""
+        return self._refusals.health(error=self.error, started=self._started, stopping=self._stopping.is_set())
+
     # -- dispatch -------------------------------------------------------------------------
 
     def run_once(self) -> int:
@@ -261,9 +267,10 @@ class WorkerPool:
         limits = self._line.ahead if self._line.depth else self._limits
         takes = self._lanes.plan(lanes, busy=held, limits=limits)
         sent_at = self._clock()
-        claimed = self._done.write_with(lambda done: jobq.complete_and_claim(
-            conn, worker=self.worker_id, done=done, takes=takes, lease_s=self.config.lease_duration_s,
-            now=self._db_now()), conn=conn)
+        with self._refusals.watch("claim", sent=any(t.n > 0 for t in takes)):  # refused: successes alone first
+            claimed = self._done.write_with(lambda done: jobq.complete_and_claim(
+                conn, worker=self.worker_id, done=done, takes=takes, lease_s=self.config.lease_duration_s,
+                now=self._db_now()), conn=conn)
         self._more_work = sum(lane.ready for lane in lanes) > len(claimed)
         if self._lanes.after_round(lanes, takes, claimed, self._done.last_written, limits, sent_at):
             self._wake.set()  # an owner its limit held back has room now: the next round runs at once
@@ -288,6 +295,9 @@ class WorkerPool:
             try:
                 self.run_once()
                 pause_s = 0.1
+            except Refused as refused:  # logged once per cause, counted: no line per round
+                self._stopping.wait(refused.pause_s)  # no wake-up cuts it short: no spinning
+                continue
             except FatalError as exc:  # rejected credentials, a missing grant: a person has to act
                 self._dispatching = False  # running jobs write their own completions
                 self._failed(exc)
@@ -376,8 +386,8 @@ class WorkerPool:
 
     def _complete_later(self, ctx: JobContext, result_json: str, duration_s: float) -> bool:
         """The executor's success, written by the next round (False: write it yourself)."""
-        if not self._dispatching or self._stopping.is_set():
-            return False
+        if not self._dispatching or self._stopping.is_set() or self._refusals.refusing("claim"):
+            return False  # no round comes soon: the executor writes it
         with self._lock:  # the dispatcher computes its wait under it: it saw `due`, or we see its wait
             if wake := self._done.add(ctx, result_json, duration_s, wake_before=self._sleeping_until):
                 self._wake.set()
