@@ -56,7 +56,7 @@ def dispatch(command: str, args: argparse.Namespace, settings: Settings) -> int:
 def _adoption(args: argparse.Namespace) -> tuple[str, str, str]:
     """migrate --debezium-table's options checked (no I/O): (source, view, topic template)."""
     from relay.adopt import DEFAULT_TOPIC_TEMPLATE, topic_expression
-    from relay.config import _table_name
+    from relay.options import _table_name
 
     try:
         source = _table_name(args.debezium_table)

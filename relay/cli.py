@@ -20,18 +20,15 @@ from typing import Any, NoReturn
 
 from outbox_core.text import first_undecodable
 from relay import __version__
-from relay.config import (
-    ENV_PREFIX,
-    OPTIONS,
-    _flag,
-    build_settings,
+from relay.config import build_settings, mask_text
+from relay.config_env import (
     env_values,
     kafka_env_properties,
-    mask_text,
     parse_kafka_property,
     unknown_env_variables,
 )
 from relay.errors import ConfigError, RelayError
+from relay.options import ENV_PREFIX, OPTIONS, _flag
 
 PROG = "outbox-relay"
 
@@ -280,7 +277,8 @@ def _dispatch(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         _check_adopt_options(args)
     if command == "migrate" and args.print_sql:
         from relay import migrate
-        from relay.config import DEFAULT_LOCK_TIMEOUT_S, parse_option
+        from relay.config import parse_option
+        from relay.options import DEFAULT_LOCK_TIMEOUT_S
 
         raw = env_values(env, command)
         raw.update({name: getattr(args, name) for name in ("shards", "lock_timeout_s")

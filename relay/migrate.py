@@ -18,8 +18,8 @@ import psycopg
 from psycopg import sql
 
 from relay import store as store_mod
-from relay.config import DEFAULT_LOCK_TIMEOUT_S
 from relay.errors import ConfigError, FatalError
+from relay.options import DEFAULT_LOCK_TIMEOUT_S
 from relay.partitions import is_partitioned, maintain
 from relay.queries import query, sql_files
 

@@ -1,7 +1,7 @@
 """The Kafka side: produce rows, turn delivery reports into outcomes.
 
 Only this module imports confluent_kafka for producing.  The producer is
-idempotent with ``acks=all`` (see :func:`relay.config.producer_config`), so
+idempotent with ``acks=all`` (see :func:`relay.kafka_config.producer_config`), so
 messages of one partition are written in the order they were produced, without
 duplicates from the producer's own retries.
 """
@@ -22,8 +22,8 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from outbox_core.kafka_clients import destroy_producer
 from outbox_core.kafka_errors import SETUP_CODES, TlsListenerProbe, refusal_text, setup_failure
 from outbox_core.secrets import scrub
-from relay.config import KAFKA_ALIASES
 from relay.errors import ConfigError
+from relay.kafka_config import KAFKA_ALIASES
 from relay.model import OutboxRow
 from relay.stalls import default_partition
 

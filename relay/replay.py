@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from relay.config import DEFAULT_BATCH_MAX_BYTES
 from relay.metrics import RelayMetrics
 from relay.model import Lease, OutboxRow, ShardId, Token
+from relay.options import DEFAULT_BATCH_MAX_BYTES
 from relay.publisher import Outcome
 from relay.replay_store import MAX_REPLAY_RATE, Fence, Position, ReplayRow
 
