@@ -69,6 +69,12 @@ class JobsMetrics:
         self.waiting = Gauge("outbox_jobs_waiting", "Jobs parked in 'waiting'.", ["queue"], registry=r)
         self.heartbeat_failures = Counter(
             "outbox_jobs_heartbeat_failures", "Heartbeats that failed to reach the database.", registry=r)
+        self.dispatch_refusals = Counter(
+            "outbox_jobs_dispatch_refusals", "The pool's own claims or reaps the database refused (a trigger, "
+            "a constraint, a policy), by statement.", ["statement"], registry=r)
+        self.dispatch_refused = Gauge(
+            "outbox_jobs_dispatch_refused", "1 while the database refuses the pool's claim or reap "
+            "(tried again with back-off), by statement.", ["statement"], registry=r)
         # Children looked up once (labels are bounded: queues and statuses; never removed).
         self._per_queue: dict[str, tuple[Any, Any, Any]] = {}
         self._per_terminal: dict[tuple[str, str], tuple[Any, Any, Any]] = {}

@@ -9,7 +9,9 @@ would see; a refused reap stopped every claim too (an audit of the pool).  Now:
 
 * the statement is tried again with back-off (:data:`REFUSED_BACKOFF`: 0.25-0.5 s, doubling
   up to 15-30 s), never faster, whatever wakes the pool;
-* each refusal is counted (:class:`PoolHealth` ``refusals``, by statement);
+* each refusal is counted (:class:`PoolHealth` ``refusals`` and
+  ``outbox_jobs_dispatch_refusals_total``, by statement; ``outbox_jobs_dispatch_refused`` is 1
+  while it lasts);
 * each distinct cause (statement, SQLSTATE, constraint, the trigger's function) is logged
   once (``dispatch_refused``, an error with the database's message), and the end of the
   refusals once (``dispatch_resumed``);
@@ -33,6 +35,7 @@ from typing import Any, Literal
 
 from consumer_sdk.jobs._db import refusal_cause
 from consumer_sdk.jobs.errors import InvalidJob
+from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.retry import Backoff
 
 Statement = Literal["claim", "reap"]
@@ -63,8 +66,9 @@ class Refused(InvalidJob):
 class Refusals:
     """The refusals of the dispatcher's statements now in force (thread-safe)."""
 
-    def __init__(self, *, log: Any, rand: Callable[[], float]) -> None:
+    def __init__(self, *, log: Any, rand: Callable[[], float], metrics: JobsMetrics | None = None) -> None:
         self.log = log
+        self.metrics = metrics if metrics is not None else JobsMetrics()
         self._rand = rand
         self._lock = threading.Lock()
         self._now: dict[Statement, tuple[str, int]] = {}  # statement: (its message, refusals in a row)
@@ -81,6 +85,8 @@ class Refusals:
             new = cause not in self._logged
             self._logged.add(cause)
             self._total[statement] += 1
+        self.metrics.dispatch_refusals.labels(statement).inc()
+        self.metrics.dispatch_refused.labels(statement).set(1)
         pause_s = REFUSED_BACKOFF.delay_s(count, self._rand)
         if new:
             self.log.error("dispatch_refused", statement=statement, error=str(exc), sqlstate=cause[1],
@@ -109,6 +115,7 @@ class Refusals:
             ended = self._now.pop(statement, None)
             self._logged = {c for c in self._logged if c[0] != statement}
         if ended is not None:
+            self.metrics.dispatch_refused.labels(statement).set(0)
             self.log.info("dispatch_resumed", statement=statement, refusals=ended[1])
 
     def refusing(self, statement: Statement) -> bool:

@@ -122,7 +122,7 @@ class WorkerPool:
         self._wake_free = max(1, config.max_concurrency // 4)  # free slots worth a round
         #: Expired leases are reaped at most every quarter lease (and by every reconcile): a
         #: lease expires by lease_duration_s, so that delays a takeover by little.
-        self._refusals = refusals = Refusals(log=self.log, rand=rand)
+        self._refusals = refusals = Refusals(log=self.log, rand=rand, metrics=self.metrics)
         self._upkeep = Upkeep(self.reconciler, reconcile_interval_s=config.reconcile_interval_s, refusals=refusals,
                               reap_interval_s=min(config.poll_interval_s, config.lease_duration_s / 4))
         self._next_due: float | None = None

@@ -59,6 +59,10 @@ def _pool(jobs_db: str, handlers: dict[str, Any], logged: list[dict[str, Any]], 
     return WorkerPool(config, handlers, log=recording_logger(logged))
 
 
+def _sample(pool: Any, name: str, statement: str) -> float | None:
+    return pool.metrics.registry.get_sample_value(name, {"statement": statement})
+
+
 def test_a_claim_the_database_refuses_backs_off_says_so_and_loses_nothing(conn, jobs_db) -> None:
     logged: list[dict[str, Any]] = []
     release = threading.Event()
@@ -79,6 +83,9 @@ def test_a_claim_the_database_refuses_backs_off_says_so_and_loses_nothing(conn, 
                             message=lambda: str(pool.health()))
         assert not health.ready and pool.error is None, health
         assert len(health.reasons) == 1 and "the queue is frozen by policy" in health.reasons[0], health
+        # And the metrics an alert reads (OutboxJobsDispatchRefused).
+        assert _sample(pool, "outbox_jobs_dispatch_refused", "claim") == 1.0
+        assert _sample(pool, "outbox_jobs_dispatch_refusals_total", "claim") >= 3
         # A success is still written while the claims are refused.
         release.set()
         wait_until(lambda: _jobs(jobs_db)[0] == ("slow", "succeeded", 1), timeout_s=5,
@@ -91,6 +98,7 @@ def test_a_claim_the_database_refuses_backs_off_says_so_and_loses_nothing(conn, 
                    message=lambda: f"claimed once the database let it: {_jobs(jobs_db)}")
         wait_until(lambda: pool.health().ready, timeout_s=5, message=lambda: str(pool.health()))
         assert pool.health().refusals["claim"] >= 3  # a counter: what was refused stays counted
+        assert _sample(pool, "outbox_jobs_dispatch_refused", "claim") == 0.0
     finally:
         release.set()
         pool.stop()
