@@ -30,20 +30,17 @@ in spite of that (an earlier in-flight batch failing behind it) is counted in
 
 from __future__ import annotations
 
-import math
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from operator import attrgetter
 from typing import Any, Protocol
 
 from relay.failures import FailurePublisher, Failures, FailureStore
 from relay.inflight import InFlight, PendingMark
 from relay.leases import LeaseManager
-from relay.marker import MarkLanes, MarkOutcome, MarkStore, mark_rows
-from relay.metrics import RelayMetrics, observe_many
+from relay.marker import MarkLanes, MarkStore
+from relay.metrics import RelayMetrics
 from relay.model import (
     START,
     BatchResult,
@@ -52,7 +49,17 @@ from relay.model import (
     OutboxRow,
     ShardId,
 )
-from relay.publisher import QUEUE_FULL, DeliveryCallback, Outcome
+from relay.publisher import DeliveryCallback, Outcome
+
+# The claim and the settling live in relay/pump_claim.py and relay/pump_settle.py; the
+# constants the tests import from here are re-exported.
+from relay.pump_claim import LEASE_LOOK_ROWS as LEASE_LOOK_ROWS
+from relay.pump_claim import LEASE_NEAR_S as LEASE_NEAR_S
+from relay.pump_claim import PACE_STEP as PACE_STEP
+from relay.pump_claim import PACED_CLAIM_ROWS as PACED_CLAIM_ROWS
+from relay.pump_claim import Claiming
+from relay.pump_settle import INLINE_MARK_ROWS as INLINE_MARK_ROWS
+from relay.pump_settle import Settling
 from relay.stalls import Stalls
 
 DEFAULT_BATCH_MAX_BYTES = 4 << 20  # payload bytes per claim; 4 in flight: 16 MiB
@@ -65,21 +72,6 @@ SWEEP_INTERVAL_S = 10.0  # a full pass, and a look for foreign xids, at most thi
 #: them all: 200,000 rows cost one about 160 ms, an hour at 1,000 events/s seconds.
 SWEEP_COST_RATIO = 50.0
 SWEEP_SLOW_S = 0.5  # a sweep this slow is logged (sweep_slow), with when the next one runs
-STALLED_ROWS_MAX = 10_000  # rows waiting on stalled partitions before claims stop altogether
-STALLED_CLAIM_PAUSE_S = 0.5  # a claim that found only rows held by a stall waits this long
-#: A drained claim finding fewer rows stretches the wait before the next.  Each claim cycle
-#: costs about the same CPU whatever it carries (1.2-1.5 ms here), so this sets the relay's
-#: CPU at steady rates against its latency: at 1,000 events/s, 10 rows cost 14.6 % of a core
-#: at commit -> ack p50 7.4 ms, 12 rows 11.9 % at 8.5 ms (issue 18's twentieth pass).
-PACED_CLAIM_ROWS = 12
-PACE_STEP = 1.5  # how much one claim stretches or shortens that wait
-INLINE_MARK_ROWS = 64  # a drained window's batch up to this size is marked on the pump's thread
-# Producing a batch takes milliseconds and a lease is trusted for seconds: the clock is read
-# for every row only while some lease's deadline is this close, else every LEASE_LOOK_ROWS rows.
-LEASE_NEAR_S = 1.0
-LEASE_LOOK_ROWS = 256
-CREATED, TOPIC, _SHARD, _ID = (attrgetter("created_epoch"), attrgetter("topic"), attrgetter("shard"),
-                             attrgetter("id"))
 
 
 class PumpStore(MarkStore, FailureStore, Protocol):
@@ -94,7 +86,7 @@ class PumpPublisher(FailurePublisher, Protocol):
     def partition_of(self, row: OutboxRow) -> int | None: ...
 
 
-class Pump:
+class Pump(Claiming, Settling):
     """Claims, produces and marks.  ``run_once`` never blocks for long; the loop
     (relay/loop.py) decides when to claim and waits.  ``start()`` starts the mark threads."""
 
@@ -348,252 +340,6 @@ class Pump:
         for topic, partition in before.keys() - self.stalls.partitions.keys():
             self.metrics.stalled_rows.remove(topic, str(partition))
 
-    def _may_claim(self, now: float) -> bool:
-        # Batches waiting for their mark count too: a crash republishes every row
-        # produced and not yet marked, and that window is ``pipeline_depth`` batches.
-        return (self._active_batches(now) + len(self.marking) < self.pipeline_depth
-                and sum(self.stalls.partitions.values()) < STALLED_ROWS_MAX
-                and not self.rewind_requested
-                and now >= self.claim_not_before)
-
-    def _claim_and_send(self, result: BatchResult, now: float) -> None:
-        usable = self.leases.usable(now)
-        ready = getattr(self.publisher, "ready", None)  # exactly-once: recovered shards only
-        if ready is not None:
-            usable = [lease for lease in usable if ready(lease.shard)]
-        if not usable:
-            return
-        shards = {lease.shard for lease in usable}
-        if self.cursor.fresh:
-            self.cursor_shards = shards
-        elif not shards <= self.cursor_shards:
-            # A shard left out of the claims since the cursor last started (given back,
-            # briefly untrusted, or newly held) is back: the cursor has passed its
-            # pending rows.  Claim it only after a rewind.
-            self.request_rewind()
-            return
-        else:
-            self.cursor_shards = shards  # one that leaves must rewind to come back
-        started, claim_started = time.perf_counter(), self.clock()
-        rows, snapshot, cut = self.store.claim(
-            shards=sorted(shards), nshards=self.nshards, after=self.cursor, limit=self.batch_size,
-            max_bytes=self.max_message_bytes, budget_bytes=self.batch_max_bytes,
-            sent_retries=self.sent_retries)
-        self.metrics.claim_duration.observe(time.perf_counter() - started)
-        if self._rewind_cost_s is not None:
-            self._sweep_cost(self._rewind_cost_s + self.clock() - claim_started)
-        result.claims += 1
-        window = snapshot if snapshot is not None else self.cursor.cur
-        self.caught_up = len(rows) < self.batch_size and not cut
-        if self.caught_up:  # the window is exhausted: next, what committed after it
-            self.cursor = Cursor.after_snapshot(window)
-            self._pace(len(rows), now)
-        else:
-            self.cursor = self.cursor.advanced(rows[-1], window)
-            self.pace_s = self.claim_interval_s
-        if not rows:
-            return
-        self.metrics.batch_size.observe(len(rows))
-        result.claimed += len(rows)
-        batch = InFlight(tokens={lease.shard: lease.token for lease in usable},
-                         produced_at=self.clock())
-        # The loop below runs once per row: names bound once, checks that cannot apply
-        # skipped (no stall, no failed key, no lease near its deadline), the lease
-        # deadlines looked up in a dict.
-        deadlines = {lease.shard: lease.deadline_monotonic for lease in usable}
-        soonest = min(deadlines.values())
-        near = False
-        clock, stalls, send, report = self.clock, self.stalls, self.publisher.send, batch.report
-        max_message_bytes, suspects = self.max_message_bytes, self.failures.suspects
-        produced = batch.rows
-        blocked: set[str] = set()
-        deferred = held = sent = 0
-        for index, row in enumerate(rows):
-            if not near and not index % LEASE_LOOK_ROWS:
-                near = soonest - clock() < LEASE_NEAR_S
-            if (stalls.partitions or stalls.held) and stalls.holds(row):
-                held += 1  # its partition or its key waits: claimed again after the stall
-                continue
-            if near and deadlines.get(row.shard, 0.0) <= clock():
-                deferred += 1  # lease may be gone: produce nothing more from this shard
-                continue
-            if blocked and row.key in blocked:
-                deferred += 1  # an earlier row of this key failed in this batch
-                continue
-            alone = bool(suspects) and row.id in suspects
-            if alone and (produced or self.in_flight):
-                deferred += len(rows) - index  # sent alone: first of a claim, nothing in flight
-                break
-            produced.append(row)
-            batch.waiting += 1
-            if row.size > max_message_bytes:
-                immediate: Outcome | None = Outcome(
-                    ok=False, error_class="message_too_large", permanent=True, hopeless=True,
-                    message=f"{row.size} bytes of payload, key and headers are over the "
-                            f"producer's message.max.bytes ({max_message_bytes})")
-            else:
-                immediate = send(row, report)
-            if immediate is None:
-                sent += 1
-                if row.attempts:  # maybe in back-off: its key's later rows may follow it now
-                    self.sent_retries.add(row.id)
-                if alone:  # nothing more until its report: no record batch shares it
-                    self.failures.isolated.add(row.id)
-                    deferred += len(rows) - index - 1
-                    break
-                continue
-            if immediate is QUEUE_FULL:  # nothing more fits: the rest waits for a rewind
-                produced.pop()
-                batch.waiting -= 1
-                deferred += len(rows) - index
-                self.metrics.queue_full.inc()
-                break
-            report(row, immediate)
-            if row.key is not None:
-                blocked.add(row.key)
-        result.produced += sent
-        if deferred:
-            self.caught_up = False
-            self.request_rewind()
-        if held == len(rows) and self.caught_up:
-            self.claim_not_before = self.backoff_until = self.clock() + STALLED_CLAIM_PAUSE_S
-        if batch.rows:
-            self.in_flight.append(batch)
-
-    def _pace(self, found: int, now: float) -> None:
-        """After a claim that drained the backlog: wait before the next one, longer while
-        claims find fewer than ``PACED_CLAIM_ROWS`` rows, shorter as they find more.  A
-        steady trickle is then claimed a few rows at a time (at 1,000 events/s about every
-        12 ms, at 100 events/s every ``claim_interval_max_s``), instead of once per delivery
-        report or mark; a backlog (a full claim) resets the wait to the shortest."""
-        if not self.claim_interval_s:
-            return
-        if found < PACED_CLAIM_ROWS:
-            self.pace_s = min(self.pace_s * PACE_STEP, self.claim_interval_max_s)
-        else:
-            self.pace_s = max(self.pace_s / PACE_STEP, self.claim_interval_s)
-        self.claim_not_before = max(self.claim_not_before, now + self.pace_s)
-
-    # -- settling -------------------------------------------------------------------------
-
-    def _settle_done(self, result: BatchResult, now: float) -> None:
-        """Settle finished batches in production order; a batch stalled on a partition
-        does not hold back the ones after it, and what it got acknowledged is marked."""
-        if not self.stalls.partitions:
-            while self.in_flight and self.in_flight[0].done:
-                self._settle(self.in_flight.popleft(), result)
-            return
-        kept: deque[InFlight] = deque()
-        for batch in self.in_flight:
-            if batch.done:
-                self._settle(batch, result)
-                continue
-            if self.stalls.stalled(batch, now):
-                acked = [row for row in batch.rows
-                         if row.id in batch.outcomes and batch.outcomes[row.id].ok]
-                if acked:
-                    result.acked += len(acked)
-                    self._mark(batch, acked)
-                    done = {row.id for row in acked}
-                    batch.rows = [row for row in batch.rows if row.id not in done]
-            kept.append(batch)
-        self.in_flight = kept
-
-    def _settle(self, batch: InFlight, result: BatchResult) -> None:
-        failures = self.failures
-        if failures.isolated:
-            for row in batch.rows:
-                if row.id in failures.isolated and batch.outcomes[row.id].ok:
-                    failures.cleared(row.id)
-        if not batch.failures and not self.failed_keys:  # every row delivered: no look at each
-            result.acked += len(batch.rows)
-            if batch.rows:
-                self._mark(batch, batch.rows)
-            failures.transient_streak = 0
-            return
-        acked: list[OutboxRow] = []
-        failed: list[OutboxRow] = []
-        for row in batch.rows:
-            outcome = batch.outcomes[row.id]
-            if outcome.ok:
-                if row.key is not None and (row.topic, row.key) in self.failed_keys:
-                    result.order_violations += 1
-                    self.metrics.order_violations.inc()
-                    self.log.error("order_violation", shard=row.shard, row_id=row.id)
-                acked.append(row)
-            else:
-                failed.append(row)
-                if row.key is not None:
-                    self.failed_keys.add((row.topic, row.key))
-        result.acked += len(acked)
-        if acked:
-            self._mark(batch, acked)
-        if failed:
-            self.request_rewind()
-            not_before = failures.handle(batch, failed, result)
-            if not_before is not None:
-                self.claim_not_before = self.backoff_until = not_before
-        else:
-            failures.transient_streak = 0
-
-    def _mark(self, batch: InFlight, acked: list[OutboxRow]) -> None:
-        """Mark ``acked`` in the background, or at once on this thread: without a mark
-        store, or when nothing could run meanwhile (a small batch of a drained window,
-        nothing else in flight or marking: the next claim is paced).  Handing such a
-        mark to the mark thread and waiting for it costs two thread wake-ups for no
-        overlap.  Either way a failed mark raises in :meth:`_collect_marks`."""
-        marker = self._marker
-        if marker is not None and not (self.caught_up and len(acked) <= INLINE_MARK_ROWS
-                                       and not self.in_flight and not self.marking):
-            future = marker.submit(batch.tokens, acked)
-        else:
-            future = Future()
-            shards = set(map(_SHARD, acked))  # fenced by its rows' shards only, as the mark threads' parts are
-            tokens = {shard: token for shard, token in batch.tokens.items() if shard in shards}
-            try:  # the mark threads are idle: nothing is marking
-                future.set_result(mark_rows(self.store if marker is None else marker.store,
-                                            self.leases.owner, tokens, acked))
-            except Exception as exc:  # like the mark thread's: raised in _collect_marks
-                future.set_exception(exc)
-        self.marking.append(PendingMark(batch, acked, future))
-
-    def _collect_marks(self, result: BatchResult) -> None:
-        """Apply finished marks in batch order.  A failed mark raises its error here,
-        after leaving the queue: its rows stay pending and are claimed again."""
-        while self.marking and self.marking[0].future.done():
-            pending = self.marking.popleft()
-            self._apply_mark(pending, pending.future.result(), result)
-
-    def _apply_mark(self, pending: PendingMark, outcome: MarkOutcome, result: BatchResult) -> None:
-        acked = pending.acked
-        held, marked, took = outcome
-        self.metrics.mark_duration.observe(took)
-        lost = {row.shard for row in acked} - held
-        if lost:
-            fenced = sum(1 for row in acked if row.shard in lost)
-            result.fenced += fenced
-            self.metrics.fenced_writes.inc(fenced)
-            self.leases.lose(lost, "mark_fenced")
-        result.marked += len(marked)
-        confirm = getattr(self.publisher, "confirm_marked", None)  # exactly-once positions
-        if confirm is not None:
-            confirm(row.id for row in acked if row.shard in held)
-        if marked:
-            self.last_marked_at = self.clock()
-            self.metrics.last_publish.set(self.wall_clock())
-        now_wall = self.wall_clock()
-        done = acked if len(marked) == len(acked) else [row for row in acked if row.id in marked]
-        if self.sent_retries:  # marked: no longer in back-off
-            self.sent_retries.difference_update(map(_ID, done))
-        latencies = [now_wall - epoch for epoch in map(CREATED, done)]
-        if latencies and not 0.0 <= min(latencies) <= max(latencies) < math.inf:
-            # A writer's clock ahead of this one (below 0), or a created_at of ±infinity (the
-            # schema allows it): one infinite observation kept the histogram's sum at +Inf for
-            # the process's life, and every mean latency after it NaN (an audit's finding).
-            latencies = [max(0.0, latency) for latency in latencies if math.isfinite(latency)]
-        observe_many(self.metrics.commit_to_ack, latencies)
-        for topic, count in Counter(map(TOPIC, done)).items():
-            self.metrics.published.labels(topic).inc(count)
 
     # -- shutdown -------------------------------------------------------------------------
 

@@ -1,0 +1,177 @@
+"""The settling side of the pump: finished batches settled in order, their rows marked.
+
+:class:`Settling` is a part of :class:`relay.pump.Pump` (the module docstring there tells
+the whole loop): a batch whose reports are all in is settled in production order (a
+stalled one does not hold back the next), its failures handed to relay/failures.py, its
+acknowledged rows marked (in the background, relay/marker.py, or at once), and finished
+marks applied in batch order (leases lost to fencing, metrics).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
+
+from relay.failures import Failures
+from relay.inflight import InFlight, PendingMark
+from relay.leases import LeaseManager
+from relay.marker import MarkLanes, MarkOutcome, mark_rows
+from relay.metrics import RelayMetrics, observe_many
+from relay.model import BatchResult, OutboxRow
+from relay.stalls import Stalls
+
+if TYPE_CHECKING:
+    from relay.pump import PumpPublisher, PumpStore
+
+INLINE_MARK_ROWS = 64  # a drained window's batch up to this size is marked on the pump's thread
+CREATED, TOPIC, _SHARD, _ID = (attrgetter("created_epoch"), attrgetter("topic"), attrgetter("shard"),
+                             attrgetter("id"))
+
+
+class Settling:
+    """Settles and marks for :class:`relay.pump.Pump`, whose state it works on."""
+
+    if TYPE_CHECKING:  # the pump's state and methods (relay/pump.py)
+        store: PumpStore
+        publisher: PumpPublisher
+        leases: LeaseManager
+        metrics: RelayMetrics
+        log: Any
+        clock: Callable[[], float]
+        wall_clock: Callable[[], float]
+        in_flight: deque[InFlight]
+        marking: deque[PendingMark]
+        failures: Failures
+        stalls: Stalls
+        failed_keys: set[tuple[str, str]]
+        sent_retries: set[int]
+        caught_up: bool
+        claim_not_before: float
+        backoff_until: float
+        last_marked_at: float
+        _marker: MarkLanes | None
+
+        def request_rewind(self) -> None: ...
+
+    def _settle_done(self, result: BatchResult, now: float) -> None:
+        """Settle finished batches in production order; a batch stalled on a partition
+        does not hold back the ones after it, and what it got acknowledged is marked."""
+        if not self.stalls.partitions:
+            while self.in_flight and self.in_flight[0].done:
+                self._settle(self.in_flight.popleft(), result)
+            return
+        kept: deque[InFlight] = deque()
+        for batch in self.in_flight:
+            if batch.done:
+                self._settle(batch, result)
+                continue
+            if self.stalls.stalled(batch, now):
+                acked = [row for row in batch.rows
+                         if row.id in batch.outcomes and batch.outcomes[row.id].ok]
+                if acked:
+                    result.acked += len(acked)
+                    self._mark(batch, acked)
+                    done = {row.id for row in acked}
+                    batch.rows = [row for row in batch.rows if row.id not in done]
+            kept.append(batch)
+        self.in_flight = kept
+
+    def _settle(self, batch: InFlight, result: BatchResult) -> None:
+        failures = self.failures
+        if failures.isolated:
+            for row in batch.rows:
+                if row.id in failures.isolated and batch.outcomes[row.id].ok:
+                    failures.cleared(row.id)
+        if not batch.failures and not self.failed_keys:  # every row delivered: no look at each
+            result.acked += len(batch.rows)
+            if batch.rows:
+                self._mark(batch, batch.rows)
+            failures.transient_streak = 0
+            return
+        acked: list[OutboxRow] = []
+        failed: list[OutboxRow] = []
+        for row in batch.rows:
+            outcome = batch.outcomes[row.id]
+            if outcome.ok:
+                if row.key is not None and (row.topic, row.key) in self.failed_keys:
+                    result.order_violations += 1
+                    self.metrics.order_violations.inc()
+                    self.log.error("order_violation", shard=row.shard, row_id=row.id)
+                acked.append(row)
+            else:
+                failed.append(row)
+                if row.key is not None:
+                    self.failed_keys.add((row.topic, row.key))
+        result.acked += len(acked)
+        if acked:
+            self._mark(batch, acked)
+        if failed:
+            self.request_rewind()
+            not_before = failures.handle(batch, failed, result)
+            if not_before is not None:
+                self.claim_not_before = self.backoff_until = not_before
+        else:
+            failures.transient_streak = 0
+
+    def _mark(self, batch: InFlight, acked: list[OutboxRow]) -> None:
+        """Mark ``acked`` in the background, or at once on this thread: without a mark
+        store, or when nothing could run meanwhile (a small batch of a drained window,
+        nothing else in flight or marking: the next claim is paced).  Handing such a
+        mark to the mark thread and waiting for it costs two thread wake-ups for no
+        overlap.  Either way a failed mark raises in :meth:`_collect_marks`."""
+        marker = self._marker
+        if marker is not None and not (self.caught_up and len(acked) <= INLINE_MARK_ROWS
+                                       and not self.in_flight and not self.marking):
+            future = marker.submit(batch.tokens, acked)
+        else:
+            future = Future()
+            shards = set(map(_SHARD, acked))  # fenced by its rows' shards only, as the mark threads' parts are
+            tokens = {shard: token for shard, token in batch.tokens.items() if shard in shards}
+            try:  # the mark threads are idle: nothing is marking
+                future.set_result(mark_rows(self.store if marker is None else marker.store,
+                                            self.leases.owner, tokens, acked))
+            except Exception as exc:  # like the mark thread's: raised in _collect_marks
+                future.set_exception(exc)
+        self.marking.append(PendingMark(batch, acked, future))
+
+    def _collect_marks(self, result: BatchResult) -> None:
+        """Apply finished marks in batch order.  A failed mark raises its error here,
+        after leaving the queue: its rows stay pending and are claimed again."""
+        while self.marking and self.marking[0].future.done():
+            pending = self.marking.popleft()
+            self._apply_mark(pending, pending.future.result(), result)
+
+    def _apply_mark(self, pending: PendingMark, outcome: MarkOutcome, result: BatchResult) -> None:
+        acked = pending.acked
+        held, marked, took = outcome
+        self.metrics.mark_duration.observe(took)
+        lost = {row.shard for row in acked} - held
+        if lost:
+            fenced = sum(1 for row in acked if row.shard in lost)
+            result.fenced += fenced
+            self.metrics.fenced_writes.inc(fenced)
+            self.leases.lose(lost, "mark_fenced")
+        result.marked += len(marked)
+        confirm = getattr(self.publisher, "confirm_marked", None)  # exactly-once positions
+        if confirm is not None:
+            confirm(row.id for row in acked if row.shard in held)
+        if marked:
+            self.last_marked_at = self.clock()
+            self.metrics.last_publish.set(self.wall_clock())
+        now_wall = self.wall_clock()
+        done = acked if len(marked) == len(acked) else [row for row in acked if row.id in marked]
+        if self.sent_retries:  # marked: no longer in back-off
+            self.sent_retries.difference_update(map(_ID, done))
+        latencies = [now_wall - epoch for epoch in map(CREATED, done)]
+        if latencies and not 0.0 <= min(latencies) <= max(latencies) < math.inf:
+            # A writer's clock ahead of this one (below 0), or a created_at of ±infinity (the
+            # schema allows it): one infinite observation kept the histogram's sum at +Inf for
+            # the process's life, and every mean latency after it NaN (an audit's finding).
+            latencies = [max(0.0, latency) for latency in latencies if math.isfinite(latency)]
+        observe_many(self.metrics.commit_to_ack, latencies)
+        for topic, count in Counter(map(TOPIC, done)).items():
+            self.metrics.published.labels(topic).inc(count)
