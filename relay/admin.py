@@ -13,7 +13,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from outbox_core.text import uuid_from_text
-from relay import migrate, partitions, store
+from relay import db, migrate, partitions, store
 from relay.config import Settings
 from relay.errors import ConfigError, NotFound, PermissionDenied
 from relay.queries import compose
@@ -71,9 +71,9 @@ def _adoption(args: argparse.Namespace) -> tuple[str, str, str]:
 def _adopt(settings: Settings, args: argparse.Namespace, source: str, view: str, template: str) -> int:
     from relay.adopt import adopt
 
-    conn = store.connect(settings.dsn, application_name="outbox-relay-migrate", autocommit=True)
+    conn = db.connect(settings.dsn, application_name="outbox-relay-migrate", autocommit=True)
     try:
-        with store.translated():
+        with db.translated():
             report = adopt(conn, source=source, view=view, topic_template=template,
                            ce_source=args.cloudevents_source, existing=args.existing or "published")
     except psycopg.errors.ProgrammingError as exc:  # SQLSTATE class 42
@@ -106,14 +106,14 @@ def _adopt(settings: Settings, args: argparse.Namespace, source: str, view: str,
 
 def _rows(conn: Any, group: str, name: str, params: dict[str, Any],
           table: str = "outbox") -> list[dict[str, Any]]:
-    with store.translated(schema_behind=True):
+    with db.translated(schema_behind=True):
         cur = conn.cursor(row_factory=dict_row)
         cur.execute(compose(group, name, table=table), params)
         return cur.fetchall() if cur.description else []
 
 
 def _iso(value: datetime | str | None) -> str | None:
-    """ISO 8601, or ``infinity`` / ``-infinity`` as PostgreSQL writes them (store.connect)."""
+    """ISO 8601, or ``infinity`` / ``-infinity`` as PostgreSQL writes them (db.connect)."""
     return value if value is None or isinstance(value, str) else value.isoformat()
 
 
@@ -125,10 +125,10 @@ def _finite(seconds: Any) -> float | None:
 
 
 def status(settings: Settings, *, as_json: bool) -> int:
-    conn = store.connect(settings.dsn, application_name="outbox-relay-status")
+    conn = db.connect(settings.dsn, application_name="outbox-relay-status")
     try:
         (schema,) = _rows(conn, "relay", "schema_check", {"table": settings.table})
-        store.require_schema(schema, settings.table)
+        db.require_schema(schema, settings.table)
         (backlog,) = _rows(conn, "admin", "status_backlog", {}, settings.table)
         (dead,) = _rows(conn, "admin", "status_dead_letters", {})
         shards = _rows(conn, "leases", "shard_table", {"now": None})
@@ -192,7 +192,7 @@ def status(settings: Settings, *, as_json: bool) -> int:
 def _detached(conn: Any) -> list[dict[str, Any]]:
     """The tables detached from a partitioned outbox that hold unpublished rows (or whose
     rows were not counted), as `status` shows them (relay/partitions.py)."""
-    with store.translated():
+    with db.translated():
         if not partitions.is_partitioned(conn):
             return []
         counts, unreadable = partitions.detached(conn, bounded=False)  # no transaction block
@@ -267,12 +267,12 @@ def _check_dead_letter_args(args: argparse.Namespace) -> None:
 
 def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
     _check_dead_letter_args(args)
-    conn = store.connect(settings.dsn, application_name="outbox-relay-dead-letters")
+    conn = db.connect(settings.dsn, application_name="outbox-relay-dead-letters")
     try:
         # As status and cleanup do: a --table that is not there said "the outbox schema is
         # missing: run migrate" on requeue (which would not help) and listed on regardless.
         (schema,) = _rows(conn, "relay", "schema_check", {"table": settings.table})
-        store.require_schema(schema, settings.table)
+        db.require_schema(schema, settings.table)
         action = args.action
         if action == "list":
             items = list_dead_letters(conn, limit=args.limit)

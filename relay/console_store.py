@@ -13,8 +13,8 @@ from consumer_sdk.jobs import admin as jobs_admin
 from consumer_sdk.jobs.model import DeadLetterRecord, RunState
 from consumer_sdk.jobs.runs import cancel_run, run_status
 from relay import admin
+from relay.db import translated
 from relay.replay_store import ReplayStore
-from relay.store import translated
 
 #: A dead letter's page shows its key, payload and headers up to this many characters
 #: (``outbox-relay dead-letters show`` prints the whole row): a row dead-lettered for its

@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from relay import store as store_mod
+from relay import db
 from relay.errors import ConfigError, FatalError
 from relay.options import DEFAULT_LOCK_TIMEOUT_S
 from relay.partitions import is_partitioned, maintain
@@ -96,10 +96,10 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
     the sessions in old transactions that hold table locks.
     """
     applied_now: list[str] = []
-    holder = store_mod.connect(dsn, application_name="outbox-relay-migrate", autocommit=False)
-    conn = store_mod.connect(dsn, application_name="outbox-relay-migrate", autocommit=False)
+    holder = db.connect(dsn, application_name="outbox-relay-migrate", autocommit=False)
+    conn = db.connect(dsn, application_name="outbox-relay-migrate", autocommit=False)
     try:
-        with store_mod.translated():
+        with db.translated():
             _hold_run_lock(holder, log)
             with conn.transaction():
                 _locked(conn)

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from outbox_core.secrets import mask_text
+from relay.db import connect, translated
 from relay.errors import RelayError
 from relay.queries import query
-from relay.store import connect, translated
 
 #: The relay held up this long (its loop, or its marks): look at what its statements wait on.
 LOOK_AFTER_S = 5.0

@@ -22,9 +22,9 @@ from typing import Any
 import psycopg
 
 from outbox_core.backoff import ceiling_s
+from relay.db import connect, translated
 from relay.errors import RetriableError
 from relay.queries import query
-from relay.store import connect, translated
 
 NOTIFY_CHANNEL = "outbox_relay"
 SHARDS_CHANNEL = "outbox_relay_shards"

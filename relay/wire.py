@@ -11,7 +11,7 @@ descriptions.  Measured on this project's machines with nine-row cycles: the cla
 :class:`Prepared` keeps one named block of ``relay.sql`` as a server-side prepared
 statement (``PREPARE`` once per connection, by libpq's Parse message), sends the values as
 text (each is cast by the statement, as every parameter of these blocks is: integers,
-booleans, array literals from :func:`relay.store.int_array`, snapshots, timestamps), and
+booleans, array literals from :func:`relay.db.int_array`, snapshots, timestamps), and
 loads the binary result with psycopg's own row loaders (``psycopg.adapt.Transformer``).
 No SQL is built from values: the statement's text is the block's, with ``{table}``
 composed as an identifier before it is prepared.
