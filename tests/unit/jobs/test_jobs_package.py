@@ -1,5 +1,5 @@
 """Package rules of consumer_sdk.jobs: named SQL only, every named query exists, never the relay
-package, metrics under one prefix with bounded labels, small modules."""
+package, metrics under one prefix with bounded labels; small modules (all of consumer_sdk's)."""
 
 from __future__ import annotations
 
@@ -55,9 +55,20 @@ def test_the_jobs_package_never_imports_the_relay_and_has_no_sql_strings():
                 assert not SQL.search(node.value), f"{path.name}: {node.value[:60]!r}"
 
 
+#: consumer_sdk modules not split under 400 lines yet: each leaves this list once split, and
+#: no module joins it.
+STILL_LARGE = {"processor.py", "store.py"}
+
+
 def test_modules_stay_small():
-    for path in SOURCES:
-        assert len(path.read_text().splitlines()) < 400, path.name
+    """Every module of consumer_sdk, the jobs package's and the rest, stays under 400 lines."""
+    sdk = PACKAGE.parent
+    for path in sorted(sdk.rglob("*.py")):
+        name = str(path.relative_to(sdk))
+        if name not in STILL_LARGE:
+            assert len(path.read_text().splitlines()) < 400, name
+    for name in STILL_LARGE:
+        assert len((sdk / name).read_text().splitlines()) >= 400, f"{name} is small now: drop it from STILL_LARGE"
 
 
 def test_metrics_share_one_prefix_and_never_label_by_owner():

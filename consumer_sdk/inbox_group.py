@@ -1,0 +1,142 @@
+"""The Kafka part of :class:`~consumer_sdk.inbox.InboxConsumer`: joining the group (or
+assigning), rebalances, the client's errors, the messages a poll returns, and the
+keep-alive wait that keeps the membership during back-offs.
+"""
+
+from __future__ import annotations
+
+from confluent_kafka import OFFSET_STORED, Consumer, KafkaError, Message, TopicPartition
+
+from consumer_sdk import kafka
+from consumer_sdk.inbox_offsets import InboxOffsets
+from consumer_sdk.model import KafkaRecord
+from consumer_sdk.offsets import TopicPart
+from outbox_core.kafka_errors import setup_failure
+from outbox_core.secrets import scrub
+
+_KEEPALIVE_POLL_S = 0.2
+
+
+class Abandon(Exception):
+    """The rest of the batch is left unsettled (a rebalance moved partitions, or stop())."""
+
+
+class InboxGroup(InboxOffsets):
+    """Group membership, rebalances, client errors and the keep-alive wait."""
+
+    def _join(self, consumer: Consumer) -> None:
+        """Subscribe (join the group), or assign every partition of the topics."""
+        if self.config.assignment == "subscribe":
+            consumer.subscribe(list(self.config.topics), on_assign=self._on_assign,
+                               on_revoke=self._on_revoke, on_lost=self._on_lost)
+        else:
+            parts = [TopicPartition(t, p, OFFSET_STORED) for t in self.config.topics
+                     for p in kafka.wait_partitions(consumer, t, stop=self._stop, log=self.log,
+                                                    refused=self._refused, fatal=lambda: self._fatal)]
+            self._answered = bool(parts)
+            consumer.assign(parts)
+            self.assigned = {(tp.topic, tp.partition) for tp in parts}
+
+    def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._answered = True
+        self._rebalances += 1
+        self.metrics.rebalances.labels(self.config.name, "assign").inc()
+        self.assigned |= {(tp.topic, tp.partition) for tp in partitions}
+        self.log.info("partitions_assigned", partitions=kafka.names(partitions))
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Commit what was applied on the revoked partitions, then forget them."""
+        revoked = {(tp.topic, tp.partition) for tp in partitions}
+        self._commit_pending(consumer, revoked)
+        self._forget(revoked, "revoke")
+        # librdkafka keeps a partition's pause flag across revoke and re-assign: a
+        # partition revoked during a back-off would come back paused and silent.
+        consumer.resume(partitions)
+        self.log.info("partitions_revoked", partitions=kafka.names(partitions))
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._forget({(tp.topic, tp.partition) for tp in partitions}, "lost")
+        consumer.resume(partitions)  # as in _on_revoke: never come back paused
+        self.log.warning("partitions_lost", partitions=kafka.names(partitions))
+
+    def _forget(self, parts: set[TopicPart], kind: str) -> None:
+        # A stale applied offset must never be committed later over the next owner's progress.
+        self._rebalances += 1
+        self.metrics.rebalances.labels(self.config.name, kind).inc()
+        self.offsets.forget(parts)
+        self.parked.forget(parts)
+        self.metrics.dead_letter_blocked.labels(self.config.name).set(len(self.parked))
+        for key in parts:
+            try:
+                self.metrics.lag.remove(self.config.name, key[0], str(key[1]))
+            except KeyError:
+                pass
+        self._stash = [r for r in self._stash if (r.topic, r.partition) not in parts]
+        self.assigned -= parts
+
+    def _accept(self, msg: Message) -> KafkaRecord | None:
+        err = msg.error()
+        if err is None:
+            self._answered = True
+            return kafka.record_of(msg)
+        refused = self._refused(err.code(), msg.topic(), err.str())
+        if err.fatal() or refused is not None:
+            self._fatal = refused or self._kafka_text(err)
+        elif err.code() != KafkaError._PARTITION_EOF:
+            self.log.warning("kafka_consume_error", error=self._kafka_text(err), topic=msg.topic(),
+                             partition=msg.partition())
+        return None
+
+
+    def _client_error(self, err: KafkaError) -> None:
+        text = self._kafka_text(err)
+        # librdkafka retries a rejected password, or a TLS set-up that cannot work, for ever.
+        failure = (setup_failure(err.code(), text, answered=self._answered)
+                   or self._tls_probe.failure(err.code(), text, answered=self._answered))
+        if failure is not None or err.fatal():
+            if self._fatal is None:  # once: librdkafka repeats it at each try
+                self._fatal = failure or text
+                self.log.error("kafka_fatal", error=self._fatal)
+        elif err.code() != self._last_client_error:
+            self.log.warning("kafka_client_error", error=self._kafka_text(err))
+        self._last_client_error = err.code()
+
+    def _refused(self, code: int, topic: str | None, text: str) -> str | None:
+        """The line naming the ACL this consumer lacks on its own group or topics, or None."""
+        props = self.config.kafka_properties
+        return kafka.access_refused(code, topic, group=self.config.group, topics=self.config.topics,
+                                    properties=props, text=scrub(text, properties=props))
+
+    def _kafka_text(self, err: KafkaError) -> str:
+        """librdkafka's text, which may quote a secret property's value (a malformed
+        sasl.oauthbearer.config, from where its parsing stopped), masked."""
+        return scrub(err.str(), properties=self.config.kafka_properties)
+
+    def _keepalive_sleep(self, duration_s: float) -> None:
+        """Wait with the partitions paused, polling so the group keeps this member.
+
+        Raises :class:`Abandon` on :meth:`stop` or when a rebalance happened meanwhile.
+        """
+        if self._deferred:  # what was applied before the back-off is not held back by it
+            self._commit_deferred()
+        consumer = self._live()
+        generation = self._rebalances
+        paused = consumer.assignment()
+        if paused:
+            consumer.pause(paused)
+        try:
+            deadline = self._clock() + duration_s
+            while (left := deadline - self._clock()) > 0:
+                if self.stopping:
+                    raise Abandon()
+                msg = consumer.poll(min(left, _KEEPALIVE_POLL_S))
+                if msg is not None:
+                    record = self._accept(msg)
+                    if record is not None:  # fetched before the pause took effect: keep it for later
+                        self._stash.append(record)
+                if self._rebalances != generation or self.stopping:
+                    raise Abandon()
+        finally:
+            current = [tp for tp in consumer.assignment() if (tp.topic, tp.partition) not in self.parked]
+            if current:
+                consumer.resume(current)

@@ -1,0 +1,79 @@
+"""The offsets part of :class:`~consumer_sdk.inbox.InboxConsumer`: each settled message's
+offset is committed after its database commit (at once, or at the poll's end one message
+at a time), never past a message that is not settled; abandoned records are fetched again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from confluent_kafka import Consumer
+
+from consumer_sdk import kafka
+from consumer_sdk.inbox_state import InboxState
+from consumer_sdk.model import KafkaRecord
+from consumer_sdk.offsets import TopicPart
+
+
+class InboxOffsets(InboxState):
+    """Commits the offsets of what was settled, and rewinds what was abandoned."""
+
+    def _settled(self, records: Sequence[KafkaRecord]) -> None:
+        """Called by the processor after each database commit: commit the offsets now, or,
+        one-at-a-time, once the poll's last message is applied (see ``prefetch_records``)."""
+        del self._unsettled[: len(records)]
+        if self.config.poll_records == self.config.batch_size:
+            self._commit_settled(records)
+        else:
+            self._deferred |= self.offsets.settle(records)
+
+    def _commit_deferred(self) -> None:
+        parts, self._deferred = self._deferred, set()
+        consumer = self._live()
+        self._commit_pending(consumer, None)
+        self._update_lag(consumer, parts & self.assigned)
+
+    def _commit_settled(self, records: Sequence[KafkaRecord]) -> None:
+        parts = self.offsets.settle(records)
+        consumer = self._live()
+        self._commit_pending(consumer, None)
+        self._update_lag(consumer, parts)
+
+    def _rewind(self, abandoned: Sequence[KafkaRecord]) -> None:
+        """Seek each partition this member keeps back to its first abandoned record.
+
+        An incremental rebalance (``group.protocol=consumer``, KIP-848) revokes only some
+        partitions: the kept ones are not reset to their committed offsets, and their
+        fetch positions are already past the abandoned records, which a later commit
+        would skip.  Records of those partitions fetched meanwhile are dropped (they
+        come again after the seek)."""
+        first: dict[TopicPart, int] = {}
+        for record in abandoned:
+            key = (record.topic, record.partition)
+            if key in self.assigned and key not in self.parked:
+                first[key] = min(first.get(key, record.offset), record.offset)
+        if not first:
+            return
+        self._stash = [r for r in self._stash if (r.topic, r.partition) not in first]
+        consumer = self._live()
+        for key, offset in first.items():
+            kafka.seek(consumer, key, offset, log=self.log)
+        self.log.info("partitions_rewound", positions={f"{t}[{p}]": o for (t, p), o in first.items()})
+
+    def _commit_pending(self, consumer: Consumer, only: set[TopicPart] | None) -> None:
+        due = self.offsets.due(only)
+        if not due:
+            return
+        done, errors = kafka.commit_offsets(consumer, due)
+        for key, offset in done.items():
+            self.offsets.confirm(key, offset)
+        if errors:  # harmless for the effects: the inbox drops what comes again
+            self.metrics.offset_commit_failures.labels(self.config.name).inc()
+            self.log.warning("offset_commit_failed", errors=errors)
+
+    def _update_lag(self, consumer: Consumer, parts: set[TopicPart]) -> None:
+        for key in parts:
+            high = kafka.high_watermark(consumer, key)
+            if high is not None:
+                lag = self.offsets.lag(key, high)
+                self.metrics.lag.labels(self.config.name, key[0], str(key[1])).set(lag)
