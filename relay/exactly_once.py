@@ -44,15 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from relay.errors import ConfigError, LeaseLost
-from relay.exactly_once_shard import (
-    BrokerUnreachable,
-    Headers,
-    Job,
-    Result,
-    ShardWorker,
-    ensure_position_topic,
-    event_digest,
-)
+from relay.exactly_once_position import BrokerUnreachable, ensure_position_topic, event_digest
+from relay.exactly_once_shard import Headers, Job, Result, ShardWorker
 from relay.leases import LeaseManager
 from relay.marker import MarkStore
 from relay.model import Lease, OutboxRow, RowId, ShardId, Token

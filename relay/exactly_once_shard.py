@@ -13,37 +13,34 @@ queue; this thread never calls the pump's callbacks.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from relay.errors import ConfigError, LeaseLost
+from relay.errors import LeaseLost
+
+# The position records (the topic, their reading) live in relay/exactly_once_position.py; the
+# names other modules and the tests import from here are re-exported.
+from relay.exactly_once_position import POSITION_MISSING, ForeignPosition, PositionReader
+from relay.exactly_once_position import POSITION_TAIL as POSITION_TAIL
+from relay.exactly_once_position import BrokerUnreachable as BrokerUnreachable
+from relay.exactly_once_position import Position as Position
+from relay.exactly_once_position import ensure_position_topic as ensure_position_topic
+from relay.exactly_once_position import event_digest as event_digest
+from relay.exactly_once_position import read_position as read_position
 from relay.model import OutboxRow, RowId, ShardId, Token
 from relay.publisher import _KAFKA_LOG, Outcome, await_cluster, classify, refused_at_produce
 
 INIT_TIMEOUT_S = 30.0  # init_transactions waits for the previous holder's transaction to end
 COMMIT_TIMEOUT_S = 30.0
-POSITION_READ_TIMEOUT_S = 20.0
 DEFAULT_TRANSACTION_TIMEOUT_MS = 60_000  # librdkafka's transaction.timeout.ms
-POSITION_TAIL = 64  # offsets read back from the end of a position partition, at first
 FENCED_CODES = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
-#: A partition's leader not known yet or moving: its offsets are asked again.
-LEADER_MOVING = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-                 KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION}
-OFFSETS_RETRY_S = 0.05
-#: Client settings a consumer or an admin client shares with the producer (security, network).
-SHARED_PREFIXES = ("bootstrap.servers", "security.", "sasl.", "ssl.", "client.", "socket.",
-                   "broker.", "api.version", "metadata.", "topic.metadata", "reconnect.",
-                   "enable.ssl", "retry.backoff", "connections.max.idle")
 
 Headers = list[tuple[str, str | bytes | None]]
 
@@ -65,193 +62,7 @@ def timed_out_text(open_s: float, timeout_s: float, error: str) -> str:
             f"aborted; its rows are sent again (librdkafka: {error})")
 
 
-def event_digest(event_id: str) -> int:
-    """What a position record lists of a row's event_id: 48 bits of its BLAKE2b digest (the
-    whole id made a record of 20,000 rows about 1 MB, the topic's default limit)."""
-    return int.from_bytes(hashlib.blake2b(event_id.lower().encode(), digest_size=6).digest(), "big")
-
-
 Recover = Callable[[ShardId, Token, list[RowId], "list[int] | None"], None]
-
-
-def shared_config(config: dict[str, str]) -> dict[str, Any]:
-    shared: dict[str, Any] = {k: v for k, v in config.items() if k.startswith(SHARED_PREFIXES)}
-    shared["logger"] = _KAFKA_LOG
-    return shared
-
-
-class BrokerUnreachable(Exception):
-    """No broker answered (or in time): waited for, like the relay's own producer's."""
-
-
-#: Errors of a position read that mean the position topic (or the shard's partition) is gone.
-POSITION_MISSING = {KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC}
-#: Errors of an admin request that mean no broker answered, not a refusal.
-UNANSWERED = {KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE,
-              KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT}
-
-
-def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
-                          timeout_s: float = 5.0) -> None:
-    """Create the compacted position topic (one partition per shard) when missing;
-    a clear ConfigError when it has too few partitions or may not be created, and
-    BrokerUnreachable when no broker answered."""
-    admin = AdminClient(shared_config(config))
-    try:
-        found = admin.list_topics(timeout=timeout_s).topics.get(topic)  # no auto-creation
-    except KafkaException as exc:
-        if exc.args[0].code() in UNANSWERED:
-            raise BrokerUnreachable(f"cannot read metadata of {topic}: {exc.args[0].str()}") from None
-        raise ConfigError(f"exactly-once: cannot read metadata of {topic}: {exc.args[0].str()}") from None
-    if found is not None and found.error is None and found.partitions:
-        if len(found.partitions) < nshards:
-            raise ConfigError(
-                f"exactly-once: position topic {topic} has {len(found.partitions)} partitions, "
-                f"fewer than the {nshards} shards; add partitions or name another topic "
-                f"(--exactly-once-position-topic)")
-        return
-    futures = admin.create_topics(
-        [NewTopic(topic, num_partitions=nshards, replication_factor=-1,
-                  config={"cleanup.policy": "compact"})],
-        operation_timeout=timeout_s, request_timeout=timeout_s)
-    try:
-        futures[topic].result(timeout=timeout_s)
-    except KafkaException as exc:
-        err = exc.args[0]
-        if err.code() == KafkaError.TOPIC_ALREADY_EXISTS:  # a peer created it meanwhile
-            return ensure_position_topic(config, topic, nshards, timeout_s)
-        if err.code() in UNANSWERED:
-            raise BrokerUnreachable(f"cannot create the position topic {topic}: {err.str()}") from None
-        raise ConfigError(
-            f"exactly-once: cannot create the position topic {topic} ({nshards} partitions, "
-            f"cleanup.policy=compact): {err.str()}; create it or grant CREATE on it") from None
-    return None
-
-
-class ForeignPosition(Exception):
-    """A shard's position record was written by another outbox's relay, or is not one a
-    relay wrote: a person must act (the relay stops, nothing marked)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Position:
-    """What a shard's last committed position record says."""
-
-    ids: list[RowId]  # the rows it lists ([]: no record)
-    writer: str | None  # the outbox that wrote it (None: no record, or one from before 0013)
-    end: int  # the partition's high watermark when the read began
-    #: Each listed row's :func:`event_digest` (None: a record written before they were listed).
-    events: list[int] | None = None
-
-
-class PositionReader:
-    """A ``read_committed`` consumer of one shard's position partition, kept open from the
-    read before ``init_transactions`` to the check after it (one client, one connection)."""
-
-    def __init__(self, config: dict[str, str], topic: str, shard: ShardId,
-                 timeout_s: float = POSITION_READ_TIMEOUT_S) -> None:
-        self._tp = TopicPartition(topic, shard)
-        self._timeout_s = timeout_s
-        self._consumer = Consumer({**shared_config(config),
-                                   "group.id": f"outbox-relay-pos-{uuid.uuid4().hex}",
-                                   "enable.auto.commit": False, "isolation.level": "read_committed",
-                                   "enable.partition.eof": True, "auto.offset.reset": "earliest",
-                                   "fetch.wait.max.ms": 50})
-
-    def _offsets(self) -> tuple[int, int]:
-        """The partition's low and high watermarks, asked again while its leader is not
-        known yet (a position topic just created: the broker answers "not leader" for a
-        moment) or is moving, until the read's timeout."""
-        deadline = time.monotonic() + self._timeout_s
-        while True:
-            try:
-                low, high = self._consumer.get_watermark_offsets(
-                    self._tp, timeout=max(0.1, deadline - time.monotonic()), cached=False)
-                return int(low), int(high)
-            except KafkaException as exc:
-                err = exc.args[0]
-                if not (err.retriable() or err.code() in LEADER_MOVING) or time.monotonic() >= deadline:
-                    raise
-            time.sleep(OFFSETS_RETRY_S)
-
-    def end(self) -> int:
-        """The partition's high watermark: it moves with every record and every transaction
-        marker written to it, committed or not."""
-        return self._offsets()[1]
-
-    def read(self) -> Position:
-        """The last committed record (read_committed reads up to the last stable offset)."""
-        low, high = self._offsets()
-        tail = POSITION_TAIL
-        while True:
-            start = max(low, high - tail)
-            last = _last_record(self._consumer, TopicPartition(self._tp.topic, self._tp.partition,
-                                                               start), self._timeout_s)
-            if last is not None or start <= low:
-                break
-            tail *= 8
-        if last is None:
-            return Position([], None, high)
-        value, offset = last
-        if value is None:  # a tombstone: nothing listed (a relay writes none)
-            return Position([], None, high)
-        try:
-            record = json.loads(value)
-            ids = [RowId(int(i)) for i in record["ids"]]
-            events = record.get("events")
-            if events is not None:
-                if not isinstance(events, list) or len(events) != len(ids):
-                    raise ValueError("events do not match ids")
-                events = [int(e) for e in events]
-            writer = record.get("outbox")
-            if writer is not None and not isinstance(writer, str):
-                raise ValueError("outbox is not a string")
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError
-            # Retried for ever before, as "KeyError: 'ids'", naming no record, the shard held
-            # and its rows pending (an audit of exactly-once mode).
-            where = f"{self._tp.topic}[{self._tp.partition}]@{offset}"
-            raise ForeignPosition(
-                f"exactly-once: the last record of {where} is not a position record a relay wrote "
-                f"({type(exc).__name__}: {str(exc)[:120]}): something else writes to the position topic. "
-                "Stop it; then, to go on, produce a record {\"ids\": []} to that partition (rows "
-                "committed to Kafka whose mark was lost may then be sent again). Nothing was marked") from None
-        return Position(ids, writer, high, events)
-
-    def close(self) -> None:
-        self._consumer.close()
-
-
-def read_position(config: dict[str, str], topic: str, shard: ShardId,
-                  timeout_s: float = POSITION_READ_TIMEOUT_S) -> Position:
-    """The last committed position record of ``shard``, read once."""
-    reader = PositionReader(config, topic, shard, timeout_s)
-    try:
-        return reader.read()
-    finally:
-        reader.close()
-
-
-def _last_record(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> tuple[bytes | None, int] | None:
-    """Read from ``tp`` to the end (read_committed: the last stable offset): the last
-    record's value and offset."""
-    consumer.assign([tp])
-    last: tuple[bytes | None, int] | None = None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        # One message at a time: consume(n, timeout) waits out its timeout unless n came,
-        # and a tail of a few records and the end of the partition cost every shard's
-        # hand-over the whole 0.2 s.
-        msg = consumer.poll(0.2)
-        if msg is None:
-            continue
-        err = msg.error()
-        if err is None:
-            last = msg.value(), msg.offset() or 0
-        elif err.code() == KafkaError._PARTITION_EOF:
-            return last
-        elif err.fatal() or not err.retriable():
-            raise KafkaException(err)
-    raise TimeoutError(f"position partition {tp.topic}[{tp.partition}] not read within {timeout_s} s")
 
 
 @dataclass(slots=True)

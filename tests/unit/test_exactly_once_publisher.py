@@ -306,7 +306,7 @@ def test_the_position_reader_asks_again_while_the_partition_has_no_leader(monkey
     rolling bench run).  The reader asks again until its timeout; other errors raise."""
     from confluent_kafka import KafkaError, KafkaException
 
-    import relay.exactly_once_shard as shard_mod
+    import relay.exactly_once_position as position_mod
 
     answers: list[Any] = []
 
@@ -321,9 +321,9 @@ def test_the_position_reader_asks_again_while_the_partition_has_no_leader(monkey
 
         def close(self) -> None: ...
 
-    monkeypatch.setattr(shard_mod, "Consumer", FakeConsumer)
-    monkeypatch.setattr(shard_mod, "OFFSETS_RETRY_S", 0.001)
-    reader = shard_mod.PositionReader({}, "pos", ShardId(0), timeout_s=5)
+    monkeypatch.setattr(position_mod, "Consumer", FakeConsumer)
+    monkeypatch.setattr(position_mod, "OFFSETS_RETRY_S", 0.001)
+    reader = position_mod.PositionReader({}, "pos", ShardId(0), timeout_s=5)
     answers[:] = [KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, (0, 7)]
     assert reader.end() == 7 and answers == []
     answers[:] = [KafkaError.TOPIC_AUTHORIZATION_FAILED]
