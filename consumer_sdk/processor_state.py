@@ -1,0 +1,103 @@
+"""The state a :class:`~consumer_sdk.processor.Processor`'s parts share, and their small helpers.
+
+The processor is one object built from parts by responsibility, each a module of its own:
+the calls and their order, with retries (:mod:`consumer_sdk.processor`), one transaction
+(:mod:`consumer_sdk.processor_transactions`), a batch's new messages at once
+(:mod:`consumer_sdk.processor_batches`) and the statements handler's round trips
+(:mod:`consumer_sdk.processor_statements`).  The attributes they share are declared here
+once; ``Processor.__init__`` sets them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from consumer_sdk.metrics import ConsumerMetrics
+from consumer_sdk.model import (
+    BatchResult,
+    InboxMessage,
+    InvalidEventId,
+    KafkaRecord,
+    payload_sha256,
+    scan_event_id,
+    to_message,
+)
+from consumer_sdk.rejections import Policies, Rejections
+from consumer_sdk.replays import REPLAY_HEADER
+
+if TYPE_CHECKING:  # the processor's types, defined where users import them
+    from consumer_sdk.processor import BatchHandler, Handler, InboxStore, StatementsHandler
+
+_ABSENT = object()
+
+
+class ProcessorState:
+    """What every part of the processor reads or changes (see the module docstring)."""
+
+    consumer: str
+    _store: InboxStore
+    _handler: Handler
+    _batch_handler: BatchHandler | None
+    _statements: StatementsHandler | None
+    _chained: bool
+    _batch_statements: StatementsHandler | None
+    _rejections: Rejections
+    _policies: Policies
+    _metrics: ConsumerMetrics
+    _log: Any
+    _sleep: Callable[[float], None]
+    _on_settled: Callable[[Sequence[KafkaRecord]], None]
+    _known: dict[Any, bytes | None]
+    _lookup_pays: bool
+    _prepared: dict[int, InboxMessage | InvalidEventId]
+    _scanned: dict[int, tuple[uuid.UUID | InvalidEventId, bool]]
+    _deferring: bool
+    _applied: Counter[str]
+    _dropped: Counter[str]
+    _optimistic: bool
+
+    def _sync(self) -> None:
+        if self._deferring:
+            self._store.sync()  # type: ignore[attr-defined]
+
+    def _scan(self, record: KafkaRecord) -> tuple[uuid.UUID | InvalidEventId, bool]:
+        found = self._scanned.get(id(record))
+        return found if found is not None else scan_event_id(record, REPLAY_HEADER)
+
+    def _prepare(self, record: KafkaRecord) -> InboxMessage | InvalidEventId:
+        found = self._prepared.get(id(record))
+        if found is None:
+            event_id = self._scan(record)[0]
+            found = event_id if isinstance(event_id, InvalidEventId) else to_message(record, event_id)
+            self._prepared[id(record)] = found
+        return found
+
+    def _known_duplicate(self, record: KafkaRecord, event_id: uuid.UUID | InvalidEventId, replayed: bool) -> bool:
+        """Found by the lookup with this body's hash (hashed only when found)."""
+        if replayed or isinstance(event_id, InvalidEventId):
+            return False
+        digest = self._known.get(event_id, _ABSENT)
+        return digest is not _ABSENT and digest == payload_sha256(record.value)
+
+    def _after_commits(self, callback: Callable[[], None]) -> None:
+        """``callback`` now, or after the deferred COMMIT before it was confirmed (order kept)."""
+        if self._deferring:
+            self._store.after_commit(callback)  # type: ignore[attr-defined]
+        else:
+            callback()
+
+    def _count(self, applied: Counter[str], duplicates: Counter[str], result: BatchResult) -> None:
+        if applied:
+            self._applied.update(applied)
+            result.applied += sum(applied.values())
+        if duplicates:
+            self._dropped.update(duplicates)
+            result.duplicates += sum(duplicates.values())
+
+    def _settle(self, records: Sequence[KafkaRecord], result: BatchResult) -> None:
+        if records:
+            result.settled += len(records)
+            self._on_settled(records)
