@@ -49,7 +49,8 @@ from relay.exactly_once_shard import Headers, Job, Result, ShardWorker
 from relay.leases import LeaseManager
 from relay.marker import MarkStore
 from relay.model import Lease, OutboxRow, RowId, ShardId, Token
-from relay.publisher import BadRow, DeliveryCallback, Outcome, Publisher, encode_headers
+from relay.outcomes import Outcome
+from relay.publisher import BadRow, DeliveryCallback, Publisher, encode_headers
 
 INIT_RETRY_INITIAL_S = 0.5
 INIT_RETRY_MAX_S = 10.0

@@ -35,7 +35,8 @@ from relay.exactly_once_position import ensure_position_topic as ensure_position
 from relay.exactly_once_position import event_digest as event_digest
 from relay.exactly_once_position import read_position as read_position
 from relay.model import OutboxRow, RowId, ShardId, Token
-from relay.publisher import _KAFKA_LOG, Outcome, await_cluster, classify, refused_at_produce
+from relay.outcomes import Outcome, classify, refused_at_produce
+from relay.publisher import _KAFKA_LOG, await_cluster
 
 INIT_TIMEOUT_S = 30.0  # init_transactions waits for the previous holder's transaction to end
 COMMIT_TIMEOUT_S = 30.0

@@ -22,7 +22,7 @@ from relay.inflight import InFlight
 from relay.leases import LeaseManager
 from relay.metrics import RelayMetrics
 from relay.model import BatchResult, Lease, OutboxRow, RowId, ShardId
-from relay.publisher import Outcome
+from relay.outcomes import Outcome
 
 
 class FailureStore(Protocol):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from relay.marker import MarkOutcome
 from relay.model import OutboxRow, RowId, ShardId, Token
-from relay.publisher import DELIVERED, Outcome
+from relay.outcomes import DELIVERED, Outcome
 
 
 @dataclass(slots=True)

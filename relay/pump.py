@@ -49,7 +49,8 @@ from relay.model import (
     OutboxRow,
     ShardId,
 )
-from relay.publisher import DeliveryCallback, Outcome
+from relay.outcomes import Outcome
+from relay.publisher import DeliveryCallback
 
 # The claim and the settling live in relay/pump_claim.py and relay/pump_settle.py; the
 # constants the tests import from here are re-exported.

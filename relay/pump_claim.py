@@ -18,7 +18,7 @@ from relay.inflight import InFlight, PendingMark
 from relay.leases import LeaseManager
 from relay.metrics import RelayMetrics
 from relay.model import BatchResult, Cursor, ShardId
-from relay.publisher import QUEUE_FULL, Outcome
+from relay.outcomes import QUEUE_FULL, Outcome
 from relay.stalls import Stalls
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from relay.metrics import RelayMetrics
 from relay.model import Lease, OutboxRow, ShardId, Token
 from relay.options import DEFAULT_BATCH_MAX_BYTES
-from relay.publisher import Outcome
+from relay.outcomes import Outcome
 from relay.replay_store import MAX_REPLAY_RATE, Fence, Position, ReplayRow
 
 #: Rows read and produced at once for one (replay, shard).
