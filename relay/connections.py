@@ -25,11 +25,11 @@ and says which it could not get within :data:`CONNECTION_WAIT_S` and how many th
 needs, then keeps waiting (a server may come free) and says so again every
 :data:`LOG_EVERY_S`.
 
-The loop's connections are checked the same way when it re-opens them at run time
-(:class:`Checks`, :class:`CheckedWakeup`): after a database restart or failover one of them
-queued in the pooler held the loop at its first statement, without a word, until liveness
-failed.  The mark, cleanup and exactly-once connections re-open on their own threads and
-are not checked again.
+The connections are checked the same way when they are re-opened at run time: the loop's
+(:class:`Checks`, :class:`CheckedWakeup`), and the mark and cleanup connections, which
+re-open on the thread that uses them (:class:`CheckedStore`): after a database restart or
+failover one of them queued in the pooler held the loop at its first statement, or marking
+or cleanup, without a word.  The exactly-once recovery connection is not checked again.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from relay.errors import DatabaseUnavailable
+from relay.store import Store
 from relay.wakeup import Wakeup
 
 #: How long one connection may take to open and answer its first query before the relay
@@ -104,12 +105,22 @@ class Checks:
         acquire(self.needed, log=self.log, stopping=self.stopping, optional=self.optional, reopened=True)
         return not self.stopping()
 
-    def reopen(self, name: str, open_: Callable[[], object]) -> None:
-        """Re-open the connection ``name`` with ``open_``, checked as at start."""
-        number, connection = next((i, n) for i, n in enumerate(self.needed, start=1) if n.name == name)
-        _open_one(replace(connection, open=open_), number, self.needed, log=self.log,
-                  stopping=self.stopping, optional=self.optional, within_s=CONNECTION_WAIT_S,
-                  clock=time.monotonic, reopened=True)
+    def reopen(self, name: str, open_: Callable[[], object]) -> bool:
+        """Re-open the connection ``name`` with ``open_``, checked as at start, on the calling
+        thread (any: the mark and cleanup threads' too); False: stopped before it opened.  A
+        name not needed at start is one of the optional mark connections (``:mark2``...)."""
+        number, connection = next(((i, n) for i, n in enumerate(self.needed, start=1) if n.name == name),
+                                  (len(self.needed) + 1, Needed(name, "marks, optional", open_)))
+        return _open_one(replace(connection, open=open_), number, self.needed, log=self.log,
+                         stopping=self.stopping, optional=self.optional, within_s=CONNECTION_WAIT_S,
+                         clock=time.monotonic, reopened=True)
+
+    def check_reopens(self, *reopening: object) -> None:
+        """From now on (after :meth:`at_start`), each re-open of the connection of each of
+        ``reopening`` that is a :class:`CheckedWakeup` or a :class:`CheckedStore` is checked."""
+        for each in reopening:
+            if isinstance(each, (CheckedWakeup, CheckedStore)):
+                each.checks = self
 
 
 class CheckedWakeup(Wakeup):
@@ -122,15 +133,46 @@ class CheckedWakeup(Wakeup):
     def _listening(self) -> Any:
         if self.checks is None or (self._conn is not None and not self._conn.closed):
             return super()._listening()
-        self.checks.reopen(LISTEN[0], super()._listening)
-        if self._conn is None or self._conn.closed:
+        if not self.checks.reopen(LISTEN[0], super()._listening) or self._conn is None:
             raise DatabaseUnavailable("stopped while waiting for the LISTEN connection")
         return self._conn
 
 
+class CheckedStore(Store):
+    """A store used on a thread of its own (the mark threads', relay/marker.py, and the
+    cleanup thread's, relay/janitor.py), whose connection re-opens at its next statement
+    after it broke: once :attr:`checks` is set, each re-open is checked as at start on the
+    thread that needs it.  Behind a session pooler with no server free, a re-opened mark
+    connection waited at its first statement and marking stopped without a word.  The
+    check runs only when the connection is re-opened, never per statement; the first open
+    of an optional mark connection is its lane's probe's (relay/marker.py), not checked.  A
+    stop of the relay ends a wait within half a second, during the drain too: the statement
+    raises DatabaseUnavailable (a mark's rows stay pending), the thread goes on to its end."""
+
+    checks: Checks | None = None
+    _opened = False  # it had a connection: the next open is a re-open
+
+    @property
+    def conn(self) -> Any:
+        current = self._conn
+        if current is not None and not current.closed:
+            return current
+        if self.checks is None or not self._opened:
+            current = super().conn
+            self._opened = True
+            return current
+        if not self.checks.reopen(self._application_name, self._open):
+            raise DatabaseUnavailable(f"stopped while waiting for the connection {self._application_name}")
+        return super().conn
+
+    def _open(self) -> object:
+        return super().conn
+
+
 def _open_one(connection: Needed, number: int, needed: Sequence[Needed], *, log: Any,
               stopping: Callable[[], bool], optional: int, within_s: float,
-              clock: Callable[[], float], reopened: bool) -> None:
+              clock: Callable[[], float], reopened: bool) -> bool:
+    """Open ``connection``; False: stopped before it opened (its attempt goes on, abandoned)."""
     done = threading.Event()
     failed: list[BaseException] = []
 
@@ -153,7 +195,7 @@ def _open_one(connection: Needed, number: int, needed: Sequence[Needed], *, log:
         wait_s = waited + LOG_EVERY_S
         log.warning("database_connection_waiting", connection=connection.name, number=number,
                     needed=len(needed), waited_s=round(waited, 1), reopened=reopened,
-                    detail=f"could not get connection {number} of {len(needed)} ({connection.name}: "
+                    detail=f"could not get {_which(number, needed)} ({connection.name}: "
                            f"{connection.purpose}) within {waited:.0f} s: a pooler with fewer server "
                            f"connections than the relay needs? {needs_text(needed, optional)}; "
                            f"still waiting for it")
@@ -162,6 +204,12 @@ def _open_one(connection: Needed, number: int, needed: Sequence[Needed], *, log:
     if warned and done.is_set():
         log.info("database_connection_ready", connection=connection.name, number=number,
                  waited_s=round(clock() - began, 1), reopened=reopened)
+    return done.is_set()
+
+
+def _which(number: int, needed: Sequence[Needed]) -> str:
+    """``connection 3 of 4``, or ``an optional connection`` (a mark connection past the first)."""
+    return f"connection {number} of {len(needed)}" if number <= len(needed) else "an optional connection"
 
 
 #: The relay's own connections, role -> what it is for, in the order it opens them (the

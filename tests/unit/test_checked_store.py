@@ -1,0 +1,143 @@
+"""The mark and cleanup connections, re-opened on their own threads, are checked as at start
+(relay/connections.py's CheckedStore): a re-open that waits is named, with the start's
+message; a stop while it waits ends it at once; an open connection costs no check."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from relay import store as store_module
+from relay.connections import CheckedStore, Checks, Needed
+from relay.errors import DatabaseUnavailable
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, object]]] = []
+        self.warned = threading.Event()
+
+    def warning(self, event: str, **fields: object) -> None:
+        self.events.append((event, fields))
+        self.warned.set()
+
+    def info(self, event: str, **fields: object) -> None:
+        self.events.append((event, fields))
+
+
+class Conn:
+    """A connection whose first statement waits for ``served`` (a pooler's queue)."""
+
+    def __init__(self, served: threading.Event) -> None:
+        self.closed = False
+        self.served = served
+
+    def execute(self, *_args: Any, **_kwargs: Any) -> None:
+        assert self.served.wait(10), "never served"
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class CountedChecks(Checks):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reopens = 0
+
+    def reopen(self, name: str, open_: Any) -> bool:
+        self.reopens += 1
+        return super().reopen(name, open_)
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Connections opened from now on wait at their first statement until it is set."""
+    event = threading.Event()
+    monkeypatch.setattr(store_module, "connect", lambda *_a, **_k: Conn(event))
+    monkeypatch.setattr("relay.connections.CONNECTION_WAIT_S", 0.05)
+    return event
+
+
+def _mark_store(log: Log, stopping: threading.Event, name: str = "relay:mark") -> tuple[CheckedStore, CountedChecks]:
+    needed = [Needed("relay", "claims and leases", lambda: None, recheck=True),
+              Needed("relay:mark", "marks", lambda: None)]
+    checks = CountedChecks(needed, log=log, stopping=stopping.is_set, optional=1)
+    store = CheckedStore("dbname=x", application_name=name)
+    checks.check_reopens(store, object())  # anything else is left alone
+    return store, checks
+
+
+def _on_a_thread_of_its_own(store: CheckedStore) -> tuple[threading.Thread, list[BaseException]]:
+    failed: list[BaseException] = []
+
+    def mark() -> None:
+        try:
+            store.conn  # noqa: B018 - the statement's connection, re-opened
+        except BaseException as exc:  # noqa: BLE001 - checked by the test
+            failed.append(exc)
+
+    thread = threading.Thread(target=mark, name="outbox-relay-mark")
+    thread.start()
+    return thread, failed
+
+
+def test_a_reopen_on_the_mark_thread_that_waits_is_named_as_at_start(served: threading.Event) -> None:
+    log, stopping = Log(), threading.Event()
+    store, checks = _mark_store(log, stopping)
+    served.set()
+    first = store.conn  # its first open: the start's check, not a re-open's
+    assert checks.reopens == 0 and store.conn is first and checks.reopens == 0  # open: no check
+    store.reset()  # a statement failed
+    served.clear()
+    thread, failed = _on_a_thread_of_its_own(store)
+    assert log.warned.wait(10)
+    served.set()  # a server came free
+    thread.join(10)
+    assert not thread.is_alive() and not failed and checks.reopens == 1
+    (event, fields), (ready, ready_fields) = log.events
+    assert event == "database_connection_waiting" and ready == "database_connection_ready"
+    assert fields["connection"] == "relay:mark" and fields["reopened"] is True, fields
+    assert str(fields["detail"]).startswith(
+        "could not get connection 2 of 2 (relay:mark: marks) within 0 s: a pooler with fewer server "
+        "connections than the relay needs? the relay needs 2 connections"), fields
+    assert ready_fields["connection"] == "relay:mark" and ready_fields["reopened"] is True
+
+
+def test_a_stop_while_a_reopen_waits_ends_the_thread_at_once(served: threading.Event) -> None:
+    log, stopping = Log(), threading.Event()
+    store, _checks = _mark_store(log, stopping)
+    served.set()
+    store.conn  # noqa: B018 - opened once
+    store.reset()
+    served.clear()  # no server comes free
+    thread, failed = _on_a_thread_of_its_own(store)
+    assert log.warned.wait(10)
+    stopping.set()
+    thread.join(2)
+    assert not thread.is_alive()
+    assert len(failed) == 1 and isinstance(failed[0], DatabaseUnavailable), failed
+    assert "stopped while waiting for the connection relay:mark" in str(failed[0])
+    served.set()  # the abandoned attempt ends
+
+
+def test_an_optional_mark_connection_is_checked_on_reopen_only(served: threading.Event) -> None:
+    log, stopping = Log(), threading.Event()
+    store, checks = _mark_store(log, stopping, name="relay:mark2")
+    served.clear()
+    probe, failed = _on_a_thread_of_its_own(store)  # its first open: its lane's probe's
+    probe.join(0.3)
+    assert probe.is_alive() and checks.reopens == 0 and not log.events
+    served.set()
+    probe.join(10)
+    store.reset()
+    served.clear()
+    thread, failed = _on_a_thread_of_its_own(store)
+    assert log.warned.wait(10)
+    served.set()
+    thread.join(10)
+    assert not failed and checks.reopens == 1
+    fields = log.events[0][1]
+    assert fields["connection"] == "relay:mark2" and str(fields["detail"]).startswith(
+        "could not get an optional connection (relay:mark2: marks, optional) within"), fields
