@@ -55,20 +55,11 @@ def test_the_jobs_package_never_imports_the_relay_and_has_no_sql_strings():
                 assert not SQL.search(node.value), f"{path.name}: {node.value[:60]!r}"
 
 
-#: consumer_sdk modules not split under 400 lines yet: each leaves this list once split, and
-#: no module joins it.
-STILL_LARGE = {"store.py"}
-
-
 def test_modules_stay_small():
     """Every module of consumer_sdk, the jobs package's and the rest, stays under 400 lines."""
     sdk = PACKAGE.parent
     for path in sorted(sdk.rglob("*.py")):
-        name = str(path.relative_to(sdk))
-        if name not in STILL_LARGE:
-            assert len(path.read_text().splitlines()) < 400, name
-    for name in STILL_LARGE:
-        assert len((sdk / name).read_text().splitlines()) >= 400, f"{name} is small now: drop it from STILL_LARGE"
+        assert len(path.read_text().splitlines()) < 400, path.relative_to(sdk)
 
 
 def test_metrics_share_one_prefix_and_never_label_by_owner():
