@@ -7,12 +7,12 @@ together do not come back together.  ``jitter=0`` gives the ceiling itself.
 
 Callers and their settings:
 
-* the relay's publish retries (``relay/pump.py``): ``--backoff-initial-s`` /
+* the relay's publish retries (``relay/failures.py``): ``--backoff-initial-s`` /
   ``--backoff-max-s``, multiplier 2, jitter 0.5;
 * the relay's database reconnects (``relay/reconnect.py``): 0.5 s to 2 s (never above
   ``--backoff-max-s``), multiplier 2, jitter 0.5;
 * the jobs worker's retries (``consumer_sdk/jobs/retry.py``: :class:`Backoff`);
-* the inbox consumer's database reconnects (``consumer_sdk/inbox.py``): jitter 0;
+* the inbox consumer's database reconnects (``consumer_sdk/inbox_upkeep.py``): jitter 0;
 * the relay's LISTEN connection for shard notices (``relay/wakeup.py``): the ceiling,
   1 s to 30 s.
 """
