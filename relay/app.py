@@ -44,6 +44,7 @@ from typing import Any
 
 from outbox_core.backoff import backoff_s
 from relay import __version__, connections, probes
+from relay.app_deps import Dependencies
 from relay.app_run import Running
 from relay.config import (
     Settings,
@@ -55,14 +56,14 @@ from relay.config import (
     producer_config,
 )
 from relay.connections import application_name
-from relay.errors import ConfigError, DatabaseReadOnly, DatabaseUnavailable, FatalError, RelayError
+from relay.errors import ConfigError, FatalError, RelayError
 from relay.gauges import BacklogGauges
 from relay.http import HealthServer
 from relay.janitor import Janitor
 from relay.leases import LeaseManager
 from relay.loop import Loop
 from relay.metrics import RelayMetrics
-from relay.publisher import BrokerState, Publisher
+from relay.publisher import Publisher
 from relay.pump import Pump
 from relay.reconnect import Reconnects
 from relay.replay import Replayer
@@ -71,7 +72,7 @@ from relay.store import Store, check_not_transaction_pooled
 from relay.waits import WaitWatch
 
 
-class Relay(Running):
+class Relay(Running, Dependencies):
     """One relay replica.  ``start()`` validates and connects; ``run()`` loops until ``stop()``."""
 
     def __init__(self, settings: Settings, *, metrics: RelayMetrics | None = None,
@@ -304,67 +305,6 @@ class Relay(Running):
         return Store(s.dsn, application_name=application_name(s.owner, role),
                      on_statement=self.metrics.db_statements.inc, table=s.table,
                      keep_published=s.keep_published)
-
-    def _retry_db(self, call: Callable[[], Any]) -> Any:
-        """Run ``call`` until the database answers; fatal errors propagate."""
-        while not self.stopping:
-            try:
-                value = call()
-                self._db_ok()
-                return value
-            except DatabaseUnavailable as exc:
-                self._db_down(exc)
-                self._stop.wait(self._next_wait())
-        return None
-
-    def _next_wait(self) -> float:
-        return self._reconnects.next_wait_s()
-
-    def _db_ok(self) -> None:
-        if not self.db_up:
-            failures = self._reconnects.reset()
-            if failures:
-                self.log.info("database_recovered", after_attempts=failures)
-            self.db_up = True
-            self.deps_up_at = self.clock()
-            self.metrics.database_up.set(1)
-
-    def _broker_ok(self) -> None:
-        if not self.broker_up:
-            self.broker_up = True
-            self.deps_up_at = self.clock()
-            self.metrics.broker_up.set(1)
-            self.log.info("broker_recovered")
-
-    def _broker_down(self) -> None:
-        """No broker answers: /readyz and the gauge say so until :meth:`_broker_ok`."""
-        self.broker_up = False
-        self.metrics.broker_up.set(0)
-
-    def _db_down(self, exc: Exception) -> None:
-        # Logged once per state change; a lost connection that turns out to be a read-only
-        # server (failover to a standby) is a change worth its own event.
-        event = "database_read_only" if isinstance(exc, DatabaseReadOnly) else "database_unavailable"
-        if self.db_up or self._reconnects.failures == 0 or event != self._db_down_event:
-            self.log.warning(event, error=str(exc))
-            self._db_down_event = event
-        self.db_up = False
-        self.metrics.database_up.set(0)
-        self.store.reset()  # the mark connections reset themselves, on their own threads
-        self.wakeup.close()  # the wake-up lock goes with its connection
-
-    def _client_error(self, state: BrokerState, message: str, fatal: bool) -> None:
-        if fatal:
-            self._end(FatalError(message))
-            return
-        if state is BrokerState.UNREACHABLE:
-            if self.broker_up:
-                self.log.warning("broker_unavailable", error=message)
-            self._broker_down()
-        elif state is BrokerState.FATAL:
-            self.log.error("producer_fatal", error=message)
-        else:
-            self.log.debug("kafka_client_error", error=message)
 
     def _lease_lost(self, shard: int, why: str) -> None:
         self.metrics.leases_lost.inc()
