@@ -88,7 +88,7 @@ class Relay(Running, Dependencies):
         self.store = self._store("")
         # Marks run on connections of their own while the pump claims (relay/marker.py):
         # ":mark", then ":mark2" ... (each opened at its first mark).
-        self.mark_stores = [self._store(connections.mark_role(i))
+        self.mark_stores = [self._store(connections.mark_role(i), connections.CheckedStore)
                             for i in range(mark_connections(settings))]
         # LISTEN and the wake-up lock, on a connection of their own (relay/wakeup.py).
         self.wakeup = connections.CheckedWakeup(settings.dsn, owner=settings.owner,
@@ -228,7 +228,7 @@ class Relay(Running, Dependencies):
                 marking.mark_by_event_id()
         if s.cleanup_retention_s or partitioned:
             # A partitioned outbox always gets its coming days' partitions created.
-            self.janitor = Janitor(self._store(":cleanup"), retention_s=s.cleanup_retention_s,
+            self.janitor = Janitor(self._store(":cleanup", connections.CheckedStore), retention_s=s.cleanup_retention_s,
                                    batch=s.cleanup_batch, interval_s=s.cleanup_interval_s,
                                    metrics=self.metrics, partitioned=bool(partitioned), log=self.log)
         self.gauges = BacklogGauges(self.store, interval_s=s.backlog_interval_s,
@@ -242,7 +242,8 @@ class Relay(Running, Dependencies):
             cleanup_store=self.janitor.store if self.janitor else None), log=self.log,
             stopping=lambda: self.stopping, optional=len(self.mark_stores) - 1)
         self._retry_db(self.connections.at_start)
-        self.wakeup.checks = self.connections  # its re-opens, from now on
+        self.connections.check_reopens(self.wakeup, *self.mark_stores,  # their re-opens, from now on
+                                       self.janitor and self.janitor.store)
         if self.stopping:
             return
         ignored = ignored_options(s)
@@ -299,12 +300,12 @@ class Relay(Running, Dependencies):
         self.fatal = error
         self.stop()
 
-    def _store(self, role: str) -> Store:
+    def _store(self, role: str, kind: type[Store] = Store) -> Store:
         """A store (connection) of this replica, named ``outbox-relay:<owner><role>``."""
         s = self.settings
-        return Store(s.dsn, application_name=application_name(s.owner, role),
-                     on_statement=self.metrics.db_statements.inc, table=s.table,
-                     keep_published=s.keep_published)
+        return kind(s.dsn, application_name=application_name(s.owner, role),
+                    on_statement=self.metrics.db_statements.inc, table=s.table,
+                    keep_published=s.keep_published)
 
     def _lease_lost(self, shard: int, why: str) -> None:
         self.metrics.leases_lost.inc()

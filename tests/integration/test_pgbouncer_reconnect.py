@@ -16,12 +16,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
+import pytest
 
 from tests.fixtures.outbox import insert_rows, pending, relay_cmd, relay_env, wait_drained
+from tests.fixtures.procs import wait_until
 from tests.integration.test_pgbouncer import pgbouncer  # noqa: F401 - the fixture
 
 #: The relay's connections with one mark connection: claims, LISTEN, marks, replays.
 NEEDED = 4
+#: The mark connection's and the LISTEN connection's names, of the relay ``--owner remark``.
+MARK, LISTEN = "outbox-relay:remark:mark", "outbox-relay-listen"
 
 
 @contextmanager
@@ -46,6 +50,39 @@ def _every_server_taken(pooled: str) -> Iterator[list[threading.Thread]]:
             thread.join(30)
 
 
+@contextmanager
+def _other_clients(pooled: str, count: int) -> Iterator[list[tuple[threading.Event, threading.Event]]]:
+    """``count`` other clients, each queued for a server of the pool (each has sent its first
+    query when the block begins) and holding it once it has one, until the block ends or its
+    release is set: (served, release) of each."""
+    clients = [(threading.Event(), threading.Event()) for _ in range(count)]
+    sent = [threading.Event() for _ in range(count)]
+
+    def hold(index: int) -> None:
+        served, release = clients[index]
+        with psycopg.connect(pooled, autocommit=True) as conn:
+            sent[index].set()
+            conn.execute("SELECT 1")
+            served.set()
+            release.wait(120)
+
+    threads = [threading.Thread(target=hold, args=(index,), daemon=True) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    try:
+        assert all(each.wait(30) for each in sent), "the other clients could not connect to the pooler"
+        yield clients
+    finally:
+        for _served, release in clients:
+            release.set()
+        for thread in threads:
+            thread.join(30)
+
+
+def _named(log_text: str, event: str, connection: str) -> bool:
+    return any(each["connection"] == connection for each in _events(log_text, event))
+
+
 def _events(log_text: str, name: str) -> list[dict[str, object]]:
     found = []
     for line in log_text.splitlines():
@@ -54,6 +91,19 @@ def _events(log_text: str, name: str) -> list[dict[str, object]]:
             if event.get("event") == name:
                 found.append(dict(event))
     return found
+
+
+def _tail(log_text: str) -> list[str]:
+    """The events of the log's last lines, for a failure's message."""
+    return [str(json.loads(line).get("event")) for line in log_text.splitlines()[-15:] if line.startswith("{")]
+
+
+def _end_session(dsn: str, application_name: str) -> int:
+    """End the server session of one of the relay's connections, directly on PostgreSQL."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return len(conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name = %s", (application_name,)).fetchall())
 
 
 def _end_relay_sessions(dsn: str, owner: str) -> int:
@@ -83,13 +133,91 @@ def test_a_connection_reopened_with_no_server_free_is_named_as_at_start(
         waiting = _events(relay.log_text(), "database_connection_waiting")[-1]
         assert waiting["level"] == "warning" and waiting["needed"] == NEEDED, waiting
         assert waiting["reopened"] is True and waiting["connection"] in {
-            "outbox-relay:reopen", "outbox-relay-listen", "outbox-relay:reopen:replay"}, waiting
+            "outbox-relay:reopen", "outbox-relay-listen", "outbox-relay:reopen:replay",
+            "outbox-relay:reopen:mark"}, waiting
         detail = str(waiting["detail"])
         assert "a pooler with fewer server connections than the relay needs?" in detail, detail
         assert f"the relay needs {NEEDED} connections: claims and leases (outbox-relay:reopen)" in detail, detail
         assert pending(outbox_db) == 20 and relay.alive
     relay.wait_for_log("database_connection_ready", timeout_s=60, since=since)
     wait_drained(outbox_db, timeout_s=60)
+    relay.sigterm()
+    assert relay.wait(30) == 0
+    assert "Traceback" not in relay.log_text()
+
+
+@pytest.mark.parametrize("rows", [20, 200], ids=["marked-on-the-loops-thread", "marked-on-the-mark-thread"])
+def test_the_mark_connection_reopened_with_no_server_free_is_named_as_at_start(
+        outbox_db, pgbouncer, broker, topic, spawn, rows):  # noqa: F811 - the imported fixture
+    """The mark connection re-opens on the thread that marks (the mark thread's; the loop's for
+    a batch of up to 64 rows of a drained outbox, relay/pump_settle.py), at its next mark after
+    it broke: with its server taken by another client, marking stopped without a word (rows
+    published, never marked)."""
+    # A server more than the relay holds: while the relay is held up its wait watch opens a
+    # connection too (relay/waits.py), which would otherwise take the last server freed.
+    pooled = pgbouncer("session", pool_size=NEEDED + 1)
+    relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap, owner="remark", mark_connections=1),
+                  name="relay")
+    relay.wait_for_log("relay_started", timeout_s=60)
+    insert_rows(outbox_db, topic, 20, keys=4)
+    wait_drained(outbox_db, timeout_s=60)
+    assert _end_session(outbox_db, MARK) == 1
+    # Two take the server the mark connection had and the spare one; the third, queued, the
+    # LISTEN connection's, which the relay closes once it saw the broken mark's error.
+    with _other_clients(pooled, 3) as clients:
+        wait_until(lambda: sum(served.is_set() for served, _ in clients) == 2, timeout_s=30,
+                   message="no other clients got the mark connection's and the spare server")
+        insert_rows(outbox_db, topic, rows, keys=4, start=20)
+        wait_until(lambda: any(_named(relay.log_text(), "database_connection_waiting", name)
+                               for name in (MARK, LISTEN)),
+                   timeout_s=40, message=lambda: f"no connection was named: {_tail(relay.log_text())}")
+        if not _named(relay.log_text(), "database_connection_waiting", MARK):
+            # The loop opened LISTEN again before it marked, and waits for it: a server for
+            # it (first in the pooler's queue), and the loop goes on to mark.
+            clients[-1][1].set()
+        wait_until(lambda: _named(relay.log_text(), "database_connection_waiting", MARK),
+                   timeout_s=40, message=lambda: f"the mark connection was not named: {_tail(relay.log_text())}")
+        waiting = next(event for event in _events(relay.log_text(), "database_connection_waiting")
+                       if event["connection"] == MARK)
+        assert waiting["reopened"] is True, waiting
+        assert waiting["level"] == "warning" and waiting["needed"] == NEEDED, waiting
+        detail = str(waiting["detail"])
+        assert detail.startswith("could not get connection 3 of 4 (outbox-relay:remark:mark: marks) within"), detail
+        assert "a pooler with fewer server connections than the relay needs?" in detail, detail
+        assert pending(outbox_db) == rows and relay.alive
+    wait_until(lambda: _named(relay.log_text(), "database_connection_ready", MARK),
+               timeout_s=60, message=lambda: f"the mark connection was not ready: {_tail(relay.log_text())}")
+    wait_drained(outbox_db, timeout_s=60)
+    relay.sigterm()
+    assert relay.wait(30) == 0
+    assert "Traceback" not in relay.log_text()
+
+
+def test_the_cleanup_connection_reopened_with_no_server_free_is_named_as_at_start(
+        outbox_db, pgbouncer, broker, topic, spawn):  # noqa: F811 - the imported fixture
+    """The cleanup connection (--cleanup-retention-s) re-opens on the cleanup thread, at the
+    round after it broke: with its server taken by another client, retention stopped without
+    a word (one cleanup_database_unavailable, never a cleanup_recovered)."""
+    needed = NEEDED + 1  # and cleanup's
+    pooled = pgbouncer("session", pool_size=needed)
+    relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap, owner="reclean", mark_connections=1,
+                                                  cleanup_retention_s=3600, cleanup_interval_s=0.5),
+                  name="relay")
+    relay.wait_for_log("relay_started", timeout_s=60)
+    assert _end_session(outbox_db, "outbox-relay:reclean:cleanup") == 1
+    with _other_clients(pooled, 1) as clients:
+        wait_until(clients[0][0].is_set, timeout_s=30, message="no other client got the cleanup connection's server")
+        wait_until(lambda: _named(relay.log_text(), "database_connection_waiting", "outbox-relay:reclean:cleanup"),
+                   timeout_s=40, message=lambda: f"the cleanup connection was not named: {_tail(relay.log_text())}")
+        waiting = next(event for event in _events(relay.log_text(), "database_connection_waiting")
+                       if event["connection"] == "outbox-relay:reclean:cleanup")
+        assert waiting["reopened"] is True and waiting["needed"] == needed, waiting
+        detail = str(waiting["detail"])
+        assert detail.startswith("could not get connection 5 of 5 (outbox-relay:reclean:cleanup: retention and "
+                                 "partitions) within"), detail
+        insert_rows(outbox_db, topic, 20, keys=4)
+        wait_drained(outbox_db, timeout_s=60)  # marking goes on meanwhile
+    relay.wait_for_log("cleanup_recovered", timeout_s=60)
     relay.sigterm()
     assert relay.wait(30) == 0
     assert "Traceback" not in relay.log_text()
