@@ -11,13 +11,16 @@ database refuses for its row (:class:`InvalidJob`: a constraint, a trigger, a va
 cannot store) fails the job for good with the database's words; a missing grant
 (:class:`PrivilegeMissing`) is reported to the pool (``on_fatal``), which stops claiming.
 
-A success the executor writes itself (the pool writes terminal events, or its result is
-too large for a round) whose connection broke while it waited for the reply may have
+An outcome the executor writes (a success it writes itself because the pool writes
+terminal events or its result is too large for a round, a retry, a failure and its dead
+letter, a park, a release) whose connection broke while it waited for the reply may have
 committed all the same (``job_write_unconfirmed``): it is sent again on a new connection
-until the lease's local deadline, and one that matches no row is looked for completed by
-the same lease (``completion_confirmed``, succeeded), as the dispatcher's rounds do (see
-:mod:`consumer_sdk.jobs.completions`).  Reported lost, such a job had succeeded; never
-written, it waited out its lease and ran again.
+until the lease's local deadline (fenced: written at most once), and one that matches no
+row asks the database whether the row is as this lease's write leaves it (the same token,
+so never another claim's write): then it is that outcome, confirmed (``completion_confirmed``
+for a success, as the dispatcher's rounds do, see :mod:`consumer_sdk.jobs.completions`;
+``outcome_confirmed`` for the others).  Reported lost, such an outcome was counted wrong;
+never written, the job waited out its lease before it was retried.
 
 A success can be handed to ``complete_later`` instead of being written here (the
 worker pool writes the successes of several jobs in one statement, see
@@ -31,7 +34,7 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from consumer_sdk import _pg
 from consumer_sdk.errors import DatabaseUnavailable, FatalError, OutboxSdkError
@@ -40,9 +43,12 @@ from consumer_sdk.jobs._conn import outcome_unknown, roll_back_open
 from consumer_sdk.jobs._db import to_json
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.errors import InvalidJob, LeaseLost, PermanentJobError, PrivilegeMissing
+from consumer_sdk.jobs.events import JobFacts
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import DeadReason, Outcome, WaitFor
 from consumer_sdk.jobs.retry import Backoff, describe, error_type, verdict
+
+T = TypeVar("T")
 
 #: A handler: do the job's work for ``ctx``; return its result or a WaitFor, or raise.
 Handler = Callable[[JobContext], Any]
@@ -120,7 +126,7 @@ class Executor:
         attempt not counted), else lost (its lease is gone: nothing is written)."""
         if ctx.cancel_reason != "shutdown":
             return "lost"
-        return self._write(ctx, self.log.bind(job_id=ctx.job.id), lambda: self._release(ctx))
+        return self._release(ctx, self.log.bind(job_id=ctx.job.id))
 
     # -- outcomes -----------------------------------------------------------------------
 
@@ -129,7 +135,7 @@ class Executor:
             return "lost"
         try:
             if isinstance(value, WaitFor):
-                return self._write(ctx, log, lambda: self._park(ctx, value))
+                return self._park(ctx, value, log)
             result_json = to_json(value, what="result")
             if self.complete_later is not None:
                 return _Later(result_json)
@@ -142,29 +148,49 @@ class Executor:
         if ctx.cancel_reason in NO_AUTHORITY:
             return "lost"
         if ctx.cancel_reason == "shutdown":
-            return self._write(ctx, log, lambda: self._release(ctx))
+            return self._release(ctx, log)
         if _pg.lost_prepared_statement(exc):  # a transaction pooler's doing, not the handler's
             ctx.conn.prepare_threshold = None  # for this connection's next jobs too
             log.warning("job_given_back", error=describe(exc, limit=300),
                         hint="a transaction pooler lost a statement psycopg had prepared; psycopg's "
                              "automatic preparing is off for this connection, the attempt not counted")
-            return self._write(ctx, log, lambda: self._release(ctx))
+            return self._release(ctx, log)
         decision = verdict(exc, attempts=job.attempts, max_attempts=job.max_attempts)
         if decision == "lost":
             return "lost"
         if decision == "retry":
             log.info("job_attempt_failed", error=describe(exc, limit=300))
-            return self._write(ctx, log, lambda: self._retry(ctx, exc))
+            return self._retry(ctx, exc, log)
         reason: DeadReason = "permanent_error" if decision == "fail_permanent" else "attempts_exhausted"
         return self._fail(ctx, reason, exc, log)
 
     def _fail(self, ctx: JobContext, reason: DeadReason, exc: BaseException, log: Any) -> Outcome:
         log.warning("job_failed", reason=reason, error=describe(exc, limit=300))
-        return self._write(ctx, log, lambda: self._dead(ctx, reason, exc), failing=True)
+        return self._dead(ctx, reason, exc, log)
 
-    def _write_completion(self, ctx: JobContext, log: Any, result_json: str) -> Outcome:
-        return self._write(ctx, log, lambda: self._complete(ctx, result_json),
-                           again=lambda conn: self._complete_again(ctx, log, conn, result_json))
+    def _fenced_write(self, ctx: JobContext, log: Any, write: Callable[[Any], T | None],
+                      settle: Callable[[T], Outcome], confirm: Callable[[Any], T | None], *,
+                      failing: bool = False, confirmed: str = "outcome_confirmed") -> Outcome:
+        """One outcome's fenced write (see :meth:`_write`): ``write`` on a connection returns
+        what it wrote (None: no row matched, the lease is lost), ``settle`` counts it and names
+        the outcome.  Its reply lost, it is written again on a new connection and, matching no
+        row there, ``confirm`` finds out whether the first one committed (logged ``confirmed``)."""
+        def first() -> Outcome:
+            done = write(ctx.conn)
+            return "lost" if done is None else settle(done)
+
+        def again(conn: Any) -> Outcome:
+            done = write(conn)
+            if done is not None:
+                return settle(done)
+            done = confirm(conn)
+            if done is None:
+                return "lost"
+            outcome = settle(done)
+            log.info(confirmed, outcome=outcome, detail="an earlier statement had written it: its reply was lost")
+            return outcome
+
+        return self._write(ctx, log, first, failing=failing, again=again)
 
     def _write(self, ctx: JobContext, log: Any, write: Callable[[], Outcome], *, failing: bool = False,
                again: Callable[[Any], Outcome] | None = None) -> Outcome:
@@ -223,57 +249,63 @@ class Executor:
             except LeaseLost:
                 raise exc from None
 
-    def _complete_again(self, ctx: JobContext, log: Any, conn: Any, result_json: str) -> Outcome:
-        """:meth:`_complete` sent again; matching no row, the job may be completed by this very
-        lease (the first write committed): then it succeeded."""
-        facts = queue.complete(conn, ctx.lease, result_json=result_json, now=self.db_now(),
-                               events_topic=self.events_topic)
-        if facts is None:
-            facts = queue.completed_by_lease(conn, worker=ctx.lease.worker,
-                                             leases=[(ctx.job.id, ctx.job.token)]).get(ctx.job.id)
-            if facts is None:
-                return "lost"
-            log.info("completion_confirmed", detail="an earlier statement had written it: its reply was lost")
+    def _write_completion(self, ctx: JobContext, log: Any, result_json: str) -> Outcome:
+        return self._fenced_write(
+            ctx, log, lambda conn: queue.complete(conn, ctx.lease, result_json=result_json, now=self.db_now(),
+                                                  events_topic=self.events_topic),
+            self._succeeded,
+            lambda conn: queue.completed_by_lease(conn, worker=ctx.lease.worker,
+                                                  leases=[(ctx.job.id, ctx.job.token)]).get(ctx.job.id),
+            confirmed="completion_confirmed")
+
+    def _succeeded(self, facts: JobFacts) -> Outcome:
         self.metrics.observe_terminal(facts.queue, "succeeded", age_s=facts.age_s, attempts=facts.attempts)
         return "succeeded"
 
-    def _complete(self, ctx: JobContext, result_json: str) -> Outcome:
-        facts = queue.complete(ctx.conn, ctx.lease, result_json=result_json, now=self.db_now(),
-                               events_topic=self.events_topic)
-        if facts is None:
-            return "lost"
-        self.metrics.observe_terminal(facts.queue, "succeeded", age_s=facts.age_s, attempts=facts.attempts)
-        return "succeeded"
+    def _park(self, ctx: JobContext, wait: WaitFor, log: Any) -> Outcome:
+        return self._fenced_write(ctx, log, lambda conn: waits.park(conn, ctx.lease, wait, now=self.db_now()),
+                                  lambda status: self._parked(ctx, status),
+                                  lambda conn: waits.parked_by_lease(conn, ctx.lease, wait))
 
-    def _park(self, ctx: JobContext, wait: WaitFor) -> Outcome:
-        status = waits.park(ctx.conn, ctx.lease, wait, now=self.db_now())
-        if status is None:
-            return "lost"
+    def _parked(self, ctx: JobContext, status: str) -> Outcome:
         self.metrics.parked.labels(ctx.job.queue).inc()
         return "waiting" if status == "waiting" else "requeued"
 
-    def _retry(self, ctx: JobContext, exc: BaseException) -> Outcome:
+    def _retry(self, ctx: JobContext, exc: BaseException, log: Any) -> Outcome:
         delay_s = self.backoff.delay_s(ctx.job.attempts, self.rand)
-        due = queue.retry(ctx.conn, ctx.lease, error=describe(exc), error_type=error_type(exc),
-                          backoff_s=delay_s, now=self.db_now())
-        if due is None:
-            return "lost"
+        error, kind = describe(exc), error_type(exc)  # the same in a write sent again and its question
+        return self._fenced_write(
+            ctx, log, lambda conn: queue.retry(conn, ctx.lease, error=error, error_type=kind, backoff_s=delay_s,
+                                               now=self.db_now()),
+            lambda due: self._retried(ctx, delay_s),
+            lambda conn: queue.retried_by_lease(conn, ctx.lease, attempts=ctx.job.attempts, error=error,
+                                                error_type=kind))
+
+    def _retried(self, ctx: JobContext, delay_s: float) -> Outcome:
         self.metrics.retries.labels(ctx.job.queue).inc()
         self.on_retry(delay_s)
         return "retried"
 
-    def _dead(self, ctx: JobContext, reason: DeadReason, exc: BaseException) -> Outcome:
-        facts = queue.fail(ctx.conn, ctx.lease, reason=reason, error=describe(exc),
-                           error_type=error_type(exc), now=self.db_now(),
-                           events_topic=self.events_topic)
-        if facts is None:
-            return "lost"
+    def _dead(self, ctx: JobContext, reason: DeadReason, exc: BaseException, log: Any) -> Outcome:
+        error, kind = describe(exc), error_type(exc)
+        return self._fenced_write(
+            ctx, log, lambda conn: queue.fail(conn, ctx.lease, reason=reason, error=error, error_type=kind,
+                                              now=self.db_now(), events_topic=self.events_topic),
+            lambda facts: self._failed(facts, reason),
+            lambda conn: queue.failed_by_lease(conn, ctx.lease, attempts=ctx.job.attempts, reason=reason,
+                                               error=error, error_type=kind),
+            failing=True)
+
+    def _failed(self, facts: JobFacts, reason: DeadReason) -> Outcome:
         self.metrics.dead_lettered.labels(facts.queue, reason).inc()
         self.metrics.observe_terminal(facts.queue, "failed", age_s=facts.age_s, attempts=facts.attempts)
         return "failed"
 
-    def _release(self, ctx: JobContext) -> Outcome:
-        return "released" if queue.release(ctx.conn, ctx.lease, now=self.db_now()) else "lost"
+    def _release(self, ctx: JobContext, log: Any) -> Outcome:
+        return self._fenced_write(ctx, log, lambda conn: queue.release(conn, ctx.lease, now=self.db_now()) or None,
+                                  lambda _: "released",
+                                  lambda conn: queue.released_by_lease(conn, ctx.lease,
+                                                                       attempts=ctx.job.attempts) or None)
 
 
 class _JobLog:

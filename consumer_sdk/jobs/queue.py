@@ -12,7 +12,10 @@ Fencing: the writes of a running job take its :class:`~consumer_sdk.jobs.model.L
 and match on owner, token, status ``running`` and an unexpired lease.  They
 return None (or False) when no row matched: the caller lost its authority and
 must write nothing more.  Terminal transitions can write an event about the job
-to the outbox in the same transaction (``events_topic``).
+to the outbox in the same transaction (``events_topic``).  When the reply to such a
+write was lost and, sent again, it matched no row, the ``*_by_lease`` questions say
+whether the first one committed: the row as that lease's write leaves it, under its token
+(see :mod:`consumer_sdk.jobs.executor`).
 """
 
 from __future__ import annotations
@@ -233,6 +236,38 @@ def release(conn: ConnectionT, lease: Lease, *, now: datetime | None = None) -> 
     """Give a job back (the pool is stopping): claimable at once, the attempt not counted."""
     with translated():
         return conn.execute(q("release"), _fence(lease, now)).fetchone() is not None
+
+
+# -- after a lost reply: did this lease's write commit? (see the executor) ---------------
+
+
+def retried_by_lease(conn: ConnectionT, lease: Lease, *, attempts: int, error: str,
+                     error_type: str | None) -> float | None:
+    """When the job is due (epoch seconds) if an earlier :func:`retry` of ``lease`` (attempt
+    number ``attempts``, this error) committed, else None: its reply was lost, and sent
+    again it matched no row.  A write of another claim never matches (its token differs)."""
+    row = _by_lease(conn, "retried_by_lease", lease, attempts=attempts, error=error, error_type=error_type)
+    return None if row is None else float(row[0])
+
+
+def failed_by_lease(conn: ConnectionT, lease: Lease, *, attempts: int, reason: DeadReason, error: str,
+                    error_type: str | None) -> JobFacts | None:
+    """:func:`retried_by_lease` for :func:`fail`: the job's facts if that failure and its dead
+    letter committed (its event too, in the same transaction), else None."""
+    return _facts(lease.job_id, _by_lease(conn, "failed_by_lease", lease, attempts=attempts, reason=reason,
+                                          error=error, error_type=error_type))
+
+
+def released_by_lease(conn: ConnectionT, lease: Lease, *, attempts: int) -> bool:
+    """:func:`retried_by_lease` for :func:`release` (``attempts``: the claim's count)."""
+    return _by_lease(conn, "released_by_lease", lease, attempts=attempts) is not None
+
+
+def _by_lease(conn: ConnectionT, name: str, lease: Lease, **params: Any) -> Sequence[Any] | None:
+    with translated():
+        row: Sequence[Any] | None = conn.execute(
+            q(name), {"id": lease.job_id, "worker": lease.worker, "token": lease.token, **params}).fetchone()
+    return row
 
 
 def _fence(lease: Lease, now: datetime | None) -> dict[str, Any]:

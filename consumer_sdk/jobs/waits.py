@@ -44,6 +44,17 @@ def park(conn: ConnectionT, lease: Lease, wait: WaitFor, *, now: datetime | None
     return None if row is None else str(row[0])
 
 
+def parked_by_lease(conn: ConnectionT, lease: Lease, wait: WaitFor) -> str | None:
+    """The job's status (``waiting``, or ``queued`` once activated) if an earlier :func:`park`
+    of ``lease`` with this ``wait`` committed, else None: its reply was lost, and sent again
+    it matched no row.  A write of another claim never matches (its token differs)."""
+    params = {"id": lease.job_id, "worker": lease.worker, "token": lease.token, "key": wait.key,
+              "cause": wait.cause}
+    with translated():
+        row = conn.execute(q("parked_by_lease"), params).fetchone()
+    return None if row is None else str(row[0])
+
+
 def activate(conn: ConnectionT, key: str, payload: Any = None, *, now: datetime | None = None,
              events_topic: str | None = None) -> Activation:
     """Record the activation ``key`` (once) and resume the jobs waiting on it.

@@ -459,6 +459,20 @@ WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
 RETURNING j.queue, j.kind, j.run_id, j.attempts, j.traceparent, j.tracestate,
           extract(epoch FROM j.available_at)::float8 AS available_epoch
 
+-- name: retried_by_lease
+-- Whether an earlier retry of this lease (id, worker, token) committed: asked only after
+-- the reply to it was lost and, sent again, it matched no row.  Its state: queued, the
+-- lease cleared, the attempt's number unchanged, its error as written.  No other writer
+-- leaves that under this token: a claim by anyone gives the job a new token; the reaper's
+-- requeue writes a 'lease expired' error of type LeaseExpired (never a handler's
+-- "Type: message" with its type), an operator's requeue attempts 0.  Returns when the
+-- job is due (epoch seconds).
+SELECT extract(epoch FROM j.available_at)::float8 AS available_epoch
+FROM jobs AS j
+WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
+  AND j.status = 'queued' AND j.lease_until IS NULL AND j.attempts = %(attempts)s
+  AND j.last_error = %(error)s AND j.last_error_type IS NOT DISTINCT FROM %(error_type)s
+
 -- name: fail
 -- Terminal failure and its dead letter in one statement: never one without the other.
 WITH failed AS (
@@ -483,6 +497,19 @@ SELECT queue, kind, run_id, attempts, traceparent, tracestate,
        extract(epoch FROM finished_at - created_at)::float8 AS age_s
 FROM failed
 
+-- name: failed_by_lease
+-- Whether an earlier fail of this lease (id, worker, token) committed (asked as
+-- retried_by_lease is): failed with this attempt's number and error, and its dead letter
+-- with this reason and error.  The reaper's dead letter says 'lease_expired', a reason the
+-- worker never writes; a claim by anyone gives the job a new token.  fail's columns.
+SELECT j.queue, j.kind, j.run_id, j.attempts, j.traceparent, j.tracestate,
+       extract(epoch FROM j.finished_at - j.created_at)::float8 AS age_s
+FROM jobs AS j JOIN job_dead_letters AS d ON d.job_id = j.id
+WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
+  AND j.status = 'failed' AND j.lease_until IS NULL AND j.attempts = %(attempts)s
+  AND j.last_error = %(error)s AND j.last_error_type IS NOT DISTINCT FROM %(error_type)s
+  AND d.reason = %(reason)s AND d.error = %(error)s AND d.attempts = j.attempts
+
 -- name: release
 -- Gives a running job back (its worker is stopping): claimable at once, and the
 -- attempt does not count against max_attempts.  Fenced.
@@ -492,6 +519,18 @@ SET status = 'queued', lease_until = NULL, attempts = greatest(0, j.attempts - 1
 WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
   AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
 RETURNING j.id
+
+-- name: released_by_lease
+-- Whether an earlier release of this lease (id, worker, token) committed (asked as
+-- retried_by_lease is): queued, the lease cleared, the attempt given back (%(attempts)s,
+-- the claim's count, less one).  The reaper's requeue keeps the attempt counted; a claim
+-- by anyone gives the job a new token; an operator's requeue of the reaper's dead letter
+-- (attempts 0) comes after the lease ran out in the database, after the local deadline at
+-- which the resend stops (see parked_by_lease).
+SELECT j.id
+FROM jobs AS j
+WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
+  AND j.status = 'queued' AND j.lease_until IS NULL AND j.attempts = greatest(0, %(attempts)s - 1)
 
 -- ---- waiting and activations ------------------------------------------------------
 
@@ -520,6 +559,20 @@ FROM arrived
 WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
   AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
 RETURNING j.status, j.queue
+
+-- name: parked_by_lease
+-- Whether an earlier park of this lease (id, worker, token) committed (asked as
+-- retried_by_lease is): its key and cause, attempts 0, waiting, or queued when the key
+-- was activated (at the park or since).  A claim by anyone counts an attempt and gives
+-- the job a new token; the only other way to attempts 0 under this token is the reaper's
+-- dead letter of this lease then an operator's requeue, and the reaper waits until the
+-- lease ran out in the database, after the local deadline at which the resend stops.
+-- Returns the status, as park does.
+SELECT j.status, j.queue
+FROM jobs AS j
+WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
+  AND j.status IN ('waiting', 'queued') AND j.lease_until IS NULL AND j.attempts = 0
+  AND j.wait_key IS NOT DISTINCT FROM %(key)s AND j.wait_cause IS NOT DISTINCT FROM %(cause)s
 
 -- name: activate
 -- Records an activation once per key and resumes the jobs parked on it.  A

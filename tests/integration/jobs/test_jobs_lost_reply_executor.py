@@ -11,6 +11,10 @@ and the attempt lost (``outbox_jobs_leases_lost{reason="write_failed"}``) for a 
 completed (its ``finished_total`` never counted).  Now the executor sends the completion again
 on a new connection, which asks the database: ``job_write_unconfirmed`` then
 ``completion_confirmed``, the job counted as succeeded once, its event written once.
+
+The executor's other outcome writes (a retry, a failure and its dead letter, a park, a
+release) are held the same way: each is ``outcome_confirmed``, counted once by its own
+metric, never ``job_write_failed`` nor a lost lease.
 """
 
 from __future__ import annotations
@@ -19,10 +23,20 @@ import threading
 import uuid
 from typing import Any
 
+import psycopg.errors
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from consumer_sdk.jobs import JobsMetrics, NewJob, WorkerConfig, WorkerPool, enqueue
+from consumer_sdk.jobs import (
+    Backoff,
+    JobsMetrics,
+    NewJob,
+    PermanentJobError,
+    WaitFor,
+    WorkerConfig,
+    WorkerPool,
+    enqueue,
+)
 from consumer_sdk.jobs.completions import MAX_ROUND_CHARS
 from tests.fixtures import proxy as proxy_module
 from tests.fixtures.procs import wait_until
@@ -154,3 +168,114 @@ def test_a_success_the_executor_wrote_that_never_reached_the_server_is_written_a
     assert rows(jobs_db, "SELECT status, attempts, result->>'marker' FROM jobs") == [("succeeded", 1, marker)]
     assert rows(jobs_db, "SELECT payload->>'type', (payload->>'job_id')::bigint FROM outbox WHERE topic = %s",
                 (TOPIC,)) == [("job.succeeded", job_id)]
+
+
+#: The executor's other outcome writes, each held as the success's is: what the handler
+#: does (given the marker and its call's number), the bytes of the write to hold the reply
+#: of (None: those with the marker; the release's own SQL when nothing of it is the
+#: marker), the outcome confirmed, and the job's row after it.
+OTHER_WRITES: dict[str, dict[str, Any]] = {
+    "retry": {"then": None, "outcome": "retried", "status": "queued"},
+    "dead_letter": {"then": None, "outcome": "failed", "status": "failed"},
+    "dead_letter_events": {"then": b"COMMIT", "outcome": "failed", "status": "failed"},
+    "park": {"then": b"COMMIT", "outcome": "waiting", "status": "waiting"},
+    "release": {"then": None, "outcome": "released", "status": "queued"},
+}
+
+
+def _other_handler(kind: str, marker: str, go: threading.Event, calls: list[int]) -> Any:
+    def work(ctx: Any) -> Any:
+        calls.append(ctx.job.token)
+        if kind == "release" and len(calls) > 1:
+            return {"second": True}  # given back, claimed again: this attempt counts
+        go.wait(20)
+        if kind == "retry":
+            raise RuntimeError(marker)
+        if kind.startswith("dead_letter"):
+            raise PermanentJobError(marker)
+        if kind == "park":
+            return WaitFor(key=marker, cause="approval")
+        # What a transaction pooler does to psycopg's prepared statements: given back.
+        raise psycopg.errors.InvalidSqlStatementName('prepared statement "_pg3_0" does not exist')
+    return work
+
+
+@pytest.mark.parametrize("kind", sorted(OTHER_WRITES))
+def test_another_outcome_the_executor_wrote_whose_reply_was_lost_is_confirmed_not_lost(
+        conn, jobs_db, tcp_proxy, held_after, kind: str) -> None:
+    # A retry, a failure and its dead letter (with its event, in one transaction), a park
+    # and a release, each committed and its reply held, then every connection cut.  Before,
+    # each was job_write_failed, outcome lost, leases_lost{reason="write_failed"}, its own
+    # metric never counted (and, had it not landed, the job waited out its lease).
+    spec = OTHER_WRITES[kind]
+    info = conninfo_to_dict(jobs_db)
+    proxy = tcp_proxy(str(info.get("host") or "127.0.0.1"), int(str(info["port"])))
+    marker = f"reply-lost-{uuid.uuid4().hex}"
+    held_after.update(marker=b"greatest(0, j.attempts - 1)" if kind == "release" else marker.encode(),
+                      then=spec["then"])
+    go = threading.Event()
+    calls: list[int] = []
+    events: list[dict[str, Any]] = []
+    metrics = JobsMetrics()
+    topic = TOPIC if kind == "dead_letter_events" else None
+    pool = WorkerPool(WorkerConfig(dsn=make_conninfo(jobs_db, host="127.0.0.1", port=str(proxy.port)),
+                                   max_concurrency=1, lease_duration_s=10.0, poll_interval_s=0.1,
+                                   reconcile_interval_s=5.0, listen=False, drain_timeout_s=1.0,
+                                   backoff=Backoff(initial_s=60.0, max_s=60.0), events_topic=topic),
+                      {"work": _other_handler(kind, marker, go, calls)}, metrics=metrics,
+                      log=recording_logger(events))
+    pool.start()
+    try:
+        (job_id,) = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="work", payload={})])
+        wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [("running",)], timeout_s=20,
+                   message="claimed")
+        go.set()  # the handler comes to its outcome; the executor writes it
+        assert held_after["held"].wait(30), "the executor's write was not seen"
+        wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [(spec["status"],)], timeout_s=20,
+                   message="the server committed the write")
+        proxy.cut()  # its reply never reaches the pool
+        proxy.restore()
+        settled = {"released": 2}.get(spec["outcome"], 1)  # a job given back runs again
+        wait_until(lambda: sum(pool.outcomes.values()) >= settled, timeout_s=20,
+                   message=lambda: f"the outcome settled: {[e['event'] for e in events]}")
+    finally:
+        go.set()
+        pool.stop()
+    names = [e["event"] for e in events]
+    assert "job_write_failed" not in names and "job_write_unconfirmed" in names, names
+    (confirmed,) = [e for e in events if e["event"] == "outcome_confirmed"]
+    assert (confirmed["job_id"], confirmed["outcome"]) == (job_id, spec["outcome"])
+    assert not [s for f in metrics.registry.collect() if f.name == "outbox_jobs_leases_lost"
+                for s in f.samples if s.name.endswith("_total") and s.value]
+    _assert_counted(kind, metrics, dict(pool.outcomes), calls, jobs_db, marker, job_id)
+
+
+def _assert_counted(kind: str, metrics: JobsMetrics, outcomes: dict[str, int], calls: list[int], dsn: str,
+                    marker: str, job_id: int) -> None:
+    """The outcome counted once, in the pool and its metric; the job's row as one write left it."""
+    value = metrics.registry.get_sample_value
+    row = rows(dsn, "SELECT status, attempts, last_error, wait_key FROM jobs")
+    if kind == "retry":
+        assert outcomes == {"retried": 1} and len(calls) == 1
+        assert value("outbox_jobs_retries_total", {"queue": "bulk"}) == 1.0
+        assert row == [("queued", 1, f"RuntimeError: {marker}", None)]
+    elif kind.startswith("dead_letter"):
+        assert outcomes == {"failed": 1} and len(calls) == 1
+        assert value("outbox_jobs_dead_lettered_total", {"queue": "bulk", "reason": "permanent_error"}) == 1.0
+        assert value("outbox_jobs_finished_total", {"queue": "bulk", "status": "failed"}) == 1.0
+        assert row == [("failed", 1, f"PermanentJobError: {marker}", None)]
+        assert rows(dsn, "SELECT reason FROM job_dead_letters") == [("permanent_error",)]
+        sent = rows(dsn, "SELECT payload->>'type', (payload->>'job_id')::bigint FROM outbox WHERE topic = %s",
+                    (TOPIC,))
+        assert sent == ([("job.failed", job_id)] if kind == "dead_letter_events" else [])
+    elif kind == "park":
+        assert outcomes == {"waiting": 1} and len(calls) == 1
+        assert value("outbox_jobs_parked_total", {"queue": "bulk"}) == 1.0
+        assert row == [("waiting", 0, None, marker)]
+    else:  # given back (the attempt not counted), claimed again and run to its success
+        assert outcomes == {"released": 1, "succeeded": 1} and len(calls) == 2 and calls[1] > calls[0]
+        assert row[0][:2] == ("succeeded", 1)
+    transitions = rows(dsn, "SELECT status FROM job_audit ORDER BY at")
+    expected = {"retry": ["running", "queued"], "park": ["running", "waiting"],
+                "release": ["running", "queued", "running", "succeeded"]}.get(kind, ["running", "failed"])
+    assert [t[0] for t in transitions] == expected, transitions
