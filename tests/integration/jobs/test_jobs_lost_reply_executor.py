@@ -279,3 +279,46 @@ def _assert_counted(kind: str, metrics: JobsMetrics, outcomes: dict[str, int], c
     expected = {"retry": ["running", "queued"], "park": ["running", "waiting"],
                 "release": ["running", "queued", "running", "succeeded"]}.get(kind, ["running", "failed"])
     assert [t[0] for t in transitions] == expected, transitions
+
+
+@pytest.mark.parametrize("kind", ["retry", "dead_letter"])
+def test_another_outcome_that_never_reached_the_server_is_written_again_not_left_to_its_lease(
+        conn, jobs_db, tcp_proxy, held_after, kind: str) -> None:
+    # The write is dropped before the server sees it, then every connection cut: sent again on
+    # a new connection, it is written (not "confirmed"); before, the job stayed running until
+    # its lease ran out, and only then was it retried or dead-lettered (by the reaper).
+    spec = OTHER_WRITES[kind]
+    info = conninfo_to_dict(jobs_db)
+    proxy = tcp_proxy(str(info.get("host") or "127.0.0.1"), int(str(info["port"])))
+    marker = f"write-lost-{uuid.uuid4().hex}"
+    held_after.update(marker=marker.encode(), drop=True)
+    go = threading.Event()
+    calls: list[int] = []
+    events: list[dict[str, Any]] = []
+    metrics = JobsMetrics()
+    pool = WorkerPool(WorkerConfig(dsn=make_conninfo(jobs_db, host="127.0.0.1", port=str(proxy.port)),
+                                   max_concurrency=1, lease_duration_s=10.0, poll_interval_s=0.1,
+                                   reconcile_interval_s=5.0, listen=False, drain_timeout_s=1.0,
+                                   backoff=Backoff(initial_s=60.0, max_s=60.0)),
+                      {"work": _other_handler(kind, marker, go, calls)}, metrics=metrics,
+                      log=recording_logger(events))
+    pool.start()
+    try:
+        (job_id,) = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="work", payload={})])
+        wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [("running",)], timeout_s=20,
+                   message="claimed")
+        go.set()
+        assert held_after["held"].wait(30), "the executor's write was not seen"
+        assert rows(jobs_db, "SELECT status FROM jobs") == [("running",)]
+        proxy.cut()
+        proxy.restore()
+        wait_until(lambda: sum(pool.outcomes.values()) >= 1, timeout_s=20,
+                   message=lambda: f"the outcome settled: {[e['event'] for e in events]}")
+    finally:
+        go.set()
+        pool.stop()
+    names = [e["event"] for e in events]
+    assert "job_write_unconfirmed" in names and "job_write_failed" not in names, names
+    assert "outcome_confirmed" not in names, names
+    _assert_counted(kind, metrics, dict(pool.outcomes), calls, jobs_db, marker, job_id)
+    assert rows(jobs_db, "SELECT status FROM jobs") == [(spec["status"],)]
