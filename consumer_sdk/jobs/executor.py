@@ -59,6 +59,8 @@ CompleteLater = Callable[[JobContext, str, float], bool]
 
 #: Reasons for which the worker no longer has the right to write anything.
 NO_AUTHORITY = frozenset({"lease_lost", "lease_unconfirmed", "cancelled", "fence_ended"})
+#: Reasons the heartbeat cancels an attempt for once the database answered it (see _wait_to_resend).
+HEARD = frozenset({"lease_lost", "cancelled"})
 #: A write whose reply was lost is sent again at once, then after these pauses (the last
 #: one repeated) until the lease's local deadline.
 _RESEND_PAUSES_S = (0.1, 0.5, 1.0)
@@ -230,24 +232,22 @@ class Executor:
                 exc: DatabaseUnavailable) -> Outcome:
         """The connection broke while the write waited for its reply: it may have committed.
         ``again`` writes it again (fenced: at most once) on a new connection and finds out;
-        tried until the lease's local deadline or the attempt's cancellation (at least once);
-        raises the last failure when the database never answered."""
+        tried until the lease's local deadline or the attempt's cancellation (at least once;
+        once more after a cancellation the database's answer to the heartbeat made, see
+        :func:`_wait_to_resend`); raises the last failure when the database never answered."""
         log.warning("job_write_unconfirmed", error=str(exc),
                     detail="the connection broke while the outcome was being written: sent again on a "
                            "new connection, which finds out whether it was")
         pauses = iter(_RESEND_PAUSES_S)
+        last = False
         while True:
             try:
                 return again(ctx.reconnect())
             except DatabaseUnavailable as failed:
                 exc = failed
-            pause_s = next(pauses, _RESEND_PAUSES_S[-1])
-            if ctx.cancelled or time.monotonic() + pause_s >= ctx.deadline:
+            if last or not _wait_to_resend(ctx, next(pauses, _RESEND_PAUSES_S[-1])):
                 raise exc
-            try:
-                ctx.sleep(pause_s)  # wakes at once on cancellation (the pool stops, the lease is lost)
-            except LeaseLost:
-                raise exc from None
+            last = ctx.cancelled
 
     def _write_completion(self, ctx: JobContext, log: Any, result_json: str) -> Outcome:
         return self._fenced_write(
@@ -337,6 +337,22 @@ def trace_id(traceparent: str | None) -> str | None:
     """The trace id of a W3C traceparent (``00-<trace id>-<span id>-<flags>``), for log lines."""
     parts = (traceparent or "").split("-")
     return parts[1] if len(parts) == 4 else None
+
+
+def _wait_to_resend(ctx: JobContext, pause_s: float) -> bool:
+    """Wait ``pause_s`` (less on cancellation) before an outcome is sent again; False when it
+    is not to be: the lease's local deadline comes first, or the attempt was cancelled
+    without word from the database (the pool stops, the local deadline passed).  Cancelled
+    by the heartbeat's answer (``HEARD``), it is sent once more at once: the database is
+    reachable, and the outcome written by this very lease moved the job out of 'running',
+    which the heartbeat reads as a lost lease (before, such an outcome was reported lost)."""
+    if time.monotonic() + pause_s >= ctx.deadline:
+        return False
+    try:
+        ctx.sleep(pause_s)  # wakes at once on cancellation
+    except LeaseLost:
+        pass
+    return not ctx.cancelled or ctx.cancel_reason in HEARD
 
 
 def _tidy(ctx: JobContext) -> None:

@@ -20,13 +20,16 @@ metric, never ``job_write_failed`` nor a lost lease.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from typing import Any
 
+import psycopg
 import psycopg.errors
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from consumer_sdk.errors import DatabaseUnavailable
 from consumer_sdk.jobs import (
     Backoff,
     JobsMetrics,
@@ -37,10 +40,14 @@ from consumer_sdk.jobs import (
     WorkerPool,
     enqueue,
 )
+from consumer_sdk.jobs._conn import ConnSlot
 from consumer_sdk.jobs.completions import MAX_ROUND_CHARS
+from consumer_sdk.jobs.context import JobContext
+from consumer_sdk.jobs.executor import Executor
+from consumer_sdk.jobs.heartbeat import Heartbeat
 from tests.fixtures import proxy as proxy_module
 from tests.fixtures.procs import wait_until
-from tests.integration.jobs._support import recording_logger, rows
+from tests.integration.jobs._support import claim_next, recording_logger, rows
 
 TOPIC = "jobs-events-lost-reply"
 
@@ -322,3 +329,58 @@ def test_another_outcome_that_never_reached_the_server_is_written_again_not_left
     assert "outcome_confirmed" not in names, names
     _assert_counted(kind, metrics, dict(pool.outcomes), calls, jobs_db, marker, job_id)
     assert rows(jobs_db, "SELECT status FROM jobs") == [(spec["status"],)]
+
+
+def test_a_retry_whose_reply_was_lost_is_confirmed_even_when_the_heartbeat_saw_it_first(
+        conn, jobs_db, tcp_proxy, held_after) -> None:
+    # The retry committed and its reply was lost; the new connection for the write sent again
+    # cannot be made, and meanwhile the heartbeat reaches the database: the job is no longer
+    # running (the retry moved it), which it reads as a lost lease and cancels the attempt.
+    # Before, that cancellation ended the sending: job_write_failed, lost, for a retry the
+    # executor had written.  Now the database's answer to the heartbeat earns one more try.
+    info = conninfo_to_dict(jobs_db)
+    proxy = tcp_proxy(str(info.get("host") or "127.0.0.1"), int(str(info["port"])))
+    marker = f"reply-lost-{uuid.uuid4().hex}"
+    held_after.update(marker=marker.encode())
+    events: list[dict[str, Any]] = []
+    metrics = JobsMetrics()
+    enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="work", payload={})])
+    (job,) = claim_next(conn, "A", now=None, queues=("bulk",), lease_s=30.0)
+    ctx = JobContext(job, deadline=time.monotonic() + 20)
+    heartbeat = Heartbeat(slot=ConnSlot(lambda: psycopg.connect(jobs_db, autocommit=True)), worker_id="A",
+                          lease_s=30.0, max_concurrency=1, running=lambda: [ctx], metrics=metrics,
+                          log=recording_logger(events), clock=time.monotonic, db_now=lambda: None)
+    reconnects: list[int] = []
+
+    def reconnect() -> psycopg.Connection[Any]:
+        reconnects.append(len(reconnects))
+        if len(reconnects) == 1:  # unreachable for the executor, answering the heartbeat
+            assert heartbeat.once() == 1 and ctx.cancel_reason == "lease_lost"
+            raise DatabaseUnavailable("database unavailable: connection refused")
+        return psycopg.connect(jobs_db, autocommit=True)
+
+    def fail(ctx: Any) -> Any:
+        raise RuntimeError(marker)
+
+    ctx.bind(psycopg.connect(make_conninfo(jobs_db, host="127.0.0.1", port=str(proxy.port)), autocommit=True),
+             reconnect=reconnect)
+    executor = Executor(handlers={"work": fail}, backoff=Backoff(initial_s=60.0, max_s=60.0), metrics=metrics,
+                        log=recording_logger(events), events_topic=None, db_now=lambda: None)
+    outcome: list[str] = []
+    runner = threading.Thread(target=lambda: outcome.append(executor.run(ctx)), daemon=True)
+    runner.start()
+    try:
+        assert held_after["held"].wait(30), "the executor's retry was not seen"
+        wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [("queued",)], timeout_s=20,
+                   message="the server committed the retry")
+        proxy.cut()
+        runner.join(30)
+    finally:
+        heartbeat.close()
+        ctx.conn.close()
+    names = [e["event"] for e in events]
+    assert outcome == ["retried"] and len(reconnects) == 2, (outcome, names)
+    assert "lease_lost" in names and "outcome_confirmed" in names and "job_write_failed" not in names, names
+    assert metrics.registry.get_sample_value("outbox_jobs_retries_total", {"queue": "bulk"}) == 1.0
+    assert rows(jobs_db, "SELECT status, attempts, last_error FROM jobs") == [
+        ("queued", 1, f"RuntimeError: {marker}")]
