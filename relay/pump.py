@@ -60,7 +60,7 @@ from relay.pump_claim import PACE_STEP as PACE_STEP
 from relay.pump_claim import PACED_CLAIM_ROWS as PACED_CLAIM_ROWS
 from relay.pump_claim import Claiming
 from relay.pump_settle import INLINE_MARK_ROWS as INLINE_MARK_ROWS
-from relay.pump_settle import Settling
+from relay.pump_settle import Settling, reopens
 from relay.stalls import Stalls
 
 DEFAULT_BATCH_MAX_BYTES = 4 << 20  # payload bytes per claim; 4 in flight: 16 MiB
@@ -146,6 +146,9 @@ class Pump(Claiming, Settling):
         elif mark_store is not None:
             mark_stores.append(mark_store)
         self._marker = MarkLanes(mark_stores, leases.owner, log=log) if mark_stores else None
+        # What a mark on this thread runs on: the first mark connection (or the store).
+        self._inline_store: MarkStore = self._marker.store if self._marker else store
+        self._inline_reopens = reopens(self._inline_store)
         self.rewind_requested = True  # the first claim starts from "nothing seen"
         self.caught_up = False
         self.claim_not_before = 0.0

@@ -14,12 +14,12 @@ from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from relay.failures import Failures
 from relay.inflight import InFlight, PendingMark
 from relay.leases import LeaseManager
-from relay.marker import MarkLanes, MarkOutcome, mark_rows
+from relay.marker import MarkLanes, MarkOutcome, MarkStore, mark_rows
 from relay.metrics import RelayMetrics, observe_many
 from relay.model import BatchResult, OutboxRow
 from relay.stalls import Stalls
@@ -28,6 +28,27 @@ if TYPE_CHECKING:
     from relay.pump import PumpPublisher, PumpStore
 
 INLINE_MARK_ROWS = 64  # a drained window's batch up to this size is marked on the pump's thread
+
+
+@runtime_checkable
+class Reopens(Protocol):
+    """A mark store that says when its connection must be re-opened before its next
+    statement (relay.connections.CheckedStore): a re-open may wait (a pooler's queue)."""
+
+    needs_reopen: bool
+
+
+class _NeverReopens:
+    """Any other mark store's stand-in in the pump's test: no re-open it waits for."""
+
+    needs_reopen = False
+
+
+def reopens(store: object) -> Reopens:
+    """``store``, when it says whether its connection must be re-opened; else a stand-in."""
+    return store if isinstance(store, Reopens) else _NeverReopens()
+
+
 CREATED, TOPIC, _SHARD, _ID = (attrgetter("created_epoch"), attrgetter("topic"), attrgetter("shard"),
                              attrgetter("id"))
 
@@ -54,6 +75,8 @@ class Settling:
         backoff_until: float
         last_marked_at: float
         _marker: MarkLanes | None
+        _inline_store: MarkStore
+        _inline_reopens: Reopens
 
         def request_rewind(self) -> None: ...
 
@@ -122,18 +145,22 @@ class Settling:
         store, or when nothing could run meanwhile (a small batch of a drained window,
         nothing else in flight or marking: the next claim is paced).  Handing such a
         mark to the mark thread and waiting for it costs two thread wake-ups for no
-        overlap.  Either way a failed mark raises in :meth:`_collect_marks`."""
+        overlap.  Not when the mark store's connection must be re-opened first
+        (``needs_reopen``, relay.connections.CheckedStore): behind a session pooler with
+        no server free the re-open waits, and this thread (heartbeats, claims) waited
+        with it; the mark thread waits instead.  Either way a failed mark raises in
+        :meth:`_collect_marks`."""
         marker = self._marker
         if marker is not None and not (self.caught_up and len(acked) <= INLINE_MARK_ROWS
-                                       and not self.in_flight and not self.marking):
+                                       and not self.in_flight and not self.marking
+                                       and not self._inline_reopens.needs_reopen):
             future = marker.submit(batch.tokens, acked)
         else:
             future = Future()
             shards = set(map(_SHARD, acked))  # fenced by its rows' shards only, as the mark threads' parts are
             tokens = {shard: token for shard, token in batch.tokens.items() if shard in shards}
             try:  # the mark threads are idle: nothing is marking
-                future.set_result(mark_rows(self.store if marker is None else marker.store,
-                                            self.leases.owner, tokens, acked))
+                future.set_result(mark_rows(self._inline_store, self.leases.owner, tokens, acked))
             except Exception as exc:  # like the mark thread's: raised in _collect_marks
                 future.set_exception(exc)
         self.marking.append(PendingMark(batch, acked, future))

@@ -14,6 +14,7 @@ import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta
 
 import psycopg
 import pytest
@@ -218,6 +219,55 @@ def test_the_cleanup_connection_reopened_with_no_server_free_is_named_as_at_star
         insert_rows(outbox_db, topic, 20, keys=4)
         wait_drained(outbox_db, timeout_s=60)  # marking goes on meanwhile
     relay.wait_for_log("cleanup_recovered", timeout_s=60)
+    relay.sigterm()
+    assert relay.wait(30) == 0
+    assert "Traceback" not in relay.log_text()
+
+
+def _seen_until(dsn: str, owner: str) -> datetime:
+    """Until when the relay ``owner``'s last heartbeat (on the loop's thread) says it lives."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT seen_until FROM outbox_relay_replicas WHERE owner = %s", (owner,)).fetchone()
+        assert row is not None, f"no replica {owner}"
+        return row[0]
+
+
+def test_a_small_batch_whose_mark_connection_waits_to_reopen_does_not_hold_the_loop(
+        outbox_db, pgbouncer, broker, topic, spawn):  # noqa: F811 - the imported fixture
+    """A small batch of a drained outbox (up to 64 rows) is marked on the loop's thread;
+    once its mark connection broke, its re-open waited there in the pooler's queue, and the
+    loop with it: no heartbeat (leases expire), no claim, then a heartbeat_late of the whole
+    wait.  Now such a batch goes to the mark thread, which waits; the loop goes on."""
+    owner, mark = "inline", "outbox-relay:inline:mark"
+    pooled = pgbouncer("session", pool_size=NEEDED + 1)  # a spare, for the wait watch
+    relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap, owner=owner, mark_connections=1,
+                                                  heartbeat_interval_s=1, claim_interval_s=0,
+                                                  claim_interval_max_s=0),
+                  name="relay")
+    relay.wait_for_log("relay_started", timeout_s=60)
+    insert_rows(outbox_db, topic, 20, keys=4)
+    wait_drained(outbox_db, timeout_s=60)
+    assert _end_session(outbox_db, mark) == 1
+    # Two take the server the mark connection had and the spare one: once the relay saw the
+    # broken mark's error (the next batch's, on the loop's thread), its claims and LISTEN
+    # connections, closed after it, get theirs back; the mark connection has none.
+    with _other_clients(pooled, 2) as clients:
+        wait_until(lambda: all(served.is_set() for served, _ in clients), timeout_s=30,
+                   message="no other clients got the mark connection's and the spare server")
+        insert_rows(outbox_db, topic, 20, keys=4, start=20)
+        wait_until(lambda: _named(relay.log_text(), "database_connection_waiting", mark),
+                   timeout_s=40, message=lambda: f"the mark connection was not named: {_tail(relay.log_text())}")
+        seen = _seen_until(outbox_db, owner)
+        # Two heartbeats (one a second) while the mark connection still waits.
+        wait_until(lambda: _seen_until(outbox_db, owner) > seen + timedelta(seconds=2), timeout_s=15, message=lambda: f"the loop stopped its heartbeats while the mark "
+                                                 f"connection waited: {_tail(relay.log_text())}")
+        assert not _named(relay.log_text(), "database_connection_ready", mark)
+        assert pending(outbox_db) == 20 and relay.alive
+    wait_until(lambda: _named(relay.log_text(), "database_connection_ready", mark),
+               timeout_s=60, message=lambda: f"the mark connection was not ready: {_tail(relay.log_text())}")
+    wait_drained(outbox_db, timeout_s=60)  # every row marked, once
+    late = [event["late_s"] for event in _events(relay.log_text(), "heartbeat_late")]
+    assert all(float(str(each)) < 3.0 for each in late), late
     relay.sigterm()
     assert relay.wait(30) == 0
     assert "Traceback" not in relay.log_text()

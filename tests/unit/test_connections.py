@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import psycopg
 import pytest
 
 from relay import store as store_module
@@ -228,3 +229,23 @@ def test_an_optional_mark_connection_is_checked_on_reopen_only(served: threading
     fields = log.events[0][1]
     assert fields["connection"] == "relay:mark2" and str(fields["detail"]).startswith(
         "could not get an optional connection (relay:mark2: marks, optional) within"), fields
+
+
+def test_a_mark_store_says_when_its_next_statement_reopens_its_connection(served: threading.Event) -> None:
+    """The pump's test before a mark on its own thread (relay/pump_settle.py): a connection
+    that broke (its statement failed, the store dropped it) must be re-opened, which may
+    wait; an open one, or one never opened (the start's check opens it), need not."""
+    log, stopping = Log(), threading.Event()
+    store, _checks = _mark_store(log, stopping)
+    assert not store.needs_reopen
+    served.set()
+    store.conn  # noqa: B018 - opened once
+    assert not store.needs_reopen
+    store.reset()  # a statement failed
+    assert store.needs_reopen
+    store.conn  # noqa: B018 - re-opened
+    assert not store.needs_reopen
+    store.conn.closed = True  # the driver found it broken, with an error that does not drop it
+    with pytest.raises(psycopg.DataError):
+        store._failed(psycopg.DataError("lost"))
+    assert store.needs_reopen
