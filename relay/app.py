@@ -242,8 +242,7 @@ class Relay(Running, Dependencies):
             cleanup_store=self.janitor.store if self.janitor else None), log=self.log,
             stopping=lambda: self.stopping, optional=len(self.mark_stores) - 1)
         self._retry_db(self.connections.at_start)
-        self.connections.check_reopens(self.wakeup, *self.mark_stores,  # their re-opens, from now on
-                                       self.janitor and self.janitor.store)
+        self._check_reopens()
         if self.stopping:
             return
         ignored = ignored_options(s)
@@ -299,6 +298,13 @@ class Relay(Running, Dependencies):
         """Stop the relay from a callback; ``run`` raises ``error`` when its loop ends."""
         self.fatal = error
         self.stop()
+
+    def _check_reopens(self) -> None:
+        """After the start's check: each re-open of the connections that re-open by themselves
+        (LISTEN, the mark and cleanup connections, each on the thread that uses it) is
+        checked from now on (relay/connections.py)."""
+        assert self.connections is not None
+        self.connections.check_reopens(self.wakeup, *self.mark_stores, self.janitor and self.janitor.store)
 
     def _store(self, role: str, kind: type[Store] = Store) -> Store:
         """A store (connection) of this replica, named ``outbox-relay:<owner><role>``."""
