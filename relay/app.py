@@ -95,7 +95,8 @@ class Relay(Running, Dependencies):
                                                 on_statement=self.metrics.db_statements.inc)
         self.publisher: Publisher | None = None
         self.exactly_once: Any = None  # relay/exactly_once.py's publisher, in that mode
-        self._recovery = self._store(":exactly-once") if settings.exactly_once else None
+        # Used by the shard workers' recoveries (relay/exactly_once.py): its re-opens are checked.
+        self._recovery = self._store(":exactly-once", connections.CheckedStore) if settings.exactly_once else None
         if self._recovery is not None:  # its marks go by (id, event_id) on both layouts:
             self._recovery.mark_by_event_id()  # see TransactionalPublisher.recover
         self.pump: Pump | None = None
@@ -301,10 +302,11 @@ class Relay(Running, Dependencies):
 
     def _check_reopens(self) -> None:
         """After the start's check: each re-open of the connections that re-open by themselves
-        (LISTEN, the mark and cleanup connections, each on the thread that uses it) is
-        checked from now on (relay/connections.py)."""
+        (LISTEN, the mark, cleanup and exactly-once recovery connections, each on the thread
+        that uses it) is checked from now on (relay/connections.py)."""
         assert self.connections is not None
-        self.connections.check_reopens(self.wakeup, *self.mark_stores, self.janitor and self.janitor.store)
+        self.connections.check_reopens(self.wakeup, *self.mark_stores, self.janitor and self.janitor.store,
+                                       self._recovery)
 
     def _store(self, role: str, kind: type[Store] = Store) -> Store:
         """A store (connection) of this replica, named ``outbox-relay:<owner><role>``."""

@@ -26,13 +26,12 @@ needs, then keeps waiting (a server may come free) and says so again every
 :data:`LOG_EVERY_S`.
 
 The connections are checked the same way when they are re-opened at run time: the loop's
-(:class:`Checks`, :class:`CheckedWakeup`), and the mark and cleanup connections, which
-re-open on the thread that uses them (:class:`CheckedStore`): after a database restart or
-failover one of them queued in the pooler held the loop at its first statement, or marking
-or cleanup, without a word.  A small batch the loop would mark on its own thread goes to the
-mark thread while the mark connection must be re-opened (``CheckedStore.needs_reopen``):
-the loop never waits on that re-open.  The exactly-once recovery connection is not checked
-again.
+(:class:`Checks`, :class:`CheckedWakeup`), and the mark, cleanup and exactly-once recovery
+connections, which re-open on the thread that uses them (:class:`CheckedStore`): after a
+database restart or failover one of them queued in the pooler held the loop at its first
+statement, or marking, cleanup or a shard's recovery, without a word.  A small batch the
+loop would mark on its own thread goes to the mark thread while the mark connection must
+be re-opened (``CheckedStore.needs_reopen``): the loop never waits on that re-open.
 """
 
 from __future__ import annotations
@@ -142,10 +141,10 @@ class CheckedWakeup(Wakeup):
 
 
 class CheckedStore(Store):
-    """A store used on a thread of its own (the mark threads', relay/marker.py, and the
-    cleanup thread's, relay/janitor.py), whose connection re-opens at its next statement
-    after it broke: once :attr:`checks` is set, each re-open is checked as at start on the
-    thread that needs it.  Behind a session pooler with no server free, a re-opened mark
+    """A store used on a thread of its own (the mark threads', relay/marker.py, the cleanup
+    thread's, relay/janitor.py, the exactly-once shard workers', relay/exactly_once.py),
+    whose connection re-opens at its next statement after it broke: once :attr:`checks` is
+    set, each re-open is checked as at start on the thread that needs it.  Behind a session pooler with no server free, a re-opened mark
     connection waited at its first statement and marking stopped without a word.  The
     check runs only when the connection is re-opened, never per statement; the first open
     of an optional mark connection is its lane's probe's (relay/marker.py), not checked.  A

@@ -249,3 +249,38 @@ def test_a_mark_store_says_when_its_next_statement_reopens_its_connection(served
     with pytest.raises(psycopg.DataError):
         store._failed(psycopg.DataError("lost"))
     assert store.needs_reopen
+
+
+def test_the_exactly_once_recovery_connection_reopened_is_named_as_at_start(served: threading.Event) -> None:
+    """The exactly-once recovery connection (relay/app.py, its shard workers' recoveries)
+    re-opens at its next statement after it broke, as the mark connections do: it is
+    checked the same way (before: never named, it waited in the pooler's queue unsaid)."""
+    from relay.app import Relay
+    from relay.config import build_settings
+    from relay.connections import application_name
+
+    settings = build_settings({"dsn": "postgresql://u@127.0.0.1/db", "bootstrap_servers": "127.0.0.1:9092",
+                               "owner": "eo", "exactly_once": "true"})
+    log, stopping = Log(), threading.Event()
+    relay = Relay(settings, log=log)
+    recovery = relay._recovery
+    assert recovery is not None
+    relay.connections = Checks(relay_needs(lambda role: application_name("eo", role), store=relay.store,
+                                           wakeup=relay.wakeup, mark_store=relay.mark_stores[0],
+                                           replay_store=relay.store, recovery_store=recovery),
+                               log=log, stopping=stopping.is_set)
+    served.set()
+    recovery.conn  # noqa: B018 - opened by the start's check
+    relay._check_reopens()
+    recovery.reset()  # a statement failed
+    served.clear()
+    thread, failed = _on_a_thread_of_its_own(recovery)  # type: ignore[arg-type]
+    named = log.warned.wait(5)
+    served.set()  # a server came free
+    thread.join(10)
+    assert named, "the recovery connection's re-open was not named"
+    assert not failed
+    fields = log.events[0][1]
+    assert fields["connection"] == "outbox-relay:eo:exactly-once" and fields["reopened"] is True, fields
+    assert str(fields["detail"]).startswith(
+        "could not get connection 5 of 5 (outbox-relay:eo:exactly-once: exactly-once recovery) within"), fields
