@@ -111,7 +111,7 @@ class Relay(Running, Dependencies):
         watched = connections.watched_names(lambda role: application_name(settings.owner, role),
                                             marks=mark_connections(settings))
         self.waits = WaitWatch(settings.dsn, application_name=application_name(settings.owner, ":watch"),
-                               names=watched, held_up_s=lambda: probes.held_up_s(self),
+                               names=watched, held_up_s=self._held_up_s,
                                on_lock_wait_s=self.metrics.lock_wait.set, log=self.log, clock=clock)
         self.fatal: RelayError | None = None
         self.stop_signal: str | None = None
@@ -299,6 +299,14 @@ class Relay(Running, Dependencies):
         """Stop the relay from a callback; ``run`` raises ``error`` when its loop ends."""
         self.fatal = error
         self.stop()
+
+    def _held_up_s(self) -> float:
+        """The wait watch's probes.held_up_s; 0 while a mark connection waits for its re-open
+        (named, relay/connections.py): the watch's look then took the server it waited for,
+        behind a session pool of the relay's size, and held it while the marks waited."""
+        if any(getattr(store, "needs_reopen", False) for store in self.mark_stores):
+            return 0.0
+        return probes.held_up_s(self)
 
     def _check_reopens(self) -> None:
         """After the start's check: each re-open of the connections that re-open by themselves
