@@ -79,6 +79,15 @@ def held_after(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return state
 
 
+def _pool(jobs_db: str, proxy: Any, handler: Any, metrics: JobsMetrics, events: list[dict[str, Any]],
+          **config: Any) -> WorkerPool:
+    """A worker pool running one job at a time through the fault proxy (``config``: more options)."""
+    return WorkerPool(WorkerConfig(dsn=make_conninfo(jobs_db, host="127.0.0.1", port=str(proxy.port)),
+                                   max_concurrency=1, lease_duration_s=10.0, poll_interval_s=0.1,
+                                   reconcile_interval_s=5.0, listen=False, drain_timeout_s=1.0, **config),
+                      {"work": handler}, metrics=metrics, log=recording_logger(events))
+
+
 @pytest.mark.parametrize("path", ["events_topic", "large_result"])
 def test_a_success_the_executor_wrote_whose_reply_was_lost_is_confirmed_not_failed(
         conn, jobs_db, tcp_proxy, held_after, path: str) -> None:
@@ -96,11 +105,7 @@ def test_a_success_the_executor_wrote_whose_reply_was_lost_is_confirmed_not_fail
         return {"marker": marker, "padding": padding}
 
     metrics = JobsMetrics()
-    pool = WorkerPool(WorkerConfig(dsn=make_conninfo(jobs_db, host="127.0.0.1", port=str(proxy.port)),
-                                   max_concurrency=1, lease_duration_s=10.0, poll_interval_s=0.1,
-                                   reconcile_interval_s=5.0, listen=False, drain_timeout_s=1.0,
-                                   events_topic=TOPIC if path == "events_topic" else None),
-                      {"work": work}, metrics=metrics, log=recording_logger(events))
+    pool = _pool(jobs_db, proxy, work, metrics, events, events_topic=TOPIC if path == "events_topic" else None)
     pool.start()
     try:
         (job_id,) = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="work", payload={})])
@@ -146,11 +151,8 @@ def test_a_success_the_executor_wrote_that_never_reached_the_server_is_written_a
     go = threading.Event()
     events: list[dict[str, Any]] = []
     metrics = JobsMetrics()
-    pool = WorkerPool(WorkerConfig(dsn=make_conninfo(jobs_db, host="127.0.0.1", port=str(proxy.port)),
-                                   max_concurrency=1, lease_duration_s=10.0, poll_interval_s=0.1,
-                                   reconcile_interval_s=5.0, listen=False, drain_timeout_s=1.0, events_topic=TOPIC),
-                      {"work": lambda ctx: go.wait(20) and {"marker": marker}}, metrics=metrics,
-                      log=recording_logger(events))
+    pool = _pool(jobs_db, proxy, lambda ctx: go.wait(20) and {"marker": marker}, metrics, events,
+                 events_topic=TOPIC)
     pool.start()
     try:
         (job_id,) = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="work", payload={})])
@@ -225,12 +227,8 @@ def test_another_outcome_the_executor_wrote_whose_reply_was_lost_is_confirmed_no
     events: list[dict[str, Any]] = []
     metrics = JobsMetrics()
     topic = TOPIC if kind == "dead_letter_events" else None
-    pool = WorkerPool(WorkerConfig(dsn=make_conninfo(jobs_db, host="127.0.0.1", port=str(proxy.port)),
-                                   max_concurrency=1, lease_duration_s=10.0, poll_interval_s=0.1,
-                                   reconcile_interval_s=5.0, listen=False, drain_timeout_s=1.0,
-                                   backoff=Backoff(initial_s=60.0, max_s=60.0), events_topic=topic),
-                      {"work": _other_handler(kind, marker, go, calls)}, metrics=metrics,
-                      log=recording_logger(events))
+    pool = _pool(jobs_db, proxy, _other_handler(kind, marker, go, calls), metrics, events,
+                 backoff=Backoff(initial_s=60.0, max_s=60.0), events_topic=topic)
     pool.start()
     try:
         (job_id,) = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="work", payload={})])
@@ -303,12 +301,8 @@ def test_another_outcome_that_never_reached_the_server_is_written_again_not_left
     calls: list[int] = []
     events: list[dict[str, Any]] = []
     metrics = JobsMetrics()
-    pool = WorkerPool(WorkerConfig(dsn=make_conninfo(jobs_db, host="127.0.0.1", port=str(proxy.port)),
-                                   max_concurrency=1, lease_duration_s=10.0, poll_interval_s=0.1,
-                                   reconcile_interval_s=5.0, listen=False, drain_timeout_s=1.0,
-                                   backoff=Backoff(initial_s=60.0, max_s=60.0)),
-                      {"work": _other_handler(kind, marker, go, calls)}, metrics=metrics,
-                      log=recording_logger(events))
+    pool = _pool(jobs_db, proxy, _other_handler(kind, marker, go, calls), metrics, events,
+                 backoff=Backoff(initial_s=60.0, max_s=60.0))
     pool.start()
     try:
         (job_id,) = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="work", payload={})])
