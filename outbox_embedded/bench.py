@@ -203,7 +203,8 @@ class Bench:
         """The relay's database work in the relay's shape: claims on one connection, marks
         by the relay's own mark threads (relay/marker.py) on the default number of
         connections of their own, up to the pipeline depth queued."""
-        from relay.marker import MarkLanes, MarkOutcome
+        from relay.mark_lanes import MarkLanes
+        from relay.marker import MarkOutcome
         from relay.model import Token
 
         with self.fresh_db() as dsn:

@@ -18,7 +18,7 @@ loop on the caller's thread have ``run_once()``.  Threads, and the connections e
   the Producer (``relay.publisher``; its delivery reports run on this thread, inside
   ``poll``); the loop owner (``relay.loop.Loop``), the pump, the lease manager, the stall
   tracker, the replayer (``outbox-relay:<owner>:replay``).
-* the mark threads (``relay.marker.MarkLanes``, started by ``Pump.start``), one per
+* the mark threads (``relay.mark_lanes.MarkLanes``, started by ``Pump.start``), one per
   ``--mark-connections``: ``outbox-relay:<owner>:mark``, ``...:mark2``; they receive
   (tokens, rows) from the pump, split by shard, and hand back a Future per mark, applied by
   the pump in batch order on the loop's thread.

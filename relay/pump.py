@@ -39,7 +39,8 @@ from typing import Any, Protocol
 from relay.failures import FailurePublisher, Failures, FailureStore
 from relay.inflight import InFlight, PendingMark
 from relay.leases import LeaseManager
-from relay.marker import MarkLanes, MarkStore
+from relay.mark_lanes import MarkLanes
+from relay.marker import MarkStore
 from relay.metrics import RelayMetrics
 from relay.model import (
     START,
@@ -115,7 +116,7 @@ class Pump(Claiming, Settling):
         claim_interval_max_s: float = 0.0,
     ) -> None:
         """``mark_store``: connections to mark on in the background, one or several
-        (:class:`relay.marker.MarkLanes`; None: mark synchronously on ``store``).  ``batch_max_bytes``: payload bytes per claim (the
+        (:class:`relay.mark_lanes.MarkLanes`; None: mark synchronously on ``store``).  ``batch_max_bytes``: payload bytes per claim (the
         row that crosses it is the last); ``max_message_bytes``: the producer's limit,
         above which a row is dead-lettered by its size, its payload never fetched.
         ``claim_interval_s``, ``claim_interval_max_s``: after a claim that caught up, the

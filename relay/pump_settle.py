@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from relay.failures import Failures
 from relay.inflight import InFlight, PendingMark
 from relay.leases import LeaseManager
-from relay.marker import MarkLanes, MarkOutcome, MarkStore, mark_rows
+from relay.mark_lanes import MarkLanes
+from relay.marker import MarkOutcome, MarkStore, mark_rows
 from relay.metrics import RelayMetrics, observe_many
 from relay.model import BatchResult, OutboxRow
 from relay.stalls import Stalls

@@ -1,4 +1,4 @@
-"""Marks on two connections (``--mark-connections``, relay/marker.py's MarkLanes, issue 18).
+"""Marks on two connections (``--mark-connections``, relay/mark_lanes.py's MarkLanes, issue 18).
 
 A draining relay with two mark connections (`--mark-connections 2`; one by default) splits each
 large batch's mark between them by shard.

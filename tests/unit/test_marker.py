@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from relay.errors import DatabaseUnavailable
-from relay.marker import Marker, MarkLanes
+from relay.mark_lanes import MarkLanes
+from relay.marker import Marker
 from relay.model import Lease, OutboxRow, RowId, ShardId, Token
 from tests.fixtures.procs import wait_until
 
