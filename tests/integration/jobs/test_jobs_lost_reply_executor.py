@@ -88,6 +88,27 @@ def _pool(jobs_db: str, proxy: Any, handler: Any, metrics: JobsMetrics, events: 
                       {"work": handler}, metrics=metrics, log=recording_logger(events))
 
 
+def _one_job_cut_after_its_write(conn: Any, jobs_db: str, proxy: Any, go: threading.Event,
+                                 held_after: dict[str, Any], *, committed: str | None) -> int:
+    """Enqueue one job, let its handler end (``go``) once it is claimed, wait until the proxy
+    holds the executor's write (``held_after``), then cut every connection.  ``committed``:
+    the status the server has committed first (the reply is what is lost); None: the write
+    was dropped, the job still running.  Returns the job's id."""
+    (job_id,) = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="work", payload={})])
+    wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [("running",)], timeout_s=20,
+               message="claimed")
+    go.set()  # the handler comes to its outcome; the executor writes it
+    assert held_after["held"].wait(30), "the executor's write was not seen"
+    if committed is None:
+        assert rows(jobs_db, "SELECT status FROM jobs") == [("running",)]
+    else:
+        wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [(committed,)], timeout_s=20,
+                   message="the server committed the write")
+    proxy.cut()  # its reply (or the write itself) never reaches the pool
+    proxy.restore()
+    return int(job_id)
+
+
 @pytest.mark.parametrize("path", ["events_topic", "large_result"])
 def test_a_success_the_executor_wrote_whose_reply_was_lost_is_confirmed_not_failed(
         conn, jobs_db, tcp_proxy, held_after, path: str) -> None:
@@ -108,15 +129,7 @@ def test_a_success_the_executor_wrote_whose_reply_was_lost_is_confirmed_not_fail
     pool = _pool(jobs_db, proxy, work, metrics, events, events_topic=TOPIC if path == "events_topic" else None)
     pool.start()
     try:
-        (job_id,) = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="work", payload={})])
-        wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [("running",)], timeout_s=20,
-                   message="claimed")
-        go.set()  # the executor writes the success itself
-        assert held_after["held"].wait(30), "the executor's completion was not seen"
-        wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [("succeeded",)], timeout_s=20,
-                   message="the server committed the completion")
-        proxy.cut()  # its reply never reaches the pool
-        proxy.restore()
+        job_id = _one_job_cut_after_its_write(conn, jobs_db, proxy, go, held_after, committed="succeeded")
         wait_until(lambda: pool.outcomes["succeeded"] + pool.outcomes["lost"] >= 1, timeout_s=20,
                    message=lambda: f"the completion settled: {[e['event'] for e in events]}")
     finally:
@@ -155,14 +168,7 @@ def test_a_success_the_executor_wrote_that_never_reached_the_server_is_written_a
                  events_topic=TOPIC)
     pool.start()
     try:
-        (job_id,) = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="work", payload={})])
-        wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [("running",)], timeout_s=20,
-                   message="claimed")
-        go.set()
-        assert held_after["held"].wait(30), "the executor's completion was not seen"
-        assert rows(jobs_db, "SELECT status FROM jobs") == [("running",)]
-        proxy.cut()
-        proxy.restore()
+        job_id = _one_job_cut_after_its_write(conn, jobs_db, proxy, go, held_after, committed=None)
         wait_until(lambda: pool.outcomes["succeeded"] + pool.outcomes["lost"] >= 1, timeout_s=20,
                    message=lambda: f"the completion settled: {[e['event'] for e in events]}")
     finally:
@@ -231,15 +237,7 @@ def test_another_outcome_the_executor_wrote_whose_reply_was_lost_is_confirmed_no
                  backoff=Backoff(initial_s=60.0, max_s=60.0), events_topic=topic)
     pool.start()
     try:
-        (job_id,) = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="work", payload={})])
-        wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [("running",)], timeout_s=20,
-                   message="claimed")
-        go.set()  # the handler comes to its outcome; the executor writes it
-        assert held_after["held"].wait(30), "the executor's write was not seen"
-        wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [(spec["status"],)], timeout_s=20,
-                   message="the server committed the write")
-        proxy.cut()  # its reply never reaches the pool
-        proxy.restore()
+        job_id = _one_job_cut_after_its_write(conn, jobs_db, proxy, go, held_after, committed=spec["status"])
         settled = {"released": 2}.get(spec["outcome"], 1)  # a job given back runs again
         wait_until(lambda: sum(pool.outcomes.values()) >= settled, timeout_s=20,
                    message=lambda: f"the outcome settled: {[e['event'] for e in events]}")
@@ -305,14 +303,7 @@ def test_another_outcome_that_never_reached_the_server_is_written_again_not_left
                  backoff=Backoff(initial_s=60.0, max_s=60.0))
     pool.start()
     try:
-        (job_id,) = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="work", payload={})])
-        wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [("running",)], timeout_s=20,
-                   message="claimed")
-        go.set()
-        assert held_after["held"].wait(30), "the executor's write was not seen"
-        assert rows(jobs_db, "SELECT status FROM jobs") == [("running",)]
-        proxy.cut()
-        proxy.restore()
+        job_id = _one_job_cut_after_its_write(conn, jobs_db, proxy, go, held_after, committed=None)
         wait_until(lambda: sum(pool.outcomes.values()) >= 1, timeout_s=20,
                    message=lambda: f"the outcome settled: {[e['event'] for e in events]}")
     finally:
