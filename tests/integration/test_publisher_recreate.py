@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
@@ -17,22 +16,10 @@ from relay.config import build_settings, producer_config
 from relay.model import OutboxRow
 from relay.publisher import Outcome, Publisher
 from tests.fixtures.broker import TansuBroker, create_topic
-from tests.fixtures.procs import wait_until
+from tests.fixtures.procs import rdkafka_threads, wait_until
 from tests.fixtures.proxy import TcpProxy
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-
-
-def rdkafka_threads() -> int:
-    """librdkafka's threads in this process (named rdk:main, rdk:broker..., rdk:bg)."""
-    count = 0
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            if (task / "comm").read_text().startswith("rdk:"):
-                count += 1
-        except OSError:
-            continue  # the thread ended meanwhile
-    return count
 
 
 def row(n: int, topic: str) -> OutboxRow:

@@ -8,27 +8,15 @@ broker is needed to queue a message and give it up."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
 from relay.config import build_settings, producer_config
 from relay.model import OutboxRow
 from relay.publisher import Outcome, Publisher
+from tests.fixtures.procs import rdkafka_threads
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-
-
-def rdkafka_threads() -> int:
-    """librdkafka's threads in this process (named rdk:main, rdk:broker..., rdk:bg)."""
-    count = 0
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            if (task / "comm").read_text().startswith("rdk:"):
-                count += 1
-        except OSError:
-            continue  # the thread ended meanwhile
-    return count
 
 
 def row(n: int) -> OutboxRow:
