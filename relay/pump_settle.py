@@ -36,7 +36,8 @@ class Reopens(Protocol):
     """A mark store that says when its connection must be re-opened before its next
     statement (relay.connections.CheckedStore): a re-open may wait (a pooler's queue)."""
 
-    needs_reopen: bool
+    @property
+    def needs_reopen(self) -> bool: ...
 
 
 class _NeverReopens:
