@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 from relay.errors import DatabaseUnavailable
 from relay.store import Store
@@ -153,14 +153,11 @@ class CheckedStore(Store):
 
     checks: Checks | None = None
     _opened = False  # it had a connection: the next open is a re-open
-
-    @property
-    def needs_reopen(self) -> bool:
-        """The connection it had is closed or broke: its next statement re-opens it, and may
-        wait (the pump's test before a mark on its own thread, relay/pump_settle.py: such a
-        mark goes to the mark thread instead)."""
-        current = self._conn
-        return self._opened and (current is None or current.closed)
+    #: The connection it had is closed or broke (this store's test before it re-opens): its
+    #: next statement re-opens it, and may wait.  A plain attribute, kept as the connection
+    #: closes and opens, so that the pump's test before a mark on its own thread costs one
+    #: look (relay/pump_settle.py: such a mark goes to the mark thread instead).
+    needs_reopen = False
 
     @property
     def conn(self) -> Any:
@@ -170,10 +167,23 @@ class CheckedStore(Store):
         if self.checks is None or not self._opened:
             current = super().conn
             self._opened = True
-            return current
-        if not self.checks.reopen(self._application_name, self._open):
+        elif not self.checks.reopen(self._application_name, self._open):
             raise DatabaseUnavailable(f"stopped while waiting for the connection {self._application_name}")
-        return super().conn
+        else:
+            current = super().conn
+        self.needs_reopen = False
+        return current
+
+    def close(self) -> None:
+        super().close()
+        self.needs_reopen = self._opened
+
+    def _failed(self, exc: Any) -> NoReturn:
+        try:
+            super()._failed(exc)
+        finally:  # one the driver found broken without an error that drops it
+            current = self._conn
+            self.needs_reopen = self._opened and (current is None or current.closed)
 
     def _open(self) -> object:
         return super().conn

@@ -36,8 +36,7 @@ class Reopens(Protocol):
     """A mark store that says when its connection must be re-opened before its next
     statement (relay.connections.CheckedStore): a re-open may wait (a pooler's queue)."""
 
-    @property
-    def needs_reopen(self) -> bool: ...
+    needs_reopen: bool
 
 
 class _NeverReopens:

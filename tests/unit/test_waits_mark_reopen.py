@@ -34,8 +34,7 @@ def test_marks_held_up_by_a_mark_connections_reopen_are_not_looked_at() -> None:
     relay.last_tick = clock.now  # the loop turns; its marks wait
     held_up_s = relay.waits._held_up_s
     assert held_up_s() == 60.0  # looked at: a lock, say
-    mark = relay.mark_stores[0]
-    mark._opened = True  # type: ignore[attr-defined]  # noqa: SLF001 - it had a connection, which broke: its re-open waits
+    relay.mark_stores[0].needs_reopen = True  # type: ignore[attr-defined] # it broke, its re-open waits
     assert held_up_s() == 0.0
-    mark._conn = SimpleNamespace(closed=False)  # noqa: SLF001 - re-opened
+    relay.mark_stores[0].needs_reopen = False  # type: ignore[attr-defined] # re-opened
     assert held_up_s() == 60.0
