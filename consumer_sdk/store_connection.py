@@ -153,6 +153,14 @@ class StoreConnection:
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             self.reset()
             raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
+        except psycopg.errors.ReadOnlySqlTransaction as exc:
+            # SQLSTATE 25006: a standby, or a primary being failed over.  Waited for like an
+            # unreachable database, on a new connection (a session keeps its read-only
+            # setting; a multi-host DSN with target_session_attrs=read-write finds the new
+            # primary).  It stopped the consumer with a FatalError before.
+            self.reset()
+            raise DatabaseUnavailable(f"the database is read-only (a standby, or a failover in progress): "
+                                      f"{_first_line(exc)}; waiting for a writable primary") from exc
         except psycopg.Error as exc:
             if self.lost_prepared(exc):  # the store's own statement, run often enough to be prepared
                 self.reset()  # its transaction with it: the batch is retried whole
