@@ -39,6 +39,7 @@ from consumer_sdk.jobs.errors import (
     PrivilegeMissing,
     RequestKeyConflict,
     RunNotFound,
+    TableMissing,
     TransactionActive,
     TransientJobError,
 )
@@ -103,6 +104,7 @@ __all__ = [
     "RunId",
     "RunNotFound",
     "RunState",
+    "TableMissing",
     "Token",
     "TransactionActive",
     "TransientJobError",

@@ -3,7 +3,9 @@
 Driver errors become SDK errors here (``raise ... from``): an unreachable
 database or a broken connection is :class:`~consumer_sdk.errors.DatabaseUnavailable`,
 an aborted transaction :class:`~consumer_sdk.errors.TransactionConflict`, a
-missing table :class:`~consumer_sdk.errors.SchemaMissing`, a refused row (a violated
+missing table :class:`~consumer_sdk.errors.SchemaMissing` (the statement's own: the jobs
+schema) or :class:`~consumer_sdk.jobs.errors.TableMissing` (a trigger's or a function's,
+raised inside it), a refused row (a violated
 CHECK, a trigger's refusal, a value or size the database cannot store)
 :class:`~consumer_sdk.jobs.errors.InvalidJob`, a missing grant
 :class:`~consumer_sdk.jobs.errors.PrivilegeMissing`.
@@ -21,7 +23,7 @@ import psycopg.errors
 
 from consumer_sdk.errors import DatabaseUnavailable, FatalError, SchemaMissing, TransactionConflict
 from consumer_sdk.jobs._check import json_storable
-from consumer_sdk.jobs.errors import InvalidJob, PrivilegeMissing
+from consumer_sdk.jobs.errors import InvalidJob, PrivilegeMissing, TableMissing
 from outbox_core.queries import query
 from outbox_core.text import has_colliding_keys
 
@@ -64,7 +66,7 @@ def translated() -> Iterator[None]:
     try:
         yield
     except psycopg.errors.UndefinedTable as exc:
-        raise SchemaMissing("the jobs schema is missing: run `outbox-relay migrate` (0005_jobs)") from exc
+        raise missing_table(exc) from exc
     except psycopg.errors.InsufficientPrivilege as exc:
         raise PrivilegeMissing(f"the database role lacks a privilege: {first_line(exc)}; {_GRANTS_HINT}") from exc
     except psycopg.Error as exc:
@@ -77,8 +79,21 @@ def translated() -> Iterator[None]:
         raise FatalError(f"jobs statement failed: {first_line(exc)}") from exc
 
 
+def missing_table(exc: psycopg.errors.UndefinedTable) -> SchemaMissing:
+    """What a missing table means, with the database's words: raised inside a function (a
+    trigger's, most often: PL/pgSQL's context says which) it is that function's table
+    (:class:`TableMissing`); else the statement's own, the jobs schema's.  Both said "the
+    jobs schema is missing: run migrate" before, even for an audit trigger's dropped table,
+    which no migration brings back."""
+    where = (exc.diag.context or "").strip().splitlines()
+    if where:
+        return TableMissing(f"{first_line(exc)}, in {where[-1]}: a trigger or function on the jobs tables uses "
+                            "a table that does not exist; create it again or fix the function")
+    return SchemaMissing(f"the jobs schema is missing ({first_line(exc)}): run `outbox-relay migrate` (0005_jobs)")
+
+
 def refusal_cause(exc: BaseException) -> tuple[str, str, str]:
-    """What tells one refusal (:class:`InvalidJob` raised by :func:`translated`) from another
+    """What tells one refusal (:class:`InvalidJob` or a missing table, raised by :func:`translated`) from another
     of the same statement: its SQLSTATE, the constraint, and where it was raised (the last
     line of PL/pgSQL's context, the outermost: a trigger's function and line) or else the
     message.  Not the message alone: a trigger's words often name the row (``job 17 ...``)."""

@@ -12,12 +12,20 @@ Each class's docstring is its default message.  Retryability lives in the type:
 * the database's refusals are translated at the seam (:mod:`consumer_sdk.jobs._db`): a
   refusal of the row written (a constraint, a trigger, a value or a size it cannot store)
   is :class:`InvalidJob`, which fails that job for good; a missing grant is
-  :class:`PrivilegeMissing`, a :class:`~consumer_sdk.errors.FatalError` that stops a pool.
+  :class:`PrivilegeMissing`, a :class:`~consumer_sdk.errors.FatalError` that stops a pool; a
+  missing table is :class:`~consumer_sdk.errors.SchemaMissing` when the jobs statement names it
+  (the jobs schema), :class:`TableMissing` when a trigger or function it ran does.
 """
 
 from __future__ import annotations
 
-from consumer_sdk.errors import FatalError, OutboxSdkError, PermanentError, RetriableError
+from consumer_sdk.errors import (
+    FatalError,
+    OutboxSdkError,
+    PermanentError,
+    RetriableError,
+    SchemaMissing,
+)
 
 
 class JobsError(OutboxSdkError):
@@ -87,3 +95,14 @@ class PrivilegeMissing(JobsError, FatalError):
     A deployment error, the same for every job: a worker pool that meets it stops claiming
     (``pool.error``, the ``pool_failed`` log line), so that no job is claimed, its attempt
     counted, and its outcome left unwritten."""
+
+
+class TableMissing(JobsError, SchemaMissing):
+    """A trigger or function the jobs statement ran uses a table that does not exist: create it or fix the function.
+
+    Not the jobs schema (that is :class:`~consumer_sdk.errors.SchemaMissing` itself): the
+    statement's own tables are there, a trigger on one of them (an audit trigger, most
+    often) or a function it called reads or writes a table that was dropped.  The message
+    names the table and the function.  A worker pool treats it as a refusal of its
+    statement (:mod:`consumer_sdk.jobs.refusals`): tried again with back-off until the
+    table is back or the function fixed."""

@@ -57,7 +57,8 @@ class Reaped:
 
 
 def check_schema(conn: ConnectionT) -> None:
-    """Raise :class:`~consumer_sdk.errors.SchemaMissing` unless the jobs tables exist."""
+    """Raise :class:`~consumer_sdk.errors.SchemaMissing` unless the jobs tables exist (the
+    database's words name the first one missing)."""
     with translated():
         row = conn.execute(q("schema_check")).fetchone()
     if not row or not all(row):

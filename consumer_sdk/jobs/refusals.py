@@ -1,9 +1,12 @@
 """The database's refusals of a worker pool's own statements, and what the pool says of its health.
 
-A trigger that raises on the jobs table's UPDATE, a CHECK constraint, a policy: the database
-can refuse the dispatcher's claim (``claim``) or its upkeep (``reap``: the reconciler's pass
-or the reaper, which resume parked jobs and requeue expired ones) for as long as a person
-leaves it so.  Each round met the same refusal, logged it (``dispatch_failed``) and tried
+A trigger that raises on the jobs table's UPDATE, a CHECK constraint, a policy, a table a
+trigger uses dropped (:class:`~consumer_sdk.jobs.errors.TableMissing`), the jobs tables
+themselves missing (:class:`~consumer_sdk.errors.SchemaMissing`: not migrated yet when the
+pool starts, dropped or renamed while it runs): the database can refuse the dispatcher's
+claim (``claim``: the lanes' read and a round's completions too) or its upkeep (``reap``:
+the reconciler's pass or the reaper, which resume parked jobs and requeue expired ones) for
+as long as a person leaves it so.  Each round met the same refusal, logged it (``dispatch_failed``) and tried
 again after at most ``poll_interval_s``, for ever, with no metric nor state an operator
 would see; a refused reap stopped every claim too (an audit of the pool).  Now:
 
@@ -20,6 +23,11 @@ would see; a refused reap stopped every claim too (an audit of the pool).  Now:
   jobs for the next pass (the pool claims on meanwhile), and successes are written by
   their executors while claims are refused (the round that carries them is the claim's).
 
+A missing table went the old way until an audit (``dispatch_failed`` at every round, the pool
+said ready), as did a missing jobs schema at the start.  The jobs schema's refusal ends once
+the pool's check of its tables passes (a round with nothing to claim proves that much);
+the others, once a claim is sent and passes.
+
 A missing grant is not a refusal of this kind: it stops the pool
 (:class:`~consumer_sdk.jobs.errors.PrivilegeMissing`, ``pool.error``).
 """
@@ -33,8 +41,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from consumer_sdk.errors import OutboxSdkError, SchemaMissing
 from consumer_sdk.jobs._db import refusal_cause
-from consumer_sdk.jobs.errors import InvalidJob
+from consumer_sdk.jobs.errors import InvalidJob, TableMissing
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.retry import Backoff
 
@@ -63,6 +72,10 @@ class Refused(InvalidJob):
         self.pause_s = pause_s
 
 
+#: What the database refuses the pool's statements for (see the module).
+REFUSALS = (InvalidJob, SchemaMissing)
+
+
 class Refusals:
     """The refusals of the dispatcher's statements now in force (thread-safe)."""
 
@@ -72,16 +85,18 @@ class Refusals:
         self._rand = rand
         self._lock = threading.Lock()
         self._now: dict[Statement, tuple[str, int]] = {}  # statement: (its message, refusals in a row)
+        self._schema: set[Statement] = set()  # those refused because the jobs schema is missing (the last time)
         self._logged: set[tuple[str, ...]] = set()  # the causes logged since the last passing statement
         self._total: Counter[str] = Counter()  # refusals since the start, by statement
 
-    def refused(self, statement: Statement, exc: InvalidJob) -> float:
+    def refused(self, statement: Statement, exc: OutboxSdkError) -> float:
         """The database refused ``statement`` (``exc``): count it, log a new cause; returns
         the pause before it is tried again."""
         cause = (statement, *refusal_cause(exc))
         with self._lock:
             count = self._now.get(statement, ("", 0))[1] + 1
             self._now[statement] = (str(exc), count)
+            (self._schema.add if _schema(exc) else self._schema.discard)(statement)
             new = cause not in self._logged
             self._logged.add(cause)
             self._total[statement] += 1
@@ -90,7 +105,7 @@ class Refusals:
         pause_s = REFUSED_BACKOFF.delay_s(count, self._rand)
         if new:
             self.log.error("dispatch_refused", statement=statement, error=str(exc), sqlstate=cause[1],
-                           refusals=count, hint=_HINT)
+                           refusals=count, hint=_hint(exc))
         return pause_s
 
     @contextmanager
@@ -102,7 +117,7 @@ class Refusals:
             yield
         except Refused:
             raise
-        except InvalidJob as exc:
+        except REFUSALS as exc:
             raise Refused(str(exc), pause_s=self.refused(statement, exc)) from exc
         if sent:
             self.passed(statement)
@@ -113,6 +128,7 @@ class Refusals:
             return
         with self._lock:
             ended = self._now.pop(statement, None)
+            self._schema.discard(statement)
             self._logged = {c for c in self._logged if c[0] != statement}
         if ended is not None:
             self.metrics.dispatch_refused.labels(statement).set(0)
@@ -120,6 +136,11 @@ class Refusals:
 
     def refusing(self, statement: Statement) -> bool:
         return statement in self._now
+
+    def schema_missing(self, statement: Statement) -> bool:
+        """``statement`` is refused because the jobs schema is missing: the pool's check of the
+        jobs tables passing ends that refusal (no claim need be sent)."""
+        return statement in self._schema
 
     def health(self, *, error: BaseException | None, started: bool, stopping: bool) -> PoolHealth:
         """A pool's health: ``error`` (what stopped it), not ``started``, ``stopping``, and
@@ -136,3 +157,16 @@ class Refusals:
 
 _HINT = ("a trigger, a constraint or a policy of the database refuses the pool's own statement: it is tried "
          "again with back-off, the jobs left as they are, until the database lets it pass")
+_TABLE_HINT = ("a trigger or function the pool's statement runs uses a missing table: create it again or fix the "
+               "function; the statement is tried again with back-off, the jobs left as they are")
+_SCHEMA_HINT = ("the jobs tables are missing (not migrated, dropped or renamed, or another search_path): run "
+                "`outbox-relay migrate`; the pool checks again with back-off and claims once they are there")
+
+
+def _schema(exc: BaseException) -> bool:
+    """``exc`` says the jobs schema itself is missing (not a trigger's table)."""
+    return isinstance(exc, SchemaMissing) and not isinstance(exc, TableMissing)
+
+
+def _hint(exc: BaseException) -> str:
+    return _SCHEMA_HINT if _schema(exc) else _TABLE_HINT if isinstance(exc, TableMissing) else _HINT

@@ -90,8 +90,7 @@ class WorkerPool:
         self.log = (log if log is not None else structlog.get_logger("consumer_sdk.jobs.worker")).bind(
             worker=self.worker_id)
         self._connect = PoolerAware(connect or pool_connect_factory(config))
-        self._clock = clock
-        self._db_now = db_now
+        self._clock, self._db_now = clock, db_now
         self._limits = config.limits
         self._lanes = Lanes(queues=config.queues, max_owners=config.max_owners_per_round,
                             ttl_s=min(_LANES_TTL_S, config.poll_interval_s), clock=clock, db_now=db_now)
@@ -113,9 +112,7 @@ class WorkerPool:
                                  worker_id=self.worker_id, db_now=db_now)
         self._sleeping_until = 0.0  # when the dispatcher wakes up at the latest
         self._dispatching = False  # the dispatcher loop runs (else executors complete their jobs)
-        self._wake = threading.Event()
-        self._stopping = threading.Event()
-        self._hb_stop = threading.Event()
+        self._wake, self._stopping, self._hb_stop = threading.Event(), threading.Event(), threading.Event()
         self._dispatch_slot = ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms)
         self._listener = Listener(self._connect, self.wake, log=self.log) if config.listen else None
         self._threads = PoolThreads()
@@ -242,10 +239,12 @@ class WorkerPool:
     # -- dispatch -------------------------------------------------------------------------
 
     def run_once(self) -> int:
-        """One dispatch round: reconcile or reap, then claim fairly into free slots."""
+        """One dispatch round: reconcile or reap, then claim fairly into free slots.  A missing
+        table met by any of its statements is a refusal of the claim, as in :mod:`.refusals`."""
         conn = self._dispatch_slot.get()
-        if not self._schema_checked:
-            jobq.check_schema(conn)
+        if not self._schema_checked or self._refusals.schema_missing("claim"):  # its pass ends that refusal
+            with self._refusals.watch("claim"):
+                jobq.check_schema(conn)
             self._schema_checked = True
         now = self._clock()
         if self._next_due is not None and now >= self._next_due:
@@ -254,11 +253,12 @@ class WorkerPool:
         self._upkeep.run_due(conn, now)
         with self._lock:
             held, full, claimed = dict(self._line.held), self._line.total >= self._line.capacity, 0
-        if self._stopping.is_set() or full:
-            self._more_work = True
-            self._done.write_all(conn)  # a round without a claim still writes the successes
-        else:
-            claimed = self._claim(conn, held)
+        with self._refusals.watch("claim", sent=False):  # the lanes' read, the successes written alone
+            if self._stopping.is_set() or full:
+                self._more_work = True
+                self._done.write_all(conn)  # a round without a claim still writes the successes
+            else:
+                claimed = self._claim(conn, held)
         self.rounds += 1
         return claimed
 
