@@ -143,6 +143,8 @@ class Completions:
         if any(known_lost):
             self.settle([p for p, gone in zip(pending, known_lost, strict=True) if gone], {})
             pending = [p for p, gone in zip(pending, known_lost, strict=True) if not gone]
+        for p in pending:  # from here the write, not the heartbeat, says whether the lease held
+            p.ctx.ending = True
         try:
             if conn is not None and any(p.unconfirmed for p in pending):
                 pending = self._confirm(conn, pending)
@@ -165,9 +167,10 @@ class Completions:
         them may have committed (its reply lost): the next one asks the database."""
         if not pending:
             return
+        for p in pending:
+            p.unconfirmed = p.unconfirmed or unconfirmed
+            p.ctx.ending = p.unconfirmed  # not written, unless an earlier write may have been
         if unconfirmed:
-            for p in pending:
-                p.unconfirmed = True
             self.log.warning("completions_unconfirmed", jobs=len(pending), error=str(error),
                              job_ids=[int(p.ctx.job.id) for p in pending[:20]],
                              detail="the connection broke while they were being written: the next round "
@@ -238,7 +241,7 @@ class Completions:
                 self.last_written[job.owner_id] += 1
                 self._finish(p, "succeeded", None)
                 continue
-            if p.ctx.cancel_reason is None:  # else the heartbeat said so already
+            if p.ctx.cancel_reason is None:  # else the heartbeat said so already (before it was sent)
                 self.log.warning("lease_lost", job_id=job.id, token=job.token,
                                  detail="the completion matched no row")
             self._finish(p, "lost", p.ctx.cancel_reason or "write_refused")

@@ -58,6 +58,10 @@ class JobContext:
         self._fenced_depth = 0
         #: The handler succeeded and the pool writes the completion with its next round.
         self.completing = False
+        #: The attempt's outcome was sent under its lease (the executor's write, or the round
+        #: that carries its completion) and may have committed: that write, not the heartbeat,
+        #: says whether the lease held (see :mod:`consumer_sdk.jobs.heartbeat`).
+        self.ending = False
 
     @property
     def conn(self) -> ConnectionT:

@@ -59,8 +59,6 @@ CompleteLater = Callable[[JobContext, str, float], bool]
 
 #: Reasons for which the worker no longer has the right to write anything.
 NO_AUTHORITY = frozenset({"lease_lost", "lease_unconfirmed", "cancelled", "fence_ended"})
-#: Reasons the heartbeat cancels an attempt for once the database answered it (see _wait_to_resend).
-HEARD = frozenset({"lease_lost", "cancelled"})
 #: A write whose reply was lost is sent again at once, then after these pauses (the last
 #: one repeated) until the lease's local deadline.
 _RESEND_PAUSES_S = (0.1, 0.5, 1.0)
@@ -200,6 +198,7 @@ class Executor:
         one whose reply was lost is sent again first: see :meth:`_resend`); a refusal of the row
         fails the job for good (``failing``: this was its failure's write, which cannot be
         written either: left to its lease); a missing grant goes to ``on_fatal``."""
+        ctx.ending = True  # from here this write, not the heartbeat, says whether the lease held
         try:
             try:
                 outcome = write()
@@ -232,22 +231,19 @@ class Executor:
                 exc: DatabaseUnavailable) -> Outcome:
         """The connection broke while the write waited for its reply: it may have committed.
         ``again`` writes it again (fenced: at most once) on a new connection and finds out;
-        tried until the lease's local deadline or the attempt's cancellation (at least once;
-        once more after a cancellation the database's answer to the heartbeat made, see
+        tried until the lease's local deadline or the attempt's cancellation (at least once, see
         :func:`_wait_to_resend`); raises the last failure when the database never answered."""
         log.warning("job_write_unconfirmed", error=str(exc),
                     detail="the connection broke while the outcome was being written: sent again on a "
                            "new connection, which finds out whether it was")
         pauses = iter(_RESEND_PAUSES_S)
-        last = False
         while True:
             try:
                 return again(ctx.reconnect())
             except DatabaseUnavailable as failed:
                 exc = failed
-            if last or not _wait_to_resend(ctx, next(pauses, _RESEND_PAUSES_S[-1])):
+            if not _wait_to_resend(ctx, next(pauses, _RESEND_PAUSES_S[-1])):
                 raise exc
-            last = ctx.cancelled
 
     def _write_completion(self, ctx: JobContext, log: Any, result_json: str) -> Outcome:
         return self._fenced_write(
@@ -341,18 +337,18 @@ def trace_id(traceparent: str | None) -> str | None:
 
 def _wait_to_resend(ctx: JobContext, pause_s: float) -> bool:
     """Wait ``pause_s`` (less on cancellation) before an outcome is sent again; False when it
-    is not to be: the lease's local deadline comes first, or the attempt was cancelled
-    without word from the database (the pool stops, the local deadline passed).  Cancelled
-    by the heartbeat's answer (``HEARD``), it is sent once more at once: the database is
-    reachable, and the outcome written by this very lease moved the job out of 'running',
-    which the heartbeat reads as a lost lease (before, such an outcome was reported lost)."""
+    is not to be: the lease's local deadline comes first, or the attempt was cancelled (the
+    pool stops).  The heartbeat leaves an attempt whose outcome was sent alone (``ending``):
+    the outcome written by this very lease moved the job out of 'running', which it read as
+    a lost lease; its cancellation ended the sending of an outcome the database had (an
+    audit), then earned one more try, and it was logged ``lease_lost`` all the same."""
     if time.monotonic() + pause_s >= ctx.deadline:
         return False
     try:
         ctx.sleep(pause_s)  # wakes at once on cancellation
     except LeaseLost:
         pass
-    return not ctx.cancelled or ctx.cancel_reason in HEARD
+    return not ctx.cancelled
 
 
 def _tidy(ctx: JobContext) -> None:

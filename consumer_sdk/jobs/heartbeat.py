@@ -7,6 +7,15 @@ cooperatively (its handler's ``ctx.check()`` raises LeaseLost) and nothing more 
 written for it; when the database cannot be reached, an attempt is cancelled once its
 local deadline passes.  A renewed attempt inside a fenced transaction gets a keep-alive
 on its own connection (off this thread, which must never wait for a handler's statement).
+
+An attempt whose outcome was sent (``ctx.ending``) is neither cancelled nor called lost: its
+own write may be what ended the lease (the dispatcher's round wrote its success, the executor its retry or dead letter,
+after the heartbeat took the attempt and before its statement ran, or while its UPDATE
+waited for the row that write had locked, its snapshot then showing the job running).  The
+heartbeat called such a lease lost (``lease_lost``) for an outcome its own lease wrote (an
+audit of the pool).  That write is fenced: it says whether the lease held, and one that
+found it lost logs ``lease_lost`` and counts it; the heartbeat leaves the attempt to it
+(its lease is still renewed while the job runs: a completion waiting to be sent again).
 """
 
 from __future__ import annotations
@@ -112,7 +121,7 @@ class Heartbeat:
             self._keepalives[ctx.job.id] = self._keepalive_pool.submit(ctx.keep_fence_alive)
 
     def _lose(self, ctx: JobContext, reason: str) -> int:
-        if not ctx.cancel(reason):
+        if ctx.ending or not ctx.cancel(reason):  # ending: its outcome's write says (see the module)
             return 0
         self.log.warning("lease_lost", job_id=ctx.job.id, token=ctx.job.token, reason=reason)
         return 1
