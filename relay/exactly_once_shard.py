@@ -23,6 +23,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from outbox_core.kafka_clients import destroy_producer
 from relay.errors import LeaseLost
 
 # The position records (the topic, their reading) live in relay/exactly_once_position.py; the
@@ -41,6 +42,7 @@ from relay.publisher import _KAFKA_LOG, await_cluster
 INIT_TIMEOUT_S = 30.0  # init_transactions waits for the previous holder's transaction to end
 COMMIT_TIMEOUT_S = 30.0
 DEFAULT_TRANSACTION_TIMEOUT_MS = 60_000  # librdkafka's transaction.timeout.ms
+PURGED_REPORTS_WAIT_S = 2.0  # the reports of a producer's purged messages, waited for at its end
 FENCED_CODES = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
 
 Headers = list[tuple[str, str | bytes | None]]
@@ -110,6 +112,7 @@ class ShardWorker:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._producer: Producer | None = None
+        self._unfinished = False  # init_transactions or a transaction begun and not ended
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"outbox-relay-txn-{shard}")
         self._thread.start()
@@ -139,12 +142,31 @@ class ShardWorker:
                 break
             result = self._transaction(job)
             self._results.put(result)
-        if self._producer is not None:
-            try:
-                self._producer.flush(0)
-            except Exception:  # noqa: BLE001 - best effort on a producer that is done
-                pass
-            self._producer = None
+        self._end_producer()
+
+    def _end_producer(self) -> None:
+        """End the producer now, its threads joined and the reports of what it still held
+        served (as failures): their callbacks hold the rows, payloads and all, and a client
+        freed with reports unserved kept them (``flush(0)`` served only those already in).
+        Idle, it ends by :func:`destroy_producer`.  Not when ``init_transactions`` or a
+        transaction could not be ended (timed out, the broker away): confluent-kafka's
+        ``close()`` aborts the open transaction first, without a bound (over 90 s, until the
+        broker came back, measured); then its messages are purged and their reports served
+        here, and the client goes with its last reference (``rd_kafka_destroy`` aborts
+        nothing)."""
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        if not self._unfinished:
+            destroy_producer(producer)
+            return
+        try:
+            producer.purge()
+            deadline = time.monotonic() + PURGED_REPORTS_WAIT_S
+            while len(producer) and time.monotonic() < deadline:
+                producer.poll(0.05)
+        except Exception:  # noqa: BLE001, S110 - a producer in a fatal state may raise SystemError
+            pass
 
     def _init(self) -> Result:
         """Read the shard's last position record, then take the transactional id (which
@@ -176,7 +198,9 @@ class ShardWorker:
                 # producer (seen in a rolling restart: its transaction failed and it took the
                 # shard back 3 s later).
                 return Result(self, init=True, broken=True, error="closed before init_transactions")
+            self._unfinished = True
             self._producer.init_transactions(INIT_TIMEOUT_S)
+            self._unfinished = False
             if reader.end() != position.end:
                 position = reader.read()
                 self._refuse_foreign(position.writer)
@@ -222,6 +246,7 @@ class ShardWorker:
         failed_row: tuple[RowId, Outcome] | None = None
         began = time.monotonic()  # the broker's timer starts later, at the first partition added
         try:
+            self._unfinished = True
             producer.begin_transaction()
             for row, headers in job.rows:
                 problem = self._produce(producer, row, headers, report(row))
@@ -237,6 +262,7 @@ class ShardWorker:
             producer.produce(self._position_topic, value=value, key=str(self.shard).encode(),
                              partition=self.shard)
             producer.commit_transaction(COMMIT_TIMEOUT_S)
+            self._unfinished = False
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
             result.error = err.str() if failed_row is None else failed_row[1].message
@@ -252,6 +278,7 @@ class ShardWorker:
             else:
                 try:
                     producer.abort_transaction(COMMIT_TIMEOUT_S)
+                    self._unfinished = False
                 except KafkaException:
                     result.broken = True
             cause = "fenced" if result.fenced and not result.timed_out else "transaction_aborted"
