@@ -26,9 +26,10 @@ needs, then keeps waiting (a server may come free) and says so again every
 :data:`LOG_EVERY_S`.
 
 The connections are checked the same way when they are re-opened at run time: the loop's
-(:class:`Checks`, :class:`CheckedWakeup`), and the mark, cleanup and exactly-once recovery
-connections, which re-open on the thread that uses them (:class:`CheckedStore`): after a
-database restart or failover one of them queued in the pooler held the loop at its first
+stores (:class:`Checks`), LISTEN's on a thread of its own that the loop never waits for
+(:class:`CheckedWakeup`), and the mark, cleanup and exactly-once recovery connections,
+which re-open on the thread that uses them (:class:`CheckedStore`): after a database
+restart or failover one of them queued in the pooler held the loop at its first
 statement, or marking, cleanup or a shard's recovery, without a word.  A small batch the
 loop would mark on its own thread goes to the mark thread while the mark connection must
 be re-opened (``CheckedStore.needs_reopen``): the loop never waits on that re-open.
@@ -42,9 +43,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
-from relay.errors import DatabaseUnavailable
+from outbox_core.backoff import ceiling_s
+from relay.errors import DatabaseUnavailable, RetriableError
 from relay.store import Store
-from relay.wakeup import Wakeup
+from relay.wakeup import REOPEN_BACKOFF_MAX_S, REOPEN_BACKOFF_S, NotListening, Opening, Wakeup
 
 #: How long one connection may take to open and answer its first query before the relay
 #: says it cannot get it.
@@ -107,15 +109,17 @@ class Checks:
         acquire(self.needed, log=self.log, stopping=self.stopping, optional=self.optional, reopened=True)
         return not self.stopping()
 
-    def reopen(self, name: str, open_: Callable[[], object]) -> bool:
+    def reopen(self, name: str, open_: Callable[[], object], *,
+               abandoned: Callable[[], bool] = lambda: False) -> bool:
         """Re-open the connection ``name`` with ``open_``, checked as at start, on the calling
-        thread (any: the mark and cleanup threads' too); False: stopped before it opened.  A
-        name not needed at start is one of the optional mark connections (``:mark2``...)."""
+        thread (any: the mark and cleanup threads' too); False: stopped, or ``abandoned``,
+        before it opened.  A name not needed at start is one of the optional mark
+        connections (``:mark2``...)."""
         number, connection = next(((i, n) for i, n in enumerate(self.needed, start=1) if n.name == name),
                                   (len(self.needed) + 1, Needed(name, "marks, optional", open_)))
         return _open_one(replace(connection, open=open_), number, self.needed, log=self.log,
-                         stopping=self.stopping, optional=self.optional, within_s=CONNECTION_WAIT_S,
-                         clock=time.monotonic, reopened=True)
+                         stopping=lambda: self.stopping() or abandoned(), optional=self.optional,
+                         within_s=CONNECTION_WAIT_S, clock=time.monotonic, reopened=True)
 
     def check_reopens(self, *reopening: object) -> None:
         """From now on (after :meth:`at_start`), each re-open of the connection of each of
@@ -128,16 +132,59 @@ class Checks:
 class CheckedWakeup(Wakeup):
     """The LISTEN connection (relay/wakeup.py), which re-opens itself when it broke, without
     the loop seeing a database error: once :attr:`checks` is set (after the start's check),
-    each re-open is checked as at start."""
+    each re-open is checked as at start, on a thread of its own (``outbox-relay-listen-reopen``),
+    and the loop never waits for it.  LISTEN only speeds discovery: behind a session pooler
+    with no server free, the re-open waited at its first statement on the loop's thread and
+    held the loop there (no claim, no mark, the claims connection working).  Now the loop
+    goes on polling (``Wakeup.not_listening``) and adopts the connection, its LISTEN
+    statements run, once it is ready; an attempt that failed is tried again after the
+    back-off of :data:`relay.wakeup.REOPEN_BACKOFF_S`, a failure that ends the relay
+    (rejected credentials) is raised on the loop's thread.  :meth:`close` (the database
+    went away, the relay stops) abandons an attempt under way, and a stop ends its wait."""
 
     checks: Checks | None = None
+    _opening: Opening | None = None  # the re-open under way; the loop's thread's
 
     def _listening(self) -> Any:
         if self.checks is None or (self._conn is not None and not self._conn.closed):
             return super()._listening()
-        if not self.checks.reopen(LISTEN[0], super()._listening) or self._conn is None:
-            raise DatabaseUnavailable("stopped while waiting for the LISTEN connection")
-        return self._conn
+        opening = self._opening
+        if opening is None:
+            if self._clock() < self._reopen_at:
+                raise NotListening()  # the back-off after a failed attempt
+            self._opening = opening = self._open_in_background(self.checks)
+        if not opening.done.is_set():
+            raise NotListening(opening.done)
+        self._opening = None
+        conn = opening.take()
+        if conn is not None:
+            return self._adopt(conn)
+        if opening.error is not None and not isinstance(opening.error, RetriableError):
+            raise opening.error
+        self._reopen_failures += 1
+        self._reopen_at = self._clock() + ceiling_s(self._reopen_failures, initial_s=REOPEN_BACKOFF_S,
+                                                    max_s=REOPEN_BACKOFF_MAX_S)
+        raise NotListening()
+
+    def _open_in_background(self, checks: Checks) -> Opening:
+        opening = Opening()
+
+        def reopen() -> None:
+            try:
+                if not checks.reopen(LISTEN[0], lambda: opening.put(self._open_listening(lambda: None)),
+                                     abandoned=lambda: opening.abandoned):
+                    opening.abandon()  # stopped: whatever comes is closed
+            except BaseException as exc:  # noqa: BLE001 - read by the loop's thread (_listening)
+                opening.fail(exc)
+
+        threading.Thread(target=reopen, daemon=True, name="outbox-relay-listen-reopen").start()
+        return opening
+
+    def close(self) -> None:
+        super().close()
+        if self._opening is not None:
+            self._opening.abandon()
+            self._opening = None
 
 
 class CheckedStore(Store):

@@ -13,7 +13,9 @@ for the next thing to do:
   claims once more (a commit may have raced the lock) and waits on LISTEN; asleep it
   claims when woken by a notification (at once: a notification drops the pump's pace,
   never its back-off, and is kept until a claim runs) or when the poll interval is up,
-  about one claim per poll interval; a claim that finds rows wakes it, and ``on_wake``
+  about one claim per poll interval; without a LISTEN connection (one being re-opened on
+  a thread of its own, relay/connections.py) it cannot sleep, and claims at the poll
+  interval until the connection is ready; a claim that finds rows wakes it, and ``on_wake``
   hears what made it claim (``notify``, or ``poll``: rows no notification announced).
   So a row waits at most about 80 ms for its claim at any rate, and a few milliseconds
   when rows come further apart than that (README, "How soon a row leaves");
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from relay.model import BatchResult, Lease
 
@@ -66,6 +68,25 @@ class LoopWakeup(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class Listens(Protocol):
+    """A wake-up that says when its last refused lock found no LISTEN connection to sleep
+    on (relay.wakeup.Wakeup: one re-opened on a thread of its own)."""
+
+    not_listening: bool
+
+
+class _AlwaysListens:
+    """Any other wake-up's stand-in: a refused lock is never for want of a connection."""
+
+    not_listening = False
+
+
+def listens(wakeup: object) -> Listens:
+    """``wakeup``, when it says whether it has a LISTEN connection; else a stand-in."""
+    return wakeup if isinstance(wakeup, Listens) else _AlwaysListens()
+
+
 class LoopReplayer(Protocol):
     def run_once(self, leases: Sequence[Lease]) -> Any: ...
     def busy(self) -> bool: ...
@@ -85,6 +106,7 @@ class Loop:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pump = pump
         self.wakeup = wakeup
+        self._listens = listens(wakeup)
         self.leases = leases
         self.replayer = replayer
         self.poll_interval_s = poll_interval_s
@@ -191,10 +213,13 @@ class Loop:
             elif self.wakeup.set_sleeping(True):  # a claim found nothing: sleep
                 pump.expect_new_rows()  # one more claim: a commit may have raced the lock
                 return
-            elif self.wakeup.peer_sleeps:
+            elif self.wakeup.peer_sleeps or self._listens.not_listening:
                 # A peer sleeps, and writers notify every listener, this one too: wait for
                 # a notification or the poll, not for the pace (that was a claim and a
                 # lock attempt every 80 ms for nothing, 26 statements a second while idle).
+                # Or the LISTEN connection is being re-opened (relay/connections.py): no
+                # notification can come, the poll finds the rows; the wait ends early once
+                # the connection is ready, and the next turn sleeps on it.
                 timeout = max(0.0, self._until(now, min(next_poll, wake_by), pump.backoff_until)
                               - self.clock())
             # else: writers are mid-transaction: their rows come soon, at the paced claim

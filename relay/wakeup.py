@@ -10,11 +10,21 @@ module only talks to PostgreSQL.
 The same connection listens for the replicas' notices that shards change hands
 (``outbox_relay_shards``, relay/leases.py): :meth:`Wakeup.shards_moved` takes them
 without waiting, and :meth:`Wakeup.wait` returns early on one.
+
+LISTEN/NOTIFY only speeds discovery: the claims' poll is the truth.  So the relay's
+re-open of a LISTEN connection that broke (relay/connections.py, ``CheckedWakeup``) runs
+on a thread of its own, and the loop never waits for it: until the loop's thread adopts
+the new connection, :class:`NotListening` is raised inside, and :meth:`Wakeup.set_sleeping`
+refuses the lock (``not_listening``: the loop then claims at its poll interval),
+:meth:`Wakeup.wait` waits its timeout (less once the connection is ready) and
+:meth:`Wakeup.shards_moved` reads no notice.  The notices about shards sent meanwhile are
+not heard: the lease heartbeat's interval still covers them, as when one is missed.
 """
 
 from __future__ import annotations
 
 import select
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +43,72 @@ SHARDS_CHANNEL = "outbox_relay_shards"
 #: notices every 0.1 s, and each attempt is a connection the server must refuse (a
 #: database at its connection limit) that the loop's thread waits on.
 REOPEN_BACKOFF_S, REOPEN_BACKOFF_MAX_S = 1.0, 30.0
+#: The statements that make a new connection the LISTEN connection (sql/queries/relay.sql).
+LISTEN_STATEMENTS = ("keep_session", "listen", "listen_shards")
+
+
+class NotListening(Exception):
+    """No LISTEN connection yet: one is being opened on another thread, or is tried again
+    after a back-off (relay/connections.py).  ``ready``, when given, is set once the
+    attempt ended (opened, failed or given up): the loop's thread may then adopt it."""
+
+    def __init__(self, ready: threading.Event | None = None) -> None:
+        super().__init__("the LISTEN connection is being re-opened")
+        self.ready = ready
+
+
+class Opening:
+    """A LISTEN connection opened on another thread and handed to the loop's thread, which
+    adopts it with :meth:`take`; a connection that comes after :meth:`abandon` (the relay
+    stops, or dropped the attempt) is closed, never handed over.  ``done`` is set when the
+    attempt ended; ``error`` is its failure."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._abandoned = False
+
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned
+
+    def put(self, conn: psycopg.Connection[Any]) -> None:
+        """The attempt's thread: the connection is open and listening."""
+        with self._lock:
+            kept = not self._abandoned
+            if kept:
+                self._conn = conn
+        if not kept:
+            _close(conn)
+        self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+
+    def take(self) -> psycopg.Connection[Any] | None:
+        """The loop's thread: the connection, once (None: none came)."""
+        with self._lock:
+            conn, self._conn = self._conn, None
+        return conn
+
+    def abandon(self) -> None:
+        """Nobody will adopt it: close what came or will come."""
+        with self._lock:
+            self._abandoned = True
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            _close(conn)
+        self.done.set()
+
+
+def _close(conn: psycopg.Connection[Any]) -> None:
+    try:
+        conn.close()
+    except psycopg.Error:
+        pass
 
 
 class Wakeup:
@@ -57,6 +133,9 @@ class Wakeup:
         #: The last refused set_sleeping(True) found another relay holding the lock (not
         #: writers mid-transaction): writers notify this relay too.
         self.peer_sleeps = False
+        #: The last refused set_sleeping(True) found no LISTEN connection (being re-opened,
+        #: :class:`NotListening`): nothing can wake this relay, its poll finds the rows.
+        self.not_listening = False
 
     def set_sleeping(self, sleeping: bool) -> bool:
         """Take (True) or release (False) the wake-up lock on the LISTEN connection.
@@ -69,7 +148,8 @@ class Wakeup:
         ``pg_terminate_backend``).  Going to sleep on a connection that broke so tries
         again on a fresh one; waking on one only drops it (the lock went with it).  A
         fresh connection that fails raises the relay's database error, as before: the
-        database is what is down then.
+        database is what is down then.  One being re-opened on another thread
+        (:class:`NotListening`) refuses the lock: ``not_listening``, the loop polls.
         """
         had_connection = self._conn is not None and not self._conn.closed
         if not sleeping and not had_connection:
@@ -77,6 +157,8 @@ class Wakeup:
             return False
         try:
             return self._lock_state(sleeping)
+        except NotListening:
+            return self._refused_not_listening()
         except RetriableError:
             self.close()  # the lock, if it was held, went with the connection
             if not sleeping:
@@ -85,13 +167,21 @@ class Wakeup:
                 raise
         try:
             return self._lock_state(True)  # the idle connection had broken: a fresh one
+        except NotListening:
+            return self._refused_not_listening()
         except RetriableError:
             self.close()
             raise
 
+    def _refused_not_listening(self) -> bool:
+        self.sleeping = self.peer_sleeps = False
+        self.not_listening = True
+        return False
+
     def _lock_state(self, sleeping: bool) -> bool:
         with translated():
             listen = self._listening()
+            self.not_listening = False
             self._count()
             if sleeping:
                 row = listen.execute(query("relay", "go_to_sleep")).fetchone()
@@ -106,7 +196,9 @@ class Wakeup:
         """Block up to ``timeout_s`` for a NOTIFY on the outbox channel.
 
         Returns True when one arrived.  A broken listening connection is reopened
-        on the next call; meanwhile the caller's poll keeps working.
+        on the next call; meanwhile the caller's poll keeps working.  While one is being
+        re-opened on another thread (:class:`NotListening`), waits ``timeout_s`` or until
+        that attempt ended, and returns False.
         """
         with translated():
             try:
@@ -122,6 +214,12 @@ class Wakeup:
                 if ready:
                     self._take(listen)
                 return self._woke()
+            except NotListening as exc:
+                if exc.ready is not None:
+                    exc.ready.wait(max(0.0, timeout_s))
+                else:
+                    time.sleep(max(0.0, timeout_s))
+                return False
             except (psycopg.OperationalError, psycopg.InterfaceError, OSError):
                 self.close()
                 time.sleep(min(timeout_s, 0.5))
@@ -144,11 +242,14 @@ class Wakeup:
         """Without waiting: did a peer say shards change hands since the last call?
         Opens the listening connection if needed, but after a failure to open or read it
         not before a back-off (``REOPEN_BACKOFF_S``, doubling); meanwhile, and on a
-        failure, it reads as no notice: the heartbeat's interval still holds."""
+        failure, it reads as no notice: the heartbeat's interval still holds.  So does it
+        while the connection is re-opened on another thread (:class:`NotListening`)."""
         if (self._conn is None or self._conn.closed) and self._clock() < self._reopen_at:
             return False
         try:
             self._take(self._listening())
+        except NotListening:
+            return False
         except (RetriableError, psycopg.OperationalError, psycopg.InterfaceError, OSError):
             self.close()  # could not connect, or the connection broke
             self._reopen_failures += 1
@@ -186,7 +287,7 @@ class Wakeup:
     def close(self) -> None:
         """Drop the connection (the session lock goes with it).  Idempotent; the next
         call reconnects."""
-        self.sleeping = self.peer_sleeps = False
+        self.sleeping = self.peer_sleeps = self.not_listening = False
         self._woken = self._moved = False
         if self._conn is not None:
             try:
@@ -197,14 +298,32 @@ class Wakeup:
 
     def _listening(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
-            self._conn = connect(self._dsn, application_name=self._application_name)
-            self._count()
-            self._conn.execute(query("relay", "keep_session"))
-            self._count()
-            self._conn.execute(query("relay", "listen"))
-            self._count()
-            self._conn.execute(query("relay", "listen_shards"))
+            self._conn = None
+            self._conn = self._open_listening(self._count)
         return self._conn
+
+    def _open_listening(self, count: Callable[[], None]) -> psycopg.Connection[Any]:
+        """A new connection, listening: its session statements (:data:`LISTEN_STATEMENTS`)
+        have run, ``count`` called before each.  Reads only this object's settings, so any
+        thread may call it; closed again if a statement fails."""
+        with translated():
+            conn = connect(self._dsn, application_name=self._application_name)
+            try:
+                for name in LISTEN_STATEMENTS:
+                    count()
+                    conn.execute(query("relay", name))
+            except BaseException:
+                _close(conn)
+                raise
+        return conn
+
+    def _adopt(self, conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+        """Take ``conn``, opened on another thread by :meth:`_open_listening` (its
+        statements counted now, on the loop's thread)."""
+        for _ in LISTEN_STATEMENTS:
+            self._count()
+        self._conn = conn
+        return conn
 
     def _count(self) -> None:
         self.queries += 1

@@ -11,6 +11,7 @@ front of the test PostgreSQL; without it the test skips (fails in CI, which inst
 from __future__ import annotations
 
 import json
+import select
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +20,16 @@ from datetime import datetime, timedelta
 import psycopg
 import pytest
 
-from tests.fixtures.outbox import insert_rows, pending, relay_cmd, relay_env, wait_drained
+from tests.fixtures.broker import read_all
+from tests.fixtures.outbox import (
+    all_event_ids,
+    check_delivery,
+    insert_rows,
+    pending,
+    relay_cmd,
+    relay_env,
+    wait_drained,
+)
 from tests.fixtures.procs import wait_until
 from tests.integration.test_pgbouncer import pgbouncer  # noqa: F401 - the fixture
 
@@ -268,6 +278,106 @@ def test_a_small_batch_whose_mark_connection_waits_to_reopen_does_not_hold_the_l
     wait_drained(outbox_db, timeout_s=60)  # every row marked, once
     late = [event["late_s"] for event in _events(relay.log_text(), "heartbeat_late")]
     assert all(float(str(each)) < 3.0 for each in late), late
+    relay.sigterm()
+    assert relay.wait(30) == 0
+    assert "Traceback" not in relay.log_text()
+
+
+@contextmanager
+def _queued_client(pooled: str) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Another client of the pool whose first query is written to the pooler when the block
+    begins (so it is first in the pooler's queue for the next server that comes free),
+    holding that server once served, until the block ends or its release is set:
+    (served, release)."""
+    sent, served, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with psycopg.connect(pooled, autocommit=True) as conn:
+            pgconn = conn.pgconn
+            pgconn.send_query(b"SELECT 1")
+            while pgconn.flush():
+                select.select([], [pgconn.socket], [], 1.0)
+            sent.set()
+            while pgconn.is_busy():  # the reply, without blocking in libpq
+                select.select([pgconn.socket], [], [], 1.0)
+                pgconn.consume_input()
+            while pgconn.get_result() is not None:
+                pass
+            served.set()
+            release.wait(120)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    try:
+        assert sent.wait(30), "the other client could not send its query to the pooler"
+        yield served, release
+    finally:
+        release.set()
+        thread.join(30)
+
+
+def _sessions(dsn: str, application_name: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                           "AND application_name = %s", (application_name,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _listen_sleeps(dsn: str) -> bool:
+    """The LISTEN connection's session holds the wake-up lock (an advisory lock): the relay
+    sleeps on it."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database() "
+            "AND a.application_name = %s", (LISTEN,)).fetchone()
+    return bool(row and row[0])
+
+
+@pytest.mark.parametrize("then", ["served", "stopped"])
+def test_the_listen_connection_reopened_with_no_server_free_does_not_hold_the_loop(
+        outbox_db, pgbouncer, broker, topic, spawn, then):  # noqa: F811 - the imported fixture
+    """LISTEN only speeds discovery.  Once its connection broke, its re-open ran on the loop's
+    thread and waited there in the pooler's queue (a pool of the relay's size, another client
+    first in line for the server it had): no claim, no mark, though the claims connection
+    worked.  Now it re-opens on a thread of its own and the loop polls meanwhile: rows written
+    then are published while LISTEN still waits; once served, the relay sleeps on it again,
+    and a stop while it waits ends the relay at once."""
+    owner = "relisten"
+    pooled = pgbouncer("session", pool_size=NEEDED)
+    relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap, owner=owner, mark_connections=1),
+                  name="relay")
+    relay.wait_for_log("relay_started", timeout_s=60)
+    insert_rows(outbox_db, topic, 20, keys=4)
+    wait_drained(outbox_db, timeout_s=60)
+    wait_until(lambda: _listen_sleeps(outbox_db), timeout_s=30, message="the relay never slept on LISTEN")
+    with _queued_client(pooled) as (served, release):
+        assert not served.is_set()  # every server is the relay's
+        assert _end_session(outbox_db, LISTEN) == 1
+        wait_until(served.is_set, timeout_s=30, message="the other client did not get LISTEN's server")
+        wait_until(lambda: _named(relay.log_text(), "database_connection_waiting", LISTEN), timeout_s=40,
+                   message=lambda: f"the LISTEN connection was not named: {_tail(relay.log_text())}")
+        insert_rows(outbox_db, topic, 40, keys=4, start=20)
+        wait_drained(outbox_db, timeout_s=30)  # polled and marked while LISTEN waits
+        expected = all_event_ids(outbox_db)
+        delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60), expected)
+        assert not delivery.missing and not delivery.order_violations, delivery
+        assert not _named(relay.log_text(), "database_connection_ready", LISTEN)
+        assert _sessions(outbox_db, LISTEN) == 0 and relay.alive  # LISTEN still waits
+        if then == "stopped":
+            relay.sigterm()  # the attempt is abandoned (its server may come as the relay closes)
+            assert relay.wait(20) == 0
+            assert _events(relay.log_text(), "relay_stopped") and "Traceback" not in relay.log_text()
+            return
+        release.set()
+    wait_until(lambda: _named(relay.log_text(), "database_connection_ready", LISTEN), timeout_s=60,
+               message=lambda: f"the LISTEN connection was not ready: {_tail(relay.log_text())}")
+    wait_until(lambda: _listen_sleeps(outbox_db), timeout_s=30, message="the relay did not sleep on LISTEN again")
+    insert_rows(outbox_db, topic, 20, keys=4, start=60)
+    wait_drained(outbox_db, timeout_s=30)
+    expected = all_event_ids(outbox_db)
+    delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60), expected)
+    assert not delivery.missing and not delivery.order_violations, delivery
     relay.sigterm()
     assert relay.wait(30) == 0
     assert "Traceback" not in relay.log_text()
