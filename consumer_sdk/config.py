@@ -40,6 +40,8 @@ MAX_DB_SPIN_US = 10_000.0
 #: Set by the SDK whatever ``kafka_properties`` say: no offset moves on its own.
 REQUIRED_CONSUMER: dict[str, Any] = {"enable.auto.commit": False, "enable.auto.offset.store": False}
 DEFAULT_CONSUMER: dict[str, Any] = {"auto.offset.reset": "earliest", "enable.partition.eof": False}
+#: librdkafka's default ``max.poll.interval.ms``.
+DEFAULT_MAX_POLL_INTERVAL_MS = 300_000
 
 #: Properties the admin client and the dead-letter producer inherit (connection and security).
 _SHARED_PREFIXES = ("bootstrap.", "security.", "sasl.", "ssl.", "client.", "socket.", "broker.",
@@ -343,6 +345,10 @@ class InboxConfig:
     def may_dead_letter(self) -> bool:
         """True when some policy sends messages to the dead-letter topic."""
         return "dead_letter" in (self.on_invalid_event_id, self.on_payload_mismatch, self.retry.then)
+
+    def max_poll_interval_s(self) -> float:
+        """The consumer's ``max.poll.interval.ms``, in seconds (librdkafka checked its value)."""
+        return float(self.kafka_properties.get("max.poll.interval.ms", DEFAULT_MAX_POLL_INTERVAL_MS)) / 1000
 
     def consumer_kafka(self) -> dict[str, Any]:
         """The consumer's librdkafka configuration."""

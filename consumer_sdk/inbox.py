@@ -147,6 +147,8 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
         self._tls_probe = TlsListenerProbe(config.consumer_kafka())  # a plaintext client, a TLS listener
         self._last_client_error: int | None = None
         self._next_cleanup = 0.0
+        self._polled_at = clock()
+        self._membership_s = config.max_poll_interval_s() / 2
         self._closed = False
         self.assigned: set[TopicPart] = set()
         self.retention: list[RetentionFinding] = []
@@ -211,7 +213,8 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
                               on_payload_mismatch=self.config.on_payload_mismatch),
             metrics=self.metrics, log=self.log, sleep=self._sleep, on_settled=self._settled,
             batch_size=self.config.batch_size, batch_handler=self._batch_handler,
-            savepoint_per_message=self.config.savepoint_per_message, statements=self._statements)
+            savepoint_per_message=self.config.savepoint_per_message, statements=self._statements,
+            between=self._keep_membership)
 
     def run(self) -> None:
         """Start, then settle batches until :meth:`stop`; always closes.  Fatal errors propagate."""
@@ -258,7 +261,9 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
         wanted = self.config.poll_records - len(records)
         if wanted > 0:
             timeout_s = 0 if records else self.config.poll_timeout_s
-            for msg in consumer.consume(num_messages=wanted, timeout=timeout_s):
+            messages = consumer.consume(num_messages=wanted, timeout=timeout_s)
+            self._polled_at = self._clock()
+            for msg in messages:
                 record = self._accept(msg)
                 if record is not None:
                     records.append(record)

@@ -112,8 +112,26 @@ class InboxGroup(InboxOffsets):
         sasl.oauthbearer.config, from where its parsing stopped), masked."""
         return scrub(err.str(), properties=self.config.kafka_properties)
 
+    def _keep_membership(self) -> None:
+        """Between two transactions of a batch: once the batch ran for half of
+        ``max.poll.interval.ms`` since the last poll, poll once (:meth:`_keepalive_sleep`, 0 s),
+        after the COMMIT deferred before (its records settled first).  Without it a batch
+        longer than ``max.poll.interval.ms`` (slow handlers, ``prefetch_records`` of them)
+        made librdkafka leave the group: the batch's offsets could not be committed, the
+        partitions went to another member, which applied the same partition's next events
+        while this one still applied its own, and the group rebalanced at every such batch.
+
+        Raises :class:`Abandon` when a rebalance happened (or :meth:`stop`): the rest of the
+        batch is left unsettled, as in a back-off."""
+        if self._clock() - self._polled_at < self._membership_s:
+            return
+        sync = getattr(self.store, "sync", None)
+        if sync is not None:
+            sync()
+        self._keepalive_sleep(0.0)
+
     def _keepalive_sleep(self, duration_s: float) -> None:
-        """Wait with the partitions paused, polling so the group keeps this member.
+        """Wait with the partitions paused, polling (at least once) so the group keeps this member.
 
         Raises :class:`Abandon` on :meth:`stop` or when a rebalance happened meanwhile.
         """
@@ -126,16 +144,20 @@ class InboxGroup(InboxOffsets):
             consumer.pause(paused)
         try:
             deadline = self._clock() + duration_s
-            while (left := deadline - self._clock()) > 0:
+            left = duration_s
+            while True:
                 if self.stopping:
                     raise Abandon()
-                msg = consumer.poll(min(left, _KEEPALIVE_POLL_S))
+                msg = consumer.poll(max(min(left, _KEEPALIVE_POLL_S), 0.0))
+                self._polled_at = self._clock()
                 if msg is not None:
                     record = self._accept(msg)
                     if record is not None:  # fetched before the pause took effect: keep it for later
                         self._stash.append(record)
                 if self._rebalances != generation or self.stopping:
                     raise Abandon()
+                if (left := deadline - self._clock()) <= 0:
+                    break
         finally:
             current = [tp for tp in consumer.assignment() if (tp.topic, tp.partition) not in self.parked]
             if current:

@@ -52,6 +52,8 @@ class InboxState:
     _tls_probe: TlsListenerProbe
     _last_client_error: int | None
     _next_cleanup: float
+    _polled_at: float  # when the Kafka consumer was last polled (the clock's seconds)
+    _membership_s: float  # half of max.poll.interval.ms: a batch polls between transactions after so long
 
     @property
     def stopping(self) -> bool:

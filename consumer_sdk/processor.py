@@ -134,8 +134,12 @@ class Processor(ProcessorTransactions):
                  log: Any, sleep: Callable[[float], None],
                  on_settled: Callable[[Sequence[KafkaRecord]], None], batch_size: int | None = None,
                  batch_handler: BatchHandler | None = None, savepoint_per_message: bool = False,
-                 statements: StatementsHandler | None = None) -> None:
+                 statements: StatementsHandler | None = None, between: Callable[[], None] | None = None) -> None:
         self.consumer = consumer
+        # Called between two transactions of a process() call (none open, a COMMIT perhaps
+        # deferred): the consumer keeps its group membership there; it may raise to abandon
+        # the rest of the call, whose records stay unsettled.
+        self._between = between
         self._batch_size = batch_size  # records per transaction (None: all that process() gets)
         self._store = store
         self._batch_handler = batch_handler
@@ -206,6 +210,8 @@ class Processor(ProcessorTransactions):
         done, total = 0, len(records)
         step = total if self._batch_size is None else self._batch_size
         while done < total:
+            if done and self._between is not None:
+                self._between()
             if step == 1 and self._chained:
                 settled, failed = self._chain(records, done, result)
                 done += settled

@@ -1,0 +1,72 @@
+"""A poll's messages applied for longer than ``max.poll.interval.ms`` (slow handlers), on a real broker.
+
+librdkafka leaves the group when the application has not polled for
+``max.poll.interval.ms``.  One at a time, a poll's ``prefetch_records`` (500) messages, each
+in its own transaction, take that long at 0.6 s a message (the default interval is 5 min).
+Before, nothing polled between those transactions: the member left the group halfway, its
+offsets could not be committed ("Commit failed: Broker: Unknown member"), its partitions
+were lost and assigned again (to another member, which applied the same partitions' next
+events while this one still applied its own), and the whole poll came again as duplicates.
+The consumer now polls between two transactions once half the interval went by.  Apache
+Kafka only: tansu takes the commit of a member that left, so the test could not see it leave.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import psycopg
+from structlog.testing import capture_logs
+
+from tests.fixtures.broker import create_topic
+from tests.integration.sdk._support import (
+    FAST_GROUP,
+    effect_counts,
+    make_config,
+    produce_raw,
+    record_effect,
+    wait_for,
+)
+
+#: librdkafka wants max.poll.interval.ms >= session.timeout.ms, and the broker a session of 6 s at least.
+MAX_POLL_INTERVAL_MS = 6000
+HANDLER_S = 0.15  # a handler's statement: 60 of them, 9 s, are one and a half poll intervals
+COUNT = 60
+
+
+def test_a_poll_slower_than_max_poll_interval_keeps_the_member_and_its_offsets(
+        sdk_db: str, kafka_broker: Any, topic_name: Any, run_consumer: Any) -> None:
+    broker = kafka_broker  # tansu does not check a commit's member: there the member left unseen
+    topic = topic_name("slow")
+    create_topic(broker.bootstrap, topic, partitions=1)
+    create_topic(broker.bootstrap, f"{topic}.dlq", partitions=1)
+    ids = [str(uuid.uuid4()) for _ in range(COUNT)]
+    produce_raw(broker.bootstrap, topic, [(b"k", json.dumps({"n": n}).encode(), [("event_id", event_id.encode())])
+                                          for n, event_id in enumerate(ids)])
+    order: list[int] = []
+
+    def slow(conn: psycopg.Connection[Any], message: Any) -> None:
+        conn.execute("SELECT pg_sleep(%s)", (HANDLER_S,))
+        record_effect(conn, message)
+        order.append(message.json()["n"])
+
+    props = {**FAST_GROUP, "max.poll.interval.ms": MAX_POLL_INTERVAL_MS}
+    config = make_config(sdk_db, broker, topic, assignment="subscribe", kafka_properties=props,
+                         prefetch_records=COUNT, check_retention=False)
+    with capture_logs() as logs:
+        thread = run_consumer(config, slow)
+        wait_for(lambda: thread.consumer.offsets.committed.get((topic, 0)) == COUNT or thread.error is not None,
+                 timeout_s=90, message=lambda: f"committed {thread.consumer.offsets.committed}, "
+                                               f"applied {len(effect_counts(sdk_db))} of {COUNT}")
+        running = list(logs)  # not the revoke of the close
+        thread.stop()
+    effects = effect_counts(sdk_db)
+    assert set(effects) == set(ids) and set(effects.values()) == {1}
+    assert order == list(range(COUNT))
+    lost = [e for e in running if e["event"] in ("partitions_lost", "partitions_revoked", "offset_commit_failed")
+            or (e["event"] == "kafka_consume_error" and "maximum poll interval" in e["error"])]
+    assert lost == [], "the member left its group in the middle of the batch"
+    assert thread.consumer.totals.duplicates == 0  # nothing came again
+    assert thread.sample("outbox_consumer_offset_commit_failures_total", consumer=config.name) == 0
