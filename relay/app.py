@@ -65,6 +65,7 @@ from relay.loop import Loop
 from relay.metrics import RelayMetrics
 from relay.publisher import Publisher
 from relay.pump import Pump
+from relay.pump_settle import reopens
 from relay.reconnect import Reconnects
 from relay.replay import Replayer
 from relay.replay_store import ReplayStore
@@ -304,7 +305,7 @@ class Relay(Running, Dependencies):
         """The wait watch's probes.held_up_s; 0 while a mark connection waits for its re-open
         (named, relay/connections.py): the watch's look then took the server it waited for,
         behind a session pool of the relay's size, and held it while the marks waited."""
-        if any(getattr(store, "needs_reopen", False) for store in self.mark_stores):
+        if any(reopens(store).needs_reopen for store in self.mark_stores):
             return 0.0
         return probes.held_up_s(self)
 

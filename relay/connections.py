@@ -204,6 +204,11 @@ class CheckedStore(Store):
     #: next statement re-opens it, and may wait.  A plain attribute, kept as the connection
     #: closes and opens, so that the pump's test before a mark on its own thread costs one
     #: look (relay/pump_settle.py: such a mark goes to the mark thread instead).
+    #: Not derivable from the connection: it turns False only once the re-open's check
+    #: returned (its first round trip answered), while the store has a connection object as
+    #: soon as PgBouncer in session mode accepts the client, before a server is free.  A
+    #: property reading the connection let the wait watch look (relay/app.py) and take the
+    #: server the re-open waited for: the relay stalled (CI, reverted in 8b16bdb).
     needs_reopen = False
 
     @property
