@@ -32,6 +32,7 @@ from consumer_sdk.jobs.config import WorkerConfig
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.errors import (
     AdmissionRefused,
+    DatabaseReadOnly,
     InvalidJob,
     JobsError,
     LeaseLost,
@@ -81,6 +82,7 @@ __all__ = [
     "AdmissionRefused",
     "Backoff",
     "ClaimedJob",
+    "DatabaseReadOnly",
     "DeadLetterRecord",
     "Handler",
     "InvalidJob",

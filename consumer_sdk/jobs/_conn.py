@@ -122,6 +122,15 @@ def outcome_unknown(exc: BaseException, conn: ConnectionT | None) -> bool:
     return isinstance(exc, DatabaseUnavailable) and (conn is None or conn.closed or conn.broken)
 
 
+def read_only(conn: ConnectionT) -> bool:
+    """The server says the session's transactions are read-only: a hot standby, or
+    ``default_transaction_read_only`` on (PostgreSQL 14 and later report both, no round trip:
+    elsewhere, and behind a pooler that does not pass them on, False).  Kept, such a session
+    failed every write of the pool with 25006 while a new one would reach the new primary."""
+    status = conn.pgconn.parameter_status
+    return status(b"in_hot_standby") == b"on" or status(b"default_transaction_read_only") == b"on"
+
+
 def shut_socket(conn: ConnectionT) -> bool:
     """Shut ``conn``'s socket down (both ways), from any thread: a statement its thread waits
     on fails at once ("server closed the connection unexpectedly").  The socket is reached
@@ -193,6 +202,9 @@ class ConnSlot:
 
     def get(self) -> ConnectionT:
         conn = self._conn
+        if conn is not None and not conn.closed and read_only(conn):
+            self.close()  # a standby, a demoted primary: a new session may reach the writable one
+            conn = None
         if conn is None or conn.closed or conn.broken:
             self.close()
             try:

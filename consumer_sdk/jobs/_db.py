@@ -8,7 +8,8 @@ schema) or :class:`~consumer_sdk.jobs.errors.TableMissing` (a trigger's or a fun
 raised inside it), a refused row (a violated
 CHECK, a trigger's refusal, a value or size the database cannot store)
 :class:`~consumer_sdk.jobs.errors.InvalidJob`, a missing grant
-:class:`~consumer_sdk.jobs.errors.PrivilegeMissing`.
+:class:`~consumer_sdk.jobs.errors.PrivilegeMissing`, a read-only database (a standby)
+:class:`~consumer_sdk.jobs.errors.DatabaseReadOnly`, a DatabaseUnavailable.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import psycopg.errors
 
 from consumer_sdk.errors import DatabaseUnavailable, FatalError, SchemaMissing, TransactionConflict
 from consumer_sdk.jobs._check import json_storable
-from consumer_sdk.jobs.errors import InvalidJob, PrivilegeMissing, TableMissing
+from consumer_sdk.jobs.errors import DatabaseReadOnly, InvalidJob, PrivilegeMissing, TableMissing
 from outbox_core.queries import query
 from outbox_core.text import has_colliding_keys
 
@@ -60,7 +61,7 @@ def refused(exc: BaseException) -> bool:
 @contextmanager
 def translated() -> Iterator[None]:
     """Translate driver errors raised inside the block into SDK errors: what passes (the
-    connection, a conflict, a cancel, a lock timeout, a shutdown) is retriable; a refusal of
+    connection, a conflict, a cancel, a lock timeout, a shutdown, a read-only database) is retriable; a refusal of
     the row is :class:`InvalidJob` (the job fails for good); a missing grant is
     :class:`PrivilegeMissing`; anything else a :class:`FatalError`."""
     try:
@@ -69,6 +70,9 @@ def translated() -> Iterator[None]:
         raise missing_table(exc) from exc
     except psycopg.errors.InsufficientPrivilege as exc:
         raise PrivilegeMissing(f"the database role lacks a privilege: {first_line(exc)}; {_GRANTS_HINT}") from exc
+    except psycopg.errors.ReadOnlySqlTransaction as exc:  # 25006: a standby, a failover in progress
+        raise DatabaseReadOnly(f"the database is read-only (a standby, or a failover in progress): "
+                               f"{first_line(exc)}; waiting for a writable primary") from exc
     except psycopg.Error as exc:
         if (exc.sqlstate or "").startswith("40"):  # serialization failure, deadlock: psycopg's classes
             raise TransactionConflict(f"transaction aborted: {first_line(exc)}") from exc  # are not one

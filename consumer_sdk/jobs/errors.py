@@ -14,12 +14,14 @@ Each class's docstring is its default message.  Retryability lives in the type:
   is :class:`InvalidJob`, which fails that job for good; a missing grant is
   :class:`PrivilegeMissing`, a :class:`~consumer_sdk.errors.FatalError` that stops a pool; a
   missing table is :class:`~consumer_sdk.errors.SchemaMissing` when the jobs statement names it
-  (the jobs schema), :class:`TableMissing` when a trigger or function it ran does.
+  (the jobs schema), :class:`TableMissing` when a trigger or function it ran does; a
+  read-only database (a standby) is :class:`DatabaseReadOnly`, waited for as an unreachable one.
 """
 
 from __future__ import annotations
 
 from consumer_sdk.errors import (
+    DatabaseUnavailable,
     FatalError,
     OutboxSdkError,
     PermanentError,
@@ -106,3 +108,12 @@ class TableMissing(JobsError, SchemaMissing):
     names the table and the function.  A worker pool treats it as a refusal of its
     statement (:mod:`consumer_sdk.jobs.refusals`): tried again with back-off until the
     table is back or the function fixed."""
+
+
+class DatabaseReadOnly(JobsError, DatabaseUnavailable):
+    """The database is read-only (a standby, or a primary during a failover): waiting for a writable one.
+
+    SQLSTATE 25006.  Waited for as an unreachable database, on new connections (a session
+    keeps its read-only setting; a multi-host DSN with ``target_session_attrs=read-write``
+    finds the new primary only on a new one).  A worker pool stopped for good on it
+    before (a FatalError), until a person restarted it (an audit of the pool)."""

@@ -13,7 +13,7 @@ import psycopg.errors as pg
 import pytest
 
 from consumer_sdk.errors import DatabaseUnavailable, FatalError, SchemaMissing, TransactionConflict
-from consumer_sdk.jobs import InvalidJob, PrivilegeMissing
+from consumer_sdk.jobs import DatabaseReadOnly, InvalidJob, PrivilegeMissing
 from consumer_sdk.jobs._db import translated
 
 
@@ -25,6 +25,7 @@ from consumer_sdk.jobs._db import translated
     (pg.LockNotAvailable("canceling statement due to lock timeout"), DatabaseUnavailable),
     (pg.QueryCanceled("canceling statement due to statement timeout"), DatabaseUnavailable),
     (pg.AdminShutdown("terminating connection due to administrator command"), DatabaseUnavailable),
+    (pg.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only transaction"), DatabaseReadOnly),
     (pg.CannotConnectNow("the database system is starting up"), DatabaseUnavailable),
     (pg.TooManyConnections("too many clients"), DatabaseUnavailable),
     (pg.IdleInTransactionSessionTimeout("terminating connection due to idle-in-transaction timeout"),
@@ -45,7 +46,6 @@ from consumer_sdk.jobs._db import translated
     (pg.InsufficientPrivilege("permission denied for table jobs"), PrivilegeMissing),
     (pg.UndefinedTable('relation "jobs" does not exist'), SchemaMissing),
     (pg.UndefinedColumn('column "x" does not exist'), FatalError),
-    (pg.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only transaction"), FatalError),
 ])
 def test_each_driver_error_becomes_the_sdk_error_of_its_sqlstate(raised: Exception, expected: type) -> None:
     with pytest.raises(expected) as info, translated():
