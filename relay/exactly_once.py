@@ -17,7 +17,13 @@ pump's claim, settle, mark and rewind logic is the default mode's.  What changes
   pump's callbacks run inside ``poll``, on the pump's thread.
 - A failed transaction fails its rows and every row buffered after it for the shard,
   and the shard produces nothing more until the pump rewinds (per-key order).
-  A fenced one also loses the lease.
+  A fenced one also loses the lease, but not one that outlived ``transaction.timeout.ms``
+  (the broker aborted it, bumping the epoch) while the lease is trusted: a new producer
+  recovers in place (giving the lease up idled a lone replica's shard until its next
+  heartbeat).  Trusted, the database lease has not expired: nobody took the shard (the
+  recovery's mark is fenced by the token all the same).  The aborted transaction's
+  position record is aborted too: the recovery reads the last committed one, which lists
+  every row committed and not confirmed marked, as a new holder's would.
 - Recovery: before a new (or re-created) producer's shard may be claimed
   (``ready``), the worker reads the shard's last committed position record back
   (``read_committed``) and marks the rows it lists as published, fenced with the
@@ -27,11 +33,8 @@ pump's claim, settle, mark and rewind logic is the default mode's.  What changes
 
 Dead letters and replays go through the plain idempotent producer (not transactional).
 
-A batch settles only when the transactions of all its shards have committed (each shard
-commits one transaction at a time), so this mode keeps more batches in flight:
-``--exactly-once-pipeline-depth`` (16) replaces ``--pipeline-depth`` (4).  Measured on
-2 shared cores, Apache Kafka, 100,000 rows: at depth 4 the drain was 0.57-0.72 x the
-default mode's; at 16, 1.28-1.38 x (the database's marks bound both).
+A batch settles only when the transactions of all its shards have committed, so this
+mode keeps more batches in flight: ``--exactly-once-pipeline-depth`` (16; see README).
 """
 
 from __future__ import annotations
@@ -210,16 +213,11 @@ class TransactionalPublisher:
 
     def _recover(self, shard: ShardId, token: Token, ids: list[RowId], events: list[int] | None) -> None:
         """On a worker's thread: mark what the last committed position lists (fenced), the
-        rows that still hold the event the record names.  A database restored from a backup
-        hands the ids published since out again, to new rows, which were marked published
-        by the id alone and never sent (an audit of exactly-once mode).  A record from
-        before event ids were listed is read by its ids.
-
-        The mark goes by each found row's (id, event_id), on both layouts: a partitioned
-        outbox may hold two rows of one id (see relay.sql's mark_published_by_event), and
-        by id the mark took the listed row's pending twin, never sent, along.  Once per
-        shard taken: the plain layout's faster statement matters not here.  The store is
-        set to mark so once, where the relay makes it (relay/app.py)."""
+        rows that still hold the event the record names (a database restored from a backup
+        hands published ids out again, to new rows; a record from before event ids were
+        listed is read by its ids).  The mark goes by each row's (id, event_id) on both
+        layouts: a partitioned outbox may hold two rows of one id (relay.sql's
+        mark_published_by_event); the store is set so where the relay makes it (app.py)."""
         with self._store_lock:
             found = self._store.event_ids(ids)
             if events is not None:
@@ -304,8 +302,8 @@ class TransactionalPublisher:
                 if result.broken:
                     self._close_shard(worker.shard, "producer_replaced")
                     self._retry[worker.shard] = (self._clock() + INIT_RETRY_INITIAL_S, 0.0)
-            if result.fenced:  # the lease is given up either way: taken again at a heartbeat
-                self._lose(worker, "kafka_transaction_timed_out" if result.timed_out else "kafka_producer_fenced")
+            if result.fenced:
+                self._after_fenced(worker, result.timed_out)
         for row in result.rows:
             result.callbacks[row.id](row, result.outcomes[row.id])
         return len(result.rows) + self._serve_immediate()
@@ -353,6 +351,15 @@ class TransactionalPublisher:
             ensure_position_topic(self._config, self._position_topic, self._nshards)
         except (ConfigError, BrokerUnreachable) as exc:
             self._log.warning("exactly_once_position_topic_not_created", topic=self._position_topic, error=str(exc))
+
+    def _after_fenced(self, worker: ShardWorker, timed_out: bool) -> None:
+        """A producer another holder fenced loses its lease.  One the broker fenced for its
+        transaction's timeout keeps a trusted lease: its successor recovers in place."""
+        if timed_out and self._leases.trusted(worker.shard, self._clock()):
+            self._log.info("exactly_once_shard_recovering", shard=worker.shard, reason="kafka_transaction_timed_out",
+                           detail="the lease is kept: a new producer takes the transactional id and recovers")
+            return
+        self._lose(worker, "kafka_transaction_timed_out" if timed_out else "kafka_producer_fenced")
 
     def _lose(self, worker: ShardWorker, why: str = "kafka_producer_fenced") -> None:
         """A fenced producer loses its lease, unless the shard is held again since (with

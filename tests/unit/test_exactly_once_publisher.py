@@ -35,11 +35,12 @@ class FakeWorker:
 
     def join(self, timeout_s: float) -> None: ...
 
-    def finish(self, *, ok: bool = True, fenced: bool = False) -> None:
+    def finish(self, *, ok: bool = True, fenced: bool = False, timed_out: bool = False) -> None:
         job = self.jobs[-1]
         rows = [row for row, _ in job.rows]
         outcome = Outcome(ok=ok, error_class="" if ok else "transaction_aborted")
         self.results.put(Result(self, rows=rows, callbacks=job.callbacks, ok=ok, fenced=fenced,  # type: ignore[arg-type]
+                                timed_out=timed_out, broken=fenced,
                                 outcomes={row.id: outcome for row in rows}, listed=dict(job.position)))
 
     @property
@@ -53,9 +54,10 @@ class Leases:
     def __init__(self) -> None:
         self.leases = {ShardId(0): Lease(ShardId(0), Token(7), 1e12)}
         self.lost: list[ShardId] = []
+        self.untrusted: set[ShardId] = set()  # held, but past the local deadline
 
     def trusted(self, shard: ShardId, now: float) -> bool:
-        return shard in self.leases
+        return shard in self.leases and shard not in self.untrusted
 
     def lose(self, shards: Any, why: str) -> None:
         for shard in shards:
@@ -167,6 +169,38 @@ def test_a_fenced_transaction_loses_the_lease_and_closes_the_producer(setup) -> 
     assert leases.lost == [ShardId(0)]
     publisher.poll(0)
     assert worker.closed and not publisher.ready(ShardId(0))
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_a_transaction_that_timed_out_keeps_a_trusted_lease_and_recovers_in_place(
+        setup, monkeypatch, trusted: bool) -> None:
+    # The broker aborted it for transaction.timeout.ms (librdkafka: "fenced"): the lease was
+    # given up all the same, and a lone replica's shard waited for its next heartbeat.
+    publisher, leases, seen = setup
+    monkeypatch.setattr(eo, "INIT_RETRY_INITIAL_S", 0.0)
+    worker = FakeWorker.made[0]
+    publisher.send(row(1), cb(seen))
+    publisher.poll(0)
+    if not trusted:  # paused past the lease: another replica may hold the shard by now
+        leases.untrusted.add(ShardId(0))
+    worker.finish(ok=False, fenced=True, timed_out=True)
+    publisher.poll(0)
+    assert seen == [(1, False, "transaction_aborted")]
+    assert worker.closed and not publisher.ready(ShardId(0))
+    publisher.poll(0)
+    if not trusted:
+        assert leases.lost == [ShardId(0)] and FakeWorker.made == [worker]
+        return
+    assert leases.lost == []
+    successor = FakeWorker.made[-1]  # the same lease, a new producer: its init recovers
+    assert successor is not worker and successor.token == Token(7)
+    successor.results.put(Result(successor, init=True, ok=True))  # type: ignore[arg-type]
+    publisher.poll(0)
+    publisher.rewound()
+    assert publisher.ready(ShardId(0))
+    publisher.send(row(1), cb(seen))
+    publisher.poll(0)
+    assert [r.id for r, _ in successor.jobs[0].rows] == [1]
 
 
 def test_stop_closes_every_worker_once(setup: Any) -> None:
