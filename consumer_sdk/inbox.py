@@ -214,7 +214,7 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
             metrics=self.metrics, log=self.log, sleep=self._sleep, on_settled=self._settled,
             batch_size=self.config.batch_size, batch_handler=self._batch_handler,
             savepoint_per_message=self.config.savepoint_per_message, statements=self._statements,
-            between=self._keep_membership)
+            between=self._keep_membership, between_due=self._membership_due)
 
     def run(self) -> None:
         """Start, then settle batches until :meth:`stop`; always closes.  Fatal errors propagate."""

@@ -112,22 +112,21 @@ class InboxGroup(InboxOffsets):
         sasl.oauthbearer.config, from where its parsing stopped), masked."""
         return scrub(err.str(), properties=self.config.kafka_properties)
 
+    def _membership_due(self) -> bool:
+        """True once half of ``max.poll.interval.ms`` went by since the last poll."""
+        return self._clock() - self._polled_at >= self._membership_s
+
     def _keep_membership(self) -> None:
-        """Between two transactions of a batch: once the batch ran for half of
-        ``max.poll.interval.ms`` since the last poll, poll once (:meth:`_keepalive_sleep`, 0 s),
-        after the COMMIT deferred before (its records settled first).  Without it a batch
-        longer than ``max.poll.interval.ms`` (slow handlers, ``prefetch_records`` of them)
-        made librdkafka leave the group: the batch's offsets could not be committed, the
-        partitions went to another member, which applied the same partition's next events
-        while this one still applied its own, and the group rebalanced at every such batch.
+        """Poll once (:meth:`_keepalive_sleep`, 0 s) between two transactions of a batch, when
+        :meth:`_membership_due` (the processor's ``between``, after the COMMITs before it were
+        confirmed).  Without it a poll's messages applied for longer than
+        ``max.poll.interval.ms`` (slow handlers, ``prefetch_records`` of them) made librdkafka
+        leave the group: their offsets could not be committed, the partitions went to another
+        member, which applied the same partitions' next events while this one still applied
+        its own, and the group rebalanced at every such poll.
 
         Raises :class:`Abandon` when a rebalance happened (or :meth:`stop`): the rest of the
         batch is left unsettled, as in a back-off."""
-        if self._clock() - self._polled_at < self._membership_s:
-            return
-        sync = getattr(self.store, "sync", None)
-        if sync is not None:
-            sync()
         self._keepalive_sleep(0.0)
 
     def _keepalive_sleep(self, duration_s: float) -> None:

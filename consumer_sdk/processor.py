@@ -134,12 +134,15 @@ class Processor(ProcessorTransactions):
                  log: Any, sleep: Callable[[float], None],
                  on_settled: Callable[[Sequence[KafkaRecord]], None], batch_size: int | None = None,
                  batch_handler: BatchHandler | None = None, savepoint_per_message: bool = False,
-                 statements: StatementsHandler | None = None, between: Callable[[], None] | None = None) -> None:
+                 statements: StatementsHandler | None = None, between: Callable[[], None] | None = None,
+                 between_due: Callable[[], bool] = lambda: True) -> None:
         self.consumer = consumer
-        # Called between two transactions of a process() call (none open, a COMMIT perhaps
-        # deferred): the consumer keeps its group membership there; it may raise to abandon
-        # the rest of the call, whose records stay unsettled.
+        # Called between two transactions of a process() call when between_due() says so
+        # (none open, the COMMITs before confirmed): the consumer keeps its group membership
+        # there; it may raise to abandon the rest of the call, whose records stay unsettled.
+        # A chain of a statements handler's transactions ends early for it.
         self._between = between
+        self._between_due = between_due
         self._batch_size = batch_size  # records per transaction (None: all that process() gets)
         self._store = store
         self._batch_handler = batch_handler
@@ -210,13 +213,16 @@ class Processor(ProcessorTransactions):
         done, total = 0, len(records)
         step = total if self._batch_size is None else self._batch_size
         while done < total:
-            if done and self._between is not None:
+            if done and self._between is not None and self._between_due():
+                self._sync()  # the records before it settled first
                 self._between()
             if step == 1 and self._chained:
                 settled, failed = self._chain(records, done, result)
                 done += settled
                 if failed:  # nothing of it written: the usual way says why
                     settled, halt = self._transaction([records[done]], result, attempt=1, settle=True)
+                elif done < total and settled and self._keep_alive_due():
+                    continue  # the chain ended for the keep-alive
                 elif done < total:
                     settled, halt = self._one(records[done], result, defer=done + 1 < total)
                 else:

@@ -58,6 +58,12 @@ class ProcessorState:
     _applied: Counter[str]
     _dropped: Counter[str]
     _optimistic: bool
+    _between: Callable[[], None] | None
+    _between_due: Callable[[], bool]
+
+    def _keep_alive_due(self) -> bool:
+        """True when ``between`` is to run before the next transaction (see Processor.__init__)."""
+        return self._between is not None and self._between_due()
 
     def _sync(self) -> None:
         if self._deferring:

@@ -55,8 +55,9 @@ class ProcessorStatements(ProcessorState):
         answers, the server applying one while the next is prepared.  Each commits only when
         the one before it did, so order holds as one at a time.  Stops before a record that
         cannot go so (an invalid event id, a duplicate found by the lookup, ``apply``
-        raising, a statement that cannot be bound) and at the first transaction that did
-        not commit.  Returns (records settled, whether the next one's transaction failed)."""
+        raising, a statement that cannot be bound), when the consumer must poll
+        (``between_due``) and at the first transaction that did not commit.  Returns
+        (records settled, whether the next one's transaction failed)."""
         assert self._statements is not None
         self._sync()  # a COMMIT deferred before it, by a message that went the usual way
         store, apply = self._store, self._statements
@@ -65,6 +66,9 @@ class ProcessorStatements(ProcessorState):
         try:
             while True:
                 while sending and index < total and len(sent) - settled < CHAIN_DEPTH:
+                    if sent and self._keep_alive_due():  # the consumer must poll: end the chain here
+                        sending = False
+                        break
                     record = records[index]
                     event_id, replayed = self._scan(record)
                     if isinstance(event_id, InvalidEventId) or (
