@@ -123,6 +123,17 @@ def complete_and_claim(conn: ConnectionT, *, worker: str, done: Sequence[Done], 
     return _split(rows, worker)
 
 
+def release_unheld(conn: ConnectionT, *, worker: str, held: Sequence[JobId],
+                   now: datetime | None = None) -> list[JobId]:
+    """After a claim of ``worker`` whose reply was lost: give back the jobs running under
+    ``worker`` that its pool does not hold (``held``: every attempt it holds), claimed by
+    that claim and run by no one; their attempt is not counted.  Returns their ids."""
+    with translated():
+        rows = conn.execute(q("release_unheld"), {"worker": worker, "held": [int(i) for i in held],
+                                                  "now": now}).fetchall()
+    return [JobId(r[0]) for r in rows]
+
+
 def complete_many(conn: ConnectionT, *, worker: str, done: Sequence[Done],
                   now: datetime | None = None, recheck: bool = False) -> Written:
     """Mark these jobs succeeded in one statement, each fenced as

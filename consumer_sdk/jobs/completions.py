@@ -21,6 +21,13 @@ What a round's statement can meet:
   letter) while the others succeed and the round's claim is made without them.  Sent again
   as it was, the round was refused at every round, for ever (an audit of the pool).
 
+A round's claim whose reply was lost may have committed too: the jobs it claimed run under
+the pool's worker id, and the pool knows nothing of them.  The next round gives them back
+first (``claims_given_back``: claimable at once, the attempt not counted, see
+:func:`~consumer_sdk.jobs.claims.release_unheld`); they waited out their lease before, then
+the reaper counted the attempt or, on their last one, dead-lettered them, never run (an
+audit of the pool).
+
 So a job whose handler returned stays 'running' until the next round writes it, at
 most ``within_s`` later when no round comes sooner.  Should the process die in between,
 the lease expires and the job runs again: its handler's fenced writes had committed,
@@ -91,6 +98,8 @@ class Completions:
         self.due: float | None = None
         #: The owners of the jobs the last write (write_with) completed, with how many each.
         self.last_written: Counter[str] = Counter()
+        #: A claim's reply was lost (see the module): the next write gives back what it claimed.
+        self.claim_unconfirmed = False
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -129,11 +138,14 @@ class Completions:
         finally:
             slot.close()
 
-    def write_with(self, write: Write[T], *, conn: Any = None) -> T:
+    def write_with(self, write: Write[T], *, conn: Any = None, claims: bool = False) -> T:
         """Take every waiting success, ``write`` them and settle them; put them back first in
         line if ``write`` raises, except a refusal of a row: then, with ``conn``, each is
         written alone on it (see the module) and ``write`` runs again without them.  Those
-        whose earlier write may have committed are written first on ``conn``, on their own."""
+        whose earlier write may have committed are written first on ``conn``, on their own;
+        so are the jobs an earlier write that ``claims`` may have claimed given back."""
+        if self.claim_unconfirmed and conn is not None:
+            self._give_back_unheld(conn)
         with self._lock:
             pending, self._pending, self.due, self._chars = self._pending, [], None, 0
         self.last_written = Counter()
@@ -156,10 +168,29 @@ class Completions:
             self._write_each(conn, pending)
             return write([])[1]
         except BaseException as exc:
-            self._put_back(pending, unconfirmed=outcome_unknown(exc, conn), error=exc)
+            unknown = outcome_unknown(exc, conn)
+            self.claim_unconfirmed = self.claim_unconfirmed or (claims and unknown)
+            self._put_back(pending, unconfirmed=unknown, error=exc)
             raise
         self.settle(pending, facts)
         return rest
+
+    def _give_back_unheld(self, conn: Any) -> None:
+        """A claim's reply was lost: give back the jobs running under this worker that the
+        pool does not hold (see the module).  The pool's claims are all made by the thread
+        that calls this, so every job it claimed and knows of is in ``running``."""
+        with self._lock:
+            held = list(self._running)
+        try:
+            released = claims.release_unheld(conn, worker=self.worker_id, held=held, now=self._db_now())
+        except InvalidJob as exc:  # a trigger, a constraint: left to their leases, as before
+            self.log.warning("claims_not_given_back", error=str(exc))
+            released = []
+        self.claim_unconfirmed = False
+        if released:
+            self.log.warning("claims_given_back", jobs=len(released), job_ids=[int(i) for i in released[:20]],
+                             detail="a claim's reply was lost (the connection broke): the jobs it claimed are "
+                                    "given back, their attempt not counted, for the next claim")
 
     def _put_back(self, pending: list[Pending], *, unconfirmed: bool = False,
                   error: BaseException | None = None) -> None:

@@ -261,6 +261,21 @@ SELECT 'done', id, run_id, NULL, queue, kind, NULL, attempts, NULL, NULL, tracep
        tracestate, NULL, NULL, age_s
 FROM done
 
+-- name: release_unheld
+-- After a claim of this worker whose reply was lost (the connection broke while it
+-- waited, perhaps after the commit): the jobs running under this worker that its pool
+-- does not hold (%(held)s: the ids of every attempt it holds) were claimed by that
+-- statement, and no handler runs them.  Given back as release does (claimable at once,
+-- the attempt not counted).  Before, they waited out their lease, and the reaper counted
+-- the attempt or, on their last one, failed them with a dead letter: never run.
+UPDATE jobs AS j
+SET status = 'queued', lease_until = NULL, attempts = greatest(0, j.attempts - 1),
+    available_at = coalesce(%(now)s::timestamptz, now())
+WHERE j.status = 'running' AND j.lease_owner = %(worker)s
+  AND j.lease_until > coalesce(%(now)s::timestamptz, now())
+  AND NOT (j.id = ANY (%(held)s::bigint[]))
+RETURNING j.id
+
 -- name: reap_expired
 -- Running jobs whose lease expired (the worker died, hung or was cut off): back to
 -- 'queued' at their old place in line, or, when their attempts are used up, to
