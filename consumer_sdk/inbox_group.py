@@ -82,10 +82,24 @@ class InboxGroup(InboxOffsets):
         refused = self._refused(err.code(), msg.topic(), err.str())
         if err.fatal() or refused is not None:
             self._fatal = refused or self._kafka_text(err)
+        elif err.code() == KafkaError._MAX_POLL_EXCEEDED:
+            self.log.warning("kafka_consume_error", error=self._kafka_text(err), topic=msg.topic(),
+                             partition=msg.partition(), hint=self._max_poll_hint())
         elif err.code() != KafkaError._PARTITION_EOF:
             self.log.warning("kafka_consume_error", error=self._kafka_text(err), topic=msg.topic(),
                              partition=msg.partition())
         return None
+
+    def _max_poll_hint(self) -> str:
+        """What to do when librdkafka left the group for want of a poll (librdkafka's own
+        line names neither the cause nor a setting of the SDK's)."""
+        c = self.config
+        cause = (f"a batch (batch_size={c.batch_size}) is one transaction: lower batch_size, make the handler "
+                 "faster" if c.batch_size > 1 else "one handler call ran that long: make it faster")
+        return (f"this member did not poll Kafka for max.poll.interval.ms ({c.max_poll_interval_s() * 1000:.0f} ms) "
+                "and left its group: its partitions went to another member and the offsets it applied could "
+                "not be committed (the inbox drops what comes again).  It polls between transactions, not "
+                f"inside one; {cause}, or raise max.poll.interval.ms in kafka_properties")
 
 
     def _client_error(self, err: KafkaError) -> None:
