@@ -12,6 +12,7 @@ that stops can shut their sockets down (:meth:`PoolerAware.shut_down`).
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 import weakref
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg.conninfo import make_conninfo
-from psycopg.pq import TransactionStatus
+from psycopg.pq import ConnStatus, TransactionStatus
 
 from consumer_sdk import _pg
 from consumer_sdk.errors import DatabaseUnavailable
@@ -122,6 +123,29 @@ def outcome_unknown(exc: BaseException, conn: ConnectionT | None) -> bool:
     return isinstance(exc, DatabaseUnavailable) and (conn is None or conn.closed or conn.broken)
 
 
+def ended(conn: ConnectionT) -> bool:
+    """The server ended this idle connection: its goodbye (or the end of the stream) waits on
+    the socket.  No round trip, a poll of the socket.  A database restarted, a failover,
+    ``idle_session_timeout``, ``pg_terminate_backend``: kept, the connection failed the next
+    job's first statement, whose fenced write then read the broken connection as a lost lease
+    (the job left to its lease, its attempt counted, dead-lettered on its last: an audit)."""
+    pgconn = conn.pgconn
+    if conn.broken or pgconn.transaction_status != TransactionStatus.IDLE:
+        return conn.broken  # a statement in flight or a transaction open: not idle, not ours to read
+    try:
+        poll = select.poll()
+        poll.register(pgconn.socket, select.POLLIN)
+        for _ in range(3):  # the server's FATAL (read as a notice while idle), then the end of the stream
+            if not poll.poll(0):
+                return False
+            pgconn.consume_input()  # else a notice, a parameter's new value: kept for psycopg
+            if pgconn.status == ConnStatus.BAD:
+                return True
+    except (psycopg.Error, OSError, ValueError):
+        return True
+    return False
+
+
 def read_only(conn: ConnectionT) -> bool:
     """The server says the session's transactions are read-only: a hot standby, or
     ``default_transaction_read_only`` on (PostgreSQL 14 and later report both, no round trip:
@@ -202,8 +226,8 @@ class ConnSlot:
 
     def get(self) -> ConnectionT:
         conn = self._conn
-        if conn is not None and not conn.closed and read_only(conn):
-            self.close()  # a standby, a demoted primary: a new session may reach the writable one
+        if conn is not None and not conn.closed and (ended(conn) or read_only(conn)):
+            self.close()  # ended while idle; or a standby, a demoted primary: a new session
             conn = None
         if conn is None or conn.closed or conn.broken:
             self.close()
