@@ -221,8 +221,11 @@ class Relay(Running, Dependencies):
         self.replayer = Replayer(
             replay_store, self.publisher, owner=s.owner, nshards=nshards, metrics=self.metrics, log=self.log,
             clock=self.clock, lose=self.leases.lose, budget_bytes=s.batch_max_bytes)
+        # Its connection re-opens on a thread of its own, never holding the loop (relay/connections.py).
+        replaying = connections.ReopeningReplayer(self.replayer, replay_store,
+                                                  name=application_name(s.owner, ":replay"), clock=self.clock)
         self.loop = Loop(pump=self.pump, wakeup=self.wakeup, leases=self.leases,
-                         poll_interval_s=s.poll_interval_s, replayer=self.replayer,
+                         poll_interval_s=s.poll_interval_s, replayer=replaying,
                          on_wake=lambda reason: self.metrics.wakeups.labels(reason).inc(), clock=self.clock)
         partitioned = s.table == "outbox" and self._retry_db(self.store.is_partitioned)
         if partitioned:  # ids may repeat across partitions: marks match event ids too
@@ -311,11 +314,12 @@ class Relay(Running, Dependencies):
 
     def _check_reopens(self) -> None:
         """After the start's check: each re-open of the connections that re-open by themselves
-        (LISTEN, the mark, cleanup and exactly-once recovery connections, each on the thread
-        that uses it) is checked from now on (relay/connections.py)."""
+        (LISTEN's and the replays', on threads of their own; the mark, cleanup and
+        exactly-once recovery connections, each on the thread that uses it) is checked from
+        now on (relay/connections.py)."""
         assert self.connections is not None
         self.connections.check_reopens(self.wakeup, *self.mark_stores, self.janitor and self.janitor.store,
-                                       self._recovery)
+                                       self._recovery, self.loop and self.loop.replayer)
 
     def _store(self, role: str, kind: type[Store] = Store) -> Store:
         """A store (connection) of this replica, named ``outbox-relay:<owner><role>``."""

@@ -25,14 +25,13 @@ and says which it could not get within :data:`CONNECTION_WAIT_S` and how many th
 needs, then keeps waiting (a server may come free) and says so again every
 :data:`LOG_EVERY_S`.
 
-The connections are checked the same way when they are re-opened at run time: the loop's
-stores (:class:`Checks`), LISTEN's on a thread of its own that the loop never waits for
-(:class:`CheckedWakeup`), and the mark, cleanup and exactly-once recovery connections,
-which re-open on the thread that uses them (:class:`CheckedStore`): after a database
-restart or failover one of them queued in the pooler held the loop at its first
-statement, or marking, cleanup or a shard's recovery, without a word.  A small batch the
-loop would mark on its own thread goes to the mark thread while the mark connection must
-be re-opened (``CheckedStore.needs_reopen``): the loop never waits on that re-open.
+The connections are checked the same way when re-opened at run time: the claims' by the
+loop (:class:`Checks`), LISTEN's and the replays' on threads of their own that the loop
+never waits for (:class:`CheckedWakeup`, :class:`ReopeningReplayer`), the mark, cleanup
+and exactly-once recovery connections on the thread that uses them (:class:`CheckedStore`):
+after a database restart or failover one queued in the pooler held the loop, or marking,
+cleanup or a shard's recovery, without a word.  A small batch the loop would mark itself
+goes to the mark thread while the mark connection must be re-opened (``needs_reopen``).
 """
 
 from __future__ import annotations
@@ -123,9 +122,10 @@ class Checks:
 
     def check_reopens(self, *reopening: object) -> None:
         """From now on (after :meth:`at_start`), each re-open of the connection of each of
-        ``reopening`` that is a :class:`CheckedWakeup` or a :class:`CheckedStore` is checked."""
+        ``reopening`` that is a :class:`CheckedWakeup`, a :class:`CheckedStore` or a
+        :class:`ReopeningReplayer` is checked."""
         for each in reopening:
-            if isinstance(each, (CheckedWakeup, CheckedStore)):
+            if isinstance(each, (CheckedWakeup, CheckedStore, ReopeningReplayer)):
                 each.checks = self
 
 
@@ -137,10 +137,9 @@ class CheckedWakeup(Wakeup):
     with no server free, the re-open waited at its first statement on the loop's thread and
     held the loop there (no claim, no mark, the claims connection working).  Now the loop
     goes on polling (``Wakeup.not_listening``) and adopts the connection, its LISTEN
-    statements run, once it is ready; an attempt that failed is tried again after the
-    back-off of :data:`relay.wakeup.REOPEN_BACKOFF_S`, a failure that ends the relay
-    (rejected credentials) is raised on the loop's thread.  :meth:`close` (the database
-    went away, the relay stops) abandons an attempt under way, and a stop ends its wait."""
+    statements run, once ready; a failed attempt is tried again after the back-off of
+    :data:`relay.wakeup.REOPEN_BACKOFF_S`, a fatal one (rejected credentials) raised on the
+    loop's thread.  :meth:`close` (database lost, relay stopping) abandons an attempt."""
 
     checks: Checks | None = None
     _opening: Opening | None = None  # the re-open under way; the loop's thread's
@@ -241,6 +240,79 @@ class CheckedStore(Store):
         return super().conn
 
 
+class ReopeningReplayer:
+    """The replayer (relay/replay.py) as the loop runs it: when a statement on its connection
+    (``...:replay``) fails, that re-opens on a thread of its own, checked as at start, and
+    replays wait meanwhile (after a failed re-open, :data:`relay.wakeup.REOPEN_BACKOFF_S`
+    doubling); the loop neither waits for it nor touches the store until it ended.  Before,
+    that break alone was the database down (database_unavailable, a rewind, LISTEN dropped),
+    and behind a session pooler with no server free the re-open (Checks.reopened) held the
+    loop: no claim, mark or heartbeat, for replays.  The claims say whether the database is
+    down.  Owned by the loop's thread."""
+
+    checks: Checks | None = None
+
+    def __init__(self, replayer: Any, store: Any, *, name: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``store``: the replayer's; ``name``: its connection's application_name."""
+        self.replayer, self._store, self._name, self._clock = replayer, store, name, clock
+        self._broken = False  # its connection must be re-opened before a replay runs
+        self._reopening: threading.Event | None = None
+        self._failed: list[BaseException] = []
+        self._failures, self._retry_at = 0, 0.0
+
+    def run_once(self, leases: Sequence[Any]) -> Any:
+        if not self._usable():
+            return None
+        try:
+            return self.replayer.run_once(leases)
+        except DatabaseUnavailable:
+            if self.checks is None:
+                raise
+            self._store.close()  # re-opened by the next turn, on a thread of its own
+            self._broken, self._retry_at = True, 0.0
+            return None
+
+    def busy(self) -> bool:
+        return not self._broken and bool(self.replayer.busy())
+
+    def wait(self, timeout_s: float) -> None:
+        self.replayer.wait(timeout_s)
+
+    def _usable(self) -> bool:
+        done = self._reopening
+        if done is not None:
+            if not done.is_set():
+                return False
+            self._reopening = None
+            if not self._failed:
+                self._broken, self._failures = False, 0
+                return True
+            error = self._failed.pop()
+            if not isinstance(error, RetriableError):
+                raise error
+            self._failures += 1
+            self._retry_at = self._clock() + ceiling_s(self._failures, initial_s=REOPEN_BACKOFF_S,
+                                                       max_s=REOPEN_BACKOFF_MAX_S)
+        if self._broken and self.checks is not None and self._clock() >= self._retry_at:
+            self._reopening = self._reopen(self.checks)
+        return not self._broken
+
+    def _reopen(self, checks: Checks) -> threading.Event:
+        done = threading.Event()
+
+        def reopen() -> None:
+            try:
+                checks.reopen(self._name, self._store.ping)
+            except BaseException as exc:  # noqa: BLE001 - read by the loop's thread (_usable)
+                self._failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=reopen, daemon=True, name="outbox-relay-replay-reopen").start()
+        return done
+
+
 def _open_one(connection: Needed, number: int, needed: Sequence[Needed], *, log: Any,
               stopping: Callable[[], bool], optional: int, within_s: float,
               clock: Callable[[], float], reopened: bool) -> bool:
@@ -289,8 +361,9 @@ def _which(number: int, needed: Sequence[Needed]) -> str:
 #: LISTEN's second).  The one list behind the start-up check and the wait watch's names.
 ROLES = {"": "claims and leases", ":mark": "marks", ":replay": "replays",
          ":cleanup": "retention and partitions", ":exactly-once": "exactly-once recovery"}
-#: The roles of the loop thread's stores (relay/app.py; LISTEN is its connection too).
-LOOP_ROLES = ("", ":replay")
+#: The roles of the stores the loop re-opens after a database error (relay/app.py; LISTEN's
+#: and the replays' re-open on threads of their own).
+LOOP_ROLES = ("",)
 #: The LISTEN connection's name, whatever the owner (relay/wakeup.py), and its purpose.
 LISTEN = ("outbox-relay-listen", "LISTEN and the wake-up lock")
 

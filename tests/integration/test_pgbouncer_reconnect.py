@@ -381,3 +381,39 @@ def test_the_listen_connection_reopened_with_no_server_free_does_not_hold_the_lo
     relay.sigterm()
     assert relay.wait(30) == 0
     assert "Traceback" not in relay.log_text()
+
+
+def test_the_replay_connection_reopened_with_no_server_free_does_not_hold_the_loop(
+        outbox_db, pgbouncer, broker, topic, spawn):  # noqa: F811 - the imported fixture
+    """Only the replays' connection broke, in a pool of the relay's size with other clients
+    first in line: the relay said the database was down (database_unavailable), and re-opened
+    that connection on the loop's thread, which waited in the pooler's queue: no claim, no
+    mark, for replays.  Now it re-opens on a thread of its own, named as at start, and the
+    relay publishes meanwhile."""
+    owner, replay = "rereplay", "outbox-relay:rereplay:replay"
+    pooled = pgbouncer("session", pool_size=NEEDED)
+    relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap, owner=owner, mark_connections=1),
+                  name="relay")
+    relay.wait_for_log("relay_started", timeout_s=60)
+    insert_rows(outbox_db, topic, 20, keys=4)
+    wait_drained(outbox_db, timeout_s=60)
+    with _queued_client(pooled) as (served, release), _queued_client(pooled) as (_served2, release2):
+        assert _end_session(outbox_db, replay) == 1
+        wait_until(served.is_set, timeout_s=30, message="the other client did not get the replays' server")
+        # Its next statement (a look for replays, every 5 s) finds it broken.
+        wait_until(lambda: _named(relay.log_text(), "database_connection_waiting", replay), timeout_s=60,
+                   message=lambda: f"the replays' connection was not named: {_tail(relay.log_text())}")
+        insert_rows(outbox_db, topic, 40, keys=4, start=20)
+        wait_drained(outbox_db, timeout_s=30)  # claimed and marked while the replays' connection waits
+        expected = all_event_ids(outbox_db)
+        delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60), expected)
+        assert not delivery.missing and not delivery.order_violations, delivery
+        assert not _named(relay.log_text(), "database_connection_ready", replay) and relay.alive
+        assert not _events(relay.log_text(), "database_unavailable")  # the database was never down
+        release2.set()  # the second client leaves as soon as it is served:
+        release.set()  # the first one's server goes to it, then to the replays' connection
+        wait_until(lambda: _named(relay.log_text(), "database_connection_ready", replay), timeout_s=60,
+                   message=lambda: f"the replays' connection was not ready: {_tail(relay.log_text())}")
+    relay.sigterm()
+    assert relay.wait(30) == 0
+    assert "Traceback" not in relay.log_text()

@@ -3,7 +3,7 @@ thread of its own, checked and named as at start, while the loop's thread goes o
 (shards_moved, set_sleeping, wait) never wait for the re-open, the loop claims at its poll
 interval meanwhile (relay/loop.py), and adopts the connection, its LISTEN statements run,
 once it is ready.  A stop, or the database going away, abandons the attempt: what it opens
-later is closed.  Pure logic: the driver's connect is faked (a pooler's queue is a first
+later is closed.  The replays' connection re-opens on a thread of its own too (ReopeningReplayer).  Pure logic: the driver's connect is faked (a pooler's queue is a first
 statement that waits); the real PgBouncer case is tests/integration/test_pgbouncer_reconnect.py."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from relay import wakeup as wakeup_module
-from relay.connections import LISTEN, CheckedWakeup, Checks, Needed
+from relay.connections import LISTEN, CheckedWakeup, Checks, Needed, ReopeningReplayer
 from relay.errors import AuthenticationFailed, DatabaseUnavailable
 from relay.loop import Loop
 from relay.metrics import RelayMetrics
@@ -209,3 +209,75 @@ def test_without_its_listen_connection_an_idle_relay_claims_once_per_poll_interv
     written = clock()
     turn_until(lambda: publisher.sent_at)
     assert publisher.sent_at[0][1] - written <= POLL_S + 1e-6
+
+
+class Replays:
+    """The replayer: its statements fail while ``broken``; counts its turns."""
+
+    def __init__(self) -> None:
+        self.broken = False
+        self.turns = 0
+
+    def run_once(self, _leases: Any) -> str:
+        self.turns += 1
+        if self.broken:
+            raise DatabaseUnavailable("database connection lost")
+        return "replayed"
+
+    def busy(self) -> bool:
+        return True
+
+    def wait(self, _timeout_s: float) -> None: ...
+
+
+class ReplayStore:
+    """The replays' store: its re-open (ping) waits for ``served``, or fails with ``error``."""
+
+    def __init__(self) -> None:
+        self.served = threading.Event()
+        self.error: Exception | None = None
+        self.closed = self.pings = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def ping(self) -> None:
+        self.pings += 1
+        assert self.served.wait(10), "never served"
+        if self.error is not None:
+            raise self.error
+
+
+def test_a_broken_replay_connection_reopens_on_its_own_thread_and_replays_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("relay.connections.CONNECTION_WAIT_S", 0.05)
+    log, stopping, now = Log(), threading.Event(), [100.0]
+    replays, store = Replays(), ReplayStore()
+    replaying = ReopeningReplayer(replays, store, name="relay:replay", clock=lambda: now[0])
+    with pytest.raises(DatabaseUnavailable):  # before the start's check: as before, the loop's error
+        replays.broken = True
+        replaying.run_once([])
+    Checks([Needed("relay", "claims and leases", lambda: None, recheck=True),
+            Needed("relay:replay", "replays", store.ping)], log=log, stopping=stopping.is_set
+           ).check_reopens(replaying)
+    assert replaying.run_once([]) is None and store.closed == 1  # not the database down: re-opened
+    replays.broken = False
+    turns = replays.turns
+    assert replaying.run_once([]) is None  # starts the re-open on its thread, which waits
+    assert log.warned.wait(10)
+    assert replaying.run_once([]) is None and not replaying.busy() and replays.turns == turns
+    fields = log.events[0][1]
+    assert fields["connection"] == "relay:replay" and fields["reopened"] is True, fields
+    store.served.set()
+    wait_until(lambda: replaying.run_once([]) == "replayed", timeout_s=10, message="replays did not resume")
+    assert replaying.busy() and store.pings == 1
+    # A re-open that failed is tried again after the back-off; a fatal failure ends the relay.
+    replays.broken, store.error = True, DatabaseUnavailable("database unreachable")
+    assert replaying.run_once([]) is None
+    wait_until(lambda: replaying.run_once([]) is None and replaying._reopening is None and store.pings == 2,
+               timeout_s=10, message="the failed re-open was not read")
+    assert replaying.run_once([]) is None and store.pings == 2  # within the back-off
+    now[0] += 1.0
+    store.error = AuthenticationFailed("password authentication failed")
+    with pytest.raises(AuthenticationFailed):
+        wait_until(lambda: replaying.run_once([]), timeout_s=10, message="the failure was not raised")
