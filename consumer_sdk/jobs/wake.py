@@ -6,7 +6,12 @@ safety net, so losing every one of them delays work by at most one poll.
 * :class:`Listener`: a thread that LISTENs on ``outbox_jobs`` (the jobs table's
   triggers notify with the queue name on insert and when a job becomes
   ``queued`` again) and calls ``on_wake(queue)``; it reconnects with back-off
-  and wakes once after every (re)connect, for what it may have missed.
+  and wakes once after every (re)connect, for what it may have missed.  Not through a
+  transaction pooler (PgBouncer's ``pool_mode = transaction``, found by the pool's
+  connection factory): LISTEN stays on a server session the pooler lends to others, and no
+  notification ever came back, while ``pool.listening`` said True (an audit of the pool).
+  There it logs ``listen_unavailable`` once and ends: the pool claims at its poll and on
+  :meth:`~consumer_sdk.jobs.worker.WorkerPool.wake` (relayed events: :func:`wake_handler`).
 * :func:`wake_handler`: a handler for :class:`~consumer_sdk.inbox.InboxConsumer`
   that wakes a pool for each event about a job (the ``jobs_queue`` header that
   :mod:`consumer_sdk.jobs.events` writes), e.g. ``run.accepted`` events relayed
@@ -82,6 +87,9 @@ class Listener:
         while not self._stop.is_set():
             try:
                 with self._connect() as conn:
+                    if getattr(self._connect, "pooled", False):  # probed by the factory's first connection
+                        self._unavailable()
+                        return
                     conn.autocommit = True
                     conn.execute(q("listen"))
                     self.connected.set()
@@ -97,6 +105,12 @@ class Listener:
                 self.log.warning("listen_failed", error=first_line(exc))
                 self._stop.wait(pause_s)
                 pause_s = min(pause_s * 2, _MAX_PAUSE_S)
+
+    def _unavailable(self) -> None:
+        self.log.warning("listen_unavailable", detail="the pool's connections go through a transaction "
+                         "pooler, where no notification ever comes back: not listening",
+                         hint="new jobs are claimed at the pool's poll (poll_interval_s) or on pool.wake(); "
+                              "wake it from relayed events (wake_handler), or listen=False to say so")
 
     def _drain(self, conn: ConnectionT) -> None:
         while not self._stop.is_set():
