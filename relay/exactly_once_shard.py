@@ -56,14 +56,22 @@ def transaction_timeout_s(config: dict[str, str]) -> float:
         return DEFAULT_TRANSACTION_TIMEOUT_MS / 1000.0
 
 
-def timed_out_text(open_s: float, timeout_s: float, error: str) -> str:
+def timed_out_text(open_s: float, timeout_s: float, error: str, undelivered: int = 0) -> str:
     """Why a transaction open longer than ``transaction.timeout.ms`` failed.  The broker aborts
     it for its timeout and fences the producer's epoch, which librdkafka reports as "fenced by
-    a newer instance" (or its messages as timed out) although no other producer need exist."""
+    a newer instance" (or its messages as timed out) although no other producer need exist.
+    Messages not delivered in that time (librdkafka caps message.timeout.ms at it) say a
+    partition had no leader or a broker was out of reach: the text blamed only a hold-up of
+    the relay (an audit on three Apache Kafka brokers, a partition's only replica killed)."""
+    also = (f"; or, {undelivered} of its messages not delivered, a partition had no leader or a "
+            f"broker was out of reach" if undelivered else "")
     return (f"the transaction timed out (open {open_s:.1f} s, transaction.timeout.ms "
-            f"{timeout_s * 1000:.0f} ms: the relay was held up, paused or starved of CPU) and was "
-            f"aborted; its rows are sent again (librdkafka: {error})")
+            f"{timeout_s * 1000:.0f} ms: the relay was held up, paused or starved of CPU{also}) and "
+            f"was aborted; its rows are sent again (librdkafka: {error})")
 
+
+#: The position record's delivery report, beside the rows' (no row has this id).
+POSITION_REPORT = RowId(-1)
 
 Recover = Callable[[ShardId, Token, list[RowId], "list[int] | None"], None]
 
@@ -236,9 +244,9 @@ class ShardWorker:
         reports: dict[RowId, Outcome] = {}
         result = Result(self, rows=rows, callbacks=job.callbacks, listed=dict(job.position))
 
-        def report(row: OutboxRow) -> Callable[[KafkaError | None, Message], None]:
+        def report(row_id: RowId) -> Callable[[KafkaError | None, Message], None]:
             def done(err: KafkaError | None, msg: Message) -> None:
-                reports[row.id] = (Outcome(ok=True, partition=msg.partition() or 0,
+                reports[row_id] = (Outcome(ok=True, partition=msg.partition() or 0,
                                            offset=msg.offset() or 0)
                                    if err is None else classify(err))
             return done
@@ -249,7 +257,7 @@ class ShardWorker:
             self._unfinished = True
             producer.begin_transaction()
             for row, headers in job.rows:
-                problem = self._produce(producer, row, headers, report(row))
+                problem = self._produce(producer, row, headers, report(row.id))
                 if problem is not None:
                     failed_row = (row.id, problem)
                     break
@@ -260,7 +268,7 @@ class ShardWorker:
             value = json.dumps({"token": self.token, "ids": [i for i, _ in job.position],
                                 "events": [e for _, e in job.position], "outbox": self._outbox}).encode()
             producer.produce(self._position_topic, value=value, key=str(self.shard).encode(),
-                             partition=self.shard)
+                             partition=self.shard, on_delivery=report(POSITION_REPORT))
             producer.commit_transaction(COMMIT_TIMEOUT_S)
             self._unfinished = False
         except KafkaException as exc:
@@ -270,7 +278,12 @@ class ShardWorker:
             result.timed_out = (failed_row is None and time.monotonic() - began >= self._timeout_s
                                 and (result.fenced or err.txn_requires_abort()))  # not "outcome unknown"
             if result.timed_out:
-                result.error = timed_out_text(time.monotonic() - began, self._timeout_s, result.error)
+                try:
+                    producer.poll(0)  # the reports already in: messages that timed out
+                except Exception:  # noqa: BLE001, S110 - a fenced producer raises its fatal error here
+                    pass
+                undelivered = sum(1 for own in reports.values() if own.error_class == "timeout")
+                result.error = timed_out_text(time.monotonic() - began, self._timeout_s, result.error, undelivered)
             if err.fatal() or result.fenced:
                 result.broken = True
             elif err.retriable() and not err.txn_requires_abort():

@@ -1,0 +1,69 @@
+"""Exactly-once mode on three Apache Kafka brokers: a partition without a leader (its only
+replica's broker killed) holds up every shard transaction with a row for it, until its
+messages time out (librdkafka caps message.timeout.ms at transaction.timeout.ms) and the
+transaction is aborted.  The relay must say so, not only blame a hold-up of its own, and,
+once the broker is back, deliver every event exactly once to a read_committed consumer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
+
+from tests.fixtures.apache_kafka import ApacheKafkaCluster, admin_client
+from tests.fixtures.broker import read_all
+from tests.fixtures.outbox import (
+    all_event_ids,
+    check_delivery,
+    insert_rows,
+    relay_cmd,
+    relay_env,
+    wait_drained,
+)
+from tests.fixtures.procs import Proc, wait_until
+
+TRANSACTION_TIMEOUT_MS = 3000
+
+
+def _failed(relay: Proc) -> list[dict[str, Any]]:
+    return [json.loads(line[line.index("{"):]) for line in relay.log_text().splitlines()
+            if '"transaction_failed"' in line]
+
+
+def test_a_partition_without_a_leader_is_named_when_transactions_time_out(
+        outbox_db, kafka_cluster: ApacheKafkaCluster, spawn, topic_name):
+    topic = topic_name("eo-leaderless")
+    admin = admin_client(kafka_cluster.bootstrap)
+    admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])[topic].result(30)
+    leader = wait_until(lambda: admin.list_topics(topic, timeout=5).topics[topic].partitions[0].leader,
+                        timeout_s=30, ignore=(KeyError,))
+    env = relay_env(outbox_db, kafka_cluster.bootstrap, exactly_once="true",
+                    exactly_once_position_topic=topic_name("pos"),
+                    exactly_once_transactional_id_prefix=topic_name("txn") + ".",
+                    kafka_transaction_timeout_ms=TRANSACTION_TIMEOUT_MS)
+    relay = spawn(relay_cmd("run"), env=env, name="relay-eo-leaderless")
+    relay.wait_for_log("relay_started", timeout_s=60)
+    insert_rows(outbox_db, topic, 300, keys=30)
+    wait_drained(outbox_db, timeout_s=60)
+
+    index = [node.node_id for node in kafka_cluster.nodes].index(leader)
+    kafka_cluster.kill(index)  # partition 0 of the topic has no leader now
+    try:
+        insert_rows(outbox_db, topic, 300, keys=30, start=300)
+        failed = wait_until(lambda: [e for e in _failed(relay) if e.get("timed_out")], timeout_s=60,
+                            message=lambda: f"no transaction timed out: {relay.log_tail()}")
+    finally:
+        kafka_cluster.start(index)
+    # Before: "the relay was held up, paused or starved of CPU" and nothing else of ours.
+    for event in failed:
+        assert "of its messages not delivered, a partition had no leader or a broker was out of reach" \
+            in event["error"], event
+    wait_drained(outbox_db, timeout_s=120)
+    expected = all_event_ids(outbox_db)
+    records = read_all(kafka_cluster.bootstrap, topic, expected, timeout_s=60, extra_wait_s=1.0,
+                       isolation_level="read_committed")
+    delivery = check_delivery(records, expected)
+    assert not delivery.missing and delivery.duplicates == 0 and not delivery.order_violations
+    relay.sigterm()
+    assert relay.wait(60) == 0, relay.log_tail()
