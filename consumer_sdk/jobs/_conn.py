@@ -133,10 +133,8 @@ def ended(conn: ConnectionT) -> bool:
     if conn.broken or pgconn.transaction_status != TransactionStatus.IDLE:
         return conn.broken  # a statement in flight or a transaction open: not idle, not ours to read
     try:
-        poll = select.poll()
-        poll.register(pgconn.socket, select.POLLIN)
         for _ in range(3):  # the server's FATAL (read as a notice while idle), then the end of the stream
-            if not poll.poll(0):
+            if not _readable(pgconn.socket):
                 return False
             pgconn.consume_input()  # else a notice, a parameter's new value: kept for psycopg
             if pgconn.status == ConnStatus.BAD:
@@ -144,6 +142,16 @@ def ended(conn: ConnectionT) -> bool:
     except (psycopg.Error, OSError, ValueError):
         return True
     return False
+
+
+def _readable(fd: int) -> bool:
+    """Data (or the end of the stream) waits on ``fd``, without waiting: poll(), or select()
+    where there is none (Windows; select() refuses descriptors past 1023 elsewhere)."""
+    if hasattr(select, "poll"):
+        poll = select.poll()
+        poll.register(fd, select.POLLIN)
+        return bool(poll.poll(0))
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def read_only(conn: ConnectionT) -> bool:
