@@ -43,7 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outbox_core.backoff import backoff_s
-from relay import __version__, connections, probes
+from relay import __version__, connections, probes, reopening
 from relay.app_deps import Dependencies
 from relay.app_run import Running
 from relay.config import (
@@ -89,15 +89,15 @@ class Relay(Running, Dependencies):
         self.store = self._store("")
         # Marks run on connections of their own while the pump claims (relay/marker.py):
         # ":mark", then ":mark2" ... (each opened at its first mark).
-        self.mark_stores = [self._store(connections.mark_role(i), connections.CheckedStore)
+        self.mark_stores = [self._store(connections.mark_role(i), reopening.CheckedStore)
                             for i in range(mark_connections(settings))]
         # LISTEN and the wake-up lock, on a connection of their own (relay/wakeup.py).
-        self.wakeup = connections.CheckedWakeup(settings.dsn, owner=settings.owner,
+        self.wakeup = reopening.CheckedWakeup(settings.dsn, owner=settings.owner,
                                                 on_statement=self.metrics.db_statements.inc)
         self.publisher: Publisher | None = None
         self.exactly_once: Any = None  # relay/exactly_once.py's publisher, in that mode
         # Used by the shard workers' recoveries (relay/exactly_once.py): its re-opens are checked.
-        self._recovery = self._store(":exactly-once", connections.CheckedStore) if settings.exactly_once else None
+        self._recovery = self._store(":exactly-once", reopening.CheckedStore) if settings.exactly_once else None
         if self._recovery is not None:  # its marks go by (id, event_id) on both layouts:
             self._recovery.mark_by_event_id()  # see TransactionalPublisher.recover
         self.pump: Pump | None = None
@@ -221,8 +221,8 @@ class Relay(Running, Dependencies):
         self.replayer = Replayer(
             replay_store, self.publisher, owner=s.owner, nshards=nshards, metrics=self.metrics, log=self.log,
             clock=self.clock, lose=self.leases.lose, budget_bytes=s.batch_max_bytes)
-        # Its connection re-opens on a thread of its own, never holding the loop (relay/connections.py).
-        replaying = connections.ReopeningReplayer(self.replayer, replay_store,
+        # Its connection re-opens on a thread of its own, never holding the loop (relay/reopening.py).
+        replaying = reopening.ReopeningReplayer(self.replayer, replay_store,
                                                   name=application_name(s.owner, ":replay"), clock=self.clock)
         self.loop = Loop(pump=self.pump, wakeup=self.wakeup, leases=self.leases,
                          poll_interval_s=s.poll_interval_s, replayer=replaying,
@@ -233,7 +233,7 @@ class Relay(Running, Dependencies):
                 marking.mark_by_event_id()
         if s.cleanup_retention_s or partitioned:
             # A partitioned outbox always gets its coming days' partitions created.
-            self.janitor = Janitor(self._store(":cleanup", connections.CheckedStore), retention_s=s.cleanup_retention_s,
+            self.janitor = Janitor(self._store(":cleanup", reopening.CheckedStore), retention_s=s.cleanup_retention_s,
                                    batch=s.cleanup_batch, interval_s=s.cleanup_interval_s,
                                    metrics=self.metrics, partitioned=bool(partitioned), log=self.log)
         self.gauges = BacklogGauges(self.store, interval_s=s.backlog_interval_s,
@@ -306,7 +306,7 @@ class Relay(Running, Dependencies):
 
     def _held_up_s(self) -> float:
         """The wait watch's probes.held_up_s; 0 while a mark connection waits for its re-open
-        (named, relay/connections.py): the watch's look then took the server it waited for,
+        (named, relay/reopening.py): the watch's look then took the server it waited for,
         behind a session pool of the relay's size, and held it while the marks waited."""
         if any(reopens(store).needs_reopen for store in self.mark_stores):
             return 0.0
@@ -316,7 +316,7 @@ class Relay(Running, Dependencies):
         """After the start's check: each re-open of the connections that re-open by themselves
         (LISTEN's and the replays', on threads of their own; the mark, cleanup and
         exactly-once recovery connections, each on the thread that uses it) is checked from
-        now on (relay/connections.py)."""
+        now on (relay/connections.py, relay/reopening.py)."""
         assert self.connections is not None
         self.connections.check_reopens(self.wakeup, *self.mark_stores, self.janitor and self.janitor.store,
                                        self._recovery, self.loop and self.loop.replayer)

@@ -17,9 +17,9 @@ from relay.errors import DatabaseReadOnly, DatabaseUnavailable, FatalError
 from relay.publisher import BrokerState
 
 if TYPE_CHECKING:
-    from relay.connections import CheckedWakeup
     from relay.metrics import RelayMetrics
     from relay.reconnect import Reconnects
+    from relay.reopening import CheckedWakeup
     from relay.store import Store
 
 

@@ -17,7 +17,7 @@ from relay.errors import DatabaseUnavailable, RelayError
 
 if TYPE_CHECKING:
     from relay.config import Settings
-    from relay.connections import CheckedWakeup, Checks
+    from relay.connections import Checks
     from relay.gauges import BacklogGauges
     from relay.http import HealthServer
     from relay.janitor import Janitor
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from relay.metrics import RelayMetrics
     from relay.publisher import Publisher
     from relay.pump import Pump
+    from relay.reopening import CheckedWakeup
     from relay.replay import Replayer
     from relay.store import Store
     from relay.waits import WaitWatch

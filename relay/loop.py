@@ -14,7 +14,7 @@ for the next thing to do:
   claims when woken by a notification (at once: a notification drops the pump's pace,
   never its back-off, and is kept until a claim runs) or when the poll interval is up,
   about one claim per poll interval; without a LISTEN connection (one being re-opened on
-  a thread of its own, relay/connections.py) it cannot sleep, and claims at the poll
+  a thread of its own, relay/reopening.py) it cannot sleep, and claims at the poll
   interval until the connection is ready; a claim that finds rows wakes it, and ``on_wake``
   hears what made it claim (``notify``, or ``poll``: rows no notification announced).
   So a row waits at most about 80 ms for its claim at any rate, and a few milliseconds
@@ -217,7 +217,7 @@ class Loop:
                 # A peer sleeps, and writers notify every listener, this one too: wait for
                 # a notification or the poll, not for the pace (that was a claim and a
                 # lock attempt every 80 ms for nothing, 26 statements a second while idle).
-                # Or the LISTEN connection is being re-opened (relay/connections.py): no
+                # Or the LISTEN connection is being re-opened (relay/reopening.py): no
                 # notification can come, the poll finds the rows; the wait ends early once
                 # the connection is ready, and the next turn sleeps on it.
                 timeout = max(0.0, self._until(now, min(next_poll, wake_by), pump.backoff_until)

@@ -34,7 +34,7 @@ INLINE_MARK_ROWS = 64  # a drained window's batch up to this size is marked on t
 @runtime_checkable
 class Reopens(Protocol):
     """A mark store that says when its connection must be re-opened before its next
-    statement (relay.connections.CheckedStore): a re-open may wait (a pooler's queue)."""
+    statement (relay.reopening.CheckedStore): a re-open may wait (a pooler's queue)."""
 
     needs_reopen: bool
 
@@ -147,7 +147,7 @@ class Settling:
         nothing else in flight or marking: the next claim is paced).  Handing such a
         mark to the mark thread and waiting for it costs two thread wake-ups for no
         overlap.  Not when the mark store's connection must be re-opened first
-        (``needs_reopen``, relay.connections.CheckedStore): behind a session pooler with
+        (``needs_reopen``, relay.reopening.CheckedStore): behind a session pooler with
         no server free the re-open waits, and this thread (heartbeats, claims) waited
         with it; the mark thread waits instead.  Either way a failed mark raises in
         :meth:`_collect_marks`."""

@@ -12,7 +12,7 @@ The same connection listens for the replicas' notices that shards change hands
 without waiting, and :meth:`Wakeup.wait` returns early on one.
 
 LISTEN/NOTIFY only speeds discovery: the claims' poll is the truth.  So the relay's
-re-open of a LISTEN connection that broke (relay/connections.py, ``CheckedWakeup``) runs
+re-open of a LISTEN connection that broke (relay/reopening.py, ``CheckedWakeup``) runs
 on a thread of its own, and the loop never waits for it: until the loop's thread adopts
 the new connection, :class:`NotListening` is raised inside, and :meth:`Wakeup.set_sleeping`
 refuses the lock (``not_listening``: the loop then claims at its poll interval),
@@ -49,7 +49,7 @@ LISTEN_STATEMENTS = ("keep_session", "listen", "listen_shards")
 
 class NotListening(Exception):
     """No LISTEN connection yet: one is being opened on another thread, or is tried again
-    after a back-off (relay/connections.py).  ``ready``, when given, is set once the
+    after a back-off (relay/reopening.py).  ``ready``, when given, is set once the
     attempt ended (opened, failed or given up): the loop's thread may then adopt it."""
 
     def __init__(self, ready: threading.Event | None = None) -> None:

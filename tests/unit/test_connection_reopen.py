@@ -1,4 +1,4 @@
-"""The LISTEN connection re-opened at run time (relay/connections.py, CheckedWakeup): on a
+"""The LISTEN connection re-opened at run time (relay/reopening.py, CheckedWakeup): on a
 thread of its own, checked and named as at start, while the loop's thread goes on: its calls
 (shards_moved, set_sleeping, wait) never wait for the re-open, the loop claims at its poll
 interval meanwhile (relay/loop.py), and adopts the connection, its LISTEN statements run,
@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 
 from relay import wakeup as wakeup_module
-from relay.connections import LISTEN, CheckedWakeup, Checks, Needed, ReopeningReplayer
+from relay.connections import LISTEN, Checks, Needed
 from relay.errors import AuthenticationFailed, DatabaseUnavailable
 from relay.loop import Loop
 from relay.metrics import RelayMetrics
 from relay.pump import Pump
 from relay.queries import query
+from relay.reopening import CheckedWakeup, ReopeningReplayer
 from relay.wakeup import LISTEN_STATEMENTS
 from tests.fixtures.procs import wait_until
 from tests.unit.pump_fakes import Clock, FailingPublisher, LosingLeases, RetryStore, row
@@ -281,3 +282,4 @@ def test_a_broken_replay_connection_reopens_on_its_own_thread_and_replays_wait(
     store.error = AuthenticationFailed("password authentication failed")
     with pytest.raises(AuthenticationFailed):
         wait_until(lambda: replaying.run_once([]), timeout_s=10, message="the failure was not raised")
+

@@ -14,8 +14,9 @@ import psycopg
 import pytest
 
 from relay import store as store_module
-from relay.connections import CheckedStore, Checks, Needed, acquire, needs_text, relay_needs
+from relay.connections import Checks, Needed, acquire, needs_text, relay_needs
 from relay.errors import DatabaseUnavailable
+from relay.reopening import CheckedStore
 
 
 class Log:

@@ -1,5 +1,5 @@
 """A drained window's small batch is marked on the pump's own thread, but not when the mark
-store's connection must be re-opened first (relay.connections.CheckedStore.needs_reopen):
+store's connection must be re-opened first (relay.reopening.CheckedStore.needs_reopen):
 behind a session pooler with no server free the re-open waited there, and the loop's
 thread with it (no heartbeat, no claim).  Such a batch goes to the mark thread.  Pure
 logic: fakes (tests/integration/test_pgbouncer_reconnect.py for real PgBouncer)."""

@@ -1,0 +1,203 @@
+"""The relay's connections that re-open themselves at run time, each checked as at start
+(relay/connections.py: named within ``CONNECTION_WAIT_S`` with the count the relay needs,
+then waited for): the LISTEN connection and the replays', on threads of their own that the
+loop never waits for (:class:`CheckedWakeup`, :class:`ReopeningReplayer`), and the stores
+of the mark, cleanup and exactly-once recovery threads, on the thread that uses them
+(:class:`CheckedStore`).  After a database restart or failover behind a session pooler
+with no server free, one of them queued in the pooler held the loop, or marking, cleanup
+or a shard's recovery, without a word.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from outbox_core.backoff import ceiling_s
+from relay.connections import LISTEN, Checks, Rechecked
+from relay.errors import DatabaseUnavailable, RetriableError
+from relay.store import Store
+from relay.wakeup import REOPEN_BACKOFF_MAX_S, REOPEN_BACKOFF_S, NotListening, Opening, Wakeup
+
+
+class CheckedWakeup(Wakeup, Rechecked):
+    """The LISTEN connection (relay/wakeup.py), which re-opens itself when it broke, without
+    the loop seeing a database error: once :attr:`checks` is set (after the start's check),
+    each re-open is checked as at start, on a thread of its own (``outbox-relay-listen-reopen``),
+    and the loop never waits for it.  LISTEN only speeds discovery: behind a session pooler
+    with no server free, the re-open waited at its first statement on the loop's thread and
+    held the loop there (no claim, no mark, the claims connection working).  Now the loop
+    goes on polling (``Wakeup.not_listening``) and adopts the connection, its LISTEN
+    statements run, once ready; a failed attempt is tried again after the back-off of
+    :data:`relay.wakeup.REOPEN_BACKOFF_S`, a fatal one (rejected credentials) raised on the
+    loop's thread.  :meth:`close` (database lost, relay stopping) abandons an attempt."""
+
+    _opening: Opening | None = None  # the re-open under way; the loop's thread's
+
+    def _listening(self) -> Any:
+        if self.checks is None or (self._conn is not None and not self._conn.closed):
+            return super()._listening()
+        opening = self._opening
+        if opening is None:
+            if self._clock() < self._reopen_at:
+                raise NotListening()  # the back-off after a failed attempt
+            self._opening = opening = self._open_in_background(self.checks)
+        if not opening.done.is_set():
+            raise NotListening(opening.done)
+        self._opening = None
+        conn = opening.take()
+        if conn is not None:
+            return self._adopt(conn)
+        if opening.error is not None and not isinstance(opening.error, RetriableError):
+            raise opening.error
+        self._reopen_failures += 1
+        self._reopen_at = self._clock() + ceiling_s(self._reopen_failures, initial_s=REOPEN_BACKOFF_S,
+                                                    max_s=REOPEN_BACKOFF_MAX_S)
+        raise NotListening()
+
+    def _open_in_background(self, checks: Checks) -> Opening:
+        opening = Opening()
+
+        def reopen() -> None:
+            try:
+                if not checks.reopen(LISTEN[0], lambda: opening.put(self._open_listening(lambda: None)),
+                                     abandoned=lambda: opening.abandoned):
+                    opening.abandon()  # stopped: whatever comes is closed
+            except BaseException as exc:  # noqa: BLE001 - read by the loop's thread (_listening)
+                opening.fail(exc)
+
+        threading.Thread(target=reopen, daemon=True, name="outbox-relay-listen-reopen").start()
+        return opening
+
+    def close(self) -> None:
+        super().close()
+        if self._opening is not None:
+            self._opening.abandon()
+            self._opening = None
+
+
+class CheckedStore(Store, Rechecked):
+    """A store used on a thread of its own (the mark threads', relay/marker.py, the cleanup
+    thread's, relay/janitor.py, the exactly-once shard workers', relay/exactly_once.py),
+    whose connection re-opens at its next statement after it broke: once :attr:`checks` is
+    set, each re-open is checked as at start on the thread that needs it.  Behind a session pooler with no server free, a re-opened mark
+    connection waited at its first statement and marking stopped without a word.  The
+    check runs only when the connection is re-opened, never per statement; the first open
+    of an optional mark connection is its lane's probe's (relay/marker.py), not checked.  A
+    stop of the relay ends a wait within half a second, during the drain too: the statement
+    raises DatabaseUnavailable (a mark's rows stay pending), the thread goes on to its end."""
+
+    _opened = False  # it had a connection: the next open is a re-open
+    #: The connection it had is closed or broke (this store's test before it re-opens): its
+    #: next statement re-opens it, and may wait.  A plain attribute, kept as the connection
+    #: closes and opens, so that the pump's test before a mark on its own thread costs one
+    #: look (relay/pump_settle.py: such a mark goes to the mark thread instead).
+    #: Not derivable from the connection: it turns False only once the re-open's check
+    #: returned (its first round trip answered), while the store has a connection object as
+    #: soon as PgBouncer in session mode accepts the client, before a server is free.  A
+    #: property reading the connection let the wait watch look (relay/app.py) and take the
+    #: server the re-open waited for: the relay stalled (CI, reverted in 8b16bdb).
+    needs_reopen = False
+
+    @property
+    def conn(self) -> Any:
+        current = self._conn
+        if current is not None and not current.closed:
+            return current
+        if self.checks is None or not self._opened:
+            current = super().conn
+            self._opened = True
+        elif not self.checks.reopen(self._application_name, self._open):
+            raise DatabaseUnavailable(f"stopped while waiting for the connection {self._application_name}")
+        else:
+            current = super().conn
+        self.needs_reopen = False
+        return current
+
+    def close(self) -> None:
+        super().close()
+        self.needs_reopen = self._opened
+
+    def _failed(self, exc: Any) -> NoReturn:
+        try:
+            super()._failed(exc)
+        finally:  # one the driver found broken without an error that drops it
+            current = self._conn
+            self.needs_reopen = self._opened and (current is None or current.closed)
+
+    def _open(self) -> object:
+        return super().conn
+
+
+class ReopeningReplayer(Rechecked):
+    """The replayer (relay/replay.py) as the loop runs it: when a statement on its connection
+    (``...:replay``) fails, that re-opens on a thread of its own, checked as at start, and
+    replays wait meanwhile (after a failed re-open, :data:`relay.wakeup.REOPEN_BACKOFF_S`
+    doubling); the loop neither waits for it nor touches the store until it ended.  Before,
+    that break alone was the database down (database_unavailable, a rewind, LISTEN dropped),
+    and behind a session pooler with no server free the re-open (Checks.reopened) held the
+    loop: no claim, mark or heartbeat, for replays.  The claims say whether the database is
+    down.  Owned by the loop's thread."""
+
+
+    def __init__(self, replayer: Any, store: Any, *, name: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``store``: the replayer's; ``name``: its connection's application_name."""
+        self.replayer, self._store, self._name, self._clock = replayer, store, name, clock
+        self._broken = False  # its connection must be re-opened before a replay runs
+        self._reopening: threading.Event | None = None
+        self._failed: list[BaseException] = []
+        self._failures, self._retry_at = 0, 0.0
+
+    def run_once(self, leases: Sequence[Any]) -> Any:
+        if not self._usable():
+            return None
+        try:
+            return self.replayer.run_once(leases)
+        except DatabaseUnavailable:
+            if self.checks is None:
+                raise
+            self._store.close()  # re-opened by the next turn, on a thread of its own
+            self._broken, self._retry_at = True, 0.0
+            return None
+
+    def busy(self) -> bool:
+        return not self._broken and bool(self.replayer.busy())
+
+    def wait(self, timeout_s: float) -> None:
+        self.replayer.wait(timeout_s)
+
+    def _usable(self) -> bool:
+        done = self._reopening
+        if done is not None:
+            if not done.is_set():
+                return False
+            self._reopening = None
+            if not self._failed:
+                self._broken, self._failures = False, 0
+                return True
+            error = self._failed.pop()
+            if not isinstance(error, RetriableError):
+                raise error
+            self._failures += 1
+            self._retry_at = self._clock() + ceiling_s(self._failures, initial_s=REOPEN_BACKOFF_S,
+                                                       max_s=REOPEN_BACKOFF_MAX_S)
+        if self._broken and self.checks is not None and self._clock() >= self._retry_at:
+            self._reopening = self._reopen(self.checks)
+        return not self._broken
+
+    def _reopen(self, checks: Checks) -> threading.Event:
+        done = threading.Event()
+
+        def reopen() -> None:
+            try:
+                checks.reopen(self._name, self._store.ping)
+            except BaseException as exc:  # noqa: BLE001 - read by the loop's thread (_usable)
+                self._failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=reopen, daemon=True, name="outbox-relay-replay-reopen").start()
+        return done
