@@ -49,10 +49,16 @@ class CheckedWakeup(Wakeup, Rechecked):
         self._opening = None
         conn = opening.take()
         if conn is not None:
+            self._reopen_failures = 0
             return self._adopt(conn)
         if opening.error is not None and not isinstance(opening.error, RetriableError):
             raise opening.error
         self._reopen_failures += 1
+        if opening.error is not None and self._reopen_failures == 1:  # once a streak: it was silent
+            self.checks.log.warning("listen_reopen_failed", error=str(opening.error),
+                                    detail="could not re-open the LISTEN connection (outbox-relay-listen); the "
+                                           "relay claims every --poll-interval-s until it is back, and tries "
+                                           "again with back-off")
         self._reopen_at = self._clock() + ceiling_s(self._reopen_failures, initial_s=REOPEN_BACKOFF_S,
                                                     max_s=REOPEN_BACKOFF_MAX_S)
         raise NotListening()

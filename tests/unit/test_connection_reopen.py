@@ -283,3 +283,29 @@ def test_a_broken_replay_connection_reopens_on_its_own_thread_and_replays_wait(
     with pytest.raises(AuthenticationFailed):
         wait_until(lambda: replaying.run_once([]), timeout_s=10, message="the failure was not raised")
 
+
+def test_a_listen_reopen_that_keeps_failing_is_said_once_a_streak(connects: Connects) -> None:
+    # The re-open runs on a thread of its own and the loop polls meanwhile: without a word, a
+    # LISTEN refused for good (a role's connection limit, a standby) left a relay that only
+    # polled, and nobody knew why it no longer slept.
+    log, stopping, now = Log(), threading.Event(), [100.0]
+    wakeup, _first = _listening(connects, log, stopping, now)
+    connects.error = DatabaseUnavailable("database unavailable: too many connections for role")
+    for _ in range(3):  # three attempts, each after its back-off
+        wait_until(lambda: wakeup.set_sleeping(True) is False and wakeup._opening is None
+                   and any(e == "listen_reopen_failed" for e, _ in log.events),
+                   timeout_s=10, message=lambda: f"the failure was not read: {log.events}")
+        now[0] += 60.0
+    failed = [fields for event, fields in log.events if event == "listen_reopen_failed"]
+    assert len(failed) == 1 and len(connects.opened) == 1, (failed, connects.opened)
+    assert failed[0]["error"] == "database unavailable: too many connections for role"
+    assert "claims every --poll-interval-s" in str(failed[0]["detail"])
+    connects.error = None
+    connects.served.set()
+    wait_until(lambda: wakeup.set_sleeping(True), timeout_s=10, message="not re-opened")
+    wakeup.close()  # it broke again: a new streak is said again
+    connects.error = DatabaseUnavailable("database unavailable: the server closed the connection")
+    now[0] += 60.0
+    wait_until(lambda: wakeup.set_sleeping(True) is False
+               and sum(e == "listen_reopen_failed" for e, _ in log.events) == 2,
+               timeout_s=10, message=lambda: f"a new streak was not said: {log.events}")
