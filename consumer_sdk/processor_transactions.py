@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from consumer_sdk.errors import DatabaseUnavailable, HandlerTransactionFailed
+from consumer_sdk.errors import HandlerTransactionFailed
 from consumer_sdk.model import (
     BatchResult,
     Claim,
@@ -20,7 +20,7 @@ from consumer_sdk.model import (
 )
 from consumer_sdk.processor_batches import ProcessorBatches
 from consumer_sdk.processor_statements import ProcessorStatements
-from consumer_sdk.rejections import Halt, describe, message_of
+from consumer_sdk.rejections import Halt, message_of
 
 
 class _HandlerFailed(Exception):
@@ -228,12 +228,12 @@ class ProcessorTransactions(ProcessorStatements, ProcessorBatches):
         try:
             self._handler(conn, message)
         except Exception as exc:  # noqa: BLE001 - every handler error is the policy's to judge
-            lost_prepared = getattr(self._store, "lost_prepared", None)
-            if lost_prepared is not None and lost_prepared(exc):
-                # Not the handler's failure: the batch is retried whole, no attempt counted.
-                raise DatabaseUnavailable(f"a transaction pooler lost a statement psycopg had prepared "
-                                          f"({describe(exc)}); psycopg's automatic preparing is off "
-                                          f"from now on") from exc
+            unavailable = self._unavailable(exc)
+            if unavailable is not None:
+                # The database failed under the handler (a lost connection, a read-only
+                # database, a pooler's lost statement), not the handler: the batch is retried
+                # whole with the database back-off, no attempt counted, never dead-lettered.
+                raise unavailable from exc
             raise _HandlerFailed(exc) from exc
         if self._store.in_failed_transaction():
             raise _HandlerFailed(HandlerTransactionFailed())

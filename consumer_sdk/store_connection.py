@@ -119,6 +119,30 @@ class StoreConnection:
             self._conn.prepare_threshold = None
         return True
 
+    def unavailable(self, exc: BaseException) -> DatabaseUnavailable | None:
+        """The :class:`DatabaseUnavailable` that ``exc``, raised by a handler's statements on
+        this store's connection, stands for when what failed is the database, not the message
+        or the handler; None when it is the handler's own failure, for the retry policy.
+
+        The database: the connection lost or closed (SQLSTATE class 08, a driver error
+        without one, the connection found broken), the server ending the session (57P01
+        ``pg_terminate_backend``, 57P02, 57P03), the database read-only (25006: a standby, a
+        failover), or a pooler that lost a statement psycopg prepared (:meth:`lost_prepared`).
+        The error itself counts, or one it was raised from (``raise ... from``: a handler
+        that wraps the driver's errors in its own).  Anything else (a constraint, the
+        handler's SQL, its own ``statement_timeout``) is the handler's."""
+        for error in _causes(exc):
+            if isinstance(error, psycopg.errors.ReadOnlySqlTransaction):
+                return _read_only(error)
+            if self.lost_prepared(error):
+                return _lost_prepared(error)
+            if isinstance(error, psycopg.Error) and _connection_failed(error):
+                return DatabaseUnavailable(f"database unavailable: {_first_line(error)}")
+        conn = self._tx or self._conn
+        if conn is not None and (conn.closed or conn.broken):
+            return DatabaseUnavailable(f"connection lost: {_first_line(exc)}")
+        return None
+
     def reset(self) -> None:
         """Drop the connection (after a failure); the next use reconnects.  A deferred COMMIT
         is lost with it (its transaction rolls back): its ``on_commit`` never runs."""
@@ -159,15 +183,46 @@ class StoreConnection:
             # setting; a multi-host DSN with target_session_attrs=read-write finds the new
             # primary).  It stopped the consumer with a FatalError before.
             self.reset()
-            raise DatabaseUnavailable(f"the database is read-only (a standby, or a failover in progress): "
-                                      f"{_first_line(exc)}; waiting for a writable primary") from exc
+            raise _read_only(exc) from exc
         except psycopg.Error as exc:
             if self.lost_prepared(exc):  # the store's own statement, run often enough to be prepared
                 self.reset()  # its transaction with it: the batch is retried whole
-                raise DatabaseUnavailable(f"a transaction pooler lost a statement psycopg had prepared "
-                                          f"({_first_line(exc)}); psycopg's automatic preparing is off "
-                                          f"from now on") from exc
+                raise _lost_prepared(exc) from exc
             raise FatalError(f"inbox statement failed: {_first_line(exc)}") from exc
+
+
+#: SQLSTATEs outside class 08 that say the server ended the session: admin_shutdown
+#: (pg_terminate_backend), crash_shutdown, cannot_connect_now.
+_SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
+
+
+def _connection_failed(exc: psycopg.Error) -> bool:
+    """``exc`` says the connection failed, not the statement (see StoreConnection.unavailable).
+    An OperationalError with a SQLSTATE of another class (57014 a cancelled statement, 55P03
+    a lock not available, 53xxx) is the statement's."""
+    state = exc.sqlstate or ""
+    return state.startswith("08") or state in _SESSION_ENDED or (
+        not state and isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)))
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then the errors it was raised from (``__cause__``), a few at most."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return
+        yield seen
+        seen = seen.__cause__
+
+
+def _read_only(exc: BaseException) -> DatabaseUnavailable:
+    return DatabaseUnavailable(f"the database is read-only (a standby, or a failover in progress): "
+                               f"{_first_line(exc)}; waiting for a writable primary")
+
+
+def _lost_prepared(exc: BaseException) -> DatabaseUnavailable:
+    return DatabaseUnavailable(f"a transaction pooler lost a statement psycopg had prepared "
+                               f"({_first_line(exc)}); psycopg's automatic preparing is off from now on")
 
 
 def _first_line(exc: BaseException) -> str:

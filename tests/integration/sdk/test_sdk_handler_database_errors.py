@@ -1,0 +1,190 @@
+"""The database failing under the handler's own statements (real PostgreSQL, real broker).
+
+The handler runs its statements on the consumer's connection, inside the consumer's
+transaction.  When what fails there is the database, not the message or the handler (the
+session ended: ``pg_terminate_backend``, 57P01; the database read-only: 25006, a failover),
+the batch must be retried whole with the database back-off, like the SDK's own statement
+meeting the same error: no handler attempt counted, never dead-lettered for it.  Before,
+the error was the handler's failure (``handler_failed``, an attempt of the retry policy),
+and after the policy's attempts the record was dead-lettered.
+
+A transaction cannot turn read-only after its first write (the inbox row comes first), so a
+handler meets 25006 where the consumer's own claim does not through a table of another
+server (a foreign table, a proxy): here a trigger on the handler's table raises the
+server's ``read_only_sql_transaction`` for its first few rows, then lets them through.
+
+An error that is the handler's own business (a constraint it violates, its statement
+cancelled by its own ``statement_timeout``: an OperationalError that is not about
+availability) is still judged by the retry policy.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from structlog.testing import capture_logs
+
+from consumer_sdk import RetryPolicy
+from tests.integration.sdk._support import (
+    effect_counts,
+    make_config,
+    produce_raw,
+    record_effect,
+    wait_for,
+    wait_settled,
+)
+
+#: How many of the handler's statements meet the fault before the database is back.
+FAULTS = 3
+RETRY = RetryPolicy(max_attempts=2, backoff_initial_s=0.05, backoff_max_s=0.1)
+
+_READ_ONLY_DDL = """
+CREATE SEQUENCE read_only_faults;
+CREATE FUNCTION read_only_fault() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF nextval('read_only_faults') <= %(faults)s THEN
+        RAISE EXCEPTION 'cannot execute INSERT in a read-only transaction'
+            USING ERRCODE = 'read_only_sql_transaction';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER read_only_fault BEFORE INSERT ON effects FOR EACH ROW EXECUTE FUNCTION read_only_fault();
+"""
+
+_INSERT = "INSERT INTO effects (event_id, consumer, n) VALUES (%s, 'c', %s)"
+
+
+def _events(count: int) -> tuple[list[str], list[tuple[bytes, bytes, list[tuple[str, bytes]]]]]:
+    ids = [str(uuid.uuid4()) for _ in range(count)]
+    records = [(b"k", f'{{"n": {n}}}'.encode(), [("event_id", event_id.encode())])
+               for n, event_id in enumerate(ids)]
+    return ids, records
+
+
+def _read_only_faults(dsn: str) -> int:
+    """How many of the handler's rows met the read-only fault (the sequence's last value)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT last_value, is_called FROM read_only_faults").fetchone()
+    assert row is not None
+    return int(row[0]) if row[1] else 0
+
+
+def _handlers(mode: str, before: Any) -> dict[str, Any]:
+    """The consumer's handler arguments for ``mode``; ``before(conn)`` runs before the writes
+    (the statements handler has no connection: its faults come from the trigger only)."""
+    if mode == "statements":
+        return {"statements": lambda m: [(_INSERT, (m.event_id, m.json()["n"]))]}
+    if mode == "batch_handler":
+        def apply(conn: psycopg.Connection[Any], messages: Any) -> None:
+            before(conn)
+            with conn.cursor() as cur:
+                cur.executemany(_INSERT, [(m.event_id, m.json()["n"]) for m in messages])
+        return {"batch_handler": apply}
+
+    def handler(conn: psycopg.Connection[Any], message: Any) -> None:
+        before(conn)
+        record_effect(conn, message)
+    return {"handler": handler}
+
+
+def _run(sdk_db: str, broker: Any, sdk_topic: str, run_consumer: Any, *, mode: str,
+         before: Any = lambda conn: None, **overrides: Any) -> tuple[Any, Any, list[str], list[dict[str, Any]]]:
+    ids, records = _events(10)
+    produce_raw(broker.bootstrap, sdk_topic, records)
+    batch_size = 16 if mode in ("batched", "batch_handler") else 1
+    config = make_config(sdk_db, broker, sdk_topic, batch_size=batch_size, check_retention=False, retry=RETRY,
+                         db_backoff_initial_s=0.05, db_backoff_max_s=0.2, **overrides)
+    with capture_logs() as logs:
+        handlers = _handlers(mode, before)
+        thread = run_consumer(config, handlers.pop("handler", None), **handlers)
+        wait_settled(thread, len(ids))
+        thread.stop()
+    return thread, config, ids, logs
+
+
+def _assert_waited_not_judged(thread: Any, config: Any, sdk_db: str, sdk_topic: str, ids: list[str],
+                              logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every effect once, nothing dead-lettered, no handler attempt counted; the batch
+    retried as for the database (returns those ``batch_retrying`` lines)."""
+    labels = {"consumer": config.name, "topic": sdk_topic}
+    assert [e for e in logs if e["event"] in ("handler_failed", "message_dead_lettered")] == []
+    assert thread.sample("outbox_consumer_handler_errors_total", **labels) == 0
+    assert thread.consumer.totals.dead_lettered == 0
+    effects = effect_counts(sdk_db)
+    assert set(effects) == set(ids) and set(effects.values()) == {1}
+    retried = [e for e in logs if e["event"] == "batch_retrying"]
+    assert retried and {e["error_type"] for e in retried} == {"DatabaseUnavailable"}
+    assert thread.sample("outbox_consumer_database_errors_total", consumer=config.name) >= 1
+    return retried
+
+
+@pytest.mark.parametrize("mode", ["single", "batched", "batch_handler", "statements"])
+def test_a_handler_meeting_a_read_only_database_is_waited_for_not_dead_lettered(
+        sdk_db, broker, sdk_topic, run_consumer, mode):
+    with psycopg.connect(sdk_db, autocommit=True) as conn:
+        conn.execute(_READ_ONLY_DDL % {"faults": FAULTS})
+    thread, config, ids, logs = _run(sdk_db, broker, sdk_topic, run_consumer, mode=mode)
+    retried = _assert_waited_not_judged(thread, config, sdk_db, sdk_topic, ids, logs)
+    assert any(e["error"].startswith("the database is read-only (a standby, or a failover in progress)")
+               for e in retried)
+    assert _read_only_faults(sdk_db) > FAULTS  # every fault was met, then the rows went through
+
+
+@pytest.mark.parametrize("mode", ["single", "batched", "batch_handler"])
+def test_a_handler_whose_session_is_terminated_is_retried_not_judged(
+        sdk_db, broker, sdk_topic, run_consumer, mode):
+    terminated: list[int] = []
+
+    def terminate_own_session(conn: psycopg.Connection[Any]) -> None:
+        """The first FAULTS calls end the handler's session mid-handler (57P01), as a DBA or a
+        failover does; the handler's next statement meets it."""
+        if len(terminated) >= FAULTS:
+            return
+        pid = conn.info.backend_pid
+        with psycopg.connect(sdk_db, autocommit=True) as admin:
+            row = admin.execute("SELECT pg_terminate_backend(%s, 10000)", (pid,)).fetchone()
+        assert row is not None and row[0], f"backend {pid} was not terminated"
+        terminated.append(pid)
+
+    thread, config, ids, logs = _run(sdk_db, broker, sdk_topic, run_consumer, mode=mode,
+                                     before=terminate_own_session)
+    _assert_waited_not_judged(thread, config, sdk_db, sdk_topic, ids, logs)
+    assert len(terminated) == FAULTS
+
+
+@pytest.mark.parametrize("mode", ["single", "batched"])
+@pytest.mark.parametrize("fault", ["not_null_violation", "query_canceled"])
+def test_a_handlers_own_database_error_is_still_judged_by_the_policy(
+        sdk_db, broker, sdk_topic, run_consumer, mode, fault):
+    """A constraint the handler violates (23502), its statement cancelled by its own
+    statement_timeout (57014, an OperationalError): the handler's failures, as before."""
+    ids, records = _events(3)
+    poisoned = ids[1]
+
+    def handler(conn: psycopg.Connection[Any], message: Any) -> None:
+        if str(message.event_id) == poisoned:
+            if fault == "not_null_violation":
+                conn.execute("INSERT INTO effects (event_id, consumer) VALUES (NULL, 'c')")
+            else:
+                conn.execute("SET LOCAL statement_timeout = '1ms'")
+                conn.execute("SELECT pg_sleep(1)")
+        record_effect(conn, message)
+
+    produce_raw(broker.bootstrap, sdk_topic, records)
+    config = make_config(sdk_db, broker, sdk_topic, batch_size=16 if mode == "batched" else 1,
+                         check_retention=False, retry=RETRY)
+    with capture_logs() as logs:
+        thread = run_consumer(config, handler)
+        wait_settled(thread, len(ids))
+        wait_for(lambda: thread.consumer.totals.dead_lettered == 1, timeout_s=30,
+                 message="the failing record was not dead-lettered")
+        thread.stop()
+    labels = {"consumer": config.name, "topic": sdk_topic}
+    assert thread.sample("outbox_consumer_handler_errors_total", **labels) == RETRY.max_attempts
+    [letter] = [e for e in logs if e["event"] == "message_dead_lettered"]
+    assert letter["reason"] == "retries_exhausted" and letter["attempts"] == RETRY.max_attempts
+    effects = effect_counts(sdk_db)
+    assert set(effects) == set(ids) - {poisoned} and set(effects.values()) == {1}
