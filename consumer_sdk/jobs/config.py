@@ -20,6 +20,7 @@ DEFAULT_LEASE_S = 30.0
 DEFAULT_POLL_INTERVAL_S = 5.0
 DEFAULT_RECONCILE_INTERVAL_S = 10.0
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
+DEFAULT_RUNNING_LONG_AFTER_S = 600.0
 
 #: Bounds of the durations (seconds).  A lease shorter than the relay's (relay/config.py
 #: MIN_LEASE_S) expires under a healthy worker; none may exceed a day.
@@ -57,6 +58,10 @@ class WorkerConfig:
       ``drain_timeout_s`` + 5 s (``worker.STOP_GRACE_S``) whatever the database does.
     * ``max_owners_per_round``: the owners with ready work one read of the lanes lists
       per queue; with more, the reads take turns (:mod:`consumer_sdk.jobs.lanes`).
+    * ``running_long_after_s``: a handler that has run this long (10 minutes by default) is
+      logged once, ``job_running_long`` (job, queue, kind, attempt, how long): a handler that
+      never returns keeps its job and its slot, its lease renewed; the gauge
+      ``outbox_jobs_oldest_running_age_seconds`` shows it too.
     * ``db_spin_us``: how long a wait for the database's answer polls the socket before
       sleeping on it (:mod:`outbox_core.spin`).  Off by default: with a pool's threads
       polling at once, they compete for the interpreter and the cores (measured: 0.74 x
@@ -72,7 +77,8 @@ class WorkerConfig:
       in ``queues`` only; ``owner_limit`` and ``owner_limits`` (str owner ids) ints >= 1;
     * ``lease_duration_s`` from 1 s (the relay's minimum lease) to 1 day;
       ``heartbeat_interval_s`` from 0.1 s to half the lease; ``poll_interval_s`` and
-      ``reconcile_interval_s`` above 0 up to 1 day; ``drain_timeout_s`` 0 to 1 day;
+      ``reconcile_interval_s`` and ``running_long_after_s`` above 0 up to 1 day;
+      ``drain_timeout_s`` 0 to 1 day;
       all finite numbers;
     * ``events_topic`` None or a Kafka topic name (1-249 of ``[A-Za-z0-9._-]``, not
       ``.`` or ``..``); ``worker_id`` None or 1-200 characters; ``application_name`` a
@@ -97,6 +103,7 @@ class WorkerConfig:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     max_owners_per_round: int = 500
     application_name: str = "outbox-jobs-worker"
+    running_long_after_s: float = DEFAULT_RUNNING_LONG_AFTER_S
     db_spin_us: float = 0.0  # off: a pool's threads would poll against each other (README)
     lease_s: float | None = None  # deprecated alias of lease_duration_s
     heartbeat_s: float | None = None  # deprecated alias of heartbeat_interval_s
@@ -112,6 +119,7 @@ class WorkerConfig:
         _check.seconds("poll_interval_s", self.poll_interval_s, 0.0, MAX_DURATION_S, lo_open=True)
         _check.seconds("reconcile_interval_s", self.reconcile_interval_s, 0.0, MAX_DURATION_S, lo_open=True)
         _check.seconds("drain_timeout_s", self.drain_timeout_s, 0.0, MAX_DURATION_S)
+        _check.seconds("running_long_after_s", self.running_long_after_s, 0.0, MAX_DURATION_S, lo_open=True)
         check_db_spin_us(self.db_spin_us, error=InvalidJob)
         if not isinstance(self.backoff, Backoff):
             raise InvalidJob(f"backoff must be a Backoff, got {self.backoff!r:.80}")

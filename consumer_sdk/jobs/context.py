@@ -62,6 +62,11 @@ class JobContext:
         #: that carries its completion) and may have committed: that write, not the heartbeat,
         #: says whether the lease held (see :mod:`consumer_sdk.jobs.heartbeat`).
         self.ending = False
+        #: ``time.monotonic()`` when its handler was called, None before and after it ran
+        #: (the executor sets it): the pool's gauge of the oldest running attempt reads it.
+        self.running_since: float | None = None
+        #: ``job_running_long`` was logged for this attempt (once each).
+        self.long_reported = False
 
     @property
     def conn(self) -> ConnectionT:

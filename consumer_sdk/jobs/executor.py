@@ -96,6 +96,7 @@ class Executor:
         try:
             if handler is None:
                 raise PermanentJobError(f"no handler is registered for kind {job.kind!r}")
+            ctx.running_since = started
             value = handler(ctx)
         except BaseException as exc:  # noqa: BLE001 - every handler failure is classified
             # KeyboardInterrupt, SystemExit, asyncio.CancelledError or any BaseException a
@@ -108,6 +109,7 @@ class Executor:
             found = self._after_return(ctx, value, log)
             later, outcome = (found, "completing") if isinstance(found, _Later) else (None, found)
         finally:
+            ctx.running_since = None
             elapsed = time.monotonic() - started
             self.metrics.per_queue(job.queue)[2].observe(elapsed)
         if later is not None:

@@ -16,14 +16,23 @@ heartbeat called such a lease lost (``lease_lost``) for an outcome its own lease
 audit of the pool).  That write is fenced: it says whether the lease held, and one that
 found it lost logs ``lease_lost`` and counts it; the heartbeat leaves the attempt to it
 (its lease is still renewed while the job runs: a completion waiting to be sent again).
+
+Renewing a lease says the worker lives, not that its handler makes progress: a handler that
+never returns (an HTTP call without a timeout, a deadlock) kept its job and its slot for
+ever, silently (an audit of the pool).  So the lease watch also logs ``job_running_long``
+once per attempt whose handler has run ``running_long_after_s``, and the gauge
+``outbox_jobs_oldest_running_age_seconds{queue}`` says, when scraped, how long the oldest
+handler of the pool has run (from the pool's own attempts: no statement).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from consumer_sdk.errors import OutboxSdkError
@@ -40,7 +49,8 @@ class Heartbeat:
 
     def __init__(self, *, slot: ConnSlot, worker_id: str, lease_s: float, max_concurrency: int,
                  running: Callable[[], list[JobContext]], metrics: JobsMetrics, log: Any,
-                 clock: Callable[[], float], db_now: Callable[[], datetime | None]) -> None:
+                 clock: Callable[[], float], db_now: Callable[[], datetime | None],
+                 queues: Sequence[str] = (), running_long_s: float = float("inf")) -> None:
         self._slot = slot
         self.worker_id = worker_id
         self.lease_s = lease_s
@@ -53,6 +63,9 @@ class Heartbeat:
         self._keepalive_pool = ThreadPoolExecutor(max_workers=max(1, min(4, max_concurrency)),
                                                   thread_name_prefix="jobs-fence-keepalive")
         self._keepalives: dict[JobId, Future[bool]] = {}
+        self.running_long_s = running_long_s
+        for queue in queues:  # read when scraped: no update per job
+            metrics.oldest_running_age.labels(queue).set_function(partial(self.oldest_running_s, queue))
 
     def loop(self, every_s: float, stop: threading.Event) -> None:
         watch = threading.Thread(target=self._watch, args=(every_s, stop), name="jobs-lease-watch", daemon=True)
@@ -70,6 +83,32 @@ class Heartbeat:
         another worker had taken their jobs (an audit of the worker pool)."""
         while not stop.wait(min(every_s, 0.5)):
             self.expire_overdue()
+            self.report_long()
+
+    def oldest_running_s(self, queue: str, now: float | None = None) -> float:
+        """How long the oldest handler of ``queue`` this pool runs has run (0.0: none runs)."""
+        now = time.monotonic() if now is None else now
+        since = [s for c in self._running() if c.job.queue == queue and (s := c.running_since) is not None]
+        return max(0.0, now - min(since)) if since else 0.0
+
+    def report_long(self, now: float | None = None) -> int:
+        """Log ``job_running_long`` once per attempt whose handler has run ``running_long_s``
+        (``time.monotonic()`` seconds, as the executor's ``running_since``); returns how many."""
+        now = time.monotonic() if now is None else now
+        count = 0
+        for ctx in self._running():
+            since = ctx.running_since
+            if since is None or ctx.long_reported or now - since < self.running_long_s:
+                continue
+            ctx.long_reported = True
+            job = ctx.job
+            self.log.warning("job_running_long", job_id=job.id, queue=job.queue, kind=job.kind,
+                             attempt=job.attempts, token=job.token, running_s=round(now - since, 1),
+                             detail=f"the handler has run for {now - since:.0f} s and not returned; its "
+                                    "lease is still renewed, so the job and its worker slot stay taken "
+                                    "until it returns (see outbox_jobs_oldest_running_age_seconds)")
+            count += 1
+        return count
 
     def expire_overdue(self) -> int:
         """Cancel the running attempts past their local deadline (``lease_unconfirmed``)."""

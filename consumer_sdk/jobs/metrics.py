@@ -59,6 +59,10 @@ class JobsMetrics:
         #: A worker pool reads its own count when scraped (set_function), per queue it serves.
         self.workers_busy = Gauge("outbox_jobs_workers_busy", "Jobs this pool is running now.", ["queue"],
                                   registry=r)
+        #: A worker pool reads its own running attempts when scraped (set_function), per queue.
+        self.oldest_running_age = Gauge(
+            "outbox_jobs_oldest_running_age_seconds", "How long the oldest handler this pool is running "
+            "has run (0 when none runs).", ["queue"], registry=r)
         self.workers_capacity = Gauge("outbox_jobs_workers_capacity", "Jobs this pool may run at once.",
                                       registry=r)
         self.oldest_pending_age = Gauge(

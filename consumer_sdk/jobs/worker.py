@@ -128,9 +128,9 @@ class WorkerPool:
         #: The fatal error that stopped claiming (AuthenticationFailed, ...), else None.
         self.error: FatalError | None = None
         self._hb = Heartbeat(slot=ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms),
-                             worker_id=self.worker_id, lease_s=config.lease_duration_s,
+                             worker_id=self.worker_id, lease_s=config.lease_duration_s, queues=config.queues,
                              max_concurrency=config.max_concurrency, running=self.running, metrics=self.metrics,
-                             log=self.log, clock=clock, db_now=db_now)
+                             log=self.log, clock=clock, db_now=db_now, running_long_s=config.running_long_after_s)
         self.rounds = 0  # dispatch rounds completed (tests wait on it)
 
     # -- lifecycle ------------------------------------------------------------------------
