@@ -278,6 +278,11 @@ class FakeTxnProducer:
     def flush(self, timeout: float) -> int:
         return 0
 
+    def __len__(self) -> int:  # nothing queued: its worker's end closes it (destroy_producer)
+        return 0
+
+    def close(self) -> None: ...
+
 
 class FakeReader:
     """Reads in turn what ``script`` lists (each read first waits for ``gate``); the
@@ -422,3 +427,36 @@ def test_another_outboxs_position_record_stops_the_relay_and_marks_nothing(
     publisher.poll(0)
     assert fatal == ["another outbox"]
     assert first.closed and len(FakeWorker.made) == 1 and not publisher.ready(ShardId(0))
+
+
+class RecordingLog:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def __getattr__(self, level: str) -> Any:
+        return lambda event, **_: self.events.append(event)
+
+
+@pytest.mark.parametrize("created", [False, True])
+def test_a_position_partition_not_found_is_called_a_missing_topic_only_when_created_again(
+        monkeypatch, created: bool) -> None:
+    # A position partition without a leader reads as one not found (the errors of a deleted
+    # topic): the relay logged exactly_once_position_topic_missing "created again", at error
+    # level, though the topic was there and nothing was created.
+    FakeWorker.made = []
+    monkeypatch.setattr(eo, "ShardWorker", FakeWorker)
+    made: list[str] = []
+    monkeypatch.setattr(eo, "ensure_position_topic", lambda config, topic, n: made.append(topic) or created)
+    log = RecordingLog()
+    publisher = eo.TransactionalPublisher(
+        config={}, plain=type("P", (), {"poll": lambda self, t: 0})(), leases=Leases(),  # type: ignore[arg-type]
+        table="outbox", position_topic="pos", transactional_id_prefix="x.",
+        recovery_store=object(), log=log, nshards=16)  # type: ignore[arg-type]
+    publisher.poll(0)
+    worker = FakeWorker.made[0]
+    worker.results.put(Result(worker, init=True, broken=True, position_missing=True,  # type: ignore[arg-type]
+                              error="Failed to get watermark offsets: Local: Unknown partition"))
+    publisher.poll(0)
+    assert made == ["pos"]  # asked to make sure it is there
+    assert ("exactly_once_position_topic_missing" in log.events) is created
+    assert "exactly_once_shard_init_failed" in log.events
