@@ -32,7 +32,6 @@ pump's claim, settle, mark and rewind logic is the default mode's.  What changes
   error) is acknowledged without being produced again.
 
 Dead letters and replays go through the plain idempotent producer (not transactional).
-
 A batch settles only when the transactions of all its shards have committed, so this
 mode keeps more batches in flight: ``--exactly-once-pipeline-depth`` (16; see README).
 """
@@ -338,19 +337,20 @@ class TransactionalPublisher:
         return 0
 
     def _recreate_position_topic(self) -> None:
-        """The position topic went away under the running relay (deleted): create it again,
-        as a start does, at most every few seconds.  Until an audit of this mode the shards
-        retried for ever, the log blaming the event topics' partitions."""
+        """A position partition not found: a topic deleted meanwhile is created again (every 5 s at
+        most) and said so; not one whose partition has no leader (said missing until an audit)."""
         now = self._clock()
         if now < self._recreate_after or not self._nshards:
             return
         self._recreate_after = now + POSITION_RECREATE_EVERY_S
-        self._log.error("exactly_once_position_topic_missing", topic=self._position_topic,
-                        hint="created again; rows committed to Kafka whose mark was lost since may be sent again")
         try:
-            ensure_position_topic(self._config, self._position_topic, self._nshards)
+            created = ensure_position_topic(self._config, self._position_topic, self._nshards)
         except (ConfigError, BrokerUnreachable) as exc:
             self._log.warning("exactly_once_position_topic_not_created", topic=self._position_topic, error=str(exc))
+            return
+        if created:
+            self._log.error("exactly_once_position_topic_missing", topic=self._position_topic,
+                            hint="created again; rows committed to Kafka whose mark was lost since may be sent again")
 
     def _after_fenced(self, worker: ShardWorker, timed_out: bool) -> None:
         """A producer another holder fenced loses its lease.  One the broker fenced for its

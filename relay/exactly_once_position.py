@@ -59,10 +59,10 @@ UNANSWERED = {KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._R
 
 
 def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
-                          timeout_s: float = 5.0) -> None:
-    """Create the compacted position topic (one partition per shard) when missing;
-    a clear ConfigError when it has too few partitions or may not be created, and
-    BrokerUnreachable when no broker answered."""
+                          timeout_s: float = 5.0) -> bool:
+    """Create the compacted position topic (one partition per shard) when missing (True:
+    created here); a clear ConfigError when it has too few partitions or may not be
+    created, and BrokerUnreachable when no broker answered."""
     admin = AdminClient(shared_config(config))
     try:
         found = admin.list_topics(timeout=timeout_s).topics.get(topic)  # no auto-creation
@@ -76,7 +76,7 @@ def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
                 f"exactly-once: position topic {topic} has {len(found.partitions)} partitions, "
                 f"fewer than the {nshards} shards; add partitions or name another topic "
                 f"(--exactly-once-position-topic)")
-        return
+        return False
     futures = admin.create_topics(
         [NewTopic(topic, num_partitions=nshards, replication_factor=-1,
                   config={"cleanup.policy": "compact"})],
@@ -92,7 +92,7 @@ def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
         raise ConfigError(
             f"exactly-once: cannot create the position topic {topic} ({nshards} partitions, "
             f"cleanup.policy=compact): {err.str()}; create it or grant CREATE on it") from None
-    return None
+    return True
 
 
 class ForeignPosition(Exception):

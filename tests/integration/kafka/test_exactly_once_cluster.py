@@ -2,15 +2,20 @@
 replica's broker killed) holds up every shard transaction with a row for it, until its
 messages time out (librdkafka caps message.timeout.ms at transaction.timeout.ms) and the
 transaction is aborted.  The relay must say so, not only blame a hold-up of its own, and,
-once the broker is back, deliver every event exactly once to a read_committed consumer."""
+once the broker is back, deliver every event exactly once to a read_committed consumer.
+And a position partition without a leader is not a position topic deleted."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import pytest
+from confluent_kafka import KafkaException
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 
+from relay.exactly_once_position import POSITION_MISSING, ensure_position_topic, read_position
+from relay.model import ShardId
 from tests.fixtures.apache_kafka import ApacheKafkaCluster, admin_client
 from tests.fixtures.broker import read_all
 from tests.fixtures.outbox import (
@@ -27,8 +32,7 @@ TRANSACTION_TIMEOUT_MS = 3000
 
 
 def _failed(relay: Proc) -> list[dict[str, Any]]:
-    return [json.loads(line[line.index("{"):]) for line in relay.log_text().splitlines()
-            if '"transaction_failed"' in line]
+    return _logged(relay, "transaction_failed")
 
 
 def test_a_partition_without_a_leader_is_named_when_transactions_time_out(
@@ -67,3 +71,36 @@ def test_a_partition_without_a_leader_is_named_when_transactions_time_out(
     assert not delivery.missing and delivery.duplicates == 0 and not delivery.order_violations
     relay.sigterm()
     assert relay.wait(60) == 0, relay.log_tail()
+
+
+def _logged(relay: Proc, name: str) -> list[dict[str, Any]]:
+    return [json.loads(line[line.index("{"):]) for line in relay.log_text().splitlines()
+            if f'"{name}"' in line]
+
+
+def test_a_position_partition_without_a_leader_is_there_not_a_topic_to_create(
+        kafka_cluster: ApacheKafkaCluster, topic_name):
+    """The position topic made by hand with one replica, one broker killed: a shard whose
+    position partition it led cannot read its last record, and the error is one of those
+    of a deleted topic (POSITION_MISSING).  The relay said the topic was missing, at error
+    level, and "created again" (rows may be sent again) though it was there all along: it
+    now says so only when ``ensure_position_topic`` did create it."""
+    position_topic = topic_name("pos")
+    config = {"bootstrap.servers": kafka_cluster.bootstrap}
+    admin = admin_client(kafka_cluster.bootstrap)
+    admin.create_topics([NewTopic(position_topic, num_partitions=16, replication_factor=1,
+                                  config={"cleanup.policy": "compact"})])[position_topic].result(30)
+    leaders = wait_until(lambda: {p: m.leader for p, m in admin.list_topics(position_topic, timeout=5)
+                                  .topics[position_topic].partitions.items()}, timeout_s=30, ignore=(KeyError,))
+    index = [node.node_id for node in kafka_cluster.nodes].index(leaders[0])
+    kafka_cluster.kill(index)
+    try:
+        wait_until(lambda: admin.list_topics(position_topic, timeout=5).topics[position_topic]
+                   .partitions[0].leader < 0, timeout_s=60, message="partition 0 kept a leader")
+        with pytest.raises(KafkaException) as raised:
+            read_position(config, position_topic, ShardId(0), timeout_s=2.0)
+        assert raised.value.args[0].code() in POSITION_MISSING
+        assert ensure_position_topic(config, position_topic, 16) is False  # there: nothing created
+    finally:
+        kafka_cluster.start(index)
+    assert ensure_position_topic(config, topic_name("pos-new"), 16) is True
