@@ -33,6 +33,7 @@ from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.errors import (
     AdmissionRefused,
     DatabaseReadOnly,
+    HandlerTimedOut,
     InvalidJob,
     JobsError,
     LeaseLost,
@@ -85,6 +86,7 @@ __all__ = [
     "DatabaseReadOnly",
     "DeadLetterRecord",
     "Handler",
+    "HandlerTimedOut",
     "InvalidJob",
     "JobContext",
     "JobId",

@@ -62,6 +62,12 @@ class WorkerConfig:
       logged once, ``job_running_long`` (job, queue, kind, attempt, how long): a handler that
       never returns keeps its job and its slot, its lease renewed; the gauge
       ``outbox_jobs_oldest_running_age_seconds`` shows it too.
+    * ``handler_timeout_s``: None (the default: long work is legitimate), or how long a
+      handler may run: past it the attempt is cancelled (reason ``timed_out``), its lease no
+      longer renewed, and its failure (``handler timed out after N s``: a retry, or the dead
+      letter after the last attempt) written by the pool under its lease token; checked at
+      each heartbeat.  A handler that ignores the cancellation keeps its thread and slot
+      until it returns (:mod:`consumer_sdk.jobs.timeouts`).  Not per queue.
     * ``db_spin_us``: how long a wait for the database's answer polls the socket before
       sleeping on it (:mod:`outbox_core.spin`).  Off by default: with a pool's threads
       polling at once, they compete for the interpreter and the cores (measured: 0.74 x
@@ -77,7 +83,8 @@ class WorkerConfig:
       in ``queues`` only; ``owner_limit`` and ``owner_limits`` (str owner ids) ints >= 1;
     * ``lease_duration_s`` from 1 s (the relay's minimum lease) to 1 day;
       ``heartbeat_interval_s`` from 0.1 s to half the lease; ``poll_interval_s`` and
-      ``reconcile_interval_s`` and ``running_long_after_s`` above 0 up to 1 day;
+      ``reconcile_interval_s``, ``running_long_after_s`` and ``handler_timeout_s`` (or
+      None) above 0 up to 1 day;
       ``drain_timeout_s`` 0 to 1 day;
       all finite numbers;
     * ``events_topic`` None or a Kafka topic name (1-249 of ``[A-Za-z0-9._-]``, not
@@ -104,6 +111,7 @@ class WorkerConfig:
     max_owners_per_round: int = 500
     application_name: str = "outbox-jobs-worker"
     running_long_after_s: float = DEFAULT_RUNNING_LONG_AFTER_S
+    handler_timeout_s: float | None = None  # None: no limit (long work is legitimate)
     db_spin_us: float = 0.0  # off: a pool's threads would poll against each other (README)
     lease_s: float | None = None  # deprecated alias of lease_duration_s
     heartbeat_s: float | None = None  # deprecated alias of heartbeat_interval_s
@@ -120,6 +128,8 @@ class WorkerConfig:
         _check.seconds("reconcile_interval_s", self.reconcile_interval_s, 0.0, MAX_DURATION_S, lo_open=True)
         _check.seconds("drain_timeout_s", self.drain_timeout_s, 0.0, MAX_DURATION_S)
         _check.seconds("running_long_after_s", self.running_long_after_s, 0.0, MAX_DURATION_S, lo_open=True)
+        if self.handler_timeout_s is not None:
+            _check.seconds("handler_timeout_s", self.handler_timeout_s, 0.0, MAX_DURATION_S, lo_open=True)
         check_db_spin_us(self.db_spin_us, error=InvalidJob)
         if not isinstance(self.backoff, Backoff):
             raise InvalidJob(f"backoff must be a Backoff, got {self.backoff!r:.80}")

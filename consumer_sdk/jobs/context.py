@@ -39,6 +39,7 @@ _MESSAGES = {
     "cancelled": "the run was cancelled by its owner",
     "shutdown": "the worker pool is stopping; the job is given back",
     "fence_ended": "the server ended the fenced transaction (idle past the lease without renewal)",
+    "timed_out": "the handler ran past the pool's handler_timeout_s; the pool wrote the attempt's failure",
 }
 
 
@@ -145,6 +146,24 @@ class JobContext:
         if woken is not None:
             woken.set()
         return True
+
+    def time_out(self) -> bool:
+        """Cancel the attempt as ``timed_out`` if its handler still runs and nothing else
+        cancelled it: True when this call did (then the pool, not the handler, writes the
+        attempt's outcome).  Atomic with :meth:`handler_returned`: one of them wins."""
+        with self._lock:
+            if self._reason is not None or self.running_since is None:
+                return False
+            self._reason = "timed_out"
+            woken = self._woken
+        if woken is not None:
+            woken.set()
+        return True
+
+    def handler_returned(self) -> None:
+        """The handler returned or raised (the executor calls it): it can no longer time out."""
+        with self._lock:
+            self.running_since = None
 
     def check(self) -> None:
         """Raise :class:`LeaseLost` when the attempt was cancelled; call it between steps."""

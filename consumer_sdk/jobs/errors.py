@@ -91,6 +91,11 @@ class TransientJobError(JobsError, RetriableError):
     """Raised by a handler: this attempt failed for a passing reason; retry it with back-off."""
 
 
+class HandlerTimedOut(TransientJobError):
+    """The attempt's handler ran past ``WorkerConfig.handler_timeout_s``: the attempt failed
+    (retried, or dead-lettered when it was the last), written by the pool, not the handler."""
+
+
 class PrivilegeMissing(JobsError, FatalError):
     """The database role lacks a privilege the jobs need: grant it to the role of the DSN.
 

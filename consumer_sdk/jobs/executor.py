@@ -102,14 +102,16 @@ class Executor:
             # KeyboardInterrupt, SystemExit, asyncio.CancelledError or any BaseException a
             # handler raises are its failure too: caught as Exception only, each ended an
             # executor thread, the pool kept claiming jobs for it, and they stayed running.
+            ctx.handler_returned()
             _tidy(ctx)
             outcome = self._after_error(ctx, exc, log)
         else:
+            ctx.handler_returned()
             _tidy(ctx)
             found = self._after_return(ctx, value, log)
             later, outcome = (found, "completing") if isinstance(found, _Later) else (None, found)
         finally:
-            ctx.running_since = None
+            ctx.handler_returned()
             elapsed = time.monotonic() - started
             self.metrics.per_queue(job.queue)[2].observe(elapsed)
         if later is not None:
@@ -133,6 +135,8 @@ class Executor:
     # -- outcomes -----------------------------------------------------------------------
 
     def _after_return(self, ctx: JobContext, value: Any, log: Any) -> Outcome | _Later:
+        if ctx.cancel_reason == "timed_out":  # the pool wrote its failure (see time_out)
+            return "timed_out"
         if ctx.cancel_reason in NO_AUTHORITY:
             return "lost"
         try:
@@ -147,6 +151,8 @@ class Executor:
 
     def _after_error(self, ctx: JobContext, exc: BaseException, log: Any) -> Outcome:
         job = ctx.job
+        if ctx.cancel_reason == "timed_out":  # the pool wrote its failure (see time_out)
+            return "timed_out"
         if ctx.cancel_reason in NO_AUTHORITY:
             return "lost"
         if ctx.cancel_reason == "shutdown":

@@ -41,6 +41,7 @@ from consumer_sdk.jobs._conn import ConnSlot
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import JobId
+from consumer_sdk.jobs.timeouts import HandlerTimeouts
 from outbox_core.leases import local_deadline
 
 
@@ -50,7 +51,8 @@ class Heartbeat:
     def __init__(self, *, slot: ConnSlot, worker_id: str, lease_s: float, max_concurrency: int,
                  running: Callable[[], list[JobContext]], metrics: JobsMetrics, log: Any,
                  clock: Callable[[], float], db_now: Callable[[], datetime | None],
-                 queues: Sequence[str] = (), running_long_s: float = float("inf")) -> None:
+                 queues: Sequence[str] = (), running_long_s: float = float("inf"),
+                 timeouts: HandlerTimeouts | None = None) -> None:
         self._slot = slot
         self.worker_id = worker_id
         self.lease_s = lease_s
@@ -64,6 +66,7 @@ class Heartbeat:
                                                   thread_name_prefix="jobs-fence-keepalive")
         self._keepalives: dict[JobId, Future[bool]] = {}
         self.running_long_s = running_long_s
+        self.timeouts = timeouts
         for queue in queues:  # read when scraped: no update per job
             metrics.oldest_running_age.labels(queue).set_function(partial(self.oldest_running_s, queue))
 
@@ -88,7 +91,8 @@ class Heartbeat:
     def oldest_running_s(self, queue: str, now: float | None = None) -> float:
         """How long the oldest handler of ``queue`` this pool runs has run (0.0: none runs)."""
         now = time.monotonic() if now is None else now
-        since = [s for c in self._running() if c.job.queue == queue and (s := c.running_since) is not None]
+        running = self._running() + (self.timeouts.stuck() if self.timeouts is not None else [])
+        since = [s for c in running if c.job.queue == queue and (s := c.running_since) is not None]
         return max(0.0, now - min(since)) if since else 0.0
 
     def report_long(self, now: float | None = None) -> int:
@@ -116,6 +120,10 @@ class Heartbeat:
         return sum(self._lose(c, "lease_unconfirmed") for c in self._running()
                    if not c.cancelled and now >= c.deadline)
 
+    def stuck_handlers(self) -> int:
+        """Handlers timed out that have not returned (each holds its thread and slot)."""
+        return len(self.timeouts.stuck()) if self.timeouts is not None else 0
+
     def close(self) -> None:
         self._keepalive_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -127,7 +135,11 @@ class Heartbeat:
             self._keepalives.pop(job_id, None)
 
     def once(self) -> int:
-        """Renew every running job's lease; cancel the attempts that lost it.  Returns how many."""
+        """Renew every running job's lease; cancel the attempts that lost it.  Returns how many.
+        First the handlers past ``handler_timeout_s`` are timed out (:mod:`.timeouts`): their
+        failures are written on this connection, their leases not renewed any more."""
+        if self.timeouts is not None:
+            self.timeouts.run(self._slot.get, self._running())
         contexts = [c for c in self._running() if not c.cancelled or c.cancel_reason == "shutdown"]
         if not contexts:
             return 0

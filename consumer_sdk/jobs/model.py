@@ -30,7 +30,7 @@ DeadReason = Literal["permanent_error", "attempts_exhausted", "lease_expired"]
 
 #: What a worker did with one claimed job.
 Outcome = Literal["succeeded", "retried", "failed", "waiting", "requeued", "released", "lost",
-                  "completing"]
+                  "completing", "timed_out"]
 
 #: Well-known queues; any name matching :data:`QUEUE_NAME` (use ``fullmatch``) works.
 INTERACTIVE = "interactive"

@@ -62,6 +62,9 @@ class PoolHealth:
     ready: bool
     reasons: tuple[str, ...] = ()
     refusals: Mapping[str, int] = field(default_factory=dict)
+    #: Handlers that ran past ``handler_timeout_s`` and have not returned: each holds its
+    #: thread and its slot (Python cannot kill a thread); not ready once every slot is so held.
+    stuck_handlers: int = 0
 
 
 class Refused(InvalidJob):
@@ -142,9 +145,10 @@ class Refusals:
         jobs tables passing ends that refusal (no claim need be sent)."""
         return statement in self._schema
 
-    def health(self, *, error: BaseException | None, started: bool, stopping: bool) -> PoolHealth:
-        """A pool's health: ``error`` (what stopped it), not ``started``, ``stopping``, and
-        the refusals in force."""
+    def health(self, *, error: BaseException | None, started: bool, stopping: bool, stuck: int = 0,
+               capacity: int = 0) -> PoolHealth:
+        """A pool's health: ``error`` (what stopped it), not ``started``, ``stopping``, the
+        refusals in force, and ``stuck`` handlers (not ready when they hold all ``capacity``)."""
         with self._lock:
             now, total = sorted(self._now.items()), dict(self._total)
         down = (f"failed: {error}" if error is not None else "not started" if not started
@@ -152,7 +156,10 @@ class Refusals:
         reasons = ([down] if down else []) + [
             f"the database refuses the pool's {statement} ({count} times in a row): {message}"
             for statement, (message, count) in now]
-        return PoolHealth(ready=not reasons, reasons=tuple(reasons), refusals=total)
+        if stuck and stuck >= capacity:
+            reasons.append(f"all {capacity} worker slots are held by handlers that ran past handler_timeout_s and "
+                           "never returned (a thread cannot be killed): fix the handler, restart the process")
+        return PoolHealth(ready=not reasons, reasons=tuple(reasons), refusals=total, stuck_handlers=stuck)
 
 
 _HINT = ("a trigger, a constraint or a policy of the database refuses the pool's own statement: it is tried "

@@ -5,32 +5,30 @@ Threads, each with its own connection:
 * the dispatcher: on a wake-up (NOTIFY, a relayed event via :meth:`WorkerPool.wake`,
   finished jobs while work is left, a retry falling due) or every ``poll_interval_s``,
   reaps expired leases (at most every quarter lease or poll interval), lists the ready
-  lanes (:mod:`consumer_sdk.jobs.lanes`: every owner in turn), plans with
-  :mod:`consumer_sdk.jobs.fairness` and claims in one short
-  transaction, in the same round trip as the completions of the jobs that succeeded
-  since the last round; runs the reconciler every ``reconcile_interval_s`` (refusals: :mod:`.refusals`);
+  lanes (:mod:`consumer_sdk.jobs.lanes`: every owner in turn), plans with :mod:`consumer_sdk.jobs.fairness`
+  and claims in one short transaction, in the same round trip as the completions of the jobs that
+  succeeded since the last round; runs the reconciler every ``reconcile_interval_s`` (:mod:`.refusals`);
 * ``max_concurrency`` executors: one claimed job at a time, from the pool's line
   (:mod:`consumer_sdk.jobs.line`: short jobs are claimed ahead; one lock section finishes a
   job and takes the next), the handler on the executor's connection (see
   :class:`~consumer_sdk.jobs.context.JobContext`); a success is handed to the dispatcher
   (its lease still held and renewed); every other outcome is written by the executor;
-* the heartbeat (:mod:`consumer_sdk.jobs.heartbeat`): every ``heartbeat_interval_s`` one statement
-  renews the pool's leases; an attempt that lost one, or passed its local deadline, is cancelled;
+* the heartbeat (:mod:`consumer_sdk.jobs.heartbeat`): every ``heartbeat_interval_s`` one statement renews
+  the pool's leases; an attempt that lost one, passed its local deadline or timed out, is cancelled;
 * the listener (``listen=True``): LISTEN outbox_jobs, a wake-up per notification.
 
 Completions are written per round: see :mod:`consumer_sdk.jobs.completions` on crashes.
 
-Every connection the pool opens carries TCP keep-alives and a ``tcp_user_timeout`` of
-one lease (:func:`consumer_sdk.jobs._conn.tcp_options`; the DSN's own values win): in a
-partition that drops packets, a statement fails after about a lease instead of the
-kernel's 15 minutes of retransmissions.
+Every connection the pool opens carries TCP keep-alives and a ``tcp_user_timeout`` of one
+lease (:func:`consumer_sdk.jobs._conn.tcp_options`; the DSN's own values win): in a partition
+that drops packets, a statement fails after about a lease, not the kernel's 15 minutes.
 
-No transaction is ever held while a handler runs, except the handler's own
-fenced transactions.  Lifecycle: :meth:`start`, :meth:`run_once` (one dispatch
-round; returns the number of jobs claimed), :meth:`stop` (idempotent: stops
-claiming, lets running jobs finish for ``drain_timeout_s``, then cancels them and
-gives their jobs back; returns within ``drain_timeout_s`` + :data:`STOP_GRACE_S`
-whatever the database does).
+No transaction is ever held while a handler runs, except the handler's own fenced
+transactions (a handler past ``handler_timeout_s``: :mod:`consumer_sdk.jobs.timeouts`).
+Lifecycle: :meth:`start`, :meth:`run_once` (one dispatch round; returns the number of jobs
+claimed), :meth:`stop` (idempotent: stops claiming, lets running jobs finish for
+``drain_timeout_s``, then cancels them and gives their jobs back; returns within
+``drain_timeout_s`` + :data:`STOP_GRACE_S` whatever the database does).
 """
 
 from __future__ import annotations
@@ -61,6 +59,7 @@ from consumer_sdk.jobs.model import ClaimedJob, JobId
 from consumer_sdk.jobs.reconciler import Reconciler, Upkeep
 from consumer_sdk.jobs.refusals import PoolHealth, Refusals, Refused
 from consumer_sdk.jobs.threads import PoolThreads, left
+from consumer_sdk.jobs.timeouts import HandlerTimeouts
 from consumer_sdk.jobs.wake import Listener
 from outbox_core.leases import local_deadline
 
@@ -117,8 +116,7 @@ class WorkerPool:
         self._listener = Listener(self._connect, self.wake, log=self.log) if config.listen else None
         self._threads = PoolThreads()
         self._wake_free = max(1, config.max_concurrency // 4)  # free slots worth a round
-        #: Expired leases are reaped at most every quarter lease (and by every reconcile): a
-        #: lease expires by lease_duration_s, so that delays a takeover by little.
+        #: Expired leases are reaped at most every quarter lease (and at every reconcile): little delay.
         self._refusals = refusals = Refusals(log=self.log, rand=rand, metrics=self.metrics)
         self._upkeep = Upkeep(self.reconciler, reconcile_interval_s=config.reconcile_interval_s, refusals=refusals,
                               reap_interval_s=min(config.poll_interval_s, config.lease_duration_s / 4))
@@ -130,7 +128,8 @@ class WorkerPool:
         self._hb = Heartbeat(slot=ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms),
                              worker_id=self.worker_id, lease_s=config.lease_duration_s, queues=config.queues,
                              max_concurrency=config.max_concurrency, running=self.running, metrics=self.metrics,
-                             log=self.log, clock=clock, db_now=db_now, running_long_s=config.running_long_after_s)
+                             log=self.log, clock=clock, db_now=db_now, running_long_s=config.running_long_after_s,
+                             timeouts=HandlerTimeouts(config, self._executor, self.outcomes, self.log))
         self.rounds = 0  # dispatch rounds completed (tests wait on it)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -234,7 +233,8 @@ class WorkerPool:
 
     def health(self) -> PoolHealth:
         """For a readiness probe (see :class:`~consumer_sdk.jobs.refusals.PoolHealth`)."""
-        return self._refusals.health(error=self.error, started=self._started, stopping=self._stopping.is_set())
+        return self._refusals.health(error=self.error, started=self._started, stopping=self._stopping.is_set(),
+                                     stuck=self._hb.stuck_handlers(), capacity=self.config.max_concurrency)
 
     # -- dispatch -------------------------------------------------------------------------
 
@@ -373,8 +373,8 @@ class WorkerPool:
 
     def _finish_locked(self, ctx: JobContext, duration_s: float) -> bool:
         """A handler ended (under the lock); True when the dispatcher should be woken."""
-        if not ctx.completing:
-            self._running.pop(ctx.job.id, None)
+        if not ctx.completing and self._running.get(ctx.job.id) is ctx:  # else claimed again (timed out)
+            del self._running[ctx.job.id]
         self._line.done(ctx, duration_s)
         free, idle = self._line.capacity - self._line.total, self._line.total == 0
         # A round for several free places rather than one per finished job (with a line:

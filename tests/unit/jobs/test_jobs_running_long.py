@@ -72,3 +72,27 @@ def test_running_long_after_s_is_checked(value: Any) -> None:
 
 def test_running_long_after_s_defaults_to_ten_minutes() -> None:
     assert WorkerConfig(dsn="postgresql://localhost/db").running_long_after_s == 600.0
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), 86_401.0, True, "5"])
+def test_handler_timeout_s_is_checked(value: Any) -> None:
+    with pytest.raises(InvalidJob, match="handler_timeout_s"):
+        WorkerConfig(dsn="postgresql://localhost/db", handler_timeout_s=value)
+
+
+def test_handler_timeout_s_is_off_by_default() -> None:
+    assert WorkerConfig(dsn="postgresql://localhost/db").handler_timeout_s is None
+    assert WorkerConfig(dsn="postgresql://localhost/db", handler_timeout_s=30).handler_timeout_s == 30
+
+
+def test_a_handler_times_out_only_while_it_runs_and_nothing_else_cancelled_it() -> None:
+    ctx = _ctx(1, "bulk", None)
+    assert not ctx.time_out()  # not started (lined up)
+    ctx.running_since = 5.0
+    assert ctx.time_out() and ctx.cancel_reason == "timed_out" and not ctx.time_out()
+    returned = _ctx(2, "bulk", 5.0)
+    returned.handler_returned()
+    assert not returned.time_out() and not returned.cancelled  # returned first: its own outcome
+    lost = _ctx(3, "bulk", 5.0)
+    lost.cancel("lease_lost")
+    assert not lost.time_out() and lost.cancel_reason == "lease_lost"
