@@ -61,6 +61,7 @@ from consumer_sdk.jobs.refusals import PoolHealth, Refusals, Refused
 from consumer_sdk.jobs.threads import PoolThreads, left
 from consumer_sdk.jobs.timeouts import HandlerTimeouts
 from consumer_sdk.jobs.wake import Listener
+from consumer_sdk.jobs.worker_exec import Executing
 from outbox_core.leases import local_deadline
 
 #: stop() returns at most this long after the drain (``drain_timeout_s``), whatever the database
@@ -75,7 +76,7 @@ _LANES_TTL_S = 0.25
 _COMPLETE_WITHIN_S = 0.02
 
 
-class WorkerPool:
+class WorkerPool(Executing):
     """Runs the handlers of ``config.queues``; ``handlers`` maps a job kind to its handler."""
 
     def __init__(self, config: WorkerConfig, handlers: Mapping[str, Handler], *,
@@ -328,70 +329,6 @@ class WorkerPool:
         with self._lock:
             self._next_due = due if self._next_due is None else min(self._next_due, due)
         self._wake.set()
-
-    # -- execution ------------------------------------------------------------------------
-
-    def _executor_loop(self) -> None:
-        with ConnSlot(self._connect, idle_ms=self.config.idle_in_transaction_ms) as slot:
-            ended: tuple[JobContext, float] | None = None  # the job just run: finished with the next take
-            try:
-                while True:
-                    with self._lock:  # one section a job: finish the last one, take the next
-                        wake = ended is not None and self._finish_locked(*ended) and not self._wake.is_set()
-                        ended, ctx = None, None if wake else self._line.take()
-                    if wake:  # none pending (else its round sees this): outside the lock, before take()
-                        self._wake.set()
-                        with self._lock:
-                            ctx = self._line.take()
-                    if ctx is None:
-                        return
-                    started = time.monotonic()
-                    try:
-                        self._execute(ctx, slot)
-                    finally:
-                        slot.tidy()
-                        self._hb.forget(ctx.job.id)
-                        ended = ctx, time.monotonic() - started
-            finally:
-                if ended is not None:  # a BaseException left the loop (the next poll sees the place)
-                    with self._lock:
-                        self._finish_locked(*ended)
-
-    def _execute(self, ctx: JobContext, slot: ConnSlot) -> None:
-        try:
-            ctx.bind(slot.get(), reconnect=slot.get)
-        except OutboxSdkError as exc:  # the lease will expire and the job be retried
-            self.log.warning("job_not_started", job_id=ctx.job.id, error=str(exc))
-            self.outcomes["not_started"] += 1
-            return
-        try:
-            outcome = self._executor.give_back(ctx) if ctx.cancelled else self._executor.run(ctx)
-            if outcome != "completing":  # counted when written
-                self.outcomes[outcome] += 1
-        except Exception:  # noqa: BLE001 - an executor thread must survive anything
-            self.log.exception("job_executor_crashed", job_id=ctx.job.id)
-
-    def _finish_locked(self, ctx: JobContext, duration_s: float) -> bool:
-        """A handler ended (under the lock); True when the dispatcher should be woken."""
-        if not ctx.completing and self._running.get(ctx.job.id) is ctx:  # else claimed again (timed out)
-            del self._running[ctx.job.id]
-        self._line.done(ctx, duration_s)
-        free, idle = self._line.capacity - self._line.total, self._line.total == 0
-        # A round for several free places rather than one per finished job (with a line:
-        # when half of it is gone); never leave every slot idle (nor a success) waiting.
-        enough = free >= (self.config.max_concurrency if self._line.depth else self._wake_free)
-        if idle:
-            self._lock.notify_all()
-        return not self._stopping.is_set() and (self._more_work or ctx.completing) and (enough or idle)
-
-    def _complete_later(self, ctx: JobContext, result_json: str, duration_s: float) -> bool:
-        """The executor's success, written by the next round (False: write it yourself)."""
-        if not self._dispatching or self._stopping.is_set() or self._refusals.refusing("claim"):
-            return False  # no round comes soon: the executor writes it
-        with self._lock:  # the dispatcher computes its wait under it: it saw `due`, or we see its wait
-            if wake := self._done.add(ctx, result_json, duration_s, wake_before=self._sleeping_until):
-                self._wake.set()
-        return wake is not None  # None: too large for a round, written alone by the executor
 
     def heartbeat_once(self) -> int:
         """Renew every running job's lease; cancel the attempts that lost it.  Returns how many."""
