@@ -56,6 +56,7 @@ from consumer_sdk.errors import (
 from consumer_sdk.inbox_group import Abandon, InboxGroup
 from consumer_sdk.inbox_parked import InboxParked
 from consumer_sdk.inbox_upkeep import InboxUpkeep
+from consumer_sdk.inbox_waits import LockWaitWatch
 from consumer_sdk.metrics import ConsumerMetrics
 from consumer_sdk.model import BatchResult, InboxMessage, KafkaRecord
 from consumer_sdk.offsets import OffsetBook, TopicPart
@@ -124,7 +125,15 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
                                    "once (set InboxConfig.db_spin_us to poll anyway)")
             connect = connect_factory(config.dsn, application_name=f"outbox-consumer:{config.name}"[:63],
                                       spin_s=spin_us / 1e6)
+            watch_connect = connect_factory(config.dsn, application_name=f"outbox-consumer:{config.name}"[:57]
+                                            + ":watch")
+        else:
+            watch_connect = connect
         self.store = PgInboxStore(connect)
+        self._busy_since: float | None = None  # when the batch in the works began (LockWaitWatch)
+        self.lock_waits = LockWaitWatch(watch_connect, session=lambda: self.store.session, log=self.log,
+                                        busy_s=lambda: 0.0 if (since := self._busy_since) is None
+                                        else self._clock() - since)
         self._handler = handler
         self._batch_handler = batch_handler
         self._statements = statements
@@ -197,6 +206,7 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
                                       "set dead_letter_topic")
         if self.config.check_retention and self.config.inbox_retention_s is not None:
             self._check_retention()
+        self.lock_waits.start()
         self.log.info("consumer_started", group=self.config.group, topics=list(self.config.topics),
                       assignment=self.config.assignment, batch_size=self.config.batch_size)
 
@@ -240,6 +250,7 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
         finally:
             if self._own_dead_letters is not None:
                 self._own_dead_letters.close()
+            self.lock_waits.stop()
             self.store.close()
             self.log.info("consumer_stopped", applied=self.totals.applied, duplicates=self.totals.duplicates)
 
@@ -275,22 +286,27 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
     def _process(self, records: Sequence[KafkaRecord]) -> BatchResult:
         """Settle ``records``, waiting out retriable failures; offsets follow each commit."""
         assert self._processor is not None
-        started = self._clock()
+        started = self._busy_since = self._clock()
         self._unsettled = list(records)
         total = BatchResult()
         failures = 0
-        while self._unsettled and not self.stopping:
-            try:
-                if failures:
-                    self._sleep(self._db_backoff_s(failures))
-                self._processor.process(list(self._unsettled), total)
-            except RetriableError as exc:
-                failures += 1
-                self._batch_failed(exc, failures)
-            except DeadLetterBlocked as blocked:
-                self._park(blocked)
-            except Abandon:
-                break
+        try:
+            while self._unsettled and not self.stopping:
+                try:
+                    if failures:
+                        self._busy_since = None  # a back-off is no wait on the database
+                        self._sleep(self._db_backoff_s(failures))
+                        self._busy_since = self._clock()
+                    self._processor.process(list(self._unsettled), total)
+                except RetriableError as exc:
+                    failures += 1
+                    self._batch_failed(exc, failures)
+                except DeadLetterBlocked as blocked:
+                    self._park(blocked)
+                except Abandon:
+                    break
+        finally:
+            self._busy_since = None
         if self._deferred:
             self._commit_deferred()
         if self._unsettled:

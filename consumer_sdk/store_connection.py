@@ -74,6 +74,9 @@ class StoreConnection:
         self._chain_on = True  # off once a chain broke with nothing failing before it (a pooler)
         self._auto_prepare = True  # psycopg's automatic preparing; off once a pooler lost one (lost_prepared)
         self._retired_waits: tuple[int, int, int] | None = None  # the waits of polling connections dropped
+        #: The live connection's session as (backend pid, application_name), None without one:
+        #: read by the consumer's LockWaitWatch, on its own thread (one attribute, set at once).
+        self.session: tuple[int, str] | None = None
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -89,6 +92,7 @@ class StoreConnection:
             if not self._auto_prepare:
                 conn.prepare_threshold = None
             self._conn = conn
+            self.session = (conn.info.backend_pid, conn.info.parameter_status("application_name") or "")
         return self._conn
 
     @property
@@ -148,6 +152,7 @@ class StoreConnection:
         is lost with it (its transaction rolls back): its ``on_commit`` never runs."""
         self._retired_waits = self.waits  # the dropped connection's waits stay counted
         conn, self._conn = self._conn, None
+        self.session = None
         self._pending = None
         trips, self._trips = self._trips, None
         if trips is not None:

@@ -21,7 +21,8 @@ class FakeConn:
         self.closed = self.broken = False
         self.autocommit = True
         self.prepare_threshold: int | None = 5
-        self.info = SimpleNamespace(transaction_status=TransactionStatus.IDLE)
+        self.info = SimpleNamespace(transaction_status=TransactionStatus.IDLE, backend_pid=0,
+                                    parameter_status=lambda name: None)
         self.spinner = Spinner(100e-6)
 
     def close(self) -> None:

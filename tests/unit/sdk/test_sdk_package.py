@@ -28,7 +28,8 @@ def _calls_to_query(tree: ast.AST) -> list[tuple[str, str]]:
 
 def test_every_named_query_the_sdk_uses_exists():
     used = {pair for path in SOURCES for pair in _calls_to_query(ast.parse(path.read_text()))}
-    assert {g for g, _ in used} == {"inbox", "sdk_outbox"}
+    # waits: the catalog read of what a session waits on, shared with the relay (inbox_waits.py)
+    assert {g for g, _ in used} == {"inbox", "sdk_outbox", "waits"}
     for group, name in used:
         assert _sql.query(group, name).strip(), (group, name)
 

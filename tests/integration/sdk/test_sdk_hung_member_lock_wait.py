@@ -1,0 +1,88 @@
+"""A member whose handler hung past max.poll.interval.ms, seen by the partition's next owner
+(real PostgreSQL, Apache Kafka: two members of one group).
+
+Member A's handler hangs on event 0 (it waits for an advisory lock the test holds), its
+transaction open with event 0's inbox row inserted.  A leaves the group after
+max.poll.interval.ms; B gets the partition, claims event 0 and waits on A's row lock.  That
+wait was silent (no log line: an audit); now B's ``database_lock_wait`` names the backend
+that holds it up (A's pid, its application_name ``outbox-consumer:<name>``).  Released, A's
+handler returns and every event is applied once.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import psycopg
+from structlog.testing import capture_logs
+
+from tests.fixtures.broker import create_topic
+from tests.integration.sdk._support import (
+    FAST_GROUP,
+    effect_counts,
+    make_config,
+    produce_raw,
+    record_effect,
+    wait_for,
+)
+
+
+def _hung_pid(dsn: str) -> int | None:
+    """The consumer backend waiting for the test's advisory lock (A's hung handler)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                           "WHERE NOT l.granted AND l.locktype = 'advisory' "
+                           "AND a.application_name LIKE 'outbox-consumer:%%'").fetchone()
+    return int(row[0]) if row else None
+
+
+def test_the_next_owner_names_the_hung_member_it_waits_on(sdk_db, kafka_broker, topic_name, run_consumer):
+    topic = topic_name("hung")
+    create_topic(kafka_broker.bootstrap, topic, partitions=1)
+    create_topic(kafka_broker.bootstrap, f"{topic}.dlq", partitions=1)
+    ids = [str(uuid.uuid4()) for _ in range(5)]
+    produce_raw(kafka_broker.bootstrap, topic, [(b"k", json.dumps({"n": n}).encode(), [("event_id", e.encode())])
+                                                for n, e in enumerate(ids)])
+    holder = psycopg.connect(sdk_db, autocommit=True)
+    holder.execute("SELECT pg_advisory_lock(42)")
+
+    def handler(conn: Any, message: Any) -> None:
+        if message.json()["n"] == 0:
+            conn.execute("SELECT pg_advisory_lock_shared(42)")  # hangs while the test holds it
+        record_effect(conn, message)
+
+    name = f"g-{uuid.uuid4().hex[:8]}"
+    props = {**FAST_GROUP, "max.poll.interval.ms": 6000}
+
+    def config() -> Any:
+        return make_config(sdk_db, kafka_broker, topic, name=name, assignment="subscribe", kafka_properties=props,
+                           check_retention=False)
+
+    try:
+        with capture_logs() as logs:
+            a = run_consumer(config(), handler)
+            wait_for(lambda: _hung_pid(sdk_db) is not None, timeout_s=30, message="A never hung")
+            hung = _hung_pid(sdk_db)
+            b = run_consumer(config(), record_effect)
+
+            def b_waits_on_a() -> list[dict[str, Any]]:
+                return [e for e in logs if e["event"] == "database_lock_wait" and hung in e["blocking_pids"]]
+
+            wait_for(b_waits_on_a, timeout_s=90, message="B never said what it waits on")
+            [wait] = b_waits_on_a()[:1]
+            assert wait["log_level"] == "warning" and wait["consumer"] == name
+            assert wait["blockers"] == [f"outbox-consumer:{name}"]
+            assert f"held by backend pid {hung} (outbox-consumer:{name}" in wait["detail"]
+            assert "max.poll.interval.ms" in wait["hint"]
+            holder.close()  # A's handler returns, A commits, B's claim finds a duplicate
+            wait_for(lambda: len(effect_counts(sdk_db)) == len(ids), timeout_s=60, message="not all applied")
+            wait_for(lambda: any(e["event"] == "database_wait_over" for e in logs), timeout_s=30,
+                     message="the end of the wait was not said")
+            a.stop()
+            b.stop()
+    finally:
+        holder.close()
+    effects = effect_counts(sdk_db)
+    assert set(effects) == set(ids) and set(effects.values()) == {1}
