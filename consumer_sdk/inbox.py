@@ -133,7 +133,8 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
         self._busy_since: float | None = None  # when the batch in the works began (LockWaitWatch)
         self.lock_waits = LockWaitWatch(watch_connect, session=lambda: self.store.session, log=self.log,
                                         busy_s=lambda: 0.0 if (since := self._busy_since) is None
-                                        else self._clock() - since)
+                                        else self._clock() - since,
+                                        wait_gauge=self.metrics.lock_wait.labels(config.name))
         self._handler = handler
         self._batch_handler = batch_handler
         self._statements = statements

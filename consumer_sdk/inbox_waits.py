@@ -16,6 +16,11 @@ views, nothing that could wait on the inbox).  A lock wait is logged as
 up: its pid, application_name (another member of the group reads
 ``outbox-consumer:<name>``), state and query; ``database_wait_over`` when it ended.
 Nothing is changed: the wait ends when the blocking transaction does.
+
+The gauge ``outbox_consumer_lock_wait_seconds{consumer}`` (``wait_gauge``) says how long the
+longest lock wait the last look saw has lasted: 0 when no batch takes long, when the look
+found no lock wait or could not look, and once the watch stops.  A log line is written once
+every :data:`LOG_EVERY_S`; the gauge follows every look, so an alert can hold on it.
 """
 
 from __future__ import annotations
@@ -49,12 +54,14 @@ class LockWaitWatch:
 
     ``session``: the consumer's own session as ``(backend pid, application_name)``, None
     while it has none; ``busy_s``: how long the current batch has been in the works (0:
-    none is)."""
+    none is); ``wait_gauge``: the gauge (``.set(seconds)``) the looks report to."""
 
     def __init__(self, connect: Callable[[], Any], *, session: Callable[[], tuple[int, str] | None],
                  busy_s: Callable[[], float], log: Any, after_s: float = LOOK_AFTER_S,
-                 every_s: float = LOOK_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 every_s: float = LOOK_EVERY_S, clock: Callable[[], float] = time.monotonic,
+                 wait_gauge: Any = None) -> None:
         self._connect, self._session, self._busy_s = connect, session, busy_s
+        self._gauge = wait_gauge
         self.log, self.after_s, self.every_s, self._clock = log, after_s, every_s, clock
         self._conn: Any = None
         self._logged: dict[int, float] = {}  # blocking pid -> when logged
@@ -71,6 +78,7 @@ class LockWaitWatch:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         self._close()
+        self._report([])
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -88,7 +96,8 @@ class LockWaitWatch:
         except Exception as exc:  # noqa: BLE001 - the database is away: nothing known, nothing changed
             self.log.debug("database_waits_unknown", error=mask_text(str(exc)))
             self._close()
-            return []
+            waits = []
+        self._report(waits)
         now = self._clock()
         for wait in waits:
             blockers = wait["blockers"]
@@ -111,8 +120,14 @@ class LockWaitWatch:
             self._conn.rollback()  # a factory of the service's own: no transaction left open
         return [_wait(row) for row in rows if int(row[0]) == pid and row[3] == "Lock"]
 
+    def _report(self, waits: list[dict[str, Any]]) -> None:
+        """Set the gauge to the longest of ``waits`` (0 when none)."""
+        if self._gauge is not None:
+            self._gauge.set(max((w["waited_s"] for w in waits), default=0.0))
+
     def _moving(self) -> None:
         """No batch takes long: say a wait logged is over, and give the connection back."""
+        self._report([])
         if self._logged:
             self.log.info("database_wait_over", blocking_pids=sorted(self._logged))
             self._logged.clear()

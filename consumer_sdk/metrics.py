@@ -77,6 +77,12 @@ class ConsumerMetrics:
             "answered while polling, polled the whole budget then slept, slept at once (polling paused "
             "after answers kept coming later than the budget).",
             ["consumer", "outcome"], registry=r)
+        self.lock_wait = Gauge(
+            "outbox_consumer_lock_wait_seconds",
+            "How long the consumer's statement has waited on a lock another session holds (the longest "
+            "wait its lock-wait watch last saw; 0 when none): a member that left the group with its "
+            "transaction open, a DBA's lock.",
+            ["consumer"], registry=r)
         self.inbox_cleanup_deleted = Counter(
             "outbox_consumer_inbox_cleanup_deleted_rows", "Inbox rows deleted by retention.", ["consumer"],
             registry=r)

@@ -5,7 +5,8 @@ Member A's handler hangs on event 0 (it waits for an advisory lock the test hold
 transaction open with event 0's inbox row inserted.  A leaves the group after
 max.poll.interval.ms; B gets the partition, claims event 0 and waits on A's row lock.  That
 wait was silent (no log line: an audit); now B's ``database_lock_wait`` names the backend
-that holds it up (A's pid, its application_name ``outbox-consumer:<name>``).  Released, A's
+that holds it up (A's pid, its application_name ``outbox-consumer:<name>``), and B's gauge
+``outbox_consumer_lock_wait_seconds`` shows the wait (0 again once it is over).  Released, A's
 handler returns and every event is applied once.
 """
 
@@ -19,6 +20,7 @@ import psycopg
 from structlog.testing import capture_logs
 
 from tests.fixtures.broker import create_topic
+from tests.fixtures.procs import wait_until
 from tests.integration.sdk._support import (
     FAST_GROUP,
     effect_counts,
@@ -70,7 +72,17 @@ def test_the_next_owner_names_the_hung_member_it_waits_on(sdk_db, kafka_broker, 
             def b_waits_on_a() -> list[dict[str, Any]]:
                 return [e for e in logs if e["event"] == "database_lock_wait" and hung in e["blocking_pids"]]
 
+            def b_gauge() -> float:
+                value = b.consumer.metrics.registry.get_sample_value("outbox_consumer_lock_wait_seconds",
+                                                                     {"consumer": name})
+                assert value is not None, "B exports no outbox_consumer_lock_wait_seconds"
+                return value
+
             wait_for(b_waits_on_a, timeout_s=90, message="B never said what it waits on")
+            # B's gauge shows the wait (the watch looks after 5 s in a batch) and grows with it.
+            seen = wait_until(lambda: b_gauge() >= 5.0 and b_gauge(), timeout_s=30,
+                              message=lambda: f"B's lock wait gauge stayed at {b_gauge()}")
+            wait_until(lambda: b_gauge() > seen, timeout_s=30, message=lambda: f"B's gauge stuck at {seen}")
             [wait] = b_waits_on_a()[:1]
             assert wait["log_level"] == "warning" and wait["consumer"] == name
             assert wait["blockers"] == [f"outbox-consumer:{name}"]
@@ -80,6 +92,8 @@ def test_the_next_owner_names_the_hung_member_it_waits_on(sdk_db, kafka_broker, 
             wait_for(lambda: len(effect_counts(sdk_db)) == len(ids), timeout_s=60, message="not all applied")
             wait_for(lambda: any(e["event"] == "database_wait_over" for e in logs), timeout_s=30,
                      message="the end of the wait was not said")
+            wait_until(lambda: b_gauge() == 0.0, timeout_s=30,
+                       message=lambda: f"B's lock wait gauge stayed at {b_gauge()} after the wait")
             a.stop()
             b.stop()
     finally:

@@ -114,6 +114,8 @@ class FakeKafka:
 class JournalStore(FakeInboxStore):
     """The fake inbox, plus the PgInboxStore extras the loop calls, journaling commits."""
 
+    session = None  # no backend: the lock-wait watch has nothing to look at
+
     def __init__(self, journal: list[Any]) -> None:
         super().__init__()
         self.journal = journal

@@ -10,6 +10,7 @@ import structlog
 from structlog.testing import capture_logs
 
 from consumer_sdk.inbox_waits import LOG_EVERY_S, LockWaitWatch
+from consumer_sdk.metrics import ConsumerMetrics
 
 OWN_PID = 101
 BLOCKER = {"pid": 202, "application_name": "outbox-consumer:svc", "state": "idle in transaction",
@@ -74,3 +75,48 @@ def test_a_database_away_changes_nothing() -> None:
     with capture_logs() as logs:
         assert watch.run_once() == []
     assert [e["event"] for e in logs] == ["database_waits_unknown"]
+
+
+def _lock_wait(metrics: ConsumerMetrics) -> float | None:
+    return metrics.registry.get_sample_value("outbox_consumer_lock_wait_seconds", {"consumer": "svc"})
+
+
+def test_the_gauge_shows_the_longest_wait_of_the_last_look_and_falls_back_to_zero() -> None:
+    metrics = ConsumerMetrics()
+    longer = (OWN_PID, "outbox-consumer:svc", 47.6, "Lock", "tuple", "inbox", "ShareLock", [BLOCKER])
+    conn = Rows([_row(OWN_PID), _row(999, event_type="Lock")])
+    busy, away = [6.0], [False]
+
+    def connect() -> Rows:
+        if away[0]:
+            raise OSError("connection refused")
+        return conn
+
+    watch = LockWaitWatch(connect, session=lambda: (OWN_PID, "outbox-consumer:svc"), busy_s=lambda: busy[0],
+                          log=structlog.get_logger(), after_s=5.0,
+                          wait_gauge=metrics.lock_wait.labels("svc"))
+    assert _lock_wait(metrics) == 0.0
+    watch.run_once()
+    assert _lock_wait(metrics) == 12.3  # its own session's wait; another member's is not counted
+    conn.rows = [_row(OWN_PID), longer]
+    watch.run_once()
+    assert _lock_wait(metrics) == 47.6  # the longest
+    conn.rows = [_row(OWN_PID, event_type="IO")]
+    watch.run_once()
+    assert _lock_wait(metrics) == 0.0  # the statement runs on: no lock wait
+    conn.rows = [_row(OWN_PID)]
+    watch.run_once()
+    assert _lock_wait(metrics) == 12.3
+    busy[0] = 0.0
+    watch.run_once()
+    assert _lock_wait(metrics) == 0.0  # the batch is done
+    busy[0], conn.closed = 6.0, False
+    watch.run_once()
+    away[0], conn.closed = True, True  # the database goes away: the next look cannot be made
+    watch.run_once()
+    assert _lock_wait(metrics) == 0.0
+    away[0] = False
+    watch.run_once()
+    assert _lock_wait(metrics) == 12.3
+    watch.stop()
+    assert _lock_wait(metrics) == 0.0  # a stopped consumer waits on nothing
