@@ -22,7 +22,9 @@ never returns (an HTTP call without a timeout, a deadlock) kept its job and its 
 ever, silently (an audit of the pool).  So the lease watch also logs ``job_running_long``
 once per attempt whose handler has run ``running_long_after_s``, and the gauge
 ``outbox_jobs_oldest_running_age_seconds{queue}`` says, when scraped, how long the oldest
-handler of the pool has run (from the pool's own attempts: no statement).
+handler of the pool has run (from the pool's own attempts: no statement);
+``outbox_jobs_handlers_stuck`` how many handlers timed out (``handler_timeout_s``) have not
+returned, each holding a thread and a slot (:mod:`consumer_sdk.jobs.timeouts`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Heartbeat:
         self.timeouts = timeouts
         for queue in queues:  # read when scraped: no update per job
             metrics.oldest_running_age.labels(queue).set_function(partial(self.oldest_running_s, queue))
+        metrics.handlers_stuck.set_function(self.stuck_handlers)
 
     def loop(self, every_s: float, stop: threading.Event) -> None:
         watch = threading.Thread(target=self._watch, args=(every_s, stop), name="jobs-lease-watch", daemon=True)

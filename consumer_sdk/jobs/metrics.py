@@ -65,6 +65,10 @@ class JobsMetrics:
             "has run (0 when none runs).", ["queue"], registry=r)
         self.workers_capacity = Gauge("outbox_jobs_workers_capacity", "Jobs this pool may run at once.",
                                       registry=r)
+        #: A worker pool reads its own timed-out handlers when scraped (set_function).
+        self.handlers_stuck = Gauge(
+            "outbox_jobs_handlers_stuck", "Handlers this pool timed out (handler_timeout_s) that have not "
+            "returned: each holds its thread and a worker slot until it does.", registry=r)
         self.oldest_pending_age = Gauge(
             "outbox_jobs_oldest_pending_age_seconds", "Age of the oldest ready job (since it became claimable).",
             ["queue"], registry=r)

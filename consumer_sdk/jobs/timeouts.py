@@ -15,7 +15,8 @@ thread, its connection and its slot until it returns.  The pool starts no thread
 place (its threads and connections stay bounded by ``max_concurrency``), so each stuck
 handler is one slot less, never counted as free: ``handler_stuck`` says so when it times
 out, ``pool.health()`` counts them (``stuck_handlers``) and is not ready once every slot
-is stuck, and ``outbox_jobs_oldest_running_age_seconds`` keeps showing them.
+is stuck, the gauge ``outbox_jobs_handlers_stuck`` (read when scraped) counts them too, and
+``outbox_jobs_oldest_running_age_seconds`` keeps showing them.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ of a running attempt's age, no log, no alert).  Now the pool's gauge
 ``outbox_jobs_oldest_running_age_seconds{queue}`` grows with it, and ``job_running_long``
 is logged once for the attempt past ``running_long_after_s``.  With ``handler_timeout_s``
 (opt-in) the attempt fails at the limit: retried or dead-lettered by the pool, with the
-reason, under its lease token.
+reason, under its lease token, and the gauge ``outbox_jobs_handlers_stuck`` counts the handlers
+that ignore it and keep their slots.
 """
 
 from __future__ import annotations
@@ -88,20 +89,27 @@ def test_a_handler_past_handler_timeout_s_fails_its_attempt_and_the_pool_runs_on
                           poll_interval_s=0.1, listen=False, drain_timeout_s=1.0, handler_timeout_s=1.0,
                           backoff=Backoff(initial_s=0.0, max_s=0.0))
     pool = WorkerPool(config, {"hang": hang, "quick": lambda ctx: "ok"}, log=recording_logger(logged))
+
+    def stuck_gauge() -> float | None:
+        return pool.metrics.registry.get_sample_value("outbox_jobs_handlers_stuck")
+
     pool.start()
     try:
+        assert stuck_gauge() == 0.0
         [dead] = enqueue(conn, [NewJob(owner_id="a", queue="bulk", kind="hang", payload={}, max_attempts=1)])
         [retried] = enqueue(conn, [NewJob(owner_id="b", queue="bulk", kind="hang", payload={}, max_attempts=3)])
         wait_until(lambda: job_status(jobs_db, dead) == "failed", timeout_s=30, message="the hung job never failed")
         wait_until(lambda: job_status(jobs_db, retried) == "succeeded", timeout_s=30,
                    message=lambda: f"the retried job is {job_status(jobs_db, retried)}")
         assert pool.health().stuck_handlers == 2 and pool.health().ready  # 1 of 3 slots left, used
+        assert stuck_gauge() == 2.0  # what a scrape shows
         quick = enqueue(conn, [NewJob(owner_id=f"q{i}", queue="bulk", kind="quick", payload={}) for i in range(3)])
         wait_until(lambda: all(job_status(jobs_db, j) == "succeeded" for j in quick), timeout_s=30,
                    message="the pool stopped running jobs")
         release.set()
         wait_until(lambda: pool.outcomes["timed_out"] == 2, timeout_s=20, message=lambda: str(pool.outcomes))
         assert pool.health().stuck_handlers == 0
+        assert stuck_gauge() == 0.0
     finally:
         release.set()
         pool.stop()
