@@ -43,13 +43,19 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from relay.errors import ConfigError, LeaseLost
-from relay.exactly_once_position import BrokerUnreachable, ensure_position_topic, event_digest
-from relay.exactly_once_shard import Headers, Job, Result, ShardWorker
+from relay.exactly_once_leaders import Leaders
+from relay.exactly_once_position import (
+    BrokerUnreachable,
+    RecoveryStore,
+    ensure_position_topic,
+    event_digest,
+    mark_listed,
+)
+from relay.exactly_once_shard import Headers, Job, Result, SentRows, ShardWorker
 from relay.leases import LeaseManager
-from relay.marker import MarkStore
 from relay.model import Lease, OutboxRow, RowId, ShardId, Token
 from relay.outcomes import Outcome
 from relay.publisher import BadRow, DeliveryCallback, Publisher, encode_headers
@@ -61,12 +67,6 @@ MAX_ROWS_PER_TRANSACTION = 20_000
 #: A shard's buffer this full starts its transaction without waiting out the commit interval:
 #: a backlog is drained in transactions of this size or more, back to back.
 FULL_TRANSACTION_ROWS = 1_000
-
-
-class RecoveryStore(MarkStore, Protocol):
-    """The recovery connection's store (relay.store.Store)."""
-
-    def event_ids(self, ids: list[RowId]) -> list[tuple[RowId, str]]: ...
 
 
 @dataclass(slots=True)
@@ -106,6 +106,8 @@ class TransactionalPublisher:
         self._metrics = metrics
         self._clock = clock
         self._results: queue.SimpleQueue[Result] = queue.SimpleQueue()
+        self._sent = SentRows()  # rows of open transactions handed to Kafka, delivered or not
+        self._leaders = Leaders(self._config, clock)
         self._shards: dict[ShardId, _Shard] = {}
         self._retry: dict[ShardId, tuple[float, float]] = {}  # shard -> (not before, last wait)
         self._immediate: list[tuple[DeliveryCallback, OutboxRow, Outcome]] = []
@@ -135,6 +137,14 @@ class TransactionalPublisher:
         for state in self._shards.values():
             for row_id in done & state.unconfirmed.keys():
                 del state.unconfirmed[row_id]
+
+    def undelivered(self, row_id: RowId) -> bool:
+        """relay.stalls: the row was handed to Kafka and its partition's leader did not take it."""
+        return self._sent.undelivered(row_id)
+
+    def leaderless(self, topic: str) -> frozenset[int] | None:
+        """relay.stalls: the partitions of ``topic`` without a leader (None: not known)."""
+        return self._leaders.leaderless(topic)
 
     def rewound(self) -> None:
         """The pump rewound: failed shards may produce again."""
@@ -211,25 +221,14 @@ class TransactionalPublisher:
     # -- internals ------------------------------------------------------------------------
 
     def _recover(self, shard: ShardId, token: Token, ids: list[RowId], events: list[int] | None) -> None:
-        """On a worker's thread: mark what the last committed position lists (fenced), the
-        rows that still hold the event the record names (a database restored from a backup
-        hands published ids out again, to new rows; a record from before event ids were
-        listed is read by its ids).  The mark goes by each row's (id, event_id) on both
-        layouts: a partitioned outbox may hold two rows of one id (relay.sql's
-        mark_published_by_event); the store is set so where the relay makes it (app.py)."""
+        """On a worker's thread: mark what the last committed position lists, fenced
+        (relay.exactly_once_position.mark_listed)."""
         with self._store_lock:
-            found = self._store.event_ids(ids)
-            if events is not None:
-                listed = set(zip(ids, events, strict=True))
-                found = [(i, event_id) for i, event_id in found if (i, event_digest(event_id)) in listed]
-            rows = [OutboxRow(id=i, event_id=event_id, topic="", key=None, value=None, headers_json="",
-                              xid=0, shard=shard, attempts=0, created_epoch=0.0) for i, event_id in found]
-            held, marked = self._store.mark_published(owner=self._leases.owner,
-                                                      leases=[Lease(shard, token, 0.0)], rows=rows)
+            held, marked, found = mark_listed(self._store, self._leases.owner, Lease(shard, token, 0.0), ids, events)
         if shard not in held:
             raise LeaseLost(f"shard {shard}: lease taken over during recovery")
-        self._log.info("exactly_once_recovered", shard=shard, listed=len(ids), marked=len(marked),
-                       other_events=max(0, len(ids) - len(found)))
+        self._log.info("exactly_once_recovered", shard=shard, listed=len(ids), marked=marked,
+                       other_events=max(0, len(ids) - found))
 
     def _sync_leases(self) -> None:
         held = {shard: lease.token for shard, lease in self._leases.leases.items()}
@@ -243,7 +242,7 @@ class TransactionalPublisher:
             self._shards[shard] = _Shard(ShardWorker(
                 shard, token, config=self._config, transactional_id=self.transactional_id(shard),
                 position_topic=self._position_topic, recover=self._recover, results=self._results,
-                outbox=self._outbox))
+                outbox=self._outbox, sent=self._sent))
 
     def _close_shard(self, shard: ShardId, why: str) -> None:
         state = self._shards.pop(shard)
@@ -283,6 +282,7 @@ class TransactionalPublisher:
             return self._apply_init(result, state if current else None)
         if current and state is not None:
             state.running = False
+        self._sent.forget(result.rows, worker)
         # Open past transaction.timeout.ms, it was the broker's timeout that aborted it and
         # fenced its producer (librdkafka: "fenced by a newer instance"), not another owner:
         # a lone replica paused past it said it was fenced.

@@ -14,13 +14,14 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from relay.errors import ConfigError
-from relay.model import RowId, ShardId
+from relay.marker import MarkStore
+from relay.model import Lease, OutboxRow, RowId, ShardId
 from relay.publisher import _KAFKA_LOG
 
 POSITION_READ_TIMEOUT_S = 20.0
@@ -186,6 +187,31 @@ class PositionReader:
 
     def close(self) -> None:
         self._consumer.close()
+
+
+class RecoveryStore(MarkStore, Protocol):
+    """The recovery connection's store (relay.store.Store)."""
+
+    def event_ids(self, ids: list[RowId]) -> list[tuple[RowId, str]]: ...
+
+
+def mark_listed(store: RecoveryStore, owner: str, lease: Lease, ids: list[RowId],
+                events: list[int] | None) -> tuple[set[ShardId], int, int]:
+    """Mark the rows a position record lists (``ids``, and ``events``: their event_digest, or
+    None in a record from before event ids were listed: read by its ids) that still hold the
+    event it names (a database restored from a backup hands published ids out again, to new
+    rows), fenced by ``lease``: (the shards still held, rows marked, rows found).  The mark
+    goes by each row's (id, event_id) on both layouts: a partitioned outbox may hold two rows
+    of one id (relay.sql's mark_published_by_event); the store is set so where the relay makes
+    it (app.py)."""
+    found = store.event_ids(ids)
+    if events is not None:
+        listed = set(zip(ids, events, strict=True))
+        found = [(i, event_id) for i, event_id in found if (i, event_digest(event_id)) in listed]
+    rows = [OutboxRow(id=i, event_id=event_id, topic="", key=None, value=None, headers_json="",
+                      xid=0, shard=lease.shard, attempts=0, created_epoch=0.0) for i, event_id in found]
+    held, marked = store.mark_published(owner=owner, leases=[lease], rows=rows)
+    return held, len(marked), len(found)
 
 
 def read_position(config: dict[str, str], topic: str, shard: ShardId,

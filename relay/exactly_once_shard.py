@@ -76,6 +76,38 @@ POSITION_REPORT = RowId(-1)
 Recover = Callable[[ShardId, Token, list[RowId], "list[int] | None"], None]
 
 
+class SentRows:
+    """The rows of open transactions handed to Kafka, and whether their partition's leader
+    took them (a delivery report without an error: written to its log, not committed yet).
+
+    Shard workers note them on their threads, while their commit waits; the pump's thread
+    asks (relay.stalls: only a row handed over and not taken waits on its partition; one
+    still buffered, or delivered, waits on its shard's transaction) and forgets a
+    transaction's rows when its result is applied."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by: dict[RowId, tuple[ShardWorker, bool]] = {}  # -> (worker, delivered)
+
+    def note(self, row_id: RowId, worker: ShardWorker, *, delivered: bool) -> None:
+        with self._lock:
+            self._by[row_id] = (worker, delivered)
+
+    def undelivered(self, row_id: RowId) -> bool:
+        """Handed to Kafka and not delivered (no report yet, or a failed one)."""
+        with self._lock:
+            found = self._by.get(row_id)
+        return found is not None and not found[1]
+
+    def forget(self, rows: list[OutboxRow], worker: ShardWorker) -> None:
+        """A transaction's result is in: its rows have outcomes (not a newer worker's)."""
+        with self._lock:
+            for row in rows:
+                found = self._by.get(row.id)
+                if found is not None and found[0] is worker:
+                    del self._by[row.id]
+
+
 @dataclass(slots=True)
 class Job:
     rows: list[tuple[OutboxRow, Headers]]
@@ -109,8 +141,10 @@ class ShardWorker:
 
     def __init__(self, shard: ShardId, token: Token, *, config: dict[str, str],
                  transactional_id: str, position_topic: str, recover: Recover,
-                 results: queue.SimpleQueue[Result], outbox: str) -> None:
+                 results: queue.SimpleQueue[Result], outbox: str,
+                 sent: SentRows | None = None) -> None:
         self.shard, self.token = shard, token
+        self._sent = sent if sent is not None else SentRows()
         self._config = {**config, "transactional.id": transactional_id}
         self._timeout_s = transaction_timeout_s(config)
         self._position_topic = position_topic
@@ -249,6 +283,8 @@ class ShardWorker:
                 reports[row_id] = (Outcome(ok=True, partition=msg.partition() or 0,
                                            offset=msg.offset() or 0)
                                    if err is None else classify(err))
+                if err is None and row_id != POSITION_REPORT:
+                    self._sent.note(row_id, self, delivered=True)  # before the commit: the pump asks
             return done
 
         failed_row: tuple[RowId, Outcome] | None = None
@@ -257,6 +293,7 @@ class ShardWorker:
             self._unfinished = True
             producer.begin_transaction()
             for row, headers in job.rows:
+                self._sent.note(row.id, self, delivered=False)
                 problem = self._produce(producer, row, headers, report(row.id))
                 if problem is not None:
                     failed_row = (row.id, problem)

@@ -9,6 +9,17 @@ batch against the pipeline, and produces nothing more for that partition or for 
 of its waiting rows (per-key order) until the partition acknowledges again; the rows it
 skipped are claimed again by a rewind once the stall is over.
 
+In exactly-once mode a row's outcome comes with its shard's transaction's commit, so one
+partition without a leader leaves the rows of every other partition in the same
+transactions (and those buffered behind them) without an outcome too.  A publisher that
+knows which rows it handed to Kafka and their leader has not taken (``undelivered``; the
+others are delivered, not committed yet, or not produced yet), and which partitions have
+no leader (``leaderless``: the rows of healthy partitions added to a transaction with a
+leaderless one are never sent either, relay/exactly_once_leaders.py), lets the tracker
+name only the partitions at fault (``partitions``: ``partition_stalled``, the gauge,
+`outbox-relay status`); the keys held back and the batches set aside are those of every
+row still waiting, as before (``waiting``), so the pump treats the rows the same.
+
 The partition of a keyed row is Kafka's default (murmur2 of the key, as the Java client
 and librdkafka's ``murmur2_random`` partitioner compute it) over the topic's partition
 count; a keyless row has none and is never held back.
@@ -19,13 +30,22 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from relay.model import OutboxRow, RowId
 
 STALL_AFTER_S = 5.0  # no acknowledgement for this long: the row's partition is stalled
 
 Partition = tuple[str, int | None]  # (topic, partition; None when not computable)
+Undelivered = Callable[[RowId], bool]  # the row was handed to its partition, which has not taken it
+Leaderless = Callable[[str], "frozenset[int] | None"]  # a topic's partitions without a leader (None: unknown)
+
+
+def hook_of(partition_of: Callable[[OutboxRow], int | None], name: str) -> Any:
+    """The hook ``name`` of the publisher ``partition_of`` is a method of, if it has one
+    (relay.exactly_once.TransactionalPublisher): the pump builds its tracker from that method."""
+    hook = getattr(getattr(partition_of, "__self__", None), name, None)
+    return hook if callable(hook) else None
 
 
 def murmur2(data: bytes) -> int:
@@ -73,7 +93,12 @@ class Stalls:
     """The stalled partitions and held keys, recomputed from the batches in flight."""
 
     partition_of: Callable[[OutboxRow], int | None]
-    partitions: dict[Partition, int] = field(default_factory=dict)  # -> rows waiting
+    #: Which waiting rows their partition holds up (the others wait on something else); taken
+    #: from the publisher of ``partition_of`` when not given (None: every waiting row counts).
+    undelivered: Undelivered | None = None
+    leaderless: Leaderless | None = None  # likewise: of the partitions named, those without a leader
+    partitions: dict[Partition, int] = field(default_factory=dict)  # stalled -> rows not delivered
+    waiting: dict[Partition, int] = field(default_factory=dict)  # -> rows waiting (delivered or not)
     keys: set[str] = field(default_factory=set)  # keys with a row waiting on a stalled partition
     held: set[str] = field(default_factory=set)  # keys skipped since: claimed again by a rewind
     rewind_after: bool = False  # rows were skipped: rewind once no partition is stalled
@@ -81,12 +106,20 @@ class Stalls:
     # in Python is not free for thousands of waiting rows.
     _placed: dict[RowId, Partition] = field(default_factory=dict, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.undelivered is None:
+            self.undelivered = hook_of(self.partition_of, "undelivered")
+        if self.leaderless is None:
+            self.leaderless = hook_of(self.partition_of, "leaderless")
+
     def update(self, batches: Iterable[Waiting], now: float) -> bool:
         """Recompute from ``batches`` (in production order); True when a stall just ended."""
         was = bool(self.partitions)
-        partitions: dict[Partition, int] = {}
+        waiting: dict[Partition, int] = {}
+        undelivered: dict[Partition, int] = {}
         keys: set[str] = set()
         known, placed = self._placed, {}  # a waiting row's partition is computed once
+        held_up = self.undelivered
         for batch in batches:
             if now - batch.produced_at < STALL_AFTER_S:
                 break  # later batches are younger still
@@ -94,11 +127,14 @@ class Stalls:
                 if row.id not in batch.outcomes:
                     where = known.get(row.id) or (row.topic, self.partition_of(row))
                     placed[row.id] = where
-                    partitions[where] = partitions.get(where, 0) + 1
+                    waiting[where] = waiting.get(where, 0) + 1
+                    if held_up is None or held_up(row.id):
+                        undelivered[where] = undelivered.get(where, 0) + 1
                     if row.key is not None:
                         keys.add(row.key)
-        self.partitions, self.keys, self._placed = partitions, keys, placed
-        return was and not partitions
+        self.waiting, self.keys, self._placed = waiting, keys, placed
+        self.partitions = stalled_partitions(waiting, undelivered, self.leaderless)
+        return was and not self.partitions
 
     def as_json(self) -> str:
         """{"<topic>": {"<partition>": rows waiting}}: what `outbox-relay status` shows."""
@@ -115,7 +151,7 @@ class Stalls:
         if key is None:
             return False  # a keyless row has no order to keep: it goes
         if (key not in self.keys and key not in self.held
-                and (row.topic, self.partition_of(row)) not in self.partitions):
+                and (row.topic, self.partition_of(row)) not in self.waiting):
             return False
         self.held.add(key)
         self.rewind_after = True
@@ -125,3 +161,21 @@ class Stalls:
         """A batch that only waits on stalled partitions: it no longer counts as in flight
         for the pipeline's depth, and its acknowledged rows are marked without it."""
         return now - batch.produced_at >= STALL_AFTER_S and bool(self.partitions)
+
+
+def stalled_partitions(waiting: dict[Partition, int], undelivered: dict[Partition, int],
+                       leaderless: Leaderless | None = None) -> dict[Partition, int]:
+    """The partitions to name: those of rows not delivered and, when the cluster says some of
+    them have no leader, only those.  When every waiting row waits on something else (a
+    transaction whose commit waits on its position record's partition or on its
+    coordinator), the partitions of all of them are named, as before: a stall is never left
+    unsaid, and the pump's handling does not change."""
+    named = undelivered or waiting
+    if leaderless is None or not named:
+        return dict(named)
+    lacking: dict[str, frozenset[int] | None] = {topic: None for topic, _ in named}
+    for topic in lacking:
+        lacking[topic] = leaderless(topic)
+    at_fault: dict[Partition, int] = {(topic, p): n for (topic, p), n in named.items()
+                if p is not None and p in (lacking[topic] or ())}
+    return at_fault or dict(named)

@@ -3,11 +3,15 @@ replica's broker killed) holds up every shard transaction with a row for it, unt
 messages time out (librdkafka caps message.timeout.ms at transaction.timeout.ms) and the
 transaction is aborted.  The relay must say so, not only blame a hold-up of its own, and,
 once the broker is back, deliver every event exactly once to a read_committed consumer.
-And a position partition without a leader is not a position topic deleted."""
+While those transactions wait, only the leaderless partition is named stalled, not the
+healthy ones whose rows wait in the same transactions.  And a position partition without a
+leader is not a position topic deleted."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import urllib.request
 from typing import Any
 
 import pytest
@@ -26,9 +30,10 @@ from tests.fixtures.outbox import (
     relay_env,
     wait_drained,
 )
-from tests.fixtures.procs import Proc, wait_until
+from tests.fixtures.procs import Proc, free_port, wait_until
 
 TRANSACTION_TIMEOUT_MS = 3000
+STUCK_TRANSACTION_TIMEOUT_MS = 20_000  # longer than relay.stalls.STALL_AFTER_S: a stall is seen
 
 
 def _failed(relay: Proc) -> list[dict[str, Any]]:
@@ -71,6 +76,74 @@ def test_a_partition_without_a_leader_is_named_when_transactions_time_out(
     assert not delivery.missing and delivery.duplicates == 0 and not delivery.order_violations
     relay.sigterm()
     assert relay.wait(60) == 0, relay.log_tail()
+
+
+def test_only_the_partition_without_a_leader_is_named_stalled(
+        outbox_db, kafka_cluster: ApacheKafkaCluster, spawn, topic_name):
+    """Partition 0's only replica killed: every shard transaction with a row for it waits, and
+    the rows of partitions 1 and 2 in it with it (delivered and not committed, or never sent:
+    librdkafka adds a transaction's partitions together).  partition_stalled, the
+    stalled-rows gauge and `outbox-relay status` named all three; now only partition 0."""
+    topic = topic_name("eo-stalled")
+    admin = admin_client(kafka_cluster.bootstrap)
+    admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])[topic].result(30)
+    leader = wait_until(lambda: admin.list_topics(topic, timeout=5).topics[topic].partitions[0].leader,
+                        timeout_s=30, ignore=(KeyError,))
+    port = free_port()
+    env = relay_env(outbox_db, kafka_cluster.bootstrap, exactly_once="true", metrics_port=port,
+                    exactly_once_position_topic=topic_name("pos"),
+                    exactly_once_transactional_id_prefix=topic_name("txn") + ".",
+                    kafka_transaction_timeout_ms=STUCK_TRANSACTION_TIMEOUT_MS)
+    relay = spawn(relay_cmd("run"), env=env, name="relay-eo-stalled")
+    relay.wait_for_log("relay_started", timeout_s=60)
+    insert_rows(outbox_db, topic, 90, keys=30)
+    wait_drained(outbox_db, timeout_s=60)
+
+    index = [node.node_id for node in kafka_cluster.nodes].index(leader)
+    kafka_cluster.kill(index)  # partition 0 of the topic has no leader now
+    try:
+        # Once the broker is fenced, the partitions it led with replicas elsewhere (position
+        # records, transaction coordinators) have new leaders: only partition 0 has none.
+        wait_until(lambda: admin.list_topics(topic, timeout=5).topics[topic].partitions[0].leader < 0,
+                   timeout_s=60, message="partition 0 kept a leader")
+        insert_rows(outbox_db, topic, 300, keys=30, start=90)
+        wait_until(lambda: _logged(relay, "partition_stalled"), timeout_s=60,
+                   message=lambda: f"no partition_stalled: {relay.log_tail()}")
+        status = wait_until(lambda: _status(outbox_db)["stalled_partitions"], timeout_s=30,
+                            message="the status never showed a stalled partition")
+        gauge = wait_until(lambda: _stalled_gauge(port, topic), timeout_s=30)
+        logged = {(e["topic"], e["partition"]) for e in _logged(relay, "partition_stalled")}
+    finally:
+        kafka_cluster.start(index)
+    assert logged == {(topic, 0)}, logged  # before: partitions 1 and 2 as well
+    assert {(r["topic"], r["partition"]) for r in status} == {(topic, "0")}, status
+    assert set(gauge) == {"0"}, gauge
+    wait_drained(outbox_db, timeout_s=120)
+    expected = all_event_ids(outbox_db)
+    records = read_all(kafka_cluster.bootstrap, topic, expected, timeout_s=60, extra_wait_s=1.0,
+                       isolation_level="read_committed")
+    delivery = check_delivery(records, expected)
+    assert not delivery.missing and delivery.duplicates == 0 and not delivery.order_violations
+    relay.sigterm()
+    assert relay.wait(60) == 0, relay.log_tail()
+
+
+def _status(dsn: str) -> dict[str, Any]:
+    done = subprocess.run(relay_cmd("status", "--json", "--dsn", dsn), capture_output=True, text=True,
+                          check=True, timeout=60)
+    status: dict[str, Any] = json.loads(done.stdout)
+    return status
+
+
+def _stalled_gauge(port: int, topic: str) -> dict[str, float]:
+    """The partitions of ``topic`` in outbox_relay_stalled_rows: rows waiting."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:  # noqa: S310 - ours
+        text = response.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("outbox_relay_stalled_rows{") and f'topic="{topic}"' in line:
+            found[line.split('partition="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return found
 
 
 def _logged(relay: Proc, name: str) -> list[dict[str, Any]]:

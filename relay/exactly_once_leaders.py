@@ -1,0 +1,51 @@
+"""Which partitions have no leader: what the stall tracker asks in exactly-once mode.
+
+A shard transaction with a row for a partition without a leader holds its other rows too,
+and not only their outcomes: librdkafka adds a transaction's partitions to it together, so
+the rows of healthy partitions added with the leaderless one stay queued, never sent (their
+delivery reports, at the abort: "Purged in queue"; measured on three Apache Kafka brokers).
+Their partitions look stalled by every sign the relay has of its own.  The cluster's
+metadata tells them apart: relay.stalls names, of the partitions whose rows wait, those
+the metadata says have no leader, when it says so of any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
+
+from relay.exactly_once_position import shared_config
+
+LEADERS_TTL_S = 5.0  # a topic's leaders, once asked (only while its rows look stalled), are trusted this long
+LEADERS_TIMEOUT_S = 1.0  # the metadata request, on the pump's thread
+
+
+class Leaders:
+    """The partitions without a leader, per topic, from a metadata-only client made when
+    first asked (a stall), each topic asked at most every ``LEADERS_TTL_S``."""
+
+    def __init__(self, config: dict[str, str], clock: Callable[[], float]) -> None:
+        self._config = config
+        self._clock = clock
+        self._client: Any = None
+        self._known: dict[str, tuple[float, frozenset[int] | None]] = {}  # topic -> (until, leaderless)
+
+    def leaderless(self, topic: str) -> frozenset[int] | None:
+        """The partitions of ``topic`` whose leader is unknown to the cluster (None: no answer)."""
+        now = self._clock()
+        until, known = self._known.get(topic, (float("-inf"), None))
+        if now < until:
+            return known
+        try:
+            if self._client is None:
+                self._client = AdminClient(shared_config(self._config))
+            metadata = self._client.list_topics(topic=topic, timeout=LEADERS_TIMEOUT_S).topics.get(topic)
+            known = None if metadata is None else frozenset(
+                p for p, partition in metadata.partitions.items() if partition.leader < 0)
+        except KafkaException:
+            known = None
+        self._known[topic] = (now + LEADERS_TTL_S, known)
+        return known
