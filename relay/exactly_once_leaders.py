@@ -32,13 +32,19 @@ class Leaders:
         self._clock = clock
         self._client: Any = None
         self._known: dict[str, tuple[float, frozenset[int] | None]] = {}  # topic -> (until, leaderless)
+        self._silent_until = float("-inf")  # no metadata answered: ask no topic before then
 
     def leaderless(self, topic: str) -> frozenset[int] | None:
-        """The partitions of ``topic`` whose leader is unknown to the cluster (None: no answer)."""
+        """The partitions of ``topic`` whose leader is unknown to the cluster (None: no answer).
+        A request that got no answer (every broker out of reach) holds every topic's for
+        ``LEADERS_TTL_S``: the pump's thread, which runs the lease heartbeats too, waits at
+        most ``LEADERS_TIMEOUT_S`` each time, however many topics have rows waiting."""
         now = self._clock()
         until, known = self._known.get(topic, (float("-inf"), None))
         if now < until:
             return known
+        if now < self._silent_until:
+            return None
         try:
             if self._client is None:
                 self._client = AdminClient(shared_config(self._config))
@@ -46,6 +52,6 @@ class Leaders:
             known = None if metadata is None else frozenset(
                 p for p, partition in metadata.partitions.items() if partition.leader < 0)
         except KafkaException:
-            known = None
+            known, self._silent_until = None, now + LEADERS_TTL_S
         self._known[topic] = (now + LEADERS_TTL_S, known)
         return known

@@ -62,7 +62,7 @@ from relay.pump_claim import PACED_CLAIM_ROWS as PACED_CLAIM_ROWS
 from relay.pump_claim import Claiming
 from relay.pump_settle import INLINE_MARK_ROWS as INLINE_MARK_ROWS
 from relay.pump_settle import Settling, reopens
-from relay.stalls import Stalls
+from relay.stalls import Stalls, StallSigns
 
 DEFAULT_BATCH_MAX_BYTES = 4 << 20  # payload bytes per claim; 4 in flight: 16 MiB
 DEFAULT_MAX_MESSAGE_BYTES = 1_000_000  # librdkafka's message.max.bytes default
@@ -167,7 +167,12 @@ class Pump(Claiming, Settling):
                                  log=log, clock=clock, max_attempts=max_attempts,
                                  backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
                                  dead_letter_topic=dead_letter_topic)
-        self.stalls = Stalls(partition_of=publisher.partition_of)
+        # The exactly-once publisher says which waiting rows their partition holds up and which
+        # partitions have no leader (relay/stalls.py); the default one has neither.
+        signs = publisher if isinstance(publisher, StallSigns) else None
+        self.stalls = Stalls(partition_of=publisher.partition_of,
+                             undelivered=signs.undelivered if signs is not None else None,
+                             leaderless=signs.leaderless if signs is not None else None)
         # Publishers that can wait for every outstanding report in one call (not the
         # exactly-once one, whose reports come from its shard workers).
         self._wait_reports: Callable[[float], int] | None = getattr(publisher, "wait_reports", None)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol, runtime_checkable
 
 from relay.model import OutboxRow, RowId
 
@@ -41,11 +41,13 @@ Undelivered = Callable[[RowId], bool]  # the row was handed to its partition, wh
 Leaderless = Callable[[str], "frozenset[int] | None"]  # a topic's partitions without a leader (None: unknown)
 
 
-def hook_of(partition_of: Callable[[OutboxRow], int | None], name: str) -> Any:
-    """The hook ``name`` of the publisher ``partition_of`` is a method of, if it has one
-    (relay.exactly_once.TransactionalPublisher): the pump builds its tracker from that method."""
-    hook = getattr(getattr(partition_of, "__self__", None), name, None)
-    return hook if callable(hook) else None
+@runtime_checkable
+class StallSigns(Protocol):
+    """A publisher that knows which waiting rows their partition holds up and which partitions
+    have no leader (relay.exactly_once.TransactionalPublisher); the default one does not."""
+
+    def undelivered(self, row_id: RowId) -> bool: ...
+    def leaderless(self, topic: str) -> frozenset[int] | None: ...
 
 
 def murmur2(data: bytes) -> int:
@@ -93,8 +95,8 @@ class Stalls:
     """The stalled partitions and held keys, recomputed from the batches in flight."""
 
     partition_of: Callable[[OutboxRow], int | None]
-    #: Which waiting rows their partition holds up (the others wait on something else); taken
-    #: from the publisher of ``partition_of`` when not given (None: every waiting row counts).
+    #: Which waiting rows their partition holds up (the others wait on something else; None:
+    #: every waiting row counts): the exactly-once publisher's (relay/pump.py passes it).
     undelivered: Undelivered | None = None
     leaderless: Leaderless | None = None  # likewise: of the partitions named, those without a leader
     partitions: dict[Partition, int] = field(default_factory=dict)  # stalled -> rows not delivered
@@ -105,12 +107,6 @@ class Stalls:
     # The partition of each row still waiting: update() runs every loop turn, and murmur2
     # in Python is not free for thousands of waiting rows.
     _placed: dict[RowId, Partition] = field(default_factory=dict, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.undelivered is None:
-            self.undelivered = hook_of(self.partition_of, "undelivered")
-        if self.leaderless is None:
-            self.leaderless = hook_of(self.partition_of, "leaderless")
 
     def update(self, batches: Iterable[Waiting], now: float) -> bool:
         """Recompute from ``batches`` (in production order); True when a stall just ended."""

@@ -5,7 +5,7 @@ database, no broker).  They follow the real contracts closely enough to be hones
   window (snapshot difference: ``prev_xmax <= xid < xmax``) after its position, of the
   shards asked for, and returns the snapshot it took; a mark removes rows from pending.
 * ``Publisher``: queues rows and acknowledges them on ``poll``, except those of the
-  partition named ``leaderless`` (that partition has no leader: no report comes).
+  partition named ``no_leader`` (that partition has no leader: no report comes).
 * ``Leases``: holds ``usable_shards``, trusted and never fenced.
 
 And for the loop owner's tests: a fake ``Clock``, the ``Wakeup`` adapter, a ``RetryStore``
@@ -68,11 +68,11 @@ class Store:
 
 class Publisher:
     def __init__(self, partition_of: Callable[[OutboxRow], int | None] = lambda r: None,
-                 leaderless: int | None = None) -> None:
+                 no_leader: int | None = None) -> None:
         self.queued: list[tuple[OutboxRow, Any]] = []
         self.sent: list[RowId] = []
         self._partition_of = partition_of
-        self.leaderless = leaderless
+        self.no_leader = no_leader
 
     def partition_of(self, r: OutboxRow) -> int | None:
         return self._partition_of(r)
@@ -84,7 +84,7 @@ class Publisher:
 
     def poll(self, timeout_s: float) -> int:
         served = [(r, cb) for r, cb in self.queued
-                  if self.leaderless is None or self.partition_of(r) != self.leaderless]
+                  if self.no_leader is None or self.partition_of(r) != self.no_leader]
         self.queued = [(r, cb) for r, cb in self.queued if (r, cb) not in served]
         for r, callback in served:
             callback(r, Outcome(ok=True))

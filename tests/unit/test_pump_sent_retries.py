@@ -33,7 +33,7 @@ def pump_with(store: Store, publisher: Publisher) -> Pump:
 
 def test_a_retried_row_is_named_to_the_claims_from_its_send_to_its_mark() -> None:
     store = RecordingStore()
-    publisher = Publisher(partition_of=lambda r: 0, leaderless=0)  # no reports until it has a leader
+    publisher = Publisher(partition_of=lambda r: 0, no_leader=0)  # no reports until it has a leader
     pump = pump_with(store, publisher)
     store.pending[RowId(1)] = row(1, 0)._replace(attempts=2)  # failed twice before (here or elsewhere)
     store.pending[RowId(2)] = row(2, 0)
@@ -42,7 +42,7 @@ def test_a_retried_row_is_named_to_the_claims_from_its_send_to_its_mark() -> Non
     store.pending[RowId(3)] = row(3, 0)
     pump.run_once()  # row 1 in flight: the window's claim is told, so key0's row 3 may follow it
     assert store.told[-1] == {1} and publisher.sent == [1, 2, 3]
-    publisher.leaderless = None  # reported, then marked: no longer in back-off
+    publisher.no_leader = None  # reported, then marked: no longer in back-off
     store.pending[RowId(4)] = row(4, 0)
     pump.run_once()
     assert store.marked[:2] == [1, 2] and store.told[-1] == set()
@@ -50,7 +50,7 @@ def test_a_retried_row_is_named_to_the_claims_from_its_send_to_its_mark() -> Non
 
 def test_a_rewind_forgets_the_rows_sent_before_it() -> None:
     store = RecordingStore()
-    publisher = Publisher(partition_of=lambda r: 0, leaderless=0)
+    publisher = Publisher(partition_of=lambda r: 0, no_leader=0)
     pump = pump_with(store, publisher)
     store.pending[RowId(1)] = row(1, 0)._replace(attempts=1)
     pump.run_once()  # sent, never reported

@@ -46,7 +46,7 @@ def key_partition(r: OutboxRow) -> int | None:
 
 def test_a_partition_without_a_leader_stops_nothing_else() -> None:
     clock, store = Clock(), Store(rows(1, 40))
-    publisher = Publisher(partition_of=key_partition, leaderless=0)
+    publisher = Publisher(partition_of=key_partition, no_leader=0)
     metrics = RelayMetrics()
     pump = Pump(store=store, publisher=publisher, leases=Leases(shards=[0]), nshards=1, batch_size=10,  # type: ignore[arg-type]
                 pipeline_depth=2, max_attempts=3, backoff_initial_s=0.1, backoff_max_s=1.0,
@@ -70,7 +70,7 @@ def test_a_partition_without_a_leader_stops_nothing_else() -> None:
     assert stuck and all(i % 2 == 0 for i in stuck)
     assert len(stuck) <= 2 * 10  # only what was produced before the stall was noticed
 
-    publisher.leaderless = None  # the leader is back
+    publisher.no_leader = None  # the leader is back
     for _ in range(40):
         pump.run_once()
         clock.now += 0.1
