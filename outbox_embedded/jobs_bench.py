@@ -24,6 +24,7 @@ every 20 ms, then waits for every job to finish.  The last line on stdout is a J
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -62,6 +63,7 @@ def run_worker(args: argparse.Namespace) -> int:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver asks when jobs stay unfinished
 
     def hold(ctx: JobContext) -> Any:
         ctx.sleep(ctx.payload["hold_s"])
@@ -102,7 +104,11 @@ class Fleet:
                "--name", f"w{self.generation}-{uuid.uuid4().hex[:6]}", "--concurrency",
                str(self.args.concurrency), "--owner-limit", str(self.args.owner_limit),
                "--lease-s", str(self.args.lease_s)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if self.args.log_dir is None:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        else:
+            with open(os.path.join(self.args.log_dir, f"worker-{self.generation}.log"), "ab") as log:
+                proc = subprocess.Popen(cmd, stdout=log, stderr=log)  # the worker has its own descriptor
         self.procs.append(proc)
         return proc
 
@@ -114,6 +120,13 @@ class Fleet:
             victim.wait()
             self.kills += 1
             self.spawn()
+
+    def dump_stacks(self) -> None:
+        """Each live worker writes its threads' stacks to its log (faulthandler, SIGUSR1)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -167,6 +180,25 @@ def produce(conn: psycopg.Connection[Any], args: argparse.Namespace, stop: threa
     return total
 
 
+#: What a job left unfinished looks like (at most 5): the first thing to read when the bench fails.
+UNFINISHED = """
+SELECT id, status, attempts, lease_owner, lease_token,
+       round(extract(epoch FROM lease_until - now())::numeric, 2) AS lease_left_s,
+       round(extract(epoch FROM available_at - now())::numeric, 2) AS available_in_s,
+       round(extract(epoch FROM now() - heartbeat_at)::numeric, 2) AS heartbeat_age_s, last_error
+FROM jobs WHERE status NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY id LIMIT 5
+"""
+
+#: The database's sessions (not this one), for a run that left jobs unfinished: who waits on what.
+SESSIONS = """
+SELECT pid, application_name, state, wait_event_type, wait_event, pg_blocking_pids(pid),
+       round(extract(epoch FROM now() - xact_start)::numeric, 2) AS xact_age_s, left(query, 160)
+FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'
+ORDER BY pid
+"""
+
+
 def report(conn: psycopg.Connection[Any], args: argparse.Namespace, enqueued: int, steady_s: float,
            finished_in_steady: int, fleet: Fleet, sampler: Sampler) -> dict[str, Any]:
     def one(sql: str) -> Any:
@@ -187,6 +219,9 @@ def report(conn: psycopg.Connection[Any], args: argparse.Namespace, enqueued: in
         "owner_limit": args.owner_limit,
         "samples": sampler.samples,
         "unfinished": one("SELECT count(*) FROM jobs WHERE status NOT IN ('succeeded', 'failed', 'cancelled')"),
+        "unfinished_jobs": [list(map(str, r)) for r in conn.execute(UNFINISHED).fetchall()],
+        "sessions_then": [list(map(str, r)) for r in conn.execute(SESSIONS).fetchall()]
+        if one("SELECT count(*) FROM jobs WHERE status NOT IN ('succeeded', 'failed', 'cancelled')") else [],
         "failed": one("SELECT count(*) FROM jobs WHERE status = 'failed'"),
         "dead_tuples_max": sampler.dead_max,
         "dead_tuples_end": dead_tuples(conn),
@@ -226,6 +261,8 @@ def drive(args: argparse.Namespace, dsn: str) -> dict[str, Any]:
                 time.sleep(0.2)
             sampler.stop_event.set()
             sampler.join(5)
+            if conn.execute("SELECT count(*) FROM jobs WHERE finished_at IS NULL").fetchone()[0]:  # type: ignore[index]
+                fleet.dump_stacks()  # where the workers' threads are, in their logs (--log-dir)
             return report(conn, args, enqueued, steady_s, int(finished[0]) if finished else 0, fleet, sampler)
         finally:
             stop.set()
@@ -252,6 +289,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--lease-s", type=float, default=2.0)
     parser.add_argument("--kill-every-s", type=float, default=4.0, help="0: never kill")
     parser.add_argument("--drain-timeout-s", type=float, default=60.0)
+    parser.add_argument("--log-dir", default=None, help="each worker's warnings to a file here (default: none)")
     return parser.parse_args(argv)
 
 

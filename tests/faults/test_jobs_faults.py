@@ -125,19 +125,19 @@ def test_a_sigstopped_worker_resumed_after_losing_its_lease_writes_nothing(jobs_
 
 
 
-def test_owner_limits_hold_under_kills_and_the_bench_reports(pg_server, spawn):
+def test_owner_limits_hold_under_kills_and_the_bench_reports(pg_server, spawn, tmp_path):
     """Test 8: python -m outbox_embedded.jobs_bench, small: 2 worker processes, one SIGKILLed and replaced every
     1.5 s, owner limit 2, running jobs per owner sampled every 20 ms; every job finishes,
     none completes twice, the limit is reached and never exceeded."""
     cmd = [sys.executable, "-m", "outbox_embedded.jobs_bench", "--dsn", pg_server.dsn("postgres"), "--seconds", "6",
            "--rate", "80", "--workers", "2", "--concurrency", "3", "--owners", "4",
            "--owner-limit", "2", "--hold-ms", "40", "--lease-s", "1", "--kill-every-s", "1.5",
-           "--drain-timeout-s", "60"]
+           "--drain-timeout-s", "60", "--log-dir", str(tmp_path)]
     # Half the jobs are one owner's, limited to 2 at once: about 6 s of drain alone here,
     # three times that on a CI machine running three test workers.  The drain's bound is
     # generous because finishing is the check, not its speed (jobs_bench measures that).
     proc = spawn(cmd, name="jobs-bench")
-    assert proc.wait(150) == 0, proc.log_tail()
+    assert proc.wait(150) == 0, proc.log_tail() + _workers_said(tmp_path)
     report = json.loads(proc.log_text().strip().splitlines()[-1])
     assert report["kills"] >= 2
     assert report["unfinished"] == 0 and report["succeeded"] == report["enqueued"] > 0
@@ -145,3 +145,10 @@ def test_owner_limits_hold_under_kills_and_the_bench_reports(pg_server, spawn):
     assert report["limit_violations"] == 0 and report["samples"] > 50
     assert report["max_running_per_owner"] == 2
     assert report["jobs_per_s"] > 0 and report["dead_tuples_max"] >= 0
+
+
+def _workers_said(log_dir: Path) -> str:
+    """The workers' warnings (each worker's log, its last lines): what a failed run left."""
+    tails = [f"{log.name}: " + " | ".join(log.read_text(errors="replace").splitlines()[-15:])
+             for log in sorted(log_dir.glob("worker-*.log"))]
+    return "\nworkers' logs:\n" + "\n".join(tails)
