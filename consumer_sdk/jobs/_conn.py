@@ -128,11 +128,20 @@ def ended(conn: ConnectionT) -> bool:
     the socket.  No round trip, a poll of the socket.  A database restarted, a failover,
     ``idle_session_timeout``, ``pg_terminate_backend``: kept, the connection failed the next
     job's first statement, whose fenced write then read the broken connection as a lost lease
-    (the job left to its lease, its attempt counted, dead-lettered on its last: an audit)."""
-    pgconn = conn.pgconn
-    if conn.broken or pgconn.transaction_status != TransactionStatus.IDLE:
-        return conn.broken  # a statement in flight or a transaction open: not idle, not ours to read
+    (the job left to its lease, its attempt counted, dead-lettered on its last: an audit).
+
+    Only under psycopg's lock of the connection, taken without waiting: another thread may be
+    sending a statement on it (the heartbeat's keep-alive of a fenced transaction runs on the
+    handler's connection).  Read between that thread's send and its wait, the answer went into
+    libpq's buffer, and psycopg, waiting for the socket to turn readable, waited for ever with
+    the lock held: every later statement of the executor waited behind it, the job's lease
+    renewed all along (a job of the kills bench unfinished after a minute)."""
+    if not conn.lock.acquire(blocking=False):
+        return conn.broken  # in use by another thread: not idle, not ours to read
     try:
+        pgconn = conn.pgconn
+        if conn.broken or pgconn.transaction_status != TransactionStatus.IDLE:
+            return conn.broken  # a statement in flight or a transaction open: not idle, not ours to read
         for _ in range(3):  # the server's FATAL (read as a notice while idle), then the end of the stream
             if not _readable(pgconn.socket):
                 return False
@@ -141,6 +150,8 @@ def ended(conn: ConnectionT) -> bool:
                 return True
     except (psycopg.Error, OSError, ValueError):
         return True
+    finally:
+        conn.lock.release()
     return False
 
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
+
 from consumer_sdk.jobs import NewJob, WorkerConfig, WorkerPool, enqueue
+from consumer_sdk.jobs._conn import _readable, ended
 from tests.fixtures.procs import wait_until
 from tests.integration.jobs._support import recording_logger, rows
 
@@ -55,3 +58,23 @@ def test_a_job_after_its_executors_connection_was_ended_runs_its_first_attempt(c
     assert rows(jobs_db, "SELECT value FROM job_results ORDER BY job_id") == [({"n": 1},), ({"n": 2},)]
     assert not [e for e in logged if e["event"] in ("lease_lost", "job_attempt_failed")], \
         [e for e in logged if e["event"] in ("lease_lost", "job_attempt_failed")]
+
+
+def test_the_idle_check_never_reads_a_connection_another_thread_is_using(jobs_db) -> None:
+    # The heartbeat's keep-alive of a fenced transaction sends its statement on the handler's
+    # connection, from another thread.  The check read the socket between that thread's send
+    # and its wait: the answer went into libpq's buffer, psycopg waited for the socket to turn
+    # readable for ever, the lock held, and the executor's next write waited behind it, the
+    # job's lease renewed all along (the kills bench, once in about a hundred runs).  Here the
+    # other thread holds the connection's lock while something waits on the socket (a
+    # notification: data while idle).
+    with psycopg.connect(jobs_db, autocommit=True) as conn, \
+            psycopg.connect(jobs_db, autocommit=True) as other:
+        conn.execute("LISTEN idle_check")
+        other.execute("NOTIFY idle_check")
+        wait_until(lambda: _readable(conn.pgconn.socket), timeout_s=10, message="the notification never came")
+        with conn.lock:  # another thread's statement under way
+            assert ended(conn) is False
+            assert _readable(conn.pgconn.socket), "the check read a connection another thread was using"
+        assert ended(conn) is False  # idle and free: read, a notification and not the end
+        assert not _readable(conn.pgconn.socket)
