@@ -147,7 +147,6 @@ class ReopeningReplayer(Rechecked):
     loop: no claim, mark or heartbeat, for replays.  The claims say whether the database is
     down.  Owned by the loop's thread."""
 
-
     def __init__(self, replayer: Any, store: Any, *, name: str,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``store``: the replayer's; ``name``: its connection's application_name."""
