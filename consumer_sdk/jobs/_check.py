@@ -20,7 +20,7 @@ import structlog
 from consumer_sdk.config import check_int, check_seconds, shown
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.model import valid_topic_name
-from consumer_sdk.outbox import kept_tracestate, valid_traceparent
+from consumer_sdk.trace_context import kept_tracestate, valid_traceparent
 from outbox_core.text import refuse_unstorable, uuid_from_text
 
 _log = structlog.get_logger("consumer_sdk.jobs")

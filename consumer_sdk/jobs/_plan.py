@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 import psycopg
 
 from consumer_sdk.jobs.events import EventType, JobFacts, job_event
-from consumer_sdk.outbox import prepare
+from consumer_sdk.outbox_encoding import prepare
 from outbox_core.queries import query
 
 T = TypeVar("T")

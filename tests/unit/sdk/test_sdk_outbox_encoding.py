@@ -55,7 +55,7 @@ def test_generated_ids_are_version_7_with_the_time_in_milliseconds(monkeypatch):
     """RFC 9562's layout: 48 bits of Unix milliseconds, version 7, the RFC variant, and
     the rest random, so ids of later milliseconds sort after earlier ones."""
     clock = iter([1_796_000_000_123_456_789, 1_796_000_000_124_000_000])
-    monkeypatch.setattr("consumer_sdk.outbox.time.time_ns", lambda: next(clock))
+    monkeypatch.setattr("consumer_sdk.outbox_encoding.time.time_ns", lambda: next(clock))
     first, second = new_event_id(), new_event_id()
     assert (first.version, first.variant) == (7, uuid.RFC_4122)
     assert int(first.hex[:12], 16) == 1_796_000_000_123
@@ -64,7 +64,7 @@ def test_generated_ids_are_version_7_with_the_time_in_milliseconds(monkeypatch):
 
 
 def test_generated_ids_within_one_millisecond_differ_in_their_random_bits(monkeypatch):
-    monkeypatch.setattr("consumer_sdk.outbox.time.time_ns", lambda: 1_796_000_000_123_000_000)
+    monkeypatch.setattr("consumer_sdk.outbox_encoding.time.time_ns", lambda: 1_796_000_000_123_000_000)
     ids = {new_event_id() for _ in range(1000)}
     assert len(ids) == 1000
     assert {int(u.hex[:12], 16) for u in ids} == {1_796_000_000_123}
