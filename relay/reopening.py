@@ -10,16 +10,14 @@ or a shard's recovery, without a word.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from outbox_core.backoff import ceiling_s
 from relay.connections import LISTEN, Checks, Rechecked
 from relay.errors import DatabaseUnavailable, RetriableError
 from relay.store import Store
-from relay.wakeup import REOPEN_BACKOFF_MAX_S, REOPEN_BACKOFF_S, NotListening, Opening, Wakeup
+from relay.wakeup import Attempt, NotListening, Opening, ReopenBackOff, Wakeup
 
 
 class CheckedWakeup(Wakeup, Rechecked):
@@ -41,7 +39,7 @@ class CheckedWakeup(Wakeup, Rechecked):
             return super()._listening()
         opening = self._opening
         if opening is None:
-            if self._clock() < self._reopen_at:
+            if not self._reopen.due():
                 raise NotListening()  # the back-off after a failed attempt
             self._opening = opening = self._open_in_background(self.checks)
         if not opening.done.is_set():
@@ -49,33 +47,26 @@ class CheckedWakeup(Wakeup, Rechecked):
         self._opening = None
         conn = opening.take()
         if conn is not None:
-            self._reopen_failures = 0
+            self._reopen.passed()
             return self._adopt(conn)
         if opening.error is not None and not isinstance(opening.error, RetriableError):
             raise opening.error
-        self._reopen_failures += 1
-        if opening.error is not None and self._reopen_failures == 1:  # once a streak: it was silent
+        if self._reopen.failed() and opening.error is not None:  # once a streak: it was silent
             self.checks.log.warning("listen_reopen_failed", error=str(opening.error),
                                     detail="could not re-open the LISTEN connection (outbox-relay-listen); the "
                                            "relay claims every --poll-interval-s until it is back, and tries "
                                            "again with back-off")
-        self._reopen_at = self._clock() + ceiling_s(self._reopen_failures, initial_s=REOPEN_BACKOFF_S,
-                                                    max_s=REOPEN_BACKOFF_MAX_S)
         raise NotListening()
 
     def _open_in_background(self, checks: Checks) -> Opening:
         opening = Opening()
 
         def reopen() -> None:
-            try:
-                if not checks.reopen(LISTEN[0], lambda: opening.put(self._open_listening(lambda: None)),
-                                     abandoned=lambda: opening.abandoned):
-                    opening.abandon()  # stopped: whatever comes is closed
-            except BaseException as exc:  # noqa: BLE001 - read by the loop's thread (_listening)
-                opening.fail(exc)
+            if not checks.reopen(LISTEN[0], lambda: opening.put(self._open_listening(lambda: None)),
+                                 abandoned=lambda: opening.abandoned):
+                opening.abandon()  # stopped: whatever comes is closed
 
-        threading.Thread(target=reopen, daemon=True, name="outbox-relay-listen-reopen").start()
-        return opening
+        return opening.start("outbox-relay-listen-reopen", reopen)
 
     def close(self) -> None:
         super().close()
@@ -150,11 +141,10 @@ class ReopeningReplayer(Rechecked):
     def __init__(self, replayer: Any, store: Any, *, name: str,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``store``: the replayer's; ``name``: its connection's application_name."""
-        self.replayer, self._store, self._name, self._clock = replayer, store, name, clock
+        self.replayer, self._store, self._name = replayer, store, name
         self._broken = False  # its connection must be re-opened before a replay runs
-        self._reopening: threading.Event | None = None
-        self._failed: list[BaseException] = []
-        self._failures, self._retry_at = 0, 0.0
+        self._reopening: Attempt | None = None
+        self._reopen = ReopenBackOff(clock)
 
     def run_once(self, leases: Sequence[Any]) -> Any:
         if not self._usable():
@@ -165,7 +155,7 @@ class ReopeningReplayer(Rechecked):
             if self.checks is None:
                 raise
             self._store.close()  # re-opened by the next turn, on a thread of its own
-            self._broken, self._retry_at = True, 0.0
+            self._broken = True
             return None
 
     def busy(self) -> bool:
@@ -175,34 +165,20 @@ class ReopeningReplayer(Rechecked):
         self.replayer.wait(timeout_s)
 
     def _usable(self) -> bool:
-        done = self._reopening
-        if done is not None:
-            if not done.is_set():
+        attempt = self._reopening
+        if attempt is not None:
+            if not attempt.done.is_set():
                 return False
             self._reopening = None
-            if not self._failed:
-                self._broken, self._failures = False, 0
+            if attempt.error is None:
+                self._broken = False
+                self._reopen.passed()
                 return True
-            error = self._failed.pop()
-            if not isinstance(error, RetriableError):
-                raise error
-            self._failures += 1
-            self._retry_at = self._clock() + ceiling_s(self._failures, initial_s=REOPEN_BACKOFF_S,
-                                                       max_s=REOPEN_BACKOFF_MAX_S)
-        if self._broken and self.checks is not None and self._clock() >= self._retry_at:
-            self._reopening = self._reopen(self.checks)
+            if not isinstance(attempt.error, RetriableError):
+                raise attempt.error
+            self._reopen.failed()
+        if self._broken and self.checks is not None and self._reopen.due():
+            checks = self.checks
+            self._reopening = Attempt().start("outbox-relay-replay-reopen",
+                                              lambda: checks.reopen(self._name, self._store.ping))
         return not self._broken
-
-    def _reopen(self, checks: Checks) -> threading.Event:
-        done = threading.Event()
-
-        def reopen() -> None:
-            try:
-                checks.reopen(self._name, self._store.ping)
-            except BaseException as exc:  # noqa: BLE001 - read by the loop's thread (_usable)
-                self._failed.append(exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=reopen, daemon=True, name="outbox-relay-replay-reopen").start()
-        return done

@@ -27,7 +27,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import psycopg
 
@@ -57,15 +57,72 @@ class NotListening(Exception):
         self.ready = ready
 
 
-class Opening:
-    """A LISTEN connection opened on another thread and handed to the loop's thread, which
-    adopts it with :meth:`take`; a connection that comes after :meth:`abandon` (the relay
-    stops, or dropped the attempt) is closed, never handed over.  ``done`` is set when the
-    attempt ended; ``error`` is its failure."""
+class ReopenBackOff:
+    """A connection's re-opens that failed in a row, and when the next one is due: after
+    failure number n, :data:`REOPEN_BACKOFF_S` doubled n - 1 times, up to
+    :data:`REOPEN_BACKOFF_MAX_S`.  One copy for the LISTEN connection's (:meth:`Wakeup.shards_moved`,
+    relay/reopening.py ``CheckedWakeup``) and the replays' (``ReopeningReplayer``): each
+    kept its own count and sum before.  Owned by one thread (the loop's)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.failures = 0  # in a row
+        self._due_at = 0.0  # no attempt before then (clock)
+
+    def due(self) -> bool:
+        """May an attempt start now?"""
+        return self._clock() >= self._due_at
+
+    def failed(self) -> bool:
+        """An attempt failed: the next waits for the back-off.  True for the first failure
+        of a streak, the one worth a log line."""
+        self.failures += 1
+        self._due_at = self._clock() + ceiling_s(self.failures, initial_s=REOPEN_BACKOFF_S,
+                                                 max_s=REOPEN_BACKOFF_MAX_S)
+        return self.failures == 1
+
+    def passed(self) -> int:
+        """An attempt opened the connection: the streak ends.  Returns how many attempts
+        had failed in it (0: none)."""
+        failures, self.failures = self.failures, 0
+        return failures
+
+
+class Attempt:
+    """A re-open run on a thread of its own (:meth:`start`) and read by the loop's thread
+    once ``done`` is set: ``error`` is its failure (None: it opened, or was given up).
+    The loop's thread never waits for it (relay/reopening.py)."""
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
+
+    def start(self, thread_name: str, reopen: Callable[[], object]) -> Self:
+        """Run ``reopen`` on a daemon thread named ``thread_name``; returns this attempt."""
+
+        def run() -> None:
+            try:
+                reopen()
+            except BaseException as exc:  # noqa: BLE001 - read by the loop's thread
+                self.fail(exc)
+            finally:
+                self.done.set()
+
+        threading.Thread(target=run, daemon=True, name=thread_name).start()
+        return self
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+
+
+class Opening(Attempt):
+    """A LISTEN connection opened on another thread and handed to the loop's thread, which
+    adopts it with :meth:`take`; a connection that comes after :meth:`abandon` (the relay
+    stops, or dropped the attempt) is closed, never handed over."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
         self._abandoned = False
@@ -82,10 +139,6 @@ class Opening:
                 self._conn = conn
         if not kept:
             _close(conn)
-        self.done.set()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
         self.done.set()
 
     def take(self) -> psycopg.Connection[Any] | None:
@@ -119,9 +172,8 @@ class Wakeup:
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``owner``: this replica, whose own notices about shards are not news."""
         self._dsn = dsn
-        self._clock = clock
-        self._reopen_at = 0.0  # shards_moved opens no connection before then (clock)
-        self._reopen_failures = 0  # in a row, for the back-off
+        #: Failed opens of the LISTEN connection: shards_moved opens none before it is due.
+        self._reopen = ReopenBackOff(clock)
         self._owner = owner
         self._woken = False  # an outbox notification taken by shards_moved, for wait()
         self._moved = False  # a peer's notice that shards change hands, for shards_moved()
@@ -244,7 +296,7 @@ class Wakeup:
         not before a back-off (``REOPEN_BACKOFF_S``, doubling); meanwhile, and on a
         failure, it reads as no notice: the heartbeat's interval still holds.  So does it
         while the connection is re-opened on another thread (:class:`NotListening`)."""
-        if (self._conn is None or self._conn.closed) and self._clock() < self._reopen_at:
+        if (self._conn is None or self._conn.closed) and not self._reopen.due():
             return False
         try:
             self._take(self._listening())
@@ -252,11 +304,9 @@ class Wakeup:
             return False
         except (RetriableError, psycopg.OperationalError, psycopg.InterfaceError, OSError):
             self.close()  # could not connect, or the connection broke
-            self._reopen_failures += 1
-            self._reopen_at = self._clock() + ceiling_s(self._reopen_failures, initial_s=REOPEN_BACKOFF_S,
-                                                        max_s=REOPEN_BACKOFF_MAX_S)
+            self._reopen.failed()
             return False
-        self._reopen_failures = 0
+        self._reopen.passed()
         moved, self._moved = self._moved, False
         return moved
 
