@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from relay.config import mask_text
 from relay.connections import LISTEN, Checks, Rechecked
 from relay.errors import DatabaseUnavailable, RetriableError
 from relay.store import Store
@@ -132,7 +133,9 @@ class ReopeningReplayer(Rechecked):
     """The replayer (relay/replay.py) as the loop runs it: when a statement on its connection
     (``...:replay``) fails, that re-opens on a thread of its own, checked as at start, and
     replays wait meanwhile (after a failed re-open, :data:`relay.wakeup.REOPEN_BACKOFF_S`
-    doubling); the loop neither waits for it nor touches the store until it ended.  Before,
+    doubling); the loop neither waits for it nor touches the store until it ended.  A streak
+    of failed re-opens is said once (``replay_reopen_failed``) and its end too
+    (``replay_reopened``): before, replays stopped and nothing said why.  Before,
     that break alone was the database down (database_unavailable, a rewind, LISTEN dropped),
     and behind a session pooler with no server free the re-open (Checks.reopened) held the
     loop: no claim, mark or heartbeat, for replays.  The claims say whether the database is
@@ -172,13 +175,28 @@ class ReopeningReplayer(Rechecked):
             self._reopening = None
             if attempt.error is None:
                 self._broken = False
-                self._reopen.passed()
+                self._said_reopened(self._reopen.passed())
                 return True
             if not isinstance(attempt.error, RetriableError):
                 raise attempt.error
-            self._reopen.failed()
+            if self._reopen.failed():  # once a streak: it was silent, replays just stopped
+                self._said_failed(attempt.error)
         if self._broken and self.checks is not None and self._reopen.due():
             checks = self.checks
             self._reopening = Attempt().start("outbox-relay-replay-reopen",
                                               lambda: checks.reopen(self._name, self._store.ping))
         return not self._broken
+
+    def _said_failed(self, error: BaseException) -> None:
+        if self.checks is not None:
+            self.checks.log.warning(
+                "replay_reopen_failed", connection=self._name, error=mask_text(str(error)),
+                detail=f"could not re-open the replays' connection ({self._name}); replays pause "
+                       f"until it is back, and it is tried again with back-off")
+
+    def _said_reopened(self, failures: int) -> None:
+        """The end of a streak said (not a stop's: its attempt gives up and is not failed)."""
+        if failures and self.checks is not None and not self.checks.stopping():
+            self.checks.log.info("replay_reopened", connection=self._name, failures=failures,
+                                 detail=f"the replays' connection ({self._name}) is back after "
+                                        f"{failures} failed re-opens; replays resume")
