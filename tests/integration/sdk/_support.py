@@ -7,6 +7,7 @@ as two rows) and an increment of a counter in `counters`.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import uuid
@@ -17,6 +18,7 @@ import psycopg
 
 from consumer_sdk import InboxConfig, InboxConsumer, InboxMessage
 from relay import migrate
+from tests.fixtures.broker import create_topic
 from tests.fixtures.outbox import RelayThread, wait_drained
 from tests.fixtures.procs import wait_until
 
@@ -161,6 +163,18 @@ def produce_raw(bootstrap: str, topic: str, messages: list[tuple[bytes | None, b
         producer.produce(topic, key=key, value=value, headers=headers, partition=partition,
                          on_delivery=lambda err, _msg: errors.append(str(err)) if err else None)
     assert producer.flush(15) == 0 and not errors, errors
+
+
+def numbered_events_on_kafka(bootstrap: str, topic: str, count: int) -> list[str]:
+    """Create ``topic`` (one partition) and its dead-letter topic, and produce ``count``
+    events straight to Kafka, in order: key ``k``, JSON ``{"n": 0..count-1}``, each with a
+    fresh ``event_id`` header.  Returns the event ids, in order."""
+    create_topic(bootstrap, topic, partitions=1)
+    create_topic(bootstrap, f"{topic}.dlq", partitions=1)
+    ids = [str(uuid.uuid4()) for _ in range(count)]
+    produce_raw(bootstrap, topic, [(b"k", json.dumps({"n": n}).encode(), [("event_id", event_id.encode())])
+                                   for n, event_id in enumerate(ids)])
+    return ids
 
 
 def wait_for(predicate: Any, timeout_s: float = 30.0, message: str = "condition not met") -> Any:

@@ -12,20 +12,18 @@ handler returns and every event is applied once.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
 import psycopg
 from structlog.testing import capture_logs
 
-from tests.fixtures.broker import create_topic
 from tests.fixtures.procs import wait_until
 from tests.integration.sdk._support import (
     FAST_GROUP,
     effect_counts,
     make_config,
-    produce_raw,
+    numbered_events_on_kafka,
     record_effect,
     wait_for,
 )
@@ -42,11 +40,7 @@ def _hung_pid(dsn: str) -> int | None:
 
 def test_the_next_owner_names_the_hung_member_it_waits_on(sdk_db, kafka_broker, topic_name, run_consumer):
     topic = topic_name("hung")
-    create_topic(kafka_broker.bootstrap, topic, partitions=1)
-    create_topic(kafka_broker.bootstrap, f"{topic}.dlq", partitions=1)
-    ids = [str(uuid.uuid4()) for _ in range(5)]
-    produce_raw(kafka_broker.bootstrap, topic, [(b"k", json.dumps({"n": n}).encode(), [("event_id", e.encode())])
-                                                for n, e in enumerate(ids)])
+    ids = numbered_events_on_kafka(kafka_broker.bootstrap, topic, 5)
     holder = psycopg.connect(sdk_db, autocommit=True)
     holder.execute("SELECT pg_advisory_lock(42)")
 

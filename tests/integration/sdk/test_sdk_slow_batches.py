@@ -14,20 +14,17 @@ Kafka only: tansu takes the commit of a member that left, so the test could not 
 
 from __future__ import annotations
 
-import json
-import uuid
 from typing import Any
 
 import psycopg
 import pytest
 from structlog.testing import capture_logs
 
-from tests.fixtures.broker import create_topic
 from tests.integration.sdk._support import (
     FAST_GROUP,
     effect_counts,
     make_config,
-    produce_raw,
+    numbered_events_on_kafka,
     record_effect,
     wait_for,
 )
@@ -43,11 +40,7 @@ def test_a_poll_slower_than_max_poll_interval_keeps_the_member_and_its_offsets(
         sdk_db: str, kafka_broker: Any, topic_name: Any, run_consumer: Any, way: str) -> None:
     broker = kafka_broker  # tansu does not check a commit's member: there the member left unseen
     topic = topic_name("slow")
-    create_topic(broker.bootstrap, topic, partitions=1)
-    create_topic(broker.bootstrap, f"{topic}.dlq", partitions=1)
-    ids = [str(uuid.uuid4()) for _ in range(COUNT)]
-    produce_raw(broker.bootstrap, topic, [(b"k", json.dumps({"n": n}).encode(), [("event_id", event_id.encode())])
-                                          for n, event_id in enumerate(ids)])
+    ids = numbered_events_on_kafka(broker.bootstrap, topic, COUNT)
 
     def slow(conn: psycopg.Connection[Any], message: Any) -> None:
         conn.execute("SELECT pg_sleep(%s)", (HANDLER_S,))
@@ -87,11 +80,7 @@ def test_a_transaction_longer_than_max_poll_interval_says_what_to_change(
     and the line saying so names the settings to change; librdkafka's own text named none."""
     broker = kafka_broker
     topic = topic_name("slow-batch")
-    create_topic(broker.bootstrap, topic, partitions=1)
-    create_topic(broker.bootstrap, f"{topic}.dlq", partitions=1)
-    ids = [str(uuid.uuid4()) for _ in range(40)]
-    produce_raw(broker.bootstrap, topic, [(b"k", json.dumps({"n": n}).encode(), [("event_id", event_id.encode())])
-                                          for n, event_id in enumerate(ids)])
+    ids = numbered_events_on_kafka(broker.bootstrap, topic, 40)
 
     def slow(conn: psycopg.Connection[Any], message: Any) -> None:
         conn.execute("SELECT pg_sleep(%s)", (0.25,))
