@@ -32,9 +32,11 @@ guarantees kept here:
   record's first attempt, and a record dead-lettered or skipped by policy before it is
   not sent or counted again.  The rest is as above.
 * The database failing under a handler's statements (the connection lost, the session
-  ended, the database read-only: ``PgInboxStore.unavailable``) is not the handler's
-  failure: :class:`~consumer_sdk.errors.DatabaseUnavailable` propagates, the batch is
-  retried whole with the database back-off, no attempt counted, never dead-lettered.
+  ended, the database read-only) or aborting its transaction (a serialization failure, a
+  deadlock: ``PgInboxStore.database_failure``) is not the handler's failure:
+  :class:`~consumer_sdk.errors.DatabaseUnavailable` or
+  :class:`~consumer_sdk.errors.TransactionConflict` propagates, the batch is retried whole
+  with the database back-off, no attempt counted, never dead-lettered.
 * A policy that says ``stop`` raises :class:`ConsumerStopped` after the records
   before the offending one were committed and settled.
 

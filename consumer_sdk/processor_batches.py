@@ -73,9 +73,9 @@ class ProcessorBatches(ProcessorState):
         except Exception as exc:  # noqa: BLE001 - one by one next, where each failure is judged
             if isinstance(exc, DatabaseUnavailable):
                 raise  # the connection broke: the batch is retried as a whole
-            unavailable = self._unavailable(exc)
-            if unavailable is not None:  # the database failed under it (read-only...): idem
-                raise unavailable from exc
+            failure = self._database_failure(exc)
+            if failure is not None:  # the database failed under it (read-only, a deadlock...): idem
+                raise failure from exc
             self._log.info(failed, messages=len(fresh), error=describe(exc),
                            hint="applying the batch one message at a time")
             return False

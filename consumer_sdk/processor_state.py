@@ -65,14 +65,15 @@ class ProcessorState:
         """True when ``between`` is to run before the next transaction (see Processor.__init__)."""
         return self._between is not None and self._between_due()
 
-    def _unavailable(self, exc: BaseException) -> Exception | None:
-        """The store's :class:`~consumer_sdk.errors.DatabaseUnavailable` when ``exc``, raised by
-        a handler, says the database failed under it (the connection lost, the session
-        ended, the database read-only: ``PgInboxStore.unavailable``), not the handler: the
-        batch is then retried whole with the database back-off, no attempt counted.  None:
-        the handler's failure, for the retry policy."""
-        unavailable = getattr(self._store, "unavailable", None)  # a store of another kind: never
-        return None if unavailable is None else unavailable(exc)
+    def _database_failure(self, exc: BaseException) -> Exception | None:
+        """The store's :class:`~consumer_sdk.errors.RetriableError` when ``exc``, raised by a
+        handler, says the database failed under it (the connection lost, the session ended,
+        the database read-only) or aborted its transaction (a serialization failure, a
+        deadlock: ``PgInboxStore.database_failure``), not the handler: the batch is then
+        retried whole with the database back-off, no attempt counted.  None: the handler's
+        failure, for the retry policy."""
+        judge = getattr(self._store, "database_failure", None)  # a store of another kind: never
+        return None if judge is None else judge(exc)
 
     def _sync(self) -> None:
         if self._deferring:

@@ -228,12 +228,13 @@ class ProcessorTransactions(ProcessorStatements, ProcessorBatches):
         try:
             self._handler(conn, message)
         except Exception as exc:  # noqa: BLE001 - every handler error is the policy's to judge
-            unavailable = self._unavailable(exc)
-            if unavailable is not None:
+            failure = self._database_failure(exc)
+            if failure is not None:
                 # The database failed under the handler (a lost connection, a read-only
-                # database, a pooler's lost statement), not the handler: the batch is retried
-                # whole with the database back-off, no attempt counted, never dead-lettered.
-                raise unavailable from exc
+                # database, a pooler's lost statement) or aborted its transaction (class 40),
+                # not the handler: the batch is retried whole with the database back-off, no
+                # attempt counted, never dead-lettered.
+                raise failure from exc
             raise _HandlerFailed(exc) from exc
         if self._store.in_failed_transaction():
             raise _HandlerFailed(HandlerTransactionFailed())

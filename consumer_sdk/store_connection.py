@@ -23,7 +23,13 @@ import psycopg.errors
 from psycopg.pq import TransactionStatus
 
 from consumer_sdk import _pg, _wire
-from consumer_sdk.errors import DatabaseUnavailable, FatalError, SchemaMissing, TransactionConflict
+from consumer_sdk.errors import (
+    DatabaseUnavailable,
+    FatalError,
+    RetriableError,
+    SchemaMissing,
+    TransactionConflict,
+)
 from outbox_core.queries import query
 from outbox_core.spin import Spinner
 
@@ -123,21 +129,27 @@ class StoreConnection:
             self._conn.prepare_threshold = None
         return True
 
-    def unavailable(self, exc: BaseException) -> DatabaseUnavailable | None:
-        """The :class:`DatabaseUnavailable` that ``exc``, raised by a handler's statements on
-        this store's connection, stands for when what failed is the database, not the message
-        or the handler; None when it is the handler's own failure, for the retry policy.
+    def database_failure(self, exc: BaseException) -> RetriableError | None:
+        """The :class:`RetriableError` that ``exc``, raised by a handler's statements on this
+        store's connection, stands for when what failed is the database or the transaction,
+        not the message or the handler; None when it is the handler's own failure, for the
+        retry policy.
 
-        The database: the connection lost or closed (SQLSTATE class 08, a driver error
-        without one, the connection found broken), the server ending the session (57P01
-        ``pg_terminate_backend``, 57P02, 57P03), the database read-only (25006: a standby, a
-        failover), or a pooler that lost a statement psycopg prepared (:meth:`lost_prepared`).
-        The error itself counts, or one it was raised from (``raise ... from``: a handler
-        that wraps the driver's errors in its own).  Anything else (a constraint, the
-        handler's SQL, its own ``statement_timeout``) is the handler's."""
+        The database (:class:`DatabaseUnavailable`): the connection lost or closed (SQLSTATE
+        class 08, a driver error without one, the connection found broken), the server ending
+        the session (57P01 ``pg_terminate_backend``, 57P02, 57P03), the database read-only
+        (25006: a standby, a failover), or a pooler that lost a statement psycopg prepared
+        (:meth:`lost_prepared`).  The transaction (:class:`TransactionConflict`): the server
+        aborted it to resolve a conflict (class 40: a serialization failure, a deadlock), and
+        PostgreSQL's answer to that is to run it again; the SDK's own COMMIT meeting it was
+        always retried so.  The error itself counts, or one it was raised from (``raise ...
+        from``: a handler that wraps the driver's errors in its own).  Anything else (a
+        constraint, the handler's SQL, its own ``statement_timeout``) is the handler's."""
         for error in _causes(exc):
             if isinstance(error, psycopg.errors.ReadOnlySqlTransaction):
                 return _read_only(error)
+            if _conflict(error):
+                return TransactionConflict(f"transaction aborted: {_first_line(error)}")
             if self.lost_prepared(error):
                 return _lost_prepared(error)
             if isinstance(error, psycopg.Error) and _connection_failed(error):
@@ -177,9 +189,9 @@ class StoreConnection:
             yield
         except psycopg.errors.UndefinedTable as exc:
             raise SchemaMissing() from exc
-        except psycopg.errors.TransactionRollback as exc:
-            raise TransactionConflict(f"transaction aborted: {_first_line(exc)}") from exc
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            if _conflict(exc):  # the transaction aborted; the session is sound
+                raise TransactionConflict(f"transaction aborted: {_first_line(exc)}") from exc
             self.reset()
             raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
         except psycopg.errors.ReadOnlySqlTransaction as exc:
@@ -196,13 +208,22 @@ class StoreConnection:
             raise FatalError(f"inbox statement failed: {_first_line(exc)}") from exc
 
 
+def _conflict(exc: BaseException) -> bool:
+    """``exc`` is SQLSTATE class 40: the server aborted the transaction to resolve a conflict
+    (40001 a serialization failure, 40P01 a deadlock).  Read by SQLSTATE: psycopg's classes
+    of them are not one hierarchy (``SerializationFailure`` is no ``TransactionRollback``),
+    and until an audit the store's own statement meeting a deadlock was "database
+    unavailable", its connection dropped."""
+    return isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith("40")
+
+
 #: SQLSTATEs outside class 08 that say the server ended the session: admin_shutdown
 #: (pg_terminate_backend), crash_shutdown, cannot_connect_now.
 _SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
 
 
 def _connection_failed(exc: psycopg.Error) -> bool:
-    """``exc`` says the connection failed, not the statement (see StoreConnection.unavailable).
+    """``exc`` says the connection failed, not the statement (see StoreConnection.database_failure).
     An OperationalError with a SQLSTATE of another class (57014 a cancelled statement, 55P03
     a lock not available, 53xxx) is the statement's."""
     state = exc.sqlstate or ""

@@ -13,6 +13,13 @@ handler meets 25006 where the consumer's own claim does not through a table of a
 server (a foreign table, a proxy): here a trigger on the handler's table raises the
 server's ``read_only_sql_transaction`` for its first few rows, then lets them through.
 
+A transaction the server aborted to resolve a conflict (class 40: a serialization failure,
+a deadlock) is no fault of the message either: PostgreSQL asks the client to run the
+transaction again.  It is retried whole with the database back-off, as the consumer's own
+COMMIT meeting the same error is (``TransactionConflict``), no attempt counted.  Before,
+the handler's statement meeting it was the handler's failure, and a message on a contended
+row was dead-lettered after the policy's attempts.
+
 An error that is the handler's own business (a constraint it violates, its statement
 cancelled by its own ``statement_timeout``: an OperationalError that is not about
 availability) is still judged by the retry policy.
@@ -20,11 +27,13 @@ availability) is still judged by the retry policy.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 from structlog.testing import capture_logs
 
 from consumer_sdk import RetryPolicy
@@ -54,6 +63,19 @@ END $$;
 CREATE TRIGGER read_only_fault BEFORE INSERT ON effects FOR EACH ROW EXECUTE FUNCTION read_only_fault();
 """
 
+_CONFLICT_DDL = """
+CREATE SEQUENCE conflict_faults;
+CREATE FUNCTION conflict_fault() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF nextval('conflict_faults') <= %(faults)s THEN
+        RAISE EXCEPTION 'could not serialize access due to concurrent update'
+            USING ERRCODE = 'serialization_failure';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER conflict_fault BEFORE INSERT ON effects FOR EACH ROW EXECUTE FUNCTION conflict_fault();
+"""
+
 _INSERT = "INSERT INTO effects (event_id, consumer, n) VALUES (%s, 'c', %s)"
 
 
@@ -64,10 +86,10 @@ def _events(count: int) -> tuple[list[str], list[tuple[bytes, bytes, list[tuple[
     return ids, records
 
 
-def _read_only_faults(dsn: str) -> int:
-    """How many of the handler's rows met the read-only fault (the sequence's last value)."""
+def _faults(dsn: str, sequence: str = "read_only_faults") -> int:
+    """How many of the handler's rows met the trigger's fault (its sequence's last value)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT last_value, is_called FROM read_only_faults").fetchone()
+        row = conn.execute(sql.SQL("SELECT last_value, is_called FROM {}").format(sql.Identifier(sequence))).fetchone()
     assert row is not None
     return int(row[0]) if row[1] else 0
 
@@ -106,7 +128,8 @@ def _run(sdk_db: str, broker: Any, sdk_topic: str, run_consumer: Any, *, mode: s
 
 
 def _assert_waited_not_judged(thread: Any, config: Any, sdk_db: str, sdk_topic: str, ids: list[str],
-                              logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                              logs: list[dict[str, Any]], error_type: str = "DatabaseUnavailable",
+                              ) -> list[dict[str, Any]]:
     """Every effect once, nothing dead-lettered, no handler attempt counted; the batch
     retried as for the database (returns those ``batch_retrying`` lines)."""
     labels = {"consumer": config.name, "topic": sdk_topic}
@@ -116,7 +139,7 @@ def _assert_waited_not_judged(thread: Any, config: Any, sdk_db: str, sdk_topic: 
     effects = effect_counts(sdk_db)
     assert set(effects) == set(ids) and set(effects.values()) == {1}
     retried = [e for e in logs if e["event"] == "batch_retrying"]
-    assert retried and {e["error_type"] for e in retried} == {"DatabaseUnavailable"}
+    assert retried and {e["error_type"] for e in retried} == {error_type}
     assert thread.sample("outbox_consumer_database_errors_total", consumer=config.name) >= 1
     return retried
 
@@ -130,7 +153,7 @@ def test_a_handler_meeting_a_read_only_database_is_waited_for_not_dead_lettered(
     retried = _assert_waited_not_judged(thread, config, sdk_db, sdk_topic, ids, logs)
     assert any(e["error"].startswith("the database is read-only (a standby, or a failover in progress)")
                for e in retried)
-    assert _read_only_faults(sdk_db) > FAULTS  # every fault was met, then the rows went through
+    assert _faults(sdk_db) > FAULTS  # every fault was met, then the rows went through
 
 
 @pytest.mark.parametrize("mode", ["single", "batched", "batch_handler"])
@@ -153,6 +176,58 @@ def test_a_handler_whose_session_is_terminated_is_retried_not_judged(
                                      before=terminate_own_session)
     _assert_waited_not_judged(thread, config, sdk_db, sdk_topic, ids, logs)
     assert len(terminated) == FAULTS
+
+
+@pytest.mark.parametrize("mode", ["single", "batched", "batch_handler", "statements"])
+def test_a_handler_whose_transaction_meets_a_serialization_failure_is_retried_not_judged(
+        sdk_db, broker, sdk_topic, run_consumer, mode):
+    """40001 raised by the server under the handler's INSERT (a trigger, the first FAULTS rows):
+    the transaction is run again, no attempt counted, nothing dead-lettered."""
+    with psycopg.connect(sdk_db, autocommit=True) as conn:
+        conn.execute(_CONFLICT_DDL % {"faults": FAULTS})
+    thread, config, ids, logs = _run(sdk_db, broker, sdk_topic, run_consumer, mode=mode)
+    retried = _assert_waited_not_judged(thread, config, sdk_db, sdk_topic, ids, logs,
+                                        error_type="TransactionConflict")
+    assert all(e["error"].startswith("transaction aborted: could not serialize access") for e in retried)
+    assert _faults(sdk_db, "conflict_faults") > FAULTS
+
+
+def test_a_handler_chosen_as_a_deadlocks_victim_is_retried_not_judged(sdk_db, broker, sdk_topic, run_consumer):
+    """A real deadlock (40P01): the handler's first call locks row 1, then waits for row 2,
+    which another session holds and which then waits for row 1.  The handler waited first,
+    so its deadlock check runs first and the server aborts its transaction; the other
+    session then commits.  The handler's message is applied once on the next try."""
+    with psycopg.connect(sdk_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE hot (id int PRIMARY KEY, n int NOT NULL DEFAULT 0)")
+        conn.execute("INSERT INTO hot (id) VALUES (1), (2)")
+    other_holds_2, other_done = threading.Event(), threading.Event()
+
+    def other_session(handler_pid: int) -> None:
+        with psycopg.connect(sdk_db) as other:
+            other.execute("UPDATE hot SET n = n + 1 WHERE id = 2")
+            other_holds_2.set()
+            with psycopg.connect(sdk_db, autocommit=True) as watch:  # the handler waits on row 2 first
+                wait_for(lambda: watch.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity "
+                                               "WHERE pid = %s", (handler_pid,)).fetchone() == (True,),
+                         timeout_s=10, message="the handler never waited for row 2")
+            other.execute("UPDATE hot SET n = n + 1 WHERE id = 1")  # waits for the handler: a cycle
+            other.commit()
+        other_done.set()
+
+    def deadlocking(conn: psycopg.Connection[Any]) -> None:
+        conn.execute("UPDATE hot SET n = n + 1 WHERE id = 1")
+        if not other_holds_2.is_set():
+            threading.Thread(target=other_session, args=(conn.info.backend_pid,), daemon=True).start()
+            assert other_holds_2.wait(10), "the other session never locked row 2"
+        conn.execute("UPDATE hot SET n = n + 1 WHERE id = 2")
+
+    thread, config, ids, logs = _run(sdk_db, broker, sdk_topic, run_consumer, mode="single", before=deadlocking)
+    retried = _assert_waited_not_judged(thread, config, sdk_db, sdk_topic, ids, logs,
+                                        error_type="TransactionConflict")
+    assert any(e["error"].startswith("transaction aborted: deadlock detected") for e in retried)
+    assert other_done.wait(10), "the other session never committed"
+    with psycopg.connect(sdk_db, autocommit=True) as conn:  # every handler call once, the other session once
+        assert conn.execute("SELECT n FROM hot ORDER BY id").fetchall() == [(len(ids) + 1,), (len(ids) + 1,)]
 
 
 @pytest.mark.parametrize("mode", ["single", "batched"])
