@@ -20,27 +20,21 @@ Nothing is changed: the wait ends when the blocking transaction does.
 The gauge ``outbox_consumer_lock_wait_seconds{consumer}`` (``wait_gauge``) says how long the
 longest lock wait the last look saw has lasted: 0 when no batch takes long, when the look
 found no lock wait or could not look, and once the watch stops.  A log line is written once
-every :data:`LOG_EVERY_S`; the gauge follows every look, so an alert can hold on it.
+every :data:`LOG_EVERY_S`; the gauge follows every look, so an alert can hold on it.  The
+thread, the look and its log lines are :class:`outbox_core.waits.SessionWatch`, shared with
+the relay's watch and the jobs pool's.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from outbox_core.queries import query
-from outbox_core.secrets import mask_text
-
-#: A batch in the works this long: look at what the consumer's statement waits on.
-LOOK_AFTER_S = 5.0
-#: How often the thread asks whether a batch takes long, and looks while it does.
-LOOK_EVERY_S = 2.0
-#: A lock wait that goes on is logged again this often.
-LOG_EVERY_S = 30.0
-#: How much of a blocking session's query is shown (masked: no DSN password).
-QUERY_CHARS = 80
+from outbox_core.waits import LOG_EVERY_S as LOG_EVERY_S
+from outbox_core.waits import LOOK_AFTER_S, LOOK_EVERY_S, SessionWatch, Waiting, held_by
+from outbox_core.waits import QUERY_CHARS as QUERY_CHARS
 
 _HINT = ("the consumer's transaction waits until the blocking one ends; another member of this "
          "consumer's group holding it is most likely a member that left the group with its transaction "
@@ -48,7 +42,7 @@ _HINT = ("the consumer's transaction waits until the blocking one ends; another 
          "(pg_terminate_backend(pid)); the event is then applied once")
 
 
-class LockWaitWatch:
+class LockWaitWatch(SessionWatch[int]):
     """The watching thread; see the module's docstring.  ``start()``, idempotent ``stop()``,
     ``run_once()`` (one look when a batch takes long; tests call it).
 
@@ -56,106 +50,56 @@ class LockWaitWatch:
     while it has none; ``busy_s``: how long the current batch has been in the works (0:
     none is); ``wait_gauge``: the gauge (``.set(seconds)``) the looks report to."""
 
+    thread_name = "outbox-consumer-waits"
+
     def __init__(self, connect: Callable[[], Any], *, session: Callable[[], tuple[int, str] | None],
                  busy_s: Callable[[], float], log: Any, after_s: float = LOOK_AFTER_S,
                  every_s: float = LOOK_EVERY_S, clock: Callable[[], float] = time.monotonic,
                  wait_gauge: Any = None) -> None:
-        self._connect, self._session, self._busy_s = connect, session, busy_s
-        self._gauge = wait_gauge
-        self.log, self.after_s, self.every_s, self._clock = log, after_s, every_s, clock
-        self._conn: Any = None
-        self._logged: dict[int, float] = {}  # blocking pid -> when logged
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__(connect, statement=query("waits", "relay_waits"), log=log,
+                         report=None if wait_gauge is None else wait_gauge.set,
+                         after_s=after_s, every_s=every_s, clock=clock)
+        self._session, self._busy_s = session, busy_s
 
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="outbox-consumer-waits", daemon=True)
-            self._thread.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
-        self._close()
-        self._report([])
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.run_once()
-
-    def run_once(self) -> list[dict[str, Any]]:
+    def run_once(self) -> list[dict[str, Any]]:  # type: ignore[override]
         """One look, when a batch has taken ``after_s``: the lock waits of the consumer's
         session found (logged as the module says)."""
+        return [_as_dict(wait) for wait in super().run_once()]
+
+    def held_up_s(self) -> float:
+        return 0.0 if self._session() is None else self._busy_s()
+
+    def _look(self) -> tuple[Waiting, ...]:
         session = self._session()
-        if session is None or self._busy_s() < self.after_s:
-            self._moving()
-            return []
-        try:
-            waits = self._look(*session)
-        except Exception as exc:  # noqa: BLE001 - the database is away: nothing known, nothing changed
-            self.log.debug("database_waits_unknown", error=mask_text(str(exc)))
-            self._close()
-            waits = []
-        self._report(waits)
-        now = self._clock()
-        for wait in waits:
-            blockers = wait["blockers"]
-            key = min((b["pid"] for b in blockers), default=0)
-            if now - self._logged.get(key, float("-inf")) >= LOG_EVERY_S:
-                self._logged[key] = now
-                self.log.warning("database_lock_wait", pid=wait["pid"], lock=wait["lock"], mode=wait["mode"],
-                                 relation=wait["relation"], waited_s=wait["waited_s"],
-                                 blocking_pids=[b["pid"] for b in blockers],
-                                 blockers=[b["application_name"] for b in blockers],
-                                 detail=_describe(wait), hint=_HINT)
-        return waits
+        if session is None:
+            return ()
+        pid, application_name = session
+        return tuple(w for w in self._read([application_name]) if w.pid == pid and w.on_lock)
 
-    def _look(self, pid: int, application_name: str) -> list[dict[str, Any]]:
-        if self._conn is None or self._conn.closed:
-            self._conn = self._connect()
-        rows = self._conn.execute(query("waits", "relay_waits"), {
-            "names": [application_name], "after_s": self.after_s, "query_chars": QUERY_CHARS * 2}).fetchall()
-        if not self._conn.autocommit:
-            self._conn.rollback()  # a factory of the service's own: no transaction left open
-        return [_wait(row) for row in rows if int(row[0]) == pid and row[3] == "Lock"]
+    def _key(self, wait: Waiting) -> int:
+        return min((b.pid for b in wait.blockers), default=0)
 
-    def _report(self, waits: list[dict[str, Any]]) -> None:
-        """Set the gauge to the longest of ``waits`` (0 when none)."""
-        if self._gauge is not None:
-            self._gauge.set(max((w["waited_s"] for w in waits), default=0.0))
+    def _lock_wait_fields(self, wait: Waiting) -> dict[str, Any]:
+        return {"pid": wait.pid, "lock": wait.wait_event, "mode": wait.mode, "relation": wait.relation,
+                "waited_s": round(wait.running_s, 1), "blocking_pids": [b.pid for b in wait.blockers],
+                "blockers": [b.application_name for b in wait.blockers], "detail": _describe(wait),
+                "hint": _HINT}
 
-    def _moving(self) -> None:
-        """No batch takes long: say a wait logged is over, and give the connection back."""
-        self._report([])
-        if self._logged:
-            self.log.info("database_wait_over", blocking_pids=sorted(self._logged))
-            self._logged.clear()
-        self._close()
-
-    def _close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:  # noqa: BLE001 - closing a connection the server may have dropped
-                pass
+    def _over_fields(self, keys: list[int]) -> dict[str, Any]:
+        return {"blocking_pids": sorted(keys)}
 
 
-def _wait(row: Any) -> dict[str, Any]:
-    """A lock wait from a row of ``relay_waits``."""
-    pid, _name, running_s, _event_type, event, relation, mode, blockers = row
-    return {"pid": int(pid), "waited_s": round(float(running_s), 1), "lock": event, "relation": relation,
-            "mode": mode,
-            "blockers": [{"pid": int(b["pid"]), "application_name": b.get("application_name") or "",
-                          "state": b.get("state") or "", "query": mask_text(b.get("query") or "")[:QUERY_CHARS]}
-                         for b in blockers or ()]}
+def _as_dict(wait: Waiting) -> dict[str, Any]:
+    """A lock wait as :meth:`LockWaitWatch.run_once` returns it."""
+    return {"pid": wait.pid, "waited_s": round(wait.running_s, 1), "lock": wait.wait_event,
+            "relation": wait.relation, "mode": wait.mode,
+            "blockers": [{"pid": b.pid, "application_name": b.application_name, "state": b.state,
+                          "query": b.query} for b in wait.blockers]}
 
 
-def _describe(wait: dict[str, Any]) -> str:
+def _describe(wait: Waiting) -> str:
     """One line for people: what waits, on what, for how long, behind whom."""
-    on = wait["relation"] or wait["lock"] or "a lock"
-    held = "; ".join(f"backend pid {b['pid']} ({b['application_name'] or 'no application_name'}, {b['state']})"
-                     f": {b['query']}" for b in wait["blockers"])
-    return (f"the consumer's statement has waited {wait['waited_s']:.0f} s on a lock ({on}, {wait['mode']})"
+    on = wait.relation or wait.wait_event or "a lock"
+    held = held_by(wait.blockers)
+    return (f"the consumer's statement has waited {round(wait.running_s, 1):.0f} s on a lock ({on}, {wait.mode})"
             + (f", held by {held}" if held else ""))
