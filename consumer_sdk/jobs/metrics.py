@@ -83,6 +83,11 @@ class JobsMetrics:
         self.dispatch_refused = Gauge(
             "outbox_jobs_dispatch_refused", "1 while the database refuses the pool's claim or reap "
             "(tried again with back-off), by statement.", ["statement"], registry=r)
+        #: A worker pool reads its own dispatcher's state when scraped (set_function: consumer_sdk.jobs.outage).
+        self.database_unavailable = Gauge(
+            "outbox_jobs_database_unavailable", "1 while this pool's dispatch rounds keep failing because the "
+            "database is unavailable or read-only (a standby, a failover): it claims nothing and is not ready.",
+            registry=r)
         # Children looked up once (labels are bounded: queues and statuses; never removed).
         self._per_queue: dict[str, tuple[Any, Any, Any]] = {}
         self._per_terminal: dict[tuple[str, str], tuple[Any, Any, Any]] = {}

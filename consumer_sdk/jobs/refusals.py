@@ -56,8 +56,9 @@ REFUSED_BACKOFF = Backoff(initial_s=0.5, max_s=30.0, multiplier=2.0, jitter=0.5)
 class PoolHealth:
     """What a service's readiness probe reports of its worker pool: ``ready`` when it runs
     and claims; else ``reasons``, one line each (the fatal error, a refused statement with
-    the database's words).  ``refusals``: the refusals of each statement since the pool
-    started (a counter)."""
+    the database's words, a database unavailable or read-only for a while:
+    :mod:`consumer_sdk.jobs.outage`).  ``refusals``: the refusals of each statement since the
+    pool started (a counter)."""
 
     ready: bool
     reasons: tuple[str, ...] = ()
@@ -65,6 +66,9 @@ class PoolHealth:
     #: Handlers that ran past ``handler_timeout_s`` and have not returned: each holds its
     #: thread and its slot (Python cannot kill a thread); not ready once every slot is so held.
     stuck_handlers: int = 0
+    #: The dispatcher's rounds failed in a row because the database is unavailable or read-only
+    #: (0 once one passes); not ready once there are two of them, two seconds old (:mod:`.outage`).
+    failed_rounds: int = 0
 
 
 class Refused(InvalidJob):
@@ -146,20 +150,23 @@ class Refusals:
         return statement in self._schema
 
     def health(self, *, error: BaseException | None, started: bool, stopping: bool, stuck: int = 0,
-               capacity: int = 0) -> PoolHealth:
+               capacity: int = 0, database: str | None = None, failed_rounds: int = 0) -> PoolHealth:
         """A pool's health: ``error`` (what stopped it), not ``started``, ``stopping``, the
-        refusals in force, and ``stuck`` handlers (not ready when they hold all ``capacity``)."""
+        refusals in force, ``stuck`` handlers (not ready when they hold all ``capacity``), and
+        ``database``: why the database fails the dispatcher's rounds (``failed_rounds`` of them
+        in a row), when it has for a while (:meth:`consumer_sdk.jobs.outage.Outage.reason`)."""
         with self._lock:
             now, total = sorted(self._now.items()), dict(self._total)
         down = (f"failed: {error}" if error is not None else "not started" if not started
                 else "stopping" if stopping else None)
-        reasons = ([down] if down else []) + [
+        reasons = ([down] if down else []) + ([database] if database else []) + [
             f"the database refuses the pool's {statement} ({count} times in a row): {message}"
             for statement, (message, count) in now]
         if stuck and stuck >= capacity:
             reasons.append(f"all {capacity} worker slots are held by handlers that ran past handler_timeout_s and "
                            "never returned (a thread cannot be killed): fix the handler, restart the process")
-        return PoolHealth(ready=not reasons, reasons=tuple(reasons), refusals=total, stuck_handlers=stuck)
+        return PoolHealth(ready=not reasons, reasons=tuple(reasons), refusals=total, stuck_handlers=stuck,
+                          failed_rounds=failed_rounds)
 
 
 _HINT = ("a trigger, a constraint or a policy of the database refuses the pool's own statement: it is tried "

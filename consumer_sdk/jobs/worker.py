@@ -17,7 +17,9 @@ Threads, each with its own connection:
   the pool's leases; an attempt that lost one, passed its local deadline or timed out, is cancelled;
 * the listener (``listen=True``): LISTEN outbox_jobs, a wake-up per notification.
 
-Completions are written per round: see :mod:`consumer_sdk.jobs.completions` on crashes.
+Completions are written per round: see :mod:`consumer_sdk.jobs.completions` on crashes.  Rounds
+that fail because the database is unavailable or read-only are an outage (:mod:`consumer_sdk.jobs.outage`:
+logged once, not ready after two rounds and two seconds, ``outbox_jobs_database_unavailable``).
 
 Every connection the pool opens carries TCP keep-alives and a ``tcp_user_timeout`` of one
 lease (:func:`consumer_sdk.jobs._conn.tcp_options`; the DSN's own values win): in a partition
@@ -46,7 +48,13 @@ import structlog
 
 from consumer_sdk.errors import FatalError, OutboxSdkError
 from consumer_sdk.jobs import queue as jobq
-from consumer_sdk.jobs._conn import ConnectionFactory, ConnSlot, PoolerAware, pool_connect_factory
+from consumer_sdk.jobs._conn import (
+    ConnectionFactory,
+    ConnSlot,
+    PoolerAware,
+    pool_connect_factory,
+    read_only,
+)
 from consumer_sdk.jobs.completions import Completions
 from consumer_sdk.jobs.config import WorkerConfig, check_pool_arguments
 from consumer_sdk.jobs.context import JobContext
@@ -56,6 +64,7 @@ from consumer_sdk.jobs.lanes import Lanes
 from consumer_sdk.jobs.line import Line
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import ClaimedJob, JobId
+from consumer_sdk.jobs.outage import Outage
 from consumer_sdk.jobs.reconciler import Reconciler, Upkeep
 from consumer_sdk.jobs.refusals import PoolHealth, Refusals, Refused
 from consumer_sdk.jobs.threads import PoolThreads, left
@@ -121,6 +130,9 @@ class WorkerPool(Executing):
         self._refusals = refusals = Refusals(log=self.log, rand=rand, metrics=self.metrics)
         self._upkeep = Upkeep(self.reconciler, reconcile_interval_s=config.reconcile_interval_s, refusals=refusals,
                               reap_interval_s=min(config.poll_interval_s, config.lease_duration_s / 4))
+        #: The dispatcher's rounds failed in a row for the database (unavailable, read-only).
+        self._outage = Outage(log=self.log, metrics=self.metrics, clock=clock)
+        self._read_only_session = False  # the last round ran on a read-only session (it proved nothing)
         self._next_due: float | None = None
         self._more_work = self._schema_checked = False
         self._started = self._stopped = False
@@ -235,7 +247,8 @@ class WorkerPool(Executing):
     def health(self) -> PoolHealth:
         """For a readiness probe (see :class:`~consumer_sdk.jobs.refusals.PoolHealth`)."""
         return self._refusals.health(error=self.error, started=self._started, stopping=self._stopping.is_set(),
-                                     stuck=self._hb.stuck_handlers(), capacity=self.config.max_concurrency)
+                                     stuck=self._hb.stuck_handlers(), capacity=self.config.max_concurrency,
+                                     database=self._outage.reason(), failed_rounds=self._outage.failed_rounds)
 
     # -- dispatch -------------------------------------------------------------------------
 
@@ -260,6 +273,7 @@ class WorkerPool(Executing):
                 self._done.write_all(conn)  # a round without a claim still writes the successes
             else:
                 claimed = self._claim(conn, held)
+        self._read_only_session = read_only(conn)
         self.rounds += 1
         return claimed
 
@@ -293,19 +307,23 @@ class WorkerPool(Executing):
         self._dispatching = True
         while not self._stopping.is_set():
             self._wake.clear()
+            began = self._clock()
             try:
                 self.run_once()
                 pause_s = 0.1
+                self._outage.passed(read_only_session=self._read_only_session)
             except Refused as refused:  # logged once per cause, counted: no line per round
+                self._outage.passed()  # the database answers: the refusal says why not ready
                 self._stopping.wait(refused.pause_s)  # no wake-up cuts it short: no spinning
                 continue
             except FatalError as exc:  # rejected credentials, a missing grant: a person has to act
                 self._dispatching = False  # running jobs write their own completions
+                self._outage.passed()
                 self._failed(exc)
                 break
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything
-                if isinstance(exc, OutboxSdkError):
-                    self.log.warning("dispatch_failed", error=str(exc))
+                if isinstance(exc, OutboxSdkError):  # logged once per outage (.outage): no line per round
+                    self._outage.failed(exc, began=began)
                 else:
                     self.log.exception("dispatch_crashed")
                 self._stopping.wait(pause_s)
@@ -316,6 +334,7 @@ class WorkerPool(Executing):
                 self._sleeping_until = self._clock() + wait_s
             self._wake.wait(wait_s)
         self._dispatching = False
+        self._outage.close()
         self._dispatch_slot.close()  # stop() writes what is left on a connection of its own
 
     def _wait_s(self) -> float:
