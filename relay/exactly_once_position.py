@@ -20,9 +20,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from relay.errors import ConfigError
+from relay.kafka_producer import _KAFKA_LOG
 from relay.marker import MarkStore
 from relay.model import Lease, OutboxRow, RowId, ShardId
-from relay.publisher import _KAFKA_LOG
 
 POSITION_READ_TIMEOUT_S = 20.0
 POSITION_TAIL = 64  # offsets read back from the end of a position partition, at first

@@ -35,9 +35,9 @@ from relay.exactly_once_position import Position as Position
 from relay.exactly_once_position import ensure_position_topic as ensure_position_topic
 from relay.exactly_once_position import event_digest as event_digest
 from relay.exactly_once_position import read_position as read_position
+from relay.kafka_producer import _KAFKA_LOG, await_cluster
 from relay.model import OutboxRow, RowId, ShardId, Token
 from relay.outcomes import Outcome, classify, refused_at_produce
-from relay.publisher import _KAFKA_LOG, await_cluster
 
 INIT_TIMEOUT_S = 30.0  # init_transactions waits for the previous holder's transaction to end
 COMMIT_TIMEOUT_S = 30.0

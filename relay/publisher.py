@@ -1,6 +1,7 @@
 """The Kafka side: produce rows, turn delivery reports into outcomes (relay/outcomes.py).
 
-Only this module imports confluent_kafka for producing.  The producer is
+Only this module and relay/kafka_producer.py (the client made, warmed up and closed)
+import confluent_kafka for producing.  The producer is
 idempotent with ``acks=all`` (see :func:`relay.kafka_config.producer_config`), so
 messages of one partition are written in the order they were produced, without
 duplicates from the producer's own retries.
@@ -9,19 +10,16 @@ duplicates from the producer's own retries.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from outbox_core.kafka_clients import destroy_producer
-from outbox_core.kafka_errors import TlsListenerProbe, refusal_text, setup_failure
+from outbox_core.kafka_errors import TlsListenerProbe, setup_failure
 from outbox_core.secrets import scrub
-from relay.errors import ConfigError
-from relay.kafka_config import KAFKA_ALIASES
+from relay.kafka_producer import _CLOSED, WARM_UP_TIMEOUT_S, await_cluster, new_producer
 from relay.model import OutboxRow
 
 # What the client's errors and reports mean lives in relay/outcomes.py; the names the tests
@@ -91,46 +89,11 @@ def encode_headers(row: OutboxRow) -> list[tuple[str, str | bytes | None]]:
     return encoded
 
 
-def _one_line(text: str) -> str:
-    """librdkafka's messages may end in a newline; an error is one line."""
-    return " ".join(text.split())
-
-
-def named_as_given(message: str, config: Mapping[str, Any]) -> str:
-    """librdkafka's error with each property named as the configuration names it:
-    ``linger.ms=abc`` was refused as 'Invalid value for configuration property
-    "queue.buffering.max.ms"', a name the user never wrote."""
-    for canonical, alias in KAFKA_ALIASES.items():
-        quoted = f'"{canonical}"'
-        if quoted in message and canonical not in config and alias in config:
-            message = message.replace(quoted, f'"{alias}" (librdkafka\'s {canonical})')
-    return message
-
-
 PARTITIONS_TTL_S = 60.0  # how long a topic's partition count is trusted
 PARTITIONS_TIMEOUT_S = 1.0  # a metadata request for it; only when a partition looks stalled
-WARM_UP_TIMEOUT_S = 2.0  # Publisher.warm_up: how long a new client may take to reach the cluster
-WARM_UP_STEP_S = 0.01  # ... and how often it asks at most (an answer that comes at once is no wait)
-
-_KAFKA_LOG = logging.getLogger("outbox_relay.librdkafka")
-_KAFKA_LOG.addHandler(logging.NullHandler())  # state changes are reported through error_cb
-_KAFKA_LOG.propagate = False
 
 DeliveryCallback = Callable[[OutboxRow, Outcome], None]
 ErrorCallback = Callable[[BrokerState, str, bool], None]  # (state, message, fatal)
-
-
-class _ClosedProducer:
-    """Stands in for a destroyed client: any use is a bug, and says so."""
-
-    def __getattr__(self, name: str) -> Any:
-        raise RuntimeError("the relay's Kafka producer is closed")
-
-    def __len__(self) -> int:
-        return 0
-
-
-_CLOSED: Any = _ClosedProducer()
 
 
 class Publisher:
@@ -153,17 +116,7 @@ class Publisher:
         self._partitions: dict[str, tuple[int | None, float]] = {}  # topic -> (count, until)
 
     def _new_producer(self) -> Producer:
-        config: dict[str, Any] = dict(self._config)
-        config["error_cb"] = self._error_cb
-        config["logger"] = _KAFKA_LOG  # librdkafka's own lines go through logging, not raw stderr
-        config.setdefault("log.connection.close", "false")
-        try:
-            return Producer(config)
-        except KafkaException as exc:
-            message = named_as_given(refusal_text(exc, self._config), self._config)
-            raise ConfigError(f"invalid Kafka configuration: {message}") from None
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"invalid Kafka configuration: {_one_line(str(exc))}") from None
+        return new_producer(self._config, self._error_cb)
 
     def _error_cb(self, error: KafkaError) -> None:
         code = error.code()
@@ -364,33 +317,3 @@ class Publisher:
         left = destroy_producer(self._producer, timeout_s)  # the purged messages' reports served
         self._producer = _CLOSED
         return left
-
-
-def await_cluster(client: Producer, timeout_s: float = WARM_UP_TIMEOUT_S, *,
-                  stopping: Callable[[], bool] = lambda: False) -> bool:
-    """True once a broker ``client`` learned (not the bootstrap address) answered a
-    metadata request, so that its connection is up; False after ``timeout_s`` (an
-    unreachable cluster: the caller goes on as it would have, and waits in its own
-    requests) or as soon as ``stopping()`` (asked between requests of at most 0.25 s).
-
-    A librdkafka client drops its bootstrap connection once it has learned the brokers;
-    until a learned broker's connection is up, a producer asking for its id (or a
-    transactional one for its coordinator) finds no broker and tries again on a 500 ms
-    timer."""
-    deadline = time.monotonic() + timeout_s  # real time: it waits on the network
-    while True:
-        asked = time.monotonic()
-        left = deadline - asked
-        if left <= 0 or stopping():  # each list_topics serves the client's error callbacks
-            return False
-        try:
-            metadata = client.list_topics(timeout=min(left, 0.25))
-        except KafkaException:
-            metadata = None  # not answered within the step, or refused at once
-        if metadata is not None and metadata.orig_broker_id >= 0:
-            return True
-        # Ask again while time is left, at most every WARM_UP_STEP_S: a refusal or a
-        # bootstrap broker's answer can come at once, and asking again at once spun a
-        # core (and the bootstrap broker) for the whole timeout.
-        time.sleep(max(0.0, min(WARM_UP_STEP_S - (time.monotonic() - asked),
-                                deadline - time.monotonic())))
