@@ -242,6 +242,9 @@ class ConnSlot:
         self._connect = connect
         self._idle_ms = idle_ms
         self._conn: ConnectionT | None = None
+        #: The live connection's session as (backend pid, application_name), None without one:
+        #: read by the pool's lock-wait watch (:mod:`.lock_waits`), on its own thread.
+        self.session: tuple[int, str] | None = None
 
     def get(self) -> ConnectionT:
         conn = self._conn
@@ -259,7 +262,17 @@ class ConnSlot:
                 with translated():
                     conn.execute(q("session_setup"), {"idle_ms": self._idle_ms})
             self._conn = conn
+            self.session = (conn.info.backend_pid, conn.info.parameter_status("application_name") or "")
         return conn
+
+    def in_use(self) -> bool:
+        """A statement is in flight on the connection now (psycopg's lock of it is held), read
+        from another thread without waiting (the lock-wait watch asks every few seconds)."""
+        conn = self._conn
+        if conn is None or not conn.lock.acquire(blocking=False):
+            return conn is not None
+        conn.lock.release()
+        return False
 
     def tidy(self) -> None:
         """After a job: roll back whatever the handler left open; drop a broken connection."""
@@ -273,7 +286,7 @@ class ConnSlot:
             self.close()
 
     def close(self) -> None:
-        conn, self._conn = self._conn, None
+        conn, self._conn, self.session = self._conn, None, None
         if conn is not None:
             try:
                 conn.close()

@@ -69,6 +69,11 @@ class JobsMetrics:
         self.handlers_stuck = Gauge(
             "outbox_jobs_handlers_stuck", "Handlers this pool timed out (handler_timeout_s) that have not "
             "returned: each holds its thread and a worker slot until it does.", registry=r)
+        #: A worker pool's lock-wait watch sets it at each look (consumer_sdk.jobs.lock_waits), per queue.
+        self.lock_wait = Gauge(
+            "outbox_jobs_lock_wait_seconds", "How long this pool's dispatcher (claims) or heartbeat (lease "
+            "renewals) has waited for a database lock another session holds: the longer of the two at the "
+            "pool's lock-wait watch's last look (0: none).", ["queue"], registry=r)
         self.oldest_pending_age = Gauge(
             "outbox_jobs_oldest_pending_age_seconds", "Age of the oldest ready job (since it became claimable).",
             ["queue"], registry=r)
