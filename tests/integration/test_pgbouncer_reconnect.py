@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -126,12 +127,31 @@ def _end_relay_sessions(dsn: str, owner: str) -> int:
             (f"outbox-relay:{owner}%",)).fetchall())
 
 
+def _started_relay(spawn: Any, pooled: str, broker: Any, owner: str, **env: Any) -> Any:
+    """The relay ``owner`` through the pooler, with one mark connection, once it started."""
+    relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap, owner=owner, mark_connections=1, **env),
+                  name="relay")
+    relay.wait_for_log("relay_started", timeout_s=60)
+    return relay
+
+
+def _stop_cleanly(relay: Any) -> None:
+    relay.sigterm()
+    assert relay.wait(30) == 0
+    assert "Traceback" not in relay.log_text()
+
+
+def _delivered_in_order(outbox_db: str, broker: Any, topic: str) -> None:
+    """Every row of the outbox is on the topic, none missing, each key's in order."""
+    expected = all_event_ids(outbox_db)
+    delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60), expected)
+    assert not delivery.missing and not delivery.order_violations, delivery
+
+
 def test_a_connection_reopened_with_no_server_free_is_named_as_at_start(
         outbox_db, pgbouncer, broker, topic, spawn):  # noqa: F811 - the imported fixture
     pooled = pgbouncer("session", pool_size=NEEDED)
-    relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap, owner="reopen", mark_connections=1),
-                  name="relay")
-    relay.wait_for_log("relay_started", timeout_s=60)
+    relay = _started_relay(spawn, pooled, broker, "reopen")
     insert_rows(outbox_db, topic, 20, keys=4)
     wait_drained(outbox_db, timeout_s=60)
     since = relay.log_size()
@@ -152,9 +172,7 @@ def test_a_connection_reopened_with_no_server_free_is_named_as_at_start(
         assert pending(outbox_db) == 20 and relay.alive
     relay.wait_for_log("database_connection_ready", timeout_s=60, since=since)
     wait_drained(outbox_db, timeout_s=60)
-    relay.sigterm()
-    assert relay.wait(30) == 0
-    assert "Traceback" not in relay.log_text()
+    _stop_cleanly(relay)
 
 
 @pytest.mark.parametrize("rows", [20, 200], ids=["marked-on-the-loops-thread", "marked-on-the-mark-thread"])
@@ -167,9 +185,7 @@ def test_the_mark_connection_reopened_with_no_server_free_is_named_as_at_start(
     # A server more than the relay holds: while the relay is held up its wait watch opens a
     # connection too (relay/waits.py), which would otherwise take the last server freed.
     pooled = pgbouncer("session", pool_size=NEEDED + 1)
-    relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap, owner="remark", mark_connections=1),
-                  name="relay")
-    relay.wait_for_log("relay_started", timeout_s=60)
+    relay = _started_relay(spawn, pooled, broker, "remark")
     insert_rows(outbox_db, topic, 20, keys=4)
     wait_drained(outbox_db, timeout_s=60)
     assert _end_session(outbox_db, MARK) == 1
@@ -199,9 +215,7 @@ def test_the_mark_connection_reopened_with_no_server_free_is_named_as_at_start(
     wait_until(lambda: _named(relay.log_text(), "database_connection_ready", MARK),
                timeout_s=60, message=lambda: f"the mark connection was not ready: {_tail(relay.log_text())}")
     wait_drained(outbox_db, timeout_s=60)
-    relay.sigterm()
-    assert relay.wait(30) == 0
-    assert "Traceback" not in relay.log_text()
+    _stop_cleanly(relay)
 
 
 def test_the_cleanup_connection_reopened_with_no_server_free_is_named_as_at_start(
@@ -211,10 +225,7 @@ def test_the_cleanup_connection_reopened_with_no_server_free_is_named_as_at_star
     a word (one cleanup_database_unavailable, never a cleanup_recovered)."""
     needed = NEEDED + 1  # and cleanup's
     pooled = pgbouncer("session", pool_size=needed)
-    relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap, owner="reclean", mark_connections=1,
-                                                  cleanup_retention_s=3600, cleanup_interval_s=0.5),
-                  name="relay")
-    relay.wait_for_log("relay_started", timeout_s=60)
+    relay = _started_relay(spawn, pooled, broker, "reclean", cleanup_retention_s=3600, cleanup_interval_s=0.5)
     assert _end_session(outbox_db, "outbox-relay:reclean:cleanup") == 1
     with _other_clients(pooled, 1) as clients:
         wait_until(clients[0][0].is_set, timeout_s=30, message="no other client got the cleanup connection's server")
@@ -229,9 +240,7 @@ def test_the_cleanup_connection_reopened_with_no_server_free_is_named_as_at_star
         insert_rows(outbox_db, topic, 20, keys=4)
         wait_drained(outbox_db, timeout_s=60)  # marking goes on meanwhile
     relay.wait_for_log("cleanup_recovered", timeout_s=60)
-    relay.sigterm()
-    assert relay.wait(30) == 0
-    assert "Traceback" not in relay.log_text()
+    _stop_cleanly(relay)
 
 
 def _seen_until(dsn: str, owner: str) -> datetime:
@@ -250,11 +259,8 @@ def test_a_small_batch_whose_mark_connection_waits_to_reopen_does_not_hold_the_l
     wait.  Now such a batch goes to the mark thread, which waits; the loop goes on."""
     owner, mark = "inline", "outbox-relay:inline:mark"
     pooled = pgbouncer("session", pool_size=NEEDED + 1)  # a spare, for the wait watch
-    relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap, owner=owner, mark_connections=1,
-                                                  heartbeat_interval_s=1, claim_interval_s=0,
-                                                  claim_interval_max_s=0),
-                  name="relay")
-    relay.wait_for_log("relay_started", timeout_s=60)
+    relay = _started_relay(spawn, pooled, broker, owner, heartbeat_interval_s=1, claim_interval_s=0,
+                           claim_interval_max_s=0)
     insert_rows(outbox_db, topic, 20, keys=4)
     wait_drained(outbox_db, timeout_s=60)
     assert _end_session(outbox_db, mark) == 1
@@ -278,9 +284,7 @@ def test_a_small_batch_whose_mark_connection_waits_to_reopen_does_not_hold_the_l
     wait_drained(outbox_db, timeout_s=60)  # every row marked, once
     late = [event["late_s"] for event in _events(relay.log_text(), "heartbeat_late")]
     assert all(float(str(each)) < 3.0 for each in late), late
-    relay.sigterm()
-    assert relay.wait(30) == 0
-    assert "Traceback" not in relay.log_text()
+    _stop_cleanly(relay)
 
 
 @contextmanager
@@ -345,9 +349,7 @@ def test_the_listen_connection_reopened_with_no_server_free_does_not_hold_the_lo
     and a stop while it waits ends the relay at once."""
     owner = "relisten"
     pooled = pgbouncer("session", pool_size=NEEDED)
-    relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap, owner=owner, mark_connections=1),
-                  name="relay")
-    relay.wait_for_log("relay_started", timeout_s=60)
+    relay = _started_relay(spawn, pooled, broker, owner)
     insert_rows(outbox_db, topic, 20, keys=4)
     wait_drained(outbox_db, timeout_s=60)
     wait_until(lambda: _listen_sleeps(outbox_db), timeout_s=30, message="the relay never slept on LISTEN")
@@ -359,9 +361,7 @@ def test_the_listen_connection_reopened_with_no_server_free_does_not_hold_the_lo
                    message=lambda: f"the LISTEN connection was not named: {_tail(relay.log_text())}")
         insert_rows(outbox_db, topic, 40, keys=4, start=20)
         wait_drained(outbox_db, timeout_s=30)  # polled and marked while LISTEN waits
-        expected = all_event_ids(outbox_db)
-        delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60), expected)
-        assert not delivery.missing and not delivery.order_violations, delivery
+        _delivered_in_order(outbox_db, broker, topic)
         assert not _named(relay.log_text(), "database_connection_ready", LISTEN)
         assert _sessions(outbox_db, LISTEN) == 0 and relay.alive  # LISTEN still waits
         if then == "stopped":
@@ -375,12 +375,8 @@ def test_the_listen_connection_reopened_with_no_server_free_does_not_hold_the_lo
     wait_until(lambda: _listen_sleeps(outbox_db), timeout_s=30, message="the relay did not sleep on LISTEN again")
     insert_rows(outbox_db, topic, 20, keys=4, start=60)
     wait_drained(outbox_db, timeout_s=30)
-    expected = all_event_ids(outbox_db)
-    delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60), expected)
-    assert not delivery.missing and not delivery.order_violations, delivery
-    relay.sigterm()
-    assert relay.wait(30) == 0
-    assert "Traceback" not in relay.log_text()
+    _delivered_in_order(outbox_db, broker, topic)
+    _stop_cleanly(relay)
 
 
 def test_the_replay_connection_reopened_with_no_server_free_does_not_hold_the_loop(
@@ -392,9 +388,7 @@ def test_the_replay_connection_reopened_with_no_server_free_does_not_hold_the_lo
     relay publishes meanwhile."""
     owner, replay = "rereplay", "outbox-relay:rereplay:replay"
     pooled = pgbouncer("session", pool_size=NEEDED)
-    relay = spawn(relay_cmd("run"), env=relay_env(pooled, broker.bootstrap, owner=owner, mark_connections=1),
-                  name="relay")
-    relay.wait_for_log("relay_started", timeout_s=60)
+    relay = _started_relay(spawn, pooled, broker, owner)
     insert_rows(outbox_db, topic, 20, keys=4)
     wait_drained(outbox_db, timeout_s=60)
     with _queued_client(pooled) as (served, release), _queued_client(pooled) as (_served2, release2):
@@ -405,15 +399,11 @@ def test_the_replay_connection_reopened_with_no_server_free_does_not_hold_the_lo
                    message=lambda: f"the replays' connection was not named: {_tail(relay.log_text())}")
         insert_rows(outbox_db, topic, 40, keys=4, start=20)
         wait_drained(outbox_db, timeout_s=30)  # claimed and marked while the replays' connection waits
-        expected = all_event_ids(outbox_db)
-        delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60), expected)
-        assert not delivery.missing and not delivery.order_violations, delivery
+        _delivered_in_order(outbox_db, broker, topic)
         assert not _named(relay.log_text(), "database_connection_ready", replay) and relay.alive
         assert not _events(relay.log_text(), "database_unavailable")  # the database was never down
         release2.set()  # the second client leaves as soon as it is served:
         release.set()  # the first one's server goes to it, then to the replays' connection
         wait_until(lambda: _named(relay.log_text(), "database_connection_ready", replay), timeout_s=60,
                    message=lambda: f"the replays' connection was not ready: {_tail(relay.log_text())}")
-    relay.sigterm()
-    assert relay.wait(30) == 0
-    assert "Traceback" not in relay.log_text()
+    _stop_cleanly(relay)
