@@ -24,8 +24,9 @@ A round that passed on a read-only session (PostgreSQL 14 and later report it, n
 ends nothing: it only read (nothing to claim), and the pool's next write fails again (its
 reap, every quarter lease).  Ended by such rounds, an outage on a standby with an empty
 queue was over and back at every reap (a ``dispatch_recovered`` and a ``dispatch_failed``
-each time).  A round the database refused (:mod:`.refusals`) or that met a fatal error
-(rejected credentials) ends it: the database answers, and those say why the pool is not ready.
+each time).  A round the database refused (:mod:`.refusals`) ends it: the database answers,
+and the refusal says why the pool is not ready.  A fatal error (rejected credentials) stops
+the dispatcher, which ends it without a line (:meth:`Outage.close`): ``pool_failed`` says why.
 
 The lease heartbeat's failures are not counted here: it runs only while jobs run, so once its
 attempts are given up no heartbeat would pass to end an outage; the dispatcher's rounds run
@@ -103,7 +104,7 @@ class Outage:
                              failing_s=round(now - streak.began, 1), hint=_HINT)
 
     def passed(self, *, read_only_session: bool = False) -> None:
-        """A round passed (or the database answered it: a refusal, a fatal error).  One that
+        """A round passed (or the database answered it with a refusal).  One that
         passed on a ``read_only_session`` only read: it ends nothing (see the module)."""
         streak = self.streak
         if streak is None or read_only_session:

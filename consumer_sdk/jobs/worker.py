@@ -318,8 +318,7 @@ class WorkerPool(Executing):
                 continue
             except FatalError as exc:  # rejected credentials, a missing grant: a person has to act
                 self._dispatching = False  # running jobs write their own completions
-                self._outage.passed()
-                self._failed(exc)
+                self._failed(exc)  # the outage, if any, ends with the loop: pool.error says why
                 break
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything
                 if isinstance(exc, OutboxSdkError):  # logged once per outage (.outage): no line per round
