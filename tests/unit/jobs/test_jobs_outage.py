@@ -8,11 +8,13 @@ from typing import Any
 
 import structlog
 
-from consumer_sdk.errors import DatabaseUnavailable, TransactionConflict
+from consumer_sdk.errors import AuthenticationFailed, DatabaseUnavailable, TransactionConflict
+from consumer_sdk.jobs import WorkerConfig, WorkerPool
 from consumer_sdk.jobs.errors import DatabaseReadOnly
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.outage import LOG_EVERY_S, NOT_READY_S, Outage
 from consumer_sdk.jobs.refusals import Refusals
+from tests.fixtures.procs import wait_until
 
 GAUGE = "outbox_jobs_database_unavailable"
 DOWN = DatabaseUnavailable("database unreachable: connection failed: connection refused")
@@ -148,3 +150,34 @@ def test_the_pools_health_carries_the_reason_and_the_rounds() -> None:
     assert not health.ready and health.reasons == ("the database is unavailable ...",) and health.failed_rounds == 7
     health = refusals.health(error=None, started=True, stopping=False, failed_rounds=1)  # a blip: no reason yet
     assert health.ready and health.failed_rounds == 1
+
+
+def test_a_fatal_error_during_an_outage_stops_the_pool_without_saying_it_recovered() -> None:
+    # The database comes back with the credentials rejected (rotated during the outage): the
+    # pool stops (pool_failed), and no dispatch_recovered line reads that as a recovery.
+    logged: list[dict[str, Any]] = []
+    attempts = iter(range(1_000))
+
+    def connect() -> Any:
+        if next(attempts) < 5:
+            raise DatabaseUnavailable("database unreachable: connection refused")
+        raise AuthenticationFailed("password authentication failed for user \"app\"")
+
+    def record(_logger: Any, _level: str, event: dict[str, Any]) -> dict[str, Any]:
+        logged.append(event)
+        raise structlog.DropEvent
+
+    metrics = JobsMetrics()
+    pool = WorkerPool(WorkerConfig(dsn="postgresql://app@db/app", poll_interval_s=0.05, listen=False),
+                      {"k": lambda ctx: None}, metrics=metrics, connect=connect,
+                      log=structlog.wrap_logger(None, processors=[record]))
+    pool.start()
+    try:
+        wait_until(lambda: pool.error is not None, timeout_s=10, message=lambda: str(logged[-3:]))
+    finally:
+        pool.stop(drain_timeout_s=0.5)
+    events = [e["event"] for e in logged if e["event"].startswith(("dispatch_", "pool_failed"))]
+    assert events == ["dispatch_failed", "pool_failed"], events
+    assert isinstance(pool.error, AuthenticationFailed)
+    assert metrics.registry.get_sample_value(GAUGE) == 0.0
+    assert not pool.health().ready and pool.health().failed_rounds == 0
