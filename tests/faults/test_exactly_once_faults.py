@@ -10,15 +10,13 @@ import threading
 import time
 
 from tests.fixtures.apache_kafka import ApacheKafkaBroker, apache_kafka_or_skip
-from tests.fixtures.broker import create_topic, read_all
+from tests.fixtures.broker import create_topic
+from tests.fixtures.exactly_once import assert_exactly_once, exactly_once_env
 from tests.fixtures.outbox import (
-    all_event_ids,
-    check_delivery,
     insert_rows,
     migrated,
     pending,
     relay_cmd,
-    relay_env,
     scalar,
     wait_drained,
 )
@@ -32,10 +30,7 @@ def _published(dsn: str) -> int:
 
 
 def _env(dsn: str, bootstrap: str, topic_name, **extra: object) -> dict[str, str]:
-    return relay_env(dsn, bootstrap, exactly_once="true", lease_duration_s=LEASE_S,
-                     exactly_once_position_topic=topic_name("pos"),
-                     exactly_once_transactional_id_prefix=topic_name("txn") + ".",
-                     batch_size=200, **extra)
+    return exactly_once_env(dsn, bootstrap, topic_name, lease_duration_s=LEASE_S, batch_size=200, **extra)
 
 
 class Writer(threading.Thread):
@@ -54,14 +49,7 @@ class Writer(threading.Thread):
 
 
 def _check(bootstrap: str, topic: str, dsn: str) -> tuple[int, int]:
-    expected = all_event_ids(dsn)
-    records = read_all(bootstrap, topic, expected=expected, timeout_s=60, extra_wait_s=2,
-                       isolation_level="read_committed")
-    delivery = check_delivery(records, expected)
-    assert delivery.missing == set(), len(delivery.missing)
-    assert delivery.order_violations == [], delivery.order_violations[:5]
-    assert delivery.duplicates == 0, delivery.duplicates
-    return len(expected), len(records)
+    return assert_exactly_once(bootstrap, topic, dsn, timeout_s=60, extra_wait_s=2)
 
 
 def test_sigkill_twenty_times_read_committed_sees_every_event_once(

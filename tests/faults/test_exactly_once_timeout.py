@@ -25,14 +25,12 @@ from confluent_kafka import IsolationLevel, TopicPartition
 from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
 
 from tests.fixtures.apache_kafka import ApacheKafkaBroker, admin_client, apache_kafka_or_skip
-from tests.fixtures.broker import create_topic, read_all
+from tests.fixtures.broker import create_topic
+from tests.fixtures.exactly_once import assert_exactly_once, exactly_once_env
 from tests.fixtures.outbox import (
-    all_event_ids,
-    check_delivery,
     insert_rows,
     migrated,
     relay_cmd,
-    relay_env,
     scalar,
     wait_drained,
 )
@@ -122,11 +120,9 @@ def test_a_lone_replica_paused_past_its_transaction_timeout_is_not_fenced(
     topic = topic_name("eo-timeout")
     create_topic(broker.bootstrap, topic, partitions=3)
     port = free_port()
-    env = relay_env(dsn, broker.bootstrap, exactly_once="true", lease_duration_s=LEASE_S,
-                    heartbeat_interval_s=HEARTBEAT_S, metrics_port=port,
-                    exactly_once_position_topic=topic_name("pos"),
-                    exactly_once_transactional_id_prefix=topic_name("txn") + ".",
-                    kafka_transaction_timeout_ms=TRANSACTION_TIMEOUT_MS)
+    env = exactly_once_env(dsn, broker.bootstrap, topic_name, lease_duration_s=LEASE_S,
+                           heartbeat_interval_s=HEARTBEAT_S, metrics_port=port,
+                           kafka_transaction_timeout_ms=TRANSACTION_TIMEOUT_MS)
     relay = spawn(relay_cmd("run"), env=env, name="relay")
     relay.wait_for_log("relay_started", timeout_s=60)
     admin = admin_client(broker.bootstrap)
@@ -180,7 +176,4 @@ def test_a_lone_replica_paused_past_its_transaction_timeout_is_not_fenced(
     assert 'outbox_relay_transactions_total{result="aborted"} 0.0' not in metrics
     relay.sigterm()
     assert relay.wait(30) == 0
-    expected = all_event_ids(dsn)
-    delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=60,
-                                       isolation_level="read_committed"), expected)
-    assert not delivery.missing and not delivery.order_violations and delivery.duplicates == 0
+    assert_exactly_once(broker.bootstrap, topic, dsn, timeout_s=60)

@@ -21,15 +21,8 @@ from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 from relay.exactly_once_position import POSITION_MISSING, ensure_position_topic, read_position
 from relay.model import ShardId
 from tests.fixtures.apache_kafka import ApacheKafkaCluster, admin_client
-from tests.fixtures.broker import read_all
-from tests.fixtures.outbox import (
-    all_event_ids,
-    check_delivery,
-    insert_rows,
-    relay_cmd,
-    relay_env,
-    wait_drained,
-)
+from tests.fixtures.exactly_once import drained_exactly_once, relay_with_a_partition_to_lose
+from tests.fixtures.outbox import insert_rows, relay_cmd
 from tests.fixtures.procs import Proc, free_port, wait_until
 
 TRANSACTION_TIMEOUT_MS = 3000
@@ -43,20 +36,9 @@ def _failed(relay: Proc) -> list[dict[str, Any]]:
 def test_a_partition_without_a_leader_is_named_when_transactions_time_out(
         outbox_db, kafka_cluster: ApacheKafkaCluster, spawn, topic_name):
     topic = topic_name("eo-leaderless")
-    admin = admin_client(kafka_cluster.bootstrap)
-    admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])[topic].result(30)
-    leader = wait_until(lambda: admin.list_topics(topic, timeout=5).topics[topic].partitions[0].leader,
-                        timeout_s=30, ignore=(KeyError,))
-    env = relay_env(outbox_db, kafka_cluster.bootstrap, exactly_once="true",
-                    exactly_once_position_topic=topic_name("pos"),
-                    exactly_once_transactional_id_prefix=topic_name("txn") + ".",
-                    kafka_transaction_timeout_ms=TRANSACTION_TIMEOUT_MS)
-    relay = spawn(relay_cmd("run"), env=env, name="relay-eo-leaderless")
-    relay.wait_for_log("relay_started", timeout_s=60)
-    insert_rows(outbox_db, topic, 300, keys=30)
-    wait_drained(outbox_db, timeout_s=60)
-
-    index = [node.node_id for node in kafka_cluster.nodes].index(leader)
+    relay, _admin, index = relay_with_a_partition_to_lose(
+        outbox_db, kafka_cluster, spawn, topic_name, topic, rows=300, name="relay-eo-leaderless",
+        kafka_transaction_timeout_ms=TRANSACTION_TIMEOUT_MS)
     kafka_cluster.kill(index)  # partition 0 of the topic has no leader now
     try:
         insert_rows(outbox_db, topic, 300, keys=30, start=300)
@@ -68,14 +50,7 @@ def test_a_partition_without_a_leader_is_named_when_transactions_time_out(
     for event in failed:
         assert "of its messages not delivered, a partition had no leader or a broker was out of reach" \
             in event["error"], event
-    wait_drained(outbox_db, timeout_s=120)
-    expected = all_event_ids(outbox_db)
-    records = read_all(kafka_cluster.bootstrap, topic, expected, timeout_s=60, extra_wait_s=1.0,
-                       isolation_level="read_committed")
-    delivery = check_delivery(records, expected)
-    assert not delivery.missing and delivery.duplicates == 0 and not delivery.order_violations
-    relay.sigterm()
-    assert relay.wait(60) == 0, relay.log_tail()
+    drained_exactly_once(relay, outbox_db, kafka_cluster.bootstrap, topic)
 
 
 def test_only_the_partition_without_a_leader_is_named_stalled(
@@ -85,21 +60,10 @@ def test_only_the_partition_without_a_leader_is_named_stalled(
     librdkafka adds a transaction's partitions together).  partition_stalled, the
     stalled-rows gauge and `outbox-relay status` named all three; now only partition 0."""
     topic = topic_name("eo-stalled")
-    admin = admin_client(kafka_cluster.bootstrap)
-    admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])[topic].result(30)
-    leader = wait_until(lambda: admin.list_topics(topic, timeout=5).topics[topic].partitions[0].leader,
-                        timeout_s=30, ignore=(KeyError,))
     port = free_port()
-    env = relay_env(outbox_db, kafka_cluster.bootstrap, exactly_once="true", metrics_port=port,
-                    exactly_once_position_topic=topic_name("pos"),
-                    exactly_once_transactional_id_prefix=topic_name("txn") + ".",
-                    kafka_transaction_timeout_ms=STUCK_TRANSACTION_TIMEOUT_MS)
-    relay = spawn(relay_cmd("run"), env=env, name="relay-eo-stalled")
-    relay.wait_for_log("relay_started", timeout_s=60)
-    insert_rows(outbox_db, topic, 90, keys=30)
-    wait_drained(outbox_db, timeout_s=60)
-
-    index = [node.node_id for node in kafka_cluster.nodes].index(leader)
+    relay, admin, index = relay_with_a_partition_to_lose(
+        outbox_db, kafka_cluster, spawn, topic_name, topic, rows=90, name="relay-eo-stalled",
+        metrics_port=port, kafka_transaction_timeout_ms=STUCK_TRANSACTION_TIMEOUT_MS)
     kafka_cluster.kill(index)  # partition 0 of the topic has no leader now
     try:
         # Once the broker is fenced, the partitions it led with replicas elsewhere (position
@@ -118,14 +82,7 @@ def test_only_the_partition_without_a_leader_is_named_stalled(
     assert logged == {(topic, 0)}, logged  # before: partitions 1 and 2 as well
     assert {(r["topic"], r["partition"]) for r in status} == {(topic, "0")}, status
     assert set(gauge) == {"0"}, gauge
-    wait_drained(outbox_db, timeout_s=120)
-    expected = all_event_ids(outbox_db)
-    records = read_all(kafka_cluster.bootstrap, topic, expected, timeout_s=60, extra_wait_s=1.0,
-                       isolation_level="read_committed")
-    delivery = check_delivery(records, expected)
-    assert not delivery.missing and delivery.duplicates == 0 and not delivery.order_violations
-    relay.sigterm()
-    assert relay.wait(60) == 0, relay.log_tail()
+    drained_exactly_once(relay, outbox_db, kafka_cluster.bootstrap, topic)
 
 
 def _status(dsn: str) -> dict[str, Any]:
