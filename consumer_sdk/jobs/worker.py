@@ -62,6 +62,7 @@ from consumer_sdk.jobs.executor import Executor, Handler
 from consumer_sdk.jobs.heartbeat import Heartbeat
 from consumer_sdk.jobs.lanes import Lanes
 from consumer_sdk.jobs.line import Line
+from consumer_sdk.jobs.lock_waits import PoolLockWaitWatch
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import ClaimedJob, JobId
 from consumer_sdk.jobs.outage import Outage
@@ -138,12 +139,16 @@ class WorkerPool(Executing):
         self._started = self._stopped = False
         #: The fatal error that stopped claiming (AuthenticationFailed, ...), else None.
         self.error: FatalError | None = None
-        self._hb = Heartbeat(slot=ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms),
-                             worker_id=self.worker_id, lease_s=config.lease_duration_s, queues=config.queues,
+        hb_slot = ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms)
+        self._hb = Heartbeat(slot=hb_slot, worker_id=self.worker_id, lease_s=config.lease_duration_s, queues=config.queues,
                              max_concurrency=config.max_concurrency, running=self.running, metrics=self.metrics,
                              log=self.log, clock=clock, db_now=db_now, running_long_s=config.running_long_after_s,
                              timeouts=HandlerTimeouts(config, self._executor, self.outcomes, self.log))
         self.rounds = 0  # dispatch rounds completed (tests wait on it)
+        #: Names what the dispatcher's and the heartbeat's statements wait on (jobs_lock_wait).
+        self.lock_waits = PoolLockWaitWatch.of_slots(self._connect, dispatcher=self._dispatch_slot,
+                                                     heartbeat=hb_slot, metrics=self.metrics,
+                                                     queues=config.queues, log=self.log)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -161,6 +166,7 @@ class WorkerPool(Executing):
         self._threads.start("heartbeat", lambda: self._hb.loop(self.config.heartbeat_every_s, self._hb_stop),
                             "jobs-heartbeat")
         self._threads.start("dispatch", self._dispatch_loop, "jobs-dispatch")
+        self.lock_waits.start()
         if self._listener is not None:
             self._listener.start()
         self.log.info("pool_started", queues=list(self.config.queues),
@@ -210,6 +216,7 @@ class WorkerPool(Executing):
             self._threads.join("final", until)
         self._hb_stop.set()
         self._threads.join("heartbeat", until)
+        self.lock_waits.stop(min(1.0, left(until)))
         if self._listener is not None:
             self._listener.stop(left(until))
         self._threads.let_go(self._connect, self.log, end, [getattr(self._listener, "thread", None)])

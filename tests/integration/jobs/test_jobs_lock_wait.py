@@ -6,8 +6,8 @@ claiming and renewing without a word (no log line, no metric) while the leases r
 under its running handlers.  Now each waiting session is named in ``jobs_lock_wait``, with
 the backend that holds it up (the operator's pid and application_name), the gauge
 ``outbox_jobs_lock_wait_seconds{queue}`` rises, and both say it is over once the lock is
-released.  The watch is built from the pool's own connection slots, as the pool does (with a
-log of its own: the pool's watch, once it starts one, says the same on the pool's log).
+released.  The pool's own watch (``pool.lock_waits``, started with the pool, default timing:
+it looks once a statement has been in flight 5 s), on the pool's log.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any
 import psycopg
 
 from consumer_sdk.jobs import NewJob, WorkerConfig, WorkerPool, enqueue
-from consumer_sdk.jobs.lock_waits import PoolLockWaitWatch
 from tests.fixtures.procs import wait_until
 from tests.integration.jobs._support import job_status, recording_logger
 
@@ -30,10 +29,7 @@ def test_an_operators_lock_on_the_jobs_table_is_named_for_the_dispatcher_and_the
     release = threading.Event()  # the job runs while the table is locked
     config = WorkerConfig(dsn=jobs_db, max_concurrency=2, lease_duration_s=30.0, heartbeat_interval_s=0.2,
                           poll_interval_s=0.1, listen=False, drain_timeout_s=1.0)
-    pool = WorkerPool(config, {"slow": lambda ctx: release.wait(60) and "done"})
-    watch = PoolLockWaitWatch.of_slots(pool._connect, dispatcher=pool._dispatch_slot, heartbeat=pool._hb._slot,
-                                       metrics=pool.metrics, queues=config.queues, log=recording_logger(logged),
-                                       after_s=1.0, every_s=0.2)
+    pool = WorkerPool(config, {"slow": lambda ctx: release.wait(60) and "done"}, log=recording_logger(logged))
 
     def gauge() -> float:
         value = pool.metrics.registry.get_sample_value("outbox_jobs_lock_wait_seconds", {"queue": "bulk"})
@@ -45,7 +41,6 @@ def test_an_operators_lock_on_the_jobs_table_is_named_for_the_dispatcher_and_the
 
     operator = psycopg.connect(jobs_db, application_name=OPERATOR)  # not autocommit: the lock is held
     pool.start()
-    watch.start()
     try:
         assert gauge() == 0.0
         [job] = enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="slow", payload={})])
@@ -75,6 +70,5 @@ def test_an_operators_lock_on_the_jobs_table_is_named_for_the_dispatcher_and_the
     finally:
         release.set()
         operator.close()
-        watch.stop()
         pool.stop()
     assert gauge() == 0.0
