@@ -16,7 +16,9 @@ and neither of those imports the other's private modules (their ``ruff.toml``):
 * :mod:`outbox_core.pooling`: whether a DSN reaches PostgreSQL through a transaction pooler;
 * :mod:`outbox_core.spin`: waiting for PostgreSQL's answer by polling its socket briefly;
 * :mod:`outbox_core.cgroup`: the CPU limit of this process's control group, in cores;
-* :mod:`outbox_core.text`: input that is not UTF-8 text, found before a parser meets it.
+* :mod:`outbox_core.text`: input that is not UTF-8 text, found before a parser meets it;
+* :mod:`outbox_core.waits`: what a service's own sessions wait on in the database, read by
+  a watch thread while they seem held up (the relay's, the consumer's and the jobs pool's).
 
 A path such as ``sql/queries/relay.sql`` in a comment means ``outbox_core/sql/queries/relay.sql``.
 """
