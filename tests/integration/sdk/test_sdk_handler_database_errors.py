@@ -50,31 +50,29 @@ from tests.integration.sdk._support import (
 FAULTS = 3
 RETRY = RetryPolicy(max_attempts=2, backoff_initial_s=0.05, backoff_max_s=0.1)
 
-_READ_ONLY_DDL = """
-CREATE SEQUENCE read_only_faults;
-CREATE FUNCTION read_only_fault() RETURNS trigger LANGUAGE plpgsql AS $$
+#: A trigger on the handler's table: its first FAULTS rows meet a server error (SQLSTATE
+#: ``errcode``, the server's ``message``), counted in a sequence of the trigger's name (not
+#: rolled back with the transaction: see _faults), then the rows go through.
+_FAULT_DDL = """
+CREATE SEQUENCE {name};
+CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF nextval('read_only_faults') <= %(faults)s THEN
-        RAISE EXCEPTION 'cannot execute INSERT in a read-only transaction'
-            USING ERRCODE = 'read_only_sql_transaction';
+    IF nextval({sequence}) <= {faults} THEN
+        RAISE EXCEPTION {message} USING ERRCODE = {errcode};
     END IF;
     RETURN NEW;
 END $$;
-CREATE TRIGGER read_only_fault BEFORE INSERT ON effects FOR EACH ROW EXECUTE FUNCTION read_only_fault();
+CREATE TRIGGER {name} BEFORE INSERT ON effects FOR EACH ROW EXECUTE FUNCTION {name}();
 """
 
-_CONFLICT_DDL = """
-CREATE SEQUENCE conflict_faults;
-CREATE FUNCTION conflict_fault() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    IF nextval('conflict_faults') <= %(faults)s THEN
-        RAISE EXCEPTION 'could not serialize access due to concurrent update'
-            USING ERRCODE = 'serialization_failure';
-    END IF;
-    RETURN NEW;
-END $$;
-CREATE TRIGGER conflict_fault BEFORE INSERT ON effects FOR EACH ROW EXECUTE FUNCTION conflict_fault();
-"""
+
+def _fault_first_rows(dsn: str, name: str, *, errcode: str, message: str) -> None:
+    """Install the trigger ``name`` (_FAULT_DDL) on the handler's table."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL(_FAULT_DDL).format(name=sql.Identifier(name), sequence=sql.Literal(name),
+                                                faults=sql.Literal(FAULTS), message=sql.Literal(message),
+                                                errcode=sql.Literal(errcode)))
+
 
 _INSERT = "INSERT INTO effects (event_id, consumer, n) VALUES (%s, 'c', %s)"
 
@@ -147,8 +145,8 @@ def _assert_waited_not_judged(thread: Any, config: Any, sdk_db: str, sdk_topic: 
 @pytest.mark.parametrize("mode", ["single", "batched", "batch_handler", "statements"])
 def test_a_handler_meeting_a_read_only_database_is_waited_for_not_dead_lettered(
         sdk_db, broker, sdk_topic, run_consumer, mode):
-    with psycopg.connect(sdk_db, autocommit=True) as conn:
-        conn.execute(_READ_ONLY_DDL % {"faults": FAULTS})
+    _fault_first_rows(sdk_db, "read_only_faults", errcode="read_only_sql_transaction",
+                      message="cannot execute INSERT in a read-only transaction")
     thread, config, ids, logs = _run(sdk_db, broker, sdk_topic, run_consumer, mode=mode)
     retried = _assert_waited_not_judged(thread, config, sdk_db, sdk_topic, ids, logs)
     assert any(e["error"].startswith("the database is read-only (a standby, or a failover in progress)")
@@ -183,8 +181,8 @@ def test_a_handler_whose_transaction_meets_a_serialization_failure_is_retried_no
         sdk_db, broker, sdk_topic, run_consumer, mode):
     """40001 raised by the server under the handler's INSERT (a trigger, the first FAULTS rows):
     the transaction is run again, no attempt counted, nothing dead-lettered."""
-    with psycopg.connect(sdk_db, autocommit=True) as conn:
-        conn.execute(_CONFLICT_DDL % {"faults": FAULTS})
+    _fault_first_rows(sdk_db, "conflict_faults", errcode="serialization_failure",
+                      message="could not serialize access due to concurrent update")
     thread, config, ids, logs = _run(sdk_db, broker, sdk_topic, run_consumer, mode=mode)
     retried = _assert_waited_not_judged(thread, config, sdk_db, sdk_topic, ids, logs,
                                         error_type="TransactionConflict")
