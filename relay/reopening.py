@@ -31,7 +31,9 @@ class CheckedWakeup(Wakeup, Rechecked):
     goes on polling (``Wakeup.not_listening``) and adopts the connection, its LISTEN
     statements run, once ready; a failed attempt is tried again after the back-off of
     :data:`relay.wakeup.REOPEN_BACKOFF_S`, a fatal one (rejected credentials) raised on the
-    loop's thread.  :meth:`close` (database lost, relay stopping) abandons an attempt."""
+    loop's thread.  :meth:`close` (database lost, relay stopping) abandons an attempt.  A
+    streak of failed re-opens is said once (``listen_reopen_failed``, the error's words with
+    no password) and its end too (``listen_reopened``), as the replays' are."""
 
     _opening: Opening | None = None  # the re-open under way; the loop's thread's
 
@@ -48,16 +50,26 @@ class CheckedWakeup(Wakeup, Rechecked):
         self._opening = None
         conn = opening.take()
         if conn is not None:
-            self._reopen.passed()
+            self._said_reopened(self.checks, self._reopen.passed())
             return self._adopt(conn)
         if opening.error is not None and not isinstance(opening.error, RetriableError):
             raise opening.error
         if self._reopen.failed() and opening.error is not None:  # once a streak: it was silent
-            self.checks.log.warning("listen_reopen_failed", error=str(opening.error),
-                                    detail="could not re-open the LISTEN connection (outbox-relay-listen); the "
+            self.checks.log.warning("listen_reopen_failed", connection=LISTEN[0], error=mask_text(str(opening.error)),
+                                    detail=f"could not re-open the LISTEN connection ({LISTEN[0]}); the "
                                            "relay claims every --poll-interval-s until it is back, and tries "
                                            "again with back-off")
         raise NotListening()
+
+    @staticmethod
+    def _said_reopened(checks: Checks, failures: int) -> None:
+        """The end of a streak of failed re-opens said, as the replays' is (``replay_reopened``):
+        an SRE alerted by ``listen_reopen_failed`` sees when LISTEN is back.  Not a stop's
+        (its attempt gives up, nothing is adopted)."""
+        if failures and not checks.stopping():
+            checks.log.info("listen_reopened", connection=LISTEN[0], failures=failures,
+                            detail=f"the LISTEN connection ({LISTEN[0]}) is back after {failures} failed "
+                                   "re-opens; an idle relay sleeps on it again")
 
     def _open_in_background(self, checks: Checks) -> Opening:
         opening = Opening()

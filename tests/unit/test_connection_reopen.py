@@ -300,12 +300,24 @@ def test_a_listen_reopen_that_keeps_failing_is_said_once_a_streak(connects: Conn
     assert len(failed) == 1 and len(connects.opened) == 1, (failed, connects.opened)
     assert failed[0]["error"] == "database unavailable: too many connections for role"
     assert "claims every --poll-interval-s" in str(failed[0]["detail"])
+    assert not [fields for event, fields in log.events if event == "listen_reopened"]
     connects.error = None
     connects.served.set()
     wait_until(lambda: wakeup.set_sleeping(True), timeout_s=10, message="not re-opened")
+    # The streak's end is said too, as the replays' is: an SRE alerted by the failure sees
+    # LISTEN back (before, nothing said so).
+    (reopened,) = [fields for event, fields in log.events if event == "listen_reopened"]
+    assert reopened["connection"] == LISTEN[0] and reopened["failures"] == 3, reopened
+    assert "3 failed re-opens" in str(reopened["detail"]), reopened
+    assert failed[0]["connection"] == LISTEN[0], failed
     wakeup.close()  # it broke again: a new streak is said again
     connects.error = DatabaseUnavailable("database unavailable: the server closed the connection")
     now[0] += 60.0
     wait_until(lambda: wakeup.set_sleeping(True) is False
                and sum(e == "listen_reopen_failed" for e, _ in log.events) == 2,
                timeout_s=10, message=lambda: f"a new streak was not said: {log.events}")
+    connects.error = None
+    now[0] += 60.0
+    wait_until(lambda: wakeup.set_sleeping(True), timeout_s=10, message="not re-opened after the second streak")
+    first, second = [fields for event, fields in log.events if event == "listen_reopened"]
+    assert second["failures"] == 1, second
