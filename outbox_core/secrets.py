@@ -43,9 +43,13 @@ _DSN_QUERY_PASSWORD = re.compile(r"(password=)[^&]*", re.IGNORECASE)
 _DSN_QUERY_PARAM = re.compile(r"([?&])([^=&]*)(=)([^&]*)")
 _TEXT_QUERY_PARAM = re.compile(r"([?&])([^=&\s]*)(=)([^&\s]*)")
 _QUOTED = re.compile(r"""(["'])(.*?)\1""", re.DOTALL)
-# libpq's message for a bad %-escape in a URI quotes the token from the escape on, which
-# may itself start with a quote: the whole rest of that line is hidden.
-_BAD_PERCENT = re.compile(r'(invalid percent-encoded token: ")(.*)(")')
+# libpq's messages about a URI it could not parse quote a token of it (a query parameter,
+# a %-escape on, the whole URI), which may hold a password's quotes: the token runs to the
+# line's last quote and is hidden whole.  Until an audit the quoted-fragment rule below cut
+# it at the password's first quote and showed the rest ('... URI query parameter: "***"§@db/app"').
+_URI_TOKEN = re.compile(r'((?:URI query parameter|percent-encoded value|percent-encoded token|in URI'
+                        r'|\(expected ":" or "/"\)|internal parser routine): ")([^\n]*)(")')
+_URI_SPACES = re.compile(r'(unexpected spaces found in ")([^\n]*)(", use percent-encoded spaces)')
 # libpq quotes the word it found without "=": in a DSN that does not parse, that word may
 # be a password given alone (a secret file holding only it) or its second half after a
 # space ("password=abc def"); it is hidden whatever it is.
@@ -113,7 +117,8 @@ def scrub(text: str, *, dsn: str = "", properties: Mapping[str, Any] | None = No
         return mask_text(text)
     for password in _passwords(dsn):
         text = text.replace(password, MASK)
-    text = _BAD_PERCENT.sub(rf"\1{MASK}\3", text)
+    text = _URI_TOKEN.sub(rf"\1{MASK}\3", text)
+    text = _URI_SPACES.sub(rf"\1{MASK}\3", text)
     text = _MISSING_EQUALS.sub(rf"\1{MASK}\3", text)
     visible = mask_dsn(dsn)
     # The names a server's certificate holds, which libpq quotes when none is the host's:

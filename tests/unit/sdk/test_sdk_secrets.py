@@ -98,3 +98,22 @@ def test_the_sdk_takes_a_multi_host_dsn_with_a_default_port() -> None:
     validate_dsn("postgresql://u:s3cret@h1:5433,h2/app")
     with pytest.raises(InvalidDsn, match="port '99999'"):
         validate_dsn("postgresql://u:s3cret@h1:1,h2:99999/app")
+
+
+@pytest.mark.parametrize("dsn", [
+    'postgresql://u:@§?§"§@db/app',  # "missing key/value separator ... URI query parameter"
+    'postgresql://:@§?§"§@db/app?x=1',  # "invalid URI query parameter"
+    'postgresql://u:@§?§"§@[::1/app',
+    'postgresql://db/app?password=§" §',  # "unexpected spaces found in"
+    'postgresql://db/app?password=§"?a§%00"§',  # "forbidden value %00 in percent-encoded value"
+    'postgresql://db/app?password=§"%zz§',  # "invalid percent-encoded token"
+])
+def test_a_quote_in_the_password_does_not_cut_libpqs_quoted_token_short(dsn: str) -> None:
+    """libpq quotes the rest of a URI it could not parse; a password holding a quote ended the
+    hidden token at that quote and showed the rest of the password (property tests found it:
+    'postgresql://:@§?§"§@db/app' gave '... URI query parameter: "***"§@db/app"')."""
+    with pytest.raises(psycopg.ProgrammingError) as raised:
+        psycopg.conninfo.conninfo_to_dict(dsn)
+    shown = str(translate_connect_error(raised.value, dsn))
+    assert_hidden(shown)
+    assert "***" in shown, shown
