@@ -44,12 +44,13 @@ _DSN_QUERY_PARAM = re.compile(r"([?&])([^=&]*)(=)([^&]*)")
 _TEXT_QUERY_PARAM = re.compile(r"([?&])([^=&\s]*)(=)([^&\s]*)")
 _QUOTED = re.compile(r"""(["'])(.*?)\1""", re.DOTALL)
 # libpq's messages about a URI it could not parse quote a token of it (a query parameter,
-# a %-escape on, the whole URI), which may hold a password's quotes: the token runs to the
-# line's last quote and is hidden whole.  Until an audit the quoted-fragment rule below cut
-# it at the password's first quote and showed the rest ('... URI query parameter: "***"§@db/app"').
+# a %-escape on, the whole URI), which may hold a password's quotes and line breaks: the
+# token runs to the message's last quote and is hidden whole.  Until an audit the
+# quoted-fragment rule below cut it at the password's first quote and showed the rest
+# ('... URI query parameter: "***"§@db/app"').
 _URI_TOKEN = re.compile(r'((?:URI query parameter|percent-encoded value|percent-encoded token|in URI'
-                        r'|\(expected ":" or "/"\)|internal parser routine): ")([^\n]*)(")')
-_URI_SPACES = re.compile(r'(unexpected spaces found in ")([^\n]*)(", use percent-encoded spaces)')
+                        r'|\(expected ":" or "/"\)|internal parser routine): ")(.*)(")', re.DOTALL)
+_URI_SPACES = re.compile(r'(unexpected spaces found in ")(.*)(", use percent-encoded spaces)', re.DOTALL)
 # libpq quotes the word it found without "=": in a DSN that does not parse, that word may
 # be a password given alone (a secret file holding only it) or its second half after a
 # space ("password=abc def"); it is hidden whatever it is.

@@ -107,6 +107,7 @@ def test_the_sdk_takes_a_multi_host_dsn_with_a_default_port() -> None:
     'postgresql://db/app?password=§" §',  # "unexpected spaces found in"
     'postgresql://db/app?password=§"?a§%00"§',  # "forbidden value %00 in percent-encoded value"
     'postgresql://db/app?password=§"%zz§',  # "invalid percent-encoded token"
+    'postgresql://:@§?§\n"§@db/app',  # a line break in the token too
 ])
 def test_a_quote_in_the_password_does_not_cut_libpqs_quoted_token_short(dsn: str) -> None:
     """libpq quotes the rest of a URI it could not parse; a password holding a quote ended the
