@@ -79,6 +79,8 @@ class Heartbeat:
         try:
             while not stop.wait(every_s):
                 self.once()
+            if self.timeouts is not None:  # a timed-out failure whose reply was lost: asked once more
+                self.timeouts.finish(self._slot.get)
         finally:
             self._slot.close()
 

@@ -26,6 +26,7 @@ is stuck, the gauge ``outbox_jobs_handlers_stuck`` (read when scraped) counts th
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -128,12 +129,21 @@ class HandlerTimeouts:
             return
         self._settled(write, "lost" if done is None else write.settle(done))
 
-    def _ask_again(self, conn_of: Callable[[], Any], now: float) -> None:
+    def finish(self, conn_of: Callable[[], Any]) -> None:
+        """The pool stops (the heartbeat's last act): each failure whose reply was lost is
+        asked about once more; one still without an answer is said and counted lost (the
+        stop dropped them without a word before)."""
+        self._ask_again(conn_of, math.inf, unanswered="was sent, its reply lost, and the pool stopped before "
+                                                      "the database could be asked: if it was not written,")
+
+    def _ask_again(self, conn_of: Callable[[], Any], now: float,
+                   unanswered: str = "was sent, its reply lost, and the database could not be asked before "
+                                     "the lease's deadline: if it was not written,") -> None:
         """Send each failure whose reply was lost again on a new connection (fenced: written at
         most once); one that matches no row asks the database whether the job is as this
         lease's write leaves it (the same token, so never another claim's write), as the
         executor does (:mod:`.executor`).  Without an answer, asked again at the next run,
-        until the lease's local deadline."""
+        until the lease's local deadline (then ``unanswered`` says why it may not be written)."""
         for write in list(self._unconfirmed):
             try:
                 outcome = self._send_again(conn_of(), write)
@@ -141,8 +151,7 @@ class HandlerTimeouts:
                 if now < write.ctx.deadline:
                     continue
                 self._unconfirmed.remove(write)
-                self._not_written(write, exc, "was sent, its reply lost, and the database could not be "
-                                              "asked before the lease's deadline: if it was not written,")
+                self._not_written(write, exc, unanswered)
                 continue
             except OutboxSdkError as exc:
                 self._unconfirmed.remove(write)
