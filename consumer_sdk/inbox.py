@@ -13,9 +13,11 @@ auto offset store are off).  The guarantees:
   again and is dropped as a duplicate.  Either way, the effect exists once.
 * Offsets never pass a message that is not settled (applied, dropped, dead-lettered
   or skipped by policy), and a partition's messages are settled in order.
-* When partitions are revoked, their applied offsets are committed first; the
-  rest of an interrupted batch is left to the next owner, which starts from those
-  offsets.  A member that lost its partitions without knowing (paused, evicted)
+* When partitions are revoked (all of them; or some, with ``cooperative-sticky`` or
+  ``group.protocol=consumer``), their applied offsets are committed first and their
+  records in hand are not applied: a batch holding some is interrupted (the records of
+  the partitions kept are fetched again), one holding none goes on.  The next owner
+  starts from those offsets.  A member that lost its partitions without knowing (paused, evicted)
   cannot apply twice: the inbox's primary key serializes it with the new owner.
 * Back-off (handler retries, database outages) keeps the group membership alive:
   the partitions are paused and the consumer keeps polling.
@@ -151,6 +153,7 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
         self._unsettled: list[KafkaRecord] = []
         self._deferred: set[TopicPart] = set()  # settled partitions whose offsets wait for the poll's end
         self._stash: list[KafkaRecord] = []  # messages a keep-alive poll returned, processed next
+        self._moved: set[TopicPart] = set()  # revoked or lost since the batch in hand was polled
         self._rebalances = 0
         self._fatal: str | None = None
         self._answered = False  # a broker answered (an assignment, a record): transport errors may pass
@@ -271,6 +274,7 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
         consumer = self._live()
         records, self._stash = self._stash, []
         wanted = self.config.poll_records - len(records)
+        self._moved = set()
         if wanted > 0:
             timeout_s = 0 if records else self.config.poll_timeout_s
             messages = consumer.consume(num_messages=wanted, timeout=timeout_s)
@@ -279,6 +283,9 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
                 record = self._accept(msg)
                 if record is not None:
                     records.append(record)
+            if self._moved:  # a revoke ran inside consume(): what it returned may not be ours any more
+                records = self._owned(records)
+                self._moved = set()
         if self._fatal is not None:
             raise KafkaFatal(self._fatal)
         return records

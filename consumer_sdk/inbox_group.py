@@ -1,6 +1,15 @@
 """The Kafka part of :class:`~consumer_sdk.inbox.InboxConsumer`: joining the group (or
 assigning), rebalances, the client's errors, the messages a poll returns, and the
 keep-alive wait that keeps the membership during back-offs.
+
+Rebalances, eager (``range``, ``roundrobin``) or incremental (``cooperative-sticky``, and
+``group.protocol=consumer``): confluent-kafka calls ``on_assign``/``on_revoke``/``on_lost``
+from inside ``poll``/``consume`` with the partitions that change (the whole assignment
+when eager, the increment when cooperative; an assign callback comes at every rebalance,
+perhaps empty), and once the callback returns it assigns or unassigns them itself
+(``incremental_*`` when cooperative).  So the callbacks only keep the books: a revoked
+partition's applied offsets are committed, then it is forgotten, and the batch in hand
+is interrupted only when it holds records of a partition taken away.
 """
 
 from __future__ import annotations
@@ -23,6 +32,9 @@ class Abandon(Exception):
 
 class InboxGroup(InboxOffsets):
     """Group membership, rebalances, client errors and the keep-alive wait."""
+
+    #: Partitions revoked or lost since the batch in hand was polled (``_poll`` empties it).
+    _moved: set[TopicPart]
 
     def _join(self, consumer: Consumer) -> None:
         """Subscribe (join the group), or assign every partition of the topics."""
@@ -62,6 +74,7 @@ class InboxGroup(InboxOffsets):
     def _forget(self, parts: set[TopicPart], kind: str) -> None:
         # A stale applied offset must never be committed later over the next owner's progress.
         self._rebalances += 1
+        self._moved |= parts
         self.metrics.rebalances.labels(self.config.name, kind).inc()
         self.offsets.forget(parts)
         self.parked.forget(parts)
@@ -73,6 +86,30 @@ class InboxGroup(InboxOffsets):
                 pass
         self._stash = [r for r in self._stash if (r.topic, r.partition) not in parts]
         self.assigned -= parts
+
+    def _batch_moved(self) -> bool:
+        """True when a partition of the batch's unsettled records was revoked or lost since
+        it was polled: its records must not be applied now (the next owner starts at the
+        offset committed in :meth:`_on_revoke`), so the batch is interrupted.  An assignment,
+        or a revoke of partitions the batch has no record of (every member gets one or the
+        other at each cooperative rebalance), leaves the batch running."""
+        moved = self._moved
+        return bool(moved) and any((r.topic, r.partition) in moved for r in self._unsettled)
+
+    def _owned(self, records: list[KafkaRecord]) -> list[KafkaRecord]:
+        """``records`` without those of partitions this member does not own (any more).
+
+        One ``consume()`` call may run a revoke callback and still return the messages it
+        had gathered before it, of the revoked partitions (librdkafka purges them only if
+        the partitions' version barrier reaches the queue before the call returns).  Applied,
+        they would run beside the next owner, which starts at the offset committed at the
+        revoke, and their offsets would be committed over its progress.  Dropping them
+        loses nothing: the committed offset is never past an unapplied record."""
+        owned = [r for r in records if (r.topic, r.partition) in self.assigned]
+        if len(owned) < len(records):
+            gone = sorted({f"{r.topic}[{r.partition}]" for r in records if (r.topic, r.partition) not in self.assigned})
+            self.log.info("revoked_records_dropped", records=len(records) - len(owned), partitions=gone)
+        return owned
 
     def _accept(self, msg: Message) -> KafkaRecord | None:
         err = msg.error()
@@ -139,19 +176,19 @@ class InboxGroup(InboxOffsets):
         member, which applied the same partitions' next events while this one still applied
         its own, and the group rebalanced at every such poll.
 
-        Raises :class:`Abandon` when a rebalance happened (or :meth:`stop`): the rest of the
-        batch is left unsettled, as in a back-off."""
+        Raises :class:`Abandon` when a rebalance took a partition of the batch away (or
+        :meth:`stop`): the rest of the batch is left unsettled, as in a back-off."""
         self._keepalive_sleep(0.0)
 
     def _keepalive_sleep(self, duration_s: float) -> None:
         """Wait with the partitions paused, polling (at least once) so the group keeps this member.
 
-        Raises :class:`Abandon` on :meth:`stop` or when a rebalance happened meanwhile.
+        Raises :class:`Abandon` on :meth:`stop`, or when a partition of the batch's unsettled
+        records was revoked or lost meanwhile (:meth:`_batch_moved`).
         """
         if self._deferred:  # what was applied before the back-off is not held back by it
             self._commit_deferred()
         consumer = self._live()
-        generation = self._rebalances
         paused = consumer.assignment()
         if paused:
             consumer.pause(paused)
@@ -166,8 +203,8 @@ class InboxGroup(InboxOffsets):
                 if msg is not None:
                     record = self._accept(msg)
                     if record is not None:  # fetched before the pause took effect: keep it for later
-                        self._stash.append(record)
-                if self._rebalances != generation or self.stopping:
+                        self._stash.extend(self._owned([record]))
+                if self.stopping or self._batch_moved():
                     raise Abandon()
                 if (left := deadline - self._clock()) <= 0:
                     break
