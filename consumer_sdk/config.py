@@ -279,9 +279,6 @@ class InboxConfig:
                               "sasl.oauthbearer.method=oidc (with its client id, secret and token "
                               "endpoint), an oauth_cb, or enable.sasl.oauthbearer.unsecure.jwt=true "
                               "for a test cluster")
-        strategy = str(props.get("partition.assignment.strategy", ""))
-        if "cooperative" in strategy:
-            raise ConfigError("cooperative rebalancing is not supported: use range or roundrobin")
 
     def _check_dead_letter_topic(self) -> None:
         template = self.dead_letter_topic

@@ -77,13 +77,28 @@ def test_config_forces_manual_offsets_and_defaults_to_the_name_as_group():
     {"name": "has space"}, {"topics": []}, {"topics": "t"}, {"bootstrap_servers": ""},
     {"batch_size": 0}, {"poll_timeout_s": 0}, {"on_invalid_event_id": "ignore"},
     {"inbox_retention_s": 0}, {"dead_letter_topic": "t"}, {"assignment": "manual"},
-    {"kafka_properties": {"partition.assignment.strategy": "cooperative-sticky"}},
+    # librdkafka's own refusals: eager and cooperative mixed, an assignor it lacks, and any
+    # assignor with the consumer protocol (KIP-848: the broker assigns, group.remote.assignor)
+    {"kafka_properties": {"partition.assignment.strategy": "range,cooperative-sticky"}},
+    {"kafka_properties": {"partition.assignment.strategy": "sticky"}},
+    {"kafka_properties": {"partition.assignment.strategy": "cooperative-sticky", "group.protocol": "consumer"}},
     # librdkafka waits for a token that never comes (an audit of the security paths)
     {"kafka_properties": {"sasl.mechanism": "OAUTHBEARER"}},
 ])
 def test_config_validation(overrides):
     with pytest.raises(ConfigError):
         _config(**overrides)
+
+
+@pytest.mark.parametrize("props", [
+    {"partition.assignment.strategy": "cooperative-sticky"},
+    {"partition.assignment.strategy": "range,roundrobin"},
+    {"group.protocol": "consumer"},
+])
+def test_incremental_and_eager_rebalancing_are_taken(props):
+    """cooperative-sticky (incremental rebalances: the partitions kept keep flowing) is
+    supported, as the consumer protocol is (InboxConsumer's callbacks take increments)."""
+    assert _config(assignment="subscribe", kafka_properties=props).consumer_kafka().items() >= props.items()
 
 
 def test_oauthbearer_with_a_token_source_is_taken():
