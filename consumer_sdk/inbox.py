@@ -154,7 +154,6 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
         self._deferred: set[TopicPart] = set()  # settled partitions whose offsets wait for the poll's end
         self._stash: list[KafkaRecord] = []  # messages a keep-alive poll returned, processed next
         self._moved: set[TopicPart] = set()  # revoked or lost since the batch in hand was polled
-        self._rebalances = 0
         self._fatal: str | None = None
         self._answered = False  # a broker answered (an assignment, a record): transport errors may pass
         self._tls_probe = TlsListenerProbe(config.consumer_kafka())  # a plaintext client, a TLS listener

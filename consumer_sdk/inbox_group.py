@@ -51,7 +51,6 @@ class InboxGroup(InboxOffsets):
 
     def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._answered = True
-        self._rebalances += 1
         self.metrics.rebalances.labels(self.config.name, "assign").inc()
         self.assigned |= {(tp.topic, tp.partition) for tp in partitions}
         self.log.info("partitions_assigned", partitions=kafka.names(partitions))
@@ -73,7 +72,6 @@ class InboxGroup(InboxOffsets):
 
     def _forget(self, parts: set[TopicPart], kind: str) -> None:
         # A stale applied offset must never be committed later over the next owner's progress.
-        self._rebalances += 1
         self._moved |= parts
         self.metrics.rebalances.labels(self.config.name, kind).inc()
         self.offsets.forget(parts)

@@ -46,7 +46,6 @@ class InboxState:
     _unsettled: list[KafkaRecord]
     _deferred: set[TopicPart]  # settled partitions whose offsets wait for the poll's end
     _stash: list[KafkaRecord]  # messages a keep-alive poll returned, processed next
-    _rebalances: int
     _fatal: str | None
     _answered: bool  # a broker answered (an assignment, a record): transport errors may pass
     _tls_probe: TlsListenerProbe

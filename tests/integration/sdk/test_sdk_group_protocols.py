@@ -4,7 +4,8 @@ in a back-off, and every effect happens exactly once, nothing skipped.
 The classic protocol revokes every partition on a rebalance; the consumer protocol (KIP-848,
 ``group.protocol=consumer``, Kafka 4.x) revokes only the moved ones, so the member keeps the
 others with fetch positions past the batch it abandoned: the SDK must seek them back.
-tansu supports neither incremental assignment nor KIP-848, hence Apache Kafka only.
+tansu does not support KIP-848, hence Apache Kafka only (cooperative-sticky, the classic
+protocol's incremental assignment, runs on both: tests/integration/sdk/test_sdk_cooperative_rebalance.py).
 """
 
 from __future__ import annotations
