@@ -31,11 +31,40 @@ the dispatcher, which ends it without a line (:meth:`Outage.close`): ``pool_fail
 The lease heartbeat's failures are not counted here: it runs only while jobs run, so once its
 attempts are given up no heartbeat would pass to end an outage; the dispatcher's rounds run
 every ``poll_interval_s`` whatever the pool holds, on the same database.
+
+A round that does not fail but hangs (:meth:`Outage.in_flight`): in a partition that drops
+packets (no RST) a statement waits until TCP gives up (``tcp_user_timeout``: one lease by
+default, often minutes in production, never behind a proxy that keeps acknowledging), and the
+pool said ready and logged nothing meanwhile.  Now a round in flight for :data:`UNANSWERED_S`
+is an outage too: the pool is not ready ("the database has not answered the dispatcher for
+N s ..."), the gauge is 1, ``dispatch_unanswered`` is logged once (by a watching thread: the
+dispatcher's own is stuck in the statement), again every :data:`LOG_EVERY_S`, and
+``dispatch_recovered`` (``unanswered_s``) when the round returns; ready again then.  When it
+fails instead (TCP gave up), its failed round keeps the pool not ready (it needs no second
+one), and a round in flight for :data:`NOT_READY_S` after a failed one counts as failed.
+Why ten seconds: a round's statements take milliseconds (a claim of at most
+``max_concurrency`` rows through an index, bounded reaps), a slow one on a big table a second
+or two; it is well within a lease (30 s by default), so before ``tcp_user_timeout`` ends the
+statement, and within a readiness probe's default failure window (3 x 10 s); and by then the
+pool's lock-wait watch (:mod:`.lock_waits`: it looks once a statement is 5 s old, every 2 s)
+has looked at least once.
+
+A lock wait is not an outage: while that watch finds the dispatcher's or the heartbeat's
+statement waiting on a lock (``outbox_jobs_lock_wait_seconds`` above 0 for one of the pool's
+queues), the database answers, and a round in flight that long keeps the pool ready.  Such a
+lock (an operator's ``LOCK TABLE``, a migration) holds every pool of every service alike:
+not ready, each of them would be taken out of rotation (with the service that embeds it) for
+no gain, and the wait ends when a person ends the blocking transaction, which
+``jobs_lock_wait`` and the alert ``OutboxJobsLockWait`` name.  A statement that merely runs
+that long is not told apart from a server that does not answer: the reason says both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,6 +79,14 @@ NOT_READY_ROUNDS = 2
 NOT_READY_S = 2.0
 #: An outage's ``dispatch_failed`` is logged again at most this often (seconds) while it lasts.
 LOG_EVERY_S = 30.0
+#: A dispatch round in flight this long (seconds) has not been answered (see the module).
+UNANSWERED_S = 10.0
+#: How often the watching thread looks at the round in flight (seconds).
+WATCH_EVERY_S = 1.0
+_UNANSWERED_HINT = ("a network partition that drops packets, or a server that does not answer (a statement "
+                    "that runs that long reads the same; a lock wait is named by jobs_lock_wait instead): the "
+                    "statement fails once TCP gives up (tcp_user_timeout, lease_duration_s unless the DSN sets "
+                    "it) and the pool connects again; dispatch_recovered when it returns")
 _HINT = ("the dispatcher tries again with back-off (at most poll_interval_s) and claims nothing meanwhile; "
          f"logged again at most every {LOG_EVERY_S:.0f} s while it lasts, dispatch_recovered when a round passes")
 
@@ -67,6 +104,8 @@ class Streak:
     database: bool
     read_only: bool
     logged_at: float
+    #: A round of it went unanswered for UNANSWERED_S before it failed: no second round is needed.
+    unanswered: bool = False
 
     def reason(self) -> str:
         """What the pool's health says of it (without how long: see :meth:`Outage.reason`)."""
@@ -76,27 +115,95 @@ class Streak:
 
 
 class Outage:
-    """The dispatcher's failed rounds in a row.  Written by the dispatcher's thread only
-    (:meth:`failed`, :meth:`passed`, :meth:`close`); read from any thread (an immutable
-    snapshot): :meth:`reason` for ``health()``, the gauge when scraped."""
+    """The dispatcher's failed rounds in a row, and its round in flight.  Written by the
+    dispatcher's thread only (:meth:`in_flight`, :meth:`failed`, :meth:`passed`, :meth:`close`);
+    read from any thread (immutable snapshots): :meth:`reason` for ``health()``, the gauge when
+    scraped, :meth:`check` (the watching thread, started by the first :meth:`in_flight`).
+    ``queues``: the pool's, whose lock-wait gauge says the database answers (see the module);
+    ``wall``: the time of day, for the reason's "since"."""
 
     def __init__(self, *, log: Any, metrics: JobsMetrics, clock: Callable[[], float],
                  not_ready_rounds: int = NOT_READY_ROUNDS, not_ready_s: float = NOT_READY_S,
-                 log_every_s: float = LOG_EVERY_S) -> None:
+                 log_every_s: float = LOG_EVERY_S, unanswered_s: float = UNANSWERED_S,
+                 queues: Sequence[str] = (), wall: Callable[[], float] = time.time,
+                 watch_every_s: float = WATCH_EVERY_S) -> None:
         self.log = log
-        self._clock = clock
+        self._clock, self._wall = clock, wall
         self.not_ready_rounds, self.not_ready_s, self.log_every_s = not_ready_rounds, not_ready_s, log_every_s
+        self.unanswered_s, self.watch_every_s = unanswered_s, watch_every_s
         self.streak: Streak | None = None
+        self._lock_wait, self._queues = metrics.lock_wait, frozenset(queues)
+        self._flight: tuple[float, float] | None = None  # the round in flight: (clock, wall) at its start
+        self._noted: tuple[float, float] | None = None  # (its start, when) dispatch_unanswered was last logged
+        self._note_lock = threading.Lock()  # the watch's line against the round's end
+        self._unanswered_ended: float | None = None  # the round that just ended went unanswered this long
+        self._closed = threading.Event()
+        self._watch: threading.Thread | None = None
         metrics.database_unavailable.set_function(lambda: 1.0 if self.reason() is not None else 0.0)
+
+    @contextmanager
+    def in_flight(self, began: float) -> Iterator[None]:
+        """Around a dispatch round that began at ``began`` (the clock's seconds); the dispatcher's
+        :meth:`passed` or :meth:`failed` follows it."""
+        if self._watch is None:
+            self._closed.clear()
+            self._watch = threading.Thread(target=self._run_watch, name="jobs-dispatch-watch", daemon=True)
+            self._watch.start()
+        self._flight = (began, self._wall())
+        try:
+            yield
+        finally:
+            with self._note_lock:
+                self._flight = None
+                noted = self._noted is not None and self._noted[0] == began
+            self._unanswered_ended = self._clock() - began if noted else None
+
+    def _run_watch(self) -> None:
+        while not self._closed.wait(self.watch_every_s):
+            self.check()
+
+    def check(self) -> None:
+        """The watching thread (tests call it): log ``dispatch_unanswered`` for a round in flight
+        for :data:`UNANSWERED_S` (not a lock wait), once, then every :data:`LOG_EVERY_S`."""
+        with self._note_lock:
+            flight, now = self._flight, self._clock()
+            if flight is None or self._unanswered_for(flight, now) < self.unanswered_s:
+                return
+            noted = self._noted
+            if noted is not None and noted[0] == flight[0] and now - noted[1] < self.log_every_s:
+                return
+            self._noted = (flight[0], now)
+        self.log.warning("dispatch_unanswered", unanswered_s=round(now - flight[0], 1), since=_utc(flight[1]),
+                         detail=self._unanswered_reason(now - flight[0], flight[1]), hint=_UNANSWERED_HINT)
+
+    def _unanswered_for(self, flight: tuple[float, float] | None, now: float) -> float:
+        """How long the round in flight has gone unanswered: 0 without one, or while the pool's
+        lock-wait watch finds a lock wait (the database answers)."""
+        if flight is None or now - flight[0] < self.not_ready_s or self.lock_wait_s() > 0:
+            return 0.0
+        return now - flight[0]
+
+    def lock_wait_s(self) -> float:
+        """The pool's lock-wait watch's last finding (its gauge, for the pool's queues): seconds."""
+        return max((sample.value for family in self._lock_wait.collect() for sample in family.samples
+                    if sample.labels.get("queue") in self._queues), default=0.0)
+
+    def _unanswered_reason(self, unanswered_s: float, since: float) -> str:
+        return (f"the database has not answered the dispatcher for {unanswered_s:.0f} s (a round in flight since "
+                f"{_utc(since)}, nothing claimed meanwhile): a network partition, or a server that does not "
+                "answer (or a statement that runs that long)")
 
     def failed(self, exc: Exception, *, began: float) -> None:
         """A round that began at ``began`` (the clock's seconds) failed with ``exc``: count it;
         log it when it is the outage's first, its error's type changed, or :data:`LOG_EVERY_S` passed."""
         now, last = self._clock(), self.streak
         error, error_type = mask_text(str(exc)), type(exc).__name__
+        unanswered = self._unanswered_ended is not None or (last is not None and last.unanswered)
+        self._unanswered_ended = None
         streak = Streak(began=began if last is None else last.began, rounds=1 if last is None else last.rounds + 1,
                         error=error, error_type=error_type, database=isinstance(exc, DatabaseUnavailable),
-                        read_only=isinstance(exc, DatabaseReadOnly), logged_at=now if last is None else last.logged_at)
+                        read_only=isinstance(exc, DatabaseReadOnly), logged_at=now if last is None else last.logged_at,
+                        unanswered=unanswered)
         due = last is None or last.error_type != error_type or now - last.logged_at >= self.log_every_s
         self.streak = replace(streak, logged_at=now) if due else streak
         if due:
@@ -106,16 +213,21 @@ class Outage:
     def passed(self, *, read_only_session: bool = False) -> None:
         """A round passed (or the database answered it with a refusal).  One that
         passed on a ``read_only_session`` only read: it ends nothing (see the module)."""
-        streak = self.streak
-        if streak is None or read_only_session:
-            return
-        self.streak = None
-        self.log.info("dispatch_recovered", rounds=streak.rounds, failed_s=round(self._clock() - streak.began, 1),
-                      error=streak.error, error_type=streak.error_type)
+        streak, unanswered_s, self._unanswered_ended = self.streak, self._unanswered_ended, None
+        said = {} if unanswered_s is None else {"unanswered_s": round(unanswered_s, 1)}
+        if streak is not None and not read_only_session:
+            self.streak = None
+            self.log.info("dispatch_recovered", rounds=streak.rounds, failed_s=round(self._clock() - streak.began, 1),
+                          error=streak.error, error_type=streak.error_type, **said)
+        elif unanswered_s is not None:  # a round that hung, then returned: the database answers again
+            self.log.info("dispatch_recovered", rounds=0, failed_s=said["unanswered_s"],
+                          error="no answer from the database", error_type="Unanswered", **said)
 
     def close(self) -> None:
-        """The dispatcher stopped: nothing is failing any more (no line)."""
-        self.streak = None
+        """The dispatcher stopped: nothing is failing any more (no line); the watch ends."""
+        self.streak, self._flight = None, None
+        self._closed.set()
+        self._watch = None
 
     @property
     def failed_rounds(self) -> int:
@@ -124,14 +236,26 @@ class Outage:
         return streak.rounds if streak is not None and streak.database else 0
 
     def reason(self, now: float | None = None) -> str | None:
-        """Why the pool is not ready, while the outage is :data:`NOT_READY_ROUNDS` rounds and
+        """Why the pool is not ready, while the round in flight has gone unanswered for
+        :data:`UNANSWERED_S`, or the outage is :data:`NOT_READY_ROUNDS` rounds (one that went
+        unanswered first; the round in flight after :data:`NOT_READY_S`, counted) and
         :data:`NOT_READY_S` old (``now``: the clock's seconds); else None."""
-        streak = self.streak
-        if streak is None or not streak.database or streak.rounds < self.not_ready_rounds:
+        now = self._clock() if now is None else now
+        flight, streak = self._flight, self.streak
+        unanswered_s = self._unanswered_for(flight, now)
+        if flight is not None and unanswered_s >= self.unanswered_s:
+            return self._unanswered_reason(unanswered_s, flight[1])
+        if streak is None or not streak.database:
             return None
-        failing_s = (self._clock() if now is None else now) - streak.began
-        if failing_s < self.not_ready_s:
+        rounds = streak.rounds + (1 if unanswered_s >= self.not_ready_s else 0)
+        failing_s = now - streak.began
+        if (rounds < self.not_ready_rounds and not streak.unanswered) or failing_s < self.not_ready_s:
             return None
         headline = streak.reason()
         return (f"{headline} for {failing_s:.0f} s ({streak.rounds} dispatch rounds failed in a row, nothing "
                 f"claimed meanwhile): {streak.error.removeprefix(headline + ': ')}")  # DatabaseReadOnly's own words
+
+
+def _utc(wall: float) -> str:
+    """A time of day for people: ``2026-12-07 01:23:45 UTC``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(wall))

@@ -56,8 +56,8 @@ REFUSED_BACKOFF = Backoff(initial_s=0.5, max_s=30.0, multiplier=2.0, jitter=0.5)
 class PoolHealth:
     """What a service's readiness probe reports of its worker pool: ``ready`` when it runs
     and claims; else ``reasons``, one line each (the fatal error, a refused statement with
-    the database's words, a database unavailable or read-only for a while:
-    :mod:`consumer_sdk.jobs.outage`).  ``refusals``: the refusals of each statement since the
+    the database's words, a database unavailable or read-only for a while, or not answering a
+    dispatch round in flight (a partition that drops packets): :mod:`consumer_sdk.jobs.outage`).  ``refusals``: the refusals of each statement since the
     pool started (a counter)."""
 
     ready: bool

@@ -19,7 +19,8 @@ Threads, each with its own connection:
 
 Completions are written per round: see :mod:`consumer_sdk.jobs.completions` on crashes.  Rounds
 that fail because the database is unavailable or read-only are an outage (:mod:`consumer_sdk.jobs.outage`:
-logged once, not ready after two rounds and two seconds, ``outbox_jobs_database_unavailable``).
+logged once, not ready after two rounds and two seconds, ``outbox_jobs_database_unavailable``), as is a
+round unanswered for ten seconds (a partition that drops packets; not a lock wait).
 
 Every connection the pool opens carries TCP keep-alives and a ``tcp_user_timeout`` of one
 lease (:func:`consumer_sdk.jobs._conn.tcp_options`; the DSN's own values win): in a partition
@@ -132,7 +133,7 @@ class WorkerPool(Executing):
         self._upkeep = Upkeep(self.reconciler, reconcile_interval_s=config.reconcile_interval_s, refusals=refusals,
                               reap_interval_s=min(config.poll_interval_s, config.lease_duration_s / 4))
         #: The dispatcher's rounds failed in a row for the database (unavailable, read-only).
-        self._outage = Outage(log=self.log, metrics=self.metrics, clock=clock)
+        self._outage = Outage(log=self.log, metrics=self.metrics, clock=clock, queues=config.queues)
         self._read_only_session = False  # the last round ran on a read-only session (it proved nothing)
         self._next_due: float | None = None
         self._more_work = self._schema_checked = False
@@ -316,7 +317,8 @@ class WorkerPool(Executing):
             self._wake.clear()
             began = self._clock()
             try:
-                self.run_once()
+                with self._outage.in_flight(began):  # a round that hangs is watched (.outage)
+                    self.run_once()
                 pause_s = 0.1
                 self._outage.passed(read_only_session=self._read_only_session)
             except Refused as refused:  # logged once per cause, counted: no line per round
