@@ -4,7 +4,9 @@
 are retried until it answers, on its own short back-off (relay/reconnect.py); each change
 of state is logged once and shown by the ``database_up`` and ``broker_up`` gauges and by
 ``/readyz``; the producer's client errors say when every broker is gone, or that the
-configuration is wrong (the relay then ends).
+configuration is wrong (the relay then ends).  A mark connection that broke while the
+claims connection still answers is that connection's loss (``mark_connection_lost``), not
+the database's (:meth:`Dependencies._mark_connection_lost`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from relay.config import mask_text
+from relay.connections import application_name, mark_role
 from relay.errors import DatabaseReadOnly, DatabaseUnavailable, FatalError
+from relay.marker import MarkConnectionLost
 from relay.publisher import BrokerState
 
 if TYPE_CHECKING:
+    from relay.config import Settings
     from relay.metrics import RelayMetrics
     from relay.reconnect import Reconnects
     from relay.reopening import CheckedWakeup
@@ -26,7 +32,16 @@ if TYPE_CHECKING:
 class Dependencies:
     """The database's and the broker's state for :class:`relay.app.Relay`, on its state."""
 
+    #: The last mark connection's loss said (one failed statement fails each batch it marked:
+    #: said once).
+    _mark_loss_said: MarkConnectionLost | None = None
+    #: The database was down and no mark committed since (relay/app_run.py clears it): a mark
+    #: connection found broken now broke in that outage, already said (database_unavailable).
+    _marks_since_outage_unproven = False
+
     if TYPE_CHECKING:  # the relay's state and methods (relay/app.py)
+        settings: Settings
+        mark_stores: list[Store]
         metrics: RelayMetrics
         log: Any
         clock: Callable[[], float]
@@ -87,9 +102,47 @@ class Dependencies:
             self.log.warning(event, error=str(exc))
             self._db_down_event = event
         self.db_up = False
+        self._marks_since_outage_unproven = True
         self.metrics.database_up.set(0)
         self.store.reset()  # the mark connections reset themselves, on their own threads
         self.wakeup.close()  # the wake-up lock goes with its connection
+
+    def _mark_connection_lost(self, exc: DatabaseUnavailable) -> bool:
+        """Whether ``exc`` is the loss of one mark connection only: the server ended that
+        backend (``pg_terminate_backend``, ``idle_session_timeout``, a pooler dropping it)
+        and the claims connection still answers.  Then it is said as such, once, and the
+        caller rewinds: whether the marks in flight on it committed is unknown, so their
+        rows are claimed again (published again, never lost); the connection re-opens at
+        its next mark.  Before, it was said ``database_unavailable``, the line of an outage,
+        and the claims connection and LISTEN were dropped with it.  False (an outage: the
+        caller says so) when the database was already down or does not answer a round trip
+        on the claims connection (every backend ended, the server stopped)."""
+        if not isinstance(exc, MarkConnectionLost) or not self.db_up:
+            return False
+        lane = next((i for i, store in enumerate(self.mark_stores) if store is exc.store), None)
+        if lane is None:  # marked on the claims connection (no mark connection): its loss
+            return False
+        try:
+            self.store.ping()
+        except DatabaseUnavailable:
+            return False
+        if exc is self._mark_loss_said:
+            return True
+        self._mark_loss_said = exc
+        name = application_name(self.settings.owner, mark_role(lane))
+        if self._marks_since_outage_unproven:  # its first mark since the database came back
+            self.log.info("mark_connection_stale", connection=name, error=mask_text(str(exc)),
+                          detail=f"the mark connection {name} broke in the database's outage "
+                                 "(database_unavailable before); its marks in flight are re-claimed "
+                                 "(a rewind), and it re-opens at its next mark")
+        else:
+            self.log.warning("mark_connection_lost", connection=name, error=mask_text(str(exc)),
+                             detail=f"the server ended the mark connection {name} (pg_terminate_backend, "
+                                    "idle_session_timeout, a pooler or the network) while the database "
+                                    "answers on the others; its marks in flight are re-claimed (a "
+                                    "rewind): nothing is lost, those rows may be published twice; it "
+                                    "re-opens at its next mark")
+        return True
 
     def _client_error(self, state: BrokerState, message: str, fatal: bool) -> None:
         if fatal:

@@ -63,6 +63,7 @@ class Running:
         fatal: RelayError | None
         stop_signal: str | None
         db_up: bool
+        _marks_since_outage_unproven: bool
         last_tick: float
         _next_shards_look: float
 
@@ -71,6 +72,7 @@ class Running:
         def start(self) -> None: ...
         def _db_ok(self) -> None: ...
         def _db_down(self, exc: Exception) -> None: ...
+        def _mark_connection_lost(self, exc: DatabaseUnavailable) -> bool: ...
         def _broker_ok(self) -> None: ...
         def _next_wait(self) -> float: ...
 
@@ -91,6 +93,9 @@ class Running:
                     self._tick()
                     self._db_ok()
                 except DatabaseUnavailable as exc:
+                    if self._mark_connection_lost(exc):
+                        self.loop.pump.request_rewind()  # its marks in flight: claimed again
+                        continue
                     self._db_down(exc)
                     self.loop.database_lost()
                     self._wait_serving(self._next_wait())
@@ -156,6 +161,8 @@ class Running:
         if self.gauges is not None:
             self.gauges.run_once(now)
         result = self.loop.run_once(now)
+        if result.marked:  # the mark connections broken in an outage are found by now
+            self._marks_since_outage_unproven = False
         if self.leases.releasing:
             released = self.leases.release_settled(self.pump.busy_shards())
             if released:

@@ -24,6 +24,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from relay.errors import DatabaseReadOnly, DatabaseUnavailable, StatementCancelled
 from relay.model import Lease, OutboxRow, RowId, ShardId, Token
 
 #: What a mark returns: shards still held, ids marked, seconds the statement took.
@@ -42,12 +43,33 @@ class ProbedStore(MarkStore, Protocol):
     def ping(self) -> None: ...
 
 
+class MarkConnectionLost(DatabaseUnavailable):
+    """The connection a mark ran on broke: whether its statement committed is unknown.
+
+    Either the database went away, or the server ended only that backend
+    (``pg_terminate_backend``, ``idle_session_timeout``, a pooler dropping it) while the
+    other connections work: the loop tells which (relay/app_deps.py), and says
+    ``mark_connection_lost`` for the second, not ``database_unavailable``.  Both rewind:
+    the rows of the marks in flight are claimed again.  ``store``: the mark store whose
+    connection broke (the loop names it)."""
+
+    def __init__(self, message: str, *, store: object) -> None:
+        super().__init__(message)
+        self.store = store
+
+
 def mark_rows(store: MarkStore, owner: str, tokens: dict[ShardId, Token], rows: list[OutboxRow]) -> MarkOutcome:
     """Mark ``rows``, fenced by the lease ``tokens`` of their shards (the mark thread's
-    statement, and the pump's own when it marks on its thread)."""
+    statement, and the pump's own when it marks on its thread).  A broken connection raises
+    :class:`MarkConnectionLost`; a read-only server or a cancelled statement their own errors."""
     started = time.perf_counter()
     leases = [Lease(shard, token, 0.0) for shard, token in tokens.items()]
-    held, marked = store.mark_published(owner=owner, leases=leases, rows=rows)
+    try:
+        held, marked = store.mark_published(owner=owner, leases=leases, rows=rows)
+    except (DatabaseReadOnly, StatementCancelled):
+        raise
+    except DatabaseUnavailable as exc:
+        raise MarkConnectionLost(str(exc), store=store) from exc
     return held, marked, time.perf_counter() - started
 
 

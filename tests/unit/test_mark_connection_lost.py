@@ -1,0 +1,103 @@
+"""Which line a broken mark connection gets (relay/marker.py MarkConnectionLost,
+relay/app_deps.py Dependencies._mark_connection_lost): its own loss while the claims
+connection answers (``mark_connection_lost``, once a failed statement), the outage's
+otherwise.  Pure logic, the stores faked; the real database's case is
+tests/integration/test_mark_connection_lost.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from relay.app import Relay
+from relay.config import build_settings
+from relay.errors import DatabaseReadOnly, DatabaseUnavailable, StatementCancelled
+from relay.marker import MarkConnectionLost, mark_rows
+from tests.unit.test_heartbeat_late import Log
+
+
+class Failing:
+    """A mark store whose statements raise ``error``; its ping raises ``ping_error``."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.ping_error: Exception | None = None
+        self.pings = 0
+
+    def mark_published(self, **_kwargs: Any) -> Any:
+        assert self.error is not None
+        raise self.error
+
+    def reset(self) -> None: ...
+
+    def ping(self) -> None:
+        self.pings += 1
+        if self.ping_error is not None:
+            raise self.ping_error
+
+
+def _lost(store: Failing, text: str = "database connection lost: terminating connection") -> MarkConnectionLost:
+    store.error = DatabaseUnavailable(text)
+    with pytest.raises(MarkConnectionLost) as raised:
+        mark_rows(store, "me", {}, [])  # type: ignore[arg-type]
+    return raised.value
+
+
+def test_a_mark_on_a_broken_connection_raises_its_loss_and_a_read_only_or_cancelled_one_as_they_are() -> None:
+    store = Failing()
+    lost = _lost(store)
+    assert lost.store is store and isinstance(lost, DatabaseUnavailable)
+    assert str(lost) == "database connection lost: terminating connection"
+    for error in (DatabaseReadOnly("read-only"), StatementCancelled("cancelled")):
+        store.error = error
+        with pytest.raises(type(error)) as raised:
+            mark_rows(store, "me", {}, [])  # type: ignore[arg-type]
+        assert raised.value is error
+
+
+def _relay(log: Log) -> tuple[Relay, Failing, Failing]:
+    settings = build_settings({"dsn": "postgresql://u@127.0.0.1/db", "bootstrap_servers": "127.0.0.1:9092",
+                               "owner": "me"})
+    relay = Relay(settings, log=log)
+    claims, mark = Failing(), Failing()
+    relay.store, relay.mark_stores = claims, [mark]  # type: ignore[assignment, list-item]
+    relay.db_up = True
+    return relay, claims, mark
+
+
+def test_a_mark_connection_lost_while_the_claims_connection_answers_is_said_as_its_own_once() -> None:
+    log = Log()
+    relay, claims, mark = _relay(log)
+    lost = _lost(mark, "database connection lost: postgresql://u:s3cr3t@db/x ended")
+    assert relay._mark_connection_lost(lost) and relay._mark_connection_lost(lost)  # two batches, one statement
+    assert claims.pings == 2 and relay.db_up
+    ((event, fields),) = log.events
+    assert event == "mark_connection_lost" and fields["connection"] == "outbox-relay:me:mark", fields
+    assert "s3cr3t" not in str(fields) and "re-claimed (a rewind)" in str(fields["detail"]), fields
+    assert relay._mark_connection_lost(_lost(mark)) and len(log.events) == 2  # broke again: said again
+
+
+def test_it_is_the_outage_when_the_claims_connection_fails_too_or_the_database_was_down() -> None:
+    log = Log()
+    relay, claims, mark = _relay(log)
+    claims.ping_error = DatabaseUnavailable("database connection lost")
+    assert not relay._mark_connection_lost(_lost(mark))  # every backend ended, the server stopped
+    claims.ping_error = None
+    relay.db_up = False
+    assert not relay._mark_connection_lost(_lost(mark)) and claims.pings == 1  # down already: no look
+    relay.db_up = True
+    assert not relay._mark_connection_lost(_lost(Failing()))  # marked on no mark connection of its own
+    assert not relay._mark_connection_lost(DatabaseUnavailable("database connection lost"))  # not a mark's
+    assert log.events == []
+
+
+def test_a_mark_connection_found_broken_after_an_outage_is_the_outages() -> None:
+    log = Log()
+    relay, _claims, mark = _relay(log)
+    relay._db_down(DatabaseUnavailable("database connection lost"))
+    relay._db_ok()  # back, and no mark committed since
+    assert relay._mark_connection_lost(_lost(mark))
+    stale = [fields for event, fields in log.events if event.startswith("mark_connection")]
+    assert [event for event, _ in log.events] == ["database_unavailable", "mark_connection_stale"]
+    assert stale[0]["connection"] == "outbox-relay:me:mark" and "outage" in str(stale[0]["detail"]), stale
