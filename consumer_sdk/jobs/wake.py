@@ -6,7 +6,11 @@ safety net, so losing every one of them delays work by at most one poll.
 * :class:`Listener`: a thread that LISTENs on ``outbox_jobs`` (the jobs table's
   triggers notify with the queue name on insert and when a job becomes
   ``queued`` again) and calls ``on_wake(queue)``; it reconnects with back-off
-  and wakes once after every (re)connect, for what it may have missed.  Not through a
+  and wakes once after every (re)connect, for what it may have missed.  Its failures in a
+  row are logged once (:class:`ListenFailures`: ``listen_failed`` at the first, with the
+  error, again every :data:`LOG_EVERY_S` with the count, ``listen_recovered`` when it listens
+  again): it logged ``listen_failed`` at every attempt, about every 5 s for as long as the
+  database was down, next to the dispatcher's single line (an audit of the pool).  Not through a
   transaction pooler (PgBouncer's ``pool_mode = transaction``, found by the pool's
   connection factory): LISTEN stays on a server session the pooler lends to others, and no
   notification ever came back, while ``pool.listening`` said True (an audit of the pool).
@@ -28,6 +32,7 @@ relayed from the outbox are, by construction).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -40,10 +45,16 @@ from consumer_sdk.jobs._db import ConnectionT, first_line, q
 from consumer_sdk.jobs.model import QUEUE_HEADER
 from consumer_sdk.jobs.waits import activate
 from consumer_sdk.model import InboxMessage
+from outbox_core.secrets import mask_text
 
 CHANNEL = "outbox_jobs"
 _NOTIFY_TIMEOUT_S = 0.5
 _MAX_PAUSE_S = 5.0
+#: Failures to listen that go on are logged again at most this often (seconds), with their count.
+LOG_EVERY_S = 30.0
+_HINT = ("the listener tries again with back-off (at most 5 s); meanwhile new jobs are claimed at the pool's "
+         f"poll (poll_interval_s); logged again at most every {LOG_EVERY_S:.0f} s while it lasts, "
+         "listen_recovered when it listens again")
 
 #: The inbox consumer's handler type (kept local: the jobs package does not import the consumer).
 InboxHandler = Callable[[ConnectionT, InboxMessage], None]
@@ -53,14 +64,42 @@ class Wakeable(Protocol):
     def wake(self, queue: str | None = None) -> None: ...
 
 
+class ListenFailures:
+    """The listener's failures in a row (a streak), and what is logged of them: the first with
+    its error (masked), then at most every :data:`LOG_EVERY_S` with the count so far; the end
+    once.  Used by the listening thread only; ``now``: monotonic seconds."""
+
+    def __init__(self, log: Any, *, log_every_s: float = LOG_EVERY_S) -> None:
+        self.log, self.log_every_s = log, log_every_s
+        self.in_a_row = 0  # failures: 0 while listening
+        self._since = self._logged_at = 0.0
+
+    def failed(self, exc: BaseException, now: float) -> None:
+        self.in_a_row += 1
+        if self.in_a_row == 1:
+            self._since = now
+        elif now - self._logged_at < self.log_every_s:
+            return
+        self._logged_at = now
+        self.log.warning("listen_failed", error=mask_text(first_line(exc)), error_type=type(exc).__name__,
+                         failures=self.in_a_row, failing_s=round(now - self._since, 1), hint=_HINT)
+
+    def listening(self, now: float) -> None:
+        if self.in_a_row:
+            self.log.info("listen_recovered", failures=self.in_a_row, failed_s=round(now - self._since, 1))
+        self.in_a_row = 0
+
+
 class Listener:
     """LISTEN on its own connection; ``on_wake(queue)`` for each notification.  start/stop."""
 
     def __init__(self, connect: ConnectionFactory, on_wake: Callable[[str | None], None], *,
-                 log: Any = None) -> None:
+                 log: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._connect = connect
         self._on_wake = on_wake
+        self._clock = clock
         self.log = log if log is not None else structlog.get_logger("consumer_sdk.jobs.wake")
+        self.failures = ListenFailures(self.log)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.connected = threading.Event()
@@ -93,6 +132,7 @@ class Listener:
                     conn.autocommit = True
                     conn.execute(q("listen"))
                     self.connected.set()
+                    self.failures.listening(self._clock())
                     pause_s = 0.1
                     self._on_wake(None)  # anything sent while we were not listening
                     self._drain(conn)
@@ -102,7 +142,7 @@ class Listener:
                 return
             except (psycopg.Error, OutboxSdkError) as exc:
                 self.connected.clear()
-                self.log.warning("listen_failed", error=first_line(exc))
+                self.failures.failed(exc, self._clock())  # once a streak, not at every attempt
                 self._stop.wait(pause_s)
                 pause_s = min(pause_s * 2, _MAX_PAUSE_S)
 
