@@ -91,7 +91,8 @@ class JobsMetrics:
         #: A worker pool reads its own dispatcher's state when scraped (set_function: consumer_sdk.jobs.outage).
         self.database_unavailable = Gauge(
             "outbox_jobs_database_unavailable", "1 while this pool's dispatch rounds keep failing because the "
-            "database is unavailable or read-only (a standby, a failover): it claims nothing and is not ready.",
+            "database is unavailable or read-only (a standby, a failover), or a round has gone unanswered "
+            "for 10 s (a partition): it claims nothing and is not ready.",
             registry=r)
         # Children looked up once (labels are bounded: queues and statuses; never removed).
         self._per_queue: dict[str, tuple[Any, Any, Any]] = {}

@@ -138,7 +138,7 @@ class Listener:
                     self._drain(conn)
             except FatalError as exc:  # e.g. rejected credentials: waiting will not help
                 self.connected.clear()
-                self.log.error("listen_stopped", error=str(exc), error_type=type(exc).__name__)
+                self.log.error("listen_stopped", error=mask_text(str(exc)), error_type=type(exc).__name__)
                 return
             except (psycopg.Error, OutboxSdkError) as exc:
                 self.connected.clear()
