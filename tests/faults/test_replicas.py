@@ -63,6 +63,7 @@ def start_relay(spawn: Callable[..., Proc], dsn: str, bootstrap: str, owner: str
 #: its loop was held up past a heartbeat, a publish or a mark failed, a partition stalled,
 #: the broker went away (at debug level: the client's errors, behind which it retries).
 REDELIVERY_CAUSES = ("lease_lost", "heartbeat_late", "publish_failed", "database_unavailable",
+                     "mark_connection_lost", "mark_connection_stale",
                      "partition_stalled", "producer_recreated", "broker_unavailable",
                      "kafka_client_error")
 
