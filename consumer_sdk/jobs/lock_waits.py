@@ -102,8 +102,12 @@ class PoolLockWaitWatch(SessionWatch[tuple[str, int]]):
                  queues: Sequence[str], log: Any, after_s: float = LOOK_AFTER_S, every_s: float = LOOK_EVERY_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         gauges = [metrics.lock_wait.labels(queue) for queue in queues]  # 0 until a wait: the series exist
+        #: The longest lock wait the last look found (seconds; 0: none), as the gauge shows it
+        #: (read by the pool's outage bookkeeping: a lock wait is no outage).
+        self.last_wait_s = 0.0
 
         def report(seconds: float) -> None:
+            self.last_wait_s = seconds
             for gauge in gauges:
                 gauge.set(seconds)
 

@@ -50,8 +50,8 @@ pool's lock-wait watch (:mod:`.lock_waits`: it looks once a statement is 5 s old
 has looked at least once.
 
 A lock wait is not an outage: while that watch finds the dispatcher's or the heartbeat's
-statement waiting on a lock (``outbox_jobs_lock_wait_seconds`` above 0 for one of the pool's
-queues), the database answers, and a round in flight that long keeps the pool ready.  Such a
+statement waiting on a lock (its last look found one: ``PoolLockWaitWatch.last_wait_s``, what
+``outbox_jobs_lock_wait_seconds`` shows), the database answers, and a round in flight that long keeps the pool ready.  Such a
 lock (an operator's ``LOCK TABLE``, a migration) holds every pool of every service alike:
 not ready, each of them would be taken out of rotation (with the service that embeds it) for
 no gain, and the wait ends when a person ends the blocking transaction, which
@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -125,14 +125,15 @@ class Outage:
     def __init__(self, *, log: Any, metrics: JobsMetrics, clock: Callable[[], float],
                  not_ready_rounds: int = NOT_READY_ROUNDS, not_ready_s: float = NOT_READY_S,
                  log_every_s: float = LOG_EVERY_S, unanswered_s: float = UNANSWERED_S,
-                 queues: Sequence[str] = (), wall: Callable[[], float] = time.time,
+                 lock_wait_s: Callable[[], float] = lambda: 0.0, wall: Callable[[], float] = time.time,
                  watch_every_s: float = WATCH_EVERY_S) -> None:
+        """``lock_wait_s``: the pool's lock-wait watch's last finding (seconds, 0: none)."""
         self.log = log
         self._clock, self._wall = clock, wall
         self.not_ready_rounds, self.not_ready_s, self.log_every_s = not_ready_rounds, not_ready_s, log_every_s
         self.unanswered_s, self.watch_every_s = unanswered_s, watch_every_s
         self.streak: Streak | None = None
-        self._lock_wait, self._queues = metrics.lock_wait, frozenset(queues)
+        self.lock_wait_s = lock_wait_s
         self._flight: tuple[float, float] | None = None  # the round in flight: (clock, wall) at its start
         self._noted: tuple[float, float] | None = None  # (its start, when) dispatch_unanswered was last logged
         self._note_lock = threading.Lock()  # the watch's line against the round's end
@@ -182,11 +183,6 @@ class Outage:
         if flight is None or now - flight[0] < self.not_ready_s or self.lock_wait_s() > 0:
             return 0.0
         return now - flight[0]
-
-    def lock_wait_s(self) -> float:
-        """The pool's lock-wait watch's last finding (its gauge, for the pool's queues): seconds."""
-        return max((sample.value for family in self._lock_wait.collect() for sample in family.samples
-                    if sample.labels.get("queue") in self._queues), default=0.0)
 
     def _unanswered_reason(self, unanswered_s: float, since: float) -> str:
         return (f"the database has not answered the dispatcher for {unanswered_s:.0f} s (a round in flight since "

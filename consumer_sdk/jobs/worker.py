@@ -133,7 +133,8 @@ class WorkerPool(Executing):
         self._upkeep = Upkeep(self.reconciler, reconcile_interval_s=config.reconcile_interval_s, refusals=refusals,
                               reap_interval_s=min(config.poll_interval_s, config.lease_duration_s / 4))
         #: The dispatcher's rounds failed in a row for the database (unavailable, read-only).
-        self._outage = Outage(log=self.log, metrics=self.metrics, clock=clock, queues=config.queues)
+        self._outage = Outage(log=self.log, metrics=self.metrics, clock=clock,
+                              lock_wait_s=lambda: self.lock_waits.last_wait_s)
         self._read_only_session = False  # the last round ran on a read-only session (it proved nothing)
         self._next_due: float | None = None
         self._more_work = self._schema_checked = False

@@ -27,14 +27,17 @@ class Clock:
         return self.now
 
 
-def _outage(logged: list[dict[str, Any]], metrics: JobsMetrics) -> tuple[Outage, Clock]:
+def _outage(logged: list[dict[str, Any]], metrics: JobsMetrics,
+            lock_wait: list[float] | None = None) -> tuple[Outage, Clock]:
+    """``lock_wait``: what the pool's lock-wait watch found at its last look (its first item)."""
     def record(_logger: Any, level: str, event: dict[str, Any]) -> dict[str, Any]:
         logged.append({**event, "level": level})
         raise structlog.DropEvent
 
     clock = Clock()
+    found = lock_wait if lock_wait is not None else [0.0]
     outage = Outage(log=structlog.wrap_logger(None, processors=[record]), metrics=metrics, clock=clock,
-                    queues=("bulk",), wall=clock, watch_every_s=3600.0)
+                    lock_wait_s=lambda: found[0], wall=clock, watch_every_s=3600.0)
     return outage, clock
 
 
@@ -73,16 +76,15 @@ def test_a_lock_wait_the_pools_watch_found_keeps_the_pool_ready() -> None:
     # The lock-wait watch found the pool's session waiting on a lock: the database answers.
     logged: list[dict[str, Any]] = []
     metrics = JobsMetrics()
-    outage, clock = _outage(logged, metrics)
+    found = [0.0]
+    outage, clock = _outage(logged, metrics, found)
     with outage.in_flight(clock.now):
         clock.now += 7.0
-        metrics.lock_wait.labels("bulk").set(6.5)
-        metrics.lock_wait.labels("another-pools-queue").set(0.0)
+        found[0] = 6.5
         clock.now += 60.0
         outage.check()
         assert outage.reason() is None and metrics.registry.get_sample_value(GAUGE) == 0.0 and not logged
-        metrics.lock_wait.labels("bulk").set(0.0)  # the watch's next look: no lock wait any more
-        metrics.lock_wait.labels("another-pools-queue").set(30.0)  # not this pool's
+        found[0] = 0.0  # the watch's next look: no lock wait any more
         assert outage.reason() == REASON.format(s=67)
     outage.passed()
 
