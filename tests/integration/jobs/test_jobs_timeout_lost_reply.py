@@ -97,17 +97,29 @@ def test_a_timed_out_attempts_failure_whose_reply_was_lost_is_confirmed_or_writt
         assert rows(jobs_db, "SELECT reason, error FROM job_dead_letters") == [("attempts_exhausted", ERROR)]
 
 
-def test_a_timed_out_attempts_failure_whose_reply_was_lost_is_asked_until_the_leases_deadline(
-        conn, jobs_db, tcp_proxy, held_after) -> None:  # noqa: F811 - the fixture
-    # The retry committed, its reply was lost, and the database stays away (every new
-    # connection reset) past the lease's local deadline: the pool stops asking, says the
-    # failure may have been written, and counts the attempt lost.
+#: The retry committed, its reply was lost, and the database stays away (every new connection
+#: reset) until the asking ends: at the lease's local deadline (a 3 s lease), or when the pool
+#: stops well before it (a 30 s lease: asked once more as the heartbeat ends; before, the stop
+#: dropped it without a word, no line, no count).  Either way the pool says the failure may
+#: have been written, and counts the attempt lost.
+UNANSWERED = {
+    "deadline": {"lease_s": 3.0, "said": "its reply lost, and the database could not be asked before the lease's "
+                                         "deadline: if it was not written, its lease"},
+    "stop": {"lease_s": 30.0, "said": "its reply lost, and the pool stopped before the database could be asked: "
+                                      "if it was not written, its lease"},
+}
+
+
+@pytest.mark.parametrize("until", sorted(UNANSWERED))
+def test_a_timed_out_attempts_failure_whose_reply_was_lost_is_asked_until_the_deadline_or_the_stop(
+        conn, jobs_db, tcp_proxy, held_after, until: str) -> None:  # noqa: F811 - the fixture
+    spec = UNANSWERED[until]
     info = conninfo_to_dict(jobs_db)
     proxy = tcp_proxy(str(info.get("host") or "127.0.0.1"), int(str(info["port"])))
     held_after.update(marker=b"HandlerTimedOut")
     release = threading.Event()
     events: list[dict[str, Any]] = []
-    pool = _hanging_pool(jobs_db, proxy, release, JobsMetrics(), events, lease_duration_s=3.0)
+    pool = _hanging_pool(jobs_db, proxy, release, JobsMetrics(), events, lease_duration_s=spec["lease_s"])
     pool.start()
     try:
         enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="hang", payload={}, max_attempts=3)])
@@ -115,49 +127,21 @@ def test_a_timed_out_attempts_failure_whose_reply_was_lost_is_asked_until_the_le
         wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [("queued",)], timeout_s=20,
                    message="the server committed the failure")
         proxy.cut()  # and stays cut: the failure cannot be sent again nor asked about
-        wait_until(lambda: pool.outcomes["lost"] == 1, timeout_s=20,
-                   message=lambda: f"the pool still asks: {[e['event'] for e in events]}")
-        proxy.restore()
+        if until == "deadline":
+            wait_until(lambda: pool.outcomes["lost"] == 1, timeout_s=20,
+                       message=lambda: f"the pool still asks: {[e['event'] for e in events]}")
+        else:
+            wait_until(lambda: any(e["event"] == "job_write_unconfirmed" for e in events), timeout_s=20,
+                       message=lambda: f"the lost reply was not noticed: {[e['event'] for e in events]}")
     finally:
         release.set()
         pool.stop()
+        proxy.restore()
     (failed,) = [e for e in events if e["event"] == "job_timeout_write_failed"]
-    assert "its reply lost, and the database could not be asked before the lease's deadline: if it was not " \
-           "written, its lease" in failed["detail"], failed
+    assert spec["said"] in failed["detail"], failed
     names = [e["event"] for e in events]
     assert names.index("job_write_unconfirmed") < names.index("job_timeout_write_failed"), names
     assert "outcome_confirmed" not in names and "job_timed_out" not in names, names
-    assert rows(jobs_db, "SELECT status, attempts, last_error FROM jobs") == [("queued", 1, ERROR)]
-
-
-def test_a_failure_still_unconfirmed_when_the_pool_stops_is_asked_once_more_and_said(
-        conn, jobs_db, tcp_proxy, held_after) -> None:  # noqa: F811 - the fixture
-    # The retry committed, its reply was lost, the database stays away, and the pool stops
-    # well before the lease's local deadline (30 s): the failure is asked about once more as
-    # the heartbeat ends, and, without an answer, said and counted lost.  Before, the stop
-    # dropped it without a word: no line, no count.
-    info = conninfo_to_dict(jobs_db)
-    proxy = tcp_proxy(str(info.get("host") or "127.0.0.1"), int(str(info["port"])))
-    held_after.update(marker=b"HandlerTimedOut")
-    release = threading.Event()
-    events: list[dict[str, Any]] = []
-    pool = _hanging_pool(jobs_db, proxy, release, JobsMetrics(), events, lease_duration_s=30.0)
-    pool.start()
-    try:
-        enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="hang", payload={}, max_attempts=3)])
-        assert held_after["held"].wait(30), "the timed-out attempt's failure was not seen"
-        wait_until(lambda: rows(jobs_db, "SELECT status FROM jobs") == [("queued",)], timeout_s=20,
-                   message="the server committed the failure")
-        proxy.cut()  # and stays cut until the pool stopped
-        wait_until(lambda: any(e["event"] == "job_write_unconfirmed" for e in events), timeout_s=20,
-                   message=lambda: f"the lost reply was not noticed: {[e['event'] for e in events]}")
-    finally:
-        release.set()
-        pool.stop()
-        proxy.restore()
-    (failed,) = [e for e in events if e["event"] == "job_timeout_write_failed"]
-    assert "its reply lost, and the pool stopped before the database could be asked: if it was not written" \
-        in failed["detail"], failed
     # Counted lost once (the hung handler's late return is "timed_out": nothing written for it).
     assert pool.outcomes["lost"] == 1 and "retried" not in pool.outcomes, pool.outcomes
     assert rows(jobs_db, "SELECT status, attempts, last_error FROM jobs") == [("queued", 1, ERROR)]
