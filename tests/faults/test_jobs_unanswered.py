@@ -41,7 +41,7 @@ from tests.fixtures.procs import wait_until
 from tests.integration.jobs._support import migrate_jobs_db, recording_logger, rows
 
 GAUGE = "outbox_jobs_database_unavailable"
-#: consumer_sdk.jobs.outage.UNANSWERED_S (tests/unit/jobs/test_jobs_unanswered.py checks they agree).
+#: consumer_sdk.jobs.outage.UNANSWERED_S (tests/unit/jobs/test_jobs_unanswered_rules.py checks they agree).
 UNANSWERED_S = 10.0
 HEADLINE = "the database has not answered the dispatcher for "
 
