@@ -20,7 +20,9 @@ auto offset store are off).  The guarantees:
   starts from those offsets.  A member that lost its partitions without knowing (paused, evicted)
   cannot apply twice: the inbox's primary key serializes it with the new owner.
 * Back-off (handler retries, database outages) keeps the group membership alive:
-  the partitions are paused and the consumer keeps polling.
+  the partitions are paused and the consumer keeps polling.  So does one transaction
+  longer than ``max.poll.interval.ms``: a keeper thread polls beside it
+  (:mod:`~consumer_sdk.inbox_keeper`).
 
 Lifecycle: :meth:`InboxConsumer.start`, :meth:`~InboxConsumer.run_once` (one
 batch, returns its :class:`~consumer_sdk.model.BatchResult`), :meth:`~InboxConsumer.run`
@@ -30,7 +32,8 @@ batch, returns its :class:`~consumer_sdk.model.BatchResult`), :meth:`~InboxConsu
 The consumer is built from parts, a module each: this one (construction, lifecycle, the
 batch loop), :mod:`~consumer_sdk.inbox_offsets`, :mod:`~consumer_sdk.inbox_group` (the Kafka
 consumer, rebalances, keep-alive), :mod:`~consumer_sdk.inbox_parked` and
-:mod:`~consumer_sdk.inbox_upkeep` (database waits, retention), sharing the state declared in
+:mod:`~consumer_sdk.inbox_upkeep` (database waits, retention), with a thread of
+:mod:`~consumer_sdk.inbox_keeper` polling beside long transactions, sharing the state declared in
 :mod:`~consumer_sdk.inbox_state`.  Import the consumer from here (or ``consumer_sdk``).
 """
 
@@ -56,6 +59,7 @@ from consumer_sdk.errors import (
     RetriableError,
 )
 from consumer_sdk.inbox_group import Abandon, InboxGroup
+from consumer_sdk.inbox_keeper import KafkaKeeper
 from consumer_sdk.inbox_parked import InboxParked
 from consumer_sdk.inbox_upkeep import InboxUpkeep
 from consumer_sdk.inbox_waits import LockWaitWatch
@@ -161,6 +165,9 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
         self._next_cleanup = 0.0
         self._polled_at = clock()
         self._membership_s = config.max_poll_interval_s() / 2
+        # Later than the loop's own poll between transactions, so that the two rarely meet.
+        self._keeper = KafkaKeeper(self._keep_beside, idle_s=lambda: self._clock() - self._polled_at,
+                                   after_s=config.max_poll_interval_s() * 0.6, log=self.log)
         self._closed = False
         self.assigned: set[TopicPart] = set()
         self.retention: list[RetentionFinding] = []
@@ -210,6 +217,8 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
         if self.config.check_retention and self.config.inbox_retention_s is not None:
             self._check_retention()
         self.lock_waits.start()
+        if self.config.assignment == "subscribe":  # an assigned reader has no membership to keep
+            self._keeper.start()
         self.log.info("consumer_started", group=self.config.group, topics=list(self.config.topics),
                       assignment=self.config.assignment, batch_size=self.config.batch_size)
 
@@ -243,6 +252,7 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
         if self._closed:
             return
         self._closed = True
+        self._keeper.stop()
         consumer, self._consumer = self._consumer, None
         try:
             if consumer is not None:
@@ -304,7 +314,8 @@ class InboxConsumer(InboxGroup, InboxParked, InboxUpkeep):
                         self._busy_since = None  # a back-off is no wait on the database
                         self._sleep(self._db_backoff_s(failures))
                         self._busy_since = self._clock()
-                    self._processor.process(list(self._unsettled), total)
+                    with self._keeper.lent():  # a transaction longer than max.poll.interval.ms
+                        self._processor.process(list(self._unsettled), total)
                 except RetriableError as exc:
                     failures += 1
                     self._batch_failed(exc, failures)

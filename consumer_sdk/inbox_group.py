@@ -14,6 +14,8 @@ is interrupted only when it holds records of a partition taken away.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from confluent_kafka import OFFSET_STORED, Consumer, KafkaError, Message, TopicPartition
 
 from consumer_sdk import kafka
@@ -24,6 +26,12 @@ from outbox_core.kafka_errors import setup_failure
 from outbox_core.secrets import scrub
 
 _KEEPALIVE_POLL_S = 0.2
+#: A keeper's poll: the longest the loop waits for the consumer back after a transaction.
+_KEEPER_POLL_S = 0.1
+#: A keeper keeps the membership beside one transaction this many ``max.poll.interval.ms`` at
+#: most, then lets the member leave its group as before the keeper (a hung handler's other
+#: partitions go to other members): a slow transaction is kept, a hung one not for ever.
+KEEP_MAX_INTERVALS = 3
 
 
 class Abandon(Exception):
@@ -32,9 +40,6 @@ class Abandon(Exception):
 
 class InboxGroup(InboxOffsets):
     """Group membership, rebalances, client errors and the keep-alive wait."""
-
-    #: Partitions revoked or lost since the batch in hand was polled (``_poll`` empties it).
-    _moved: set[TopicPart]
 
     def _join(self, consumer: Consumer) -> None:
         """Subscribe (join the group), or assign every partition of the topics."""
@@ -127,15 +132,17 @@ class InboxGroup(InboxOffsets):
 
     def _max_poll_hint(self) -> str:
         """What to do when librdkafka left the group for want of a poll (librdkafka's own
-        line names neither the cause nor a setting of the SDK's)."""
+        line names neither the cause nor a setting of the SDK's).  The loop polls between
+        transactions and its keeper beside a long one, so what remains is a process that
+        did not run: stopped (SIGSTOP, a debugger), starved of CPU, a handler holding the
+        GIL, or ``run_once()`` not called for that long."""
         c = self.config
-        cause = (f"a batch (batch_size={c.batch_size}) is one transaction: lower batch_size, make the handler "
-                 "faster" if c.batch_size > 1 else "one handler call ran that long: make it faster")
         return (f"this member did not poll Kafka for max.poll.interval.ms ({c.max_poll_interval_s() * 1000:.0f} ms) "
                 "and left its group: its partitions went to another member and the offsets it applied could "
-                "not be committed (the inbox drops what comes again).  It polls between transactions, not "
-                f"inside one; {cause}, or raise max.poll.interval.ms in kafka_properties")
-
+                "not be committed (the inbox drops what comes again).  The consumer polls between transactions "
+                "and beside a long one, so the process did not run for that long (stopped, starved of CPU, a "
+                "handler holding the GIL, or run_once() not called): look there, or raise max.poll.interval.ms "
+                "in kafka_properties")
 
     def _client_error(self, err: KafkaError) -> None:
         text = self._kafka_text(err)
@@ -162,8 +169,10 @@ class InboxGroup(InboxOffsets):
         return scrub(err.str(), properties=self.config.kafka_properties)
 
     def _membership_due(self) -> bool:
-        """True once half of ``max.poll.interval.ms`` went by since the last poll."""
-        return self._clock() - self._polled_at >= self._membership_s
+        """True once half of ``max.poll.interval.ms`` went by since the last poll, or when a
+        rebalance the keeper served during the last transaction took a partition of the batch
+        (:meth:`_keep_membership` then interrupts it)."""
+        return self._clock() - self._polled_at >= self._membership_s or self._batch_moved()
 
     def _keep_membership(self) -> None:
         """Poll once (:meth:`_keepalive_sleep`, 0 s) between two transactions of a batch, when
@@ -184,6 +193,10 @@ class InboxGroup(InboxOffsets):
         Raises :class:`Abandon` on :meth:`stop`, or when a partition of the batch's unsettled
         records was revoked or lost meanwhile (:meth:`_batch_moved`).
         """
+        with self._keeper.held():
+            self._keepalive_wait(duration_s)
+
+    def _keepalive_wait(self, duration_s: float) -> None:
         if self._deferred:  # what was applied before the back-off is not held back by it
             self._commit_deferred()
         consumer = self._live()
@@ -207,6 +220,62 @@ class InboxGroup(InboxOffsets):
                 if (left := deadline - self._clock()) <= 0:
                     break
         finally:
-            current = [tp for tp in consumer.assignment() if (tp.topic, tp.partition) not in self.parked]
-            if current:
-                consumer.resume(current)
+            self._resume_assignment(consumer)
+
+    def _keep_beside(self, hand_back: Callable[[], bool]) -> bool:
+        """The keeper's session (:mod:`consumer_sdk.inbox_keeper`), on its thread while the
+        loop's transaction runs: poll with the assignment paused until ``hand_back()``.
+
+        The assignment is paused again before each poll: a partition assigned meanwhile is
+        not paused (and one revoked was resumed by :meth:`_on_revoke`), and would fill the
+        stash for as long as the transaction runs.  What a poll returns anyway (fetched
+        before the pause) is stashed as in :meth:`_keepalive_sleep`; rebalance callbacks run
+        here and keep the books (the batch stops after this transaction when one of its
+        partitions moved: :meth:`_membership_due`).
+
+        Returns True when it gave up after :data:`KEEP_MAX_INTERVALS` intervals: the keeper
+        then polls no more beside this transaction (``membership_released``), and librdkafka
+        leaves the group one interval later, as it did before the keeper."""
+        consumer = self._live()
+        busy_since = self._busy_since
+        self.log.info("membership_kept", idle_s=round(self._clock() - self._polled_at, 1),
+                      busy_s=None if busy_since is None else round(self._clock() - busy_since, 1),
+                      hint="a transaction runs past half of max.poll.interval.ms: the consumer polls "
+                           "Kafka beside it, its partitions paused, so that this member keeps them")
+        interval_s = self._membership_s * 2
+        warn_at, release_at = self._clock() + interval_s, self._clock() + interval_s * KEEP_MAX_INTERVALS
+        try:
+            while not hand_back():
+                if self._clock() >= release_at:
+                    self.log.warning(
+                        "membership_released", busy_s=None if busy_since is None else round(self._clock() - busy_since, 1),
+                        partitions=kafka.names(consumer.assignment()),
+                        hint=f"the transaction ran {KEEP_MAX_INTERVALS} x max.poll.interval.ms beside the keeper: it "
+                             "polls no more, so this member leaves its group one interval later and its partitions "
+                             "go to other members (the transaction's own wait on its inbox rows: database_lock_wait); "
+                             "a handler this slow on purpose wants a larger max.poll.interval.ms")
+                    return True
+                if self._clock() >= warn_at:  # a hung handler holds every partition of this member
+                    warn_at += self._membership_s * 2
+                    self.log.warning("transaction_running_long", busy_s=None if busy_since is None else
+                                     round(self._clock() - busy_since, 1), partitions=kafka.names(consumer.assignment()),
+                                     hint="this member keeps its partitions while the transaction runs, and "
+                                          "none of them progresses meanwhile: a hung handler stalls them all")
+                assignment = consumer.assignment()
+                if assignment:
+                    consumer.pause(assignment)
+                msg = consumer.poll(_KEEPER_POLL_S)
+                self._polled_at = self._clock()
+                if msg is not None:
+                    record = self._accept(msg)
+                    if record is not None:
+                        self._stash.extend(self._owned([record]))
+        finally:
+            self._resume_assignment(consumer)
+        return False
+
+    def _resume_assignment(self, consumer: Consumer) -> None:
+        """Resume what a keep-alive paused, except the partitions parked behind a dead letter."""
+        current = [tp for tp in consumer.assignment() if (tp.topic, tp.partition) not in self.parked]
+        if current:
+            consumer.resume(current)

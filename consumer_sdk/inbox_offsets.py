@@ -20,12 +20,22 @@ class InboxOffsets(InboxState):
 
     def _settled(self, records: Sequence[KafkaRecord]) -> None:
         """Called by the processor after each database commit: commit the offsets now, or,
-        one-at-a-time, once the poll's last message is applied (see ``prefetch_records``)."""
+        one-at-a-time, once the poll's last message is applied (see ``prefetch_records``).
+
+        Records of a partition revoked or lost since the poll (the keeper served the
+        rebalance while their transaction ran: :mod:`consumer_sdk.inbox_keeper`) settle no
+        offset: the partition was forgotten, and its position now is the next owner's (their
+        effect is once all the same: the inbox)."""
         del self._unsettled[: len(records)]
-        if self.config.poll_records == self.config.batch_size:
-            self._commit_settled(records)
-        else:
-            self._deferred |= self.offsets.settle(records)
+        with self._keeper.held():
+            if moved := self._moved:
+                records = [r for r in records if (r.topic, r.partition) not in moved]
+                if not records:
+                    return
+            if self.config.poll_records == self.config.batch_size:
+                self._commit_settled(records)
+            else:
+                self._deferred |= self.offsets.settle(records)
 
     def _commit_deferred(self) -> None:
         parts, self._deferred = self._deferred, set()

@@ -18,6 +18,7 @@ from typing import Any
 from confluent_kafka import Consumer
 
 from consumer_sdk.config import InboxConfig
+from consumer_sdk.inbox_keeper import KafkaKeeper
 from consumer_sdk.metrics import ConsumerMetrics
 from consumer_sdk.model import KafkaRecord
 from consumer_sdk.offsets import OffsetBook, TopicPart
@@ -53,6 +54,9 @@ class InboxState:
     _next_cleanup: float
     _polled_at: float  # when the Kafka consumer was last polled (the clock's seconds)
     _membership_s: float  # half of max.poll.interval.ms: a batch polls between transactions after so long
+    _busy_since: float | None  # when the batch in the works began (None: none is, or it backs off)
+    _moved: set[TopicPart]  # revoked or lost since the batch in hand was polled
+    _keeper: KafkaKeeper  # polls Kafka beside a long transaction; the loop holds the consumer through it
 
     @property
     def stopping(self) -> bool:

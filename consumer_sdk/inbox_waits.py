@@ -1,6 +1,7 @@
 """What the consumer's own transaction waits on in the database, when a batch takes long.
 
-A handler hung past ``max.poll.interval.ms`` leaves the group with its transaction open and
+A handler hung past ``max.poll.interval.ms`` (past its keeper's limit, :mod:`.inbox_keeper`:
+three intervals, then one more) leaves the group with its transaction open and
 the inbox rows it claimed locked.  The partition's next owner claims the same events and
 waits on those row locks: no timeout, no error, nothing logged, while its own membership
 runs out in turn (an audit: the partition stalled as long as the hung handler).  A DBA's
@@ -38,7 +39,7 @@ from outbox_core.waits import QUERY_CHARS as QUERY_CHARS
 
 _HINT = ("the consumer's transaction waits until the blocking one ends; another member of this "
          "consumer's group holding it is most likely a member that left the group with its transaction "
-         "open (a handler hung past max.poll.interval.ms): end its handler, or that backend "
+         "open (a handler hung for 4 x max.poll.interval.ms): end its handler, or that backend "
          "(pg_terminate_backend(pid)); the event is then applied once")
 
 

@@ -1,9 +1,12 @@
-"""A member whose handler hung past max.poll.interval.ms, seen by the partition's next owner
-(real PostgreSQL, Apache Kafka: two members of one group).
+"""A consumer whose handler hung with its transaction open, seen by the partition's owner
+(real PostgreSQL, Apache Kafka).
 
-Member A's handler hangs on event 0 (it waits for an advisory lock the test holds), its
-transaction open with event 0's inbox row inserted.  A leaves the group after
-max.poll.interval.ms; B gets the partition, claims event 0 and waits on A's row lock.  That
+A's handler hangs on event 0 (it waits for an advisory lock the test holds), its transaction
+open with event 0's inbox row inserted.  A member keeps its partitions while its handler
+runs (its keeper polls beside the transaction), so A here reads the partition outside the
+group (``assignment="assign"``), as a member that left the group with its transaction open
+(its process stopped, or cut from Kafka) would: B, the group's member, claims event 0 and
+waits on A's row lock.  That
 wait was silent (no log line: an audit); now B's ``database_lock_wait`` names the backend
 that holds it up (A's pid, its application_name ``outbox-consumer:<name>``), and B's gauge
 ``outbox_consumer_lock_wait_seconds`` shows the wait (0 again once it is over).  Released, A's
@@ -58,7 +61,8 @@ def test_the_next_owner_names_the_hung_member_it_waits_on(sdk_db, kafka_broker, 
 
     try:
         with capture_logs() as logs:
-            a = run_consumer(config(), handler)
+            a = run_consumer(make_config(sdk_db, kafka_broker, topic, name=name, assignment="assign",
+                                         kafka_properties=props, check_retention=False), handler)
             wait_for(lambda: _hung_pid(sdk_db) is not None, timeout_s=30, message="A never hung")
             hung = _hung_pid(sdk_db)
             b = run_consumer(config(), record_effect)

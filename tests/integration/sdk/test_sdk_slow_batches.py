@@ -8,7 +8,8 @@ offsets could not be committed ("Commit failed: Broker: Unknown member"), its pa
 were lost and assigned again (to another member, which applied the same partitions' next
 events while this one still applied its own), and the whole poll came again as duplicates.
 The consumer now polls between two transactions once half the interval went by (a
-statements handler's chain of transactions ends there).  Apache
+statements handler's chain of transactions ends there; one transaction that long:
+test_sdk_long_transactions.py).  Apache
 Kafka only: tansu takes the commit of a member that left, so the test could not see it leave.
 """
 
@@ -72,36 +73,3 @@ def test_a_poll_slower_than_max_poll_interval_keeps_the_member_and_its_offsets(
     assert thread.consumer.totals.duplicates == 0  # nothing came again
     assert thread.sample("outbox_consumer_offset_commit_failures_total", consumer=config.name) == 0
 
-
-def test_a_transaction_longer_than_max_poll_interval_says_what_to_change(
-        sdk_db: str, kafka_broker: Any, topic_name: Any, run_consumer: Any) -> None:
-    """A batch is one transaction, and nothing polls inside it: 40 handlers of 0.25 s are
-    10 s.  The member leaves its group (what the inbox makes harmless: each effect once),
-    and the line saying so names the settings to change; librdkafka's own text named none."""
-    broker = kafka_broker
-    topic = topic_name("slow-batch")
-    ids = numbered_events_on_kafka(broker.bootstrap, topic, 40)
-
-    def slow(conn: psycopg.Connection[Any], message: Any) -> None:
-        conn.execute("SELECT pg_sleep(%s)", (0.25,))
-        record_effect(conn, message)
-
-    props = {**FAST_GROUP, "max.poll.interval.ms": MAX_POLL_INTERVAL_MS}
-    config = make_config(sdk_db, broker, topic, assignment="subscribe", kafka_properties=props,
-                         batch_size=40, check_retention=False)
-
-    def left(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [e for e in logs if e["event"] == "kafka_consume_error" and "maximum poll interval" in e["error"]]
-
-    with capture_logs() as logs:
-        thread = run_consumer(config, slow)
-        wait_for(lambda: left(logs) or thread.error is not None, timeout_s=90,
-                 message="the member never left its group")
-        wait_for(lambda: thread.consumer.offsets.committed.get((topic, 0)) == len(ids) or thread.error is not None,
-                 timeout_s=90, message="the batch was never committed")
-        thread.stop()
-    effects = effect_counts(sdk_db)
-    assert set(effects) == set(ids) and set(effects.values()) == {1}
-    hint = left(logs)[0].get("hint", "")
-    assert f"max.poll.interval.ms ({MAX_POLL_INTERVAL_MS} ms)" in hint
-    assert "batch_size=40" in hint and "raise max.poll.interval.ms in kafka_properties" in hint
