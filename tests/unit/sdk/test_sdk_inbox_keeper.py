@@ -33,7 +33,7 @@ class Keeping:
         self.sessions: list[str] = []
         self.overlaps = 0
 
-    def __call__(self, hand_back: Callable[[], bool]) -> None:
+    def __call__(self, hand_back: Callable[[], bool]) -> bool:
         self.sessions.append(threading.current_thread().name)
         self.inside.set()
         try:
@@ -41,6 +41,7 @@ class Keeping:
                 threading.Event().wait(0.001)
         finally:
             self.inside.clear()
+        return False  # handed back, not given up
 
     def used_by_the_loop(self) -> None:
         if self.inside.is_set():
@@ -83,6 +84,37 @@ def test_a_keeper_never_takes_a_consumer_polled_lately():
     finally:
         keeper.stop()
     assert keeping.sessions == []
+
+
+class GivingUp(Keeping):
+    """A ``keep`` that gives up at once (the transaction ran past the keeper's limit)."""
+
+    def __call__(self, hand_back: Callable[[], bool]) -> bool:
+        self.sessions.append(threading.current_thread().name)
+        return True
+
+
+def test_a_keeper_that_gave_up_beside_a_transaction_takes_the_consumer_again_only_at_the_next_loan():
+    keeping, idle = GivingUp(), [5.0]  # unpolled for longer than after_s, and it stays so
+    keeper = keeper_with(keeping, idle)
+    keeper.start()
+    try:
+        with keeper.lent():
+            wait = threading.Event()
+            for _ in range(int(WAIT_S * 100)):  # the first session, then none while this loan lasts
+                if keeping.sessions:
+                    break
+                wait.wait(0.01)
+            assert keeping.sessions == [KafkaKeeper.thread_name], "the keeper never took the lent consumer"
+            assert not wait.wait(1.5) and len(keeping.sessions) == 1, keeping.sessions
+        with keeper.lent():  # the next batch's loan: kept again
+            for _ in range(int(WAIT_S * 100)):
+                if len(keeping.sessions) == 2:
+                    break
+                wait.wait(0.01)
+            assert len(keeping.sessions) == 2, keeping.sessions
+    finally:
+        keeper.stop()
 
 
 class ExclusiveKafka(FakeKafka):
