@@ -15,6 +15,8 @@ from typing import Any
 
 import psycopg
 import structlog
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 from consumer_sdk.jobs import queue as jobq
 from consumer_sdk.jobs.fairness import Limits, plan
@@ -96,3 +98,19 @@ def recording_logger(into: list[dict[str, Any]]) -> Any:
         raise structlog.DropEvent
 
     return structlog.wrap_logger(None, processors=[record])
+
+
+#: A session's options that keep it writable while the database's new sessions are read-only.
+WRITABLE = "-c default_transaction_read_only=off"
+
+
+def set_read_only(dsn: str, on: bool, *, end_sessions: bool) -> None:
+    """The database's new sessions read-only (or not), as a standby's or a failover's are; with
+    ``end_sessions``, its sessions ended (the pool's connections must open new ones)."""
+    dbname = conninfo_to_dict(dsn)["dbname"]
+    with psycopg.connect(dsn, autocommit=True, options=WRITABLE) as conn:
+        setting = "SET default_transaction_read_only = on" if on else "RESET default_transaction_read_only"
+        conn.execute(sql.SQL("ALTER DATABASE {} " + setting).format(sql.Identifier(dbname)))
+        if end_sessions:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                         "WHERE datname = %s AND pid <> pg_backend_pid()", (dbname,))

@@ -23,28 +23,16 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from consumer_sdk.jobs import JobsMetrics, NewJob, WorkerConfig, WorkerPool, enqueue
 from tests.fixtures.procs import wait_until
-from tests.integration.jobs._support import recording_logger, rows
+from tests.integration.jobs._support import WRITABLE, recording_logger, rows, set_read_only
 
-WRITABLE = "-c default_transaction_read_only=off"
 GAUGE = "outbox_jobs_database_unavailable"
 #: Failed rounds to see before the database comes back (about 20 a second: poll_interval_s 0.05).
 ROUNDS = 12
 
-
-def _read_only(dsn: str, on: bool, *, end_sessions: bool) -> None:
-    """The database's new sessions read-only (or not); with ``end_sessions``, its sessions ended."""
-    dbname = conninfo_to_dict(dsn)["dbname"]
-    with psycopg.connect(dsn, autocommit=True, options=WRITABLE) as conn:
-        setting = "SET default_transaction_read_only = on" if on else "RESET default_transaction_read_only"
-        conn.execute(sql.SQL("ALTER DATABASE {} " + setting).format(sql.Identifier(dbname)))
-        if end_sessions:
-            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                         "WHERE datname = %s AND pid <> pg_backend_pid()", (dbname,))
 
 
 def _enqueue(dsn: str, n: int) -> None:
@@ -87,7 +75,7 @@ def test_a_pool_whose_database_is_out_is_not_ready_says_why_once_and_runs_every_
         if outage == "unreachable":
             proxy.cut()
         else:
-            _read_only(jobs_db, True, end_sessions=True)
+            set_read_only(jobs_db, True, end_sessions=True)
         _enqueue(jobs_db, 3)
         health = wait_until(lambda: h if not (h := pool.health()).ready and h.failed_rounds >= ROUNDS else None,
                             timeout_s=20, message=lambda: f"still ready while its rounds fail: {pool.health()} "
@@ -118,7 +106,7 @@ def test_a_pool_whose_database_is_out_is_not_ready_says_why_once_and_runs_every_
         if outage == "unreachable":
             proxy.restore()
         else:
-            _read_only(jobs_db, False, end_sessions=False)  # the read-only sessions stay read-only
+            set_read_only(jobs_db, False, end_sessions=False)  # the read-only sessions stay read-only
         wait_until(lambda: pool.health().ready, timeout_s=20, message=lambda: str(pool.health()))
         assert metrics.registry.get_sample_value(GAUGE) == 0.0
         (recovered,) = _events(logged, "dispatch_recovered", out_at)
@@ -129,7 +117,7 @@ def test_a_pool_whose_database_is_out_is_not_ready_says_why_once_and_runs_every_
                    timeout_s=30, message=lambda: str(rows(jobs_db, "SELECT id, status, attempts FROM jobs")))
     finally:
         proxy.restore()
-        _read_only(jobs_db, False, end_sessions=False)
+        set_read_only(jobs_db, False, end_sessions=False)
         pool.stop()
     # Every job ran once and succeeded once.
     ids = [r[0] for r in rows(jobs_db, "SELECT id FROM jobs ORDER BY id")]

@@ -19,25 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 
 from consumer_sdk.jobs import NewJob, WorkerConfig, WorkerPool, enqueue
 from tests.fixtures.procs import wait_until
-from tests.integration.jobs._support import recording_logger, rows
-
-WRITABLE = "-c default_transaction_read_only=off"
-
-
-def _read_only(dsn: str, on: bool, *, end_sessions: bool) -> None:
-    """The database's new sessions read-only (or not); with ``end_sessions``, its sessions ended."""
-    dbname = conninfo_to_dict(dsn)["dbname"]
-    with psycopg.connect(dsn, autocommit=True, options=WRITABLE) as conn:
-        setting = "SET default_transaction_read_only = on" if on else "RESET default_transaction_read_only"
-        conn.execute(sql.SQL("ALTER DATABASE {} " + setting).format(sql.Identifier(dbname)))
-        if end_sessions:
-            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                         "WHERE datname = %s AND pid <> pg_backend_pid()", (dbname,))
+from tests.integration.jobs._support import WRITABLE, recording_logger, rows, set_read_only
 
 
 def _jobs(dsn: str) -> list[tuple[Any, ...]]:
@@ -54,7 +39,7 @@ def test_the_pool_waits_for_a_read_only_database_and_claims_once_it_is_writable(
     try:
         enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="ok", payload={})])
         wait_until(lambda: _jobs(jobs_db) == [("ok", "succeeded", 1)], timeout_s=20, message="the first job ran")
-        _read_only(jobs_db, True, end_sessions=True)
+        set_read_only(jobs_db, True, end_sessions=True)
         with psycopg.connect(jobs_db, autocommit=True, options=WRITABLE) as writer:
             enqueue(writer, [NewJob(owner_id="o", queue="bulk", kind="ok", payload={}) for _ in range(3)])
         # dispatch_failed is logged once per outage (consumer_sdk.jobs.outage), not per round.
@@ -63,12 +48,12 @@ def test_the_pool_waits_for_a_read_only_database_and_claims_once_it_is_writable(
         assert pool.error is None, f"the pool stopped: {pool.error!r}"
         assert [e for e in logged if e["event"] == "dispatch_failed" and "read-only" in str(e.get("error"))]
         assert _jobs(jobs_db)[1:] == [("ok", "queued", 0)] * 3  # nothing claimed meanwhile
-        _read_only(jobs_db, False, end_sessions=False)  # the read-only sessions stay read-only
+        set_read_only(jobs_db, False, end_sessions=False)  # the read-only sessions stay read-only
         wait_until(lambda: _jobs(jobs_db)[1:] == [("ok", "succeeded", 1)] * 3, timeout_s=30,
                    message=lambda: f"claimed once writable: {_jobs(jobs_db)} {pool.error!r}")
         assert pool.health().ready, pool.health()
     finally:
-        _read_only(jobs_db, False, end_sessions=False)
+        set_read_only(jobs_db, False, end_sessions=False)
         pool.stop()
     failed = [e for e in logged if e["event"] == "dispatch_failed"]
     assert all("the database is read-only" in e["error"] for e in failed if "read-only" in e["error"]), failed
