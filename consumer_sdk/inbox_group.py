@@ -209,12 +209,7 @@ class InboxGroup(InboxOffsets):
             while True:
                 if self.stopping:
                     raise Abandon()
-                msg = consumer.poll(max(min(left, _KEEPALIVE_POLL_S), 0.0))
-                self._polled_at = self._clock()
-                if msg is not None:
-                    record = self._accept(msg)
-                    if record is not None:  # fetched before the pause took effect: keep it for later
-                        self._stash.extend(self._owned([record]))
+                self._poll_paused(consumer, max(min(left, _KEEPALIVE_POLL_S), 0.0))
                 if self.stopping or self._batch_moved():
                     raise Abandon()
                 if (left := deadline - self._clock()) <= 0:
@@ -238,8 +233,11 @@ class InboxGroup(InboxOffsets):
         leaves the group one interval later, as it did before the keeper."""
         consumer = self._live()
         busy_since = self._busy_since
-        self.log.info("membership_kept", idle_s=round(self._clock() - self._polled_at, 1),
-                      busy_s=None if busy_since is None else round(self._clock() - busy_since, 1),
+
+        def busy_s() -> float | None:
+            return None if busy_since is None else round(self._clock() - busy_since, 1)
+
+        self.log.info("membership_kept", idle_s=round(self._clock() - self._polled_at, 1), busy_s=busy_s(),
                       hint="a transaction runs past half of max.poll.interval.ms: the consumer polls "
                            "Kafka beside it, its partitions paused, so that this member keeps them")
         interval_s = self._membership_s * 2
@@ -248,31 +246,36 @@ class InboxGroup(InboxOffsets):
             while not hand_back():
                 if self._clock() >= release_at:
                     self.log.warning(
-                        "membership_released", busy_s=None if busy_since is None else round(self._clock() - busy_since, 1),
-                        partitions=kafka.names(consumer.assignment()),
+                        "membership_released", busy_s=busy_s(), partitions=kafka.names(consumer.assignment()),
                         hint=f"the transaction ran {KEEP_MAX_INTERVALS} x max.poll.interval.ms beside the keeper: it "
                              "polls no more, so this member leaves its group one interval later and its partitions "
                              "go to other members (the transaction's own wait on its inbox rows: database_lock_wait); "
                              "a handler this slow on purpose wants a larger max.poll.interval.ms")
                     return True
                 if self._clock() >= warn_at:  # a hung handler holds every partition of this member
-                    warn_at += self._membership_s * 2
-                    self.log.warning("transaction_running_long", busy_s=None if busy_since is None else
-                                     round(self._clock() - busy_since, 1), partitions=kafka.names(consumer.assignment()),
+                    warn_at += interval_s
+                    self.log.warning("transaction_running_long", busy_s=busy_s(),
+                                     partitions=kafka.names(consumer.assignment()),
                                      hint="this member keeps its partitions while the transaction runs, and "
                                           "none of them progresses meanwhile: a hung handler stalls them all")
                 assignment = consumer.assignment()
                 if assignment:
                     consumer.pause(assignment)
-                msg = consumer.poll(_KEEPER_POLL_S)
-                self._polled_at = self._clock()
-                if msg is not None:
-                    record = self._accept(msg)
-                    if record is not None:
-                        self._stash.extend(self._owned([record]))
+                self._poll_paused(consumer, _KEEPER_POLL_S)
         finally:
             self._resume_assignment(consumer)
         return False
+
+    def _poll_paused(self, consumer: Consumer, timeout_s: float) -> None:
+        """One poll with the assignment paused (the keep-alive's and the keeper's): it keeps
+        the membership and serves the rebalance callbacks; a message fetched before the pause
+        took effect is kept for later, if its partition is still this member's."""
+        msg = consumer.poll(timeout_s)
+        self._polled_at = self._clock()
+        if msg is not None:
+            record = self._accept(msg)
+            if record is not None:
+                self._stash.extend(self._owned([record]))
 
     def _resume_assignment(self, consumer: Consumer) -> None:
         """Resume what a keep-alive paused, except the partitions parked behind a dead letter."""
