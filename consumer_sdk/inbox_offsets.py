@@ -5,14 +5,35 @@ at a time), never past a message that is not settled; abandoned records are fetc
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, KafkaError
 
 from consumer_sdk import kafka
 from consumer_sdk.inbox_state import InboxState
 from consumer_sdk.model import KafkaRecord
 from consumer_sdk.offsets import TopicPart
+
+#: The commit errors that say only that the group moved on while the commit was under way: a
+#: rebalance in progress, this member's generation (ILLEGAL_GENERATION, UNKNOWN_MEMBER_ID) or,
+#: with ``group.protocol=consumer`` (KIP-848), its epoch (STALE_, FENCED_MEMBER_EPOCH) gone.
+#: Expected during a cooperative rebalance, and nothing is lost: each partition's new owner
+#: commits its own offsets, and what it receives again is dropped by the inbox (event_id).
+_GROUP_MOVED_ON = frozenset(KafkaError(code).name() for code in (
+    KafkaError.ILLEGAL_GENERATION, KafkaError.REBALANCE_IN_PROGRESS, KafkaError.UNKNOWN_MEMBER_ID,
+    KafkaError.STALE_MEMBER_EPOCH, KafkaError.FENCED_MEMBER_EPOCH))
+#: The error's code as ``str(KafkaError)`` spells it, ``KafkaError{code=NAME,val=...}`` (the
+#: form in which :func:`consumer_sdk.kafka.commit_offsets` reports the errors).
+_CODE = re.compile(r"code=(\w+),")
+
+
+def group_moved_on(errors: Sequence[str]) -> bool:
+    """True when every commit error (``commit_offsets``'s texts) says only that the group
+    rebalanced under the commit (:data:`_GROUP_MOVED_ON`): logged as info, not as a warning.
+    Any other error (the coordinator unreachable, an authorization, a timeout) is a warning."""
+    codes = [_CODE.search(error) for error in errors]
+    return bool(codes) and all(code is not None and code[1] in _GROUP_MOVED_ON for code in codes)
 
 
 class InboxOffsets(InboxState):
@@ -77,8 +98,14 @@ class InboxOffsets(InboxState):
         done, errors = kafka.commit_offsets(consumer, due)
         for key, offset in done.items():
             self.offsets.confirm(key, offset)
-        if errors:  # harmless for the effects: the inbox drops what comes again
-            self.metrics.offset_commit_failures.labels(self.config.name).inc()
+        if not errors:
+            return
+        self.metrics.offset_commit_failures.labels(self.config.name).inc()
+        if group_moved_on(errors):  # expected in a (cooperative) rebalance
+            self.log.info("offset_commit_failed", errors=errors,
+                          detail="the group rebalanced under the commit: each partition's new owner "
+                                 "commits its offsets; nothing is lost (the inbox drops what comes again)")
+        else:  # harmless for the effects too (the inbox drops what comes again), but not expected
             self.log.warning("offset_commit_failed", errors=errors)
 
     def _update_lag(self, consumer: Consumer, parts: set[TopicPart]) -> None:
