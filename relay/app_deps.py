@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from relay.config import mask_text
-from relay.connections import application_name, mark_role
 from relay.errors import DatabaseReadOnly, DatabaseUnavailable, FatalError
 from relay.marker import MarkConnectionLost
 from relay.publisher import BrokerState
@@ -119,8 +118,8 @@ class Dependencies:
         on the claims connection (every backend ended, the server stopped)."""
         if not isinstance(exc, MarkConnectionLost) or not self.db_up:
             return False
-        lane = next((i for i, store in enumerate(self.mark_stores) if store is exc.store), None)
-        if lane is None:  # marked on the claims connection (no mark connection): its loss
+        store = next((store for store in self.mark_stores if store is exc.store), None)
+        if store is None:  # marked on the claims connection (no mark connection): its loss
             return False
         try:
             self.store.ping()
@@ -129,7 +128,7 @@ class Dependencies:
         if exc is self._mark_loss_said:
             return True
         self._mark_loss_said = exc
-        name = application_name(self.settings.owner, mark_role(lane))
+        name = store.name
         if self._marks_since_outage_unproven:  # its first mark since the database came back
             self.log.info("mark_connection_stale", connection=name, error=mask_text(str(exc)),
                           detail=f"the mark connection {name} broke in the database's outage "

@@ -112,6 +112,12 @@ class Store(LeaseStatements):
     # -- connections -----------------------------------------------------------------------
 
     @property
+    def name(self) -> str:
+        """The connection's application_name (``outbox-relay:<owner><role>``, as the server
+        shows it in pg_stat_activity): how the relay's log lines name it."""
+        return self._application_name
+
+    @property
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             self._conn = connect(self._dsn, application_name=self._application_name)

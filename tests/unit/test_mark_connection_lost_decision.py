@@ -20,8 +20,9 @@ from tests.unit.test_heartbeat_late import Log
 class Failing:
     """A mark store whose statements raise ``error``; its ping raises ``ping_error``."""
 
-    def __init__(self, error: Exception | None = None) -> None:
+    def __init__(self, error: Exception | None = None, name: str = "outbox-relay:me:mark") -> None:
         self.error = error
+        self.name = name
         self.ping_error: Exception | None = None
         self.pings = 0
 
@@ -101,3 +102,15 @@ def test_a_mark_connection_found_broken_after_an_outage_is_the_outages() -> None
     stale = [fields for event, fields in log.events if event.startswith("mark_connection")]
     assert [event for event, _ in log.events] == ["database_unavailable", "mark_connection_stale"]
     assert stale[0]["connection"] == "outbox-relay:me:mark" and "outage" in str(stale[0]["detail"]), stale
+
+
+def test_the_lost_connection_is_named_by_its_store() -> None:
+    """Its application_name is the store's, not one rebuilt from the owner and the lane (which
+    named another connection when the two disagreed)."""
+    log = Log()
+    relay, _claims, _mark = _relay(log)
+    second = Failing(name="outbox-relay:me:mark-pooled")
+    relay.mark_stores.append(second)  # type: ignore[arg-type]
+    assert relay._mark_connection_lost(_lost(second))
+    ((_event, fields),) = log.events
+    assert fields["connection"] == "outbox-relay:me:mark-pooled", fields
