@@ -42,6 +42,10 @@ REQUIRED_CONSUMER: dict[str, Any] = {"enable.auto.commit": False, "enable.auto.o
 DEFAULT_CONSUMER: dict[str, Any] = {"auto.offset.reset": "earliest", "enable.partition.eof": False}
 #: librdkafka's default ``max.poll.interval.ms``.
 DEFAULT_MAX_POLL_INTERVAL_MS = 300_000
+#: ``keep_membership_max_intervals``: how many ``max.poll.interval.ms`` a member keeps its
+#: partitions beside one transaction (a slow one is kept, a hung one not for ever); the most.
+DEFAULT_KEEP_MEMBERSHIP_MAX_INTERVALS = 3
+MAX_KEEP_MEMBERSHIP_INTERVALS = 1000
 
 #: Properties the admin client and the dead-letter producer inherit (connection and security).
 _SHARED_PREFIXES = ("bootstrap.", "security.", "sasl.", "ssl.", "client.", "socket.", "broker.",
@@ -165,6 +169,14 @@ class InboxConfig:
     None (the default) is ``DEFAULT_DB_SPIN_US``, or 0 when this process may use less than
     one core (a container's CPU limit, read from its cgroup at start: there a poll's CPU
     counts against the quota, and throttling cost more than the wake-ups it saved).
+    ``keep_membership_max_intervals``: a transaction running past half of
+    ``max.poll.interval.ms`` has the consumer polled beside it (its partitions paused), so
+    that the member keeps its partitions; after this many ``max.poll.interval.ms`` intervals
+    (an int from 1 to ``MAX_KEEP_MEMBERSHIP_INTERVALS``) the polling stops
+    (``membership_released``) and the member leaves its group one interval later, its
+    partitions going to other members: none of them progresses while a handler hangs, so a
+    larger value keeps them stalled longer; a handler slow on purpose wants a larger
+    ``max.poll.interval.ms`` rather than this.
 
     Every value is checked here and a bad one raises :class:`~consumer_sdk.errors.ConfigError`
     naming the option, its allowed range and the value (a DSN by its type only).  Counts are
@@ -208,6 +220,7 @@ class InboxConfig:
     db_backoff_initial_s: float = DEFAULT_DB_BACKOFF_INITIAL_S
     db_backoff_max_s: float = DEFAULT_DB_BACKOFF_MAX_S
     db_spin_us: float | None = None
+    keep_membership_max_intervals: int = DEFAULT_KEEP_MEMBERSHIP_MAX_INTERVALS
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -297,6 +310,8 @@ class InboxConfig:
         check_int("prefetch_records", self.prefetch_records, 1, MAX_RECORDS)
         check_int("cleanup_batch", self.cleanup_batch, 1, MAX_RECORDS)
         check_int("dead_letter_max_bytes", self.dead_letter_max_bytes, 1000, DEFAULT_DEAD_LETTER_MAX_BYTES)
+        check_int("keep_membership_max_intervals (of max.poll.interval.ms)", self.keep_membership_max_intervals,
+                  1, MAX_KEEP_MEMBERSHIP_INTERVALS)
         check_seconds("poll_timeout_s", self.poll_timeout_s, MAX_WAIT_S)
         check_seconds("dead_letter_timeout_s", self.dead_letter_timeout_s, MAX_WAIT_S)
         check_seconds("cleanup_interval_s", self.cleanup_interval_s, MAX_CLEANUP_INTERVAL_S)

@@ -28,10 +28,6 @@ from outbox_core.secrets import scrub
 _KEEPALIVE_POLL_S = 0.2
 #: A keeper's poll: the longest the loop waits for the consumer back after a transaction.
 _KEEPER_POLL_S = 0.1
-#: A keeper keeps the membership beside one transaction this many ``max.poll.interval.ms`` at
-#: most, then lets the member leave its group as before the keeper (a hung handler's other
-#: partitions go to other members): a slow transaction is kept, a hung one not for ever.
-KEEP_MAX_INTERVALS = 3
 
 
 class Abandon(Exception):
@@ -228,9 +224,11 @@ class InboxGroup(InboxOffsets):
         here and keep the books (the batch stops after this transaction when one of its
         partitions moved: :meth:`_membership_due`).
 
-        Returns True when it gave up after :data:`KEEP_MAX_INTERVALS` intervals: the keeper
-        then polls no more beside this transaction (``membership_released``), and librdkafka
-        leaves the group one interval later, as it did before the keeper."""
+        Returns True when it gave up after ``keep_membership_max_intervals`` intervals (a
+        consumer setting, 3 by default): the keeper then polls no more beside this transaction
+        (``membership_released``), and librdkafka leaves the group one interval later, as it
+        did before the keeper (a hung handler's partitions go to other members): a slow
+        transaction is kept, a hung one not for ever."""
         consumer = self._live()
         busy_since = self._busy_since
 
@@ -240,14 +238,15 @@ class InboxGroup(InboxOffsets):
         self.log.info("membership_kept", idle_s=round(self._clock() - self._polled_at, 1), busy_s=busy_s(),
                       hint="a transaction runs past half of max.poll.interval.ms: the consumer polls "
                            "Kafka beside it, its partitions paused, so that this member keeps them")
-        interval_s = self._membership_s * 2
-        warn_at, release_at = self._clock() + interval_s, self._clock() + interval_s * KEEP_MAX_INTERVALS
+        interval_s, intervals = self._membership_s * 2, self.config.keep_membership_max_intervals
+        warn_at, release_at = self._clock() + interval_s, self._clock() + interval_s * intervals
         try:
             while not hand_back():
                 if self._clock() >= release_at:
                     self.log.warning(
                         "membership_released", busy_s=busy_s(), partitions=kafka.names(consumer.assignment()),
-                        hint=f"the transaction ran {KEEP_MAX_INTERVALS} x max.poll.interval.ms beside the keeper: it "
+                        hint=f"the transaction ran {intervals} x max.poll.interval.ms beside the keeper "
+                             "(InboxConfig.keep_membership_max_intervals): it "
                              "polls no more, so this member leaves its group one interval later and its partitions "
                              "go to other members (the transaction's own wait on its inbox rows: database_lock_wait); "
                              "a handler this slow on purpose wants a larger max.poll.interval.ms")

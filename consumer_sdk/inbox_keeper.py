@@ -25,7 +25,7 @@ committing afterwards, settles no offset of them (``InboxOffsets._settled``), an
 is once because of the inbox (the next owner's claim waits for it, then finds the row).
 
 Meanwhile none of the member's partitions progresses: a keeper gives up beside a transaction
-after ``inbox_group.KEEP_MAX_INTERVALS`` intervals (``membership_released``), not
+after ``InboxConfig.keep_membership_max_intervals`` intervals (``membership_released``), not
 before the next loan, and the member then leaves its group one interval later as before the
 keeper: a slow transaction keeps its member, a hung one does not hold its partitions for ever.
 
