@@ -6,7 +6,9 @@ of state is logged once and shown by the ``database_up`` and ``broker_up`` gauge
 ``/readyz``; the producer's client errors say when every broker is gone, or that the
 configuration is wrong (the relay then ends).  A mark connection that broke while the
 claims connection still answers is that connection's loss (``mark_connection_lost``), not
-the database's (:meth:`Dependencies._mark_connection_lost`).
+the database's (:meth:`Dependencies._mark_connection_lost`); a mark statement the server
+cancelled (a ``statement_timeout``) is a slow statement, not an outage either
+(:meth:`Dependencies._mark_cancelled`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from relay.config import mask_text
 from relay.errors import DatabaseReadOnly, DatabaseUnavailable, FatalError
-from relay.marker import MarkConnectionLost
+from relay.marker import MarkCancelled, MarkConnectionLost
 from relay.publisher import BrokerState
 
 if TYPE_CHECKING:
@@ -31,9 +33,9 @@ if TYPE_CHECKING:
 class Dependencies:
     """The database's and the broker's state for :class:`relay.app.Relay`, on its state."""
 
-    #: The last mark connection's loss said (one failed statement fails each batch it marked:
-    #: said once).
-    _mark_loss_said: MarkConnectionLost | None = None
+    #: The last mark failure said, a connection's loss or a cancel (one failed statement fails
+    #: each batch it marked: said once).
+    _mark_failure_said: DatabaseUnavailable | None = None
     #: The database was down and no mark committed since (relay/app_run.py clears it): a mark
     #: connection found broken now broke in that outage, already said (database_unavailable).
     _marks_since_outage_unproven = False
@@ -106,6 +108,39 @@ class Dependencies:
         self.store.reset()  # the mark connections reset themselves, on their own threads
         self.wakeup.close()  # the wake-up lock goes with its connection
 
+    def _mark_failed_alone(self, exc: DatabaseUnavailable) -> bool:
+        """Whether ``exc`` is a mark's failure alone, not the database's: its statement
+        cancelled (:meth:`_mark_cancelled`) or its connection lost while the others answer
+        (:meth:`_mark_connection_lost`).  Then it was said, and the caller rewinds (the rows
+        of the marks in flight are claimed again); False: an outage, the caller says so."""
+        if isinstance(exc, MarkCancelled):
+            return self._mark_cancelled(exc)
+        return self._mark_connection_lost(exc)
+
+    def _mark_cancelled(self, exc: MarkCancelled) -> bool:
+        """A mark statement the server cancelled: a ``statement_timeout`` (the relay's role's,
+        its database's, or ``options=-c statement_timeout`` in its DSN) shorter than the mark,
+        or an operator's ``pg_cancel_backend``.  The server answered: ``database_up`` stays 1
+        and no connection but the mark's is touched.  Before, it took the outage's path
+        (``database_unavailable``, the claims and LISTEN connections dropped, a back-off), and
+        the line named no setting.  Said once a statement; always True."""
+        if exc is self._mark_failure_said:
+            return True
+        self._mark_failure_said = exc
+        store = next((store for store in (*self.mark_stores, self.store) if store is exc.store), None)
+        name = store.name if store is not None else "?"
+        self.log.warning("mark_statement_cancelled", connection=name, rows=exc.rows,
+                         cancelled_after_s=round(exc.took_s, 3), error=mask_text(str(exc)),
+                         detail=f"the server cancelled the mark of {exc.rows} rows on {name}: a "
+                                "statement_timeout shorter than the mark (set on the relay's role or "
+                                "database, or options=-c statement_timeout in its DSN), or a "
+                                "pg_cancel_backend. The database answers; the rows are claimed again "
+                                "and published again (a rewind), nothing is lost. Raise the relay "
+                                "role's statement_timeout above its marks' time "
+                                "(outbox_relay_mark_duration_seconds), or lift it: ALTER ROLE <role> "
+                                "SET statement_timeout = 0")
+        return True
+
     def _mark_connection_lost(self, exc: DatabaseUnavailable) -> bool:
         """Whether ``exc`` is the loss of one mark connection only: the server ended that
         backend (``pg_terminate_backend``, ``idle_session_timeout``, a pooler dropping it)
@@ -125,9 +160,9 @@ class Dependencies:
             self.store.ping()
         except DatabaseUnavailable:
             return False
-        if exc is self._mark_loss_said:
+        if exc is self._mark_failure_said:
             return True
-        self._mark_loss_said = exc
+        self._mark_failure_said = exc
         name = store.name
         if self._marks_since_outage_unproven:  # its first mark since the database came back
             self.log.info("mark_connection_stale", connection=name, error=mask_text(str(exc)),

@@ -58,16 +58,34 @@ class MarkConnectionLost(DatabaseUnavailable):
         self.store = store
 
 
+class MarkCancelled(StatementCancelled):
+    """The server cancelled a mark statement (a ``statement_timeout`` shorter than the mark,
+    an operator's ``pg_cancel_backend``): the database answers, the statement was too slow
+    for it.  Nothing of it committed: its rows are claimed again (a rewind), and the loop
+    says ``mark_statement_cancelled`` (relay/app_deps.py), not ``database_unavailable``.
+    ``store``: the mark store whose statement it was."""
+
+    def __init__(self, message: str, *, store: object, rows: int, took_s: float) -> None:
+        super().__init__(message)
+        self.store = store
+        self.rows = rows  # in the statement cancelled
+        self.took_s = took_s  # until it was cancelled: about the timeout
+
+
 def mark_rows(store: MarkStore, owner: str, tokens: dict[ShardId, Token], rows: list[OutboxRow]) -> MarkOutcome:
     """Mark ``rows``, fenced by the lease ``tokens`` of their shards (the mark thread's
     statement, and the pump's own when it marks on its thread).  A broken connection raises
-    :class:`MarkConnectionLost`; a read-only server or a cancelled statement their own errors."""
+    :class:`MarkConnectionLost`, a cancelled statement :class:`MarkCancelled`; a read-only
+    server its own error."""
     started = time.perf_counter()
     leases = [Lease(shard, token, 0.0) for shard, token in tokens.items()]
     try:
         held, marked = store.mark_published(owner=owner, leases=leases, rows=rows)
-    except (DatabaseReadOnly, StatementCancelled):
+    except DatabaseReadOnly:
         raise
+    except StatementCancelled as exc:
+        raise MarkCancelled(str(exc), store=store, rows=len(rows),
+                            took_s=time.perf_counter() - started) from exc
     except DatabaseUnavailable as exc:
         raise MarkConnectionLost(str(exc), store=store) from exc
     return held, marked, time.perf_counter() - started

@@ -13,7 +13,7 @@ import pytest
 from relay.app import Relay
 from relay.config import build_settings
 from relay.errors import DatabaseReadOnly, DatabaseUnavailable, StatementCancelled
-from relay.marker import MarkConnectionLost, mark_rows
+from relay.marker import MarkCancelled, MarkConnectionLost, mark_rows
 from tests.unit.test_heartbeat_late import Log
 
 
@@ -45,16 +45,32 @@ def _lost(store: Failing, text: str = "database connection lost: terminating con
     return raised.value
 
 
-def test_a_mark_on_a_broken_connection_raises_its_loss_and_a_read_only_or_cancelled_one_as_they_are() -> None:
+def test_a_mark_on_a_broken_connection_raises_its_loss_a_cancelled_one_its_cancel_a_read_only_one_as_is() -> None:
     store = Failing()
     lost = _lost(store)
     assert lost.store is store and isinstance(lost, DatabaseUnavailable)
     assert str(lost) == "database connection lost: terminating connection"
-    for error in (DatabaseReadOnly("read-only"), StatementCancelled("cancelled")):
-        store.error = error
-        with pytest.raises(type(error)) as raised:
-            mark_rows(store, "me", {}, [])  # type: ignore[arg-type]
-        assert raised.value is error
+    store.error = DatabaseReadOnly("read-only")
+    with pytest.raises(DatabaseReadOnly) as read_only:
+        mark_rows(store, "me", {}, [])  # type: ignore[arg-type]
+    assert read_only.value is store.error
+    store.error = StatementCancelled("statement cancelled: canceling statement due to statement timeout")
+    with pytest.raises(MarkCancelled) as cancelled:
+        mark_rows(store, "me", {}, [])  # type: ignore[arg-type]
+    assert cancelled.value.store is store and cancelled.value.rows == 0 and cancelled.value.__cause__ is store.error
+
+
+def test_a_cancelled_mark_is_said_once_as_a_slow_statement_and_the_database_stays_up() -> None:
+    log = Log()
+    relay, claims, mark = _relay(log)
+    mark.error = StatementCancelled("statement cancelled: canceling statement due to statement timeout")
+    with pytest.raises(MarkCancelled) as raised:
+        mark_rows(mark, "me", {}, [])  # type: ignore[arg-type]
+    assert relay._mark_failed_alone(raised.value) and relay._mark_failed_alone(raised.value)
+    assert relay.db_up and claims.pings == 0
+    ((event, fields),) = log.events
+    assert event == "mark_statement_cancelled" and fields["connection"] == "outbox-relay:me:mark", fields
+    assert "raise the relay role's statement_timeout" in str(fields["detail"]).lower(), fields
 
 
 def _relay(log: Log) -> tuple[Relay, Failing, Failing]:
