@@ -21,6 +21,10 @@ DEFAULT_POLL_INTERVAL_S = 5.0
 DEFAULT_RECONCILE_INTERVAL_S = 10.0
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
 DEFAULT_RUNNING_LONG_AFTER_S = 600.0
+#: A job's attempts the database connection may break under without counting (see
+#: WorkerConfig.max_interruptions): a failover or two in a job's life, not a loop.
+DEFAULT_MAX_INTERRUPTIONS = 10
+MAX_INTERRUPTIONS = 10_000
 
 #: Bounds of the durations (seconds).  A lease shorter than the relay's (relay/config.py
 #: MIN_LEASE_S) expires under a healthy worker; none may exceed a day.
@@ -72,6 +76,13 @@ class WorkerConfig:
       sleeping on it (:mod:`outbox_core.spin`).  Off by default: with a pool's threads
       polling at once, they compete for the interpreter and the cores (measured: 0.74 x
       the jobs a second, 1.5 x the CPU a job, with 8 threads at 100 µs).
+    * ``max_interruptions``: how many of a job's attempts may fail because the database
+      connection broke under the handler (the network dropped; a pooler, a failover or an
+      administrator ended the backend: SQLSTATE 57P01-57P03, class 08) without counting
+      against its ``max_attempts``: such a job is given back (``job_given_back``), due again
+      after the back-off.  Past it (a job that breaks its connection every time, one that
+      makes its backend crash) each attempt counts again, and the dead letter says how many
+      times the connection broke.  10 by default; 0 counts every attempt, as before.
 
     Everything is checked at construction; a ``dsn`` that is not a libpq connection string
     raises :class:`~consumer_sdk.errors.ConfigError`, as every DSN of the SDK does, and any
@@ -90,7 +101,8 @@ class WorkerConfig:
     * ``events_topic`` None or a Kafka topic name (1-249 of ``[A-Za-z0-9._-]``, not
       ``.`` or ``..``); ``worker_id`` None or 1-200 characters; ``application_name`` a
       string of at most 63 ASCII characters; ``backoff`` a :class:`Backoff`;
-      ``listen`` a bool; ``max_owners_per_round`` an int from 1 to 100,000.
+      ``listen`` a bool; ``max_owners_per_round`` an int from 1 to 100,000;
+      ``max_interruptions`` an int from 0 to 10,000.
     """
 
     dsn: str
@@ -113,6 +125,7 @@ class WorkerConfig:
     running_long_after_s: float = DEFAULT_RUNNING_LONG_AFTER_S
     handler_timeout_s: float | None = None  # None: no limit (long work is legitimate)
     db_spin_us: float = 0.0  # off: a pool's threads would poll against each other (README)
+    max_interruptions: int = DEFAULT_MAX_INTERRUPTIONS
     lease_s: float | None = None  # deprecated alias of lease_duration_s
     heartbeat_s: float | None = None  # deprecated alias of heartbeat_interval_s
 
@@ -139,6 +152,7 @@ class WorkerConfig:
         if self.worker_id is not None:
             _check.text("worker_id", self.worker_id)
         _check.integer("max_owners_per_round", self.max_owners_per_round, 1, MAX_OWNERS_PER_ROUND)
+        _check.integer("max_interruptions", self.max_interruptions, 0, MAX_INTERRUPTIONS)
         name = self.application_name
         if not isinstance(name, str) or len(name) > MAX_APPLICATION_NAME_CHARS or not name.isascii() \
                 or not name.isprintable():

@@ -22,6 +22,13 @@ for a success, as the dispatcher's rounds do, see :mod:`consumer_sdk.jobs.comple
 ``outcome_confirmed`` for the others).  Reported lost, such an outcome was counted wrong;
 never written, the job waited out its lease before it was retried.
 
+A handler that failed because the database connection broke under it (the network dropped;
+a pooler, a failover or an administrator ended its backend: see
+:func:`~consumer_sdk.jobs.retry.connection_broke`) did nothing wrong: its job is given back on a
+new connection, fenced, the attempt not counted (``job_given_back``), up to the pool's
+``max_interruptions`` a job; past them the attempt counts as any failure's, its error saying how
+many times the connection broke.
+
 A success can be handed to ``complete_later`` instead of being written here (the
 worker pool writes the successes of several jobs in one statement, see
 :meth:`~consumer_sdk.jobs.worker.WorkerPool.run_once`): the attempt's outcome is then
@@ -39,14 +46,25 @@ from typing import Any, TypeVar
 from consumer_sdk import _pg
 from consumer_sdk.errors import DatabaseUnavailable, FatalError, OutboxSdkError
 from consumer_sdk.jobs import queue, waits
-from consumer_sdk.jobs._conn import outcome_unknown, roll_back_open
+from consumer_sdk.jobs._conn import outcome_unknown
 from consumer_sdk.jobs._db import to_json
+from consumer_sdk.jobs.attempt import JobLog, close, tidy, wait_to_resend
+from consumer_sdk.jobs.attempt import trace_id as trace_id  # re-exported: completions reads it here
+from consumer_sdk.jobs.config import DEFAULT_MAX_INTERRUPTIONS
 from consumer_sdk.jobs.context import JobContext
-from consumer_sdk.jobs.errors import InvalidJob, LeaseLost, PermanentJobError, PrivilegeMissing
+from consumer_sdk.jobs.errors import InvalidJob, PermanentJobError, PrivilegeMissing
 from consumer_sdk.jobs.events import JobFacts
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import DeadReason, Outcome, WaitFor
-from consumer_sdk.jobs.retry import Backoff, describe, error_type, verdict
+from consumer_sdk.jobs.retry import (
+    Backoff,
+    connection_broke,
+    describe,
+    error_type,
+    interrupted_note,
+    verdict,
+)
+from outbox_core.secrets import mask_text
 
 T = TypeVar("T")
 
@@ -72,7 +90,8 @@ class Executor:
                  on_retry: Callable[[float], None] = lambda delay_s: None,
                  rand: Callable[[], float] = random.random,
                  complete_later: CompleteLater | None = None,
-                 on_fatal: Callable[[FatalError], None] = lambda exc: None) -> None:
+                 on_fatal: Callable[[FatalError], None] = lambda exc: None,
+                 max_interruptions: int = DEFAULT_MAX_INTERRUPTIONS) -> None:
         self.handlers = handlers
         self.backoff = backoff
         self.metrics = metrics
@@ -82,6 +101,7 @@ class Executor:
         self.on_retry = on_retry
         self.rand = rand
         self.on_fatal = on_fatal
+        self.max_interruptions = max_interruptions  # WorkerConfig.max_interruptions
         #: Successes go there unless terminal events are written (they need the job's own
         #: transaction).
         self.complete_later = complete_later if not events_topic else None
@@ -89,7 +109,7 @@ class Executor:
     def run(self, ctx: JobContext) -> Outcome:
         """Call the handler and write what it came to; returns what was written."""
         job = ctx.job
-        log = _JobLog(self.log, job)  # bound on first use: a success handed on logs nothing here
+        log = JobLog(self.log, job)  # bound on first use: a success handed on logs nothing here
         handler = self.handlers.get(job.kind)
         started = time.monotonic()
         later: _Later | None = None
@@ -103,11 +123,11 @@ class Executor:
             # handler raises are its failure too: caught as Exception only, each ended an
             # executor thread, the pool kept claiming jobs for it, and they stayed running.
             ctx.handler_returned()
-            _tidy(ctx)
+            tidy(ctx)
             outcome = self._after_error(ctx, exc, log)
         else:
             ctx.handler_returned()
-            _tidy(ctx)
+            tidy(ctx)
             found = self._after_return(ctx, value, log)
             later, outcome = (found, "completing") if isinstance(found, _Later) else (None, found)
         finally:
@@ -162,19 +182,64 @@ class Executor:
             log.warning("job_given_back", error=describe(exc, limit=300),
                         hint="a transaction pooler lost a statement psycopg had prepared; psycopg's "
                              "automatic preparing is off for this connection, the attempt not counted")
-            return self._release(ctx, log)
+            outcome = self._release(ctx, log)
+            if outcome == "released":
+                self.metrics.given_back.labels(job.queue, "prepared_statement_lost").inc()
+            return outcome
         decision = verdict(exc, attempts=job.attempts, max_attempts=job.max_attempts)
         if decision == "lost":
             return "lost"
+        note = ""
+        if decision != "fail_permanent" and self.max_interruptions > 0 and connection_broke(exc, ctx.conn):
+            given = self._give_back_interrupted(ctx, exc, log)
+            if not isinstance(given, int):
+                return given
+            note = interrupted_note(given + 1, self.max_interruptions)
         if decision == "retry":
-            log.info("job_attempt_failed", error=describe(exc, limit=300))
-            return self._retry(ctx, exc, log)
+            log.info("job_attempt_failed", error=describe(exc, limit=300) + note)
+            return self._retry(ctx, exc, log, note)
         reason: DeadReason = "permanent_error" if decision == "fail_permanent" else "attempts_exhausted"
-        return self._fail(ctx, reason, exc, log)
+        return self._fail(ctx, reason, exc, log, note)
 
-    def _fail(self, ctx: JobContext, reason: DeadReason, exc: BaseException, log: Any) -> Outcome:
-        log.warning("job_failed", reason=reason, error=describe(exc, limit=300))
-        return self._dead(ctx, reason, exc, log)
+    def _fail(self, ctx: JobContext, reason: DeadReason, exc: BaseException, log: Any, note: str = "") -> Outcome:
+        log.warning("job_failed", reason=reason, error=describe(exc, limit=300) + note)
+        return self._dead(ctx, reason, exc, log, note)
+
+    def _give_back_interrupted(self, ctx: JobContext, exc: BaseException, log: Any) -> Outcome | int:
+        """The database connection broke under the handler: give the job back, the attempt not
+        counted, on a new connection (the handler's is dead), fenced, due after the first
+        retry's back-off (a job that crashes its backend does not restart the database in a
+        tight loop).  Returns the outcome, or the job's interruptions when they reached the
+        pool's limit: nothing was written, and the attempt is to count as before."""
+        job = ctx.job
+        if ctx.conn.closed or ctx.conn.broken:
+            try:
+                ctx.reconnect()
+            except OutboxSdkError:
+                pass  # the write meets the dead connection: sent again until the lease's deadline (_resend)
+        delay_s = self.backoff.delay_s(1, self.rand)
+        error, kind = mask_text(describe(exc)), error_type(exc)
+        over: list[int] = []
+
+        def settle(found: tuple[int, bool]) -> Outcome:
+            interruptions, given = found
+            if not given:
+                over.append(interruptions)
+                return "retried"  # stands for the counted attempt that follows
+            self.metrics.given_back.labels(job.queue, "connection_broke").inc()
+            log.warning("job_given_back", error=error[:300], interruptions=interruptions,
+                        max_interruptions=self.max_interruptions, due_in_s=round(delay_s, 3),
+                        hint="the database connection broke under the handler (a network drop, a failover, "
+                             "a pooler or an administrator ended the backend): the attempt was not counted")
+            return "given_back"
+
+        outcome = self._fenced_write(
+            ctx, log, lambda conn: queue.give_back_interrupted(
+                conn, ctx.lease, error=error, error_type=kind, delay_s=delay_s,
+                max_interruptions=self.max_interruptions, now=self.db_now()),
+            settle, lambda conn: queue.given_back_by_lease(conn, ctx.lease, attempts=job.attempts, error=error,
+                                                           error_type=kind))
+        return over[0] if over and outcome != "lost" else outcome
 
     def _fenced_write(self, ctx: JobContext, log: Any, write: Callable[[Any], T | None],
                       settle: Callable[[T], Outcome], confirm: Callable[[Any], T | None], *,
@@ -227,7 +292,7 @@ class Executor:
             # Not reused: a handler may have left the session unfit for the pool's statements
             # (SET search_path, a statement_timeout), and every later job of this executor
             # failed its writes and waited out its lease (an audit of the worker pool).
-            _close(ctx.conn)
+            close(ctx.conn)
             if isinstance(exc, PrivilegeMissing):  # a deployment error: every job would meet it
                 self.on_fatal(exc)
             return "lost"
@@ -240,7 +305,7 @@ class Executor:
         """The connection broke while the write waited for its reply: it may have committed.
         ``again`` writes it again (fenced: at most once) on a new connection and finds out;
         tried until the lease's local deadline or the attempt's cancellation (at least once, see
-        :func:`_wait_to_resend`); raises the last failure when the database never answered."""
+        :func:`~consumer_sdk.jobs.attempt.wait_to_resend`); raises the last failure when the database never answered."""
         log.warning("job_write_unconfirmed", error=str(exc),
                     detail="the connection broke while the outcome was being written: sent again on a "
                            "new connection, which finds out whether it was")
@@ -250,7 +315,7 @@ class Executor:
                 return again(ctx.reconnect())
             except DatabaseUnavailable as failed:
                 exc = failed
-            if not _wait_to_resend(ctx, next(pauses, _RESEND_PAUSES_S[-1])):
+            if not wait_to_resend(ctx, next(pauses, _RESEND_PAUSES_S[-1])):
                 raise exc
 
     def _write_completion(self, ctx: JobContext, log: Any, result_json: str) -> Outcome:
@@ -275,9 +340,9 @@ class Executor:
         self.metrics.parked.labels(ctx.job.queue).inc()
         return "waiting" if status == "waiting" else "requeued"
 
-    def _retry(self, ctx: JobContext, exc: BaseException, log: Any) -> Outcome:
+    def _retry(self, ctx: JobContext, exc: BaseException, log: Any, note: str = "") -> Outcome:
         delay_s = self.backoff.delay_s(ctx.job.attempts, self.rand)
-        error, kind = describe(exc), error_type(exc)  # the same in a write sent again and its question
+        error, kind = _error(exc, note), error_type(exc)  # the same in a write sent again and its question
         return self._fenced_write(
             ctx, log, lambda conn: queue.retry(conn, ctx.lease, error=error, error_type=kind, backoff_s=delay_s,
                                                now=self.db_now()),
@@ -290,8 +355,8 @@ class Executor:
         self.on_retry(delay_s)
         return "retried"
 
-    def _dead(self, ctx: JobContext, reason: DeadReason, exc: BaseException, log: Any) -> Outcome:
-        error, kind = describe(exc), error_type(exc)
+    def _dead(self, ctx: JobContext, reason: DeadReason, exc: BaseException, log: Any, note: str = "") -> Outcome:
+        error, kind = _error(exc, note), error_type(exc)
         return self._fenced_write(
             ctx, log, lambda conn: queue.fail(conn, ctx.lease, reason=reason, error=error, error_type=kind,
                                               now=self.db_now(), events_topic=self.events_topic),
@@ -312,22 +377,6 @@ class Executor:
                                                                        attempts=ctx.job.attempts) or None)
 
 
-class _JobLog:
-    """The executor's logger bound to one job's fields, bound only when something is logged."""
-
-    __slots__ = ("_base", "_job", "_bound")
-
-    def __init__(self, base: Any, job: Any) -> None:
-        self._base, self._job, self._bound = base, job, None
-
-    def __getattr__(self, name: str) -> Any:
-        if self._bound is None:
-            job = self._job
-            self._bound = self._base.bind(job_id=job.id, queue=job.queue, kind=job.kind, attempt=job.attempts,
-                                          token=job.token, trace_id=trace_id(job.traceparent))
-        return getattr(self._bound, name)
-
-
 class _Later:
     """A success to hand to ``complete_later``: its result, encoded."""
 
@@ -337,42 +386,6 @@ class _Later:
         self.result_json = result_json
 
 
-def trace_id(traceparent: str | None) -> str | None:
-    """The trace id of a W3C traceparent (``00-<trace id>-<span id>-<flags>``), for log lines."""
-    parts = (traceparent or "").split("-")
-    return parts[1] if len(parts) == 4 else None
-
-
-def _wait_to_resend(ctx: JobContext, pause_s: float) -> bool:
-    """Wait ``pause_s`` (less on cancellation) before an outcome is sent again; False when it
-    is not to be: the lease's local deadline comes first, or the attempt was cancelled (the
-    pool stops).  The heartbeat leaves an attempt whose outcome was sent alone (``ending``):
-    the outcome written by this very lease moved the job out of 'running', which it read as
-    a lost lease; its cancellation ended the sending of an outcome the database had (an
-    audit), then earned one more try, and it was logged ``lease_lost`` all the same."""
-    if time.monotonic() + pause_s >= ctx.deadline:
-        return False
-    try:
-        ctx.sleep(pause_s)  # wakes at once on cancellation
-    except LeaseLost:
-        pass
-    return not ctx.cancelled
-
-
-def _tidy(ctx: JobContext) -> None:
-    """Roll back a transaction the handler left open, so the outcome commits on its own."""
-    conn = ctx.conn
-    if conn.closed or conn.broken:
-        return
-    if not roll_back_open(conn):
-        return
-    if not conn.autocommit:
-        conn.autocommit = True
-
-
-def _close(conn: Any) -> None:
-    """Close the executor's connection: its slot opens another for the next job."""
-    try:
-        conn.close()
-    except Exception:  # noqa: BLE001 - best effort on a connection being dropped
-        pass
+def _error(exc: BaseException, note: str) -> str:
+    """The attempt's error as written: ``describe``'s, then ``note`` (within its bound)."""
+    return describe(exc, limit=2000 - len(note)) + note

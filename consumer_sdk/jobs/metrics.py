@@ -48,6 +48,11 @@ class JobsMetrics:
             "outbox_jobs_leases_lost", "Attempts that ended without a write of their own, by reason: lease_lost, "
             "lease_unconfirmed, cancelled, write_refused, write_failed.",
             ["queue", "reason"], registry=r)
+        self.given_back = Counter(
+            "outbox_jobs_given_back", "Attempts given back with the attempt not counted, by cause: "
+            "connection_broke (the database connection broke under the handler, up to the pool's "
+            "max_interruptions), prepared_statement_lost (a transaction pooler lost psycopg's statement).",
+            ["queue", "cause"], registry=r)
         self.dead_lettered = Counter("outbox_jobs_dead_lettered", "Jobs failed and dead-lettered.",
                                      ["queue", "reason"], registry=r)
         self.resumed = Counter("outbox_jobs_resumed", "Parked jobs resumed by the reconciler, by cause.",

@@ -29,7 +29,7 @@ TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 DeadReason = Literal["permanent_error", "attempts_exhausted", "lease_expired"]
 
 #: What a worker did with one claimed job.
-Outcome = Literal["succeeded", "retried", "failed", "waiting", "requeued", "released", "lost",
+Outcome = Literal["succeeded", "retried", "failed", "waiting", "requeued", "released", "given_back", "lost",
                   "completing", "timed_out"]
 
 #: Well-known queues; any name matching :data:`QUEUE_NAME` (use ``fullmatch``) works.

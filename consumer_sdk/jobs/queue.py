@@ -239,6 +239,19 @@ def release(conn: ConnectionT, lease: Lease, *, now: datetime | None = None) -> 
         return conn.execute(q("release"), _fence(lease, now)).fetchone() is not None
 
 
+def give_back_interrupted(conn: ConnectionT, lease: Lease, *, error: str, error_type: str | None, delay_s: float,
+                          max_interruptions: int, now: datetime | None = None) -> tuple[int, bool] | None:
+    """Give back a job whose attempt the database connection broke (migration 0017): due
+    again after ``delay_s``, the attempt not counted, the interruption counted, unless the
+    job's interruptions already reached ``max_interruptions`` (then nothing is written).
+    Returns the job's interruptions and whether it was given back; None when the lease was lost."""
+    params = {**_fence(lease, now), "error": error, "error_type": error_type, "delay_s": delay_s,
+              "max_interruptions": max_interruptions}
+    with translated():
+        row = conn.execute(q("give_back_interrupted"), params).fetchone()
+    return None if row is None else (int(row[0]), bool(row[1]))
+
+
 # -- after a lost reply: did this lease's write commit? (see the executor) ---------------
 
 
@@ -262,6 +275,14 @@ def failed_by_lease(conn: ConnectionT, lease: Lease, *, attempts: int, reason: D
 def released_by_lease(conn: ConnectionT, lease: Lease, *, attempts: int) -> bool:
     """:func:`retried_by_lease` for :func:`release` (``attempts``: the claim's count)."""
     return _by_lease(conn, "released_by_lease", lease, attempts=attempts) is not None
+
+
+def given_back_by_lease(conn: ConnectionT, lease: Lease, *, attempts: int, error: str,
+                        error_type: str | None) -> tuple[int, bool] | None:
+    """:func:`retried_by_lease` for :func:`give_back_interrupted` (``attempts``: the claim's
+    count): what it returns had it given the job back, else None."""
+    row = _by_lease(conn, "given_back_by_lease", lease, attempts=attempts, error=error, error_type=error_type)
+    return None if row is None else (int(row[0]), True)
 
 
 def _by_lease(conn: ConnectionT, name: str, lease: Lease, **params: Any) -> Sequence[Any] | None:

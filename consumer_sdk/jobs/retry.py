@@ -4,7 +4,9 @@ A handler's exception decides: :class:`~consumer_sdk.errors.PermanentError`
 (and :class:`~consumer_sdk.jobs.errors.PermanentJobError`) fails the job at once;
 :class:`~consumer_sdk.jobs.errors.LeaseLost` means the worker writes nothing;
 anything else is transient and retried with capped exponential back-off and
-jitter until ``max_attempts`` attempts were made.
+jitter until ``max_attempts`` attempts were made.  A failure because the database
+connection broke (:func:`connection_broke`) is not the job's: the executor gives the job
+back without counting the attempt, up to the pool's ``max_interruptions``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+import psycopg
 
 from consumer_sdk.errors import PermanentError
 from consumer_sdk.jobs import _check
@@ -72,6 +76,38 @@ def verdict(exc: BaseException, *, attempts: int, max_attempts: int) -> Verdict:
     return "retry"
 
 
+#: SQLSTATEs that end a session, not a statement: admin_shutdown (an administrator's
+#: pg_terminate_backend, a pooler's or a failover's), crash_shutdown (another backend
+#: crashed), cannot_connect_now (the server is starting or stopping); and class 08, the
+#: connection exceptions.
+_SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
+#: How far down an exception's causes (``raise ... from``, or raised while handling) to look.
+_CAUSES_LOOKED_AT = 8
+
+
+def connection_broke(exc: BaseException, conn: Any) -> bool:
+    """The attempt failed because a database connection broke, not because of the job:
+    ``exc``, or one of its causes, is a session ended by the server (SQLSTATE 57P01-57P03 or
+    class 08), or psycopg's OperationalError or InterfaceError without a SQLSTATE (the
+    network dropped, the server went away) while the job's connection ``conn`` is closed or
+    broken.  A statement the server cancelled (57014: statement_timeout, a cancel request)
+    or a lock it did not get in time (55P03) ends the statement, not the session: they are
+    the job's, failures as before."""
+    dead = bool(conn.closed or conn.broken)
+    seen: BaseException | None = exc
+    for _ in range(_CAUSES_LOOKED_AT):
+        if seen is None:
+            return False
+        if isinstance(seen, psycopg.Error):
+            state = seen.sqlstate or ""
+            if state in _SESSION_ENDED or state.startswith("08"):
+                return True
+            if dead and not state and isinstance(seen, (psycopg.OperationalError, psycopg.InterfaceError)):
+                return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def describe(exc: BaseException, *, limit: int = 2000) -> str:
     """A readable one-paragraph error for the dead letter: ``Type: message``, bounded, and
     text PostgreSQL can store.  An exception whose ``__str__`` raised, or whose message held
@@ -92,3 +128,11 @@ def storable(text: str) -> str:
     """``text`` with lone surrogates as ``\\udcXX`` and NUL as ``\\x00``: PostgreSQL's text
     holds neither."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+
+
+def interrupted_note(times: int, limit: int) -> str:
+    """What a counted attempt's error adds when the database connection broke under it past
+    the pool's ``max_interruptions`` (``limit``): ``times`` the connection broke in all."""
+    said = "once" if times == 1 else f"{times} times"
+    return (f" (the database connection broke under this job's attempts {said}: past the pool's "
+            f"max_interruptions={limit}, each such attempt counts)")

@@ -547,6 +547,44 @@ FROM jobs AS j
 WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
   AND j.status = 'queued' AND j.lease_until IS NULL AND j.attempts = greatest(0, %(attempts)s - 1)
 
+-- name: give_back_interrupted
+-- A running job whose handler failed because the database connection broke under it (see
+-- migration 0017): given back as release does (the attempt not counted), due again after
+-- %(delay_s)s, its error kept, and the interruption counted, unless the job's interruptions
+-- already reached %(max_interruptions)s: then nothing changes and the worker counts the
+-- attempt as any failure's.  One row while this lease holds the job (none: it lost it):
+-- the job's interruptions after the statement, and whether it was given back.  Fenced.
+WITH target AS (
+    SELECT j.id, j.interruptions
+    FROM jobs AS j
+    WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
+      AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
+    FOR UPDATE
+), given AS (
+    UPDATE jobs AS j
+    SET status = 'queued', lease_until = NULL, attempts = greatest(0, j.attempts - 1),
+        interruptions = t.interruptions + 1,
+        available_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(delay_s)s),
+        last_error = %(error)s, last_error_type = %(error_type)s
+    FROM target AS t
+    WHERE j.id = t.id AND t.interruptions < %(max_interruptions)s
+    RETURNING j.interruptions
+)
+SELECT coalesce(g.interruptions, t.interruptions) AS interruptions, g.interruptions IS NOT NULL AS given_back
+FROM target AS t LEFT JOIN given AS g ON true
+
+-- name: given_back_by_lease
+-- Whether an earlier give_back_interrupted of this lease (id, worker, token) gave the job
+-- back (asked as retried_by_lease is): queued, the lease cleared, the attempt given back
+-- (%(attempts)s, the claim's count, less one), its error as written.  release writes no
+-- error; the reaper's requeue keeps the attempt counted; a claim by anyone gives the job a
+-- new token.  give_back_interrupted's row.
+SELECT j.interruptions, true AS given_back
+FROM jobs AS j
+WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
+  AND j.status = 'queued' AND j.lease_until IS NULL AND j.attempts = greatest(0, %(attempts)s - 1)
+  AND j.last_error = %(error)s AND j.last_error_type IS NOT DISTINCT FROM %(error_type)s
+
 -- ---- waiting and activations ------------------------------------------------------
 
 -- name: activation_lock
@@ -667,7 +705,7 @@ LIMIT %(limit)s
 
 -- name: requeue_dead
 -- An operator's retry of a dead-lettered job: the record goes, the job is queued
--- again with a fresh attempt budget.
+-- again with a fresh attempt budget (and a fresh budget of interruptions: 0017).
 WITH gone AS (
     DELETE FROM job_dead_letters AS d
     WHERE d.job_id = %(job_id)s
@@ -675,7 +713,7 @@ WITH gone AS (
     RETURNING d.job_id
 )
 UPDATE jobs AS j
-SET status = 'queued', attempts = 0, finished_at = NULL,
+SET status = 'queued', attempts = 0, interruptions = 0, finished_at = NULL,
     available_at = coalesce(%(now)s::timestamptz, now())
 FROM gone
 WHERE j.id = gone.job_id

@@ -1,0 +1,19 @@
+-- 0017: the jobs' attempts that the database connection broke, counted apart.
+--
+-- Idempotent: safe to apply twice and readable by a DBA on its own.
+--
+-- A handler whose database connection broke under it (the network dropped; a pooler, a
+-- failover or an administrator ended its backend: SQLSTATE 57P01-57P03, class 08) failed
+-- through no fault of the job's, yet the attempt counted against max_attempts: a job on its
+-- last attempt was dead-lettered 'attempts_exhausted' by a failover.  A worker now gives
+-- such a job back with the attempt not counted (as a worker that stops does) and counts
+-- the interruption here instead; past the worker pool's max_interruptions the attempts
+-- count again, so a job that breaks its connection every time (one that makes its backend
+-- crash) still comes to an end.  consumer_sdk/jobs/executor.py writes it
+-- (give_back_interrupted in sql/queries/jobs.sql); nothing else changes it.
+--
+-- A constant default: PostgreSQL 11 and later add the column without rewriting the table
+-- (a brief ACCESS EXCLUSIVE lock, under migrate's lock_timeout).  No CHECK: PostgreSQL
+-- evaluates every CHECK of a row on each UPDATE (see 0010), and a claim or a heartbeat
+-- would pay for one that only the give-back's own arithmetic could break.
+ALTER TABLE jobs ADD COLUMN IF NOT EXISTS interruptions integer NOT NULL DEFAULT 0;
