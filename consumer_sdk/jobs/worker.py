@@ -15,7 +15,9 @@ Threads, each with its own connection:
   (its lease still held and renewed); every other outcome is written by the executor;
 * the heartbeat (:mod:`consumer_sdk.jobs.heartbeat`): every ``heartbeat_interval_s`` one statement renews
   the pool's leases; an attempt that lost one, passed its local deadline or timed out, is cancelled;
-* the listener (``listen=True``): LISTEN outbox_jobs, a wake-up per notification.
+* the listener (``listen=True``): LISTEN outbox_jobs, a wake-up per notification;
+* the watch (``jobs-watch``): the lock-wait watch (:mod:`.lock_waits`) and the outage's round in
+  flight (:mod:`.outage`), one thread.
 
 Completions are written per round: see :mod:`consumer_sdk.jobs.completions` on crashes.  Rounds
 that fail because the database is unavailable or read-only are an outage (:mod:`consumer_sdk.jobs.outage`:
@@ -133,7 +135,7 @@ class WorkerPool(Executing):
         self._upkeep = Upkeep(self.reconciler, reconcile_interval_s=config.reconcile_interval_s, refusals=refusals,
                               reap_interval_s=min(config.poll_interval_s, config.lease_duration_s / 4))
         #: The dispatcher's rounds failed in a row for the database (unavailable, read-only).
-        self._outage = Outage(log=self.log, metrics=self.metrics, clock=clock,
+        self._outage = Outage(log=self.log, metrics=self.metrics, clock=clock, own_watch=False,
                               lock_wait_s=lambda: self.lock_waits.last_wait_s)
         self._read_only_session = False  # the last round ran on a read-only session (it proved nothing)
         self._next_due: float | None = None
@@ -147,10 +149,12 @@ class WorkerPool(Executing):
                              log=self.log, clock=clock, db_now=db_now, running_long_s=config.running_long_after_s,
                              timeouts=HandlerTimeouts(config, self._executor, self.outcomes, self.log))
         self.rounds = 0  # dispatch rounds completed (tests wait on it)
-        #: Names what the dispatcher's and the heartbeat's statements wait on (jobs_lock_wait).
+        #: Names what the dispatcher's and the heartbeat's statements wait on (jobs_lock_wait); its
+        #: thread, the pool's one watching thread, ticks the outage's round in flight too.
         self.lock_waits = PoolLockWaitWatch.of_slots(self._connect, dispatcher=self._dispatch_slot,
                                                      heartbeat=hb_slot, metrics=self.metrics,
                                                      queues=config.queues, log=self.log)
+        self.lock_waits.tick_also(self._outage.watch_every_s, self._outage.check)
 
     # -- lifecycle ------------------------------------------------------------------------
 
