@@ -14,7 +14,8 @@ cancelled (a ``statement_timeout``) is a slow statement, not an outage either
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from relay.config import mask_text
@@ -36,9 +37,11 @@ class Dependencies:
     #: The last mark failure said, a connection's loss or a cancel (one failed statement fails
     #: each batch it marked: said once).
     _mark_failure_said: DatabaseUnavailable | None = None
-    #: The database was down and no mark committed since (relay/app_run.py clears it): a mark
-    #: connection found broken now broke in that outage, already said (database_unavailable).
-    _marks_since_outage_unproven = False
+    #: Each mark store's committed marks (relay.store.Store.marks) when the database was last
+    #: found down: one found broken with no mark committed on it since broke in that outage,
+    #: already said (database_unavailable).  Per connection: a flag cleared by the first mark
+    #: of any had a second connection broken in the same outage said as its own loss.
+    _marks_at_outage: Mapping[Store, int] = MappingProxyType({})  # replaced, never changed
 
     if TYPE_CHECKING:  # the relay's state and methods (relay/app.py)
         settings: Settings
@@ -103,7 +106,7 @@ class Dependencies:
             self.log.warning(event, error=str(exc))
             self._db_down_event = event
         self.db_up = False
-        self._marks_since_outage_unproven = True
+        self._marks_at_outage = {store: store.marks for store in self.mark_stores}
         self.metrics.database_up.set(0)
         self.store.reset()  # the mark connections reset themselves, on their own threads
         self.wakeup.close()  # the wake-up lock goes with its connection
@@ -164,7 +167,11 @@ class Dependencies:
             return True
         self._mark_failure_said = exc
         name = store.name
-        if self._marks_since_outage_unproven:  # its first mark since the database came back
+        stale = self._marks_at_outage.get(store) == exc.marks  # none committed on it since the outage
+        # Found: it re-opens now, and a later loss is its own.
+        self._marks_at_outage = {other: marks for other, marks in self._marks_at_outage.items()
+                                 if other is not store}
+        if stale:
             self.log.info("mark_connection_stale", connection=name, error=mask_text(str(exc)),
                           detail=f"the mark connection {name} broke in the database's outage "
                                  "(database_unavailable before); its marks in flight are re-claimed "

@@ -63,7 +63,6 @@ class Running:
         fatal: RelayError | None
         stop_signal: str | None
         db_up: bool
-        _marks_since_outage_unproven: bool
         last_tick: float
         _next_shards_look: float
 
@@ -161,8 +160,6 @@ class Running:
         if self.gauges is not None:
             self.gauges.run_once(now)
         result = self.loop.run_once(now)
-        if result.marked:  # the mark connections broken in an outage are found by now
-            self._marks_since_outage_unproven = False
         if self.leases.releasing:
             released = self.leases.release_settled(self.pump.busy_shards())
             if released:

@@ -51,11 +51,14 @@ class MarkConnectionLost(DatabaseUnavailable):
     other connections work: the loop tells which (relay/app_deps.py), and says
     ``mark_connection_lost`` for the second, not ``database_unavailable``.  Both rewind:
     the rows of the marks in flight are claimed again.  ``store``: the mark store whose
-    connection broke (the loop names it)."""
+    connection broke (the loop names it); ``marks``: the mark statements it had committed
+    then (relay.store.Store.marks; read at the break, as its thread may re-open and mark
+    again before the loop looks)."""
 
-    def __init__(self, message: str, *, store: object) -> None:
+    def __init__(self, message: str, *, store: object, marks: int = 0) -> None:
         super().__init__(message)
         self.store = store
+        self.marks = marks
 
 
 class MarkCancelled(StatementCancelled):
@@ -87,7 +90,7 @@ def mark_rows(store: MarkStore, owner: str, tokens: dict[ShardId, Token], rows: 
         raise MarkCancelled(str(exc), store=store, rows=len(rows),
                             took_s=time.perf_counter() - started) from exc
     except DatabaseUnavailable as exc:
-        raise MarkConnectionLost(str(exc), store=store) from exc
+        raise MarkConnectionLost(str(exc), store=store, marks=getattr(store, "marks", 0)) from exc
     return held, marked, time.perf_counter() - started
 
 

@@ -108,6 +108,9 @@ class Store(LeaseStatements):
         self._conn: psycopg.Connection[Any] | None = None
         self.now = now
         self.queries = 0  # statements sent, for the idle-cost figures
+        #: Mark statements committed (relay/app_deps.py: a mark connection found broken with
+        #: none committed since the database's outage broke in that outage).
+        self.marks = 0
 
     # -- connections -----------------------------------------------------------------------
 
@@ -272,6 +275,7 @@ class Store(LeaseStatements):
         if self._by_event:
             params["event_ids"] = "{" + ",".join(row.event_id for row in rows) + "}"
         ((held, marked),) = self._run(self._mark_statement, params)
+        self.marks += 1
         return set(held), set(marked)  # ShardId and RowId are ints
 
     def mark_by_event_id(self) -> None:

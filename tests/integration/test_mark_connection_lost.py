@@ -168,3 +168,33 @@ def test_a_database_stopped_is_still_the_database_unavailable(own_db_dsn, own_pg
     assert stale["connection"] == application_name("stopped", ":mark"), stale
     assert len(_events(relay, "database_unavailable", since)) == 1, relay.log_tail()
     _all_published_and_marked(dsn, relay, broker.bootstrap, topic, writer.written + 500)
+
+
+def test_a_second_mark_connection_broken_in_the_same_outage_is_still_the_outages(outbox_db, broker, topic, spawn):
+    """Two mark connections, both ended with every backend of the relay: the first marks again
+    (small batches go to it alone) before the second gets a mark, found broken then.  The
+    first's mark cleared one flag for both, and the second was said ``mark_connection_lost``
+    (a warning: a pooler ending it?) when it broke in the outage like the first."""
+    owner = "twomarks"
+    marks = [application_name(owner, ":mark"), application_name(owner, ":mark2")]
+    relay = spawn(relay_cmd("run"), env=relay_env(outbox_db, broker.bootstrap, owner=owner, mark_connections=2),
+                  name="relay")
+    written = 0
+    while not _events(relay, "mark_connection_ready"):  # the second is probed at a large batch
+        assert written < 20_000, relay.log_tail()  # after the first connection's first mark
+        insert_rows(outbox_db, topic, 1000, keys=50, start=written)
+        written += 1000
+        wait_drained(outbox_db, timeout_s=60)
+    assert _backend(outbox_db, marks[1]) is not None
+    since = relay.log_size()
+    ended = _end_backends(outbox_db, _relay_names(outbox_db))
+    assert set(marks) <= set(ended), ended
+    relay.wait_for_log("database_recovered", timeout_s=60, since=since)
+    insert_rows(outbox_db, topic, 50, keys=50, start=written)  # one small batch: the first connection's
+    wait_drained(outbox_db, timeout_s=60)
+    insert_rows(outbox_db, topic, 3000, keys=50, start=written + 50)  # split again: the second's turn
+    wait_drained(outbox_db, timeout_s=60)
+    assert not _events(relay, "mark_connection_lost", since), _events(relay, "mark_connection_lost", since)
+    stale = _events(relay, "mark_connection_stale", since)
+    assert sorted(str(each["connection"]) for each in stale) == marks, stale
+    _all_published_and_marked(outbox_db, relay, broker.bootstrap, topic, written + 3050)

@@ -23,6 +23,7 @@ class Failing:
     def __init__(self, error: Exception | None = None, name: str = "outbox-relay:me:mark") -> None:
         self.error = error
         self.name = name
+        self.marks = 0  # committed (relay.store.Store.marks)
         self.ping_error: Exception | None = None
         self.pings = 0
 
@@ -130,3 +131,20 @@ def test_the_lost_connection_is_named_by_its_store() -> None:
     assert relay._mark_connection_lost(_lost(second))
     ((_event, fields),) = log.events
     assert fields["connection"] == "outbox-relay:me:mark-pooled", fields
+
+
+def test_after_an_outage_each_mark_connection_is_stale_until_a_mark_of_its_own_committed() -> None:
+    """Per connection: the first mark of one does not make another's loss in the same outage
+    its own (a warning that has an SRE look for a pooler ending connections)."""
+    log = Log()
+    relay, _claims, first = _relay(log)
+    second = Failing(name="outbox-relay:me:mark2")
+    relay.mark_stores.append(second)  # type: ignore[arg-type]
+    relay._db_down(DatabaseUnavailable("database connection lost"))
+    relay._db_ok()
+    first.marks += 1  # the first connection re-opened and marked: it is proven, the second is not
+    for store in (first, second, second):  # the second broken in the outage, then broken again
+        assert relay._mark_connection_lost(_lost(store))
+    said = [(event, fields["connection"]) for event, fields in log.events if event.startswith("mark_connection")]
+    assert said == [("mark_connection_lost", "outbox-relay:me:mark"), ("mark_connection_stale", "outbox-relay:me:mark2"),
+                    ("mark_connection_lost", "outbox-relay:me:mark2")], said
