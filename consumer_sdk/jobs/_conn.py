@@ -25,7 +25,7 @@ from psycopg.pq import ConnStatus, TransactionStatus
 
 from consumer_sdk import _pg
 from consumer_sdk.errors import DatabaseUnavailable
-from consumer_sdk.jobs._db import ConnectionT, first_line, q, translated
+from consumer_sdk.jobs._db import ConnectionT, first_line, q, session_q, translated
 from consumer_sdk.jobs.deferred import DeferringConnection, SpinningDeferringConnection
 from outbox_core.connect_errors import unset_options
 from outbox_core.pooling import transaction_pooled
@@ -226,6 +226,30 @@ def pool_connect_factory(config: WorkerConfig) -> ConnectionFactory:
     return _pg.connect_factory(dsn, application_name=config.application_name,
                                spin_s=config.db_spin_us / 1e6,
                                classes=(DeferringConnection, SpinningDeferringConnection))
+
+
+def watch_connect(connect: ConnectionFactory) -> ConnectionFactory:
+    """The lock-wait watch's connections, made by the pool's factory ``connect``: named like
+    the pool's with ``:watch`` (as the inbox's and the relay's watches), so that pg_stat_activity
+    tells them from the pool's working connections.  Set by a statement, as a factory of the
+    caller's has its own name; not behind a transaction pooler (where the watch finds nothing)."""
+
+    def make() -> ConnectionT:
+        conn = connect()
+        if getattr(connect, "pooled", False):
+            return conn
+        name = (conn.info.parameter_status("application_name") or "outbox-jobs-worker")[:57] + ":watch"
+        try:
+            with translated():
+                conn.execute(session_q("watch_session_setup"), {"name": name})
+                if not conn.autocommit:
+                    conn.commit()  # a session setting made in a transaction rolled back would be undone
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    return make
 
 
 class ConnSlot:

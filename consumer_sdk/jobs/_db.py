@@ -36,6 +36,11 @@ def q(name: str) -> str:
     return query("jobs", name)
 
 
+def session_q(name: str) -> str:
+    """A named block of ``sql/queries/jobs_session.sql`` (the pool's own sessions' settings)."""
+    return query("jobs_session", name)
+
+
 #: SQLSTATE classes of a refusal of what the statement writes (its rows, its values), not of
 #: the moment: written again, it is refused again.  Triggered action (09), cardinality (21),
 #: data (22: invalid text, out of range...), integrity (23: CHECK, NOT NULL, unique...),

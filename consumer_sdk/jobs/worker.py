@@ -57,6 +57,7 @@ from consumer_sdk.jobs._conn import (
     PoolerAware,
     pool_connect_factory,
     read_only,
+    watch_connect,
 )
 from consumer_sdk.jobs.completions import Completions
 from consumer_sdk.jobs.config import WorkerConfig, check_pool_arguments
@@ -151,7 +152,7 @@ class WorkerPool(Executing):
         self.rounds = 0  # dispatch rounds completed (tests wait on it)
         #: Names what the dispatcher's and the heartbeat's statements wait on (jobs_lock_wait); its
         #: thread, the pool's one watching thread, ticks the outage's round in flight too.
-        self.lock_waits = PoolLockWaitWatch.of_slots(self._connect, dispatcher=self._dispatch_slot,
+        self.lock_waits = PoolLockWaitWatch.of_slots(watch_connect(self._connect), dispatcher=self._dispatch_slot,
                                                      heartbeat=hb_slot, metrics=self.metrics,
                                                      queues=config.queues, log=self.log)
         self.lock_waits.tick_also(self._outage.watch_every_s, self._outage.check)
