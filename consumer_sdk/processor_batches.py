@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from consumer_sdk.errors import DatabaseUnavailable, HandlerTransactionFailed
+from consumer_sdk.errors import DatabaseUnavailable
 from consumer_sdk.model import Claim, InboxMessage
 from consumer_sdk.processor_state import ProcessorState
 from consumer_sdk.processor_statements import _checked
@@ -27,8 +27,8 @@ class ProcessorBatches(ProcessorState):
         def apply(fresh: list[InboxMessage]) -> None:
             with self._store.attempt():
                 batch_handler(conn, fresh)
-                if self._store.in_failed_transaction():
-                    raise HandlerTransactionFailed()
+                if self._store.in_failed_transaction():  # judged in _apply_fresh like a raised error
+                    raise self._transaction_failed()
 
         return self._apply_fresh(messages, claims, apply, failed="batch_handler_failed")
 

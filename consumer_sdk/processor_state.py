@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from consumer_sdk.errors import HandlerTransactionFailed
 from consumer_sdk.metrics import ConsumerMetrics
 from consumer_sdk.model import (
     BatchResult,
@@ -25,7 +26,7 @@ from consumer_sdk.model import (
     scan_event_id,
     to_message,
 )
-from consumer_sdk.rejections import Policies, Rejections
+from consumer_sdk.rejections import Policies, Rejections, describe
 from consumer_sdk.replays import REPLAY_HEADER
 
 if TYPE_CHECKING:  # the processor's types, defined where users import them
@@ -74,6 +75,25 @@ class ProcessorState:
         failure, for the retry policy."""
         judge = getattr(self._store, "database_failure", None)  # a store of another kind: never
         return None if judge is None else judge(exc)
+
+    def _transaction_failed(self) -> Exception:
+        """What a handler that returned with its transaction aborted stands for: it caught a
+        database error and carried on.  When that error was the database's (a deadlock, a
+        serialization failure, a read-only database: :meth:`_database_failure` of the error
+        the store saw last, ``PgInboxStore.swallowed_error``), the store's
+        :class:`~consumer_sdk.errors.RetriableError`, as when the handler does not catch it:
+        the transaction is aborted either way, and the handler could not have helped it.  Else
+        :class:`~consumer_sdk.errors.HandlerTransactionFailed` naming the error when it is
+        known, for the retry policy (a handler that swallows its own failing statement)."""
+        swallowed = getattr(self._store, "swallowed_error", lambda: None)()  # a store of another kind: unknown
+        if swallowed is None:
+            return HandlerTransactionFailed()
+        failure = self._database_failure(swallowed)
+        if failure is None:
+            caught = describe(swallowed).splitlines()[0]  # its first line: Type: message
+            failure = HandlerTransactionFailed(f"{HandlerTransactionFailed.__doc__} It caught {caught}")
+        failure.__cause__ = swallowed
+        return failure
 
     def _sync(self) -> None:
         if self._deferring:

@@ -236,5 +236,8 @@ class ProcessorTransactions(ProcessorStatements, ProcessorBatches):
                 # attempt counted, never dead-lettered.
                 raise failure from exc
             raise _HandlerFailed(exc) from exc
-        if self._store.in_failed_transaction():
-            raise _HandlerFailed(HandlerTransactionFailed())
+        if self._store.in_failed_transaction():  # the handler caught a database error and carried on
+            failure = self._transaction_failed()
+            if not isinstance(failure, HandlerTransactionFailed):
+                raise failure  # the database's doing (a deadlock, read-only): as if not caught
+            raise _HandlerFailed(failure)

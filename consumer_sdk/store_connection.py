@@ -80,6 +80,7 @@ class StoreConnection:
         self._chain_on = True  # off once a chain broke with nothing failing before it (a pooler)
         self._auto_prepare = True  # psycopg's automatic preparing; off once a pooler lost one (lost_prepared)
         self._retired_waits: tuple[int, int, int] | None = None  # the waits of polling connections dropped
+        self._swallowed: psycopg.Error | None = None  # see swallowed_error
         #: The live connection's session as (backend pid, application_name), None without one:
         #: read by the consumer's LockWaitWatch, on its own thread (one attribute, set at once).
         self.session: tuple[int, str] | None = None
@@ -97,6 +98,8 @@ class StoreConnection:
                 conn.autocommit = True  # transactions come from conn.transaction() blocks only
             if not self._auto_prepare:
                 conn.prepare_threshold = None
+            if isinstance(conn, psycopg.Connection) and not getattr(conn.cursor_factory, "watched", False):
+                conn.cursor_factory = _watched(conn.cursor_factory, self._statement_ended)
             self._conn = conn
             self.session = (conn.info.backend_pid, conn.info.parameter_status("application_name") or "")
         return self._conn
@@ -116,6 +119,25 @@ class StoreConnection:
         if live is None or retired is None:
             return live or retired
         return (live[0] + retired[0], live[1] + retired[1], live[2] + retired[2])
+
+    def swallowed_error(self) -> psycopg.Error | None:
+        """The error that aborted the open transaction, for a handler that caught it and
+        returned: the error of the last statement run through this connection's cursors
+        (``conn.execute``, ``cursor.execute``, ``executemany``) when that statement failed, an
+        error of a statement refused because the transaction was aborted already (25P02) not
+        counting.  None when the last statement went through, or the error came another way (a
+        pipeline's sync, a cursor class the SDK did not make, a server-side cursor): then the
+        handler's failure is all that is known."""
+        return self._swallowed
+
+    def _statement_ended(self, error: psycopg.Error | None) -> None:
+        """A statement on the connection went through (None) or failed (see swallowed_error)."""
+        if self._tx is None:
+            return
+        if error is None:
+            self._swallowed = None
+        elif error.sqlstate != "25P02":  # in_failed_sql_transaction: a consequence, not the cause
+            self._swallowed = error
 
     def lost_prepared(self, exc: BaseException) -> bool:
         """True when ``exc`` says a transaction pooler lost one of psycopg's own prepared
@@ -144,8 +166,14 @@ class StoreConnection:
         PostgreSQL's answer to that is to run it again; the SDK's own COMMIT meeting it was
         always retried so.  The error itself counts, or one it was raised from (``raise ...
         from``: a handler that wraps the driver's errors in its own).  Anything else (a
-        constraint, the handler's SQL, its own ``statement_timeout``) is the handler's."""
+        constraint, the handler's SQL, its own ``statement_timeout``) is the handler's.  A
+        statement refused because the transaction was aborted already (25P02) is judged by the
+        error that aborted it, when the handler caught that one (:meth:`swallowed_error`)."""
         for error in _causes(exc):
+            if isinstance(error, psycopg.errors.InFailedSqlTransaction) and self._swallowed is not None:
+                # 25P02: the handler caught the error that aborted its transaction, and its next
+                # statement met the abort; that caught error says whose failure it was.
+                return self.database_failure(self._swallowed)
             if isinstance(error, psycopg.errors.ReadOnlySqlTransaction):
                 return _read_only(error)
             if _conflict(error):
@@ -206,6 +234,41 @@ class StoreConnection:
                 self.reset()  # its transaction with it: the batch is retried whole
                 raise _lost_prepared(exc) from exc
             raise FatalError(f"inbox statement failed: {_first_line(exc)}") from exc
+
+
+def _watched(base: type[psycopg.Cursor[Any]],
+             ended: Callable[[psycopg.Error | None], None]) -> type[psycopg.Cursor[Any]]:
+    """``base``, telling ``ended`` how each ``execute``/``executemany`` ended (its error, or None).
+
+    A handler that catches a database error and returns leaves its transaction aborted, and
+    psycopg keeps no trace of the error on the connection: only the statement's exception
+    carries its SQLSTATE.  The store sets this class as the connection's ``cursor_factory`` to
+    know whether the database aborted the transaction (a deadlock, a read-only database) or
+    the handler's own statement failed (:meth:`StoreConnection.swallowed_error`)."""
+
+    class Watched(base):  # type: ignore[valid-type,misc]  # the connection's own cursor class, whatever it is
+        watched = True
+
+        def execute(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                done = super().execute(*args, **kwargs)
+            except psycopg.Error as exc:
+                ended(exc)
+                raise
+            ended(None)
+            return done
+
+        def executemany(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                done = super().executemany(*args, **kwargs)
+            except psycopg.Error as exc:
+                ended(exc)
+                raise
+            ended(None)
+            return done
+
+    Watched.__name__ = Watched.__qualname__ = f"Watched{base.__name__}"
+    return Watched
 
 
 def _conflict(exc: BaseException) -> bool:

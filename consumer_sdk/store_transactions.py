@@ -81,6 +81,7 @@ class StoreTransactions(StoreConnection):
             raise
         finally:
             self._tx = None
+            self._swallowed = None  # the transaction's; its traceback holds the handler's frames
 
     @property
     def commit_pending(self) -> bool:

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -92,33 +94,46 @@ def _faults(dsn: str, sequence: str = "read_only_faults") -> int:
     return int(row[0]) if row[1] else 0
 
 
-def _handlers(mode: str, before: Any) -> dict[str, Any]:
+def _handlers(mode: str, before: Any, *, swallow: bool = False) -> dict[str, Any]:
     """The consumer's handler arguments for ``mode``; ``before(conn)`` runs before the writes
-    (the statements handler has no connection: its faults come from the trigger only)."""
+    (the statements handler has no connection: its faults come from the trigger only).  With
+    ``swallow`` the handler catches the database errors of its writes and returns (a handler's
+    bug: its transaction is aborted all the same)."""
     if mode == "statements":
         return {"statements": lambda m: [(_INSERT, (m.event_id, m.json()["n"]))]}
     if mode == "batch_handler":
         def apply(conn: psycopg.Connection[Any], messages: Any) -> None:
             before(conn)
-            with conn.cursor() as cur:
+            with conn.cursor() as cur, _swallowing(swallow):
                 cur.executemany(_INSERT, [(m.event_id, m.json()["n"]) for m in messages])
         return {"batch_handler": apply}
 
     def handler(conn: psycopg.Connection[Any], message: Any) -> None:
         before(conn)
-        record_effect(conn, message)
+        with _swallowing(swallow):
+            record_effect(conn, message)
     return {"handler": handler}
 
 
+@contextmanager
+def _swallowing(swallow: bool) -> Iterator[None]:
+    try:
+        yield
+    except psycopg.Error:
+        if not swallow:
+            raise
+
+
 def _run(sdk_db: str, broker: Any, sdk_topic: str, run_consumer: Any, *, mode: str,
-         before: Any = lambda conn: None, **overrides: Any) -> tuple[Any, Any, list[str], list[dict[str, Any]]]:
+         before: Any = lambda conn: None, swallow: bool = False,
+         **overrides: Any) -> tuple[Any, Any, list[str], list[dict[str, Any]]]:
     ids, records = _events(10)
     produce_raw(broker.bootstrap, sdk_topic, records)
     batch_size = 16 if mode in ("batched", "batch_handler") else 1
     config = make_config(sdk_db, broker, sdk_topic, batch_size=batch_size, check_retention=False, retry=RETRY,
                          db_backoff_initial_s=0.05, db_backoff_max_s=0.2, **overrides)
     with capture_logs() as logs:
-        handlers = _handlers(mode, before)
+        handlers = _handlers(mode, before, swallow=swallow)
         thread = run_consumer(config, handlers.pop("handler", None), **handlers)
         wait_settled(thread, len(ids))
         thread.stop()
@@ -190,11 +205,16 @@ def test_a_handler_whose_transaction_meets_a_serialization_failure_is_retried_no
     assert _faults(sdk_db, "conflict_faults") > FAULTS
 
 
-def test_a_handler_chosen_as_a_deadlocks_victim_is_retried_not_judged(sdk_db, broker, sdk_topic, run_consumer):
+@pytest.mark.parametrize("swallow", [False, True])
+def test_a_handler_chosen_as_a_deadlocks_victim_is_retried_not_judged(sdk_db, broker, sdk_topic, run_consumer,
+                                                                       swallow):
     """A real deadlock (40P01): the handler's first call locks row 1, then waits for row 2,
     which another session holds and which then waits for row 1.  The handler waited first,
     so its deadlock check runs first and the server aborts its transaction; the other
-    session then commits.  The handler's message is applied once on the next try."""
+    session then commits.  The handler's message is applied once on the next try.  With
+    ``swallow`` the handler catches the deadlock and goes on: its next statement meets the
+    aborted transaction (25P02), which is judged by the deadlock it caught (before, that
+    was the handler's failure: an attempt counted, dead-lettered after the policy's)."""
     with psycopg.connect(sdk_db, autocommit=True) as conn:
         conn.execute("CREATE TABLE hot (id int PRIMARY KEY, n int NOT NULL DEFAULT 0)")
         conn.execute("INSERT INTO hot (id) VALUES (1), (2)")
@@ -217,7 +237,8 @@ def test_a_handler_chosen_as_a_deadlocks_victim_is_retried_not_judged(sdk_db, br
         if not other_holds_2.is_set():
             threading.Thread(target=other_session, args=(conn.info.backend_pid,), daemon=True).start()
             assert other_holds_2.wait(10), "the other session never locked row 2"
-        conn.execute("UPDATE hot SET n = n + 1 WHERE id = 2")
+        with _swallowing(swallow):
+            conn.execute("UPDATE hot SET n = n + 1 WHERE id = 2")
 
     thread, config, ids, logs = _run(sdk_db, broker, sdk_topic, run_consumer, mode="single", before=deadlocking)
     retried = _assert_waited_not_judged(thread, config, sdk_db, sdk_topic, ids, logs,
@@ -226,6 +247,58 @@ def test_a_handler_chosen_as_a_deadlocks_victim_is_retried_not_judged(sdk_db, br
     assert other_done.wait(10), "the other session never committed"
     with psycopg.connect(sdk_db, autocommit=True) as conn:  # every handler call once, the other session once
         assert conn.execute("SELECT n FROM hot ORDER BY id").fetchall() == [(len(ids) + 1,), (len(ids) + 1,)]
+
+
+@pytest.mark.parametrize(("errcode", "mode"), [
+    ("serialization_failure", "single"), ("serialization_failure", "batched"),
+    ("serialization_failure", "batch_handler"), ("read_only_sql_transaction", "single"),
+    ("read_only_sql_transaction", "batch_handler")])
+def test_a_handler_that_catches_the_databases_error_and_returns_is_retried_not_judged(
+        sdk_db, broker, sdk_topic, run_consumer, errcode, mode):
+    """The handler catches the 40001 or 25006 its write met (the trigger, the first FAULTS
+    rows) and returns: its transaction is aborted all the same, by the database's doing.
+    Retried as when it does not catch (TransactionConflict; the read-only wait), no attempt
+    counted, nothing dead-lettered.  Before, HandlerTransactionFailed: an attempt of the
+    retry policy, and the records dead-lettered after its two."""
+    _fault_first_rows(sdk_db, "caught_faults", errcode=errcode, message=f"{errcode} under the handler")
+    thread, config, ids, logs = _run(sdk_db, broker, sdk_topic, run_consumer, mode=mode, swallow=True)
+    conflict = errcode == "serialization_failure"
+    retried = _assert_waited_not_judged(thread, config, sdk_db, sdk_topic, ids, logs,
+                                        error_type="TransactionConflict" if conflict else "DatabaseUnavailable")
+    assert any(e["error"].startswith("transaction aborted: serialization_failure under the handler" if conflict
+                                     else "the database is read-only (a standby, or a failover in progress)")
+               for e in retried)
+    assert _faults(sdk_db, "caught_faults") > FAULTS
+
+
+def test_a_handler_that_catches_its_own_error_is_still_judged_and_told_what_it_caught(
+        sdk_db, broker, sdk_topic, run_consumer):
+    """A handler that swallows its own failing statement (a constraint) and returns: the
+    retry policy's, as before, and the error now names what it caught."""
+    ids, records = _events(3)
+    poisoned = ids[1]
+
+    def handler(conn: psycopg.Connection[Any], message: Any) -> None:
+        with _swallowing(True):
+            if str(message.event_id) == poisoned:
+                conn.execute("INSERT INTO effects (event_id, consumer) VALUES (NULL, 'c')")
+            record_effect(conn, message)
+
+    produce_raw(broker.bootstrap, sdk_topic, records)
+    config = make_config(sdk_db, broker, sdk_topic, check_retention=False, retry=RETRY)
+    with capture_logs() as logs:
+        thread = run_consumer(config, handler)
+        wait_settled(thread, len(ids))
+        wait_for(lambda: thread.consumer.totals.dead_lettered == 1, timeout_s=30,
+                 message="the failing record was not dead-lettered")
+        thread.stop()
+    [letter] = [e for e in logs if e["event"] == "message_dead_lettered"]
+    assert letter["reason"] == "retries_exhausted" and letter["attempts"] == RETRY.max_attempts
+    failed = [e for e in logs if e["event"] == "handler_failed"]
+    assert len(failed) == RETRY.max_attempts and all(
+        "HandlerTransactionFailed" in e["error"] and "It caught NotNullViolation: null value in column" in e["error"]
+        for e in failed), failed
+    assert set(effect_counts(sdk_db)) == set(ids) - {poisoned}
 
 
 @pytest.mark.parametrize("mode", ["single", "batched"])

@@ -96,3 +96,20 @@ def test_the_stores_own_statement_meeting_a_conflict_keeps_its_connection(error:
         with store.translated():
             raise error
     assert dropped == []
+
+
+def test_a_statement_refused_in_an_aborted_transaction_is_judged_by_the_error_the_handler_caught() -> None:
+    """A handler caught the error that aborted its transaction and went on: its next statement
+    meets 25P02, which says nothing of whose failure it was; the caught error does (the store
+    saw it go by: StoreConnection.swallowed_error)."""
+    store = _store()
+    refused = psycopg.errors.InFailedSqlTransaction("current transaction is aborted, commands ignored until "
+                                                    "end of transaction block")
+    assert store.database_failure(refused) is None  # nothing seen: the handler's failure
+    store._swallowed = psycopg.errors.DeadlockDetected("deadlock detected")
+    assert str(store.database_failure(refused)) == "transaction aborted: deadlock detected"
+    assert isinstance(store.database_failure(refused), TransactionConflict)
+    store._swallowed = psycopg.errors.ReadOnlySqlTransaction("cannot execute INSERT in a read-only transaction")
+    assert isinstance(store.database_failure(refused), DatabaseUnavailable)
+    store._swallowed = psycopg.errors.NotNullViolation("null value in column")
+    assert store.database_failure(refused) is None  # the handler's own statement: the policy's
