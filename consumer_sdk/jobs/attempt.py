@@ -1,5 +1,6 @@
-"""Helpers of one attempt as the executor runs it: its log line's fields, its connection
-tidied or dropped after the handler, and the pauses before an outcome is sent again.
+"""Helpers of one attempt as the executor runs it: its log line's fields, its success to
+write later, its error as written, its connection tidied or dropped after the handler, and
+the pauses before an outcome is sent again.
 
 Kept apart from :mod:`consumer_sdk.jobs.executor`, which decides and writes outcomes.
 """
@@ -12,6 +13,7 @@ from typing import Any
 from consumer_sdk.jobs._conn import roll_back_open
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.errors import LeaseLost
+from consumer_sdk.jobs.retry import describe
 
 
 class JobLog:
@@ -28,6 +30,20 @@ class JobLog:
             self._bound = self._base.bind(job_id=job.id, queue=job.queue, kind=job.kind, attempt=job.attempts,
                                           token=job.token, trace_id=trace_id(job.traceparent))
         return getattr(self._bound, name)
+
+
+class Later:
+    """A success to hand to ``complete_later``: its result, encoded."""
+
+    __slots__ = ("result_json",)
+
+    def __init__(self, result_json: str) -> None:
+        self.result_json = result_json
+
+
+def error_written(exc: BaseException, note: str) -> str:
+    """The attempt's error as written: ``describe``'s, then ``note`` (within its bound)."""
+    return describe(exc, limit=2000 - len(note)) + note
 
 
 def trace_id(traceparent: str | None) -> str | None:

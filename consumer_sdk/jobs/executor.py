@@ -48,11 +48,11 @@ from consumer_sdk.errors import DatabaseUnavailable, FatalError, OutboxSdkError
 from consumer_sdk.jobs import queue, waits
 from consumer_sdk.jobs._conn import outcome_unknown
 from consumer_sdk.jobs._db import to_json
-from consumer_sdk.jobs.attempt import JobLog, close, tidy, wait_to_resend
+from consumer_sdk.jobs.attempt import JobLog, Later, close, error_written, tidy, wait_to_resend
 from consumer_sdk.jobs.attempt import trace_id as trace_id  # re-exported: completions reads it here
 from consumer_sdk.jobs.config import DEFAULT_MAX_INTERRUPTIONS
 from consumer_sdk.jobs.context import JobContext
-from consumer_sdk.jobs.errors import InvalidJob, PermanentJobError, PrivilegeMissing
+from consumer_sdk.jobs.errors import InvalidJob, LeaseLost, PermanentJobError, PrivilegeMissing
 from consumer_sdk.jobs.events import JobFacts
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import DeadReason, Outcome, WaitFor
@@ -112,7 +112,7 @@ class Executor:
         log = JobLog(self.log, job)  # bound on first use: a success handed on logs nothing here
         handler = self.handlers.get(job.kind)
         started = time.monotonic()
-        later: _Later | None = None
+        later: Later | None = None
         try:
             if handler is None:
                 raise PermanentJobError(f"no handler is registered for kind {job.kind!r}")
@@ -129,7 +129,7 @@ class Executor:
             ctx.handler_returned()
             tidy(ctx)
             found = self._after_return(ctx, value, log)
-            later, outcome = (found, "completing") if isinstance(found, _Later) else (None, found)
+            later, outcome = (found, "completing") if isinstance(found, Later) else (None, found)
         finally:
             ctx.handler_returned()
             elapsed = time.monotonic() - started
@@ -154,7 +154,7 @@ class Executor:
 
     # -- outcomes -----------------------------------------------------------------------
 
-    def _after_return(self, ctx: JobContext, value: Any, log: Any) -> Outcome | _Later:
+    def _after_return(self, ctx: JobContext, value: Any, log: Any) -> Outcome | Later:
         if ctx.cancel_reason == "timed_out":  # the pool wrote its failure (see time_out)
             return "timed_out"
         if ctx.cancel_reason in NO_AUTHORITY:
@@ -164,7 +164,7 @@ class Executor:
                 return self._park(ctx, value, log)
             result_json = to_json(value, what="result")
             if self.complete_later is not None:
-                return _Later(result_json)
+                return Later(result_json)
             return self._write_completion(ctx, log, result_json)
         except InvalidJob as exc:  # the result or wait cannot be encoded: it never will be
             return self._fail(ctx, "permanent_error", exc, log)
@@ -173,7 +173,10 @@ class Executor:
         job = ctx.job
         if ctx.cancel_reason == "timed_out":  # the pool wrote its failure (see time_out)
             return "timed_out"
-        if ctx.cancel_reason in NO_AUTHORITY:
+        unproven = self._unproven(ctx, exc)
+        if unproven is not None:  # the lease was not found lost: the connection to prove it broke
+            exc = unproven
+        elif ctx.cancel_reason in NO_AUTHORITY:
             return "lost"
         if ctx.cancel_reason == "shutdown":
             return self._release(ctx, log)
@@ -204,6 +207,19 @@ class Executor:
     def _fail(self, ctx: JobContext, reason: DeadReason, exc: BaseException, log: Any, note: str = "") -> Outcome:
         log.warning("job_failed", reason=reason, error=describe(exc, limit=300) + note)
         return self._dead(ctx, reason, exc, log, note)
+
+    def _unproven(self, ctx: JobContext, exc: BaseException) -> BaseException | None:
+        """The driver's error behind the :class:`LeaseLost` a fenced write of the handler raised
+        because its connection broke (see ``JobContext._lost_or``): authority could not be
+        proven, which cancelled the attempt as ``lease_lost``, not found lost.  Left to its
+        lease, the job waited it out and the reaper counted the attempt (on the last one, a
+        ``lease_expired`` dead letter); the fenced give-back finds out instead (no row: lost).
+        None for any other failure."""
+        cause = exc.__cause__
+        if ctx.cancel_reason != "lease_lost" or not isinstance(exc, LeaseLost) or cause is None \
+                or self.max_interruptions == 0:
+            return None
+        return cause if connection_broke(cause, ctx.conn) else None
 
     def _give_back_interrupted(self, ctx: JobContext, exc: BaseException, log: Any) -> Outcome | int:
         """The database connection broke under the handler: give the job back, the attempt not
@@ -342,7 +358,7 @@ class Executor:
 
     def _retry(self, ctx: JobContext, exc: BaseException, log: Any, note: str = "") -> Outcome:
         delay_s = self.backoff.delay_s(ctx.job.attempts, self.rand)
-        error, kind = _error(exc, note), error_type(exc)  # the same in a write sent again and its question
+        error, kind = error_written(exc, note), error_type(exc)  # the same in a write sent again and its question
         return self._fenced_write(
             ctx, log, lambda conn: queue.retry(conn, ctx.lease, error=error, error_type=kind, backoff_s=delay_s,
                                                now=self.db_now()),
@@ -356,7 +372,7 @@ class Executor:
         return "retried"
 
     def _dead(self, ctx: JobContext, reason: DeadReason, exc: BaseException, log: Any, note: str = "") -> Outcome:
-        error, kind = _error(exc, note), error_type(exc)
+        error, kind = error_written(exc, note), error_type(exc)
         return self._fenced_write(
             ctx, log, lambda conn: queue.fail(conn, ctx.lease, reason=reason, error=error, error_type=kind,
                                               now=self.db_now(), events_topic=self.events_topic),
@@ -375,17 +391,3 @@ class Executor:
                                   lambda _: "released",
                                   lambda conn: queue.released_by_lease(conn, ctx.lease,
                                                                        attempts=ctx.job.attempts) or None)
-
-
-class _Later:
-    """A success to hand to ``complete_later``: its result, encoded."""
-
-    __slots__ = ("result_json",)
-
-    def __init__(self, result_json: str) -> None:
-        self.result_json = result_json
-
-
-def _error(exc: BaseException, note: str) -> str:
-    """The attempt's error as written: ``describe``'s, then ``note`` (within its bound)."""
-    return describe(exc, limit=2000 - len(note)) + note

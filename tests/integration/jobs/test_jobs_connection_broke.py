@@ -29,10 +29,18 @@ from tests.integration.jobs._support import claim_next, recording_logger, rows
 QUICK = Backoff(initial_s=0.05, max_s=0.05)
 
 
-def test_a_job_whose_backend_was_terminated_mid_handler_succeeds_its_only_attempt_later(conn, jobs_db) -> None:
+EFFECT = "INSERT INTO effects (job_id, token, step) VALUES (%s, %s, 1)"
+
+
+@pytest.mark.parametrize("way", ["execute", "fenced_transaction", "fenced_execute"])
+def test_a_job_whose_backend_was_terminated_mid_handler_succeeds_its_only_attempt_later(
+        conn, jobs_db, way: str) -> None:
+    """Through a fenced write, the broken connection raised LeaseLost (authority could not be
+    proven): nothing was written, the job waited out its lease and the reaper dead-lettered it
+    (``lease_expired``) on its only attempt; the fenced give-back finds the lease held."""
     events: list[dict[str, Any]] = []
     metrics = JobsMetrics()
-    config = WorkerConfig(dsn=jobs_db, max_concurrency=1, lease_duration_s=10.0, poll_interval_s=0.05,
+    config = WorkerConfig(dsn=jobs_db, max_concurrency=1, lease_duration_s=4.0, poll_interval_s=0.05,
                           reconcile_interval_s=5.0, listen=False, drain_timeout_s=1.0, backoff=QUICK,
                           application_name="t-conn-broke")
     backends: list[int] = []
@@ -43,7 +51,13 @@ def test_a_job_whose_backend_was_terminated_mid_handler_succeeds_its_only_attemp
         if len(backends) == 1:  # the first run: its backend is ended under it
             running.set()
             assert terminated.wait(20)
-        ctx.conn.execute("SELECT 1")
+        if way == "execute":
+            ctx.conn.execute("SELECT 1")
+        elif way == "fenced_transaction":
+            with ctx.fenced_transaction() as tx:
+                tx.execute(EFFECT, (ctx.job.id, ctx.job.token))
+        else:
+            ctx.fenced_execute(EFFECT, (ctx.job.id, ctx.job.token))
         return "done"
 
     pool = WorkerPool(config, {"work": work}, metrics=metrics, log=recording_logger(events))
@@ -61,6 +75,8 @@ def test_a_job_whose_backend_was_terminated_mid_handler_succeeds_its_only_attemp
         pool.stop()
     assert rows(jobs_db, "SELECT status, attempts, interruptions FROM jobs") == [("succeeded", 1, 1)]
     assert rows(jobs_db, "SELECT count(*) FROM job_dead_letters") == [(0,)]
+    if way != "execute":  # written once, by the run that held a live connection
+        assert rows(jobs_db, "SELECT count(*) FROM effects") == [(1,)]
     assert len(backends) == 2 and backends[1] != backends[0]  # run again, on a new connection
     [given] = [e for e in events if e["event"] == "job_given_back"]
     assert given["job_id"] == job_id and given["interruptions"] == 1 and given["max_interruptions"] == 10
