@@ -101,9 +101,10 @@ class PoolerAware:
         if self.pooled:
             self._log.info("transaction_pooler", hint="psycopg's automatic prepared statements are off "
                                                       "for this pool's connections, and the pool sets no "
-                                                      "idle_in_transaction_session_timeout (it would stay "
+                                                      "idle_in_transaction_session_timeout nor statement_timeout "
+                                                      "(pool_statement_timeout_s; they would stay "
                                                       "on shared server sessions): set the pooler's own, "
-                                                      "PgBouncer's idle_transaction_timeout")
+                                                      "PgBouncer's idle_transaction_timeout and query_timeout)")
 
 
 def roll_back_open(conn: ConnectionT) -> bool:
@@ -228,11 +229,12 @@ def pool_connect_factory(config: WorkerConfig) -> ConnectionFactory:
                                classes=(DeferringConnection, SpinningDeferringConnection))
 
 
-def watch_connect(connect: ConnectionFactory) -> ConnectionFactory:
+def watch_connect(connect: ConnectionFactory, *, statement_ms: int) -> ConnectionFactory:
     """The lock-wait watch's connections, made by the pool's factory ``connect``: named like
     the pool's with ``:watch`` (as the inbox's and the relay's watches), so that pg_stat_activity
-    tells them from the pool's working connections.  Set by a statement, as a factory of the
-    caller's has its own name; not behind a transaction pooler (where the watch finds nothing)."""
+    tells them from the pool's working connections, and with the pool's ``statement_timeout``
+    (``statement_ms``, 0: none).  Set by a statement, as a factory of the caller's has its own
+    name; not behind a transaction pooler (where the watch finds nothing anyway)."""
 
     def make() -> ConnectionT:
         conn = connect()
@@ -241,7 +243,7 @@ def watch_connect(connect: ConnectionFactory) -> ConnectionFactory:
         name = (conn.info.parameter_status("application_name") or "outbox-jobs-worker")[:57] + ":watch"
         try:
             with translated():
-                conn.execute(session_q("watch_session_setup"), {"name": name})
+                conn.execute(session_q("watch_session_setup"), {"name": name, "statement_ms": statement_ms})
                 if not conn.autocommit:
                     conn.commit()  # a session setting made in a transaction rolled back would be undone
         except BaseException:
@@ -257,14 +259,18 @@ class ConnSlot:
 
     ``idle_ms`` sets ``idle_in_transaction_session_timeout`` on every new
     connection: a thread frozen inside a transaction (SIGSTOP) is disconnected by
-    the server instead of holding its row locks forever.  Not behind a transaction
-    pooler (a :class:`PoolerAware` factory that found one): the setting would stay on
-    whichever server session the pooler lent, for its other clients too.
+    the server instead of holding its row locks forever.  ``statement_ms`` (the pool's own
+    threads' slots only, never an executor's: the handler's session is the handler's) sets
+    ``statement_timeout`` too (``pool_statement_timeout_s``; 0 leaves the role's).  Neither
+    behind a transaction pooler (a :class:`PoolerAware` factory that found one): the setting
+    would stay on whichever server session the pooler lent, for its other clients too.
     """
 
-    def __init__(self, connect: ConnectionFactory, *, idle_ms: int | None = None) -> None:
+    def __init__(self, connect: ConnectionFactory, *, idle_ms: int | None = None,
+                 statement_ms: int | None = None) -> None:
         self._connect = connect
         self._idle_ms = idle_ms
+        self._statement_ms = statement_ms
         self._conn: ConnectionT | None = None
         #: The live connection's session as (backend pid, application_name), None without one:
         #: read by the pool's lock-wait watch (:mod:`.lock_waits`), on its own thread.
@@ -284,7 +290,11 @@ class ConnSlot:
             conn.autocommit = True
             if self._idle_ms is not None and not getattr(self._connect, "pooled", False):
                 with translated():
-                    conn.execute(q("session_setup"), {"idle_ms": self._idle_ms})
+                    if self._statement_ms is None:
+                        conn.execute(q("session_setup"), {"idle_ms": self._idle_ms})
+                    else:
+                        conn.execute(session_q("pool_session_setup"),
+                                     {"idle_ms": self._idle_ms, "statement_ms": self._statement_ms})
             self._conn = conn
             self.session = (conn.info.backend_pid, conn.info.parameter_status("application_name") or "")
         return conn

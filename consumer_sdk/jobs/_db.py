@@ -9,7 +9,8 @@ raised inside it), a refused row (a violated
 CHECK, a trigger's refusal, a value or size the database cannot store)
 :class:`~consumer_sdk.jobs.errors.InvalidJob`, a missing grant
 :class:`~consumer_sdk.jobs.errors.PrivilegeMissing`, a read-only database (a standby)
-:class:`~consumer_sdk.jobs.errors.DatabaseReadOnly`, a DatabaseUnavailable.
+:class:`~consumer_sdk.jobs.errors.DatabaseReadOnly`, a DatabaseUnavailable; a statement a
+``statement_timeout`` cancelled :class:`StatementTimedOut`, a DatabaseUnavailable too.
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ def q(name: str) -> str:
 def session_q(name: str) -> str:
     """A named block of ``sql/queries/jobs_session.sql`` (the pool's own sessions' settings)."""
     return query("jobs_session", name)
+
+
+class StatementTimedOut(DatabaseUnavailable):
+    """The server cancelled a statement that ran past its session's ``statement_timeout`` (57014):
+    the database answers, slowly (an overloaded server, a large scan, a lock held long).  Retried
+    like any DatabaseUnavailable; its own type so that the pool's log says what cancelled it."""
+
+
+#: The start of a 57014's message when a statement_timeout (not pg_cancel_backend) cancelled it.
+_STATEMENT_TIMEOUT = "canceling statement due to statement timeout"
 
 
 #: SQLSTATE classes of a refusal of what the statement writes (its rows, its values), not of
@@ -83,6 +94,10 @@ def translated() -> Iterator[None]:
             raise TransactionConflict(f"transaction aborted: {first_line(exc)}") from exc  # are not one
         if refused(exc):
             raise InvalidJob(f"the database refused the row: {first_line(exc)}") from exc
+        if isinstance(exc, psycopg.errors.QueryCanceled) and first_line(exc).startswith(_STATEMENT_TIMEOUT):
+            raise StatementTimedOut(f"statement_timeout cancelled the statement ({first_line(exc)}): the pool's "
+                                    "own statements run with pool_statement_timeout_s, other sessions with "
+                                    "the role's or database's statement_timeout") from exc
         if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) or exc.sqlstate in PASSING_STATES:
             raise DatabaseUnavailable(f"database unavailable: {first_line(exc)}") from exc
         raise FatalError(f"jobs statement failed: {first_line(exc)}") from exc

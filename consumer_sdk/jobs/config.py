@@ -34,6 +34,9 @@ MAX_DURATION_S = 86_400.0
 MAX_OWNERS_PER_ROUND = 100_000
 #: PostgreSQL keeps the first 63 bytes of application_name (NAMEDATALEN - 1).
 MAX_APPLICATION_NAME_CHARS = 63
+#: The pool's own statements' statement_timeout (WorkerConfig.pool_statement_timeout_s): past
+#: the outage watch's 10 s and the lock-wait watch's first look (5 s), within the default lease.
+DEFAULT_POOL_STATEMENT_TIMEOUT_S = 20.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +75,12 @@ class WorkerConfig:
       letter after the last attempt) written by the pool under its lease token; checked at
       each heartbeat.  A handler that ignores the cancellation keeps its thread and slot
       until it returns (:mod:`consumer_sdk.jobs.timeouts`).  Not per queue.
+    * ``pool_statement_timeout_s``: the ``statement_timeout`` of the pool's own statements (its
+      claims, lease renewals, reaps, reconciles and lock-wait look; never the handler's
+      connection), 20 s by default, 0 for none (the role's or database's applies).  A statement
+      cancelled by it (an overloaded server, a large scan, a lock held that long) is logged with
+      the statement and the setting, and tried again at the next round.  Not set behind a
+      transaction pooler (it would stay on the pooler's shared server sessions).
     * ``db_spin_us``: how long a wait for the database's answer polls the socket before
       sleeping on it (:mod:`outbox_core.spin`).  Off by default: with a pool's threads
       polling at once, they compete for the interpreter and the cores (measured: 0.74 x
@@ -96,7 +105,7 @@ class WorkerConfig:
       ``heartbeat_interval_s`` from 0.1 s to half the lease; ``poll_interval_s`` and
       ``reconcile_interval_s``, ``running_long_after_s`` and ``handler_timeout_s`` (or
       None) above 0 up to 1 day;
-      ``drain_timeout_s`` 0 to 1 day;
+      ``drain_timeout_s`` and ``pool_statement_timeout_s`` 0 to 1 day;
       all finite numbers;
     * ``events_topic`` None or a Kafka topic name (1-249 of ``[A-Za-z0-9._-]``, not
       ``.`` or ``..``); ``worker_id`` None or 1-200 characters; ``application_name`` a
@@ -124,6 +133,7 @@ class WorkerConfig:
     application_name: str = "outbox-jobs-worker"
     running_long_after_s: float = DEFAULT_RUNNING_LONG_AFTER_S
     handler_timeout_s: float | None = None  # None: no limit (long work is legitimate)
+    pool_statement_timeout_s: float = DEFAULT_POOL_STATEMENT_TIMEOUT_S  # 0: none (the role's applies)
     db_spin_us: float = 0.0  # off: a pool's threads would poll against each other (README)
     max_interruptions: int = DEFAULT_MAX_INTERRUPTIONS
     lease_s: float | None = None  # deprecated alias of lease_duration_s
@@ -140,6 +150,7 @@ class WorkerConfig:
         _check.seconds("poll_interval_s", self.poll_interval_s, 0.0, MAX_DURATION_S, lo_open=True)
         _check.seconds("reconcile_interval_s", self.reconcile_interval_s, 0.0, MAX_DURATION_S, lo_open=True)
         _check.seconds("drain_timeout_s", self.drain_timeout_s, 0.0, MAX_DURATION_S)
+        _check.seconds("pool_statement_timeout_s", self.pool_statement_timeout_s, 0.0, MAX_DURATION_S)
         _check.seconds("running_long_after_s", self.running_long_after_s, 0.0, MAX_DURATION_S, lo_open=True)
         if self.handler_timeout_s is not None:
             _check.seconds("handler_timeout_s", self.handler_timeout_s, 0.0, MAX_DURATION_S, lo_open=True)
@@ -206,6 +217,12 @@ class WorkerConfig:
         also resets the server's idle timer on the handler's connection (``fence_keepalive``),
         so it lives as long as the lease is renewed."""
         return max(1000, int(self.lease_duration_s * 1000))
+
+    @property
+    def pool_statement_timeout_ms(self) -> int:
+        """``pool_statement_timeout_s`` in PostgreSQL's milliseconds (0: none); at least 1 when set."""
+        seconds = self.pool_statement_timeout_s
+        return max(1, round(seconds * 1000)) if seconds > 0 else 0
 
 
 def check_pool_arguments(config: Any, handlers: Any, metrics: Any) -> WorkerConfig:

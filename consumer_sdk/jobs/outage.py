@@ -57,6 +57,12 @@ not ready, each of them would be taken out of rotation (with the service that em
 no gain, and the wait ends when a person ends the blocking transaction, which
 ``jobs_lock_wait`` and the alert ``OutboxJobsLockWait`` name.  A statement that merely runs
 that long is not told apart from a server that does not answer: the reason says both.
+
+A round whose statement the server cancelled for the pool's ``statement_timeout``
+(``pool_statement_timeout_s``, :class:`~consumer_sdk.jobs._db.StatementTimedOut`) is a failed round
+like the others (the database answers, too slowly to claim): ``dispatch_failed`` names the
+round's step (``statement``: the claim, the reap or reconcile, ...) and the setting, and says
+when the lock-wait watch found that statement waiting on a lock; the next round tries again.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from consumer_sdk.errors import DatabaseUnavailable
+from consumer_sdk.jobs._db import StatementTimedOut
 from consumer_sdk.jobs.errors import DatabaseReadOnly
 from consumer_sdk.jobs.metrics import JobsMetrics
 from outbox_core.secrets import mask_text
@@ -89,6 +96,10 @@ _UNANSWERED_HINT = ("a network partition that drops packets, or a server that do
                     "it) and the pool connects again; dispatch_recovered when it returns")
 _HINT = ("the dispatcher tries again with back-off (at most poll_interval_s) and claims nothing meanwhile; "
          f"logged again at most every {LOG_EVERY_S:.0f} s while it lasts, dispatch_recovered when a round passes")
+_TIMED_OUT_HINT = ("the database answers, too slowly: look for what slows it (CPU or I/O saturation, a large scan "
+                   "of the jobs tables: pg_stat_activity, pg_stat_statements); raise pool_statement_timeout_s "
+                   "(0: none) only if such a statement is expected to take that long. ")
+_LOCKED_HINT = "It waited on a lock (jobs_lock_wait names the blocking backend). "
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +120,8 @@ class Streak:
 
     def reason(self) -> str:
         """What the pool's health says of it (without how long: see :meth:`Outage.reason`)."""
+        if self.error_type == StatementTimedOut.__name__:
+            return "the database cancelled the dispatcher's statements for their statement_timeout"
         if self.read_only:
             return "the database is read-only (a standby, or a failover in progress)"
         return "the database is unavailable (stopped, unreachable, or refusing connections)"
@@ -190,9 +203,10 @@ class Outage:
                 f"{_utc(since)}, nothing claimed meanwhile): a network partition, or a server that does not "
                 "answer (or a statement that runs that long)")
 
-    def failed(self, exc: Exception, *, began: float) -> None:
-        """A round that began at ``began`` (the clock's seconds) failed with ``exc``: count it;
-        log it when it is the outage's first, its error's type changed, or :data:`LOG_EVERY_S` passed."""
+    def failed(self, exc: Exception, *, began: float, statement: str | None = None) -> None:
+        """A round that began at ``began`` (the clock's seconds) failed with ``exc`` in ``statement``
+        (what the round was doing); count it; log it when it is the outage's first, its error's type
+        changed, or :data:`LOG_EVERY_S` passed."""
         now, last = self._clock(), self.streak
         error, error_type = mask_text(str(exc)), type(exc).__name__
         unanswered = self._unanswered_ended is not None or (last is not None and last.unanswered)
@@ -204,8 +218,12 @@ class Outage:
         due = last is None or last.error_type != error_type or now - last.logged_at >= self.log_every_s
         self.streak = replace(streak, logged_at=now) if due else streak
         if due:
+            said = {} if statement is None else {"statement": statement}
+            hint = _HINT
+            if isinstance(exc, StatementTimedOut):
+                hint = (_LOCKED_HINT if self.lock_wait_s() > 0 else "") + _TIMED_OUT_HINT + _HINT
             self.log.warning("dispatch_failed", error=error, error_type=error_type, rounds=streak.rounds,
-                             failing_s=round(now - streak.began, 1), hint=_HINT)
+                             failing_s=round(now - streak.began, 1), hint=hint, **said)
 
     def passed(self, *, read_only_session: bool = False) -> None:
         """A round passed (or the database answered it with a refusal).  One that

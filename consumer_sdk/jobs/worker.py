@@ -26,7 +26,9 @@ round unanswered for ten seconds (a partition that drops packets; not a lock wai
 
 Every connection the pool opens carries TCP keep-alives and a ``tcp_user_timeout`` of one
 lease (:func:`consumer_sdk.jobs._conn.tcp_options`; the DSN's own values win): in a partition
-that drops packets, a statement fails after about a lease, not the kernel's 15 minutes.
+that drops packets, a statement fails after about a lease, not the kernel's 15 minutes.  The
+pool's own sessions (the dispatcher's, the heartbeat's, the lock-wait watch's; not the executors',
+whose sessions are the handlers') run with ``statement_timeout`` = ``pool_statement_timeout_s``.
 
 No transaction is ever held while a handler runs, except the handler's own fenced
 transactions (a handler past ``handler_timeout_s``: :mod:`consumer_sdk.jobs.timeouts`).
@@ -127,7 +129,8 @@ class WorkerPool(Executing):
         self._sleeping_until = 0.0  # when the dispatcher wakes up at the latest
         self._dispatching = False  # the dispatcher loop runs (else executors complete their jobs)
         self._wake, self._stopping, self._hb_stop = threading.Event(), threading.Event(), threading.Event()
-        self._dispatch_slot = ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms)
+        own_ms = config.pool_statement_timeout_ms  # the pool's own statements' statement_timeout (0: none)
+        self._dispatch_slot = ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms, statement_ms=own_ms)
         self._listener = Listener(self._connect, self.wake, log=self.log) if config.listen else None
         self._threads = PoolThreads()
         self._wake_free = max(1, config.max_concurrency // 4)  # free slots worth a round
@@ -138,13 +141,14 @@ class WorkerPool(Executing):
         #: The dispatcher's rounds failed in a row for the database (unavailable, read-only).
         self._outage = Outage(log=self.log, metrics=self.metrics, clock=clock, own_watch=False,
                               lock_wait_s=lambda: self.lock_waits.last_wait_s)
+        self._step = "connect"  # what the dispatcher's round does now (its failure's ``statement``)
         self._read_only_session = False  # the last round ran on a read-only session (it proved nothing)
         self._next_due: float | None = None
         self._more_work = self._schema_checked = False
         self._started = self._stopped = False
         #: The fatal error that stopped claiming (AuthenticationFailed, ...), else None.
         self.error: FatalError | None = None
-        hb_slot = ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms)
+        hb_slot = ConnSlot(self._connect, idle_ms=config.idle_in_transaction_ms, statement_ms=own_ms)
         self._hb = Heartbeat(slot=hb_slot, worker_id=self.worker_id, lease_s=config.lease_duration_s, queues=config.queues,
                              max_concurrency=config.max_concurrency, running=self.running, metrics=self.metrics,
                              log=self.log, clock=clock, db_now=db_now, running_long_s=config.running_long_after_s,
@@ -152,9 +156,9 @@ class WorkerPool(Executing):
         self.rounds = 0  # dispatch rounds completed (tests wait on it)
         #: Names what the dispatcher's and the heartbeat's statements wait on (jobs_lock_wait); its
         #: thread, the pool's one watching thread, ticks the outage's round in flight too.
-        self.lock_waits = PoolLockWaitWatch.of_slots(watch_connect(self._connect), dispatcher=self._dispatch_slot,
-                                                     heartbeat=hb_slot, metrics=self.metrics,
-                                                     queues=config.queues, log=self.log)
+        self.lock_waits = PoolLockWaitWatch.of_slots(watch_connect(self._connect, statement_ms=own_ms),
+                                                     dispatcher=self._dispatch_slot, heartbeat=hb_slot,
+                                                     metrics=self.metrics, queues=config.queues, log=self.log)
         self.lock_waits.tick_also(self._outage.watch_every_s, self._outage.check)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -269,8 +273,10 @@ class WorkerPool(Executing):
     def run_once(self) -> int:
         """One dispatch round: reconcile or reap, then claim fairly into free slots.  A missing
         table met by any of its statements is a refusal of the claim, as in :mod:`.refusals`."""
+        self._step = "connect"
         conn = self._dispatch_slot.get()
         if not self._schema_checked or self._refusals.schema_missing("claim"):  # its pass ends that refusal
+            self._step = "schema check"
             with self._refusals.watch("claim"):
                 jobq.check_schema(conn)
             self._schema_checked = True
@@ -278,7 +284,9 @@ class WorkerPool(Executing):
         if self._next_due is not None and now >= self._next_due:
             self._next_due = None
             self._lanes.stale.set()
+        self._step = "reap or reconcile"
         self._upkeep.run_due(conn, now)
+        self._step = "claim (with the completions of the jobs that succeeded)"
         with self._lock:
             held, full, claimed = dict(self._line.held), self._line.total >= self._line.capacity, 0
         with self._refusals.watch("claim", sent=False):  # the lanes' read, the successes written alone
@@ -337,7 +345,7 @@ class WorkerPool(Executing):
                 break
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything
                 if isinstance(exc, OutboxSdkError):  # logged once per outage (.outage): no line per round
-                    self._outage.failed(exc, began=began)
+                    self._outage.failed(exc, began=began, statement=self._step)
                 else:
                     self.log.exception("dispatch_crashed")
                 self._stopping.wait(pause_s)
