@@ -113,7 +113,8 @@ class WorkerPool(Executing):
         self._executor = Executor(handlers=handlers, backoff=config.backoff, metrics=self.metrics,
                                   log=self.log, events_topic=config.events_topic, db_now=db_now,
                                   on_retry=self._retry_scheduled, rand=rand,
-                                  complete_later=self._complete_later, on_fatal=self._failed)
+                                  complete_later=self._complete_later, on_fatal=self._failed,
+                                  max_interruptions=config.max_interruptions)
         self.reconciler = Reconciler(queues=config.queues, metrics=self.metrics, log=self.log,
                                      events_topic=config.events_topic, db_now=db_now)
         self.outcomes: Counter[str] = Counter()
