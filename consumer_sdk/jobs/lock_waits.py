@@ -12,7 +12,8 @@ has had a statement in flight for ``after_s`` (:meth:`ConnSlot.in_use
 <consumer_sdk.jobs._conn.ConnSlot.in_use>`, sampled every ``every_s``: a round of short
 statements back to back may pass for one long one, which costs one look and logs nothing,
 as the server says how long each statement has run).  Then, on a connection of its own made
-by the pool's factory (closed once both move again), it reads what those two sessions wait
+by the pool's factory (``<application_name>:watch``, with the pool's ``statement_timeout``:
+:func:`~consumer_sdk.jobs._conn.watch_connect`; closed once both move again), it reads what those two sessions wait
 on (``waits.sql`` ``relay_waits``: catalog views only).  A lock wait is logged as
 ``jobs_lock_wait`` (again every :data:`~outbox_core.waits.LOG_EVERY_S` per session and
 blocker) naming the session (``dispatcher`` or ``heartbeat``), the blocking backend (pid,
