@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from relay.config import mask_text
 from relay.errors import DatabaseReadOnly, DatabaseUnavailable, FatalError
-from relay.marker import MarkCancelled, MarkConnectionLost
+from relay.marker import LOSS_STREAK_S, MarkCancelled, MarkConnectionLost
 from relay.publisher import BrokerState
 
 if TYPE_CHECKING:
@@ -150,7 +150,8 @@ class Dependencies:
         and the claims connection still answers.  Then it is said as such, once, and the
         caller rewinds: whether the marks in flight on it committed is unknown, so their
         rows are claimed again (published again, never lost); the connection re-opens at
-        its next mark.  Before, it was said ``database_unavailable``, the line of an outage,
+        its next mark, after a back-off when it was lost in a row (relay/marker.py
+        MarkLosses: counted each time, said once a streak).  Before, it was said ``database_unavailable``, the line of an outage,
         and the claims connection and LISTEN were dropped with it.  False (an outage: the
         caller says so) when the database was already down or does not answer a round trip
         on the claims connection (every backend ended, the server stopped)."""
@@ -176,13 +177,20 @@ class Dependencies:
                           detail=f"the mark connection {name} broke in the database's outage "
                                  "(database_unavailable before); its marks in flight are re-claimed "
                                  "(a rewind), and it re-opens at its next mark")
-        else:
+            return True
+        # Its own loss: counted each time, said once a streak (relay/marker.py MarkLosses).
+        self.metrics.mark_connection_losses.labels(name).inc()
+        if store.losses.lost():
             self.log.warning("mark_connection_lost", connection=name, error=mask_text(str(exc)),
                              detail=f"the server ended the mark connection {name} (pg_terminate_backend, "
                                     "idle_session_timeout, a pooler or the network) while the database "
                                     "answers on the others; its marks in flight are re-claimed (a "
                                     "rewind): nothing is lost, those rows may be published twice; it "
-                                    "re-opens at its next mark")
+                                    "re-opens at its next mark. Lost again within "
+                                    f"{LOSS_STREAK_S:g} s, it is counted "
+                                    "(outbox_relay_mark_connection_losses_total), not said again, and "
+                                    "its re-open waits a back-off (1 s doubling up to 30 s) while the "
+                                    "other mark connections mark")
         return True
 
     def _client_error(self, state: BrokerState, message: str, fatal: bool) -> None:

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from operator import attrgetter
 from typing import Any
 
-from relay.marker import Marker, MarkOutcome, MarkStore, ProbedStore
+from relay.marker import Marker, MarkOutcome, MarkStore, ProbedStore, holding
 from relay.model import OutboxRow, RowId, ShardId, Token
 
 #: A batch of at least this many rows is split between the mark lanes; a smaller one goes
@@ -144,6 +144,9 @@ class MarkLanes:
         if len(rows) >= self.split_rows and self._first_marked and not all(self._ready):
             self._probe_idle_lanes()
         ready = [lane for lane, ok in enumerate(self._ready) if ok]
+        # A connection lost again and again waits out its re-open's back-off (relay/marker.py
+        # MarkLosses): the others mark meanwhile; all held, the work waits on its lane.
+        ready = [lane for lane in ready if not holding(self.lanes[lane].store)] or ready
         if len(ready) == 1:
             return [(ready[0], rows)]
         per_shard = Counter(map(_SHARD, rows))
@@ -151,7 +154,7 @@ class MarkLanes:
         if len(rows) < self.split_rows:
             weight: Counter[int] = Counter()
             for shard, home in homes.items():
-                if home is not None:
+                if home is not None and home in ready:
                     weight[home] += per_shard[shard]
             lane = (weight.most_common(1)[0][0] if weight
                     else min(ready, key=self._queued.__getitem__))
@@ -160,7 +163,7 @@ class MarkLanes:
         assigned: dict[ShardId, int] = {}
         for shard, count in sorted(per_shard.items(), key=lambda item: -item[1]):
             home = homes[shard]
-            lane = home if home is not None else min(load, key=load.__getitem__)
+            lane = home if home in load else min(load, key=load.__getitem__)
             assigned[shard] = lane
             load[lane] += count
         for _ in range(len(per_shard)):  # even out a split that is off by over a quarter

@@ -19,6 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Protocol, runtime_checkable
 
 from relay.errors import DatabaseReadOnly, DatabaseUnavailable, StatementCancelled
 from relay.model import Lease, OutboxRow, RowId, ShardId, Token
+from relay.wakeup import ReopenBackOff
 
 #: What a mark returns: shards still held, ids marked, seconds the statement took.
 MarkOutcome = tuple[set[ShardId], set[RowId], float]
@@ -41,6 +43,56 @@ class ProbedStore(MarkStore, Protocol):
     """A mark store whose connection can be probed before it gets work (relay.store.Store)."""
 
     def ping(self) -> None: ...
+
+
+#: A mark connection lost again within this many seconds of its previous loss is lost in a
+#: row: its re-open waits a back-off, and the streak is said once.  Twice the back-off's cap
+#: (relay/wakeup.py): a connection that lived longer than that is not flapping.
+LOSS_STREAK_S = 60.0
+#: How often a mark thread held back by its connection's back-off looks again (seconds).
+HOLD_LOOK_S = 0.05
+
+
+class MarkLosses:
+    """One mark connection's losses in a row (the server ended it while the database
+    answered: relay/app_deps.py), and the back-off on re-opening it after the second.
+
+    A pooler or an ``idle_session_timeout`` ending the connection again and again, or a
+    flapping route, cost a rewind at each loss (the marks in flight claimed again: rows
+    published twice) and the connection re-opened at its next mark at once.  From the
+    second loss in a row, the mark lanes send its work to the other connections, and its
+    own thread waits until the back-off (:class:`relay.wakeup.ReopenBackOff`: 1 s doubling,
+    up to 30 s) is over before it re-opens.  A loss more than :data:`LOSS_STREAK_S` after
+    the previous one starts a new streak.  Written on the loop's thread, read on the mark
+    threads (a count and a time: a stale read costs one look)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._back_off = ReopenBackOff(clock)
+        self._last_at = float("-inf")
+
+    def lost(self) -> bool:
+        """Count a loss; True for the first of a streak, the one worth a log line."""
+        now = self._clock()
+        if now - self._last_at > LOSS_STREAK_S:
+            self._back_off.passed()
+        self._last_at = now
+        return self._back_off.failed()
+
+    @property
+    def in_a_row(self) -> int:
+        """The losses of the current streak (0: none)."""
+        return self._back_off.failures
+
+    def holding(self) -> bool:
+        """Is the connection's re-open held back now (its second loss in a row or later)?"""
+        return self._back_off.failures > 1 and not self._back_off.due()
+
+
+def holding(store: object) -> bool:
+    """Is ``store``'s re-open held back by its :class:`MarkLosses` (a store without: never)?"""
+    losses = getattr(store, "losses", None)
+    return isinstance(losses, MarkLosses) and losses.holding()
 
 
 class MarkConnectionLost(DatabaseUnavailable):
@@ -116,6 +168,7 @@ class Marker:
         self._stopped = False
         self._held_back: _Job | None = None  # taken from the queue but not mergeable
         self._stop_taken = False  # the thread took the stop request from the queue
+        self._stopping = threading.Event()  # set with the stop request: no more waiting
 
     def start(self) -> None:
         """Start the mark thread.  Idempotent; a stopped marker does not start again."""
@@ -143,6 +196,7 @@ class Marker:
         if self._stopped:
             return
         self._stopped = True
+        self._stopping.set()
         if self._thread is not None:
             self._queue.put(None)
 
@@ -168,6 +222,8 @@ class Marker:
             return 0
         if job.after:
             wait_futures(job.after)  # earlier marks of its shards, on another thread
+        while holding(self.store) and not self._stopping.is_set():  # lost again and again:
+            self._stopping.wait(HOLD_LOOK_S)  # its re-open waits (a stop marks what is left)
         jobs, tokens, size = [job], dict(job.tokens), len(job.rows)
         while size < self.max_rows:
             try:

@@ -25,6 +25,7 @@ from relay.db import int_array, require_schema
 from relay.db import translate_connect_error as translate_connect_error
 from relay.db import translated as translated
 from relay.errors import ConfigError, SchemaBehind, SchemaMissing
+from relay.marker import MarkLosses
 from relay.model import Claimed, Cursor, Lease, OutboxRow, RowId, ShardId
 from relay.queries import compose, query
 from relay.store_leases import LeaseStatements
@@ -111,6 +112,8 @@ class Store(LeaseStatements):
         #: Mark statements committed (relay/app_deps.py: a mark connection found broken with
         #: none committed since the database's outage broke in that outage).
         self.marks = 0
+        #: A mark connection's losses in a row and its re-open's back-off (relay/marker.py).
+        self.losses = MarkLosses()
 
     # -- connections -----------------------------------------------------------------------
 

@@ -14,8 +14,11 @@ Each event is counted at the broker and marked in the database."""
 from __future__ import annotations
 
 import json
+import time
+import urllib.request
 
 import psycopg
+from prometheus_client.parser import text_string_to_metric_families
 
 from relay.connections import application_name
 from tests.fixtures.broker import read_all
@@ -31,7 +34,7 @@ from tests.fixtures.outbox import (
     scalar,
     wait_drained,
 )
-from tests.fixtures.procs import Proc, wait_until
+from tests.fixtures.procs import Proc, free_port, wait_until
 
 #: Rows a tick of the writer commits (over as many keys), every 20 ms while events flow.
 PER_TICK = 10
@@ -103,26 +106,45 @@ def _all_published_and_marked(dsn: str, proc: Proc, broker: str, topic: str, wri
     assert len(delivery.unique) == written
 
 
+def _losses_counted(port: int, name: str) -> float | None:
+    """outbox_relay_mark_connection_losses_total of the connection ``name``, as /metrics shows it."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "outbox_relay_mark_connection_losses_total" and sample.labels["connection"] == name:
+                return float(sample.value)
+    return None
+
+
 def test_a_mark_connection_the_server_ended_is_said_as_that_and_its_rows_are_claimed_again(
         outbox_db, broker, topic, spawn):
+    """Ended twice in a row: said once (the streak), counted twice, and the second re-open
+    waits a back-off (2 s): before, each loss was a line and re-opened at the next mark."""
     owner = "marklost"
     claims, mark = application_name(owner, ""), application_name(owner, ":mark")
-    relay = spawn(relay_cmd("run"), env=relay_env(outbox_db, broker.bootstrap, owner=owner), name="relay")
+    port = free_port()
+    relay = spawn(relay_cmd("run"), env=relay_env(outbox_db, broker.bootstrap, owner=owner, metrics_port=port),
+                  name="relay")
+    reopened_after: list[float] = []
     with Writer(outbox_db, topic, keys=PER_TICK, per_tick=PER_TICK) as writer:
         _flowing(outbox_db, 200)
         claims_pid = _backend(outbox_db, claims)
-        for ended in (1, 2):  # twice: each loss is said
+        for ended in (1, 2):  # twice in a row
             pid = _backend(outbox_db, mark)
             assert pid is not None and _end_backends(outbox_db, [mark]) == [mark]
-            wait_until(lambda: len(_events(relay, "mark_connection_lost")) >= ended,  # noqa: B023
-                       timeout_s=60, message=lambda: f"not said: {relay.log_tail()}")
+            ended_at = time.monotonic()
+            wait_until(lambda: _losses_counted(port, mark) == ended, timeout_s=60,  # noqa: B023
+                       message=lambda: f"not counted: {relay.log_tail()}")
             wait_until(lambda: _backend(outbox_db, mark) not in (None, pid), timeout_s=60,  # noqa: B023
                        message="the mark connection was not re-opened")
+            reopened_after.append(time.monotonic() - ended_at)
             _flowing(outbox_db, 200)  # and marks on it go on
-    lost = _events(relay, "mark_connection_lost")
-    assert [each["connection"] for each in lost] == [mark, mark], lost
-    assert all("terminating connection due to administrator command" in str(each["error"]) for each in lost), lost
-    assert all("re-claimed" in str(each["detail"]) for each in lost), lost
+    (lost,) = _events(relay, "mark_connection_lost")
+    assert lost["connection"] == mark, lost
+    assert "terminating connection due to administrator command" in str(lost["error"]), lost
+    assert "re-claimed" in str(lost["detail"]) and "back-off" in str(lost["detail"]), lost
+    assert reopened_after[1] >= 1.5, reopened_after  # the second loss in a row: 2 s back-off
     # Not an outage: not said as one, and the claims connection was kept.
     assert not _events(relay, "database_unavailable") and not _events(relay, "mark_connection_stale")
     assert _backend(outbox_db, claims) == claims_pid
