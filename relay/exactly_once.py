@@ -13,7 +13,8 @@ pump's claim, settle, mark and rewind logic is the default mode's.  What changes
   the rows, then ONE position
   record to the relay's compacted position topic (partition = shard) listing the ids
   of this transaction and of the shard's earlier committed transactions whose marks
-  are not confirmed yet; then commit.  Outcomes come back through a queue and the
+  are not confirmed yet (written in parts when over the topic's max.message.bytes:
+  relay/exactly_once_records.py); then commit.  Outcomes come back through a queue and the
   pump's callbacks run inside ``poll``, on the pump's thread.
 - A failed transaction fails its rows and every row buffered after it for the shard,
   and the shard produces nothing more until the pump rewinds (per-key order).
@@ -46,6 +47,7 @@ from relay.errors import ConfigError, LeaseLost
 from relay.exactly_once_buffers import FULL_TRANSACTION_ROWS as FULL_TRANSACTION_ROWS
 from relay.exactly_once_buffers import BufferingPublisher, ShardState
 from relay.exactly_once_position import BrokerUnreachable, ensure_position_topic, mark_listed
+from relay.exactly_once_records import RECORD_OVERHEAD_BYTES, smallest_limit_bytes
 from relay.exactly_once_shard import Result, ShardWorker
 from relay.model import Lease, RowId, ShardId, Token
 
@@ -110,6 +112,8 @@ class TransactionalPublisher(BufferingPublisher):
         if self._metrics is not None:
             outcome = "committed" if result.ok else ("fenced" if fenced else "aborted")
             self._metrics.transactions.labels(outcome).inc()
+        if result.position_refused:
+            self._cut_position_records(max(result.position_refused))
         if result.ok and current and state is not None:
             state.unconfirmed.update((row.id, result.listed[row.id]) for row in result.rows)
         elif not result.ok:
@@ -155,6 +159,29 @@ class TransactionalPublisher(BufferingPublisher):
         if result.fenced:
             self._lose(result.worker)
         return 0
+
+    def _cut_position_records(self, refused_bytes: int) -> None:
+        """The broker refused a position record as too large: the topic's (or the broker's)
+        limit was lowered since start.  The next records are cut to half the size, not
+        retried as they were (its transaction's rows were, into the same record, for ever);
+        said once per cut.  Not even a record of one row fits: the relay stops (ConfigError)."""
+        if refused_bytes + RECORD_OVERHEAD_BYTES > self._record_limit:
+            return  # encoded before an earlier cut: the next ones are smaller already
+        floor = smallest_limit_bytes(self._outbox)
+        if self._record_limit <= floor:
+            if self._on_fatal is not None:
+                self._on_fatal(f"exactly-once: the position topic {self._position_topic} refused position "
+                               f"records cut to the size of one row ({refused_bytes} bytes) as too large; "
+                               f"raise its max.message.bytes (and the broker's message.max.bytes) to 1000000")
+            return
+        limit = max(floor, min(self._record_limit, refused_bytes + RECORD_OVERHEAD_BYTES) // 2)
+        self._log.warning("exactly_once_position_record_too_large", topic=self._position_topic,
+                          refused_bytes=refused_bytes, limit_bytes=limit,
+                          hint=f"the broker refused a position record as too large: {self._position_topic}'s "
+                               f"max.message.bytes (or the broker's message.max.bytes) is below what it was "
+                               f"at start; the next records are written in parts of at most {limit} bytes. "
+                               f"Restore the limit, or restart the relay to read it again")
+        self._record_limit = limit
 
     def _recreate_position_topic(self) -> None:
         """A position partition not found: a topic deleted meanwhile is created again (every 5 s at

@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay.errors import ConfigError
 from relay.exactly_once_leaders import Leaders
 from relay.exactly_once_position import RecoveryStore, event_digest
+from relay.exactly_once_records import record_limit_bytes, smallest_limit_bytes
 from relay.exactly_once_shard import Headers, Job, Result, SentRows, ShardWorker
 from relay.leases import LeaseManager
 from relay.model import OutboxRow, RowId, ShardId
@@ -68,6 +70,12 @@ class BufferingPublisher:
         self._leases = leases
         self._table = table
         self._position_topic = position_topic
+        #: A position record's largest size: the topic's limit read at start, cut when refused.
+        self._record_limit = record_limit_bytes(config, position_topic)
+        if self._record_limit < smallest_limit_bytes(outbox):
+            raise ConfigError(f"exactly-once: records of at most {self._record_limit} bytes (the producer's "
+                              f"message.max.bytes or {position_topic}'s max.message.bytes) cannot hold a "
+                              f"position record of one row: raise it")
         self._prefix = transactional_id_prefix
         self._store = recovery_store
         self._store_lock = threading.Lock()  # a Store is one connection: one thread at a time
@@ -247,5 +255,6 @@ class BufferingPublisher:
             listed = {**state.unconfirmed, **{row.id: event_digest(row.event_id) for row, _h, _cb in take}}
             state.worker.submit(Job(rows=[(row, h) for row, h, _cb in take],
                                     position=sorted(listed.items()),
-                                    callbacks={row.id: cb for row, _h, cb in take}))
+                                    callbacks={row.id: cb for row, _h, cb in take},
+                                    limit_bytes=self._record_limit))
         self._serve_immediate()

@@ -20,6 +20,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from relay.errors import ConfigError
+from relay.exactly_once_records import merge_parts, part_key, parts_named, read_record_limit
 from relay.kafka_producer import _KAFKA_LOG
 from relay.marker import MarkStore
 from relay.model import Lease, OutboxRow, RowId, ShardId
@@ -62,8 +63,9 @@ UNANSWERED = {KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._R
 def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
                           timeout_s: float = 5.0) -> bool:
     """Create the compacted position topic (one partition per shard) when missing (True:
-    created here); a clear ConfigError when it has too few partitions or may not be
-    created, and BrokerUnreachable when no broker answered."""
+    created here); a clear ConfigError when it has too few partitions, may not be created or
+    takes no record of one row, and BrokerUnreachable when no broker answered.  Its record
+    size limit is kept for :func:`relay.exactly_once_records.record_limit_bytes`."""
     admin = AdminClient(shared_config(config))
     try:
         found = admin.list_topics(timeout=timeout_s).topics.get(topic)  # no auto-creation
@@ -77,6 +79,7 @@ def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
                 f"exactly-once: position topic {topic} has {len(found.partitions)} partitions, "
                 f"fewer than the {nshards} shards; add partitions or name another topic "
                 f"(--exactly-once-position-topic)")
+        read_record_limit(admin, config, topic, timeout_s)
         return False
     futures = admin.create_topics(
         [NewTopic(topic, num_partitions=nshards, replication_factor=-1,
@@ -93,6 +96,7 @@ def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
         raise ConfigError(
             f"exactly-once: cannot create the position topic {topic} ({nshards} partitions, "
             f"cleanup.policy=compact): {err.str()}; create it or grant CREATE on it") from None
+    read_record_limit(admin, config, topic, timeout_s)
     return True
 
 
@@ -155,16 +159,17 @@ class PositionReader:
             start = max(low, high - tail)
             last = _last_record(self._consumer, TopicPartition(self._tp.topic, self._tp.partition,
                                                                start), self._timeout_s)
-            if last is not None or start <= low:
+            # A record written in parts (relay.exactly_once_records) is read with all of them.
+            if (last is not None and len(last[2]) >= parts_named(last[0])) or start <= low:
                 break
             tail *= 8
         if last is None:
             return Position([], None, high)
-        value, offset = last
+        value, offset, parts = last
         if value is None:  # a tombstone: nothing listed (a relay writes none)
             return Position([], None, high)
         try:
-            record = json.loads(value)
+            record = merge_parts(json.loads(value), parts)
             ids = [RowId(int(i)) for i in record["ids"]]
             events = record.get("events")
             if events is not None:
@@ -224,11 +229,15 @@ def read_position(config: dict[str, str], topic: str, shard: ShardId,
         reader.close()
 
 
-def _last_record(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> tuple[bytes | None, int] | None:
+def _last_record(consumer: Consumer, tp: TopicPartition,
+                 timeout_s: float) -> tuple[bytes | None, int, list[bytes | None]] | None:
     """Read from ``tp`` to the end (read_committed: the last stable offset): the last
-    record's value and offset."""
+    record's value and offset, and the values of the part records just before it (its
+    transaction's, when it was written in parts)."""
     consumer.assign([tp])
-    last: tuple[bytes | None, int] | None = None
+    last: tuple[bytes | None, int, list[bytes | None]] | None = None
+    run: list[bytes | None] = []  # the part records since the last record
+    part_prefix = part_key(tp.partition, 0)[:-1]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         # One message at a time: consume(n, timeout) waits out its timeout unless n came,
@@ -239,7 +248,10 @@ def _last_record(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> tu
             continue
         err = msg.error()
         if err is None:
-            last = msg.value(), msg.offset() or 0
+            if (msg.key() or b"").startswith(part_prefix):
+                run.append(msg.value())
+            else:
+                last, run = (msg.value(), msg.offset() or 0, run), []
         elif err.code() == KafkaError._PARTITION_EOF:
             return last
         elif err.fatal() or not err.retriable():

@@ -13,7 +13,6 @@ queue; this thread never calls the pump's callbacks.
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -35,6 +34,7 @@ from relay.exactly_once_position import Position as Position
 from relay.exactly_once_position import ensure_position_topic as ensure_position_topic
 from relay.exactly_once_position import event_digest as event_digest
 from relay.exactly_once_position import read_position as read_position
+from relay.exactly_once_records import DEFAULT_LIMIT_BYTES, encode_position, produce_position
 from relay.kafka_producer import _KAFKA_LOG, await_cluster
 from relay.model import OutboxRow, RowId, ShardId, Token
 from relay.outcomes import Outcome, classify, refused_at_produce
@@ -113,6 +113,7 @@ class Job:
     rows: list[tuple[OutboxRow, Headers]]
     position: list[tuple[RowId, int]]  # what the position record lists: (id, event_digest)
     callbacks: dict[RowId, Any]  # the pump's; only handed back, never called here
+    limit_bytes: int = DEFAULT_LIMIT_BYTES  # a position record's largest size (with its overhead)
 
 
 @dataclass(slots=True)
@@ -133,6 +134,8 @@ class Result:
     broken: bool = False  # this producer cannot go on: a new one must init (and recover)
     foreign: bool = False  # the shard's position record is another outbox's: a person must act
     position_missing: bool = False  # the position topic (or its partition) is not there
+    #: The sizes of position records the broker refused as too large (relay.exactly_once_records).
+    position_refused: list[int] = field(default_factory=list)
     error: str = ""
 
 
@@ -302,10 +305,10 @@ class ShardWorker:
                 raise KafkaException(KafkaError(KafkaError._STATE, failed_row[1].message))
             # The event ids too: a row id alone may name another row by the time the record
             # is read (a database restored from a backup hands its ids out again).
-            value = json.dumps({"token": self.token, "ids": [i for i, _ in job.position],
-                                "events": [e for _, e in job.position], "outbox": self._outbox}).encode()
-            producer.produce(self._position_topic, value=value, key=str(self.shard).encode(),
-                             partition=self.shard, on_delivery=report(POSITION_REPORT))
+            records = encode_position(job.position, token=self.token, outbox=self._outbox,
+                                      limit_bytes=job.limit_bytes)
+            produce_position(producer, self._position_topic, self.shard, records,
+                             report(POSITION_REPORT), result.position_refused)
             producer.commit_transaction(COMMIT_TIMEOUT_S)
             self._unfinished = False
         except KafkaException as exc:
