@@ -124,12 +124,14 @@ def test_a_position_written_in_parts_is_read_back_whole(kafka_broker: Any, topic
         assert results.get(timeout=60).ok
         rows = [_row(topic, i) for i in range(1, 4)]
         own = [(row.id, event_digest(row.event_id)) for row in rows]
+        earlier = [(RowId(i), event_digest(f"e{i}")) for i in range(10**15, 10**15 + 3_000)]
         # Committed rows not confirmed marked yet, from earlier transactions, and this one's:
-        # in parts; then this one's alone, in one record again (no part of the last one read).
-        for listed in ([(RowId(i), event_digest(f"e{i}")) for i in range(10**15, 10**15 + 3_000)] + own, own):
+        # in parts (at the topic's limit; then in more parts than the reader's first look
+        # back, POSITION_TAIL); then this one's alone, in one record again (no part read).
+        limit = record_limit_bytes(config, position_topic)
+        for listed, limit_bytes in ((earlier + own, limit), (earlier + own, 1_500), (own, limit)):
             worker.submit(Job(rows=[(row, []) for row in rows], position=listed,
-                              callbacks={row.id: None for row in rows},
-                              limit_bytes=record_limit_bytes(config, position_topic)))
+                              callbacks={row.id: None for row in rows}, limit_bytes=limit_bytes))
             result = results.get(timeout=60)
             assert result.ok, result.error
             position = read_position(config, position_topic, ShardId(0))
