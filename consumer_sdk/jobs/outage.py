@@ -61,8 +61,11 @@ that long is not told apart from a server that does not answer: the reason says 
 A round whose statement the server cancelled for the pool's ``statement_timeout``
 (``pool_statement_timeout_s``, :class:`~consumer_sdk.jobs._db.StatementTimedOut`) is a failed round
 like the others (the database answers, too slowly to claim): ``dispatch_failed`` names the
-round's step (``statement``: the claim, the reap or reconcile, ...) and the setting, and says
-when the lock-wait watch found that statement waiting on a lock; the next round tries again.
+round's step (``statement``: the claim, the reap or reconcile, ...) and the setting; the next
+round tries again.  When the lock-wait watch found that statement waiting on a lock, the line
+says so and the round does not count towards an outage: a lock wait keeps the pool ready
+whether the statement still waits or its timeout cancelled it (until a review, a lock held
+longer than the timeout made the pool not ready at its second cancelled round).
 """
 
 from __future__ import annotations
@@ -211,8 +214,9 @@ class Outage:
         error, error_type = mask_text(str(exc)), type(exc).__name__
         unanswered = self._unanswered_ended is not None or (last is not None and last.unanswered)
         self._unanswered_ended = None
+        locked = isinstance(exc, StatementTimedOut) and self.lock_wait_s() > 0  # a lock wait, not an outage
         streak = Streak(began=began if last is None else last.began, rounds=1 if last is None else last.rounds + 1,
-                        error=error, error_type=error_type, database=isinstance(exc, DatabaseUnavailable),
+                        error=error, error_type=error_type, database=isinstance(exc, DatabaseUnavailable) and not locked,
                         read_only=isinstance(exc, DatabaseReadOnly), logged_at=now if last is None else last.logged_at,
                         unanswered=unanswered)
         due = last is None or last.error_type != error_type or now - last.logged_at >= self.log_every_s
@@ -221,7 +225,7 @@ class Outage:
             said = {} if statement is None else {"statement": statement}
             hint = _HINT
             if isinstance(exc, StatementTimedOut):
-                hint = (_LOCKED_HINT if self.lock_wait_s() > 0 else "") + _TIMED_OUT_HINT + _HINT
+                hint = (_LOCKED_HINT if locked else "") + _TIMED_OUT_HINT + _HINT
             self.log.warning("dispatch_failed", error=error, error_type=error_type, rounds=streak.rounds,
                              failing_s=round(now - streak.began, 1), hint=hint, **said)
 

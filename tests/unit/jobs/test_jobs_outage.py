@@ -10,6 +10,7 @@ import structlog
 
 from consumer_sdk.errors import AuthenticationFailed, DatabaseUnavailable, TransactionConflict
 from consumer_sdk.jobs import WorkerConfig, WorkerPool
+from consumer_sdk.jobs._db import StatementTimedOut
 from consumer_sdk.jobs.errors import DatabaseReadOnly
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.outage import LOG_EVERY_S, NOT_READY_S, Outage
@@ -181,3 +182,24 @@ def test_a_fatal_error_during_an_outage_stops_the_pool_without_saying_it_recover
     assert isinstance(pool.error, AuthenticationFailed)
     assert metrics.registry.get_sample_value(GAUGE) == 0.0
     assert not pool.health().ready and pool.health().failed_rounds == 0
+
+
+def test_statements_the_pools_statement_timeout_cancelled_on_a_lock_keep_the_pool_ready() -> None:
+    """A lock wait is not an outage (see the module): a claim that pool_statement_timeout_s
+    cancelled while the lock-wait watch found it waiting on a lock (an operator's LOCK TABLE
+    held for minutes) is logged, but the pool stays ready, as it does while the statement
+    waits; the same cancel with no lock wait found is a slow database, an outage."""
+    timed_out = StatementTimedOut("statement_timeout cancelled the statement (canceling statement due to "
+                                  "statement timeout)")
+    logged: list[dict[str, Any]] = []
+    lock_wait_s = [25.0]
+    outage, clock = _outage(logged)
+    outage.lock_wait_s = lambda: lock_wait_s[0]
+    _fail(outage, clock, timed_out, rounds=3, round_s=20.0)
+    assert outage.reason() is None and outage.failed_rounds == 0
+    assert "waited on a lock" in logged[0]["hint"]
+    outage.passed()
+    lock_wait_s[0] = 0.0
+    _fail(outage, clock, timed_out, rounds=2, round_s=20.0)
+    reason = outage.reason()
+    assert reason is not None and "statement_timeout" in reason and outage.failed_rounds == 2
