@@ -8,6 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from prometheus_client import generate_latest
+
+from relay.app import Relay
+from relay.config import build_settings
 from relay.mark_lanes import MarkLanes
 from relay.marker import LOSS_STREAK_S, Marker, MarkLosses
 from relay.model import OutboxRow, ShardId, Token
@@ -103,3 +107,14 @@ def test_a_loss_in_a_row_is_counted_not_said_again() -> None:
     assert counted == 3 and mark.losses.holding()  # type: ignore[attr-defined]
     now[0] += LOSS_STREAK_S + 1.0
     assert relay._mark_connection_lost(_lost(mark)) and len(log.events) == 2  # a new streak: said
+
+
+def test_each_mark_connections_loss_series_is_shown_at_zero_from_the_start() -> None:
+    """Before, a connection's series appeared at its first loss, and increase() over the
+    window of that loss missed it (no sample before it to rise from)."""
+    settings = build_settings({"dsn": "postgresql://u@127.0.0.1/db", "bootstrap_servers": "127.0.0.1:9092",
+                               "owner": "me", "mark_connections": "2"})
+    relay = Relay(settings, log=Log())
+    shown = generate_latest(relay.metrics.registry).decode()
+    for name in ("outbox-relay:me:mark", "outbox-relay:me:mark2"):
+        assert f'outbox_relay_mark_connection_losses_total{{connection="{name}"}} 0.0' in shown, shown
