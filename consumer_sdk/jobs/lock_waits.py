@@ -24,10 +24,6 @@ The gauge ``outbox_jobs_lock_wait_seconds{queue}``, for each queue the pool serv
 longer of the two sessions' lock waits at the last look: 0 when none takes long, when the
 look found no lock wait or could not look, and once the watch stops.  Behind a transaction
 pooler a client's backend pid is not its server session's: nothing is found there.
-
-Its thread (``jobs-watch``) is the pool's one watching thread: it also ticks what else the
-pool watches (:meth:`PoolLockWaitWatch.tick_also`: the outage's round in flight, every second,
-:mod:`.outage`), each on its own period; a pool ran a thread for each before.
 """
 
 from __future__ import annotations
@@ -101,7 +97,7 @@ class PoolLockWaitWatch(SessionWatch[tuple[str, int]]):
 
     lock_wait_event = "jobs_lock_wait"
     over_event = "jobs_lock_wait_over"
-    thread_name = "jobs-watch"
+    thread_name = "jobs-lock-waits"
 
     def __init__(self, connect: Callable[[], Any], *, sessions: Sequence[PoolSession], metrics: JobsMetrics,
                  queues: Sequence[str], log: Any, after_s: float = LOOK_AFTER_S, every_s: float = LOOK_EVERY_S,
@@ -120,32 +116,6 @@ class PoolLockWaitWatch(SessionWatch[tuple[str, int]]):
                          after_s=after_s, every_s=every_s, clock=clock)
         self._sessions = tuple(sessions)
         self._roles: dict[int, str] = {}  # backend pid -> role, as of the last look
-        self._also: list[tuple[float, Callable[[], None]]] = []  # (every_s, tick) on the same thread
-
-    def tick_also(self, every_s: float, tick: Callable[[], None]) -> None:
-        """Call ``tick`` every ``every_s`` seconds on the watch's thread too (before :meth:`start`).
-        A tick that raises is logged once (``pool_watch_failed``) and ticked again next time."""
-        self._also.append((every_s, tick))
-
-    def _run(self) -> None:
-        """Each tick when its period is due, the look every ``every_s`` first; ``stop()`` ends it."""
-        ticks = [(self.every_s, self.run_once), *self._also]
-        due = [time.monotonic() + every_s for every_s, _tick in ticks]
-        failed: set[int] = set()
-        try:
-            while not self._stop.wait(max(0.0, min(due) - time.monotonic())):
-                for i, (every_s, tick) in enumerate(ticks):
-                    if time.monotonic() < due[i]:
-                        continue
-                    try:
-                        tick()
-                    except Exception:  # noqa: BLE001 - one watch's bug must not end the others
-                        if i not in failed:
-                            failed.add(i)
-                            self.log.exception("pool_watch_failed", tick=getattr(tick, "__qualname__", repr(tick)))
-                    due[i] = time.monotonic() + every_s
-        finally:
-            self._close()
 
     @classmethod
     def of_slots(cls, connect: Callable[[], Any], *, dispatcher: ConnSlot, heartbeat: ConnSlot,

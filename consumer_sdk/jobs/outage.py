@@ -134,8 +134,7 @@ class Outage:
     """The dispatcher's failed rounds in a row, and its round in flight.  Written by the
     dispatcher's thread only (:meth:`in_flight`, :meth:`failed`, :meth:`passed`, :meth:`close`);
     read from any thread (immutable snapshots): :meth:`reason` for ``health()``, the gauge when
-    scraped, :meth:`check` (the watching thread, started by the first :meth:`in_flight`; with
-    ``own_watch`` False the caller's thread ticks it every ``watch_every_s``: the pool's watch).
+    scraped, :meth:`check` (the watching thread, started by the first :meth:`in_flight`).
     ``queues``: the pool's, whose lock-wait gauge says the database answers (see the module);
     ``wall``: the time of day, for the reason's "since"."""
 
@@ -143,12 +142,12 @@ class Outage:
                  not_ready_rounds: int = NOT_READY_ROUNDS, not_ready_s: float = NOT_READY_S,
                  log_every_s: float = LOG_EVERY_S, unanswered_s: float = UNANSWERED_S,
                  lock_wait_s: Callable[[], float] = lambda: 0.0, wall: Callable[[], float] = time.time,
-                 watch_every_s: float = WATCH_EVERY_S, own_watch: bool = True) -> None:
+                 watch_every_s: float = WATCH_EVERY_S) -> None:
         """``lock_wait_s``: the pool's lock-wait watch's last finding (seconds, 0: none)."""
         self.log = log
         self._clock, self._wall = clock, wall
         self.not_ready_rounds, self.not_ready_s, self.log_every_s = not_ready_rounds, not_ready_s, log_every_s
-        self.unanswered_s, self.watch_every_s, self._own_watch = unanswered_s, watch_every_s, own_watch
+        self.unanswered_s, self.watch_every_s = unanswered_s, watch_every_s
         self.streak: Streak | None = None
         self.lock_wait_s = lock_wait_s
         self._flight: tuple[float, float] | None = None  # the round in flight: (clock, wall) at its start
@@ -163,7 +162,7 @@ class Outage:
     def in_flight(self, began: float) -> Iterator[None]:
         """Around a dispatch round that began at ``began`` (the clock's seconds); the dispatcher's
         :meth:`passed` or :meth:`failed` follows it."""
-        if self._watch is None and self._own_watch:
+        if self._watch is None:
             self._closed.clear()
             self._watch = threading.Thread(target=self._run_watch, name="jobs-dispatch-watch", daemon=True)
             self._watch.start()

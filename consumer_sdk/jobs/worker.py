@@ -16,8 +16,10 @@ Threads, each with its own connection:
 * the heartbeat (:mod:`consumer_sdk.jobs.heartbeat`): every ``heartbeat_interval_s`` one statement renews
   the pool's leases; an attempt that lost one, passed its local deadline or timed out, is cancelled;
 * the listener (``listen=True``): LISTEN outbox_jobs, a wake-up per notification;
-* the watch (``jobs-watch``): the lock-wait watch (:mod:`.lock_waits`) and the outage's round in
-  flight (:mod:`.outage`), one thread.
+* two watches, each its own thread: the lock-wait watch (``jobs-lock-waits``, :mod:`.lock_waits`)
+  and the outage's round in flight (``jobs-dispatch-watch``, :mod:`.outage`).  Not one: the
+  lock-wait watch's look waits on the database (its connect, its statement), and in a partition
+  the round's ``dispatch_unanswered`` would wait behind it.
 
 Completions are written per round: see :mod:`consumer_sdk.jobs.completions` on crashes.  Rounds
 that fail because the database is unavailable or read-only are an outage (:mod:`consumer_sdk.jobs.outage`:
@@ -140,7 +142,7 @@ class WorkerPool(Executing):
         self._upkeep = Upkeep(self.reconciler, reconcile_interval_s=config.reconcile_interval_s, refusals=refusals,
                               reap_interval_s=min(config.poll_interval_s, config.lease_duration_s / 4))
         #: The dispatcher's rounds failed in a row for the database (unavailable, read-only).
-        self._outage = Outage(log=self.log, metrics=self.metrics, clock=clock, own_watch=False,
+        self._outage = Outage(log=self.log, metrics=self.metrics, clock=clock,
                               lock_wait_s=lambda: self.lock_waits.last_wait_s)
         self._step = "connect"  # what the dispatcher's round does now (its failure's ``statement``)
         self._read_only_session = False  # the last round ran on a read-only session (it proved nothing)
@@ -155,12 +157,10 @@ class WorkerPool(Executing):
                              log=self.log, clock=clock, db_now=db_now, running_long_s=config.running_long_after_s,
                              timeouts=HandlerTimeouts(config, self._executor, self.outcomes, self.log))
         self.rounds = 0  # dispatch rounds completed (tests wait on it)
-        #: Names what the dispatcher's and the heartbeat's statements wait on (jobs_lock_wait); its
-        #: thread, the pool's one watching thread, ticks the outage's round in flight too.
+        #: Names what the dispatcher's and the heartbeat's statements wait on (jobs_lock_wait).
         self.lock_waits = PoolLockWaitWatch.of_slots(watch_connect(self._connect, statement_ms=own_ms),
                                                      dispatcher=self._dispatch_slot, heartbeat=hb_slot,
                                                      metrics=self.metrics, queues=config.queues, log=self.log)
-        self.lock_waits.tick_also(self._outage.watch_every_s, self._outage.check)
 
     # -- lifecycle ------------------------------------------------------------------------
 

@@ -1,6 +1,8 @@
-"""A worker pool's one watching thread (:meth:`consumer_sdk.jobs.lock_waits.PoolLockWaitWatch.tick_also`):
-the lock-wait watch's thread also ticks the outage's round in flight (:mod:`consumer_sdk.jobs.outage`);
-a pool ran a thread for each before (no database: a connection factory that hangs or fails)."""
+"""A worker pool's two watches run on two threads: the lock-wait watch
+(:mod:`consumer_sdk.jobs.lock_waits`, ``jobs-lock-waits``) and the outage's look at the round
+in flight (:mod:`consumer_sdk.jobs.outage`, ``jobs-dispatch-watch``).  The first waits on the
+database (its connect, its statement); in a partition the second's ``dispatch_unanswered``
+must not wait behind it (no database: a connection factory that hangs)."""
 
 from __future__ import annotations
 
@@ -23,14 +25,21 @@ class Clock:
         return self.now
 
 
-def test_a_running_pool_has_one_watching_thread_which_also_says_a_round_went_unanswered() -> None:
+def test_a_round_unanswered_is_said_while_the_lock_wait_look_hangs_too() -> None:
     logged: list[dict[str, Any]] = []
     release = threading.Event()
+    hanging: set[str] = set()
 
-    def connect() -> Any:  # the dispatcher's round hangs in it (a partition); any other caller is refused
+    def connect() -> Any:  # a partition: the dispatcher's round hangs in it
         if threading.current_thread().name == "jobs-dispatch":
+            hanging.add("round")
             release.wait(30)
         raise DatabaseUnavailable("database unreachable: connection refused")
+
+    def look() -> tuple[()]:  # and so does the lock-wait watch's look (its connect or its statement)
+        hanging.add("look")
+        release.wait(30)
+        return ()
 
     def record(_logger: Any, _level: str, event: dict[str, Any]) -> dict[str, Any]:
         logged.append(event)
@@ -40,16 +49,18 @@ def test_a_running_pool_has_one_watching_thread_which_also_says_a_round_went_una
     pool = WorkerPool(WorkerConfig(dsn="postgresql://app@db/app", max_concurrency=1, listen=False),
                       {"k": lambda ctx: None}, connect=connect, clock=clock,
                       log=structlog.wrap_logger(None, processors=[record]))
+    pool.lock_waits.held_up_s = lambda: 60.0  # type: ignore[method-assign]  # it looks...
+    pool.lock_waits._look = look  # type: ignore[method-assign]  # ... and the look hangs
     before = set(threading.enumerate())
     pool.start()
     try:
-        wait_until(lambda: pool.health().ready, timeout_s=5, message="the pool never started")
-        wait_until(lambda: pool._outage._flight is not None, timeout_s=5, message="no round in flight")
+        wait_until(lambda: hanging == {"round", "look"}, timeout_s=10,
+                   message=lambda: f"the round and the look should both hang: {hanging}")
         clock.now += UNANSWERED_S + 1
         wait_until(lambda: any(e["event"] == "dispatch_unanswered" for e in logged), timeout_s=5,
-                   message=lambda: f"the round in flight was not watched: {logged}")
+                   message=lambda: f"the round unanswered waited behind the lock-wait look: {logged}")
         started = sorted(t.name for t in threading.enumerate() if t not in before)
-        assert started == ["jobs-dispatch", "jobs-exec-0", "jobs-heartbeat", "jobs-lease-watch", "jobs-watch"], started
+        assert {"jobs-dispatch-watch", "jobs-lock-waits"} <= set(started), started
     finally:
         release.set()
         pool.stop(drain_timeout_s=0.5)
