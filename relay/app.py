@@ -93,6 +93,7 @@ class Relay(Running, Dependencies):
                             for i in range(mark_connections(settings))]
         for mark_store in self.mark_stores:  # each series shown at 0 from the start: increase()
             self.metrics.mark_connection_losses.labels(mark_store.name)  # then sees a first loss
+            self.metrics.mark_statements_cancelled.labels(mark_store.name)
         # LISTEN and the wake-up lock, on a connection of their own (relay/wakeup.py).
         self.wakeup = reopening.CheckedWakeup(settings.dsn, owner=settings.owner,
                                                 on_statement=self.metrics.db_statements.inc)

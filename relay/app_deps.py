@@ -126,7 +126,9 @@ class Dependencies:
         or an operator's ``pg_cancel_backend``.  The server answered: ``database_up`` stays 1
         and no connection but the mark's is touched.  Before, it took the outage's path
         (``database_unavailable``, the claims and LISTEN connections dropped, a back-off), and
-        the line named no setting.  Said once a statement; always True."""
+        the line named no setting.  A mark thread marks a cancelled statement's rows again
+        itself (relay/mark_cancels.py): one reaches the loop only when a stop ended those
+        retries, or when no mark connection marked it.  Said once a statement; always True."""
         if exc is self._mark_failure_said:
             return True
         self._mark_failure_said = exc

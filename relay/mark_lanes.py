@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from operator import attrgetter
 from typing import Any
 
-from relay.marker import Marker, MarkOutcome, MarkStore, ProbedStore, holding
+from relay.marker import MarkCancelled, Marker, MarkOutcome, MarkStore, ProbedStore, holding
 from relay.model import OutboxRow, RowId, ShardId, Token
 
 #: A batch of at least this many rows is split between the mark lanes; a smaller one goes
@@ -58,10 +58,13 @@ class MarkLanes:
 
     def __init__(self, stores: Sequence[MarkStore], owner: str, *, split_rows: int = SPLIT_ROWS,
                  max_rows: int = 10_000, log: Any = None, probe_every_s: float = PROBE_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_cancel: Callable[[str], None] = lambda connection: None) -> None:
+        """``on_cancel``: counts a mark statement the server cancelled, by its connection's name
+        (each is marked again on its lane: relay/mark_cancels.py)."""
         if not stores:
             raise ValueError("MarkLanes needs at least one store")
-        self.lanes = [Marker(store, owner, max_rows=max_rows,
+        self.lanes = [Marker(store, owner, max_rows=max_rows, log=log, on_cancel=on_cancel,
                              name="outbox-relay-mark" + (f"-{i + 1}" if i else ""))
                       for i, store in enumerate(stores)]
         self.split_rows = split_rows
@@ -85,6 +88,14 @@ class MarkLanes:
         """The first lane's store: the pump marks on it, on its own thread, when nothing is
         marking (a paced relay's small batches)."""
         return self.lanes[0].store
+
+    def cancelled(self, exc: MarkCancelled) -> None:
+        """The pump's own mark on a lane's connection (:attr:`store`) was cancelled: that
+        lane counts it and waits a back-off before its next statement; the pump then submits
+        the rows (relay/pump_settle.py), marked again instead of claimed again."""
+        for lane in self.lanes:
+            if lane.store is exc.store:
+                lane.cancelled(exc)
 
     def start(self) -> None:
         for lane in self.lanes:

@@ -23,9 +23,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from relay.errors import DatabaseReadOnly, DatabaseUnavailable, StatementCancelled
+from relay.mark_cancels import MarkCancels
 from relay.model import Lease, OutboxRow, RowId, ShardId, Token
 from relay.wakeup import ReopenBackOff
 
@@ -116,8 +117,10 @@ class MarkConnectionLost(DatabaseUnavailable):
 class MarkCancelled(StatementCancelled):
     """The server cancelled a mark statement (a ``statement_timeout`` shorter than the mark,
     an operator's ``pg_cancel_backend``): the database answers, the statement was too slow
-    for it.  Nothing of it committed: its rows are claimed again (a rewind), and the loop
-    says ``mark_statement_cancelled`` (relay/app_deps.py), not ``database_unavailable``.
+    for it.  Nothing of it committed: the mark thread marks its rows again after a back-off
+    (:class:`MarkCancels`).  It reaches the loop only when a stop ended the retries, or when
+    no mark connection marked it: its rows are then claimed again (a rewind), said
+    ``mark_statement_cancelled`` (relay/app_deps.py), not ``database_unavailable``.
     ``store``: the mark store whose statement it was."""
 
     def __init__(self, message: str, *, store: object, rows: int, took_s: float) -> None:
@@ -158,11 +161,16 @@ class Marker:
     """A single mark thread with its own store (connection)."""
 
     def __init__(self, store: MarkStore, owner: str, *, max_rows: int = 10_000,
-                 name: str = "outbox-relay-mark") -> None:
+                 name: str = "outbox-relay-mark", log: Any = None,
+                 on_cancel: Callable[[str], None] = lambda connection: None) -> None:
+        """``on_cancel``: counts a statement of the connection named so the server cancelled."""
         self.store = store
         self.owner = owner
         self.max_rows = max_rows
         self.name = name
+        self.log = log
+        self.on_cancel = on_cancel
+        self.cancels = MarkCancels(log=log)  # its statements cancelled in a row, the back-off
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -255,7 +263,7 @@ class Marker:
     def _mark(self, jobs: list[_Job], tokens: dict[ShardId, Token]) -> None:
         rows = [row for job in jobs for row in job.rows]
         try:
-            held, marked, took = mark_rows(self.store, self.owner, tokens, rows)
+            held, marked, took = self._mark_until_passed(tokens, rows)
         except Exception as exc:  # handed to the pump's thread, which handles it
             for job in jobs:
                 job.future.set_exception(exc)
@@ -266,3 +274,45 @@ class Marker:
         for job in jobs:
             mine = {row.id for row in job.rows} & marked
             job.future.set_result((held, mine, took))
+
+    @property
+    def connection(self) -> str:
+        """How log lines and metrics name this lane's connection (its application_name)."""
+        return str(getattr(self.store, "name", self.name))
+
+    def cancelled(self, exc: MarkCancelled) -> None:
+        """Count a statement of this connection the server cancelled (said once a streak):
+        its next try waits a back-off.  The pump's thread calls it for a mark it ran on this
+        connection itself, while this thread was idle."""
+        self.on_cancel(self.connection)
+        self.cancels.cancelled(self.connection, exc)
+
+    def _mark_until_passed(self, tokens: dict[ShardId, Token], rows: list[OutboxRow]) -> MarkOutcome:
+        """Mark ``rows``, again while the server cancels the statement (:class:`MarkCancels`:
+        the same rows and tokens after a back-off, then in parts, in order, without a wait
+        when smaller).  Before, a cancel failed the marks and the loop rewound: every row of
+        the marks in flight published again, and again at each cancel of a streak.  A stop
+        ends the retries (the wait too): the cancel is raised, its rows stay pending."""
+        cancels = self.cancels
+        held, marked, took = set(tokens), set[RowId](), 0.0
+        size, start, at_once = cancels.statement_rows(len(rows)), 0, False
+        while start < len(rows):
+            while not at_once and cancels.waiting() and not self._stopping.is_set():
+                self._stopping.wait(HOLD_LOOK_S)
+            part = rows[start:start + size]
+            try:
+                part_held, part_marked, part_took = mark_rows(self.store, self.owner, tokens, part)
+            except MarkCancelled as exc:
+                if self._stopping.is_set():
+                    raise
+                self.cancelled(exc)
+                smaller = cancels.split(size)  # the same rows first, after a back-off; then parts
+                at_once, size = smaller < size, smaller
+                continue
+            at_once = False
+            cancels.passed(self.connection, size)
+            held &= part_held
+            marked |= part_marked
+            took += part_took
+            start += len(part)
+        return held, marked, took

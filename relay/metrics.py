@@ -79,6 +79,7 @@ class RelayMetrics:
         self.retrying_rows = Gauge("outbox_relay_retrying_rows", "Rows currently in back-off after a failure.", registry=r)
         self.order_violations = Counter("outbox_relay_order_violations", "Rows acknowledged after an earlier row of their key failed (should stay 0).", registry=r)
         self.mark_connection_losses = Counter("outbox_relay_mark_connection_losses", "Mark connections the server ended while the database answered (pg_terminate_backend, idle_session_timeout, a pooler, the network), by connection (application_name): each costs a rewind, its marks in flight published again.", ["connection"], registry=r)
+        self.mark_statements_cancelled = Counter("outbox_relay_mark_statements_cancelled", "Mark statements the server cancelled (a statement_timeout shorter than the mark, a lock held longer, pg_cancel_backend), by connection (application_name): each is marked again on its connection after a back-off, split when cancelled again; none is published again.", ["connection"], registry=r)
         self.database_up = Gauge("outbox_relay_database_up", "1 when the last database call succeeded.", registry=r)
         self.lock_wait = Gauge("outbox_relay_lock_wait_seconds", "How long the relay's longest-waiting statement has waited for a database lock (0: none), as last looked at while the relay was held up.", registry=r)
         self.broker_up = Gauge("outbox_relay_broker_up", "0 while the client reports every broker down.", registry=r)

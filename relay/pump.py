@@ -146,7 +146,8 @@ class Pump(Claiming, Settling):
             mark_stores.extend(mark_store)
         elif mark_store is not None:
             mark_stores.append(mark_store)
-        self._marker = MarkLanes(mark_stores, leases.owner, log=log) if mark_stores else None
+        self._marker = MarkLanes(mark_stores, leases.owner, log=log, on_cancel=lambda connection: (
+            metrics.mark_statements_cancelled.labels(connection).inc())) if mark_stores else None
         # What a mark on this thread runs on: the first mark connection (or the store).
         self._inline_store: MarkStore = self._marker.store if self._marker else store
         self._inline_reopens = reopens(self._inline_store)

@@ -20,7 +20,7 @@ from relay.failures import Failures
 from relay.inflight import InFlight, PendingMark
 from relay.leases import LeaseManager
 from relay.mark_lanes import MarkLanes
-from relay.marker import MarkOutcome, MarkStore, mark_rows
+from relay.marker import MarkCancelled, MarkOutcome, MarkStore, mark_rows
 from relay.metrics import RelayMetrics, observe_many
 from relay.model import BatchResult, OutboxRow
 from relay.stalls import Stalls
@@ -154,7 +154,8 @@ class Settling:
         marker = self._marker
         if marker is not None and not (self.caught_up and len(acked) <= INLINE_MARK_ROWS
                                        and not self.in_flight and not self.marking
-                                       and not self._inline_reopens.needs_reopen):
+                                       and not self._inline_reopens.needs_reopen
+                                       and not marker.lanes[0].cancels.in_a_row):
             future = marker.submit(batch.tokens, acked)
         else:
             future = Future()
@@ -162,6 +163,12 @@ class Settling:
             tokens = {shard: token for shard, token in batch.tokens.items() if shard in shards}
             try:  # the mark threads are idle: nothing is marking
                 future.set_result(mark_rows(self._inline_store, self.leases.owner, tokens, acked))
+            except MarkCancelled as exc:
+                if marker is None:  # marked on the claims connection: the loop rewinds
+                    future.set_exception(exc)
+                else:  # nothing of it committed: marked again by the mark thread, after a back-off
+                    marker.cancelled(exc)
+                    future = marker.submit(batch.tokens, acked)
             except Exception as exc:  # like the mark thread's: raised in _collect_marks
                 future.set_exception(exc)
         self.marking.append(PendingMark(batch, acked, future))
