@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from outbox_core.secrets import mask_text
+from outbox_core.streaks import FailureStreak
 
 __all__ = ["LOG_EVERY_S", "LOOK_AFTER_S", "LOOK_EVERY_S", "QUERY_CHARS", "Blocker", "SessionWatch", "Waiting",
            "held_by", "waiting_from_row"]
@@ -129,7 +130,7 @@ class SessionWatch(Generic[K]):
         self._reported = 0.0  # the gauge's last value
         self._waits: tuple[Waiting, ...] = ()  # what the last look found, and when
         self._looked_at = float("-inf")
-        self._logged: dict[K, float] = {}  # key -> when logged
+        self._logged: dict[K, FailureStreak] = {}  # the lock waits logged, by key: each one's looks
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -198,9 +199,7 @@ class SessionWatch(Generic[K]):
         self._report(max((w.running_s for w in locks), default=0.0))
         now = self._clock()
         for wait in locks:
-            key = self._key(wait)
-            if now - self._logged.get(key, float("-inf")) >= LOG_EVERY_S:
-                self._logged[key] = now
+            if self._logged.setdefault(self._key(wait), FailureStreak(every_s=LOG_EVERY_S)).failed(now):
                 self.log.warning(self.lock_wait_event, **self._lock_wait_fields(wait))
         return waits
 

@@ -74,7 +74,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from consumer_sdk.errors import DatabaseUnavailable
@@ -82,6 +82,7 @@ from consumer_sdk.jobs._db import StatementTimedOut
 from consumer_sdk.jobs.errors import DatabaseReadOnly
 from consumer_sdk.jobs.metrics import JobsMetrics
 from outbox_core.secrets import mask_text
+from outbox_core.streaks import FailureStreak
 
 #: Not ready once an outage holds this many failed rounds...
 NOT_READY_ROUNDS = 2
@@ -117,7 +118,6 @@ class Streak:
     error_type: str
     database: bool
     read_only: bool
-    logged_at: float
     #: A round of it went unanswered for UNANSWERED_S before it failed: no second round is needed.
     unanswered: bool = False
 
@@ -146,12 +146,13 @@ class Outage:
         """``lock_wait_s``: the pool's lock-wait watch's last finding (seconds, 0: none)."""
         self.log = log
         self._clock, self._wall = clock, wall
-        self.not_ready_rounds, self.not_ready_s, self.log_every_s = not_ready_rounds, not_ready_s, log_every_s
+        self.not_ready_rounds, self.not_ready_s = not_ready_rounds, not_ready_s
         self.unanswered_s, self.watch_every_s = unanswered_s, watch_every_s
         self.streak: Streak | None = None
         self.lock_wait_s = lock_wait_s
         self._flight: tuple[float, float] | None = None  # the round in flight: (clock, wall) at its start
-        self._noted: tuple[float, float] | None = None  # (its start, when) dispatch_unanswered was last logged
+        self._failures = FailureStreak(every_s=log_every_s)  # the rounds in self.streak: when to say so
+        self._unanswered = FailureStreak(every_s=log_every_s)  # the watch's looks at the round in flight
         self._note_lock = threading.Lock()  # the watch's line against the round's end
         self._unanswered_ended: float | None = None  # the round that just ended went unanswered this long
         self._closed = threading.Event()
@@ -172,8 +173,8 @@ class Outage:
         finally:
             with self._note_lock:
                 self._flight = None
-                noted = self._noted is not None and self._noted[0] == began
-            self._unanswered_ended = self._clock() - began if noted else None
+                looks, unanswered_s = self._unanswered.passed(self._clock())
+            self._unanswered_ended = unanswered_s if looks else None
 
     def _run_watch(self) -> None:
         while not self._closed.wait(self.watch_every_s):
@@ -186,10 +187,8 @@ class Outage:
             flight, now = self._flight, self._clock()
             if flight is None or self._unanswered_for(flight, now) < self.unanswered_s:
                 return
-            noted = self._noted
-            if noted is not None and noted[0] == flight[0] and now - noted[1] < self.log_every_s:
+            if not self._unanswered.failed(now, began=flight[0]):
                 return
-            self._noted = (flight[0], now)
         self.log.warning("dispatch_unanswered", unanswered_s=round(now - flight[0], 1), since=_utc(flight[1]),
                          detail=self._unanswered_reason(now - flight[0], flight[1]), hint=_UNANSWERED_HINT)
 
@@ -214,12 +213,11 @@ class Outage:
         unanswered = self._unanswered_ended is not None or (last is not None and last.unanswered)
         self._unanswered_ended = None
         locked = isinstance(exc, StatementTimedOut) and self.lock_wait_s() > 0  # a lock wait, not an outage
-        streak = Streak(began=began if last is None else last.began, rounds=1 if last is None else last.rounds + 1,
-                        error=error, error_type=error_type, database=isinstance(exc, DatabaseUnavailable) and not locked,
-                        read_only=isinstance(exc, DatabaseReadOnly), logged_at=now if last is None else last.logged_at,
-                        unanswered=unanswered)
-        due = last is None or last.error_type != error_type or now - last.logged_at >= self.log_every_s
-        self.streak = replace(streak, logged_at=now) if due else streak
+        due = self._failures.failed(now, kind=error_type, began=began)
+        self.streak = streak = Streak(
+            began=self._failures.began, rounds=self._failures.failures, error=error, error_type=error_type,
+            database=isinstance(exc, DatabaseUnavailable) and not locked, read_only=isinstance(exc, DatabaseReadOnly),
+            unanswered=unanswered)
         if due:
             said = {} if statement is None else {"statement": statement}
             hint = _HINT
@@ -234,8 +232,9 @@ class Outage:
         streak, unanswered_s, self._unanswered_ended = self.streak, self._unanswered_ended, None
         said = {} if unanswered_s is None else {"unanswered_s": round(unanswered_s, 1)}
         if streak is not None and not read_only_session:
+            rounds, failed_s = self._failures.passed(self._clock())
             self.streak = None
-            self.log.info("dispatch_recovered", rounds=streak.rounds, failed_s=round(self._clock() - streak.began, 1),
+            self.log.info("dispatch_recovered", rounds=rounds, failed_s=round(failed_s, 1),
                           error=streak.error, error_type=streak.error_type, **said)
         elif unanswered_s is not None:  # a round that hung, then returned: the database answers again
             self.log.info("dispatch_recovered", rounds=0, failed_s=said["unanswered_s"],
@@ -244,6 +243,7 @@ class Outage:
     def close(self) -> None:
         """The dispatcher stopped: nothing is failing any more (no line); the watch ends."""
         self.streak, self._flight = None, None
+        self._failures.passed(self._clock())  # ended without a line
         self._closed.set()
         self._watch = None
 

@@ -46,6 +46,7 @@ from consumer_sdk.jobs.model import QUEUE_HEADER
 from consumer_sdk.jobs.waits import activate
 from consumer_sdk.model import InboxMessage
 from outbox_core.secrets import mask_text
+from outbox_core.streaks import FailureStreak
 
 CHANNEL = "outbox_jobs"
 _NOTIFY_TIMEOUT_S = 0.5
@@ -70,24 +71,17 @@ class ListenFailures:
     once.  Used by the listening thread only; ``now``: monotonic seconds."""
 
     def __init__(self, log: Any, *, log_every_s: float = LOG_EVERY_S) -> None:
-        self.log, self.log_every_s = log, log_every_s
-        self.in_a_row = 0  # failures: 0 while listening
-        self._since = self._logged_at = 0.0
+        self.log, self.streak = log, FailureStreak(every_s=log_every_s)
 
     def failed(self, exc: BaseException, now: float) -> None:
-        self.in_a_row += 1
-        if self.in_a_row == 1:
-            self._since = now
-        elif now - self._logged_at < self.log_every_s:
-            return
-        self._logged_at = now
-        self.log.warning("listen_failed", error=mask_text(first_line(exc)), error_type=type(exc).__name__,
-                         failures=self.in_a_row, failing_s=round(now - self._since, 1), hint=_HINT)
+        if self.streak.failed(now):
+            self.log.warning("listen_failed", error=mask_text(first_line(exc)), error_type=type(exc).__name__,
+                             failures=self.streak.failures, failing_s=round(now - self.streak.began, 1), hint=_HINT)
 
     def listening(self, now: float) -> None:
-        if self.in_a_row:
-            self.log.info("listen_recovered", failures=self.in_a_row, failed_s=round(now - self._since, 1))
-        self.in_a_row = 0
+        failures, failed_s = self.streak.passed(now)
+        if failures:
+            self.log.info("listen_recovered", failures=failures, failed_s=round(failed_s, 1))
 
 
 class Listener:
