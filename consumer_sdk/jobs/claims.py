@@ -30,6 +30,9 @@ from consumer_sdk.store import pipelined
 #: An owner limit this large never binds (the default: no per-owner limit); claims of such
 #: owners skip the owners' advisory locks (see claim()).
 NO_OWNER_LIMIT = 1_000_000
+#: A claim's byte budget by default (WorkerConfig.claim_max_bytes): the payloads one round
+#: takes at most, the job that crosses it included (see ``claim`` in jobs.sql).
+DEFAULT_CLAIM_MAX_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,18 +69,23 @@ def ready_lanes(conn: ConnectionT, *, queues: Sequence[str], max_owners: int = 5
 
 
 def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: float,
-          now: datetime | None = None) -> list[ClaimedJob]:
+          now: datetime | None = None, max_bytes: int = DEFAULT_CLAIM_MAX_BYTES) -> list[ClaimedJob]:
     """Claim per ``takes`` in one short transaction; never waits for another claimer.
 
     Owners whose advisory lock another claimer holds are skipped this time.  The locks
     serialize the count of an owner's running jobs under its limit; when no take has a
     limit that can bind (``owner_limit >= NO_OWNER_LIMIT``), the claim is one statement.
+    The jobs' payloads stop the claim at ``max_bytes``: jobs are taken in the order of
+    ``takes`` (queues by priority, then one job of each take per turn) up to the one that
+    crosses it, that one included, and the first always is (a job over the budget still runs).
     """
-    return complete_and_claim(conn, worker=worker, done=(), takes=takes, lease_s=lease_s, now=now)[1]
+    return complete_and_claim(conn, worker=worker, done=(), takes=takes, lease_s=lease_s, now=now,
+                              max_bytes=max_bytes)[1]
 
 
 def complete_and_claim(conn: ConnectionT, *, worker: str, done: Sequence[Done], takes: Sequence[Take],
-                       lease_s: float, now: datetime | None = None) -> tuple[Written, list[ClaimedJob]]:
+                       lease_s: float, now: datetime | None = None,
+                       max_bytes: int = DEFAULT_CLAIM_MAX_BYTES) -> tuple[Written, list[ClaimedJob]]:
     """:func:`complete_many` and :func:`claim` in the claim's one statement.
 
     A dispatcher writes the successes its pool collected since the last round and claims
@@ -90,7 +98,7 @@ def complete_and_claim(conn: ConnectionT, *, worker: str, done: Sequence[Done], 
         return complete_many(conn, worker=worker, done=done, now=now), []
     if conn.info.transaction_status != TransactionStatus.IDLE:
         raise RuntimeError("jobs.queue.claim() opens its own transaction: call it outside one")
-    params = _claim_params(takes, done, worker, lease_s, now)
+    params = _claim_params(takes, done, worker, lease_s, now, max_bytes=max_bytes)
     if all(t.owner_limit >= NO_OWNER_LIMIT for t in takes):
         # No owner limit can bind, so there is no count to serialize: the claim alone, one
         # statement and one round trip (SKIP LOCKED still keeps claimers off each other's rows).
@@ -188,9 +196,9 @@ def _written(rows: Sequence[Sequence[Any]]) -> Written:
 
 
 def _claim_params(takes: Sequence[Take], done: Sequence[Done], worker: str, lease_s: float,
-                  now: datetime | None) -> dict[str, Any]:
+                  now: datetime | None, *, max_bytes: int = DEFAULT_CLAIM_MAX_BYTES) -> dict[str, Any]:
     return {"takes": _takes_json(takes), "done": _done_json(done), "worker": worker, "lease_s": lease_s,
-            "now": now}
+            "now": now, "budget_bytes": max_bytes}
 
 
 def _takes_json(takes: Sequence[Take]) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 
 from consumer_sdk.config import check_db_spin_us
 from consumer_sdk.jobs import _check
+from consumer_sdk.jobs.claims import DEFAULT_CLAIM_MAX_BYTES
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.fairness import Limits
 from consumer_sdk.jobs.metrics import JobsMetrics
@@ -37,6 +38,8 @@ MAX_APPLICATION_NAME_CHARS = 63
 #: The pool's own statements' statement_timeout (WorkerConfig.pool_statement_timeout_s): past
 #: the outage watch's 10 s and the lock-wait watch's first look (5 s), within the default lease.
 DEFAULT_POOL_STATEMENT_TIMEOUT_S = 20.0
+#: The largest claim_max_bytes (1 TiB): past any process's memory.
+MAX_CLAIM_BYTES = 2**40
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +95,13 @@ class WorkerConfig:
       after the back-off.  Past it (a job that breaks its connection every time, one that
       makes its backend crash) each attempt counts again, and the dead letter says how many
       times the connection broke.  10 by default; 0 counts every attempt, as before.
+    * ``claim_max_bytes``: the payloads one claim round brings into the process at most
+      (64 MiB by default): each job's payload (or its run's goal) and activation payload,
+      uncompressed (a compressed value counts its text's length).  A round takes the jobs in
+      the plan's order (one per lane per turn) up to the one that crosses it, that one
+      included, and always one: a job over the budget still runs (alone when it comes first).
+      It bounds a round, not the jobs running: the next round (a finished job, a wake-up,
+      the poll) claims again.
 
     Everything is checked at construction; a ``dsn`` that is not a libpq connection string
     raises :class:`~consumer_sdk.errors.ConfigError`, as every DSN of the SDK does, and any
@@ -111,7 +121,7 @@ class WorkerConfig:
       ``.`` or ``..``); ``worker_id`` None or 1-200 characters; ``application_name`` a
       string of at most 63 ASCII characters; ``backoff`` a :class:`Backoff`;
       ``listen`` a bool; ``max_owners_per_round`` an int from 1 to 100,000;
-      ``max_interruptions`` an int from 0 to 10,000.
+      ``max_interruptions`` an int from 0 to 10,000; ``claim_max_bytes`` an int from 1 to 2**40.
     """
 
     dsn: str
@@ -136,6 +146,7 @@ class WorkerConfig:
     pool_statement_timeout_s: float = DEFAULT_POOL_STATEMENT_TIMEOUT_S  # 0: none (the role's applies)
     db_spin_us: float = 0.0  # off: a pool's threads would poll against each other (README)
     max_interruptions: int = DEFAULT_MAX_INTERRUPTIONS
+    claim_max_bytes: int = DEFAULT_CLAIM_MAX_BYTES
     lease_s: float | None = None  # deprecated alias of lease_duration_s
     heartbeat_s: float | None = None  # deprecated alias of heartbeat_interval_s
 
@@ -164,6 +175,7 @@ class WorkerConfig:
             _check.text("worker_id", self.worker_id)
         _check.integer("max_owners_per_round", self.max_owners_per_round, 1, MAX_OWNERS_PER_ROUND)
         _check.integer("max_interruptions", self.max_interruptions, 0, MAX_INTERRUPTIONS)
+        _check.integer("claim_max_bytes", self.claim_max_bytes, 1, MAX_CLAIM_BYTES)
         name = self.application_name
         if not isinstance(name, str) or len(name) > MAX_APPLICATION_NAME_CHARS or not name.isascii() \
                 or not name.isprintable():

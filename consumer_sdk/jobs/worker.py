@@ -308,7 +308,7 @@ class WorkerPool(Executing):
         with self._refusals.watch("claim", sent=any(t.n > 0 for t in takes)):  # refused: successes alone first
             claimed = self._done.write_with(lambda done: jobq.complete_and_claim(
                 conn, worker=self.worker_id, done=done, takes=takes, lease_s=self.config.lease_duration_s,
-                now=self._db_now()), conn=conn, claims=True)
+                now=self._db_now(), max_bytes=self.config.claim_max_bytes), conn=conn, claims=True)
         self._more_work = sum(lane.ready for lane in lanes) > len(claimed)
         if self._lanes.after_round(lanes, takes, claimed, self._done.last_written, limits, sent_at):
             self._wake.set()  # an owner its limit held back has room now: the next round runs at once

@@ -192,6 +192,17 @@ WHERE pg_try_advisory_xact_lock(1785686643, hashtext(o.owner_id))
 -- Rows: 'claimed' (the claim's columns) or 'done' (a completed job; the jobs of
 -- %(done)s missing from them lost their lease).  The jobs completed here still count
 -- as running for the owner limit (the statement's snapshot): a claim errs on the safe side.
+--
+-- The round's byte budget (%(budget_bytes)s): the jobs' payloads (or their run's goal) and
+-- activation payloads come back in one result, decoded at once: 64 jobs of 200 MB would be
+-- 13 GB in the worker process, killed for it, and so each replica that claimed them next.  The candidates are taken in the plan's order (queues by priority, then turns: each
+-- lane's first job, then each lane's second...) up to the one that crosses the budget, that
+-- one included, as in the relay's batches: a round brings at most the budget plus one job.
+-- The first is always taken, so a job over the budget still runs (alone when it comes
+-- first).  A lane cut gets nothing this round, and the pool serves it first in the next
+-- (its last turn is the oldest).  A value stored uncompressed counts its stored size (read
+-- from its header), a compressed one its text's length (decompressed: measured only for
+-- candidates whose stored sizes fit, so a round never decompresses the values it cannot take).
 WITH done_in AS (
     SELECT (e->>0)::bigint AS id, (e->>1)::bigint AS token, e->2 AS result
     FROM jsonb_array_elements(%(done)s::jsonb) AS e
@@ -217,22 +228,46 @@ WITH done_in AS (
       AND j.lease_until > coalesce(%(now)s::timestamptz, now())
     GROUP BY j.owner_id
 ), room AS (
-    SELECT want.queue, want.owner_id,
+    SELECT want.ord, min(want.ord) OVER (PARTITION BY want.queue) AS queue_rank,
+           want.queue, want.owner_id,
            greatest(0, least(want.n, want.owner_limit - coalesce(r.n, 0)
                - coalesce(sum(want.n) OVER (PARTITION BY want.owner_id ORDER BY want.ord
                           ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)::int)) AS take
     FROM want LEFT JOIN running AS r USING (owner_id)
 ), picked AS (
-    SELECT c.id
+    SELECT c.id, room.queue_rank, room.ord,
+           row_number() OVER (PARTITION BY room.ord ORDER BY c.available_at, c.id) AS turn,
+           coalesce(c.payload, (SELECT r.goal FROM runs AS r WHERE r.id = c.run_id)) AS body,
+           (SELECT a.payload FROM job_activations AS a WHERE a.key = c.wait_key) AS activation
     FROM room
     CROSS JOIN LATERAL (
-        SELECT j.id FROM jobs AS j
+        SELECT j.id, j.available_at, j.payload, j.run_id, j.wait_key FROM jobs AS j
         WHERE j.status = 'queued' AND j.queue = room.queue AND j.owner_id = room.owner_id
           AND j.available_at <= coalesce(%(now)s::timestamptz, now())
         ORDER BY j.available_at, j.id
         LIMIT room.take
         FOR UPDATE SKIP LOCKED
     ) AS c
+), stored AS (
+    -- The budget by stored sizes first (cheap: no value is read), close to the sizes below
+    -- or under them (compressed): a cut here only comes early, never lets more through.
+    SELECT p.*, s.bytes, sum(s.bytes) OVER (ORDER BY p.queue_rank, p.turn, p.ord
+                                            ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS running
+    FROM picked AS p
+    CROSS JOIN LATERAL (SELECT coalesce(pg_column_size(p.body), 0)
+                               + coalesce(pg_column_size(p.activation), 0) AS bytes) AS s
+), sized AS (
+    SELECT f.id, s.bytes, sum(s.bytes) OVER (ORDER BY f.queue_rank, f.turn, f.ord
+                                             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS running
+    FROM stored AS f
+    CROSS JOIN LATERAL (SELECT
+        CASE WHEN pg_column_compression(f.body) IS NULL THEN coalesce(pg_column_size(f.body), 0)
+             ELSE octet_length(f.body::text) END
+        + CASE WHEN pg_column_compression(f.activation) IS NULL THEN coalesce(pg_column_size(f.activation), 0)
+               ELSE octet_length(f.activation::text) END AS bytes) AS s
+    WHERE f.running - f.bytes < %(budget_bytes)s::bigint
+), kept AS (
+    SELECT s.id FROM sized AS s WHERE s.running - s.bytes < %(budget_bytes)s::bigint
 ), claimed AS (
     UPDATE jobs AS j
     SET status = 'running',
@@ -244,7 +279,7 @@ WITH done_in AS (
         started_at = coalesce(j.started_at, coalesce(%(now)s::timestamptz, now()))
     -- By primary key: a join with picked (planned for ~30 rows) made the planner hash-join a
     -- sequential scan of the whole table, a claim growing with every finished job kept.
-    WHERE j.id = ANY (ARRAY(SELECT picked.id FROM picked))
+    WHERE j.id = ANY (ARRAY(SELECT kept.id FROM kept))
     RETURNING j.id, j.run_id, j.owner_id, j.queue, j.kind, j.lease_token, j.attempts, j.max_attempts,
               coalesce(j.payload, (SELECT r.goal FROM runs AS r WHERE r.id = j.run_id))::text
                   AS payload_text,
