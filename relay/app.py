@@ -130,6 +130,7 @@ class Relay(Running, Dependencies):
         self.deps_up_at = self.last_tick
         self._next_shards_look = 0.0
         self._reconnects = Reconnects(cap_s=settings.backoff_max_s)  # the database's back-off
+        self._cancels = Reconnects(cap_s=settings.backoff_max_s)  # a cancelled claim's (app_deps.py)
         self._db_down_event = ""
 
     # -- lifecycle ------------------------------------------------------------------------

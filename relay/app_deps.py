@@ -8,7 +8,7 @@ configuration is wrong (the relay then ends).  A mark connection that broke whil
 claims connection still answers is that connection's loss (``mark_connection_lost``), not
 the database's (:meth:`Dependencies._mark_connection_lost`); a mark statement the server
 cancelled (a ``statement_timeout``) is a slow statement, not an outage either
-(:meth:`Dependencies._mark_cancelled`).
+(:meth:`Dependencies._mark_cancelled`), nor is a claim's (:meth:`Dependencies._statement_cancelled`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from relay.config import mask_text
-from relay.errors import DatabaseReadOnly, DatabaseUnavailable, FatalError
+from relay.errors import DatabaseReadOnly, DatabaseUnavailable, FatalError, StatementCancelled
 from relay.marker import LOSS_STREAK_S, MarkCancelled, MarkConnectionLost
 from relay.publisher import BrokerState
 
@@ -56,6 +56,7 @@ class Dependencies:
         broker_up: bool
         deps_up_at: float
         _reconnects: Reconnects
+        _cancels: Reconnects  # the loop's statements cancelled in a row: their back-off
         _db_down_event: str
 
         @property
@@ -145,6 +146,41 @@ class Dependencies:
                                 "(outbox_relay_mark_duration_seconds), or lift it: ALTER ROLE <role> "
                                 "SET statement_timeout = 0")
         return True
+
+    def _statement_cancelled(self, exc: DatabaseUnavailable) -> bool:
+        """Whether ``exc`` is a statement of the loop's own (a claim, a rewind's sweep, a lease
+        heartbeat) the server cancelled while the database was up: a ``statement_timeout``
+        shorter than it, a lock on the outbox held longer, a ``pg_cancel_backend``.  The
+        server answered: ``database_up`` stays 1 and no connection is dropped (before: the
+        outage's path, ``database_unavailable``, every connection dropped, for a slow
+        statement).  Said once a streak (:meth:`_statement_passed` says its end); the caller
+        waits :meth:`_cancelled_wait_s` and tries again."""
+        if not isinstance(exc, StatementCancelled) or isinstance(exc, MarkCancelled) or not self.db_up:
+            return False
+        if not self._cancels.failures:
+            name = self.store.name
+            self.log.warning("statement_cancelled", connection=name, error=mask_text(str(exc)),
+                             detail=f"the server cancelled a statement of {name} (a claim, a sweep or a "
+                                    "lease heartbeat): a statement_timeout shorter than it (set on the "
+                                    "relay's role or database, or options=-c statement_timeout in its "
+                                    "DSN), a lock on the outbox held longer than it (pg_locks, "
+                                    "outbox_relay_lock_wait_seconds), or a pg_cancel_backend. The database "
+                                    "answers (database_up stays 1): tried again after a back-off, said "
+                                    "once until one passes (statement_recovered). Raise the relay role's "
+                                    "statement_timeout above its claims' time "
+                                    "(outbox_relay_claim_duration_seconds), or lift it: ALTER ROLE <role> "
+                                    "SET statement_timeout = 0")
+        return True
+
+    def _cancelled_wait_s(self) -> float:
+        """Count a cancelled statement; the seconds to wait before the next try."""
+        return self._cancels.next_wait_s()
+
+    def _statement_passed(self) -> None:
+        """A turn passed: a streak of cancelled statements ends, said once."""
+        if self._cancels.failures:
+            self.log.info("statement_recovered", connection=self.store.name,
+                          cancelled=self._cancels.reset())
 
     def _mark_connection_lost(self, exc: DatabaseUnavailable) -> bool:
         """Whether ``exc`` is the loss of one mark connection only: the server ended that
