@@ -5,7 +5,6 @@ at a time), never past a message that is not settled; abandoned records are fetc
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from confluent_kafka import Consumer, KafkaError
@@ -20,20 +19,16 @@ from consumer_sdk.offsets import TopicPart
 #: with ``group.protocol=consumer`` (KIP-848), its epoch (STALE_, FENCED_MEMBER_EPOCH) gone.
 #: Expected during a cooperative rebalance, and nothing is lost: each partition's new owner
 #: commits its own offsets, and what it receives again is dropped by the inbox (event_id).
-_GROUP_MOVED_ON = frozenset(KafkaError(code).name() for code in (
+_GROUP_MOVED_ON = frozenset({
     KafkaError.ILLEGAL_GENERATION, KafkaError.REBALANCE_IN_PROGRESS, KafkaError.UNKNOWN_MEMBER_ID,
-    KafkaError.STALE_MEMBER_EPOCH, KafkaError.FENCED_MEMBER_EPOCH))
-#: The error's code as ``str(KafkaError)`` spells it, ``KafkaError{code=NAME,val=...}`` (the
-#: form in which :func:`consumer_sdk.kafka.commit_offsets` reports the errors).
-_CODE = re.compile(r"code=(\w+),")
+    KafkaError.STALE_MEMBER_EPOCH, KafkaError.FENCED_MEMBER_EPOCH})
 
 
-def group_moved_on(errors: Sequence[str]) -> bool:
-    """True when every commit error (``commit_offsets``'s texts) says only that the group
+def group_moved_on(errors: Sequence[kafka.CommitError]) -> bool:
+    """True when every commit error (``commit_offsets``'s, by its code) says only that the group
     rebalanced under the commit (:data:`_GROUP_MOVED_ON`): logged as info, not as a warning.
     Any other error (the coordinator unreachable, an authorization, a timeout) is a warning."""
-    codes = [_CODE.search(error) for error in errors]
-    return bool(codes) and all(code is not None and code[1] in _GROUP_MOVED_ON for code in codes)
+    return bool(errors) and all(error.code in _GROUP_MOVED_ON for error in errors)
 
 
 class InboxOffsets(InboxState):
@@ -101,12 +96,13 @@ class InboxOffsets(InboxState):
         if not errors:
             return
         self.metrics.offset_commit_failures.labels(self.config.name).inc()
+        texts = [error.text for error in errors]  # the log says them as librdkafka does
         if group_moved_on(errors):  # expected in a (cooperative) rebalance
-            self.log.info("offset_commit_failed", errors=errors,
+            self.log.info("offset_commit_failed", errors=texts,
                           detail="the group rebalanced under the commit: each partition's new owner "
                                  "commits its offsets; nothing is lost (the inbox drops what comes again)")
         else:  # harmless for the effects too (the inbox drops what comes again), but not expected
-            self.log.warning("offset_commit_failed", errors=errors)
+            self.log.warning("offset_commit_failed", errors=texts)
 
     def _update_lag(self, consumer: Consumer, parts: set[TopicPart]) -> None:
         for key in parts:

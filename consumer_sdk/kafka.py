@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -116,20 +117,36 @@ def require_topics(consumer: Consumer, topics: list[str], *, what: str, hint: st
         raise ConfigError(f"{what} {', '.join(missing)} does not exist: {hint}")
 
 
-def commit_offsets(consumer: Consumer, offsets: dict[TopicPart, int]) -> tuple[dict[TopicPart, int], list[str]]:
-    """Commit synchronously; returns (acknowledged positions, error texts).  Never raises."""
+@dataclass(frozen=True)
+class CommitError:
+    """One error of an offset commit: librdkafka's ``code`` (a ``KafkaError`` code, None when the
+    client raised without one) for the caller's decisions, and ``text`` (``topic[partition]:
+    KafkaError{code=...,str=...}``) for a person reading the log.  The caller decided from the
+    text before (the code read back out of it)."""
+
+    code: int | None
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def commit_offsets(consumer: Consumer, offsets: dict[TopicPart, int]) -> tuple[dict[TopicPart, int], list[CommitError]]:
+    """Commit synchronously; returns (acknowledged positions, errors).  Never raises."""
     try:
         answer = consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
                                  asynchronous=False) or []
     except KafkaException as exc:
-        return {}, [str(exc.args[0] if exc.args else exc)]
+        error = exc.args[0] if exc.args else exc
+        code = error.code() if isinstance(error, KafkaError) else None
+        return {}, [CommitError(code, str(error))]
     done: dict[TopicPart, int] = {}
-    errors: list[str] = []
+    errors: list[CommitError] = []
     for tp in answer:
         if tp.error is None:
             done[(tp.topic, tp.partition)] = tp.offset
         else:
-            errors.append(f"{tp.topic}[{tp.partition}]: {tp.error}")
+            errors.append(CommitError(tp.error.code(), f"{tp.topic}[{tp.partition}]: {tp.error}"))
     return done, errors
 
 
