@@ -149,3 +149,24 @@ def test_after_an_outage_each_mark_connection_is_stale_until_a_mark_of_its_own_c
     said = [(event, fields["connection"]) for event, fields in log.events if event.startswith("mark_connection")]
     assert said == [("mark_connection_lost", "outbox-relay:me:mark"), ("mark_connection_stale", "outbox-relay:me:mark2"),
                     ("mark_connection_lost", "outbox-relay:me:mark2")], said
+
+
+def test_a_claim_the_server_cancelled_is_said_once_a_streak_and_keeps_the_database_up() -> None:
+    log = Log()
+    relay, claims, mark = _relay(log)
+    cancelled = StatementCancelled("statement cancelled: canceling statement due to statement timeout")
+    assert relay._statement_cancelled(cancelled) and relay._cancelled_wait_s() > 0
+    assert relay._statement_cancelled(cancelled) and relay._cancelled_wait_s() > 0  # again: not said
+    assert relay.db_up and claims.pings == 0
+    relay._statement_passed()
+    relay._statement_passed()  # no streak: nothing said
+    assert [event for event, _ in log.events] == ["statement_cancelled", "statement_recovered"], log.events
+    assert log.events[0][1]["connection"] == claims.name and log.events[1][1]["cancelled"] == 2
+    assert "statement_timeout" in str(log.events[0][1]["detail"]), log.events
+    mark.error = cancelled
+    with pytest.raises(MarkCancelled) as a_marks:
+        mark_rows(mark, "me", {}, [])  # type: ignore[arg-type]
+    assert not relay._statement_cancelled(a_marks.value)  # a mark's: relay/mark_cancels.py
+    assert not relay._statement_cancelled(DatabaseUnavailable("database connection lost"))
+    relay.db_up = False
+    assert not relay._statement_cancelled(cancelled)  # the database down already: the outage's
