@@ -15,6 +15,12 @@ from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.errors import LeaseLost
 from consumer_sdk.jobs.retry import describe
 
+#: Why ``job_write_not_sent``: the outcome's write needs a new connection, and none can be made yet.
+NOT_SENT = ("the job's connection broke and no new one can be made (the database is still unreachable): nothing "
+            "of its outcome was written yet; tried again until the lease's local deadline, then job_write_failed "
+            "and the job waits out its lease (the reaper queues it again, the attempt counted, or on its last "
+            "attempt dead-letters it lease_expired)")
+
 
 class JobLog:
     """The executor's logger bound to one job's fields, bound only when something is logged."""

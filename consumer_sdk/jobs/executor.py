@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 from consumer_sdk import _pg
 from consumer_sdk.errors import DatabaseUnavailable, FatalError, OutboxSdkError
-from consumer_sdk.jobs import queue, waits
+from consumer_sdk.jobs import attempt, queue, waits
 from consumer_sdk.jobs._conn import outcome_unknown
 from consumer_sdk.jobs._db import to_json
 from consumer_sdk.jobs.attempt import JobLog, Later, close, error_written, tidy, wait_to_resend
@@ -227,12 +227,7 @@ class Executor:
         retry's back-off (a job that crashes its backend does not restart the database in a
         tight loop).  Returns the outcome, or the job's interruptions when they reached the
         pool's limit: nothing was written, and the attempt is to count as before."""
-        job = ctx.job
-        if ctx.conn.closed or ctx.conn.broken:
-            try:
-                ctx.reconnect()
-            except OutboxSdkError:
-                pass  # the write meets the dead connection: sent again until the lease's deadline (_resend)
+        job = ctx.job  # the handler's connection dead, the write makes a new one first (see _send)
         delay_s = self.backoff.delay_s(1, self.rand)
         error, kind = mask_text(describe(exc)), error_type(exc)
         over: list[int] = []
@@ -289,12 +284,7 @@ class Executor:
         written either: left to its lease); a missing grant goes to ``on_fatal``."""
         ctx.ending = True  # from here this write, not the heartbeat, says whether the lease held
         try:
-            try:
-                outcome = write()
-            except DatabaseUnavailable as exc:
-                if again is None or not outcome_unknown(exc, ctx.conn):
-                    raise
-                outcome = self._resend(ctx, log, again, exc)
+            outcome = self._send(ctx, log, write, again)
         except InvalidJob as exc:  # written again, it would be refused again (a CHECK, a trigger...)
             if not failing:
                 return self._fail(ctx, "permanent_error", exc, log)
@@ -316,20 +306,36 @@ class Executor:
             log.warning("lease_lost", detail="a fenced write matched no row")
         return outcome
 
+    def _send(self, ctx: JobContext, log: Any, write: Callable[[], Outcome],
+              again: Callable[[Any], Outcome] | None) -> Outcome:
+        """``write``, or ``again`` on a new connection when the attempt's is dead (a write there sends nothing)."""
+        if again is not None and (ctx.conn.closed or ctx.conn.broken):
+            return self._resend(ctx, log, again, None)
+        try:
+            return write()
+        except DatabaseUnavailable as exc:
+            if again is None or not outcome_unknown(exc, ctx.conn):
+                raise
+            return self._resend(ctx, log, again, exc)
+
     def _resend(self, ctx: JobContext, log: Any, again: Callable[[Any], Outcome],
-                exc: DatabaseUnavailable) -> Outcome:
-        """The connection broke while the write waited for its reply: it may have committed.
-        ``again`` writes it again (fenced: at most once) on a new connection and finds out;
-        tried until the lease's local deadline or the attempt's cancellation (at least once, see
-        :func:`~consumer_sdk.jobs.attempt.wait_to_resend`); raises the last failure when the database never answered."""
-        log.warning("job_write_unconfirmed", error=str(exc),
-                    detail="the connection broke while the outcome was being written: sent again on a "
-                           "new connection, which finds out whether it was")
+                exc: DatabaseUnavailable | None) -> Outcome:
+        """``again`` writes the outcome on a new connection (fenced: once), finding out whether an earlier
+        write did (``exc``: its reply was lost; None: nothing was sent), until the lease's local deadline or
+        a cancellation (once at least: :func:`~consumer_sdk.jobs.attempt.wait_to_resend`); raises the last failure."""
+        if exc is not None:
+            log.warning("job_write_unconfirmed", error=str(exc),
+                        detail="the connection broke while the outcome was being written: sent again on a "
+                               "new connection, which finds out whether it was")
         pauses = iter(_RESEND_PAUSES_S)
         while True:
+            conn = None
             try:
-                return again(ctx.reconnect())
+                conn = ctx.reconnect()
+                return again(conn)
             except DatabaseUnavailable as failed:
+                if exc is None and conn is None:  # nothing sent yet, and nothing can be
+                    log.warning("job_write_not_sent", error=str(failed), detail=attempt.NOT_SENT)
                 exc = failed
             if not wait_to_resend(ctx, next(pauses, _RESEND_PAUSES_S[-1])):
                 raise exc

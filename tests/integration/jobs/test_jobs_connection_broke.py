@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 
+from consumer_sdk import _pg
 from consumer_sdk.jobs import Backoff, JobsMetrics, NewJob, WorkerConfig, WorkerPool, admin, enqueue
 from consumer_sdk.jobs import queue as jobq
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.executor import Executor
+from outbox_embedded.procs import free_port
 from tests.fixtures.procs import wait_until
 from tests.integration.jobs._support import claim_next, recording_logger, rows
 
@@ -90,14 +93,16 @@ def test_a_job_whose_backend_was_terminated_mid_handler_succeeds_its_only_attemp
 
 
 def _run_once_ending_its_backend(conn: Any, jobs_db: str, *, interruptions: int, max_interruptions: int,
-                                 metrics: JobsMetrics, events: list[dict[str, Any]]) -> str:
+                                 metrics: JobsMetrics, events: list[dict[str, Any]],
+                                 reconnect: Callable[[], Any] | None = None, deadline_s: float = 20) -> str:
     """One attempt of a fresh job (max_attempts 1, ``interruptions`` already counted) whose
     handler ends its own backend, run by an executor allowing ``max_interruptions``."""
     enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="crash", payload={}, max_attempts=1)])
     conn.execute("UPDATE jobs SET interruptions = %s", (interruptions,))
     (job,) = claim_next(conn, "A", now=None, queues=("bulk",), lease_s=30.0)
-    ctx = JobContext(job, deadline=time.monotonic() + 20)
-    ctx.bind(psycopg.connect(jobs_db, autocommit=True), reconnect=lambda: psycopg.connect(jobs_db, autocommit=True))
+    ctx = JobContext(job, deadline=time.monotonic() + deadline_s)
+    ctx.bind(psycopg.connect(jobs_db, autocommit=True),
+             reconnect=reconnect or (lambda: psycopg.connect(jobs_db, autocommit=True)))
 
     def crash(ctx: Any) -> None:
         ctx.conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
@@ -143,6 +148,38 @@ def test_past_the_bound_the_attempt_counts_and_the_dead_letter_says_why(conn, jo
     # An operator's requeue gives the job a fresh budget of interruptions with its attempts.
     assert admin.requeue_dead(conn, rows(jobs_db, "SELECT id FROM jobs")[0][0])
     assert rows(jobs_db, "SELECT status, attempts, interruptions FROM jobs") == [("queued", 0, 0)]
+
+
+@pytest.mark.parametrize("database_back", [True, False])
+def test_a_give_back_that_cannot_reconnect_says_nothing_was_written(conn, jobs_db, database_back: bool) -> None:
+    """The reconnect before the give-back fails (nothing listens where the new connection goes:
+    the database still away).  Logged ``job_write_unconfirmed`` before (a reply lost, while
+    nothing had been sent): now ``job_write_not_sent``, once, and the give-back is written when a
+    new connection can be made; never, the job is left to its lease (``job_write_failed``)."""
+    events: list[dict[str, Any]] = []
+    away = psycopg.conninfo.make_conninfo(jobs_db, host="127.0.0.1", port=free_port())
+    tried: list[str] = []
+
+    def reconnect() -> Any:  # the pool's own factory: refused while away, then (database_back) the database
+        dsn = jobs_db if database_back and tried else away
+        tried.append(dsn)
+        return _pg.connect(dsn, application_name="t-conn-broke", connect_timeout_s=2)
+
+    outcome = _run_once_ending_its_backend(conn, jobs_db, interruptions=0, max_interruptions=2,
+                                           metrics=JobsMetrics(), events=events, reconnect=reconnect,
+                                           deadline_s=20 if database_back else 1)
+    names = [e["event"] for e in events]
+    assert "job_write_unconfirmed" not in names, names
+    [not_sent] = [e for e in events if e["event"] == "job_write_not_sent"]
+    assert "nothing of its outcome was written yet" in not_sent["detail"], not_sent
+    assert "waits out its lease" in not_sent["detail"], not_sent
+    if database_back:
+        assert (outcome, tried[0]) == ("given_back", away) and len(tried) == 2
+        assert rows(jobs_db, "SELECT status, attempts, interruptions FROM jobs") == [("queued", 0, 1)]
+        assert names.index("job_write_not_sent") < names.index("job_given_back")
+    else:
+        assert outcome == "lost" and "job_write_failed" in names, names
+        assert rows(jobs_db, "SELECT status, attempts, interruptions FROM jobs") == [("running", 1, 0)]
 
 
 def test_a_give_back_whose_reply_was_lost_is_found_by_its_lease(conn, jobs_db) -> None:
