@@ -89,6 +89,10 @@ class MarkLanes:
         marking (a paced relay's small batches)."""
         return self.lanes[0].store
 
+    def cancelling(self) -> bool:
+        """Is a lane marking again rows whose mark the server cancelled (relay/mark_cancels.py)?"""
+        return any(lane.cancels.in_a_row for lane in self.lanes)
+
     def cancelled(self, exc: MarkCancelled) -> None:
         """The pump's own mark on a lane's connection (:attr:`store`) was cancelled: that
         lane counts it and waits a back-off before its next statement; the pump then submits

@@ -4,8 +4,10 @@ Liveness exists for a wedged relay, which a restart fixes: its loop stopped tick
 rows are pending and nothing was published for ``--stuck-after-s`` while the database and
 the broker are up.  It does not fail for what a restart cannot fix: an outage of a
 dependency (readiness's business), or statements the server says are running or waiting
-there (relay/waits.py: a DBA's lock on the outbox, a slow database).  A wedged loop, with
-no statement of its own on the server, still fails.
+there (relay/waits.py: a DBA's lock on the outbox, a slow database), or marks the server
+cancels, marked again after a back-off (relay/mark_cancels.py: between two tries no
+statement of the relay's is on the server, and a restart would publish again every row in
+flight).  A wedged loop, with no statement of its own on the server, still fails.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ def health(relay: Relay, *, loop_connection: str) -> tuple[bool, dict[str, Any]]
     since_progress = min(since_publish, now - relay.deps_up_at)
     waits = relay.waits.current()
     loop_waits = any(wait.connection == loop_connection for wait in waits)
+    cancelled = relay.pump is not None and relay.pump.marks_cancelled()
     stuck = (relay.pending > 0 and since_progress > relay.settings.stuck_after_s
-             and relay.db_up and relay.broker_up and not waits)
+             and relay.db_up and relay.broker_up and not waits and not cancelled)
     loop_dead = (loop_age > max(LOOP_DEAD_AFTER_S, relay.settings.poll_interval_s * 10)
                  and not relay.stopping and not loop_waits)
     ok = not stuck and not loop_dead
     return ok, {"pending": relay.pending, "seconds_since_publish": round(since_publish, 1),
-                "loop_age_s": round(loop_age, 1), "database_waits": [w.describe() for w in waits]}
+                "loop_age_s": round(loop_age, 1), "database_waits": [w.describe() for w in waits],
+                "marks_cancelled": cancelled}
 
 
 def held_up_s(relay: Relay) -> float:

@@ -192,6 +192,11 @@ class Pump(Claiming, Settling):
             busy |= {row.shard for row in pending.acked}
         return busy
 
+    def marks_cancelled(self) -> bool:
+        """Are marks the server cancelled being marked again (a lock on outbox rows, a
+        ``statement_timeout``: relay/mark_cancels.py)?  Not a wedged relay (relay/probes.py)."""
+        return self._marker is not None and self._marker.cancelling()
+
     def busy(self) -> bool:
         """Rows produced and not yet acknowledged, or acknowledged and not yet marked."""
         return bool(self.in_flight or self.marking)

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import make_conninfo
 
+from relay.probes import health
 from tests.fixtures.broker import read_all
 from tests.fixtures.outbox import (
     RelayThread,
@@ -102,4 +103,28 @@ def test_marks_longer_than_the_statement_timeout_get_through_in_parts(outbox_db,
     recovered = [fields for event, fields in log.events if event == "mark_statement_recovered"]
     assert recovered and all(int(fields["rows_per_statement"]) <= 150 for fields in recovered), recovered
     assert "database_unavailable" not in [event for event, _ in log.events]
+    _delivered_once(outbox_db, broker, topic)
+
+
+def test_a_relay_whose_marks_the_server_cancels_is_not_called_stuck(outbox_db, broker, topic):
+    """Liveness is for what a restart fixes (relay/probes.py): a relay marking again the rows
+    whose marks the server cancels (a lock on them, a timeout) is not wedged, and a restart
+    would publish again every row in flight.  Between its tries (the back-off) no statement
+    of it is on the server, so the wait watch finds nothing: the streak itself must say so."""
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute(SLOW_MARKS)
+    insert_rows(outbox_db, topic, 100, keys=10)
+    log = Log()
+    relay = _relay(outbox_db, broker, "alive", log, stuck_after_s=0.5)
+    with relay:
+        wait_until(lambda: (relay.metrics.registry.get_sample_value(
+                       "outbox_relay_mark_statements_cancelled_total",
+                       {"connection": "outbox-relay:alive:mark"}) or 0) >= 2, timeout_s=20,
+                   message=lambda: f"not cancelled twice: {[event for event, _ in log.events]}")
+        ok, body = health(relay.relay, loop_connection="outbox-relay:alive")
+        assert body["seconds_since_publish"] > 0.5 and body["pending"] > 0, body
+        assert ok, f"a relay whose marks the server cancels was called stuck: {body}"
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute("DELETE FROM slow_marks")
+        wait_drained(outbox_db, timeout_s=30)
     _delivered_once(outbox_db, broker, topic)

@@ -23,7 +23,7 @@ def relay_at(clock: Clock) -> Relay:
     settings = build_settings({"dsn": "postgresql://u@127.0.0.1/db",
                                "bootstrap_servers": "127.0.0.1:9092", "stuck_after_s": "120"})
     relay = Relay(settings, log=structlog.get_logger(), clock=clock)
-    relay.pump = SimpleNamespace(last_marked_at=clock.now)  # type: ignore[assignment]
+    relay.pump = SimpleNamespace(last_marked_at=clock.now, marks_cancelled=lambda: False)  # type: ignore[assignment]
     relay._db_ok()
     relay.pending = 50
     return relay
@@ -40,6 +40,21 @@ def test_pending_rows_and_nothing_published_for_stuck_after_s_fails() -> None:
     clock.now += 119
     assert healthy(relay, clock)
     clock.now += 2
+    assert not healthy(relay, clock)
+
+
+def test_marks_the_server_cancels_and_the_relay_marks_again_are_not_stuck() -> None:
+    """A lock on outbox rows, a statement_timeout: the marks are tried again (relay/mark_cancels.py),
+    and a restart would publish again every row in flight; once they stop, stuck is stuck."""
+    clock = Clock()
+    relay = relay_at(clock)
+    cancelling = [True]
+    relay.pump.marks_cancelled = lambda: cancelling[0]  # type: ignore[method-assign,union-attr]
+    clock.now += 600
+    relay.last_tick = clock.now  # the loop turns; only publishing is in question
+    ok, body = relay.health()
+    assert ok and body["marks_cancelled"] is True, body
+    cancelling[0] = False
     assert not healthy(relay, clock)
 
 

@@ -25,7 +25,7 @@ def relay_at(clock: Clock) -> Relay:
     settings = build_settings({"dsn": "postgresql://u@127.0.0.1/db", "owner": "r1",
                                "bootstrap_servers": "127.0.0.1:9092"})
     relay = Relay(settings, log=structlog.get_logger(), clock=clock)
-    relay.pump = SimpleNamespace(last_marked_at=clock.now, busy=lambda: False)  # type: ignore[assignment]
+    relay.pump = SimpleNamespace(last_marked_at=clock.now, busy=lambda: False, marks_cancelled=lambda: False)  # type: ignore[assignment]
     relay._db_ok()
     return relay
 

@@ -28,7 +28,7 @@ def test_marks_held_up_by_a_mark_connections_reopen_are_not_looked_at() -> None:
     settings = build_settings({"dsn": "postgresql://u@127.0.0.1/db", "owner": "r1",
                                "bootstrap_servers": "127.0.0.1:9092"})
     relay = Relay(settings, log=structlog.get_logger(), clock=clock)
-    relay.pump = SimpleNamespace(last_marked_at=clock.now, busy=lambda: True)  # type: ignore[assignment]
+    relay.pump = SimpleNamespace(last_marked_at=clock.now, busy=lambda: True, marks_cancelled=lambda: False)  # type: ignore[assignment]
     relay._db_ok()
     clock.now += 60
     relay.last_tick = clock.now  # the loop turns; its marks wait
