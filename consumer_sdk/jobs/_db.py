@@ -10,7 +10,7 @@ CHECK, a trigger's refusal, a value or size the database cannot store)
 :class:`~consumer_sdk.jobs.errors.InvalidJob`, a missing grant
 :class:`~consumer_sdk.jobs.errors.PrivilegeMissing`, a read-only database (a standby)
 :class:`~consumer_sdk.jobs.errors.DatabaseReadOnly`, a DatabaseUnavailable; a statement a
-``statement_timeout`` cancelled :class:`StatementTimedOut`, a DatabaseUnavailable too.
+``statement_timeout`` cancelled :class:`~consumer_sdk.jobs.errors.StatementTimedOut`, a DatabaseUnavailable too.
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ import psycopg.errors
 
 from consumer_sdk.errors import DatabaseUnavailable, FatalError, SchemaMissing, TransactionConflict
 from consumer_sdk.jobs._check import json_storable
-from consumer_sdk.jobs.errors import DatabaseReadOnly, InvalidJob, PrivilegeMissing, TableMissing
+from consumer_sdk.jobs.errors import (
+    DatabaseReadOnly,
+    InvalidJob,
+    PrivilegeMissing,
+    StatementTimedOut,  # defined with its siblings; imported from here before
+    TableMissing,
+)
 from outbox_core.queries import query
 from outbox_core.text import has_colliding_keys
 
@@ -42,13 +48,15 @@ def session_q(name: str) -> str:
     return query("jobs_session", name)
 
 
-class StatementTimedOut(DatabaseUnavailable):
-    """The server cancelled a statement that ran past its session's ``statement_timeout`` (57014):
-    the database answers, slowly (an overloaded server, a large scan, a lock held long).  Retried
-    like any DatabaseUnavailable; its own type so that the pool's log says what cancelled it."""
-
-
-#: The start of a 57014's message when a statement_timeout (not pg_cancel_backend) cancelled it.
+#: The start of a 57014's message when a statement_timeout (not a cancel request) cancelled it.
+#: English only: with another ``lc_messages`` such a cancel is a plain DatabaseUnavailable
+#: (retried all the same; the pool's log and its lock-wait readiness rule, see
+#: :mod:`consumer_sdk.jobs.outage`, then do not know it for a timeout).  No locale-proof sign
+#: was found: a statement_timeout and a cancel request (``pg_cancel_backend``, a client's
+#: cancel) share the SQLSTATE and the reporting routine (ProcessInterrupts; only the source
+#: line, which moves between versions, differs); ``lc_messages`` can only be set by a
+#: superuser; and "no one else cancels" does not hold even on the pool's own sessions (an
+#: administrator may), while this seam also serves the callers' connections (accept, enqueue).
 _STATEMENT_TIMEOUT = "canceling statement due to statement timeout"
 
 

@@ -15,7 +15,8 @@ Each class's docstring is its default message.  Retryability lives in the type:
   :class:`PrivilegeMissing`, a :class:`~consumer_sdk.errors.FatalError` that stops a pool; a
   missing table is :class:`~consumer_sdk.errors.SchemaMissing` when the jobs statement names it
   (the jobs schema), :class:`TableMissing` when a trigger or function it ran does; a
-  read-only database (a standby) is :class:`DatabaseReadOnly`, waited for as an unreachable one.
+  read-only database (a standby) is :class:`DatabaseReadOnly`, waited for as an unreachable one;
+  a statement its ``statement_timeout`` cancelled is :class:`StatementTimedOut`, retried as one.
 """
 
 from __future__ import annotations
@@ -122,3 +123,13 @@ class DatabaseReadOnly(JobsError, DatabaseUnavailable):
     keeps its read-only setting; a multi-host DSN with ``target_session_attrs=read-write``
     finds the new primary only on a new one).  A worker pool stopped for good on it
     before (a FatalError), until a person restarted it (an audit of the pool)."""
+
+
+class StatementTimedOut(JobsError, DatabaseUnavailable):
+    """The server cancelled a statement that ran past its session's ``statement_timeout``: the database answers, slowly.
+
+    SQLSTATE 57014 (an overloaded server, a large scan, a lock held long).  Retried like any
+    :class:`~consumer_sdk.errors.DatabaseUnavailable`; its own type so that the pool's log (and a
+    caller of ``accept``, ``enqueue``... that wants to answer "timed out") says what cancelled it.
+    The pool's own statements run with ``WorkerConfig.pool_statement_timeout_s``, other
+    sessions with the role's or the database's ``statement_timeout``."""

@@ -78,8 +78,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from consumer_sdk.errors import DatabaseUnavailable
-from consumer_sdk.jobs._db import StatementTimedOut
-from consumer_sdk.jobs.errors import DatabaseReadOnly
+from consumer_sdk.jobs.errors import DatabaseReadOnly, StatementTimedOut
 from consumer_sdk.jobs.metrics import JobsMetrics
 from outbox_core.secrets import mask_text
 from outbox_core.streaks import FailureStreak

@@ -60,3 +60,28 @@ def test_a_missing_grant_is_fatal_and_says_what_to_do() -> None:
     assert isinstance(info.value, PrivilegeMissing)
     assert str(info.value).startswith("the database role lacks a privilege: permission denied for table "
                                       "job_dead_letters; grant it to this connection's role")
+
+
+def test_a_statement_timeout_is_a_jobs_error_callers_can_catch_by_name() -> None:
+    """StatementTimedOut lives with its siblings (consumer_sdk.jobs.errors, exported by
+    consumer_sdk.jobs): a caller of accept or enqueue can answer "timed out"; still a
+    DatabaseUnavailable (retried), and still importable from the seam, where it was defined."""
+    from consumer_sdk.jobs import JobsError, StatementTimedOut, _db
+
+    assert _db.StatementTimedOut is StatementTimedOut
+    with pytest.raises(StatementTimedOut) as info, translated():
+        raise pg.QueryCanceled("canceling statement due to statement timeout")
+    assert isinstance(info.value, JobsError) and isinstance(info.value, DatabaseUnavailable)
+    assert "pool_statement_timeout_s" in str(info.value)
+
+
+@pytest.mark.parametrize("message", [
+    "canceling statement due to user request",  # pg_cancel_backend, a client's cancel
+    "Abbruch der Anweisung wegen Zeitüberschreitung",  # a statement timeout, lc_messages=de (see _db)
+])
+def test_any_other_cancel_is_a_plain_outage(message: str) -> None:
+    from consumer_sdk.jobs import StatementTimedOut
+
+    with pytest.raises(DatabaseUnavailable) as info, translated():
+        raise pg.QueryCanceled(message)
+    assert not isinstance(info.value, StatementTimedOut)

@@ -9,8 +9,7 @@ from typing import Any
 import structlog
 
 from consumer_sdk.errors import AuthenticationFailed, DatabaseUnavailable, TransactionConflict
-from consumer_sdk.jobs import WorkerConfig, WorkerPool
-from consumer_sdk.jobs._db import StatementTimedOut
+from consumer_sdk.jobs import StatementTimedOut, WorkerConfig, WorkerPool
 from consumer_sdk.jobs.errors import DatabaseReadOnly
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.outage import LOG_EVERY_S, NOT_READY_S, Outage
