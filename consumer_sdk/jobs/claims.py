@@ -30,9 +30,9 @@ from consumer_sdk.store import pipelined
 #: An owner limit this large never binds (the default: no per-owner limit); claims of such
 #: owners skip the owners' advisory locks (see claim()).
 NO_OWNER_LIMIT = 1_000_000
-#: A claim's byte budget by default (WorkerConfig.claim_max_bytes): the payloads one round
-#: takes at most, the job that crosses it included (see ``claim`` in jobs.sql).
-DEFAULT_CLAIM_MAX_BYTES = 64 * 1024 * 1024
+#: The payload bytes a worker pool holds at once by default (WorkerConfig.max_payload_bytes),
+#: and a claim's byte budget by default: the job that crosses it is taken (``claim`` in jobs.sql).
+DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,15 +69,16 @@ def ready_lanes(conn: ConnectionT, *, queues: Sequence[str], max_owners: int = 5
 
 
 def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: float,
-          now: datetime | None = None, max_bytes: int = DEFAULT_CLAIM_MAX_BYTES) -> list[ClaimedJob]:
+          now: datetime | None = None, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> list[ClaimedJob]:
     """Claim per ``takes`` in one short transaction; never waits for another claimer.
 
     Owners whose advisory lock another claimer holds are skipped this time.  The locks
     serialize the count of an owner's running jobs under its limit; when no take has a
     limit that can bind (``owner_limit >= NO_OWNER_LIMIT``), the claim is one statement.
-    The jobs' payloads stop the claim at ``max_bytes``: jobs are taken in the order of
-    ``takes`` (queues by priority, then one job of each take per turn) up to the one that
-    crosses it, that one included, and the first always is (a job over the budget still runs).
+    The jobs' payloads stop the claim at ``max_bytes`` (at least 1): jobs are taken in the
+    order of ``takes`` (queues by priority, then one job of each take per turn) up to the one
+    that crosses it, that one included, so the first always is (a job over the budget still
+    runs).  Each claimed job says its size as counted (``payload_bytes``).
     """
     return complete_and_claim(conn, worker=worker, done=(), takes=takes, lease_s=lease_s, now=now,
                               max_bytes=max_bytes)[1]
@@ -85,7 +86,7 @@ def claim(conn: ConnectionT, *, worker: str, takes: Sequence[Take], lease_s: flo
 
 def complete_and_claim(conn: ConnectionT, *, worker: str, done: Sequence[Done], takes: Sequence[Take],
                        lease_s: float, now: datetime | None = None,
-                       max_bytes: int = DEFAULT_CLAIM_MAX_BYTES) -> tuple[Written, list[ClaimedJob]]:
+                       max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[Written, list[ClaimedJob]]:
     """:func:`complete_many` and :func:`claim` in the claim's one statement.
 
     A dispatcher writes the successes its pool collected since the last round and claims
@@ -196,7 +197,7 @@ def _written(rows: Sequence[Sequence[Any]]) -> Written:
 
 
 def _claim_params(takes: Sequence[Take], done: Sequence[Done], worker: str, lease_s: float,
-                  now: datetime | None, *, max_bytes: int = DEFAULT_CLAIM_MAX_BYTES) -> dict[str, Any]:
+                  now: datetime | None, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> dict[str, Any]:
     return {"takes": _takes_json(takes), "done": _done_json(done), "worker": worker, "lease_s": lease_s,
             "now": now, "budget_bytes": max_bytes}
 
@@ -215,4 +216,4 @@ def _claimed(r: Sequence[Any], worker: str) -> ClaimedJob:
         id=JobId(r[0]), run_id=None if r[1] is None else RunId(r[1]), owner_id=r[2], queue=r[3],
         kind=r[4], worker=worker, token=Token(r[5]), attempts=r[6], max_attempts=r[7],
         payload=from_json(r[8]), traceparent=r[9], tracestate=r[10], wait_key=r[11],
-        activation=from_json(r[12]), created_epoch=r[13])
+        activation=from_json(r[12]), created_epoch=r[13], payload_bytes=r[14])

@@ -9,7 +9,7 @@ from typing import Any
 
 from consumer_sdk.config import check_db_spin_us
 from consumer_sdk.jobs import _check
-from consumer_sdk.jobs.claims import DEFAULT_CLAIM_MAX_BYTES
+from consumer_sdk.jobs.claims import DEFAULT_MAX_PAYLOAD_BYTES
 from consumer_sdk.jobs.errors import InvalidJob
 from consumer_sdk.jobs.fairness import Limits
 from consumer_sdk.jobs.metrics import JobsMetrics
@@ -38,8 +38,8 @@ MAX_APPLICATION_NAME_CHARS = 63
 #: The pool's own statements' statement_timeout (WorkerConfig.pool_statement_timeout_s): past
 #: the outage watch's 10 s and the lock-wait watch's first look (5 s), within the default lease.
 DEFAULT_POOL_STATEMENT_TIMEOUT_S = 20.0
-#: The largest claim_max_bytes (1 TiB): past any process's memory.
-MAX_CLAIM_BYTES = 2**40
+#: The largest max_payload_bytes (1 TiB): past any process's memory.
+MAX_PAYLOAD_BYTES = 2**40
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,13 +95,15 @@ class WorkerConfig:
       after the back-off.  Past it (a job that breaks its connection every time, one that
       makes its backend crash) each attempt counts again, and the dead letter says how many
       times the connection broke.  10 by default; 0 counts every attempt, as before.
-    * ``claim_max_bytes``: the payloads one claim round brings into the process at most
-      (64 MiB by default): each job's payload (or its run's goal) and activation payload,
-      uncompressed (a compressed value counts its text's length).  A round takes the jobs in
-      the plan's order (one per lane per turn) up to the one that crosses it, that one
-      included, and always one: a job over the budget still runs (alone when it comes first).
-      It bounds a round, not the jobs running: the next round (a finished job, a wake-up,
-      the poll) claims again.
+    * ``max_payload_bytes``: the payload bytes the pool holds at once (64 MiB by default):
+      each job's payload (or its run's goal) and activation payload, uncompressed (a
+      compressed value counts its text's length), held from its claim until its attempt ends
+      (whatever the outcome).  A round claims with what the limit leaves, in the plan's order
+      (one job per lane per turn) up to the job that crosses it, that one included; once the
+      held bytes reach the limit, free slots wait and a job ending wakes the next round.  So
+      the pool holds at most the limit plus one job, and a job over the limit still runs (it
+      is claimed as soon as the held bytes are under the limit, and nothing more is claimed
+      while it runs).  The gauge ``outbox_jobs_payload_bytes_held`` shows what is held.
 
     Everything is checked at construction; a ``dsn`` that is not a libpq connection string
     raises :class:`~consumer_sdk.errors.ConfigError`, as every DSN of the SDK does, and any
@@ -121,7 +123,7 @@ class WorkerConfig:
       ``.`` or ``..``); ``worker_id`` None or 1-200 characters; ``application_name`` a
       string of at most 63 ASCII characters; ``backoff`` a :class:`Backoff`;
       ``listen`` a bool; ``max_owners_per_round`` an int from 1 to 100,000;
-      ``max_interruptions`` an int from 0 to 10,000; ``claim_max_bytes`` an int from 1 to 2**40.
+      ``max_interruptions`` an int from 0 to 10,000; ``max_payload_bytes`` an int from 1 to 2**40.
     """
 
     dsn: str
@@ -146,7 +148,7 @@ class WorkerConfig:
     pool_statement_timeout_s: float = DEFAULT_POOL_STATEMENT_TIMEOUT_S  # 0: none (the role's applies)
     db_spin_us: float = 0.0  # off: a pool's threads would poll against each other (README)
     max_interruptions: int = DEFAULT_MAX_INTERRUPTIONS
-    claim_max_bytes: int = DEFAULT_CLAIM_MAX_BYTES
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     lease_s: float | None = None  # deprecated alias of lease_duration_s
     heartbeat_s: float | None = None  # deprecated alias of heartbeat_interval_s
 
@@ -175,7 +177,7 @@ class WorkerConfig:
             _check.text("worker_id", self.worker_id)
         _check.integer("max_owners_per_round", self.max_owners_per_round, 1, MAX_OWNERS_PER_ROUND)
         _check.integer("max_interruptions", self.max_interruptions, 0, MAX_INTERRUPTIONS)
-        _check.integer("claim_max_bytes", self.claim_max_bytes, 1, MAX_CLAIM_BYTES)
+        _check.integer("max_payload_bytes", self.max_payload_bytes, 1, MAX_PAYLOAD_BYTES)
         name = self.application_name
         if not isinstance(name, str) or len(name) > MAX_APPLICATION_NAME_CHARS or not name.isascii() \
                 or not name.isprintable():

@@ -9,6 +9,11 @@ priority order, whose limit allows one more to *run*: lined-up bulk jobs never t
 slots kept for interactive work.  Long jobs are not claimed ahead (``depth`` 0): a job
 waiting in one pool's line while another pool idles would wait a long job's time.
 
+The line also counts the payload bytes its jobs hold (``payload_bytes``, each job's size as
+its claim counted it), from :meth:`add` to :meth:`done`: the one place a job's attempt ends,
+whatever its outcome, so the pool's ``max_payload_bytes`` bounds what it holds, not what a
+round brings.
+
 Not thread-safe by itself: the pool calls it under its lock; executors wait on ``ready``
 (a condition on that same lock).
 """
@@ -38,6 +43,7 @@ class Line:
         self.running: Counter[str] = Counter()  # handlers running, per queue
         self.held: Counter[str] = Counter()  # running + waiting, per queue
         self.total = 0  # sum(held)
+        self.payload_bytes = 0  # the held jobs' payload_bytes (see the module's docstring)
         self.closed = False
         self._avg_s = 1.0  # handlers' average duration (moving); long until measured
         #: Claim ahead: as many as the pool runs at once, twice over, while jobs are short.
@@ -59,6 +65,7 @@ class Line:
         for ctx in contexts:
             self._waiting[ctx.job.queue].append(ctx)
             self.held[ctx.job.queue] += 1
+            self.payload_bytes += ctx.job.payload_bytes
         self.total += len(contexts)
         self.ready.notify(len(contexts))
 
@@ -78,6 +85,7 @@ class Line:
         self.running[ctx.job.queue] -= 1
         self.held[ctx.job.queue] -= 1
         self.total -= 1
+        self.payload_bytes -= ctx.job.payload_bytes
         self._avg_s += (duration_s - self._avg_s) / 8
 
     def waiting(self) -> list[JobContext]:

@@ -70,6 +70,14 @@ class JobsMetrics:
             "has run (0 when none runs).", ["queue"], registry=r)
         self.workers_capacity = Gauge("outbox_jobs_workers_capacity", "Jobs this pool may run at once.",
                                       registry=r)
+        #: A worker pool reads its own line's bytes when scraped (set_function: consumer_sdk.jobs.line).
+        self.payload_bytes_held = Gauge(
+            "outbox_jobs_payload_bytes_held", "Payload bytes of the jobs this pool holds (claimed, until "
+            "their attempts end), as its claims counted them: at its max_payload_bytes, free slots wait "
+            "for a job to end.", registry=r)
+        self.payload_bytes_limit = Gauge(
+            "outbox_jobs_payload_bytes_limit", "This pool's max_payload_bytes: past it, it claims nothing.",
+            registry=r)
         #: A worker pool reads its own timed-out handlers when scraped (set_function).
         self.handlers_stuck = Gauge(
             "outbox_jobs_handlers_stuck", "Handlers this pool timed out (handler_timeout_s) that have not "

@@ -55,7 +55,9 @@ class ClaimedJob:
 
     ``wait_key``/``activation`` are set when the job resumes after waiting: the
     key it waited for and the recorded activation's payload (None when it was
-    woken by its timeout).
+    woken by its timeout).  ``payload_bytes``: the size of its payload (or its run's goal)
+    and activation payload as the claim counted them against the pool's
+    ``max_payload_bytes`` (uncompressed); the pool holds it until the attempt ends.
     """
 
     id: JobId
@@ -73,6 +75,7 @@ class ClaimedJob:
     wait_key: str | None
     activation: Any
     created_epoch: float
+    payload_bytes: int = 0
 
     @property
     def lease(self) -> Lease:

@@ -7,7 +7,9 @@ Threads, each with its own connection:
   reaps expired leases (at most every quarter lease or poll interval), lists the ready
   lanes (:mod:`consumer_sdk.jobs.lanes`: every owner in turn), plans with :mod:`consumer_sdk.jobs.fairness`
   and claims in one short transaction, in the same round trip as the completions of the jobs that
-  succeeded since the last round; runs the reconciler every ``reconcile_interval_s`` (:mod:`.refusals`);
+  succeeded since the last round, with the bytes ``max_payload_bytes`` leaves (the held jobs'
+  ``payload_bytes`` counted by the line until their attempts end; none left: no claim, and a job
+  ending wakes the next round); runs the reconciler every ``reconcile_interval_s`` (:mod:`.refusals`);
 * ``max_concurrency`` executors: one claimed job at a time, from the pool's line
   (:mod:`consumer_sdk.jobs.line`: short jobs are claimed ahead; one lock section finishes a
   job and takes the next), the handler on the executor's connection (see
@@ -148,6 +150,9 @@ class WorkerPool(Executing):
         self._read_only_session = False  # the last round ran on a read-only session (it proved nothing)
         self._next_due: float | None = None
         self._more_work = self._schema_checked = False
+        #: The last round met max_payload_bytes (claimed up to it, or nothing for it): a job
+        #: ending under it wakes the next round (worker_exec), free slots or not.
+        self._bytes_bound = False
         self._started = self._stopped = False
         #: The fatal error that stopped claiming (AuthenticationFailed, ...), else None.
         self.error: FatalError | None = None
@@ -171,6 +176,8 @@ class WorkerPool(Executing):
         self._started = True
         self._connect.probe(self.log)
         self.metrics.workers_capacity.set(self.config.max_concurrency)
+        self.metrics.payload_bytes_limit.set(self.config.max_payload_bytes)
+        self.metrics.payload_bytes_held.set_function(lambda: self._line.payload_bytes)
         for queue in self.config.queues:  # read when scraped: no update per job
             self.metrics.workers_busy.labels(queue).set_function(partial(self._line.running.__getitem__, queue))
         for i in range(self.config.max_concurrency):
@@ -290,17 +297,20 @@ class WorkerPool(Executing):
         self._step = "claim (with the completions of the jobs that succeeded)"
         with self._lock:
             held, full, claimed = dict(self._line.held), self._line.total >= self._line.capacity, 0
+            room_bytes = self.config.max_payload_bytes - self._line.payload_bytes
+            if room_bytes <= 0:  # free slots wait for memory: a job ending wakes the next round
+                self._bytes_bound = full = True
         with self._refusals.watch("claim", sent=False):  # the lanes' read, the successes written alone
             if self._stopping.is_set() or full:
                 self._more_work = True
                 self._done.write_all(conn)  # a round without a claim still writes the successes
             else:
-                claimed = self._claim(conn, held)
+                claimed = self._claim(conn, held, room_bytes)
         self._read_only_session = read_only(conn)
         self.rounds += 1
         return claimed
 
-    def _claim(self, conn: Any, held: dict[str, int]) -> int:
+    def _claim(self, conn: Any, held: dict[str, int], room_bytes: int) -> int:
         lanes = self._lanes.current(conn)
         limits = self._line.ahead if self._line.depth else self._limits
         takes = self._lanes.plan(lanes, busy=held, limits=limits)
@@ -308,20 +318,24 @@ class WorkerPool(Executing):
         with self._refusals.watch("claim", sent=any(t.n > 0 for t in takes)):  # refused: successes alone first
             claimed = self._done.write_with(lambda done: jobq.complete_and_claim(
                 conn, worker=self.worker_id, done=done, takes=takes, lease_s=self.config.lease_duration_s,
-                now=self._db_now(), max_bytes=self.config.claim_max_bytes), conn=conn, claims=True)
+                now=self._db_now(), max_bytes=room_bytes), conn=conn, claims=True)
         self._more_work = sum(lane.ready for lane in lanes) > len(claimed)
         if self._lanes.after_round(lanes, takes, claimed, self._done.last_written, limits, sent_at):
             self._wake.set()  # an owner its limit held back has room now: the next round runs at once
-        if claimed:
-            self._launch(claimed, local_deadline(sent_at, self.config.lease_duration_s))
+        self._launch(claimed, local_deadline(sent_at, self.config.lease_duration_s), room_bytes)
         return len(claimed)
 
-    def _launch(self, claimed: list[ClaimedJob], deadline: float) -> None:
+    def _launch(self, claimed: list[ClaimedJob], deadline: float, room_bytes: int) -> None:
         contexts = [JobContext(job, deadline=deadline, db_now=self._db_now) for job in claimed]
         with self._lock:
             for ctx in contexts:
                 self._running[ctx.job.id] = ctx
             self._line.add(contexts)
+            self._bytes_bound = sum(job.payload_bytes for job in claimed) >= room_bytes
+            # Jobs that ended while the claim was on its way saw the last round's flag: their
+            # bytes are free now, and the next round must not wait for the poll to take them.
+            if self._bytes_bound and self._line.payload_bytes < self.config.max_payload_bytes:
+                self._wake.set()
         for queue, n in Counter(job.queue for job in claimed).items():
             self.metrics.per_queue(queue)[0].inc(n)
 

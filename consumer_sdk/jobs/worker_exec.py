@@ -47,6 +47,7 @@ class Executing:
         _stopping: threading.Event
         _wake_free: int
         _more_work: bool
+        _bytes_bound: bool
         _dispatching: bool
         _sleeping_until: float
 
@@ -94,14 +95,16 @@ class Executing:
         """A handler ended (under the lock); True when the dispatcher should be woken."""
         if not ctx.completing and self._running.get(ctx.job.id) is ctx:  # else claimed again (timed out)
             del self._running[ctx.job.id]
-        self._line.done(ctx, duration_s)
+        self._line.done(ctx, duration_s)  # its payload bytes are free (the one place: any outcome)
         free, idle = self._line.capacity - self._line.total, self._line.total == 0
         # A round for several free places rather than one per finished job (with a line:
         # when half of it is gone); never leave every slot idle (nor a success) waiting.
         enough = free >= (self.config.max_concurrency if self._line.depth else self._wake_free)
+        # The pool waited for memory (max_payload_bytes), not for slots: these bytes let it claim.
+        memory = self._bytes_bound and self._line.payload_bytes < self.config.max_payload_bytes
         if idle:
             self._lock.notify_all()
-        return not self._stopping.is_set() and (self._more_work or ctx.completing) and (enough or idle)
+        return not self._stopping.is_set() and (self._more_work or ctx.completing) and (enough or idle or memory)
 
     def _complete_later(self, ctx: JobContext, result_json: str, duration_s: float) -> bool:
         """The executor's success, written by the next round (False: write it yourself)."""

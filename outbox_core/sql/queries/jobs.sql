@@ -195,14 +195,18 @@ WHERE pg_try_advisory_xact_lock(1785686643, hashtext(o.owner_id))
 --
 -- The round's byte budget (%(budget_bytes)s): the jobs' payloads (or their run's goal) and
 -- activation payloads come back in one result, decoded at once: 64 jobs of 200 MB would be
--- 13 GB in the worker process, killed for it, and so each replica that claimed them next.  The candidates are taken in the plan's order (queues by priority, then turns: each
--- lane's first job, then each lane's second...) up to the one that crosses the budget, that
--- one included, as in the relay's batches: a round brings at most the budget plus one job.
--- The first is always taken, so a job over the budget still runs (alone when it comes
--- first).  A lane cut gets nothing this round, and the pool serves it first in the next
--- (its last turn is the oldest).  A value stored uncompressed counts its stored size (read
--- from its header), a compressed one its text's length (decompressed: measured only for
--- candidates whose stored sizes fit, so a round never decompresses the values it cannot take).
+-- 13 GB in the worker process, killed for it, and so each replica that claimed them next.
+-- The pool passes what its limit leaves (max_payload_bytes less the payload bytes of the jobs
+-- it holds; it claims nothing at all once they reach the limit).  The candidates are taken in
+-- the plan's order (queues by priority, then turns: each lane's first job, then each lane's
+-- second...) up to the one that crosses the budget, that one included, as in the relay's
+-- batches: a round brings at most the budget plus one job.  The first is always taken (the
+-- budget is at least 1), so a job over the budget still runs.  A lane cut gets nothing this
+-- round, and the pool serves it first in the next (its last turn is the oldest).  A value
+-- stored uncompressed counts its stored size (read from its header), a compressed one its
+-- text's length (decompressed: measured only for candidates whose stored sizes fit, so a
+-- round never decompresses the values it cannot take).  Each claimed row says its size as
+-- counted here (payload_bytes): the pool holds it until the job's attempt ends.
 WITH done_in AS (
     SELECT (e->>0)::bigint AS id, (e->>1)::bigint AS token, e->2 AS result
     FROM jsonb_array_elements(%(done)s::jsonb) AS e
@@ -267,7 +271,7 @@ WITH done_in AS (
                ELSE octet_length(f.activation::text) END AS bytes) AS s
     WHERE f.running - f.bytes < %(budget_bytes)s::bigint
 ), kept AS (
-    SELECT s.id FROM sized AS s WHERE s.running - s.bytes < %(budget_bytes)s::bigint
+    SELECT s.id, s.bytes FROM sized AS s WHERE s.running - s.bytes < %(budget_bytes)s::bigint
 ), claimed AS (
     UPDATE jobs AS j
     SET status = 'running',
@@ -288,12 +292,13 @@ WITH done_in AS (
                   AS activation_text,
               extract(epoch FROM j.created_at)::float8 AS created_epoch
 )
-SELECT 'claimed' AS what, id, run_id, owner_id, queue, kind, lease_token, attempts, max_attempts,
-       payload_text, traceparent, tracestate, wait_key, activation_text, created_epoch
-FROM claimed
+SELECT 'claimed' AS what, c.id, c.run_id, c.owner_id, c.queue, c.kind, c.lease_token, c.attempts,
+       c.max_attempts, c.payload_text, c.traceparent, c.tracestate, c.wait_key, c.activation_text,
+       c.created_epoch, k.bytes::bigint AS payload_bytes
+FROM claimed AS c JOIN kept AS k ON k.id = c.id
 UNION ALL
 SELECT 'done', id, run_id, NULL, queue, kind, NULL, attempts, NULL, NULL, traceparent,
-       tracestate, NULL, NULL, age_s
+       tracestate, NULL, NULL, age_s, NULL
 FROM done
 
 -- name: release_unheld
