@@ -271,7 +271,8 @@ class Relay(Running, Dependencies):
         failures = 0
         while True:  # an unreachable broker is waited for, as in the default mode
             try:
-                TransactionalPublisher.prepare(producer_config(s), s.exactly_once_position_topic, nshards)
+                record_limit_bytes = TransactionalPublisher.prepare(
+                    producer_config(s), s.exactly_once_position_topic, nshards)
                 break
             except BrokerUnreachable as exc:
                 failures += 1
@@ -294,7 +295,8 @@ class Relay(Running, Dependencies):
             transactional_id_prefix=s.exactly_once_transactional_id_prefix,
             recovery_store=self._recovery, log=self.log, metrics=self.metrics,
             clock=self.clock, commit_interval_s=s.exactly_once_commit_interval_s,
-            outbox=outbox, on_fatal=lambda message: self._end(ConfigError(message)), nshards=nshards)
+            outbox=outbox, on_fatal=lambda message: self._end(ConfigError(message)), nshards=nshards,
+            record_limit_bytes=record_limit_bytes)
 
     def _backlog(self, pending: int, oldest_age_s: float, retrying: int) -> None:
         """The backlog gauges' figures (relay/gauges.py)."""

@@ -63,9 +63,10 @@ class TransactionalPublisher(BufferingPublisher):
     their results (init, recovery, a transaction's end, a fence) change the shards' state."""
 
     @staticmethod
-    def prepare(config: dict[str, str], position_topic: str, nshards: int) -> None:
-        """At start: the position topic exists with a partition per shard (or ConfigError)."""
-        ensure_position_topic(config, position_topic, nshards)
+    def prepare(config: dict[str, str], position_topic: str, nshards: int) -> int:
+        """At start: the position topic exists with a partition per shard (or ConfigError).
+        Its position records' largest size, for the publisher's ``record_limit_bytes``."""
+        return ensure_position_topic(config, position_topic, nshards).record_limit_bytes
 
     def transactional_id(self, shard: ShardId) -> str:
         return f"{self._prefix}{self._table}.{shard}"
@@ -191,11 +192,12 @@ class TransactionalPublisher(BufferingPublisher):
             return
         self._recreate_after = now + POSITION_RECREATE_EVERY_S
         try:
-            created = ensure_position_topic(self._config, self._position_topic, self._nshards)
+            found = ensure_position_topic(self._config, self._position_topic, self._nshards)
         except (ConfigError, BrokerUnreachable) as exc:
             self._log.warning("exactly_once_position_topic_not_created", topic=self._position_topic, error=str(exc))
             return
-        if created:
+        if found.created:  # a new topic, a new limit (the broker's): the next records' size
+            self._record_limit = found.record_limit_bytes
             self._log.error("exactly_once_position_topic_missing", topic=self._position_topic,
                             hint="created again; rows committed to Kafka whose mark was lost since may be sent again")
 

@@ -21,8 +21,9 @@ from typing import Any
 from relay.errors import ConfigError
 from relay.exactly_once_leaders import Leaders
 from relay.exactly_once_position import RecoveryStore, event_digest
-from relay.exactly_once_records import record_limit_bytes, smallest_limit_bytes
+from relay.exactly_once_records import smallest_limit_bytes
 from relay.exactly_once_shard import Headers, Job, Result, SentRows, ShardWorker
+from relay.kafka_config import max_message_bytes
 from relay.leases import LeaseManager
 from relay.model import OutboxRow, RowId, ShardId
 from relay.outcomes import Outcome
@@ -59,7 +60,8 @@ class BufferingPublisher:
                  table: str, position_topic: str, transactional_id_prefix: str,
                  recovery_store: RecoveryStore, log: Any, metrics: Any = None,
                  clock: Callable[[], float] = time.monotonic, commit_interval_s: float = 0.0,
-                 outbox: str = "", on_fatal: Callable[[str], None] | None = None, nshards: int = 0) -> None:
+                 outbox: str = "", on_fatal: Callable[[str], None] | None = None, nshards: int = 0,
+                 record_limit_bytes: int | None = None) -> None:
         self._config = dict(config)
         self._nshards = nshards  # the position topic's partitions, should it be created again
         self._recreate_after = float("-inf")
@@ -70,8 +72,10 @@ class BufferingPublisher:
         self._leases = leases
         self._table = table
         self._position_topic = position_topic
-        #: A position record's largest size: the topic's limit read at start, cut when refused.
-        self._record_limit = record_limit_bytes(config, position_topic)
+        #: A position record's largest size: the topic's limit prepare() read at start (the
+        #: producer's when not given), read again when the topic is created again, cut when
+        #: refused; handed to the shards' workers with each transaction's job.
+        self._record_limit = max_message_bytes(config) if record_limit_bytes is None else record_limit_bytes
         if self._record_limit < smallest_limit_bytes(outbox):
             raise ConfigError(f"exactly-once: records of at most {self._record_limit} bytes (the producer's "
                               f"message.max.bytes or {position_topic}'s max.message.bytes) cannot hold a "
@@ -92,6 +96,10 @@ class BufferingPublisher:
         self._stopped = False
         self._next_due: float | None = None  # the earliest held-back transaction's start
 
+    @property
+    def record_limit_bytes(self) -> int:
+        """The largest position record the next transactions write (with its overhead)."""
+        return self._record_limit
 
     # -- the pump's hooks -----------------------------------------------------------------
 

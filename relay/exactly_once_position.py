@@ -60,12 +60,22 @@ UNANSWERED = {KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._R
               KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT}
 
 
+@dataclass(frozen=True, slots=True)
+class PositionTopic:
+    """What :func:`ensure_position_topic` found: whether it created the topic, and the
+    largest position record it takes (:func:`relay.exactly_once_records.read_record_limit`),
+    which the caller hands to the publisher (no module keeps it)."""
+
+    created: bool
+    record_limit_bytes: int
+
+
 def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
-                          timeout_s: float = 5.0) -> bool:
-    """Create the compacted position topic (one partition per shard) when missing (True:
-    created here); a clear ConfigError when it has too few partitions, may not be created or
-    takes no record of one row, and BrokerUnreachable when no broker answered.  Its record
-    size limit is kept for :func:`relay.exactly_once_records.record_limit_bytes`."""
+                          timeout_s: float = 5.0) -> PositionTopic:
+    """Create the compacted position topic (one partition per shard) when missing
+    (``created``) and read its record size limit; a clear ConfigError when it has too few
+    partitions, may not be created or takes no record of one row, and BrokerUnreachable
+    when no broker answered."""
     admin = AdminClient(shared_config(config))
     try:
         found = admin.list_topics(timeout=timeout_s).topics.get(topic)  # no auto-creation
@@ -79,8 +89,7 @@ def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
                 f"exactly-once: position topic {topic} has {len(found.partitions)} partitions, "
                 f"fewer than the {nshards} shards; add partitions or name another topic "
                 f"(--exactly-once-position-topic)")
-        read_record_limit(admin, config, topic, timeout_s)
-        return False
+        return PositionTopic(False, read_record_limit(admin, config, topic, timeout_s))
     futures = admin.create_topics(
         [NewTopic(topic, num_partitions=nshards, replication_factor=-1,
                   config={"cleanup.policy": "compact"})],
@@ -96,8 +105,7 @@ def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
         raise ConfigError(
             f"exactly-once: cannot create the position topic {topic} ({nshards} partitions, "
             f"cleanup.policy=compact): {err.str()}; create it or grant CREATE on it") from None
-    read_record_limit(admin, config, topic, timeout_s)
-    return True
+    return PositionTopic(True, read_record_limit(admin, config, topic, timeout_s))
 
 
 class ForeignPosition(Exception):

@@ -38,26 +38,18 @@ TOO_LARGE = {KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE}
 PART_REPORT_WAIT_S = 30.0  # a part's delivery report waited for (as long as a commit may take)
 _WORST_ID = 10**19 - 1
 _WORST_DIGEST = 2**48 - 1
-#: The limits read at start (and when the topic is created again), by (bootstrap, topic).
-_limits: dict[tuple[str, str], int] = {}
 
 
 def part_key(shard: int, part: int) -> bytes:
     return f"{shard}.part{part}".encode()
 
 
-def record_limit_bytes(config: Mapping[str, str], topic: str) -> int:
-    """The largest position record the broker takes (value, key and overhead): the topic's
-    ``max.message.bytes`` read at start, or the producer's ``message.max.bytes``, if smaller
-    or the topic's was not read."""
-    return _limits.get((config.get("bootstrap.servers", ""), topic)) or max_message_bytes(config)
-
-
 def read_record_limit(admin: AdminClient, config: Mapping[str, str], topic: str,
                       timeout_s: float) -> int:
-    """Read the topic's ``max.message.bytes`` (the broker's ``message.max.bytes`` when the
-    topic sets none), keep the smaller of it and the producer's limit for
-    :func:`record_limit_bytes`, and refuse at start a limit a record of one row exceeds."""
+    """The largest position record the broker takes (value, key and overhead): the smaller
+    of the topic's ``max.message.bytes`` (the broker's ``message.max.bytes`` when the topic
+    sets none) and the producer's ``message.max.bytes``; only the producer's when the topic's
+    may not be read.  A limit a record of one row exceeds is refused (ConfigError)."""
     limit = max_message_bytes(config)
     try:
         future = admin.describe_configs([ConfigResource(ResourceType.TOPIC, topic)])
@@ -67,7 +59,6 @@ def read_record_limit(admin: AdminClient, config: Mapping[str, str], topic: str,
             limit = min(limit, int(entry.value))
     except (KafkaException, ValueError, TimeoutError, StopIteration):
         pass  # not allowed to describe it (no DescribeConfigs ACL): a refusal halves it later
-    _limits[(config.get("bootstrap.servers", ""), topic)] = limit
     needed = smallest_limit_bytes("x" * OUTBOX_NAME_ALLOWANCE)
     if limit < needed:
         raise ConfigError(

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 import relay.exactly_once as eo
+from relay.exactly_once_position import PositionTopic
 from relay.exactly_once_shard import Job, Position, Result, event_digest
 from relay.model import Lease, OutboxRow, RowId, ShardId, Token
 from relay.publisher import Outcome
@@ -446,7 +447,8 @@ def test_a_position_partition_not_found_is_called_a_missing_topic_only_when_crea
     FakeWorker.made = []
     monkeypatch.setattr(eo, "ShardWorker", FakeWorker)
     made: list[str] = []
-    monkeypatch.setattr(eo, "ensure_position_topic", lambda config, topic, n: made.append(topic) or created)
+    monkeypatch.setattr(eo, "ensure_position_topic",
+                        lambda config, topic, n: made.append(topic) or PositionTopic(created, 1_000_000))
     log = RecordingLog()
     publisher = eo.TransactionalPublisher(
         config={}, plain=type("P", (), {"poll": lambda self, t: 0})(), leases=Leases(),  # type: ignore[arg-type]

@@ -14,13 +14,13 @@ import pytest
 
 import relay.exactly_once as eo
 from relay.errors import ConfigError
+from relay.exactly_once_position import PositionTopic
 from relay.exactly_once_records import (
     RECORD_OVERHEAD_BYTES,
     encode_position,
     merge_parts,
     parts_named,
     read_record_limit,
-    record_limit_bytes,
     smallest_limit_bytes,
 )
 from relay.exactly_once_shard import Result
@@ -85,10 +85,8 @@ class FakeAdmin:
 def test_the_topics_limit_is_read_at_start_and_the_smaller_one_kept() -> None:
     config = {"bootstrap.servers": "b:9092"}
     assert read_record_limit(FakeAdmin("20000"), config, "pos-a", 1.0) == 20_000  # type: ignore[arg-type]
-    assert record_limit_bytes(config, "pos-a") == 20_000
     smaller = {**config, "message.max.bytes": "15000"}
     assert read_record_limit(FakeAdmin("20000"), smaller, "pos-b", 1.0) == 15_000  # type: ignore[arg-type]
-    assert record_limit_bytes(config, "never-read") == 1_000_000  # the producer's default
 
 
 def test_a_topic_that_takes_no_record_of_one_row_stops_the_relay_at_start() -> None:
@@ -105,13 +103,15 @@ class Log:
         return lambda event, **kw: self.events.append((event, kw))
 
 
-def _publisher(monkeypatch: pytest.MonkeyPatch, log: Log, fatal: list[str]) -> eo.TransactionalPublisher:
+def _publisher(monkeypatch: pytest.MonkeyPatch, log: Log, fatal: list[str],
+               record_limit_bytes: int | None = None) -> eo.TransactionalPublisher:
     FakeWorker.made = []
     monkeypatch.setattr(eo, "ShardWorker", FakeWorker)
     publisher = eo.TransactionalPublisher(
         config={}, plain=SimpleNamespace(poll=lambda t: 0), leases=Leases(),  # type: ignore[arg-type]
         table="outbox", position_topic="pos", transactional_id_prefix="x.", outbox="o",
-        recovery_store=object(), log=log, on_fatal=fatal.append)  # type: ignore[arg-type]
+        recovery_store=object(), log=log, on_fatal=fatal.append, nshards=1,  # type: ignore[arg-type]
+        record_limit_bytes=record_limit_bytes)
     publisher.poll(0)
     FakeWorker.made[0].results.put(Result(FakeWorker.made[0], init=True, ok=True))  # type: ignore[arg-type]
     publisher.poll(0)
@@ -168,3 +168,35 @@ def test_a_producer_limit_that_takes_no_record_of_one_row_is_refused_at_start() 
             config={"message.max.bytes": "1000"}, plain=SimpleNamespace(), leases=Leases(),  # type: ignore[arg-type]
             table="outbox", position_topic="pos-producer-limit", transactional_id_prefix="x.",
             outbox="o" * 400, recovery_store=object(), log=Log())  # type: ignore[arg-type]
+
+
+def _next_job_limit(publisher: eo.TransactionalPublisher, i: int) -> int:
+    """The limit the shard's worker is handed with the next transaction's job."""
+    worker = FakeWorker.made[-1]
+    publisher.send(row(i), lambda r, o: None)
+    publisher.poll(0)
+    worker.finish()
+    publisher.poll(0)
+    return worker.jobs[-1].limit_bytes
+
+
+def test_each_publisher_writes_at_the_limit_it_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The limit prepare() read is the publisher's own: two relays in one process (same
+    bootstrap, same position topic) shared one module-level value, which nothing reset."""
+    first = _publisher(monkeypatch, Log(), [], record_limit_bytes=20_000)
+    assert first.record_limit_bytes == 20_000 and _next_job_limit(first, 1) == 20_000
+    second = _publisher(monkeypatch, Log(), [], record_limit_bytes=50_000)
+    assert _next_job_limit(second, 2) == 50_000
+    third = _publisher(monkeypatch, Log(), [])  # none given: the producer's message.max.bytes
+    assert _next_job_limit(third, 3) == 1_000_000
+
+
+def test_a_position_topic_created_again_sets_the_next_records_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    log = Log()
+    publisher = _publisher(monkeypatch, log, [], record_limit_bytes=20_000)
+    monkeypatch.setattr(eo, "ensure_position_topic", lambda config, topic, n: PositionTopic(True, 70_000))
+    FakeWorker.made[-1].results.put(Result(FakeWorker.made[-1], init=True, broken=True,  # type: ignore[arg-type]
+                                           position_missing=True, error="Unknown partition"))
+    publisher.poll(0)  # the shard's producer is replaced, the topic created again
+    assert publisher.record_limit_bytes == 70_000
+    assert "exactly_once_position_topic_missing" in [event for event, _ in log.events]

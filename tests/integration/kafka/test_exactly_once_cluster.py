@@ -132,7 +132,7 @@ def test_a_position_partition_without_a_leader_is_there_not_a_topic_to_create(
         with pytest.raises(KafkaException) as raised:
             read_position(config, position_topic, ShardId(0), timeout_s=2.0)
         assert raised.value.args[0].code() in POSITION_MISSING
-        assert ensure_position_topic(config, position_topic, 16) is False  # there: nothing created
+        assert ensure_position_topic(config, position_topic, 16).created is False  # there: nothing created
     finally:
         kafka_cluster.start(index)
-    assert ensure_position_topic(config, topic_name("pos-new"), 16) is True
+    assert ensure_position_topic(config, topic_name("pos-new"), 16).created is True

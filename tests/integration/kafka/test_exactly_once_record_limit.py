@@ -21,7 +21,6 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     ResourceType,
 )
 
-from relay.exactly_once_records import record_limit_bytes
 from relay.exactly_once_shard import (
     Job,
     Result,
@@ -88,7 +87,7 @@ def test_a_small_position_topic_limit_is_read_at_start_and_nothing_stalls(db_dsn
         transactions = relay.metrics.transactions
         assert transactions.labels("committed")._value.get() > 0
         assert transactions.labels("aborted")._value.get() == 0  # the limit was known: none refused
-    assert record_limit_bytes({"bootstrap.servers": kafka_broker.bootstrap}, position_topic) == SMALL_BYTES
+        assert relay.relay.exactly_once.record_limit_bytes == SMALL_BYTES  # read at start, handed over
 
 
 def test_a_limit_lowered_while_the_relay_runs_cuts_the_next_records(db_dsn, kafka_broker, topic_name):
@@ -115,7 +114,8 @@ def test_a_position_written_in_parts_is_read_back_whole(kafka_broker: Any, topic
     config = {"bootstrap.servers": kafka_broker.bootstrap}
     create_topic(kafka_broker.bootstrap, topic, partitions=1)
     _position_topic(kafka_broker.bootstrap, position_topic)
-    ensure_position_topic(config, position_topic, SHARDS)
+    limit = ensure_position_topic(config, position_topic, SHARDS).record_limit_bytes
+    assert limit == SMALL_BYTES
     results: queue.SimpleQueue[Result] = queue.SimpleQueue()
     worker = ShardWorker(ShardId(0), Token(1), config=config, transactional_id=topic_name("txn"),
                          position_topic=position_topic, outbox="o", results=results,
@@ -128,7 +128,6 @@ def test_a_position_written_in_parts_is_read_back_whole(kafka_broker: Any, topic
         # Committed rows not confirmed marked yet, from earlier transactions, and this one's:
         # in parts (at the topic's limit; then in more parts than the reader's first look
         # back, POSITION_TAIL); then this one's alone, in one record again (no part read).
-        limit = record_limit_bytes(config, position_topic)
         for listed, limit_bytes in ((earlier + own, limit), (earlier + own, 1_500), (own, limit)):
             worker.submit(Job(rows=[(row, []) for row in rows], position=listed,
                               callbacks={row.id: None for row in rows}, limit_bytes=limit_bytes))
