@@ -20,6 +20,9 @@ from confluent_kafka.admin import AdminClient
 from relay.exactly_once_position import shared_config
 
 LEADERS_TTL_S = 5.0  # a topic's leaders, once asked (only while its rows look stalled), are trusted this long
+#: An answer naming no partition without a leader is trusted less long: a dead broker stays
+#: its partitions' leader until the controller fences it (relay.stalls.UNATTRIBUTED_AFTER_S).
+LEADERS_CLEAR_TTL_S = 2.0
 LEADERS_TIMEOUT_S = 1.0  # the metadata request, on the pump's thread
 
 
@@ -53,5 +56,5 @@ class Leaders:
                 p for p, partition in metadata.partitions.items() if partition.leader < 0)
         except KafkaException:
             known, self._silent_until = None, now + LEADERS_TTL_S
-        self._known[topic] = (now + LEADERS_TTL_S, known)
+        self._known[topic] = (now + (LEADERS_CLEAR_TTL_S if known == frozenset() else LEADERS_TTL_S), known)
         return known

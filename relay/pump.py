@@ -342,18 +342,18 @@ class Pump(Claiming, Settling):
     def _track_stalls(self, now: float) -> None:
         if not self.in_flight and not self.stalls.partitions:
             return
-        before = self.stalls.partitions
+        before = self.stalls.named  # said: relay.stalls names no partition the metadata clears
         if self.stalls.update(self.in_flight, now):
             self.log.info("partitions_acknowledge_again", held_keys=len(self.stalls.held))
             if self.stalls.rewind_after:  # the rows skipped meanwhile
                 self.stalls.rewind_after = False
                 self.request_rewind()
-        for (topic, partition), waiting in self.stalls.partitions.items():
+        for (topic, partition), waiting in self.stalls.named.items():
             if (topic, partition) not in before:
                 self.log.warning("partition_stalled", topic=topic, partition=partition,
                                  rows_waiting=waiting)
             self.metrics.stalled_rows.labels(topic, str(partition)).set(waiting)
-        for topic, partition in before.keys() - self.stalls.partitions.keys():
+        for topic, partition in before.keys() - self.stalls.named.keys():
             self.metrics.stalled_rows.remove(topic, str(partition))
 
 

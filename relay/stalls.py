@@ -16,9 +16,13 @@ knows which rows it handed to Kafka and their leader has not taken (``undelivere
 others are delivered, not committed yet, or not produced yet), and which partitions have
 no leader (``leaderless``: the rows of healthy partitions added to a transaction with a
 leaderless one are never sent either, relay/exactly_once_leaders.py), lets the tracker
-name only the partitions at fault (``partitions``: ``partition_stalled``, the gauge,
+name only the partitions at fault (``named``: ``partition_stalled``, the gauge,
 `outbox-relay status`); the keys held back and the batches set aside are those of every
-row still waiting, as before (``waiting``), so the pump treats the rows the same.
+row still waiting, as before (``waiting``), so the pump treats the rows the same.  Until the
+controller fences a dead broker the metadata still names it its partitions' leader: a
+stall the metadata blames on no partition is named only once older than
+``UNATTRIBUTED_AFTER_S`` (then the partitions of every waiting row, as before: a stall is
+never left unsaid), not the healthy partitions while the metadata catches up.
 
 The partition of a keyed row is Kafka's default (murmur2 of the key, as the Java client
 and librdkafka's ``murmur2_random`` partitioner compute it) over the topic's partition
@@ -35,6 +39,12 @@ from typing import Protocol, runtime_checkable
 from relay.model import OutboxRow, RowId
 
 STALL_AFTER_S = 5.0  # no acknowledgement for this long: the row's partition is stalled
+#: A dead broker stays its partitions' leader in the cluster's metadata until the controller
+#: fences it (broker.session.timeout.ms, 9 s by default: 9.2 to 10.7 s after a kill measured
+#: on three Apache Kafka brokers; asked again every 2 s meanwhile, relay/exactly_once_leaders.py).
+#: Rows waiting this long that the metadata blames on no partition name the partitions of all
+#: of them (a transaction waiting on its coordinator or its position record).
+UNATTRIBUTED_AFTER_S = 20.0
 
 Partition = tuple[str, int | None]  # (topic, partition; None when not computable)
 Undelivered = Callable[[RowId], bool]  # the row was handed to its partition, which has not taken it
@@ -100,6 +110,9 @@ class Stalls:
     undelivered: Undelivered | None = None
     leaderless: Leaderless | None = None  # likewise: of the partitions named, those without a leader
     partitions: dict[Partition, int] = field(default_factory=dict)  # stalled -> rows not delivered
+    #: Of ``partitions``, those to name (the log, the gauge, the status): all of them, but
+    #: none while the metadata, which may lag a broker's death, blames none.
+    named: dict[Partition, int] = field(default_factory=dict)
     waiting: dict[Partition, int] = field(default_factory=dict)  # -> rows waiting (delivered or not)
     keys: set[str] = field(default_factory=set)  # keys with a row waiting on a stalled partition
     held: set[str] = field(default_factory=set)  # keys skipped since: claimed again by a rewind
@@ -116,11 +129,13 @@ class Stalls:
         keys: set[str] = set()
         known, placed = self._placed, {}  # a waiting row's partition is computed once
         held_up = self.undelivered
+        waited_s = 0.0  # by the oldest row still waiting
         for batch in batches:
             if now - batch.produced_at < STALL_AFTER_S:
                 break  # later batches are younger still
             for row in batch.rows:
                 if row.id not in batch.outcomes:
+                    waited_s = max(waited_s, now - batch.produced_at)
                     where = known.get(row.id) or (row.topic, self.partition_of(row))
                     placed[row.id] = where
                     waiting[where] = waiting.get(where, 0) + 1
@@ -129,13 +144,14 @@ class Stalls:
                     if row.key is not None:
                         keys.add(row.key)
         self.waiting, self.keys, self._placed = waiting, keys, placed
-        self.partitions = stalled_partitions(waiting, undelivered, self.leaderless)
+        self.partitions, blamed = stalled_partitions(waiting, undelivered, self.leaderless)
+        self.named = self.partitions if blamed or waited_s >= UNATTRIBUTED_AFTER_S else {}
         return was and not self.partitions
 
     def as_json(self) -> str:
         """{"<topic>": {"<partition>": rows waiting}}: what `outbox-relay status` shows."""
         report: dict[str, dict[str, int]] = {}
-        for (topic, partition), waiting in sorted(self.partitions.items(), key=str):
+        for (topic, partition), waiting in sorted(self.named.items(), key=str):
             report.setdefault(topic, {})[str(partition)] = waiting
         return json.dumps(report, sort_keys=True)
 
@@ -160,18 +176,22 @@ class Stalls:
 
 
 def stalled_partitions(waiting: dict[Partition, int], undelivered: dict[Partition, int],
-                       leaderless: Leaderless | None = None) -> dict[Partition, int]:
-    """The partitions to name: those of rows not delivered and, when the cluster says some of
+                       leaderless: Leaderless | None = None) -> tuple[dict[Partition, int], bool]:
+    """The stalled partitions: those of rows not delivered and, when the cluster says some of
     them have no leader, only those.  When every waiting row waits on something else (a
     transaction whose commit waits on its position record's partition or on its
-    coordinator), the partitions of all of them are named, as before: a stall is never left
-    unsaid, and the pump's handling does not change."""
+    coordinator), the partitions of all of them, as before: the pump's handling does not
+    change.  And whether they are to blame: False when the cluster's metadata answered for
+    every topic and said each of these partitions has a leader (its news of a broker's
+    death may be late: ``UNATTRIBUTED_AFTER_S``)."""
     named = undelivered or waiting
     if leaderless is None or not named:
-        return dict(named)
+        return dict(named), True
     lacking: dict[str, frozenset[int] | None] = {topic: None for topic, _ in named}
     for topic in lacking:
         lacking[topic] = leaderless(topic)
     at_fault: dict[Partition, int] = {(topic, p): n for (topic, p), n in named.items()
                 if p is not None and p in (lacking[topic] or ())}
-    return at_fault or dict(named)
+    if at_fault:
+        return at_fault, True
+    return dict(named), any(answer is None for answer in lacking.values())

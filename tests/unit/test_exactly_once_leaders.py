@@ -11,7 +11,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from relay import exactly_once_leaders
-from relay.exactly_once_leaders import LEADERS_TTL_S, Leaders
+from relay.exactly_once_leaders import LEADERS_CLEAR_TTL_S, LEADERS_TTL_S, Leaders
 
 
 class Admin:
@@ -64,3 +64,17 @@ def test_brokers_that_do_not_answer_hold_the_pump_once_not_once_per_topic(admin:
     admin.answering = True
     admin.leaders = {"t5": {0: -1}}
     assert leaders.leaderless("t5") == frozenset({0}) and admin.calls == ["t0", "t5"]
+
+
+def test_an_answer_naming_no_partition_without_a_leader_is_asked_again_sooner(admin: type[Admin]) -> None:
+    # A dead broker stays its partitions' leader until the controller fences it: trusted for
+    # LEADERS_TTL_S, such an answer kept the stall tracker from naming the leaderless partition.
+    now = [100.0]
+    leaders = Leaders({"bootstrap.servers": "x"}, clock=lambda: now[0])
+    admin.leaders = {"a": {0: 1, 1: 2}}
+    assert leaders.leaderless("a") == frozenset()
+    admin.leaders = {"a": {0: -1, 1: 2}}  # fenced
+    now[0] += LEADERS_CLEAR_TTL_S
+    assert leaders.leaderless("a") == frozenset({0}) and admin.calls == ["a", "a"]
+    now[0] += LEADERS_CLEAR_TTL_S  # an answer naming one is trusted the whole TTL
+    assert leaders.leaderless("a") == frozenset({0}) and admin.calls == ["a", "a"]

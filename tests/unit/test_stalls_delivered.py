@@ -19,7 +19,7 @@ from relay.metrics import RelayMetrics
 from relay.model import OutboxRow, RowId
 from relay.outcomes import Outcome
 from relay.pump import Pump
-from relay.stalls import STALL_AFTER_S, Leaderless, Stalls
+from relay.stalls import STALL_AFTER_S, UNATTRIBUTED_AFTER_S, Leaderless, Stalls
 from tests.unit.pump_fakes import Leases, Publisher, Store, row
 
 PARTITIONS = 3  # key k<i> goes to partition i % 3
@@ -73,12 +73,31 @@ def test_of_the_rows_not_sent_only_the_partitions_without_a_leader_are_named() -
     stalls.update([batch], STALL_AFTER_S)
     assert stalls.partitions == {("t", 0): 3} and asked == ["t"]
     assert stalls.waiting == {("t", 0): 3, ("t", 1): 3, ("t", 2): 3}
-    answers: tuple[frozenset[int] | None, ...] = (frozenset(), None)
-    for unknown in answers:  # no partition said leaderless, or no answer: all named
-        stalls = Stalls(partition_of=key_partition, undelivered=lambda row_id: True,
-                        leaderless=answering(unknown))
-        stalls.update([batch], STALL_AFTER_S)
-        assert stalls.partitions == {("t", 0): 3, ("t", 1): 3, ("t", 2): 3}, unknown
+    everything = {("t", 0): 3, ("t", 1): 3, ("t", 2): 3}
+    stalls = Stalls(partition_of=key_partition, undelivered=lambda row_id: True, leaderless=answering(None))
+    stalls.update([batch], STALL_AFTER_S)  # no answer: all named
+    assert stalls.partitions == stalls.named == everything
+
+
+def test_a_stall_the_metadata_blames_on_no_partition_is_named_only_when_old() -> None:
+    """Until the controller fences a dead broker (broker.session.timeout.ms, 9 s by default)
+    the metadata names it its partitions' leader: the partitions of every waiting row were
+    named stalled, healthy ones too.  Now none until UNATTRIBUTED_AFTER_S (then all, as
+    before: a transaction may wait on its coordinator); the pump's handling is the same."""
+    batch = Batch(keyed(0, 9))
+    answer: list[frozenset[int]] = [frozenset()]
+    stalls = Stalls(partition_of=key_partition, undelivered=lambda row_id: True,
+                    leaderless=lambda topic: answer[0])
+    stalls.update([batch], STALL_AFTER_S)
+    assert stalls.named == {} and json.loads(stalls.as_json()) == {}
+    assert stalls.partitions == stalls.waiting == {("t", 0): 3, ("t", 1): 3, ("t", 2): 3}  # handled as before
+    assert stalls.stalled(batch, STALL_AFTER_S) and stalls.holds(row(20, 0, key="k1"))
+    answer[0] = frozenset({0})  # the broker fenced: partition 0 has no leader
+    stalls.update([batch], STALL_AFTER_S + 5)
+    assert stalls.named == stalls.partitions == {("t", 0): 3}
+    answer[0] = frozenset()  # never fenced: something else holds the transactions up
+    stalls.update([batch], UNATTRIBUTED_AFTER_S)
+    assert stalls.named == {("t", 0): 3, ("t", 1): 3, ("t", 2): 3}
 
 
 def test_without_the_hook_every_waiting_row_counts() -> None:
@@ -171,6 +190,38 @@ def test_the_pump_names_only_the_leaderless_partition() -> None:
         clock.now += 0.1
     assert not store.pending and sorted(store.marked) == list(range(1, 31))
     assert metrics.registry.get_sample_value("outbox_relay_stalled_rows", {"topic": "t", "partition": "0"}) is None
+
+
+class LateMetadataPublisher(TransactionalPublisher):
+    """The cluster's metadata names partition 0's dead leader until the controller fences it."""
+
+    fenced = False
+
+    def leaderless(self, topic: str) -> frozenset[int] | None:  # type: ignore[override]
+        return frozenset({0}) if self.fenced else frozenset()
+
+
+def test_the_pump_names_no_healthy_partition_while_the_metadata_is_late() -> None:
+    # Before: partition_stalled for partitions 0, 1 and 2 until the broker was fenced.
+    clock, store, log = Clock(), Store(keyed(1, 30)), Log()
+    publisher, metrics = LateMetadataPublisher(), RelayMetrics()
+    pump = Pump(store=store, publisher=publisher, leases=Leases(shards=[0]), nshards=1,  # type: ignore[arg-type]
+                batch_size=10, pipeline_depth=2, max_attempts=3, backoff_initial_s=0.1,
+                backoff_max_s=1.0, metrics=metrics, log=log, clock=clock)
+    for _ in range(5):
+        pump.run_once()
+    clock.now += STALL_AFTER_S
+    for _ in range(20):
+        pump.run_once()
+        clock.now += 0.2
+    assert log.stalled == [] and pump.stalls.partitions  # stalled, not named yet
+    assert metrics.registry.get_sample_value("outbox_relay_stalled_rows", {"topic": "t", "partition": "1"}) is None
+    publisher.fenced = True
+    for _ in range(5):
+        pump.run_once()
+        clock.now += 0.2
+    assert [(e["topic"], e["partition"]) for e in log.stalled] == [("t", 0)]
+    assert set(json.loads(pump.stalls.as_json())["t"]) == {"0"}
 
 
 def test_sent_rows_are_undelivered_until_reported_and_forgotten_with_their_transaction() -> None:
