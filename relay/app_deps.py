@@ -147,19 +147,24 @@ class Dependencies:
                                 "SET statement_timeout = 0")
         return True
 
-    def _statement_cancelled(self, exc: DatabaseUnavailable) -> bool:
+    def _statement_cancelled(self, exc: DatabaseUnavailable, statement: str = "other") -> bool:
         """Whether ``exc`` is a statement of the loop's own (a claim, a rewind's sweep, a lease
         heartbeat) the server cancelled while the database was up: a ``statement_timeout``
         shorter than it, a lock on the outbox held longer, a ``pg_cancel_backend``.  The
-        server answered: ``database_up`` stays 1 and no connection is dropped (before: the
-        outage's path, ``database_unavailable``, every connection dropped, for a slow
-        statement).  Said once a streak (:meth:`_statement_passed` says its end); the caller
-        waits :meth:`_cancelled_wait_s` and tries again."""
+        server answered: ``database_up`` stays 1 and the other connections stay open (before:
+        the outage's path, ``database_unavailable``, every connection dropped, for a slow
+        statement; the store still re-opens its own at its next statement, relay/store.py
+        dropping one at any OperationalError, 57014 included).  Counted by ``statement`` (claim,
+        sweep, heartbeat, other: ``outbox_relay_statements_cancelled_total``); said once a
+        streak (:meth:`_statement_passed` says its end); the caller waits
+        :meth:`_cancelled_wait_s` and tries again."""
         if not isinstance(exc, StatementCancelled) or isinstance(exc, MarkCancelled) or not self.db_up:
             return False
+        self.metrics.statements_cancelled.labels(statement).inc()
         if not self._cancels.failures:
             name = self.store.name
-            self.log.warning("statement_cancelled", connection=name, error=mask_text(str(exc)),
+            self.log.warning("statement_cancelled", connection=name, statement=statement,
+                             error=mask_text(str(exc)),
                              detail=f"the server cancelled a statement of {name} (a claim, a sweep or a "
                                     "lease heartbeat): a statement_timeout shorter than it (set on the "
                                     "relay's role or database, or options=-c statement_timeout in its "

@@ -72,11 +72,15 @@ class Running:
         def _db_ok(self) -> None: ...
         def _db_down(self, exc: Exception) -> None: ...
         def _mark_failed_alone(self, exc: DatabaseUnavailable) -> bool: ...
-        def _statement_cancelled(self, exc: DatabaseUnavailable) -> bool: ...
+        def _statement_cancelled(self, exc: DatabaseUnavailable, statement: str = "other") -> bool: ...
         def _cancelled_wait_s(self) -> float: ...
         def _statement_passed(self) -> None: ...
         def _broker_ok(self) -> None: ...
         def _next_wait(self) -> float: ...
+
+    #: What :meth:`_tick` runs, for a cancelled statement's label: ``heartbeat`` (the leases),
+    #: ``turn`` (the pump's statement, :attr:`relay.pump.Pump.statement`), ``other``.
+    _statement = "other"
 
     def run(self) -> int:
         """Loop until stopped, then drain.  Returns the process exit code."""
@@ -99,8 +103,11 @@ class Running:
                     if self._mark_failed_alone(exc):  # a mark's connection or statement only
                         self.loop.pump.request_rewind()  # its marks in flight: claimed again
                         continue
-                    if self._statement_cancelled(exc):  # a slow claim: no outage, no connection dropped
-                        self.loop.pump.request_rewind()  # as after an outage: a turn cut anywhere
+                    if self._statement_cancelled(exc, self._cancelled_statement()):  # a slow claim: no outage
+                        # A turn cut anywhere.  The rewind publishes nothing twice: it waits until no
+                        # row is in flight (Pump._active: produced and unacknowledged, or acknowledged
+                        # and unmarked), and then claims only what no mark took.
+                        self.loop.pump.request_rewind()
                         self._wait_serving(self._cancelled_wait_s())
                         continue
                     self._db_down(exc)
@@ -135,11 +142,20 @@ class Running:
                 self.http.stop(5.0)
             self.stopped.set()
 
+    def _cancelled_statement(self) -> str:
+        """Which of the loop's statements the server cancelled (the label of
+        ``outbox_relay_statements_cancelled_total``): the heartbeat's, or the pump's (a claim,
+        a rewind's sweep: relay/pump.py ``statement``), else ``other``."""
+        if self._statement == "turn" and self.pump is not None:
+            return self.pump.statement
+        return self._statement
+
     def _tick(self) -> None:
         """Supervise (leases and backlog gauges when due), then one turn of the loop."""
         assert self.loop is not None and self.pump is not None and self.leases is not None
         now = self.clock()
         self.last_tick = now
+        self._statement = "heartbeat"
         if self.db_up and (self.wakeup.moved or now >= self._next_shards_look):
             # A peer gave shards back or wants some (relay/leases.py): heartbeat now.  Before
             # the heartbeat, so that the first one finds this relay listening already: a
@@ -165,9 +181,12 @@ class Running:
                 self.metrics.leases_acquired.inc(len(change.acquired))
                 self.pump.request_rewind()
             self.metrics.leases_held.set(len(self.leases.leases))
+        self._statement = "other"
         if self.gauges is not None:
             self.gauges.run_once(now)
+        self._statement, self.pump.statement = "turn", "other"
         result = self.loop.run_once(now)
+        self._statement = "heartbeat"
         if self.leases.releasing:
             released = self.leases.release_settled(self.pump.busy_shards())
             if released:
@@ -175,6 +194,7 @@ class Running:
                               held=sorted(self.leases.leases),
                               live_replicas=self.leases.live_replicas)
                 self.metrics.leases_held.set(len(self.leases.leases))
+        self._statement = "other"
         if result.acked:
             self._broker_ok()
         if result.marked or result.failed:

@@ -21,6 +21,10 @@ KNOWN_FAILURE_CLASSES = ("message_too_large", "record_rejected", "invalid_topic"
 WAKE_REASONS = ("notify", "poll")
 #: Exactly-once mode's Kafka transactions, by how each ended (relay/exactly_once.py).
 TRANSACTION_RESULTS = ("committed", "aborted", "fenced")
+#: The relay loop's statements that a cancel by the server is counted by (relay/app_run.py): a
+#: claim, a rewind's sweep, the lease heartbeat (renewing, giving back, taking shards), another
+#: one of the loop's (a failed row's record, a dead letter).  Marks are counted on their own.
+CANCELLED_STATEMENTS = ("claim", "sweep", "heartbeat", "other")
 BATCH_BUCKETS = (1, 5, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 
 
@@ -80,6 +84,7 @@ class RelayMetrics:
         self.order_violations = Counter("outbox_relay_order_violations", "Rows acknowledged after an earlier row of their key failed (should stay 0).", registry=r)
         self.mark_connection_losses = Counter("outbox_relay_mark_connection_losses", "Mark connections the server ended while the database answered (pg_terminate_backend, idle_session_timeout, a pooler, the network), by connection (application_name): each costs a rewind, its marks in flight published again.", ["connection"], registry=r)
         self.mark_statements_cancelled = Counter("outbox_relay_mark_statements_cancelled", "Mark statements the server cancelled (a statement_timeout shorter than the mark, a lock held longer, pg_cancel_backend), by connection (application_name): each is marked again on its connection after a back-off, split when cancelled again; none is published again.", ["connection"], registry=r)
+        self.statements_cancelled = Counter("outbox_relay_statements_cancelled", "Statements of the relay loop the server cancelled while the database answered (a statement_timeout shorter than the statement, a lock on the outbox held longer, pg_cancel_backend), by statement: claim, sweep (a rewind's), heartbeat (the leases'), other. Nothing of them committed; the loop tries again after a back-off (0.5 s doubling up to 2 s) and publishes nothing again. Marks: outbox_relay_mark_statements_cancelled_total.", ["statement"], registry=r)
         self.database_up = Gauge("outbox_relay_database_up", "1 when the last database call succeeded.", registry=r)
         self.lock_wait = Gauge("outbox_relay_lock_wait_seconds", "How long the relay's longest-waiting statement has waited for a database lock (0: none), as last looked at while the relay was held up.", registry=r)
         self.broker_up = Gauge("outbox_relay_broker_up", "0 while the client reports every broker down.", registry=r)
@@ -110,3 +115,5 @@ class RelayMetrics:
             self.publish_errors.labels(transient)
         for result in TRANSACTION_RESULTS:  # exactly-once mode's: 0 in the default mode
             self.transactions.labels(result)
+        for statement in CANCELLED_STATEMENTS:
+            self.statements_cancelled.labels(statement)

@@ -311,7 +311,9 @@ class Pump(Claiming, Settling):
         # One statement: rows with a foreign xid restamped, and when a row another replica (or
         # this relay before a restart) put in back-off is due: sent at its retry time, as this
         # relay's own are, not at the next periodic pass.
+        self.statement = "sweep"  # cancelled: the loop asks the rewind again (the cursor is at START)
         restamped, due_in = self.store.sweep(shards=sorted(self.leases.leases), nshards=self.nshards)
+        self.statement = "other"
         if due_in is not None and self.leases.leases:
             self.failures.wake_at(now + max(0.0, due_in))
         self._rewind_cost_s = self.clock() - now  # the claim from "nothing seen" adds its own

@@ -72,6 +72,10 @@ class Claiming:
         def _sweep_cost(self, cost_s: float) -> None: ...
         def _active_batches(self, now: float) -> int: ...
 
+    #: The statement of the pump's that runs (``claim``, ``sweep``; ``other``), for the label
+    #: of one the server cancels (relay/app_run.py, ``outbox_relay_statements_cancelled_total``).
+    statement = "other"
+
     def _may_claim(self, now: float) -> bool:
         # Batches waiting for their mark count too: a crash republishes every row
         # produced and not yet marked, and that window is ``pipeline_depth`` batches.
@@ -99,10 +103,12 @@ class Claiming:
         else:
             self.cursor_shards = shards  # one that leaves must rewind to come back
         started, claim_started = time.perf_counter(), self.clock()
+        self.statement = "claim"  # cancelled, it leaves the cursor as it was
         rows, snapshot, cut = self.store.claim(
             shards=sorted(shards), nshards=self.nshards, after=self.cursor, limit=self.batch_size,
             max_bytes=self.max_message_bytes, budget_bytes=self.batch_max_bytes,
             sent_retries=self.sent_retries)
+        self.statement = "other"
         self.metrics.claim_duration.observe(time.perf_counter() - started)
         if self._rewind_cost_s is not None:
             self._sweep_cost(self._rewind_cost_s + self.clock() - claim_started)

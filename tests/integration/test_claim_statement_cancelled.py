@@ -40,6 +40,8 @@ def test_a_claim_the_statement_timeout_cancels_is_a_slow_statement_not_an_outage
             wait_until(lambda: relay.relay._cancels.failures >= 2, timeout_s=20,
                        message=lambda: f"claims not cancelled twice: {[event for event, _ in log.events]}")
             assert relay.metrics.registry.get_sample_value("outbox_relay_database_up") == 1
+            assert relay.metrics.registry.get_sample_value("outbox_relay_statements_cancelled_total",
+                                                           {"statement": "claim"}) >= 1
         insert_rows(outbox_db, topic, 20, keys=5, start=20)
         wait_drained(outbox_db, timeout_s=20)
         wait_until(lambda: any(event == "statement_recovered" for event, _ in log.events), timeout_s=10,
