@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import psycopg
 import psycopg.errors
+from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import dict_row, tuple_row
 
 # Connections and error translation live in relay/db.py; the names other modules and the
@@ -189,13 +190,25 @@ class Store(LeaseStatements):
 
     def _failed(self, exc: psycopg.Error) -> NoReturn:
         """Raise ``exc`` translated (:func:`translated`); a connection that failed, or that
-        reached a read-only server, is dropped first.  (No context manager around every
-        statement: at a steady rate the claim cycle's two paid for theirs.)"""
+        reached a read-only server, is dropped first.  A statement the server cancelled
+        (57014: a ``statement_timeout``, a lock held longer than it) leaves its connection
+        as it was, idle and answering: kept (psycopg counts the cancel an OperationalError,
+        and each cancel cost a new connection, its session gone from pg_stat_activity while
+        a lock lasted).  (No context manager around every statement: at a steady rate the
+        claim cycle's two paid for theirs.)"""
         if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError,
-                            psycopg.errors.ReadOnlySqlTransaction)):
+                            psycopg.errors.ReadOnlySqlTransaction)) and not self._answered(exc):
             self.reset()
         with translated(schema_behind=True):
             raise exc
+
+    def _answered(self, exc: psycopg.Error) -> bool:
+        """``exc`` is a cancel the server answered on a connection still usable: not broken,
+        outside a transaction (an autocommit statement's) and not in a pipeline."""
+        conn = self._conn
+        return (isinstance(exc, psycopg.errors.QueryCanceled) and conn is not None and not conn.closed
+                and not conn.broken and conn.info.transaction_status == TransactionStatus.IDLE
+                and conn.info.pipeline_status == PipelineStatus.OFF)
 
     # -- schema ---------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ def test_a_claim_the_statement_timeout_cancels_is_a_slow_statement_not_an_outage
     relay.relay.log = log
     with relay:
         wait_drained(outbox_db, timeout_s=20)
+        claims_pid = _backend(outbox_db, "outbox-relay:slowclaim")
         with psycopg.connect(outbox_db) as locker:  # a transaction holds the outbox's lock
             locker.execute("LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE")
             wait_until(lambda: {"statement_cancelled", "database_unavailable"} & {event for event, _ in log.events},
@@ -40,6 +41,8 @@ def test_a_claim_the_statement_timeout_cancels_is_a_slow_statement_not_an_outage
             wait_until(lambda: relay.relay._cancels.failures >= 2, timeout_s=20,
                        message=lambda: f"claims not cancelled twice: {[event for event, _ in log.events]}")
             assert relay.metrics.registry.get_sample_value("outbox_relay_database_up") == 1
+            # The claims connection answered the cancel: kept, not dropped and opened again.
+            assert _backend(outbox_db, "outbox-relay:slowclaim") == claims_pid
             assert relay.metrics.registry.get_sample_value("outbox_relay_statements_cancelled_total",
                                                            {"statement": "claim"}) >= 1
         insert_rows(outbox_db, topic, 20, keys=5, start=20)
@@ -54,3 +57,11 @@ def test_a_claim_the_statement_timeout_cancels_is_a_slow_statement_not_an_outage
     expected = all_event_ids(outbox_db)
     delivery = check_delivery(read_all(broker.bootstrap, topic, expected=expected, timeout_s=30), expected)
     assert delivery.missing == set(), delivery
+
+
+def _backend(dsn: str, application_name: str) -> int | None:
+    """The pid of the session named ``application_name`` (None: there is none)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s",
+                           (application_name,)).fetchone()
+    return None if row is None else int(row[0])
