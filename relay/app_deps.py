@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from relay.config import mask_text
 from relay.errors import DatabaseReadOnly, DatabaseUnavailable, FatalError, StatementCancelled
+from relay.mark_cancels import say_cancelled
 from relay.marker import LOSS_STREAK_S, MarkCancelled, MarkConnectionLost
 from relay.publisher import BrokerState
 
@@ -135,16 +136,8 @@ class Dependencies:
         self._mark_failure_said = exc
         store = next((store for store in (*self.mark_stores, self.store) if store is exc.store), None)
         name = store.name if store is not None else "?"
-        self.log.warning("mark_statement_cancelled", connection=name, rows=exc.rows,
-                         cancelled_after_s=round(exc.took_s, 3), error=mask_text(str(exc)),
-                         detail=f"the server cancelled the mark of {exc.rows} rows on {name}: a "
-                                "statement_timeout shorter than the mark (set on the relay's role or "
-                                "database, or options=-c statement_timeout in its DSN), or a "
-                                "pg_cancel_backend. The database answers; the rows are claimed again "
-                                "and published again (a rewind), nothing is lost. Raise the relay "
-                                "role's statement_timeout above its marks' time "
-                                "(outbox_relay_mark_duration_seconds), or lift it: ALTER ROLE <role> "
-                                "SET statement_timeout = 0")
+        say_cancelled(self.log, name, exc, then="its rows are claimed again and published again (a "
+                                                 "rewind), nothing is lost")
         return True
 
     def _statement_cancelled(self, exc: DatabaseUnavailable, statement: str = "other") -> bool:

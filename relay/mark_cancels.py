@@ -32,6 +32,29 @@ SPLIT_FLOOR_ROWS = 100
 SPLIT_HOLD_S = 60.0
 
 
+#: What becomes of a cancelled mark's rows, said by :func:`say_cancelled`: marked again.
+_MARKED_AGAIN = (f"the same rows are marked again on this connection, fenced by the same leases, after a "
+                 f"back-off ({REOPEN_BACKOFF_S:g} s doubling up to {REOPEN_BACKOFF_MAX_S:g} s); cancelled "
+                 f"again, in halves down to {SPLIT_FLOOR_ROWS} rows. None is published again; new claims "
+                 "wait for these marks. Counted in outbox_relay_mark_statements_cancelled_total, said once "
+                 "until a mark commits (mark_statement_recovered)")
+
+
+def say_cancelled(log: Any, connection: str, exc: MarkCancelled, *, then: str) -> None:
+    """``mark_statement_cancelled``: the mark of ``exc.rows`` rows on ``connection``, what
+    cancels one, what becomes of its rows (``then``) and what to do.  The mark threads' line
+    (:class:`MarkCancels`), and the loop's for a mark no mark thread retries (relay/app_deps.py)."""
+    log.warning("mark_statement_cancelled", connection=connection, rows=exc.rows,
+                cancelled_after_s=round(exc.took_s, 3), error=mask_text(str(exc)),
+                detail=f"the server cancelled the mark of {exc.rows} rows on {connection}: a statement_timeout "
+                       "shorter than the mark (set on the relay's role or database, or options=-c "
+                       "statement_timeout in its DSN), a lock on outbox rows held longer than it, or a "
+                       f"pg_cancel_backend. Nothing of it committed and the database answers: {then}. Raise "
+                       "the relay role's statement_timeout above its marks' time "
+                       "(outbox_relay_mark_duration_seconds) or lift it: ALTER ROLE <role> SET "
+                       "statement_timeout = 0; or look for a lock held on outbox rows (pg_locks)")
+
+
 class MarkCancels:
     """One mark connection's statements cancelled in a row, and the wait before the next
     try (:class:`relay.wakeup.ReopenBackOff`: 1 s doubling, up to 30 s; a smaller part of
@@ -67,22 +90,7 @@ class MarkCancels:
         if not self._back_off.failed():
             return False
         if self.log is not None:
-            self.log.warning(
-                "mark_statement_cancelled", connection=connection, rows=exc.rows,
-                cancelled_after_s=round(exc.took_s, 3), error=mask_text(str(exc)),
-                detail=f"the server cancelled the mark of {exc.rows} rows on {connection}: a "
-                       "statement_timeout shorter than the mark (set on the relay's role or database, "
-                       "or options=-c statement_timeout in its DSN), a lock on outbox rows held longer "
-                       "than it, or a pg_cancel_backend. Nothing of it committed and the database "
-                       "answers: the same rows are marked again on this connection, fenced by the same "
-                       f"leases, after a back-off ({REOPEN_BACKOFF_S:g} s doubling up to "
-                       f"{REOPEN_BACKOFF_MAX_S:g} s); cancelled again, in halves down to "
-                       f"{SPLIT_FLOOR_ROWS} rows. None is published again; new claims wait for these "
-                       "marks. Counted in outbox_relay_mark_statements_cancelled_total, said once "
-                       "until a mark commits (mark_statement_recovered). Raise the relay role's "
-                       "statement_timeout above its marks' time (outbox_relay_mark_duration_seconds) "
-                       "or lift it: ALTER ROLE <role> SET statement_timeout = 0; or look for a lock "
-                       "held on outbox rows (pg_locks)")
+            say_cancelled(self.log, connection, exc, then=_MARKED_AGAIN)
         return True
 
     def passed(self, connection: str, rows: int) -> None:

@@ -165,12 +165,18 @@ class Log:
         return log
 
 
-def test_the_pump_names_only_the_leaderless_partition() -> None:
-    clock, store, log = Clock(), Store(keyed(1, 30)), Log()
-    publisher, metrics = TransactionalPublisher(), RelayMetrics()
+def stalling_pump(publisher: TransactionalPublisher) -> tuple[Clock, Store, Log, RelayMetrics, Pump]:
+    """A pump of one shard with 30 keyed rows to send through ``publisher``."""
+    clock, store, log, metrics = Clock(), Store(keyed(1, 30)), Log(), RelayMetrics()
     pump = Pump(store=store, publisher=publisher, leases=Leases(shards=[0]), nshards=1,  # type: ignore[arg-type]
                 batch_size=10, pipeline_depth=2, max_attempts=3, backoff_initial_s=0.1,
                 backoff_max_s=1.0, metrics=metrics, log=log, clock=clock)
+    return clock, store, log, metrics, pump
+
+
+def test_the_pump_names_only_the_leaderless_partition() -> None:
+    publisher = TransactionalPublisher()
+    clock, store, log, metrics, pump = stalling_pump(publisher)
     for _ in range(5):
         pump.run_once()
     clock.now += STALL_AFTER_S
@@ -203,11 +209,8 @@ class LateMetadataPublisher(TransactionalPublisher):
 
 def test_the_pump_names_no_healthy_partition_while_the_metadata_is_late() -> None:
     # Before: partition_stalled for partitions 0, 1 and 2 until the broker was fenced.
-    clock, store, log = Clock(), Store(keyed(1, 30)), Log()
-    publisher, metrics = LateMetadataPublisher(), RelayMetrics()
-    pump = Pump(store=store, publisher=publisher, leases=Leases(shards=[0]), nshards=1,  # type: ignore[arg-type]
-                batch_size=10, pipeline_depth=2, max_attempts=3, backoff_initial_s=0.1,
-                backoff_max_s=1.0, metrics=metrics, log=log, clock=clock)
+    publisher = LateMetadataPublisher()
+    clock, store, log, metrics, pump = stalling_pump(publisher)
     for _ in range(5):
         pump.run_once()
     clock.now += STALL_AFTER_S
