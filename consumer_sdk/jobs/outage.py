@@ -59,13 +59,15 @@ no gain, and the wait ends when a person ends the blocking transaction, which
 that long is not told apart from a server that does not answer: the reason says both.
 
 A round whose statement the server cancelled for the pool's ``statement_timeout``
-(``pool_statement_timeout_s``, :class:`~consumer_sdk.jobs._db.StatementTimedOut`) is a failed round
+(``pool_statement_timeout_s``, :class:`~consumer_sdk.jobs.errors.StatementTimedOut`) is a failed round
 like the others (the database answers, too slowly to claim): ``dispatch_failed`` names the
 round's step (``statement``: the claim, the reap or reconcile, ...) and the setting; the next
 round tries again.  When the lock-wait watch found that statement waiting on a lock, the line
 says so and the round does not count towards an outage: a lock wait keeps the pool ready
 whether the statement still waits or its timeout cancelled it (until a review, a lock held
-longer than the timeout made the pool not ready at its second cancelled round).
+longer than the timeout made the pool not ready at its second cancelled round).  Under an
+``lc_messages`` whose words do not say "statement timeout", the cancel is told by its
+SQLSTATE (57014) for this.
 """
 
 from __future__ import annotations
@@ -211,7 +213,7 @@ class Outage:
         error, error_type = mask_text(str(exc)), type(exc).__name__
         unanswered = self._unanswered_ended is not None or (last is not None and last.unanswered)
         self._unanswered_ended = None
-        locked = isinstance(exc, StatementTimedOut) and self.lock_wait_s() > 0  # a lock wait, not an outage
+        locked = _cancelled(exc) and self.lock_wait_s() > 0  # a lock wait, not an outage
         due = self._failures.failed(now, kind=error_type, began=began)
         self.streak = streak = Streak(
             began=self._failures.began, rounds=self._failures.failures, error=error, error_type=error_type,
@@ -271,6 +273,14 @@ class Outage:
         headline = streak.reason()
         return (f"{headline} for {failing_s:.0f} s ({streak.rounds} dispatch rounds failed in a row, nothing "
                 f"claimed meanwhile): {streak.error.removeprefix(headline + ': ')}")  # DatabaseReadOnly's own words
+
+
+def _cancelled(exc: BaseException) -> bool:
+    """``exc`` is a statement the server cancelled: :class:`StatementTimedOut`, or, under an
+    ``lc_messages`` whose words ``_db`` does not read, a cause with SQLSTATE 57014 (a
+    statement_timeout's, or a cancel request's: either way the statement ran or waited that
+    long, not a database away)."""
+    return isinstance(exc, StatementTimedOut) or getattr(exc.__cause__, "sqlstate", None) == "57014"
 
 
 def _utc(wall: float) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import psycopg
 import structlog
 
 from consumer_sdk.errors import AuthenticationFailed, DatabaseUnavailable, TransactionConflict
@@ -202,3 +203,20 @@ def test_statements_the_pools_statement_timeout_cancelled_on_a_lock_keep_the_poo
     _fail(outage, clock, timed_out, rounds=2, round_s=20.0)
     reason = outage.reason()
     assert reason is not None and "statement_timeout" in reason and outage.failed_rounds == 2
+
+
+def test_a_cancel_told_by_its_sqlstate_alone_on_a_lock_keeps_the_pool_ready() -> None:
+    """Under another lc_messages a statement_timeout's cancel is not told by its words (a plain
+    DatabaseUnavailable, see consumer_sdk/jobs/_db.py): its SQLSTATE (57014, shared with a
+    cancel request) with a lock wait found is still a lock wait, not an outage."""
+    cancel = psycopg.errors.QueryCanceled("Abbruch der Anweisung wegen Zeitüberschreitung")
+    foreign = DatabaseUnavailable("database unavailable: Abbruch der Anweisung wegen Zeitüberschreitung")
+    foreign.__cause__ = cancel
+    outage, clock = _outage([])
+    outage.lock_wait_s = lambda: 25.0
+    _fail(outage, clock, foreign, rounds=3, round_s=20.0)
+    assert outage.reason() is None and outage.failed_rounds == 0
+    outage.passed()
+    outage.lock_wait_s = lambda: 0.0
+    _fail(outage, clock, foreign, rounds=2, round_s=20.0)
+    assert outage.reason() is not None and outage.failed_rounds == 2
