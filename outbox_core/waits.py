@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -104,7 +105,7 @@ def waiting_from_row(row: Sequence[Any]) -> Waiting:
                                   for b in blockers or ()))
 
 
-class SessionWatch(Generic[K]):
+class SessionWatch(ABC, Generic[K]):
     """The watching thread; see the module's docstring.  ``start()``, idempotent ``stop()``,
     ``run_once()`` (one look when held up; tests call it).
 
@@ -136,25 +137,25 @@ class SessionWatch(Generic[K]):
 
     # -- what a service says ----------------------------------------------------------------
 
+    @abstractmethod
     def held_up_s(self) -> float:
         """How long the service has been held up (0: it moves, or has no session to look at)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _look(self) -> tuple[Waiting, ...]:
         """The service's sessions running or waiting for ``after_s``: usually :meth:`_read`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _key(self, wait: Waiting) -> K:
         """Two looks finding the same key see the same wait: logged once every LOG_EVERY_S."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _lock_wait_fields(self, wait: Waiting) -> dict[str, Any]:
         """The lock-wait line's fields."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _over_fields(self, keys: list[K]) -> dict[str, Any]:
         """The "over" line's fields, from the keys logged."""
-        raise NotImplementedError
 
     # -- the thread --------------------------------------------------------------------------
 

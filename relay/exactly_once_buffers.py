@@ -14,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +52,7 @@ class ShardState:
 
 
 
-class BufferingPublisher:
+class BufferingPublisher(ABC):
     """The pump's publisher in exactly-once mode, as the pump sees it.  Driven by the pump's
     thread only.  The subclass keeps the shards in step with the leases
     (:meth:`_sync_leases`) and applies the workers' results (:meth:`_apply`)."""
@@ -167,7 +168,7 @@ class BufferingPublisher:
     def partition_of(self, row: OutboxRow) -> int | None:
         return self._plain.partition_of(row)
 
-    def recreate(self) -> None:
+    def recreate(self) -> None:  # noqa: B027 - nothing to do, on purpose (the publisher's interface)
         """Never asked for (no outcome here is ``fatal``); a broken shard producer is
         replaced by its own worker's successor."""
 
@@ -176,7 +177,7 @@ class BufferingPublisher:
         return self._plain.send_dead_letter(row, topic=topic, reason=reason, error=error,
                                             attempts=attempts)
 
-    def start(self) -> None:
+    def start(self) -> None:  # noqa: B027 - nothing to do, on purpose (the publisher's interface)
         """Nothing to start: a shard's worker thread starts when its lease is held (on
         the pump's thread, inside ``send``/``poll``)."""
 
@@ -198,13 +199,13 @@ class BufferingPublisher:
 
     # -- the shards' buffers and outcomes -------------------------------------------------
 
+    @abstractmethod
     def _sync_leases(self) -> None:
         """A worker for each shard held, none for one not held (the subclass's)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _apply(self, result: Result) -> int:
         """A worker's result applied; returns the callbacks served (the subclass's)."""
-        raise NotImplementedError
 
     def _close_shard(self, shard: ShardId, why: str) -> None:
         state = self._shards.pop(shard)
