@@ -39,6 +39,24 @@ def translate_connect_error(exc: psycopg.Error, dsn: str = "") -> Exception:
     return _CONNECT_ERRORS[failed.kind](failed.message)
 
 
+#: SQLSTATEs outside class 08 that say the server ended the session: admin_shutdown
+#: (pg_terminate_backend, a pooler's or a failover's), crash_shutdown (another backend
+#: crashed), cannot_connect_now (the server starting or stopping).
+SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
+
+
+def connection_failed(exc: psycopg.Error) -> bool:
+    """``exc`` says the connection failed, not the statement: class 08, a session the server
+    ended (:data:`SESSION_ENDED`), or an OperationalError or InterfaceError without a
+    SQLSTATE (the network dropped, the server went away).  One with a SQLSTATE of another
+    class (57014 a cancelled statement, 55P03 a lock not available, 53xxx) is the
+    statement's.  The inbox store's judgement (consumer_sdk/store_connection.py) and the
+    jobs executor's (consumer_sdk/jobs/retry.py ``connection_broke``)."""
+    state = exc.sqlstate or ""
+    return state.startswith("08") or state in SESSION_ENDED or (
+        not state and isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)))
+
+
 def lost_prepared_statement(exc: BaseException) -> bool:
     """``exc`` says one of psycopg's own prepared statements (``_pg3_...``) was missing, or
     already there, on the server: a transaction pooler without prepared-statement support

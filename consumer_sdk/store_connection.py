@@ -180,7 +180,7 @@ class StoreConnection:
                 return TransactionConflict(f"transaction aborted: {_first_line(error)}")
             if self.lost_prepared(error):
                 return _lost_prepared(error)
-            if isinstance(error, psycopg.Error) and _connection_failed(error):
+            if isinstance(error, psycopg.Error) and _pg.connection_failed(error):
                 return DatabaseUnavailable(f"database unavailable: {_first_line(error)}")
         conn = self._tx or self._conn
         if conn is not None and (conn.closed or conn.broken):
@@ -278,20 +278,6 @@ def _conflict(exc: BaseException) -> bool:
     and until an audit the store's own statement meeting a deadlock was "database
     unavailable", its connection dropped."""
     return isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith("40")
-
-
-#: SQLSTATEs outside class 08 that say the server ended the session: admin_shutdown
-#: (pg_terminate_backend), crash_shutdown, cannot_connect_now.
-_SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
-
-
-def _connection_failed(exc: psycopg.Error) -> bool:
-    """``exc`` says the connection failed, not the statement (see StoreConnection.database_failure).
-    An OperationalError with a SQLSTATE of another class (57014 a cancelled statement, 55P03
-    a lock not available, 53xxx) is the statement's."""
-    state = exc.sqlstate or ""
-    return state.startswith("08") or state in _SESSION_ENDED or (
-        not state and isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)))
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:

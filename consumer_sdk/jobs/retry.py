@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import psycopg
 
+from consumer_sdk import _pg
 from consumer_sdk.errors import PermanentError
 from consumer_sdk.jobs import _check
 from consumer_sdk.jobs.errors import InvalidJob, LeaseLost
@@ -76,11 +77,6 @@ def verdict(exc: BaseException, *, attempts: int, max_attempts: int) -> Verdict:
     return "retry"
 
 
-#: SQLSTATEs that end a session, not a statement: admin_shutdown (an administrator's
-#: pg_terminate_backend, a pooler's or a failover's), crash_shutdown (another backend
-#: crashed), cannot_connect_now (the server is starting or stopping); and class 08, the
-#: connection exceptions.
-_SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
 #: How far down an exception's causes (``raise ... from``, or raised while handling) to look.
 _CAUSES_LOOKED_AT = 8
 
@@ -98,12 +94,10 @@ def connection_broke(exc: BaseException, conn: Any) -> bool:
     for _ in range(_CAUSES_LOOKED_AT):
         if seen is None:
             return False
-        if isinstance(seen, psycopg.Error):
-            state = seen.sqlstate or ""
-            if state in _SESSION_ENDED or state.startswith("08"):
-                return True
-            if dead and not state and isinstance(seen, (psycopg.OperationalError, psycopg.InterfaceError)):
-                return True
+        # The inbox store's judgement (consumer_sdk/_pg.py), one without a SQLSTATE only on
+        # a dead connection (a handler's own error without one is not the network's).
+        if isinstance(seen, psycopg.Error) and _pg.connection_failed(seen) and (seen.sqlstate or dead):
+            return True
         seen = seen.__cause__ or seen.__context__
     return False
 
