@@ -23,6 +23,7 @@ from relay.errors import DatabaseReadOnly, DatabaseUnavailable, FatalError, Stat
 from relay.mark_cancels import say_cancelled
 from relay.marker import LOSS_STREAK_S, MarkCancelled, MarkConnectionLost
 from relay.publisher import BrokerState
+from relay.wakeup import REOPEN_BACKOFF_MAX_S, REOPEN_BACKOFF_S
 
 if TYPE_CHECKING:
     from relay.config import Settings
@@ -144,10 +145,10 @@ class Dependencies:
         """Whether ``exc`` is a statement of the loop's own (a claim, a rewind's sweep, a lease
         heartbeat) the server cancelled while the database was up: a ``statement_timeout``
         shorter than it, a lock on the outbox held longer, a ``pg_cancel_backend``.  The
-        server answered: ``database_up`` stays 1 and the other connections stay open (before:
-        the outage's path, ``database_unavailable``, every connection dropped, for a slow
-        statement; the store still re-opens its own at its next statement, relay/store.py
-        dropping one at any OperationalError, 57014 included).  Counted by ``statement`` (claim,
+        server answered: ``database_up`` stays 1 and every connection stays open, the
+        cancelled statement's too (relay/store.py keeps a connection a cancel left idle;
+        before: the outage's path, ``database_unavailable``, every connection dropped, for a
+        slow statement).  Counted by ``statement`` (claim,
         sweep, heartbeat, other: ``outbox_relay_statements_cancelled_total``); said once a
         streak (:meth:`_statement_passed` says its end); the caller waits
         :meth:`_cancelled_wait_s` and tries again."""
@@ -225,7 +226,8 @@ class Dependencies:
                                     "re-opens at its next mark. Lost again within "
                                     f"{LOSS_STREAK_S:g} s, it is counted "
                                     "(outbox_relay_mark_connection_losses_total), not said again, and "
-                                    "its re-open waits a back-off (1 s doubling up to 30 s) while the "
+                                    f"its re-open waits a back-off ({REOPEN_BACKOFF_S:g} s doubling up to "
+                                    f"{REOPEN_BACKOFF_MAX_S:g} s) while the "
                                     "other mark connections mark")
         return True
 
