@@ -47,7 +47,11 @@ from relay.errors import ConfigError, LeaseLost
 from relay.exactly_once_buffers import FULL_TRANSACTION_ROWS as FULL_TRANSACTION_ROWS
 from relay.exactly_once_buffers import BufferingPublisher, ShardState
 from relay.exactly_once_position import BrokerUnreachable, ensure_position_topic, mark_listed
-from relay.exactly_once_records import RECORD_OVERHEAD_BYTES, smallest_limit_bytes
+from relay.exactly_once_records import (
+    RECORD_OVERHEAD_BYTES,
+    PositionTopicTooSmall,
+    smallest_limit_bytes,
+)
 from relay.exactly_once_shard import Result, ShardWorker
 from relay.model import Lease, RowId, ShardId, Token
 
@@ -186,13 +190,23 @@ class TransactionalPublisher(BufferingPublisher):
 
     def _recreate_position_topic(self) -> None:
         """A position partition not found: a topic deleted meanwhile is created again (every 5 s at
-        most) and said so; not one whose partition has no leader (said missing until an audit)."""
+        most) and said so; not one whose partition has no leader (said missing until an audit).
+        A topic that takes no position record of one row stops the relay, as at start (created
+        again that small, it was logged "not created" until an audit, and the relay went on
+        failing every transaction until its records were cut to one row)."""
         now = self._clock()
         if now < self._recreate_after or not self._nshards:
             return
         self._recreate_after = now + POSITION_RECREATE_EVERY_S
         try:
             found = ensure_position_topic(self._config, self._position_topic, self._nshards)
+        except PositionTopicTooSmall as exc:  # no position can be written: as at start, the relay stops
+            if exc.created:
+                self._log.error("exactly_once_position_topic_missing", topic=self._position_topic,
+                                hint="created again, with a record size limit too small for a position")
+            if self._on_fatal is not None:
+                self._on_fatal(str(exc))
+            return
         except (ConfigError, BrokerUnreachable) as exc:
             self._log.warning("exactly_once_position_topic_not_created", topic=self._position_topic, error=str(exc))
             return

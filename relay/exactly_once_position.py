@@ -20,7 +20,13 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from relay.errors import ConfigError
-from relay.exactly_once_records import merge_parts, part_key, parts_named, read_record_limit
+from relay.exactly_once_records import (
+    PositionTopicTooSmall,
+    merge_parts,
+    part_key,
+    parts_named,
+    read_record_limit,
+)
 from relay.kafka_producer import _KAFKA_LOG
 from relay.marker import MarkStore
 from relay.model import Lease, OutboxRow, RowId, ShardId
@@ -74,8 +80,9 @@ def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
                           timeout_s: float = 5.0) -> PositionTopic:
     """Create the compacted position topic (one partition per shard) when missing
     (``created``) and read its record size limit; a clear ConfigError when it has too few
-    partitions, may not be created or takes no record of one row, and BrokerUnreachable
-    when no broker answered."""
+    partitions or may not be created, :class:`PositionTopicTooSmall` when it takes no record
+    of one row (``created`` when this call created it), and BrokerUnreachable when no broker
+    answered."""
     admin = AdminClient(shared_config(config))
     try:
         found = admin.list_topics(timeout=timeout_s).topics.get(topic)  # no auto-creation
@@ -105,7 +112,10 @@ def ensure_position_topic(config: dict[str, str], topic: str, nshards: int,
         raise ConfigError(
             f"exactly-once: cannot create the position topic {topic} ({nshards} partitions, "
             f"cleanup.policy=compact): {err.str()}; create it or grant CREATE on it") from None
-    return PositionTopic(True, read_record_limit(admin, config, topic, timeout_s))
+    try:
+        return PositionTopic(True, read_record_limit(admin, config, topic, timeout_s))
+    except PositionTopicTooSmall as exc:
+        raise PositionTopicTooSmall(str(exc), created=True) from None
 
 
 class ForeignPosition(Exception):

@@ -44,12 +44,21 @@ def part_key(shard: int, part: int) -> bytes:
     return f"{shard}.part{part}".encode()
 
 
+class PositionTopicTooSmall(ConfigError):
+    """The position topic takes no record of one row: no position can be written to it.
+    ``created``: the topic was just created (by :func:`relay.exactly_once_position.ensure_position_topic`)."""
+
+    def __init__(self, message: str, *, created: bool = False) -> None:
+        super().__init__(message)
+        self.created = created
+
+
 def read_record_limit(admin: AdminClient, config: Mapping[str, str], topic: str,
                       timeout_s: float) -> int:
     """The largest position record the broker takes (value, key and overhead): the smaller
     of the topic's ``max.message.bytes`` (the broker's ``message.max.bytes`` when the topic
     sets none) and the producer's ``message.max.bytes``; only the producer's when the topic's
-    may not be read.  A limit a record of one row exceeds is refused (ConfigError)."""
+    may not be read.  A limit a record of one row exceeds is refused (:class:`PositionTopicTooSmall`)."""
     limit = max_message_bytes(config)
     try:
         future = admin.describe_configs([ConfigResource(ResourceType.TOPIC, topic)])
@@ -61,7 +70,7 @@ def read_record_limit(admin: AdminClient, config: Mapping[str, str], topic: str,
         pass  # not allowed to describe it (no DescribeConfigs ACL): a refusal halves it later
     needed = smallest_limit_bytes("x" * OUTBOX_NAME_ALLOWANCE)
     if limit < needed:
-        raise ConfigError(
+        raise PositionTopicTooSmall(
             f"exactly-once: the position topic {topic} takes records of at most {limit} bytes "
             f"(its max.message.bytes, or the producer's message.max.bytes if smaller), too small "
             f"for a position record of one row ({needed} bytes with the record's overhead); "

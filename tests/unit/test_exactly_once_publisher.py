@@ -14,6 +14,7 @@ import pytest
 
 import relay.exactly_once as eo
 from relay.exactly_once_position import PositionTopic
+from relay.exactly_once_records import PositionTopicTooSmall
 from relay.exactly_once_shard import Job, Position, Result, event_digest
 from relay.model import Lease, OutboxRow, RowId, ShardId, Token
 from relay.publisher import Outcome
@@ -462,3 +463,32 @@ def test_a_position_partition_not_found_is_called_a_missing_topic_only_when_crea
     assert made == ["pos"]  # asked to make sure it is there
     assert ("exactly_once_position_topic_missing" in log.events) is created
     assert "exactly_once_shard_init_failed" in log.events
+
+
+@pytest.mark.parametrize("created", [False, True])
+def test_a_position_topic_found_too_small_for_one_row_stops_the_relay(monkeypatch, created: bool) -> None:
+    # A position topic deleted and created again by the relay with a record size limit below
+    # one row's position record: it was logged exactly_once_position_topic_not_created (it had
+    # been created) and the relay went on, every transaction refused.  Now it stops with the
+    # limit's message, as at start, and says the topic was created again when it was.
+    FakeWorker.made = []
+    monkeypatch.setattr(eo, "ShardWorker", FakeWorker)
+    too_small = "exactly-once: the position topic pos takes records of at most 100 bytes"
+
+    def ensure(config: Any, topic: str, n: int) -> PositionTopic:
+        raise PositionTopicTooSmall(too_small, created=created)
+
+    monkeypatch.setattr(eo, "ensure_position_topic", ensure)
+    log, fatal = RecordingLog(), []
+    publisher = eo.TransactionalPublisher(
+        config={}, plain=type("P", (), {"poll": lambda self, t: 0})(), leases=Leases(),  # type: ignore[arg-type]
+        table="outbox", position_topic="pos", transactional_id_prefix="x.",
+        recovery_store=object(), log=log, nshards=16, on_fatal=fatal.append)  # type: ignore[arg-type]
+    publisher.poll(0)
+    worker = FakeWorker.made[0]
+    worker.results.put(Result(worker, init=True, broken=True, position_missing=True,  # type: ignore[arg-type]
+                              error="Failed to get watermark offsets: Local: Unknown partition"))
+    publisher.poll(0)
+    assert fatal == [too_small]
+    assert "exactly_once_position_topic_not_created" not in log.events
+    assert ("exactly_once_position_topic_missing" in log.events) is created
