@@ -1,9 +1,10 @@
 """Marks on several connections at once: :class:`MarkLanes`, one :class:`relay.marker.Marker`
 (a mark thread and its connection) per lane.
 
-``--mark-connections`` (two by default): a mark is a non-HOT update of every row it marks,
-and while draining one marking backend was the relay's bound (busy 69-98 % of a core, the
-second core half idle).  A large batch is split between the lanes by shard, and a shard's
+``--mark-connections`` (one by default since issue 18's twelfth pass, see relay/options.py;
+two or more on a database with cores to spare): a mark is a non-HOT update of every row it
+marks, and while it cost 20-30 µs a row one marking backend was the relay's bound (busy
+69-98 % of a core, the second core half idle).  A large batch is split between the lanes by shard, and a shard's
 mark never starts before its previous one ended, so the rows of a key are marked in the
 order they were claimed, as on one connection.
 """
