@@ -27,6 +27,7 @@ from consumer_sdk import _pg
 from consumer_sdk.errors import DatabaseUnavailable
 from consumer_sdk.jobs._db import ConnectionT, first_line, q, session_q, translated
 from consumer_sdk.jobs.deferred import DeferringConnection, SpinningDeferringConnection
+from consumer_sdk.jobs.statement_clock import TimedWaits
 from outbox_core.connect_errors import unset_options
 from outbox_core.pooling import transaction_pooled
 
@@ -34,6 +35,17 @@ if TYPE_CHECKING:
     from consumer_sdk.jobs.config import WorkerConfig
 
 ConnectionFactory = Callable[[], ConnectionT]
+
+
+class PoolConnection(TimedWaits, DeferringConnection):
+    """A pool's connection: fences sent with the first statement, waits timed (a timeout
+    told in any language: :mod:`consumer_sdk.jobs.statement_clock`)."""
+
+
+class SpinningPoolConnection(TimedWaits, SpinningDeferringConnection):
+    """A :class:`PoolConnection` whose waits poll first (``WorkerConfig.db_spin_us``)."""
+
+
 #: Transaction states with a transaction left open (to roll back).
 _OPEN = frozenset({TransactionStatus.INTRANS, TransactionStatus.INERROR})
 
@@ -226,7 +238,7 @@ def pool_connect_factory(config: WorkerConfig) -> ConnectionFactory:
         pass
     return _pg.connect_factory(dsn, application_name=config.application_name,
                                spin_s=config.db_spin_us / 1e6,
-                               classes=(DeferringConnection, SpinningDeferringConnection))
+                               classes=(PoolConnection, SpinningPoolConnection))
 
 
 def watch_connect(connect: ConnectionFactory, *, statement_ms: int) -> ConnectionFactory:
@@ -249,9 +261,17 @@ def watch_connect(connect: ConnectionFactory, *, statement_ms: int) -> Connectio
         except BaseException:
             conn.close()
             raise
+        own_timeout(conn, statement_ms)
         return conn
 
     return make
+
+
+def own_timeout(conn: ConnectionT, statement_ms: int) -> None:
+    """``conn``'s session runs with the pool's ``statement_timeout`` of ``statement_ms`` (0:
+    none): its waits are measured against it (:mod:`consumer_sdk.jobs.statement_clock`)."""
+    if isinstance(conn, TimedWaits):
+        conn.statement_timeout_s = statement_ms / 1000 if statement_ms > 0 else None
 
 
 class ConnSlot:
@@ -295,6 +315,7 @@ class ConnSlot:
                     else:
                         conn.execute(session_q("pool_session_setup"),
                                      {"idle_ms": self._idle_ms, "statement_ms": self._statement_ms})
+                        own_timeout(conn, self._statement_ms)
             self._conn = conn
             self.session = (conn.info.backend_pid, conn.info.parameter_status("application_name") or "")
         return conn

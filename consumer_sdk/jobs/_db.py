@@ -24,6 +24,7 @@ import psycopg
 import psycopg.errors
 
 from consumer_sdk.errors import DatabaseUnavailable, FatalError, SchemaMissing, TransactionConflict
+from consumer_sdk.jobs import statement_clock
 from consumer_sdk.jobs._check import json_storable
 from consumer_sdk.jobs.errors import (
     DatabaseReadOnly,
@@ -48,15 +49,12 @@ def session_q(name: str) -> str:
     return query("jobs_session", name)
 
 
-#: The start of a 57014's message when a statement_timeout (not a cancel request) cancelled it.
-#: English only: with another ``lc_messages`` such a cancel is a plain DatabaseUnavailable
-#: (retried all the same; the pool's log and its lock-wait readiness rule, see
-#: :mod:`consumer_sdk.jobs.outage`, then do not know it for a timeout).  No locale-proof sign
-#: was found: a statement_timeout and a cancel request (``pg_cancel_backend``, a client's
-#: cancel) share the SQLSTATE and the reporting routine (ProcessInterrupts; only the source
-#: line, which moves between versions, differs); ``lc_messages`` can only be set by a
-#: superuser; and "no one else cancels" does not hold even on the pool's own sessions (an
-#: administrator may), while this seam also serves the callers' connections (accept, enqueue).
+#: The start of a 57014's message when a statement_timeout (not a cancel request) cancelled it,
+#: in English: the second sign of a timeout, for the callers' sessions (accept, enqueue) and a
+#: caller's ``connect=`` factory's.  The first, on the pool's own sessions, is the clock
+#: (:mod:`consumer_sdk.jobs.statement_clock`): a statement_timeout and a cancel request share the
+#: SQLSTATE and the reporting routine (only the source line, which moves between versions,
+#: differs), and ``lc_messages`` can only be set by a superuser.
 _STATEMENT_TIMEOUT = "canceling statement due to statement timeout"
 
 
@@ -102,7 +100,8 @@ def translated() -> Iterator[None]:
             raise TransactionConflict(f"transaction aborted: {first_line(exc)}") from exc  # are not one
         if refused(exc):
             raise InvalidJob(f"the database refused the row: {first_line(exc)}") from exc
-        if isinstance(exc, psycopg.errors.QueryCanceled) and first_line(exc).startswith(_STATEMENT_TIMEOUT):
+        if isinstance(exc, psycopg.errors.QueryCanceled) and (
+                statement_clock.timed_out() or first_line(exc).startswith(_STATEMENT_TIMEOUT)):
             raise StatementTimedOut(f"statement_timeout cancelled the statement ({first_line(exc)}): the pool's "
                                     "own statements run with pool_statement_timeout_s, other sessions with "
                                     "the role's or database's statement_timeout") from exc

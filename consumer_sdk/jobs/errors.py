@@ -132,4 +132,7 @@ class StatementTimedOut(JobsError, DatabaseUnavailable):
     :class:`~consumer_sdk.errors.DatabaseUnavailable`; its own type so that the pool's log (and a
     caller of ``accept``, ``enqueue``... that wants to answer "timed out") says what cancelled it.
     The pool's own statements run with ``WorkerConfig.pool_statement_timeout_s``, other
-    sessions with the role's or the database's ``statement_timeout``."""
+    sessions with the role's or the database's ``statement_timeout``.  On the pool's own
+    sessions it is told by the client's clock under any ``lc_messages`` (a 57014 ending a wait
+    as long as that timeout: :mod:`consumer_sdk.jobs.statement_clock`), elsewhere by
+    PostgreSQL's English message only."""

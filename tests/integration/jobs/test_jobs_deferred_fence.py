@@ -244,7 +244,8 @@ def test_the_pools_connections_defer_the_fence(jobs_db):
     for spin_us, cls in ((0, DeferringConnection), (50, SpinningDeferringConnection)):
         make = pool_connect_factory(WorkerConfig(dsn=jobs_db, db_spin_us=spin_us))
         with make() as conn:
-            assert type(conn) is cls and conn.autocommit
+            assert isinstance(conn, cls) and conn.autocommit  # a subclass: its waits timed (statement_clock)
+            assert isinstance(conn, SpinningDeferringConnection) == (spin_us > 0)
             assert conn.execute("SELECT 1").fetchone() == (1,)  # no fence: a plain cursor's execute
 
 
