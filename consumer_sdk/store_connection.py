@@ -98,8 +98,8 @@ class StoreConnection:
                 conn.autocommit = True  # transactions come from conn.transaction() blocks only
             if not self._auto_prepare:
                 conn.prepare_threshold = None
-            if isinstance(conn, psycopg.Connection) and not getattr(conn.cursor_factory, "watched", False):
-                conn.cursor_factory = _watched(conn.cursor_factory, self._statement_ended)
+            if isinstance(conn, psycopg.Connection):
+                _watch(conn, self._statement_ended)
             self._conn = conn
             self.session = (conn.info.backend_pid, conn.info.parameter_status("application_name") or "")
         return self._conn
@@ -122,21 +122,27 @@ class StoreConnection:
 
     def swallowed_error(self) -> psycopg.Error | None:
         """The error that aborted the open transaction, for a handler that caught it and
-        returned: the error of the last statement run through this connection's cursors
-        (``conn.execute``, ``cursor.execute``, ``executemany``) when that statement failed, an
-        error of a statement refused because the transaction was aborted already (25P02) not
-        counting.  None when the last statement went through, or the error came another way (a
-        pipeline's sync, a cursor class the SDK did not make, a server-side cursor): then the
-        handler's failure is all that is known."""
+        returned: the error of the last round trip on this connection when it failed, however
+        the handler ran its statement (``execute``, ``executemany``, ``copy``, ``stream``, a
+        pipeline's sync or end, a server-side cursor: see :func:`_watch`).  Not counting the
+        errors that only follow from an earlier one: a statement refused because the
+        transaction was aborted already (25P02), or one skipped because an earlier statement of
+        its pipeline failed (``PipelineAborted``).  None when none failed, or the transaction was
+        sound again after it (a rollback to a savepoint): then the handler's failure is all
+        that is known."""
         return self._swallowed
 
     def _statement_ended(self, error: psycopg.Error | None) -> None:
-        """A statement on the connection went through (None) or failed (see swallowed_error)."""
+        """A round trip on the connection went through (None) or failed (see swallowed_error).
+        One that went through clears the error only when the transaction is sound again (a
+        rollback to a savepoint): psycopg's own round trips after an error (a stream's
+        cleanup, a server-side cursor's close) go through and leave it aborted."""
         if self._tx is None:
             return
         if error is None:
-            self._swallowed = None
-        elif error.sqlstate != "25P02":  # in_failed_sql_transaction: a consequence, not the cause
+            if self._tx.info.transaction_status != TransactionStatus.INERROR:
+                self._swallowed = None
+        elif not _consequence(error):
             self._swallowed = error
 
     def lost_prepared(self, exc: BaseException) -> bool:
@@ -167,13 +173,15 @@ class StoreConnection:
         always retried so.  The error itself counts, or one it was raised from (``raise ...
         from``: a handler that wraps the driver's errors in its own).  Anything else (a
         constraint, the handler's SQL, its own ``statement_timeout``) is the handler's.  A
-        statement refused because the transaction was aborted already (25P02) is judged by the
-        error that aborted it, when the handler caught that one (:meth:`swallowed_error`)."""
+        statement refused because the transaction (25P02) or its pipeline (``PipelineAborted``)
+        was aborted already is judged by the error that aborted it, when the handler caught
+        that one (:meth:`swallowed_error`); else it is the handler's."""
         for error in _causes(exc):
-            if isinstance(error, psycopg.errors.InFailedSqlTransaction) and self._swallowed is not None:
-                # 25P02: the handler caught the error that aborted its transaction, and its next
-                # statement met the abort; that caught error says whose failure it was.
-                return self.database_failure(self._swallowed)
+            if isinstance(error, psycopg.Error) and _consequence(error):
+                # 25P02 or PipelineAborted: the handler caught the error that aborted its
+                # transaction (or its pipeline), and its next statement met the abort; that
+                # caught error says whose failure it was.  Unknown: the handler's.
+                return None if self._swallowed is None else self.database_failure(self._swallowed)
             if isinstance(error, psycopg.errors.ReadOnlySqlTransaction):
                 return _read_only(error)
             if _conflict(error):
@@ -236,39 +244,41 @@ class StoreConnection:
             raise FatalError(f"inbox statement failed: {_first_line(exc)}") from exc
 
 
-def _watched(base: type[psycopg.Cursor[Any]],
-             ended: Callable[[psycopg.Error | None], None]) -> type[psycopg.Cursor[Any]]:
-    """``base``, telling ``ended`` how each ``execute``/``executemany`` ended (its error, or None).
+def _watch(conn: psycopg.Connection[Any], ended: Callable[[psycopg.Error | None], None]) -> None:
+    """Tell ``ended`` how each round trip on ``conn`` ended (its error, or None).
 
     A handler that catches a database error and returns leaves its transaction aborted, and
-    psycopg keeps no trace of the error on the connection: only the statement's exception
-    carries its SQLSTATE.  The store sets this class as the connection's ``cursor_factory`` to
-    know whether the database aborted the transaction (a deadlock, a read-only database) or
-    the handler's own statement failed (:meth:`StoreConnection.swallowed_error`)."""
+    psycopg keeps no trace of the error on the connection: only the exception carries its
+    SQLSTATE.  The store watches to know whether the database aborted the transaction (a
+    deadlock, a read-only database) or the handler's own statement failed
+    (:meth:`StoreConnection.swallowed_error`).  The seam is ``conn.wait``, which every
+    statement psycopg runs goes through: a cursor's ``execute``, ``executemany``, ``copy``
+    (its start, writes and end), ``stream``, its fetches in pipeline mode, a pipeline's sync
+    and end, a server-side cursor's declare, fetches and scrolls, whatever cursor class made
+    them.  Watching cursor classes saw only ``execute`` and ``executemany``; a pipeline has
+    no factory to set.  The connection's own ``wait`` (a subclass's, e.g. a spinning one)
+    still does the waiting."""
+    if "wait" in vars(conn):  # watched already: a factory that handed the same connection again
+        return
+    wait = conn.wait
 
-    class Watched(base):  # type: ignore[valid-type,misc]  # the connection's own cursor class, whatever it is
-        watched = True
+    def watched_wait(gen: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            done = wait(gen, *args, **kwargs)
+        except psycopg.Error as exc:
+            ended(exc)
+            raise
+        ended(None)
+        return done
 
-        def execute(self, *args: Any, **kwargs: Any) -> Any:
-            try:
-                done = super().execute(*args, **kwargs)
-            except psycopg.Error as exc:
-                ended(exc)
-                raise
-            ended(None)
-            return done
+    conn.wait = watched_wait  # type: ignore[method-assign]
 
-        def executemany(self, *args: Any, **kwargs: Any) -> Any:
-            try:
-                done = super().executemany(*args, **kwargs)
-            except psycopg.Error as exc:
-                ended(exc)
-                raise
-            ended(None)
-            return done
 
-    Watched.__name__ = Watched.__qualname__ = f"Watched{base.__name__}"
-    return Watched
+def _consequence(error: psycopg.Error) -> bool:
+    """``error`` only follows from an earlier one, which says what went wrong: 25P02, the
+    transaction aborted already; ``PipelineAborted``, an earlier statement of the pipeline
+    failed (it has no SQLSTATE, and would pass for a lost connection)."""
+    return isinstance(error, (psycopg.errors.InFailedSqlTransaction, psycopg.errors.PipelineAborted))
 
 
 def _conflict(exc: BaseException) -> bool:
