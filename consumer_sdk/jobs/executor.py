@@ -20,7 +20,8 @@ row asks the database whether the row is as this lease's write leaves it (the sa
 so never another claim's write): then it is that outcome, confirmed (``completion_confirmed``
 for a success, as the dispatcher's rounds do, see :mod:`consumer_sdk.jobs.completions`;
 ``outcome_confirmed`` for the others).  Reported lost, such an outcome was counted wrong;
-never written, the job waited out its lease before it was retried.
+never written, the job waited out its lease before it was retried
+(:mod:`consumer_sdk.jobs.outcome_writes`).
 
 A handler that failed because the database connection broke under it (the network dropped;
 a pooler, a failover or an administrator ended its backend: see
@@ -41,21 +42,21 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from consumer_sdk import _pg
-from consumer_sdk.errors import DatabaseUnavailable, FatalError, OutboxSdkError
-from consumer_sdk.jobs import attempt, queue, waits
-from consumer_sdk.jobs._conn import outcome_unknown
+from consumer_sdk.errors import FatalError
+from consumer_sdk.jobs import queue, waits
 from consumer_sdk.jobs._db import to_json
-from consumer_sdk.jobs.attempt import JobLog, Later, close, error_written, tidy, wait_to_resend
+from consumer_sdk.jobs.attempt import JobLog, Later, error_written, tidy
 from consumer_sdk.jobs.attempt import trace_id as trace_id  # re-exported: completions reads it here
 from consumer_sdk.jobs.config import DEFAULT_MAX_INTERRUPTIONS
 from consumer_sdk.jobs.context import JobContext
-from consumer_sdk.jobs.errors import InvalidJob, LeaseLost, PermanentJobError, PrivilegeMissing
+from consumer_sdk.jobs.errors import InvalidJob, LeaseLost, PermanentJobError
 from consumer_sdk.jobs.events import JobFacts
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import DeadReason, Outcome, WaitFor
+from consumer_sdk.jobs.outcome_writes import FencedWrites
 from consumer_sdk.jobs.retry import (
     Backoff,
     connection_broke,
@@ -66,8 +67,6 @@ from consumer_sdk.jobs.retry import (
 )
 from outbox_core.secrets import mask_text
 
-T = TypeVar("T")
-
 #: A handler: do the job's work for ``ctx``; return its result or a WaitFor, or raise.
 Handler = Callable[[JobContext], Any]
 
@@ -77,13 +76,11 @@ CompleteLater = Callable[[JobContext, str, float], bool]
 
 #: Reasons for which the worker no longer has the right to write anything.
 NO_AUTHORITY = frozenset({"lease_lost", "lease_unconfirmed", "cancelled", "fence_ended"})
-#: A write whose reply was lost is sent again at once, then after these pauses (the last
-#: one repeated) until the lease's local deadline.
-_RESEND_PAUSES_S = (0.1, 0.5, 1.0)
 
 
-class Executor:
-    """Shared by the pool's threads; holds no per-job state."""
+class Executor(FencedWrites):
+    """Shared by the pool's threads; holds no per-job state.  Its fenced writes, sent again
+    when a reply was lost: :mod:`consumer_sdk.jobs.outcome_writes`."""
 
     def __init__(self, *, handlers: Mapping[str, Handler], backoff: Backoff, metrics: JobsMetrics,
                  log: Any, events_topic: str | None, db_now: Callable[[], datetime | None],
@@ -251,94 +248,6 @@ class Executor:
             settle, lambda conn: queue.given_back_by_lease(conn, ctx.lease, attempts=job.attempts, error=error,
                                                            error_type=kind))
         return over[0] if over and outcome != "lost" else outcome
-
-    def _fenced_write(self, ctx: JobContext, log: Any, write: Callable[[Any], T | None],
-                      settle: Callable[[T], Outcome], confirm: Callable[[Any], T | None], *,
-                      failing: bool = False, confirmed: str = "outcome_confirmed") -> Outcome:
-        """One outcome's fenced write (see :meth:`_write`): ``write`` on a connection returns
-        what it wrote (None: no row matched, the lease is lost), ``settle`` counts it and names
-        the outcome.  Its reply lost, it is written again on a new connection and, matching no
-        row there, ``confirm`` finds out whether the first one committed (logged ``confirmed``)."""
-        def first() -> Outcome:
-            done = write(ctx.conn)
-            return "lost" if done is None else settle(done)
-
-        def again(conn: Any) -> Outcome:
-            done = write(conn)
-            if done is not None:
-                return settle(done)
-            done = confirm(conn)
-            if done is None:
-                return "lost"
-            outcome = settle(done)
-            log.info(confirmed, outcome=outcome, detail="an earlier statement had written it: its reply was lost")
-            return outcome
-
-        return self._write(ctx, log, first, failing=failing, again=again)
-
-    def _write(self, ctx: JobContext, log: Any, write: Callable[[], Outcome], *, failing: bool = False,
-               again: Callable[[Any], Outcome] | None = None) -> Outcome:
-        """Run one fenced write.  A database failure leaves the job to its lease (with ``again``,
-        one whose reply was lost is sent again first: see :meth:`_resend`); a refusal of the row
-        fails the job for good (``failing``: this was its failure's write, which cannot be
-        written either: left to its lease); a missing grant goes to ``on_fatal``."""
-        ctx.ending = True  # from here this write, not the heartbeat, says whether the lease held
-        try:
-            outcome = self._send(ctx, log, write, again)
-        except InvalidJob as exc:  # written again, it would be refused again (a CHECK, a trigger...)
-            if not failing:
-                return self._fail(ctx, "permanent_error", exc, log)
-            ctx.cancel("write_rejected")
-            log.error("job_write_refused", error=str(exc),
-                      hint="the database refused the job's failure too: it is left to its lease")
-            return "lost"
-        except OutboxSdkError as exc:
-            ctx.cancel("write_failed")
-            log.warning("job_write_failed", error=str(exc))
-            # Not reused: a handler may have left the session unfit for the pool's statements
-            # (SET search_path, a statement_timeout), and every later job of this executor
-            # failed its writes and waited out its lease (an audit of the worker pool).
-            close(ctx.conn)
-            if isinstance(exc, PrivilegeMissing):  # a deployment error: every job would meet it
-                self.on_fatal(exc)
-            return "lost"
-        if outcome == "lost":
-            log.warning("lease_lost", detail="a fenced write matched no row")
-        return outcome
-
-    def _send(self, ctx: JobContext, log: Any, write: Callable[[], Outcome],
-              again: Callable[[Any], Outcome] | None) -> Outcome:
-        """``write``, or ``again`` on a new connection when the attempt's is dead (a write there sends nothing)."""
-        if again is not None and (ctx.conn.closed or ctx.conn.broken):
-            return self._resend(ctx, log, again, None)
-        try:
-            return write()
-        except DatabaseUnavailable as exc:
-            if again is None or not outcome_unknown(exc, ctx.conn):
-                raise
-            return self._resend(ctx, log, again, exc)
-
-    def _resend(self, ctx: JobContext, log: Any, again: Callable[[Any], Outcome],
-                exc: DatabaseUnavailable | None) -> Outcome:
-        """``again`` writes the outcome on a new connection (fenced: once), finding out whether an earlier
-        write did (``exc``: its reply was lost; None: nothing was sent), until the lease's local deadline or
-        a cancellation (once at least: :func:`~consumer_sdk.jobs.attempt.wait_to_resend`); raises the last failure."""
-        if exc is not None:
-            log.warning("job_write_unconfirmed", error=str(exc),
-                        detail="the connection broke while the outcome was being written: sent again on a "
-                               "new connection, which finds out whether it was")
-        pauses = iter(_RESEND_PAUSES_S)
-        while True:
-            conn = None
-            try:
-                conn = ctx.reconnect()
-                return again(conn)
-            except DatabaseUnavailable as failed:
-                if exc is None and conn is None:  # nothing sent yet, and nothing can be
-                    log.warning("job_write_not_sent", error=str(failed), detail=attempt.NOT_SENT)
-                exc = failed
-            if not wait_to_resend(ctx, next(pauses, _RESEND_PAUSES_S[-1])):
-                raise exc
 
     def _write_completion(self, ctx: JobContext, log: Any, result_json: str) -> Outcome:
         return self._fenced_write(
