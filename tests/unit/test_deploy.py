@@ -530,7 +530,10 @@ def test_required_alerts_exist() -> None:
                    "outbox_jobs_oldest_pending_age_seconds", "outbox_jobs_dead_lettered_total",
                    "outbox_jobs_lease_expirations_total", "outbox_jobs_heartbeat_failures_total",
                    "outbox_jobs_workers_busy", "outbox_jobs_workers_capacity",
-                   "outbox_jobs_admission_refused_total"):
+                   "outbox_jobs_admission_refused_total",
+                   # connections cut under running jobs; a pool held at its payload byte limit
+                   "outbox_jobs_given_back_total", "outbox_jobs_payload_bytes_held",
+                   "outbox_jobs_payload_bytes_limit"):
         assert needle in joined, f"no alert uses {needle}"
 
 
