@@ -533,7 +533,10 @@ def test_required_alerts_exist() -> None:
                    "outbox_jobs_admission_refused_total",
                    # connections cut under running jobs; a pool held at its payload byte limit
                    "outbox_jobs_given_back_total", "outbox_jobs_payload_bytes_held",
-                   "outbox_jobs_payload_bytes_limit"):
+                   "outbox_jobs_payload_bytes_limit",
+                   # the relay's statements cancelled in a streak, its mark connection ended again and again
+                   "outbox_relay_statements_cancelled_total", "outbox_relay_mark_statements_cancelled_total",
+                   "outbox_relay_mark_connection_losses_total"):
         assert needle in joined, f"no alert uses {needle}"
 
 
