@@ -140,7 +140,7 @@ class StoreConnection:
         if self._tx is None:
             return
         if error is None:
-            if self._tx.info.transaction_status != TransactionStatus.INERROR:
+            if self._tx.pgconn.transaction_status != TransactionStatus.INERROR:  # read at every round trip
                 self._swallowed = None
         elif not _consequence(error):
             self._swallowed = error

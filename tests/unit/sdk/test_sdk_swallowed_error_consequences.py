@@ -7,6 +7,7 @@ tests/integration/sdk/test_sdk_handler_caught_errors_paths.py."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import psycopg
 import psycopg.errors
@@ -16,12 +17,18 @@ from consumer_sdk.errors import TransactionConflict
 from consumer_sdk.store import PgInboxStore
 
 
-def _store(status: TransactionStatus = TransactionStatus.INERROR) -> PgInboxStore:
+def _transaction(status: TransactionStatus) -> Any:
+    """The open transaction's connection, as far as the store reads it."""
+    return SimpleNamespace(pgconn=SimpleNamespace(transaction_status=status))
+
+
+def _store() -> PgInboxStore:
+    """A store in a transaction aborted by an error."""
     def never() -> psycopg.Connection[object]:
         raise AssertionError("no connection is made to follow the round trips")
 
     store = PgInboxStore(never)
-    store._tx = SimpleNamespace(info=SimpleNamespace(transaction_status=status))  # type: ignore[assignment]
+    store._tx = _transaction(TransactionStatus.INERROR)
     return store
 
 
@@ -45,7 +52,7 @@ def test_psycopgs_own_round_trips_after_the_error_do_not_clear_it_while_the_tran
     store._statement_ended(conflict)
     store._statement_ended(None)
     assert store.swallowed_error() is conflict
-    store._tx = SimpleNamespace(info=SimpleNamespace(transaction_status=TransactionStatus.INTRANS))  # type: ignore[assignment]
+    store._tx = _transaction(TransactionStatus.INTRANS)
     store._statement_ended(None)
     assert store.swallowed_error() is None
 
