@@ -58,6 +58,7 @@ from relay.options import (
     DEFAULT_LOCK_TIMEOUT_S,
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_METRICS_HOST,
+    DEFAULT_METRICS_MAX_TOPICS,
     DEFAULT_METRICS_PORT,
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_STUCK_AFTER_S,
@@ -89,6 +90,7 @@ class Settings:
     batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES
     metrics_port: int = DEFAULT_METRICS_PORT
     metrics_host: str = DEFAULT_METRICS_HOST
+    metrics_max_topics: int = DEFAULT_METRICS_MAX_TOPICS
     log_format: str = "auto"
     log_level: str = "info"
     owner: str = ""

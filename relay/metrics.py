@@ -1,7 +1,8 @@
 """Every metric of the relay, declared once, on an injected registry.
 
 Names follow Prometheus conventions with the prefix ``outbox_relay_``; label
-values are bounded (topics, error classes, reasons): never keys, payloads or ids.
+values are bounded (error classes, reasons; topics by relay/metric_labels.py): never keys,
+payloads or ids.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from collections.abc import Iterable
 from math import fsum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from relay.metric_labels import TopicLabels
+from relay.options import DEFAULT_METRICS_MAX_TOPICS
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
@@ -61,12 +65,16 @@ def observe_many(histogram: Histogram, values: Iterable[float]) -> None:
 
 
 class RelayMetrics:
-    """The relay's metrics on ``registry`` (a fresh one per relay in tests)."""
+    """The relay's metrics on ``registry`` (a fresh one per relay in tests).  Rows are
+    counted by the label :attr:`topics` gives their topic: the first ``max_topics`` topics
+    seen by name, later ones as ``topic="_other"``."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *,
+                 max_topics: int = DEFAULT_METRICS_MAX_TOPICS) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.topics = TopicLabels(max_topics)
         r = self.registry
-        self.published = Counter("outbox_relay_events_published", "Rows acknowledged by the broker and marked published.", ["topic"], registry=r)
+        self.published = Counter("outbox_relay_events_published", "Rows acknowledged by the broker and marked published, by topic: the first --metrics-max-topics topics seen by name, later ones together as topic=\"_other\".", ["topic"], registry=r)
         self.publish_errors = Counter("outbox_relay_publish_errors", "Failed publish attempts by error class.", ["error_class"], registry=r)
         self.pending_rows = Gauge("outbox_relay_pending_rows", "Rows not yet published (whole outbox).", registry=r)
         self.oldest_pending_age = Gauge("outbox_relay_oldest_pending_age_seconds", "Age of the oldest unpublished row.", registry=r)
@@ -91,7 +99,7 @@ class RelayMetrics:
         self.in_flight = Gauge("outbox_relay_in_flight_rows", "Rows produced and not yet acknowledged.", registry=r)
         self.transactions = Counter("outbox_relay_transactions", "Kafka transactions in exactly-once mode, by result (committed, aborted, fenced).", ["result"], registry=r)
         self.queue_full = Counter("outbox_relay_producer_queue_full", "Claims cut short because the producer's local queue was full.", registry=r)
-        self.stalled_rows = Gauge("outbox_relay_stalled_rows", "Rows waiting on a partition that acknowledges nothing (its keys' later rows wait too).", ["topic", "partition"], registry=r)
+        self.stalled_rows = Gauge("outbox_relay_stalled_rows", "Rows waiting on a partition that acknowledges nothing (its keys' later rows wait too), by topic (as outbox_relay_events_published_total labels it) and partition.", ["topic", "partition"], registry=r)
         self.last_publish = Gauge("outbox_relay_last_publish_timestamp_seconds", "Unix time of the last marked batch.", registry=r)
         self.db_statements = Counter("outbox_relay_db_statements", "SQL statements the relay sent (idle cost).", registry=r)
         # Asleep, writers NOTIFY the relay (sql/migrations/0003_notify.sql); woken by a poll,
@@ -117,3 +125,8 @@ class RelayMetrics:
             self.transactions.labels(result)
         for statement in CANCELLED_STATEMENTS:
             self.statements_cancelled.labels(statement)
+
+    def bound_topics(self, max_topics: int) -> None:
+        """Give at most ``max_topics`` topics a label of their own (``--metrics-max-topics``);
+        set at start, before a row is counted."""
+        self.topics.max_topics = max_topics

@@ -29,6 +29,11 @@ DEFAULT_METRICS_PORT = 9464
 DEFAULT_CONSOLE_HOST = "127.0.0.1"
 DEFAULT_CONSOLE_PORT = 8089
 DEFAULT_METRICS_HOST = "0.0.0.0"  # noqa: S104 - a sidecar's probes come from the kubelet
+#: Topics with a series of their own in the metrics labelled by topic (relay/metric_labels.py):
+#: generous for a relay's usual few topics, a bound all the same when rows name a topic per
+#: tenant or a writer's bug mints one per row (each label value is a series for the
+#: process's life, in every Prometheus that scrapes it).
+DEFAULT_METRICS_MAX_TOPICS = 100
 DEFAULT_LEASE_DURATION_S = 10.0
 DEFAULT_PIPELINE_DEPTH = 4
 #: Connections marking at once (0: automatic, see :func:`mark_connections`).  Two paid while
@@ -90,6 +95,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if not 0 < value <= MAX_INT:
         raise ValueError(f"must be a positive integer up to {MAX_INT}")
+    return value
+
+
+def _topic_count(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= MAX_INT:
+        raise ValueError(f"must be a number of topics from 0 to {MAX_INT}")
     return value
 
 
@@ -239,6 +251,10 @@ OPTIONS: tuple[Option, ...] = (
            help="port of /metrics, /healthz, /readyz and /startupz (0 disables)"),
     Option(name="metrics_host", parse=_bind_host, default=DEFAULT_METRICS_HOST,
            help="address the metrics/health server binds to"),
+    Option(name="metrics_max_topics", parse=_topic_count, default=DEFAULT_METRICS_MAX_TOPICS,
+           help="topics with series of their own in the metrics labelled by topic, the first "
+                "seen; rows of later topics are counted under topic=\"_other\" (a topic per "
+                "tenant or per row cannot flood Prometheus); 0: all under _other"),
     Option(name="log_format", parse=_log_format, default="auto",
            help="auto (JSON unless stdout is a terminal), json or console",
            commands=("run", "migrate", "status", "cleanup", "dead-letters", "demo", "replay",

@@ -354,9 +354,7 @@ class Pump(Claiming, Settling):
             if (topic, partition) not in before:
                 self.log.warning("partition_stalled", topic=topic, partition=partition,
                                  rows_waiting=waiting)
-            self.metrics.stalled_rows.labels(topic, str(partition)).set(waiting)
-        for topic, partition in before.keys() - self.stalls.named.keys():
-            self.metrics.stalled_rows.remove(topic, str(partition))
+        self._gauge_stalls(before)
 
 
     # -- shutdown -------------------------------------------------------------------------

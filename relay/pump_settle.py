@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -21,9 +21,10 @@ from relay.inflight import InFlight, PendingMark
 from relay.leases import LeaseManager
 from relay.mark_lanes import MarkLanes
 from relay.marker import MarkCancelled, MarkOutcome, MarkStore, mark_rows
+from relay.metric_labels import OTHER_TOPICS
 from relay.metrics import RelayMetrics, observe_many
 from relay.model import BatchResult, OutboxRow
-from relay.stalls import Stalls
+from relay.stalls import Partition, Stalls
 
 if TYPE_CHECKING:
     from relay.pump import PumpPublisher, PumpStore
@@ -209,4 +210,34 @@ class Settling:
             latencies = [max(0.0, latency) for latency in latencies if math.isfinite(latency)]
         observe_many(self.metrics.commit_to_ack, latencies)
         for topic, count in Counter(map(TOPIC, done)).items():
-            self.metrics.published.labels(topic).inc(count)
+            self.metrics.published.labels(self._topic_label(topic)).inc(count)
+
+    def _gauge_stalls(self, before: Mapping[Partition, int]) -> None:
+        """outbox_relay_stalled_rows of the partitions stalled now, by their topics' labels
+        (topics past the bound share a series per partition, their rows summed); those of
+        ``before`` no longer stalled removed."""
+        gauged: dict[tuple[str, str], int] = {}
+        for (topic, partition), waiting in self.stalls.named.items():
+            series = (self._topic_label(topic), str(partition))
+            gauged[series] = gauged.get(series, 0) + waiting
+        for (label, number), waiting in gauged.items():
+            self.metrics.stalled_rows.labels(label, number).set(waiting)
+        for label, number in {(self._topic_label(topic), str(partition))
+                              for topic, partition in before} - gauged.keys():
+            self.metrics.stalled_rows.remove(label, number)
+
+    def _topic_label(self, topic: str) -> str:
+        """The label ``topic`` is counted under in the metrics (relay/metric_labels.py): past
+        ``--metrics-max-topics`` topics, ``_other``, said once; log lines keep the topic."""
+        topics = self.metrics.topics
+        label = topics.label(topic)
+        if label is OTHER_TOPICS:
+            first = topics.first_folded()
+            if first is not None:
+                self.log.warning("metrics_topics_folded", max_topics=topics.max_topics, topic=first,
+                                 label=OTHER_TOPICS,
+                                 detail=f"{topics.max_topics} topics have a series of their own; rows "
+                                        f"of later topics are counted under topic=\"{OTHER_TOPICS}\" "
+                                        "(raise --metrics-max-topics / "
+                                        "OUTBOX_RELAY_METRICS_MAX_TOPICS for more)")
+        return label
