@@ -9,8 +9,9 @@ store saw only ``execute`` and ``executemany`` (test_sdk_handler_database_errors
 each other way a handler can run a statement on its connection meets the fault and is
 caught: ``cursor.copy()`` (the error comes at the copy's end), ``cursor.stream()`` (from
 the generator), a pipeline (at its end, with a statement after the failing one that the
-server skips: psycopg's ``PipelineAborted`` must not hide the error) and a server-side
-cursor (``conn.cursor(name=...)``, at its fetch).
+server skips: psycopg's ``PipelineAborted`` must not hide the error; at its ``sync()``,
+caught there, its end then going through) and a server-side cursor (``conn.cursor(name=...)``,
+at its fetch).
 """
 
 from __future__ import annotations
@@ -74,6 +75,15 @@ def _pipeline(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
         conn.execute("SELECT 1")  # skipped by the server once the INSERT failed
 
 
+def _pipeline_sync(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
+    with conn.pipeline() as pipeline:
+        conn.execute(_INSERT, _params(message))
+        try:
+            pipeline.sync()  # the error comes here; the pipeline's end then goes through
+        except psycopg.Error:
+            pass  # the handler's bug: its transaction is aborted all the same
+
+
 def _server_cursor(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
     with conn.cursor(name="faulty") as cur:
         cur.execute("SELECT faulty()")
@@ -92,8 +102,9 @@ def _faults(dsn: str) -> int:
     (_copy, "serialization_failure"),
     (_stream, "read_only_sql_transaction"),
     (_pipeline, "serialization_failure"),
+    (_pipeline_sync, "deadlock_detected"),
     (_server_cursor, "deadlock_detected"),
-], ids=["copy", "stream", "pipeline", "server_cursor"])
+], ids=["copy", "stream", "pipeline", "pipeline_sync", "server_cursor"])
 def test_a_handler_that_catches_the_databases_error_is_retried_whatever_ran_the_statement(
         sdk_db: str, broker: Any, sdk_topic: str, run_consumer: Any,
         path: Callable[[psycopg.Connection[Any], InboxMessage], None], errcode: str) -> None:
