@@ -61,8 +61,10 @@ that long is not told apart from a server that does not answer: the reason says 
 A round whose statement the server cancelled for the pool's ``statement_timeout``
 (``pool_statement_timeout_s``, :class:`~consumer_sdk.jobs.errors.StatementTimedOut`) is a failed round
 like the others (the database answers, too slowly to claim): ``dispatch_failed`` names the
-round's step (``statement``: the claim, the reap or reconcile, ...) and the setting; the next
-round tries again.  When the lock-wait watch found that statement waiting on a lock, the line
+round's step (``statement``: the claim, the schema check, ...) and the setting; the next
+round tries again.  Not the upkeep's: a reconcile's or a reap's statement cancelled so is
+skipped and named (``reconcile_timed_out``, :mod:`consumer_sdk.jobs.reconciler`) and the round
+claims.  When the lock-wait watch found that statement waiting on a lock, the line
 says so and the round does not count towards an outage: a lock wait keeps the pool ready
 whether the statement still waits or its timeout cancelled it (until a review, a lock held
 longer than the timeout made the pool not ready at its second cancelled round).  Under an

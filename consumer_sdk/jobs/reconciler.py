@@ -12,16 +12,26 @@ Every worker pool runs it on a timer (``reconcile_interval_s``); it can also run
 alone (``start``/``stop``), e.g. in a service that accepts runs but runs no
 workers.  Passes are idempotent and safe to run from several processes at once:
 every transition is conditioned on the previous status and skips locked rows.
+
+In a worker pool the pass runs between claims, on the dispatcher's session, whose
+statements the pool's ``statement_timeout`` bounds (``pool_statement_timeout_s``).  A step
+whose statement that timeout cancels (a large jobs table, a lock held long) is skipped and
+named (``reconcile_timed_out``: its ``step``, the database's words): the pass goes on with
+its next step and the round with its claim, and the step is tried again at the next pass
+(the reaps between passes likewise).  Before, such a pass failed the whole round every
+``reconcile_interval_s``: no claim in it, ``dispatch_failed`` for upkeep the claims do not
+need, and the pass's later steps never ran.  Alone, a pass raises as before.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
@@ -29,20 +39,31 @@ from consumer_sdk.errors import OutboxSdkError
 from consumer_sdk.jobs import queue, waits
 from consumer_sdk.jobs._conn import ConnectionFactory, ConnSlot
 from consumer_sdk.jobs._db import ConnectionT, q, translated
+from consumer_sdk.jobs.errors import StatementTimedOut
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import QueueStats
 from consumer_sdk.jobs.refusals import Refusals, Refused
 
+#: A pass's steps, as a timed-out one is named: resuming parked jobs, reaping expired leases,
+#: refreshing the queue gauges.
+Step = Literal["resume", "reap", "stats"]
+_TIMED_OUT_HINT = ("the database answers, too slowly for this step (a large jobs table, a lock held long: "
+                   "jobs_lock_wait names one): skipped, the claims go on, tried again at the next reconcile "
+                   "(reconcile_interval_s); meanwhile its work waits (the gauges keep their last values). "
+                   "Look for what slows it (pg_stat_activity, pg_stat_statements); raise pool_statement_timeout_s "
+                   "only if the step is expected to take that long")
+
 
 @dataclass(slots=True)
 class ReconcileResult:
-    """What one pass did (counts of jobs)."""
+    """What one pass did (counts of jobs), and the steps the pool's timeout skipped."""
 
     resumed_lost: int = 0
     resumed_timeout: int = 0
     requeued_expired: int = 0
     failed_expired: int = 0
     stats: list[QueueStats] = field(default_factory=list)
+    timed_out: list[Step] = field(default_factory=list)
 
 
 def record_reaped(reaped: Sequence[queue.Reaped], metrics: JobsMetrics, log: Any) -> tuple[int, int]:
@@ -93,14 +114,37 @@ class Reconciler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def run_once(self, conn: ConnectionT | None = None) -> ReconcileResult:
-        """One pass on ``conn`` (or the reconciler's own connection)."""
+    def run_once(self, conn: ConnectionT | None = None, *, past_timeouts: bool = False) -> ReconcileResult:
+        """One pass on ``conn`` (or the reconciler's own connection).  With ``past_timeouts``
+        (a worker pool's pass) a step its statement_timeout cancelled is skipped (see the module)."""
         if conn is None:
             if self._slot is None:
                 raise RuntimeError("Reconciler.run_once needs a connection or a connect factory")
             conn = self._slot.get()
         result = ReconcileResult()
         now = self.db_now()
+        with self.step("resume", result.timed_out, skip=past_timeouts):
+            self._resume(conn, now, result)
+        with self.step("reap", result.timed_out, skip=past_timeouts):
+            reaped = queue.reap_expired(conn, limit=self.batch, now=now, events_topic=self.events_topic)
+            result.requeued_expired, result.failed_expired = record_reaped(reaped, self.metrics, self.log)
+        with self.step("stats", result.timed_out, skip=past_timeouts):
+            self._refresh_gauges(queue_stats(conn, self.queues, now=now), result)
+        return result
+
+    @contextmanager
+    def step(self, name: Step, timed_out: list[Step], *, skip: bool) -> Iterator[None]:
+        """Around one step: with ``skip``, its statement's timeout is logged and noted in
+        ``timed_out`` instead of raised."""
+        try:
+            yield
+        except StatementTimedOut as exc:
+            if not skip:
+                raise
+            timed_out.append(name)
+            self.log.warning("reconcile_timed_out", step=name, error=str(exc), hint=_TIMED_OUT_HINT)
+
+    def _resume(self, conn: ConnectionT, now: datetime | None, result: ReconcileResult) -> None:
         for facts, activated in waits.resume_ready(conn, limit=self.batch, now=now,
                                                    events_topic=self.events_topic):
             cause = "activation_lost" if activated else "timeout"
@@ -110,15 +154,14 @@ class Reconciler:
                 self.log.info("activation_recovered", job_id=facts.job_id, queue=facts.queue)
             else:
                 result.resumed_timeout += 1
-        reaped = queue.reap_expired(conn, limit=self.batch, now=now, events_topic=self.events_topic)
-        result.requeued_expired, result.failed_expired = record_reaped(reaped, self.metrics, self.log)
-        result.stats = queue_stats(conn, self.queues, now=now)
-        for s in result.stats:
+
+    def _refresh_gauges(self, stats: list[QueueStats], result: ReconcileResult) -> None:
+        result.stats = stats
+        for s in stats:
             self.metrics.oldest_pending_age.labels(s.queue).set(s.oldest_age_s)
             self.metrics.pending.labels(s.queue).set(s.ready)
             self.metrics.running.labels(s.queue).set(s.running)
             self.metrics.waiting.labels(s.queue).set(s.waiting)
-        return result
 
     def start(self) -> None:
         """Run passes every ``interval_s`` on a daemon thread until :meth:`stop`."""
@@ -151,7 +194,8 @@ class Upkeep:
     in between (not every round: a busy pool claims many rounds a second).  A pass or a
     reap the database refuses (``refusals``: a trigger, a constraint) is not raised: the
     claims go on, the expired jobs wait, and the next try comes after the refusal's
-    back-off (:mod:`consumer_sdk.jobs.refusals`)."""
+    back-off (:mod:`consumer_sdk.jobs.refusals`).  A step the pool's statement_timeout
+    cancels is skipped, the claims go on (``reconcile_timed_out``, see the module)."""
 
     def __init__(self, reconciler: Reconciler, *, reconcile_interval_s: float, reap_interval_s: float,
                  refusals: Refusals) -> None:
@@ -177,8 +221,9 @@ class Upkeep:
         if now >= self.next_reconcile:
             self.next_reconcile = now + self.reconcile_interval_s
             self.next_reap = now + self.reap_interval_s
-            rec.run_once(conn)
+            rec.run_once(conn, past_timeouts=True)
         elif now >= self.next_reap:
             self.next_reap = now + self.reap_interval_s
-            record_reaped(queue.reap_expired(conn, limit=rec.batch, now=rec.db_now(), events_topic=rec.events_topic),
-                          rec.metrics, rec.log)
+            with rec.step("reap", [], skip=True):
+                record_reaped(queue.reap_expired(conn, limit=rec.batch, now=rec.db_now(),
+                                                 events_topic=rec.events_topic), rec.metrics, rec.log)
