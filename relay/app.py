@@ -82,6 +82,7 @@ class Relay(Running, Dependencies):
 
         self.settings = settings
         self.metrics = metrics or RelayMetrics()
+        self.metrics.bound_topics(settings.metrics_max_topics)  # before a row is counted
         self.log = log or logs.get(owner=settings.owner)
         self.clock = clock
         self._stop = threading.Event()

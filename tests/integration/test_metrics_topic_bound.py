@@ -19,7 +19,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from relay import logs
 from relay.app import Relay
 from relay.metric_labels import OTHER_TOPICS
-from relay.metrics import RelayMetrics
 from tests.fixtures.broker import create_topic
 from tests.fixtures.outbox import insert_rows, settings, wait_drained
 from tests.fixtures.procs import free_port, wait_until
@@ -61,10 +60,8 @@ def test_topics_past_the_bound_are_counted_under_other_every_row_counted(outbox_
         create_topic(broker.bootstrap, name, partitions=1)
         insert_rows(outbox_db, name, count, keys=3)
     port, log = free_port(), RecordingLog()
-    metrics = RelayMetrics()
-    metrics.bound_topics(BOUND)  # as the relay does with --metrics-max-topics
     relay = Relay(settings(outbox_db, broker.bootstrap, metrics_port=port, metrics_max_topics=BOUND,
-                           owner="topic-bound"), metrics=metrics, log=log)
+                           owner="topic-bound"), log=log)
     thread = threading.Thread(target=relay.run, daemon=True, name="relay-topic-bound")
     thread.start()
     try:
