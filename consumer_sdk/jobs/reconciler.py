@@ -17,8 +17,10 @@ In a worker pool the pass runs between claims, on the dispatcher's session, whos
 statements the pool's ``statement_timeout`` bounds (``pool_statement_timeout_s``).  A step
 whose statement that timeout cancels (a large jobs table, a lock held long) is skipped and
 named (``reconcile_timed_out``: its ``step``, the database's words): the pass goes on with
-its next step and the round with its claim, and the step is tried again at the next pass
-(the reaps between passes likewise).  Before, such a pass failed the whole round every
+its next step and the round with its claim.  The step is held off for four times the wait it
+cost, doubled while it times out in a row (at most 10 minutes; ``next_try_in_s``), the reaps
+between passes too, so that claims wait on it at most a fifth of the time;
+``reconcile_step_recovered`` when it passes again.  Before, such a pass failed the whole round every
 ``reconcile_interval_s``: no claim in it, ``dispatch_failed`` for upkeep the claims do not
 need, and the pass's later steps never ran.  Alone, a pass raises as before.
 """
@@ -27,8 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
@@ -47,9 +48,16 @@ from consumer_sdk.jobs.refusals import Refusals, Refused
 #: A pass's steps, as a timed-out one is named: resuming parked jobs, reaping expired leases,
 #: refreshing the queue gauges.
 Step = Literal["resume", "reap", "stats"]
+#: A step the pool's timeout cancelled is not tried again for this many times the wait it cost
+#: the dispatcher, doubled at each timeout in a row, at most MAX_HOLD_OFF_S: the claims wait on
+#: it at most a fifth of the time (retried at every pass, a step that always timed out held
+#: the dispatcher most of the time: its wait, then a pass due again at once).
+HOLD_OFF_FACTOR = 4.0
+MAX_HOLD_OFF_S = 600.0
 _TIMED_OUT_HINT = ("the database answers, too slowly for this step (a large jobs table, a lock held long: "
-                   "jobs_lock_wait names one): skipped, the claims go on, tried again at the next reconcile "
-                   "(reconcile_interval_s); meanwhile its work waits (the gauges keep their last values). "
+                   "jobs_lock_wait names one): skipped, the claims go on, tried again in next_try_in_s (four times "
+                   "its wait, doubled while it times out); meanwhile its work waits (the gauges keep their last "
+                   "values). "
                    "Look for what slows it (pg_stat_activity, pg_stat_statements); raise pool_statement_timeout_s "
                    "only if the step is expected to take that long")
 
@@ -64,6 +72,15 @@ class ReconcileResult:
     failed_expired: int = 0
     stats: list[QueueStats] = field(default_factory=list)
     timed_out: list[Step] = field(default_factory=list)
+    held_off: list[Step] = field(default_factory=list)  # not run: they timed out before
+
+
+@dataclass(frozen=True, slots=True)
+class _HeldOff:
+    """A step not tried again before ``until`` (monotonic), after ``streak`` timeouts in a row."""
+
+    until: float
+    streak: int
 
 
 def record_reaped(reaped: Sequence[queue.Reaped], metrics: JobsMetrics, log: Any) -> tuple[int, int]:
@@ -102,7 +119,8 @@ class Reconciler:
     def __init__(self, *, queues: Sequence[str], metrics: JobsMetrics | None = None, log: Any = None,
                  connect: ConnectionFactory | None = None, interval_s: float = 10.0,
                  events_topic: str | None = None, batch: int = 500,
-                 db_now: Callable[[], datetime | None] = lambda: None) -> None:
+                 db_now: Callable[[], datetime | None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.queues = list(queues)
         self.metrics = metrics if metrics is not None else JobsMetrics()
         self.log = log if log is not None else structlog.get_logger("consumer_sdk.jobs.reconciler")
@@ -111,6 +129,8 @@ class Reconciler:
         self.batch = batch
         self.db_now = db_now
         self._slot = ConnSlot(connect) if connect is not None else None
+        self._clock = clock
+        self._held_off: dict[Step, _HeldOff] = {}  # the pool's steps its timeout cancelled
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -123,26 +143,42 @@ class Reconciler:
             conn = self._slot.get()
         result = ReconcileResult()
         now = self.db_now()
-        with self.step("resume", result.timed_out, skip=past_timeouts):
-            self._resume(conn, now, result)
-        with self.step("reap", result.timed_out, skip=past_timeouts):
-            reaped = queue.reap_expired(conn, limit=self.batch, now=now, events_topic=self.events_topic)
-            result.requeued_expired, result.failed_expired = record_reaped(reaped, self.metrics, self.log)
-        with self.step("stats", result.timed_out, skip=past_timeouts):
-            self._refresh_gauges(queue_stats(conn, self.queues, now=now), result)
+        self.step("resume", lambda: self._resume(conn, now, result), result, skip=past_timeouts)
+        self.step("reap", lambda: self.reap(conn, now, result), result, skip=past_timeouts)
+        self.step("stats", lambda: self._refresh_gauges(queue_stats(conn, self.queues, now=now), result),
+                  result, skip=past_timeouts)
         return result
 
-    @contextmanager
-    def step(self, name: Step, timed_out: list[Step], *, skip: bool) -> Iterator[None]:
-        """Around one step: with ``skip``, its statement's timeout is logged and noted in
-        ``timed_out`` instead of raised."""
+    def step(self, name: Step, work: Callable[[], None], result: ReconcileResult, *, skip: bool) -> None:
+        """Run one step.  With ``skip`` (the pool's), one its statement_timeout cancelled is
+        logged, noted in ``result.timed_out`` and held off (:data:`HOLD_OFF_FACTOR`): not raised."""
+        if not skip:
+            work()
+            return
+        began = self._clock()
+        held = self._held_off.get(name)
+        if held is not None and began < held.until:
+            result.held_off.append(name)
+            return
         try:
-            yield
+            work()
         except StatementTimedOut as exc:
-            if not skip:
-                raise
-            timed_out.append(name)
-            self.log.warning("reconcile_timed_out", step=name, error=str(exc), hint=_TIMED_OUT_HINT)
+            ended = self._clock()
+            streak = held.streak + 1 if held is not None else 1
+            hold_s = min(HOLD_OFF_FACTOR * (ended - began) * 2 ** min(streak - 1, 16), MAX_HOLD_OFF_S)
+            self._held_off[name] = _HeldOff(until=ended + hold_s, streak=streak)
+            result.timed_out.append(name)
+            self.log.warning("reconcile_timed_out", step=name, error=str(exc), waited_s=round(ended - began, 3),
+                             next_try_in_s=round(hold_s, 1), in_a_row=streak, hint=_TIMED_OUT_HINT)
+            return
+        if held is not None:
+            del self._held_off[name]
+            self.log.info("reconcile_step_recovered", step=name, timed_out_in_a_row=held.streak)
+
+    def reap(self, conn: ConnectionT, now: datetime | None, result: ReconcileResult) -> None:
+        """Reap expired leases (one bounded batch) into ``result``."""
+        reaped = queue.reap_expired(conn, limit=self.batch, now=now, events_topic=self.events_topic)
+        result.requeued_expired, result.failed_expired = record_reaped(reaped, self.metrics, self.log)
 
     def _resume(self, conn: ConnectionT, now: datetime | None, result: ReconcileResult) -> None:
         for facts, activated in waits.resume_ready(conn, limit=self.batch, now=now,
@@ -224,6 +260,5 @@ class Upkeep:
             rec.run_once(conn, past_timeouts=True)
         elif now >= self.next_reap:
             self.next_reap = now + self.reap_interval_s
-            with rec.step("reap", [], skip=True):
-                record_reaped(queue.reap_expired(conn, limit=rec.batch, now=rec.db_now(),
-                                                 events_topic=rec.events_topic), rec.metrics, rec.log)
+            result = ReconcileResult()
+            rec.step("reap", lambda: rec.reap(conn, rec.db_now(), result), result, skip=True)

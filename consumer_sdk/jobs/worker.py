@@ -119,7 +119,7 @@ class WorkerPool(Dispatching, Executing):
                                   complete_later=self._complete_later, on_fatal=self._failed,
                                   max_interruptions=config.max_interruptions)
         self.reconciler = Reconciler(queues=config.queues, metrics=self.metrics, log=self.log,
-                                     events_topic=config.events_topic, db_now=db_now)
+                                     events_topic=config.events_topic, db_now=db_now, clock=clock)
         self.outcomes: Counter[str] = Counter()
         lock = threading.RLock()
         self._lock = threading.Condition(lock)  # stop() waits on it for an idle line

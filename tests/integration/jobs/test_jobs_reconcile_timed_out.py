@@ -10,6 +10,7 @@ gauges (the pass's last step) never refreshed.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import psycopg
@@ -38,5 +39,46 @@ def test_a_reap_past_the_pools_timeout_is_skipped_and_the_round_claims(conn, job
     [skipped] = [e for e in logged if e["event"] == "reconcile_timed_out"]
     assert skipped["step"] == "reap", skipped
     assert "statement_timeout cancelled the statement" in skipped["error"], skipped
-    assert "pool_statement_timeout_s" in skipped["hint"] and "reconcile_interval_s" in skipped["hint"]
+    assert "pool_statement_timeout_s" in skipped["hint"] and "next_try_in_s" in skipped["hint"]
     assert pending == 1.0  # the step after it ran: the gauges were refreshed (the job was still ready)
+
+
+def test_a_step_that_keeps_timing_out_is_held_off_and_named_when_it_passes_again(conn, jobs_db) -> None:
+    """Tried again at every pass and reap, a step that always times out held the dispatcher
+    most of the time (its wait, then a pass due again at once): it waits four times its cost,
+    doubled while it keeps timing out."""
+    logged: list[dict[str, Any]] = []
+    ahead = [0.0]  # the pool's clock, moved on by the test
+
+    def clock() -> float:
+        return time.monotonic() + ahead[0]
+
+    config = WorkerConfig(dsn=jobs_db, queues=("q",), listen=False, pool_statement_timeout_s=0.3,
+                          poll_interval_s=1.0, reconcile_interval_s=10.0)
+    pool = WorkerPool(config, {"k": lambda ctx: None}, log=recording_logger(logged), clock=clock)
+    upkeep, conn_of = pool._upkeep, pool._dispatch_slot.get  # noqa: SLF001 - the round's upkeep alone
+
+    def timeouts() -> list[dict[str, Any]]:
+        return [e for e in logged if e["event"] == "reconcile_timed_out"]
+
+    try:
+        with psycopg.connect(jobs_db) as locker:
+            locker.execute("LOCK TABLE job_dead_letters IN ACCESS EXCLUSIVE MODE")
+            upkeep.run_due(conn_of(), clock())  # the pass: its reap times out
+            ahead[0] += 1.0  # a reap is due, the step is held off: nothing sent, nothing waited for
+            upkeep.run_due(conn_of(), clock())
+            [first] = timeouts()
+            assert first["in_a_row"] == 1 and 1.0 <= first["next_try_in_s"] < 10, first
+            ahead[0] += first["next_try_in_s"] + 1.0  # held no more: tried, timed out again, held longer
+            upkeep.run_due(conn_of(), clock())
+            second = timeouts()[-1]
+            assert second["step"] == "reap" and second["in_a_row"] == 2, timeouts()
+            assert second["next_try_in_s"] > first["next_try_in_s"] * 1.5, timeouts()
+            locker.rollback()
+        ahead[0] += 60.0  # the next pass: the reap passes again
+        upkeep.run_due(conn_of(), clock())
+        assert len(timeouts()) == 2, timeouts()
+        [recovered] = [e for e in logged if e["event"] == "reconcile_step_recovered"]
+        assert recovered["step"] == "reap" and recovered["timed_out_in_a_row"] == 2, recovered
+    finally:
+        pool.stop(drain_timeout_s=0.5)
