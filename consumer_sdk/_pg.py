@@ -1,4 +1,5 @@
-"""Opening PostgreSQL connections, errors translated at the seam (shared by the inbox and the jobs).
+"""Opening PostgreSQL connections, errors translated at the seam, and the errors of their round
+trips watched (shared by the inbox and the jobs).
 
 :mod:`outbox_core.connect_errors` classifies a failed attempt (for the relay too); the
 SDK's reading is ``_CONNECT_ERRORS``: rejected credentials are
@@ -16,6 +17,7 @@ from typing import Any
 
 import psycopg
 import psycopg.errors
+from psycopg.pq import TransactionStatus
 
 from consumer_sdk.errors import AuthenticationFailed, ConfigError, DatabaseUnavailable, FatalError
 from outbox_core import spin
@@ -66,6 +68,73 @@ def lost_prepared_statement(exc: BaseException) -> bool:
     (``prepare_threshold = None``) and tries again, with no attempt counted."""
     return isinstance(exc, (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)) \
         and '"_pg3_' in str(exc)
+
+
+def watch(conn: psycopg.Connection[Any], ended: Callable[[psycopg.Error | None], None]) -> None:
+    """Tell ``ended`` how each round trip on ``conn`` ended (its error, or None).
+
+    A handler that catches a database error and carries on leaves its transaction aborted,
+    and psycopg keeps no trace of the error on the connection: only the exception carries
+    its SQLSTATE, and COMMIT of an aborted transaction answers ROLLBACK, no error.  The
+    inbox store (``StoreConnection.swallowed_error``) and the jobs' fenced transactions
+    (:func:`failed_trip`) watch to know whether the database aborted the transaction (a
+    deadlock, a read-only database) or the handler's own statement failed.  The seam is
+    ``conn.wait``, which every statement psycopg runs goes through: a cursor's ``execute``,
+    ``executemany``, ``copy`` (its start, writes and end), ``stream``, its fetches in
+    pipeline mode, a pipeline's sync and end, a server-side cursor's declare, fetches and
+    scrolls, whatever cursor class made them.  Watching cursor classes saw only ``execute``
+    and ``executemany``; a pipeline has no factory to set.  The connection's own ``wait`` (a
+    subclass's, e.g. a spinning one) still does the waiting."""
+    if "wait" in vars(conn):  # watched already: a factory that handed the same connection again
+        return
+    wait = conn.wait
+
+    def watched_wait(gen: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            done = wait(gen, *args, **kwargs)
+        except psycopg.Error as exc:
+            ended(exc)
+            raise
+        ended(None)
+        return done
+
+    conn.wait = watched_wait  # type: ignore[method-assign]
+
+
+def consequence(error: psycopg.Error) -> bool:
+    """``error`` only follows from an earlier one, which says what went wrong: 25P02, the
+    transaction aborted already; ``PipelineAborted``, an earlier statement of the pipeline
+    failed (it has no SQLSTATE, and would pass for a lost connection)."""
+    return isinstance(error, (psycopg.errors.InFailedSqlTransaction, psycopg.errors.PipelineAborted))
+
+
+class FailedTrip:
+    """The error that aborted a connection's open transaction, as its round trips tell it
+    (:func:`watch`): the last one that failed, not counting those that only follow from it
+    (:func:`consequence`); forgotten once a round trip finds the transaction sound again (a
+    rollback to a savepoint, a new transaction).  None: none failed, or the error was raised
+    without a wait that failed (then :meth:`ended` is told by whoever raised it)."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+        self.error: psycopg.Error | None = None
+
+    def ended(self, error: psycopg.Error | None) -> None:
+        if error is None:
+            if self._conn.pgconn.transaction_status != TransactionStatus.INERROR:
+                self.error = None
+        elif not consequence(error):
+            self.error = error
+
+
+def failed_trip(conn: psycopg.Connection[Any]) -> FailedTrip:
+    """``conn``'s :class:`FailedTrip`, watching it from the first call on."""
+    found: FailedTrip | None = getattr(conn, "_outbox_failed_trip", None)
+    if found is None:
+        found = FailedTrip(conn)
+        conn._outbox_failed_trip = found  # type: ignore[attr-defined]
+        watch(conn, found.ended)
+    return found
 
 
 def connect(dsn: str, *, application_name: str, connect_timeout_s: int = 5,

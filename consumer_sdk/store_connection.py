@@ -99,7 +99,7 @@ class StoreConnection:
             if not self._auto_prepare:
                 conn.prepare_threshold = None
             if isinstance(conn, psycopg.Connection):
-                _watch(conn, self._statement_ended)
+                _pg.watch(conn, self._statement_ended)
             self._conn = conn
             self.session = (conn.info.backend_pid, conn.info.parameter_status("application_name") or "")
         return self._conn
@@ -124,8 +124,8 @@ class StoreConnection:
         """The error that aborted the open transaction, for a handler that caught it and
         returned: the error of the last round trip on this connection when it failed, however
         the handler ran its statement (``execute``, ``executemany``, ``copy``, ``stream``, a
-        pipeline's sync or end, a server-side cursor: see :func:`_watch`).  Not counting the
-        errors that only follow from an earlier one: a statement refused because the
+        pipeline's sync or end, a server-side cursor: see :func:`consumer_sdk._pg.watch`).  Not
+        counting the errors that only follow from an earlier one: a statement refused because the
         transaction was aborted already (25P02), or one skipped because an earlier statement of
         its pipeline failed (``PipelineAborted``).  None when none failed, or the transaction was
         sound again after it (a rollback to a savepoint): then the handler's failure is all
@@ -142,7 +142,7 @@ class StoreConnection:
         if error is None:
             if self._tx.pgconn.transaction_status != TransactionStatus.INERROR:  # read at every round trip
                 self._swallowed = None
-        elif not _consequence(error):
+        elif not _pg.consequence(error):
             self._swallowed = error
 
     def lost_prepared(self, exc: BaseException) -> bool:
@@ -177,7 +177,7 @@ class StoreConnection:
         was aborted already is judged by the error that aborted it, when the handler caught
         that one (:meth:`swallowed_error`); else it is the handler's."""
         for error in _causes(exc):
-            if isinstance(error, psycopg.Error) and _consequence(error):
+            if isinstance(error, psycopg.Error) and _pg.consequence(error):
                 # 25P02 or PipelineAborted: the handler caught the error that aborted its
                 # transaction (or its pipeline), and its next statement met the abort; that
                 # caught error says whose failure it was.  Unknown: the handler's.
@@ -242,43 +242,6 @@ class StoreConnection:
                 self.reset()  # its transaction with it: the batch is retried whole
                 raise _lost_prepared(exc) from exc
             raise FatalError(f"inbox statement failed: {_first_line(exc)}") from exc
-
-
-def _watch(conn: psycopg.Connection[Any], ended: Callable[[psycopg.Error | None], None]) -> None:
-    """Tell ``ended`` how each round trip on ``conn`` ended (its error, or None).
-
-    A handler that catches a database error and returns leaves its transaction aborted, and
-    psycopg keeps no trace of the error on the connection: only the exception carries its
-    SQLSTATE.  The store watches to know whether the database aborted the transaction (a
-    deadlock, a read-only database) or the handler's own statement failed
-    (:meth:`StoreConnection.swallowed_error`).  The seam is ``conn.wait``, which every
-    statement psycopg runs goes through: a cursor's ``execute``, ``executemany``, ``copy``
-    (its start, writes and end), ``stream``, its fetches in pipeline mode, a pipeline's sync
-    and end, a server-side cursor's declare, fetches and scrolls, whatever cursor class made
-    them.  Watching cursor classes saw only ``execute`` and ``executemany``; a pipeline has
-    no factory to set.  The connection's own ``wait`` (a subclass's, e.g. a spinning one)
-    still does the waiting."""
-    if "wait" in vars(conn):  # watched already: a factory that handed the same connection again
-        return
-    wait = conn.wait
-
-    def watched_wait(gen: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            done = wait(gen, *args, **kwargs)
-        except psycopg.Error as exc:
-            ended(exc)
-            raise
-        ended(None)
-        return done
-
-    conn.wait = watched_wait  # type: ignore[method-assign]
-
-
-def _consequence(error: psycopg.Error) -> bool:
-    """``error`` only follows from an earlier one, which says what went wrong: 25P02, the
-    transaction aborted already; ``PipelineAborted``, an earlier statement of the pipeline
-    failed (it has no SQLSTATE, and would pass for a lost connection)."""
-    return isinstance(error, (psycopg.errors.InFailedSqlTransaction, psycopg.errors.PipelineAborted))
 
 
 def _conflict(exc: BaseException) -> bool:

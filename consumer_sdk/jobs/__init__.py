@@ -33,6 +33,7 @@ from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.errors import (
     AdmissionRefused,
     DatabaseReadOnly,
+    FencedTransactionAborted,
     HandlerTimedOut,
     InvalidJob,
     JobsError,
@@ -86,6 +87,7 @@ __all__ = [
     "ClaimedJob",
     "DatabaseReadOnly",
     "DeadLetterRecord",
+    "FencedTransactionAborted",
     "Handler",
     "HandlerTimedOut",
     "InvalidJob",

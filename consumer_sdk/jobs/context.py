@@ -25,9 +25,10 @@ import psycopg
 import psycopg.errors
 from psycopg import pq
 
+from consumer_sdk import _pg
 from consumer_sdk.errors import DatabaseUnavailable
+from consumer_sdk.jobs import aborted, fenced, queue
 from consumer_sdk.jobs import deferred as deferred_fence
-from consumer_sdk.jobs import fenced, queue
 from consumer_sdk.jobs._db import ConnectionT, first_line, q
 from consumer_sdk.jobs.deferred import Deferred, DeferringConnection
 from consumer_sdk.jobs.errors import LeaseLost
@@ -193,12 +194,18 @@ class JobContext:
         raises LeaseLost, having run nothing, when the lease is not held; on a connection
         of another kind they go in a round trip of their own, at the start of the block.
         No row: rolls back and raises LeaseLost.  An exception in the block rolls back and
-        propagates.  A broken connection raises LeaseLost too: authority cannot be proven
-        any more (if it broke during the commit, the outcome is unknown, which writes by
-        key make harmless).  A block that sends no statement sends nothing.
+        propagates; so does a block whose handler caught a database error and carried on,
+        its transaction aborted by the server: rolled back, it raises what that error stands
+        for (:mod:`consumer_sdk.jobs.aborted`), never a silent success.  A broken connection
+        raises LeaseLost too: authority cannot be proven any more (if it broke during the
+        commit, the outcome is unknown, which writes by key make harmless).  A block that
+        sends no statement sends nothing.
         """
         self.check()
         conn = self.conn
+        trips = _pg.failed_trip(conn)  # the error a handler catches, for an aborted end (aborted.py)
+        if self._fenced_depth == 0:
+            trips.error = None
         deferred = self._defer(conn)
         rollback = _rollback if deferred is None else _rollback_deferred
         try:
@@ -222,6 +229,15 @@ class JobContext:
                 deferred.check()  # refused or failed, and the handler swallowed it: raised here again
                 if deferred.take():  # no statement was sent: nothing to commit
                     return
+            if conn.pgconn.transaction_status == pq.TransactionStatus.INERROR:
+                # The handler caught the error that aborted it and carried on: COMMIT would
+                # answer ROLLBACK, no error, and the attempt pass for a success.
+                caught = trips.error  # before the rollback's round trip forgets it
+                rollback(conn)
+                failure = aborted.failure(caught)
+                if failure is caught:
+                    raise failure
+                raise failure from caught
             conn.commit()
         except psycopg.Error as exc:
             rollback(conn)  # BEGIN went through even when the fence's statement failed

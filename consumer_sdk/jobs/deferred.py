@@ -41,7 +41,7 @@ import psycopg.errors
 from psycopg import adapt, pq, sql
 from psycopg.abc import PQGen
 
-from consumer_sdk import _wire
+from consumer_sdk import _pg, _wire
 from consumer_sdk.jobs import fenced
 from consumer_sdk.jobs._db import q
 from consumer_sdk.jobs.model import Lease
@@ -199,8 +199,10 @@ class DeferringCursor(psycopg.Cursor[Any]):
             deferred.state = deferred.PENDING
             super().execute(query, params)
             return self
-        except BaseException:
+        except BaseException as exc:
             deferred.failed(conn)  # its own error leaves the transaction open and failed, as psycopg's
+            if isinstance(exc, psycopg.Error):  # raised from the trip's results, after its wait
+                _pg.failed_trip(conn).ended(exc)  # what a handler that catches it caught (aborted.py)
             raise
         if result is None:
             raise deferred.refuse()

@@ -24,6 +24,7 @@ from __future__ import annotations
 from consumer_sdk.errors import (
     DatabaseUnavailable,
     FatalError,
+    HandlerTransactionFailed,
     OutboxSdkError,
     PermanentError,
     RetriableError,
@@ -136,3 +137,16 @@ class StatementTimedOut(JobsError, DatabaseUnavailable):
     sessions it is told by the client's clock under any ``lc_messages`` (a 57014 ending a wait
     as long as that timeout: :mod:`consumer_sdk.jobs.statement_clock`), elsewhere by
     PostgreSQL's English message only."""
+
+
+class FencedTransactionAborted(JobsError, HandlerTransactionFailed):
+    """The handler caught a database error inside fenced_transaction() and carried on: its transaction was rolled back, nothing written.
+
+    The server had aborted the transaction at that error, and COMMIT of an aborted transaction
+    answers ROLLBACK without an error: the block ended as if it had committed, and the job was
+    recorded as succeeded with its writes lost.  Raised by ``fenced_transaction()`` when the
+    block ends with the transaction aborted; the message names the error caught (its SQLSTATE
+    and first line) when the connection saw it.  The attempt fails as any handler failure
+    (retried, counted); a database conflict (class 40) or a read-only database (25006) caught
+    so is raised as :class:`~consumer_sdk.errors.TransactionConflict` or
+    :class:`DatabaseReadOnly` instead, as if the handler had not caught it."""
