@@ -101,6 +101,24 @@ def watch(conn: psycopg.Connection[Any], ended: Callable[[psycopg.Error | None],
     conn.wait = watched_wait  # type: ignore[method-assign]
 
 
+def watch_async(conn: psycopg.AsyncConnection[Any], ended: Callable[[psycopg.Error | None], None]) -> None:
+    """:func:`watch` for an asyncio connection (its ``wait`` is awaited)."""
+    if "wait" in vars(conn):
+        return
+    wait = conn.wait
+
+    async def watched_wait(gen: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            done = await wait(gen, *args, **kwargs)
+        except psycopg.Error as exc:
+            ended(exc)
+            raise
+        ended(None)
+        return done
+
+    conn.wait = watched_wait  # type: ignore[method-assign]
+
+
 def consequence(error: psycopg.Error) -> bool:
     """``error`` only follows from an earlier one, which says what went wrong: 25P02, the
     transaction aborted already; ``PipelineAborted``, an earlier statement of the pipeline
@@ -115,7 +133,7 @@ class FailedTrip:
     rollback to a savepoint, a new transaction).  None: none failed, or the error was raised
     without a wait that failed (then :meth:`ended` is told by whoever raised it)."""
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
         self._conn = conn
         self.error: psycopg.Error | None = None
 
@@ -127,13 +145,16 @@ class FailedTrip:
             self.error = error
 
 
-def failed_trip(conn: psycopg.Connection[Any]) -> FailedTrip:
+def failed_trip(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> FailedTrip:
     """``conn``'s :class:`FailedTrip`, watching it from the first call on."""
     found: FailedTrip | None = getattr(conn, "_outbox_failed_trip", None)
     if found is None:
         found = FailedTrip(conn)
-        conn._outbox_failed_trip = found  # type: ignore[attr-defined]
-        watch(conn, found.ended)
+        conn._outbox_failed_trip = found  # type: ignore[union-attr]
+        if isinstance(conn, psycopg.AsyncConnection):
+            watch_async(conn, found.ended)
+        else:
+            watch(conn, found.ended)
     return found
 
 

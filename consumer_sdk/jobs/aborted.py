@@ -17,6 +17,10 @@ trips saw it (:func:`consumer_sdk._pg.failed_trip`):
 - anything else (the handler's own SQL, a constraint, or an error the connection did not see)
   is :class:`~consumer_sdk.jobs.errors.FencedTransactionAborted`: the handler's failure, its
   attempt counted, its message readable in the dead letter.
+
+The asyncio ``accept``'s ``on_accept`` hook runs in accept's transaction the same way: a hook
+that caught an error made accept return a run it had not stored; it raises too, its own
+failure a :class:`~consumer_sdk.errors.HandlerTransactionFailed` (:data:`ON_ACCEPT`).
 """
 
 from __future__ import annotations
@@ -29,22 +33,30 @@ from consumer_sdk.errors import TransactionConflict
 from consumer_sdk.jobs._db import first_line
 from consumer_sdk.jobs.errors import DatabaseReadOnly, FencedTransactionAborted
 
-_CAUGHT = "the handler caught a database error inside fenced_transaction() and carried on"
+_FENCED = "the handler caught a database error inside fenced_transaction() and carried on"
+#: ``accept(on_accept=...)``'s hook runs in accept's transaction (the asyncio twin's: aio.py).
+ON_ACCEPT = "on_accept caught a database error inside accept()'s transaction and carried on"
 _ROLLED_BACK = "its transaction was rolled back, nothing written"
 
 
-def failure(caught: psycopg.Error | None) -> Exception:
-    """The exception for a fenced transaction found aborted at its end; ``caught`` is the error
-    that aborted it, None when the connection did not see it (see the module)."""
+def failure(caught: psycopg.Error | None, *, what: str = _FENCED,
+            own: type[Exception] = FencedTransactionAborted) -> Exception:
+    """The exception to raise for a transaction found aborted at its end, raised from ``caught``:
+    the error that aborted it, None when the connection did not see it (see the module).
+    ``what`` says who caught it where, ``own`` is the exception of a failure of the caller's own."""
     if caught is None:
-        return FencedTransactionAborted(f"{_CAUGHT} (which error, the connection did not see); {_ROLLED_BACK}")
+        return own(f"{what} (which error, the connection did not see); {_ROLLED_BACK}")
     if _pg.lost_prepared_statement(caught):
         return caught
     state = caught.sqlstate or ""
     said = f"{state} {first_line(caught)}" if state else f"{type(caught).__name__}: {first_line(caught)}"
+    found: Exception
     if state.startswith("40"):
-        return TransactionConflict(f"transaction aborted: {said} ({_CAUGHT}; {_ROLLED_BACK})")
-    if isinstance(caught, psycopg.errors.ReadOnlySqlTransaction):
-        return DatabaseReadOnly(f"the database is read-only (a standby, or a failover in progress): {said}; "
-                                f"waiting for a writable primary ({_CAUGHT}; {_ROLLED_BACK})")
-    return FencedTransactionAborted(f"{_CAUGHT}: {said}; {_ROLLED_BACK}")
+        found = TransactionConflict(f"transaction aborted: {said} ({what}; {_ROLLED_BACK})")
+    elif isinstance(caught, psycopg.errors.ReadOnlySqlTransaction):
+        found = DatabaseReadOnly(f"the database is read-only (a standby, or a failover in progress): {said}; "
+                                 f"waiting for a writable primary ({what}; {_ROLLED_BACK})")
+    else:
+        found = own(f"{what}: {said}; {_ROLLED_BACK}")
+    found.__cause__ = caught  # as `raise ... from caught`
+    return found

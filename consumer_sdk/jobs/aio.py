@@ -18,8 +18,11 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 
-from consumer_sdk.jobs import _check
+from consumer_sdk import _pg
+from consumer_sdk.errors import HandlerTransactionFailed
+from consumer_sdk.jobs import _check, aborted
 from consumer_sdk.jobs._db import translated
 from consumer_sdk.jobs._plan import run_async
 from consumer_sdk.jobs.metrics import JobsMetrics
@@ -64,7 +67,12 @@ async def accept(
     metrics: JobsMetrics | None = None,
     now: datetime | None = None,
 ) -> Accepted:
-    """:func:`consumer_sdk.jobs.accept` on an asyncio connection (not inside a transaction)."""
+    """:func:`consumer_sdk.jobs.accept` on an asyncio connection (not inside a transaction).
+
+    An ``on_accept`` hook that caught a database error and returned left the transaction
+    aborted: nothing is stored, and accept raises what the error stands for
+    (:mod:`consumer_sdk.jobs.aborted`: a conflict or a read-only database as when not caught,
+    else :class:`~consumer_sdk.errors.HandlerTransactionFailed`)."""
     check_options(admission=admission, events_topic=events_topic, metrics=metrics, on_accept=on_accept)
     request = make_request(owner_id=owner_id, request_key=request_key, kind=kind, body=body, queue=queue,
                            max_attempts=max_attempts, traceparent=traceparent, tracestate=tracestate)
@@ -73,7 +81,14 @@ async def accept(
         async with conn.transaction():
             accepted = await run_async(conn, accept_plan(request, admission, metrics, now, events_topic))
             if accepted.created and on_accept is not None:
+                trips = _pg.failed_trip(conn)  # the error a hook catches (consumer_sdk/jobs/aborted.py)
+                trips.error = None
                 await on_accept(conn, accepted)
+                if conn.info.transaction_status == TransactionStatus.INERROR:
+                    # The hook caught the error that aborted the transaction and carried on:
+                    # its COMMIT would answer ROLLBACK, no error, and a run never stored be
+                    # returned as accepted.  Raised here, the block rolls back.
+                    raise aborted.failure(trips.error, what=aborted.ON_ACCEPT, own=HandlerTransactionFailed)
     return accepted_done(request, accepted, metrics)
 
 

@@ -234,10 +234,7 @@ class JobContext:
                 # answer ROLLBACK, no error, and the attempt pass for a success.
                 caught = trips.error  # before the rollback's round trip forgets it
                 rollback(conn)
-                failure = aborted.failure(caught)
-                if failure is caught:
-                    raise failure
-                raise failure from caught
+                raise aborted.failure(caught)
             conn.commit()
         except psycopg.Error as exc:
             rollback(conn)  # BEGIN went through even when the fence's statement failed
