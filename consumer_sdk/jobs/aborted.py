@@ -18,18 +18,22 @@ trips saw it (:func:`consumer_sdk._pg.failed_trip`):
   is :class:`~consumer_sdk.jobs.errors.FencedTransactionAborted`: the handler's failure, its
   attempt counted, its message readable in the dead letter.
 
-The asyncio ``accept``'s ``on_accept`` hook runs in accept's transaction the same way: a hook
-that caught an error made accept return a run it had not stored; it raises too, its own
-failure a :class:`~consumer_sdk.errors.HandlerTransactionFailed` (:data:`ON_ACCEPT`).
+``accept``'s ``on_accept`` hook (sync and asyncio) runs in accept's transaction the same way:
+a hook that caught an error made accept return a run it had not stored; it raises too
+(:func:`watch_hook`, :func:`check_hook`), its own failure a
+:class:`~consumer_sdk.errors.HandlerTransactionFailed` (:data:`ON_ACCEPT`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 import psycopg.errors
+from psycopg.pq import TransactionStatus
 
 from consumer_sdk import _pg
-from consumer_sdk.errors import TransactionConflict
+from consumer_sdk.errors import HandlerTransactionFailed, TransactionConflict
 from consumer_sdk.jobs._db import first_line
 from consumer_sdk.jobs.errors import DatabaseReadOnly, FencedTransactionAborted
 
@@ -60,3 +64,20 @@ def failure(caught: psycopg.Error | None, *, what: str = _FENCED,
         found = own(f"{what}: {said}; {_ROLLED_BACK}")
     found.__cause__ = caught  # as `raise ... from caught`
     return found
+
+
+def watch_hook(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> _pg.FailedTrip:
+    """Before ``on_accept`` runs in accept's transaction: ``conn``'s round trips watched, no
+    error seen yet (for :func:`check_hook`)."""
+    trips = _pg.failed_trip(conn)
+    trips.error = None
+    return trips
+
+
+def check_hook(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], trips: _pg.FailedTrip) -> None:
+    """After ``on_accept`` returned, still inside accept's transaction: aborted, the hook caught
+    the error that aborted it and carried on (its COMMIT would answer ROLLBACK, no error, and a
+    run never stored be returned as accepted): raise what that error stands for, so that the
+    block rolls back."""
+    if conn.info.transaction_status == TransactionStatus.INERROR:
+        raise failure(trips.error, what=ON_ACCEPT, own=HandlerTransactionFailed)

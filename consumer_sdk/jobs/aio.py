@@ -18,10 +18,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.pq import TransactionStatus
 
-from consumer_sdk import _pg
-from consumer_sdk.errors import HandlerTransactionFailed
 from consumer_sdk.jobs import _check, aborted
 from consumer_sdk.jobs._db import translated
 from consumer_sdk.jobs._plan import run_async
@@ -81,14 +78,9 @@ async def accept(
         async with conn.transaction():
             accepted = await run_async(conn, accept_plan(request, admission, metrics, now, events_topic))
             if accepted.created and on_accept is not None:
-                trips = _pg.failed_trip(conn)  # the error a hook catches (consumer_sdk/jobs/aborted.py)
-                trips.error = None
+                trips = aborted.watch_hook(conn)  # a hook that caught an error: consumer_sdk/jobs/aborted.py
                 await on_accept(conn, accepted)
-                if conn.info.transaction_status == TransactionStatus.INERROR:
-                    # The hook caught the error that aborted the transaction and carried on:
-                    # its COMMIT would answer ROLLBACK, no error, and a run never stored be
-                    # returned as accepted.  Raised here, the block rolls back.
-                    raise aborted.failure(trips.error, what=aborted.ON_ACCEPT, own=HandlerTransactionFailed)
+                aborted.check_hook(conn, trips)
     return accepted_done(request, accepted, metrics)
 
 

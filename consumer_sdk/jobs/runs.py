@@ -30,7 +30,7 @@ import structlog
 from psycopg.pq import TransactionStatus
 
 from consumer_sdk.errors import DatabaseUnavailable
-from consumer_sdk.jobs import _check, _plan, queue
+from consumer_sdk.jobs import _check, _plan, aborted, queue
 from consumer_sdk.jobs._db import ConnectionT, from_json, q, to_json, translated
 from consumer_sdk.jobs._plan import Plan, event_step, step
 from consumer_sdk.jobs.errors import (
@@ -100,7 +100,10 @@ def accept(
     """Store the run and its job (and a ``run.accepted`` event to ``events_topic``) and commit.
 
     ``conn`` must not be inside a transaction.  ``on_accept`` runs inside the
-    transaction for new runs only.  Raises RequestKeyConflict, AdmissionRefused,
+    transaction for new runs only; a hook that caught a database error and returned left it
+    aborted: nothing is stored, and accept raises what the error stands for
+    (:mod:`consumer_sdk.jobs.aborted`: a conflict or a read-only database as when not caught,
+    else :class:`~consumer_sdk.errors.HandlerTransactionFailed`).  Raises RequestKeyConflict, AdmissionRefused,
     InvalidJob, TransactionActive.  Every argument is checked before the database is
     touched (:class:`InvalidJob` names the bad one): ``owner_id``, ``request_key`` and
     ``kind`` 1-200 characters without NUL, ``queue`` a queue name, ``max_attempts`` an
@@ -115,7 +118,9 @@ def accept(
     with translated(), conn.transaction():
         accepted = _plan.run(conn, accept_plan(request, admission, metrics, now, events_topic))
         if accepted.created and on_accept is not None:
+            trips = aborted.watch_hook(conn)  # a hook that caught an error: consumer_sdk/jobs/aborted.py
             on_accept(conn, accepted)
+            aborted.check_hook(conn, trips)
     return accepted_done(request, accepted, metrics)
 
 
