@@ -15,7 +15,6 @@ from consumer_sdk.errors import HandlerTransactionFailed, TransactionConflict
 from consumer_sdk.jobs import accept, aio
 from tests.integration.jobs._support import scalar
 
-
 CAUGHT = pytest.mark.parametrize(("statement", "raised", "said"), [
     ("SELECT 1/0", HandlerTransactionFailed,
      "on_accept caught a database error inside accept()'s transaction and carried on: 22012 division by zero; "
