@@ -88,13 +88,17 @@ class WorkerConfig:
       sleeping on it (:mod:`outbox_core.spin`).  Off by default: with a pool's threads
       polling at once, they compete for the interpreter and the cores (measured: 0.74 x
       the jobs a second, 1.5 x the CPU a job, with 8 threads at 100 µs).
-    * ``max_interruptions``: how many of a job's attempts may fail because the database
-      connection broke under the handler (the network dropped; a pooler, a failover or an
-      administrator ended the backend: SQLSTATE 57P01-57P03, class 08) without counting
-      against its ``max_attempts``: such a job is given back (``job_given_back``), due again
-      after the back-off.  Past it (a job that breaks its connection every time, one that
-      makes its backend crash) each attempt counts again, and the dead letter says how many
-      times the connection broke.  10 by default; 0 counts every attempt, as before.
+    * ``max_interruptions``: how many of a job's attempts may fail through no fault of its
+      own without counting against its ``max_attempts``, one budget for three causes: the
+      database connection broke under the handler (the network dropped; a pooler, a failover
+      or an administrator ended the backend: SQLSTATE 57P01-57P03, class 08), a conflict (class
+      40: a deadlock, a serialization failure) or a read-only database (25006: a failover in
+      progress, a pooler routing to a standby).  Such a job is given back (``job_given_back``
+      with its cause), due again after the first retry's back-off (a conflict: a short
+      jittered pause; read-only: the back-off growing with each read-only one).  Past it (a
+      job that deadlocks or breaks its connection every time) each attempt counts again
+      (``job_interruptions_exhausted``), and the dead letter says how many of each.  10 by
+      default; 0 counts every attempt, as before.
     * ``max_payload_bytes``: the payload bytes the pool holds at once (64 MiB by default):
       each job's payload (or its run's goal) and activation payload, uncompressed (a
       compressed value counts its text's length), held from its claim until its attempt ends

@@ -24,11 +24,12 @@ never written, the job waited out its lease before it was retried
 (:mod:`consumer_sdk.jobs.outcome_writes`).
 
 A handler that failed because the database connection broke under it (the network dropped;
-a pooler, a failover or an administrator ended its backend: see
-:func:`~consumer_sdk.jobs.retry.connection_broke`) did nothing wrong: its job is given back on a
-new connection, fenced, the attempt not counted (``job_given_back``), up to the pool's
-``max_interruptions`` a job; past them the attempt counts as any failure's, its error saying how
-many times the connection broke.
+a pooler, a failover or an administrator ended its backend), because its transaction met a
+conflict (a deadlock, a serialization failure) or because the database was read-only (a
+failover in progress): see :func:`~consumer_sdk.jobs.retry.interruption`, did nothing wrong:
+its job is given back, fenced, the attempt not counted (``job_given_back``), up to the pool's
+``max_interruptions`` a job in all; past them the attempt counts as any failure's, its error
+saying how many of each (:mod:`consumer_sdk.jobs.interruptions`).
 
 A success can be handed to ``complete_later`` instead of being written here (the
 worker pool writes the successes of several jobs in one statement, see
@@ -54,18 +55,17 @@ from consumer_sdk.jobs.config import DEFAULT_MAX_INTERRUPTIONS
 from consumer_sdk.jobs.context import JobContext
 from consumer_sdk.jobs.errors import InvalidJob, LeaseLost, PermanentJobError
 from consumer_sdk.jobs.events import JobFacts
+from consumer_sdk.jobs.interruptions import GivesBack
 from consumer_sdk.jobs.metrics import JobsMetrics
 from consumer_sdk.jobs.model import DeadReason, Outcome, WaitFor
-from consumer_sdk.jobs.outcome_writes import FencedWrites
 from consumer_sdk.jobs.retry import (
     Backoff,
     connection_broke,
     describe,
     error_type,
-    interrupted_note,
+    interruption,
     verdict,
 )
-from outbox_core.secrets import mask_text
 
 #: A handler: do the job's work for ``ctx``; return its result or a WaitFor, or raise.
 Handler = Callable[[JobContext], Any]
@@ -78,9 +78,10 @@ CompleteLater = Callable[[JobContext, str, float], bool]
 NO_AUTHORITY = frozenset({"lease_lost", "lease_unconfirmed", "cancelled", "fence_ended"})
 
 
-class Executor(FencedWrites):
+class Executor(GivesBack):
     """Shared by the pool's threads; holds no per-job state.  Its fenced writes, sent again
-    when a reply was lost: :mod:`consumer_sdk.jobs.outcome_writes`."""
+    when a reply was lost: :mod:`consumer_sdk.jobs.outcome_writes`; its give-backs of attempts
+    that failed through no fault of their job: :mod:`consumer_sdk.jobs.interruptions`."""
 
     def __init__(self, *, handlers: Mapping[str, Handler], backoff: Backoff, metrics: JobsMetrics,
                  log: Any, events_topic: str | None, db_now: Callable[[], datetime | None],
@@ -190,11 +191,11 @@ class Executor(FencedWrites):
         if decision == "lost":
             return "lost"
         note = ""
-        if decision != "fail_permanent" and self.max_interruptions > 0 and connection_broke(exc, ctx.conn):
-            given = self._give_back_interrupted(ctx, exc, log)
-            if not isinstance(given, int):
+        cause = interruption(exc, ctx.conn) if decision != "fail_permanent" and self.max_interruptions > 0 else None
+        if cause is not None:  # not the job's doing (see consumer_sdk.jobs.interruptions)
+            given, note = self._give_back_interrupted(ctx, exc, log, cause)
+            if given is not None:
                 return given
-            note = interrupted_note(given + 1, self.max_interruptions)
         if decision == "retry":
             log.info("job_attempt_failed", error=describe(exc, limit=300) + note)
             return self._retry(ctx, exc, log, note)
@@ -217,37 +218,6 @@ class Executor(FencedWrites):
                 or self.max_interruptions == 0:
             return None
         return cause if connection_broke(cause, ctx.conn) else None
-
-    def _give_back_interrupted(self, ctx: JobContext, exc: BaseException, log: Any) -> Outcome | int:
-        """The database connection broke under the handler: give the job back, the attempt not
-        counted, on a new connection (the handler's is dead), fenced, due after the first
-        retry's back-off (a job that crashes its backend does not restart the database in a
-        tight loop).  Returns the outcome, or the job's interruptions when they reached the
-        pool's limit: nothing was written, and the attempt is to count as before."""
-        job = ctx.job  # the handler's connection dead, the write makes a new one first (see _send)
-        delay_s = self.backoff.delay_s(1, self.rand)
-        error, kind = mask_text(describe(exc)), error_type(exc)
-        over: list[int] = []
-
-        def settle(found: tuple[int, bool]) -> Outcome:
-            interruptions, given = found
-            if not given:
-                over.append(interruptions)
-                return "retried"  # stands for the counted attempt that follows
-            self.metrics.given_back.labels(job.queue, "connection_broke").inc()
-            log.warning("job_given_back", error=error[:300], interruptions=interruptions,
-                        max_interruptions=self.max_interruptions, due_in_s=round(delay_s, 3),
-                        hint="the database connection broke under the handler (a network drop, a failover, "
-                             "a pooler or an administrator ended the backend): the attempt was not counted")
-            return "given_back"
-
-        outcome = self._fenced_write(
-            ctx, log, lambda conn: queue.give_back_interrupted(
-                conn, ctx.lease, error=error, error_type=kind, delay_s=delay_s,
-                max_interruptions=self.max_interruptions, now=self.db_now()),
-            settle, lambda conn: queue.given_back_by_lease(conn, ctx.lease, attempts=job.attempts, error=error,
-                                                           error_type=kind))
-        return over[0] if over and outcome != "lost" else outcome
 
     def _write_completion(self, ctx: JobContext, log: Any, result_json: str) -> Outcome:
         return self._fenced_write(

@@ -16,6 +16,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 AGE_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600)
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 ATTEMPT_BUCKETS = (1, 2, 3, 4, 5, 7, 10, 15, 25)
+#: Why an attempt failed through no fault of its job (consumer_sdk.jobs.retry.Interruption).
+INTERRUPTION_CAUSES = ("connection_broke", "conflict", "read_only")
+#: outbox_jobs_given_back_total's causes: the interruptions, a pooler's lost statement, and the
+#: interruptions past the pool's max_interruptions (counted, not given back).
+GIVEN_BACK_CAUSES = (*INTERRUPTION_CAUSES, "prepared_statement_lost", "interruptions_exhausted")
 
 
 class JobsMetrics:
@@ -50,9 +55,12 @@ class JobsMetrics:
             ["queue", "reason"], registry=r)
         self.given_back = Counter(
             "outbox_jobs_given_back", "Attempts given back with the attempt not counted, by cause: "
-            "connection_broke (the database connection broke under the handler, up to the pool's "
-            "max_interruptions), prepared_statement_lost (a transaction pooler lost psycopg's statement).",
-            ["queue", "cause"], registry=r)
+            "connection_broke (the database connection broke under the handler), conflict (a deadlock or a "
+            "serialization failure), read_only (the database was read-only: a failover), each up to the pool's "
+            "max_interruptions a job in all; prepared_statement_lost (a transaction pooler lost psycopg's "
+            "statement).  And interruptions_exhausted: attempts that failed so, NOT given back but counted, "
+            "their job past max_interruptions (one that meets it every time, or a database in trouble for "
+            "longer than the budget lasts).", ["queue", "cause"], registry=r)
         self.dead_lettered = Counter("outbox_jobs_dead_lettered", "Jobs failed and dead-lettered.",
                                      ["queue", "reason"], registry=r)
         self.resumed = Counter("outbox_jobs_resumed", "Parked jobs resumed by the reconciler, by cause.",
@@ -127,6 +135,14 @@ class JobsMetrics:
             found = self._per_queue[queue] = (self.claimed.labels(queue), self.workers_busy.labels(queue),
                                               self.handler_duration.labels(queue))
         return found
+
+    def serve(self, queue: str) -> None:
+        """Create ``queue``'s series of every give-back cause at 0, as the relay does for its
+        counters: a series that first appears at 1 is
+        no increase to ``increase()``, and an alert on the first give-back never fired.  For each
+        queue a worker pool serves, when it starts."""
+        for cause in GIVEN_BACK_CAUSES:
+            self.given_back.labels(queue, cause)
 
     def _terminal(self, queue: str, status: str) -> tuple[Any, Any, Any]:
         found = self._per_terminal.get((queue, status))

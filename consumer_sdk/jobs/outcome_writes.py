@@ -21,7 +21,7 @@ from consumer_sdk.jobs import attempt
 from consumer_sdk.jobs._conn import outcome_unknown
 from consumer_sdk.jobs.attempt import close, wait_to_resend
 from consumer_sdk.jobs.context import JobContext
-from consumer_sdk.jobs.errors import InvalidJob, PrivilegeMissing
+from consumer_sdk.jobs.errors import DatabaseReadOnly, InvalidJob, PrivilegeMissing
 from consumer_sdk.jobs.model import DeadReason, Outcome
 
 T = TypeVar("T")
@@ -42,11 +42,13 @@ class FencedWrites:
 
     def _fenced_write(self, ctx: JobContext, log: Any, write: Callable[[Any], T | None],
                       settle: Callable[[T], Outcome], confirm: Callable[[Any], T | None], *,
-                      failing: bool = False, confirmed: str = "outcome_confirmed") -> Outcome:
+                      failing: bool = False, confirmed: str = "outcome_confirmed",
+                      fresh_if_read_only: bool = False) -> Outcome:
         """One outcome's fenced write (see :meth:`_write`): ``write`` on a connection returns
         what it wrote (None: no row matched, the lease is lost), ``settle`` counts it and names
         the outcome.  Its reply lost, it is written again on a new connection and, matching no
-        row there, ``confirm`` finds out whether the first one committed (logged ``confirmed``)."""
+        row there, ``confirm`` finds out whether the first one committed (logged ``confirmed``);
+        with ``fresh_if_read_only``, too, when the attempt's session answered read-only."""
         def first() -> Outcome:
             done = write(ctx.conn)
             return "lost" if done is None else settle(done)
@@ -62,17 +64,17 @@ class FencedWrites:
             log.info(confirmed, outcome=outcome, detail="an earlier statement had written it: its reply was lost")
             return outcome
 
-        return self._write(ctx, log, first, failing=failing, again=again)
+        return self._write(ctx, log, first, failing=failing, again=again, fresh_if_read_only=fresh_if_read_only)
 
     def _write(self, ctx: JobContext, log: Any, write: Callable[[], Outcome], *, failing: bool = False,
-               again: Callable[[Any], Outcome] | None = None) -> Outcome:
+               again: Callable[[Any], Outcome] | None = None, fresh_if_read_only: bool = False) -> Outcome:
         """Run one fenced write.  A database failure leaves the job to its lease (with ``again``,
         one whose reply was lost is sent again first: see :meth:`_resend`); a refusal of the row
         fails the job for good (``failing``: this was its failure's write, which cannot be
         written either: left to its lease); a missing grant goes to ``on_fatal``."""
         ctx.ending = True  # from here this write, not the heartbeat, says whether the lease held
         try:
-            outcome = self._send(ctx, log, write, again)
+            outcome = self._send(ctx, log, write, again, fresh_if_read_only)
         except InvalidJob as exc:  # written again, it would be refused again (a CHECK, a trigger...)
             if not failing:
                 return self._fail(ctx, "permanent_error", exc, log)
@@ -95,13 +97,19 @@ class FencedWrites:
         return outcome
 
     def _send(self, ctx: JobContext, log: Any, write: Callable[[], Outcome],
-              again: Callable[[Any], Outcome] | None) -> Outcome:
-        """``write``, or ``again`` on a new connection when the attempt's is dead (a write there sends nothing)."""
+              again: Callable[[Any], Outcome] | None, fresh_if_read_only: bool = False) -> Outcome:
+        """``write``, or ``again`` on a new connection when the attempt's is dead (a write there sends
+        nothing) or, ``fresh_if_read_only``, when its session answered read-only (nothing written:
+        the session may stay so, and a multi-host DSN finds the new primary only on a new one)."""
         if again is not None and (ctx.conn.closed or ctx.conn.broken):
             return self._resend(ctx, log, again, None)
         try:
             return write()
         except DatabaseUnavailable as exc:
+            if again is not None and fresh_if_read_only and isinstance(exc, DatabaseReadOnly):
+                log.warning("job_write_read_only", error=str(exc),
+                            detail="the attempt's session is read-only: written on a new connection")
+                return self._resend(ctx, log, again, None)
             if again is None or not outcome_unknown(exc, ctx.conn):
                 raise
             return self._resend(ctx, log, again, exc)

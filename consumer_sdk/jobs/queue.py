@@ -239,17 +239,48 @@ def release(conn: ConnectionT, lease: Lease, *, now: datetime | None = None) -> 
         return conn.execute(q("release"), _fence(lease, now)).fetchone() is not None
 
 
-def give_back_interrupted(conn: ConnectionT, lease: Lease, *, error: str, error_type: str | None, delay_s: float,
-                          max_interruptions: int, now: datetime | None = None) -> tuple[int, bool] | None:
-    """Give back a job whose attempt the database connection broke (migration 0017): due
-    again after ``delay_s``, the attempt not counted, the interruption counted, unless the
-    job's interruptions already reached ``max_interruptions`` (then nothing is written).
-    Returns the job's interruptions and whether it was given back; None when the lease was lost."""
-    params = {**_fence(lease, now), "error": error, "error_type": error_type, "delay_s": delay_s,
+@dataclass(frozen=True, slots=True)
+class GivenBack:
+    """What :func:`give_back_interrupted` found: the job's interruptions (migration 0017) and,
+    among them, its conflicts and read-only ones (0018; the rest: the connection broke),
+    whether it was given back, and in how many seconds it is due (0 when not given back)."""
+
+    interruptions: int
+    given: bool
+    conflicts: int = 0
+    read_only: int = 0
+    due_in_s: float = 0.0
+
+
+def give_back(conn: ConnectionT, lease: Lease, *, cause: str, error: str, error_type: str | None,
+              delay_s: float, max_interruptions: int, growth: float = 1.0, max_delay_s: float | None = None,
+              now: datetime | None = None) -> GivenBack | None:
+    """Give back a job whose attempt failed through no fault of its own (``cause``:
+    ``connection_broke``, ``conflict`` or ``read_only``; migrations 0017 and 0018): due again
+    after ``delay_s`` (times ``growth`` for each read-only interruption it already had, at most
+    ``max_delay_s``), the attempt not counted, the interruption counted, unless the job's
+    interruptions already reached ``max_interruptions`` (then nothing is written).  None when
+    the lease was lost."""
+    params = {**_fence(lease, now), "cause": cause, "error": error, "error_type": error_type, "delay_s": delay_s,
+              "growth": growth, "max_delay_s": delay_s if max_delay_s is None else max_delay_s,
               "max_interruptions": max_interruptions}
     with translated():
         row = conn.execute(q("give_back_interrupted"), params).fetchone()
-    return None if row is None else (int(row[0]), bool(row[1]))
+    return None if row is None else _given_back(row)
+
+
+def give_back_interrupted(conn: ConnectionT, lease: Lease, *, error: str, error_type: str | None, delay_s: float,
+                          max_interruptions: int, now: datetime | None = None) -> tuple[int, bool] | None:
+    """:func:`give_back` because the database connection broke: the job's interruptions and
+    whether it was given back."""
+    found = give_back(conn, lease, cause="connection_broke", error=error, error_type=error_type, delay_s=delay_s,
+                      max_interruptions=max_interruptions, now=now)
+    return None if found is None else (found.interruptions, found.given)
+
+
+def _given_back(row: Sequence[Any]) -> GivenBack:
+    return GivenBack(interruptions=int(row[0]), given=bool(row[1]), conflicts=int(row[2]), read_only=int(row[3]),
+                     due_in_s=float(row[4] or 0.0))
 
 
 # -- after a lost reply: did this lease's write commit? (see the executor) ---------------
@@ -277,12 +308,20 @@ def released_by_lease(conn: ConnectionT, lease: Lease, *, attempts: int) -> bool
     return _by_lease(conn, "released_by_lease", lease, attempts=attempts) is not None
 
 
+def found_given_back(conn: ConnectionT, lease: Lease, *, attempts: int, error: str, error_type: str | None,
+                     now: datetime | None = None) -> GivenBack | None:
+    """:func:`retried_by_lease` for :func:`give_back` (``attempts``: the claim's count): what it
+    returns had it given the job back, else None."""
+    row = _by_lease(conn, "given_back_by_lease", lease, attempts=attempts, error=error, error_type=error_type,
+                    now=now)
+    return None if row is None else _given_back(row)
+
+
 def given_back_by_lease(conn: ConnectionT, lease: Lease, *, attempts: int, error: str,
                         error_type: str | None) -> tuple[int, bool] | None:
-    """:func:`retried_by_lease` for :func:`give_back_interrupted` (``attempts``: the claim's
-    count): what it returns had it given the job back, else None."""
-    row = _by_lease(conn, "given_back_by_lease", lease, attempts=attempts, error=error, error_type=error_type)
-    return None if row is None else (int(row[0]), True)
+    """:func:`found_given_back`, as :func:`give_back_interrupted` answers."""
+    found = found_given_back(conn, lease, attempts=attempts, error=error, error_type=error_type)
+    return None if found is None else (found.interruptions, True)
 
 
 def _by_lease(conn: ConnectionT, name: str, lease: Lease, **params: Any) -> Sequence[Any] | None:

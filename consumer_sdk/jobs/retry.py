@@ -5,8 +5,10 @@ A handler's exception decides: :class:`~consumer_sdk.errors.PermanentError`
 :class:`~consumer_sdk.jobs.errors.LeaseLost` means the worker writes nothing;
 anything else is transient and retried with capped exponential back-off and
 jitter until ``max_attempts`` attempts were made.  A failure because the database
-connection broke (:func:`connection_broke`) is not the job's: the executor gives the job
-back without counting the attempt, up to the pool's ``max_interruptions``.
+connection broke (:func:`connection_broke`), because of a conflict (SQLSTATE class 40: a
+deadlock, a serialization failure) or because the database was read-only (25006: a failover,
+a pooler routing to a standby) is not the job's (:func:`interruption`): the executor gives the
+job back without counting the attempt, up to the pool's ``max_interruptions`` in all.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from typing import Any, Literal
 import psycopg
 
 from consumer_sdk import _pg
-from consumer_sdk.errors import PermanentError
+from consumer_sdk.errors import PermanentError, TransactionConflict
 from consumer_sdk.jobs import _check
-from consumer_sdk.jobs.errors import InvalidJob, LeaseLost
+from consumer_sdk.jobs.errors import DatabaseReadOnly, InvalidJob, LeaseLost
 from consumer_sdk.rejections import message_of
 from outbox_core.backoff import backoff_s, ceiling_s
 
 Verdict = Literal["retry", "fail_permanent", "fail_exhausted", "lost"]
+
+#: Why an attempt failed through no fault of its job (see :func:`interruption`).
+Interruption = Literal["connection_broke", "conflict", "read_only"]
 
 
 MAX_MULTIPLIER = 1000.0
@@ -102,6 +107,29 @@ def connection_broke(exc: BaseException, conn: Any) -> bool:
     return False
 
 
+def interruption(exc: BaseException, conn: Any) -> Interruption | None:
+    """Why the attempt failed through no fault of its job, None when it may be the job's:
+    the connection broke (:func:`connection_broke`); a conflict, ``exc`` or one of its causes
+    a :class:`~consumer_sdk.errors.TransactionConflict` or an error of SQLSTATE class 40 (a
+    deadlock 40P01, a serialization failure 40001: the database chose this transaction to
+    abort, and it may well commit next time); or a read-only database, a
+    :class:`~consumer_sdk.jobs.errors.DatabaseReadOnly` or SQLSTATE 25006 (a failover in
+    progress, a pooler routing to a standby).  The inbox consumer retries both uncounted too."""
+    if connection_broke(exc, conn):
+        return "connection_broke"
+    seen: BaseException | None = exc
+    for _ in range(_CAUSES_LOOKED_AT):
+        if seen is None:
+            return None
+        state = (seen.sqlstate or "") if isinstance(seen, psycopg.Error) else ""
+        if isinstance(seen, TransactionConflict) or state.startswith("40"):
+            return "conflict"
+        if isinstance(seen, DatabaseReadOnly) or state == "25006":
+            return "read_only"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def describe(exc: BaseException, *, limit: int = 2000) -> str:
     """A readable one-paragraph error for the dead letter: ``Type: message``, bounded, and
     text PostgreSQL can store.  An exception whose ``__str__`` raised, or whose message held
@@ -124,9 +152,30 @@ def storable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
 
+#: How each interruption reads in a dead letter's note (see :func:`interruptions_note`).
+_SAID: dict[Interruption, str] = {"connection_broke": "its database connection broke",
+                                  "conflict": "a conflict (a deadlock or a serialization failure)",
+                                  "read_only": "a read-only database"}
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
+
+
+def interruptions_note(cause: Interruption, spent: dict[Interruption, int], limit: int) -> str:
+    """What a counted attempt's error adds when ``cause`` interrupted it past the pool's
+    ``max_interruptions`` (``limit``), spent on ``spent`` (how many times each cause interrupted
+    the job's attempts before: past the budget they are no longer counted).  Only the
+    connection broke, ever: :func:`interrupted_note`'s words, as before."""
+    if cause == "connection_broke" and not spent.get("conflict") and not spent.get("read_only"):
+        return interrupted_note(spent.get("connection_broke", 0) + 1, limit)
+    each = ", ".join(f"{_SAID[why]} {_times(n)}" for why, n in spent.items() if n > 0)
+    return (f" (through no fault of its own again: {_SAID[cause]}; the pool's max_interruptions={limit} were "
+            f"spent ({each}), so each such attempt counts)")
+
+
 def interrupted_note(times: int, limit: int) -> str:
     """What a counted attempt's error adds when the database connection broke under it past
     the pool's ``max_interruptions`` (``limit``): ``times`` the connection broke in all."""
-    said = "once" if times == 1 else f"{times} times"
-    return (f" (the database connection broke under this job's attempts {said}: past the pool's "
+    return (f" (the database connection broke under this job's attempts {_times(times)}: past the pool's "
             f"max_interruptions={limit}, each such attempt counts)")

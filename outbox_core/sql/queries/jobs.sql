@@ -588,14 +588,18 @@ WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
   AND j.status = 'queued' AND j.lease_until IS NULL AND j.attempts = greatest(0, %(attempts)s - 1)
 
 -- name: give_back_interrupted
--- A running job whose handler failed because the database connection broke under it (see
--- migration 0017): given back as release does (the attempt not counted), due again after
--- %(delay_s)s, its error kept, and the interruption counted, unless the job's interruptions
--- already reached %(max_interruptions)s: then nothing changes and the worker counts the
--- attempt as any failure's.  One row while this lease holds the job (none: it lost it):
--- the job's interruptions after the statement, and whether it was given back.  Fenced.
+-- A running job whose handler failed through no fault of its own (see migrations 0017 and
+-- 0018): %(cause)s 'connection_broke' (the database connection broke under it), 'conflict'
+-- (SQLSTATE class 40) or 'read_only' (25006).  Given back as release does (the attempt not
+-- counted), its error kept, and the interruption counted (the conflicts and the read-only
+-- ones also apart), unless the job's interruptions already reached %(max_interruptions)s:
+-- then nothing changes and the worker counts the attempt as any failure's.  Due again after
+-- %(delay_s)s, times %(growth)s for each read-only interruption the job already had (the
+-- retry back-off of a database still read-only), at most %(max_delay_s)s.  One row while this
+-- lease holds the job (none: it lost it): the job's interruptions, whether it was given back,
+-- its conflicts and read-only ones, and in how many seconds it is due (NULL: not given back).
 WITH target AS (
-    SELECT j.id, j.interruptions
+    SELECT j.id, j.interruptions, j.conflict_interruptions, j.read_only_interruptions
     FROM jobs AS j
     WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
       AND j.status = 'running' AND j.lease_until > coalesce(%(now)s::timestamptz, now())
@@ -604,13 +608,20 @@ WITH target AS (
     UPDATE jobs AS j
     SET status = 'queued', lease_until = NULL, attempts = greatest(0, j.attempts - 1),
         interruptions = t.interruptions + 1,
-        available_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(delay_s)s),
+        conflict_interruptions = t.conflict_interruptions + (%(cause)s::text = 'conflict')::int,
+        read_only_interruptions = t.read_only_interruptions + (%(cause)s::text = 'read_only')::int,
+        available_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => least(
+            %(max_delay_s)s::float8, %(delay_s)s::float8 * power(%(growth)s::float8, CASE
+                WHEN %(cause)s::text = 'read_only' THEN least(t.read_only_interruptions, 60) ELSE 0 END))),
         last_error = %(error)s, last_error_type = %(error_type)s
     FROM target AS t
     WHERE j.id = t.id AND t.interruptions < %(max_interruptions)s
-    RETURNING j.interruptions
+    RETURNING j.interruptions, j.conflict_interruptions, j.read_only_interruptions,
+              extract(epoch FROM j.available_at - coalesce(%(now)s::timestamptz, now()))::float8 AS due_in_s
 )
-SELECT coalesce(g.interruptions, t.interruptions) AS interruptions, g.interruptions IS NOT NULL AS given_back
+SELECT coalesce(g.interruptions, t.interruptions) AS interruptions, g.interruptions IS NOT NULL AS given_back,
+       coalesce(g.conflict_interruptions, t.conflict_interruptions) AS conflicts,
+       coalesce(g.read_only_interruptions, t.read_only_interruptions) AS read_only, g.due_in_s
 FROM target AS t LEFT JOIN given AS g ON true
 
 -- name: given_back_by_lease
@@ -619,7 +630,9 @@ FROM target AS t LEFT JOIN given AS g ON true
 -- (%(attempts)s, the claim's count, less one), its error as written.  release writes no
 -- error; the reaper's requeue keeps the attempt counted; a claim by anyone gives the job a
 -- new token.  give_back_interrupted's row.
-SELECT j.interruptions, true AS given_back
+SELECT j.interruptions, true AS given_back, j.conflict_interruptions AS conflicts,
+       j.read_only_interruptions AS read_only,
+       greatest(0, extract(epoch FROM j.available_at - coalesce(%(now)s::timestamptz, now())))::float8 AS due_in_s
 FROM jobs AS j
 WHERE j.id = %(id)s AND j.lease_owner = %(worker)s AND j.lease_token = %(token)s
   AND j.status = 'queued' AND j.lease_until IS NULL AND j.attempts = greatest(0, %(attempts)s - 1)
@@ -745,7 +758,7 @@ LIMIT %(limit)s
 
 -- name: requeue_dead
 -- An operator's retry of a dead-lettered job: the record goes, the job is queued
--- again with a fresh attempt budget (and a fresh budget of interruptions: 0017).
+-- again with a fresh attempt budget (and a fresh budget of interruptions: 0017, 0018).
 WITH gone AS (
     DELETE FROM job_dead_letters AS d
     WHERE d.job_id = %(job_id)s
@@ -753,7 +766,8 @@ WITH gone AS (
     RETURNING d.job_id
 )
 UPDATE jobs AS j
-SET status = 'queued', attempts = 0, interruptions = 0, finished_at = NULL,
+SET status = 'queued', attempts = 0, interruptions = 0, conflict_interruptions = 0,
+    read_only_interruptions = 0, finished_at = NULL,
     available_at = coalesce(%(now)s::timestamptz, now())
 FROM gone
 WHERE j.id = gone.job_id
