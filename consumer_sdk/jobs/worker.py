@@ -179,6 +179,7 @@ class WorkerPool(Dispatching, Executing):
         self.metrics.payload_bytes_held.set_function(lambda: self._line.payload_bytes)
         for queue in self.config.queues:  # read when scraped: no update per job
             self.metrics.workers_busy.labels(queue).set_function(partial(self._line.running.__getitem__, queue))
+            self.metrics.serve(queue)  # every give-back cause at 0: increase() sees the first
         for i in range(self.config.max_concurrency):
             self._threads.start("executor", self._executor_loop, f"jobs-exec-{i}")
         self._threads.start("heartbeat", lambda: self._hb.loop(self.config.heartbeat_every_s, self._hb_stop),
