@@ -5,7 +5,8 @@ database or a broken connection is :class:`~consumer_sdk.errors.DatabaseUnavaila
 an aborted transaction :class:`~consumer_sdk.errors.TransactionConflict`, a
 missing table :class:`~consumer_sdk.errors.SchemaMissing` (the statement's own: the jobs
 schema) or :class:`~consumer_sdk.jobs.errors.TableMissing` (a trigger's or a function's,
-raised inside it), a refused row (a violated
+raised inside it), a missing column of the statement's own SchemaMissing too (the schema
+older than this SDK: ``migrate`` not run since an upgrade), a refused row (a violated
 CHECK, a trigger's refusal, a value or size the database cannot store)
 :class:`~consumer_sdk.jobs.errors.InvalidJob`, a missing grant
 :class:`~consumer_sdk.jobs.errors.PrivilegeMissing`, a read-only database (a standby)
@@ -90,6 +91,12 @@ def translated() -> Iterator[None]:
         yield
     except psycopg.errors.UndefinedTable as exc:
         raise missing_table(exc) from exc
+    except psycopg.errors.UndefinedColumn as exc:
+        if (exc.diag.context or "").strip():  # inside a trigger or function: not the jobs schema's
+            raise FatalError(f"jobs statement failed: {first_line(exc)}, in "
+                             f"{(exc.diag.context or '').strip().splitlines()[-1]}") from exc
+        raise SchemaMissing(f"the jobs schema is older than this SDK ({first_line(exc)}): run "
+                            "`outbox-relay migrate`") from exc
     except psycopg.errors.InsufficientPrivilege as exc:
         raise PrivilegeMissing(f"the database role lacks a privilege: {first_line(exc)}; {_GRANTS_HINT}") from exc
     except psycopg.errors.ReadOnlySqlTransaction as exc:  # 25006: a standby, a failover in progress

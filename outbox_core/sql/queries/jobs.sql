@@ -791,8 +791,13 @@ LISTEN outbox_jobs
 -- name: schema_check
 -- Fails with 42P01 (relation "..." does not exist) when a table is missing, as the
 -- pool's other statements do: a worker pool reports the one cause whichever meets it.
+-- And with 42703 (column "..." does not exist) when the schema is older than this SDK:
+-- the newest migration's columns (0018) are named, so a pool started before `migrate`
+-- says so at once, not at the first statement that needs them (a job's first conflict).
 SELECT 'jobs'::regclass IS NOT NULL AS has_jobs,
-       'job_activations'::regclass IS NOT NULL AS has_activations
+       'job_activations'::regclass IS NOT NULL AS has_activations,
+       NOT EXISTS (SELECT j.interruptions, j.conflict_interruptions, j.read_only_interruptions
+                   FROM jobs AS j LIMIT 0) AS has_newest
 
 -- name: cleanup_finished
 -- Retention, one bounded batch: jobs that ended more than %(older_than_s)s seconds

@@ -107,3 +107,28 @@ def test_a_missing_table_is_the_jobs_schema_or_a_functions_by_where_the_database
     assert not isinstance(schema.value, TableMissing)
     assert str(schema.value) == ('the jobs schema is missing (relation "job_activations" does not exist): '
                                  "run `outbox-relay migrate` (0005_jobs)")
+
+
+def test_a_schema_older_than_the_sdk_is_said_at_the_pools_start_until_migrated(conn, jobs_db) -> None:
+    # Migration 0018's columns missing (a pool upgraded before `migrate` ran): the pool started,
+    # ready, and met the missing column only at a job's first conflict, whose give-back then
+    # failed as 'jobs statement failed: column ... does not exist'.  Now its schema check names
+    # the newest columns: a refusal that says to migrate, until they are there.
+    logged: list[dict[str, Any]] = []
+    conn.execute("ALTER TABLE jobs RENAME COLUMN conflict_interruptions TO t_away")
+    with pytest.raises(SchemaMissing) as behind:
+        jobq.check_schema(conn)
+    assert str(behind.value) == ('the jobs schema is older than this SDK (column j.conflict_interruptions does '
+                                 'not exist): run `outbox-relay migrate`'), behind.value
+    pool = pool_of(jobs_db, {"ok": lambda ctx: "fine"}, logged)
+    pool.start()
+    try:
+        health = wait_until(lambda: (h := pool.health()).refusals.get("claim", 0) >= 1 and h, timeout_s=20,
+                            message=lambda: f"the pool's health says so: {pool.health()}")
+        assert not health.ready and "older than this SDK" in health.reasons[0], health
+        conn.execute("ALTER TABLE jobs RENAME COLUMN t_away TO conflict_interruptions")
+        enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="ok", payload={})])
+        wait_until(lambda: job_rows(jobs_db) == [("ok", "succeeded", 1)], timeout_s=20,
+                   message=lambda: f"claimed once migrated: {job_rows(jobs_db)}")
+    finally:
+        pool.stop()

@@ -45,7 +45,7 @@ from consumer_sdk.jobs._db import translated
     # a person has to act
     (pg.InsufficientPrivilege("permission denied for table jobs"), PrivilegeMissing),
     (pg.UndefinedTable('relation "jobs" does not exist'), SchemaMissing),
-    (pg.UndefinedColumn('column "x" does not exist'), FatalError),
+    (pg.UndefinedColumn('column "x" does not exist'), SchemaMissing),  # the schema older than the SDK
 ])
 def test_each_driver_error_becomes_the_sdk_error_of_its_sqlstate(raised: Exception, expected: type) -> None:
     with pytest.raises(expected) as info, translated():
