@@ -139,7 +139,9 @@ class FailedTrip:
 
     def ended(self, error: psycopg.Error | None) -> None:
         if error is None:
-            if self._conn.pgconn.transaction_status != TransactionStatus.INERROR:
+            # The status only when there is an error to forget (read at every round trip, it
+            # cost about a microsecond each: psycopg builds the enum).
+            if self.error is not None and self._conn.pgconn.transaction_status != TransactionStatus.INERROR:
                 self.error = None
         elif not consequence(error):
             self.error = error
