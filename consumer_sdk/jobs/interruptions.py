@@ -96,8 +96,7 @@ class GivesBack(FencedWrites):
                 max_delay_s=max(delay_s, self.backoff.max_s), max_interruptions=self.max_interruptions,
                 now=self.db_now()),
             settle, lambda conn: queue.found_given_back(conn, ctx.lease, attempts=job.attempts, error=error,
-                                                        error_type=kind, now=self.db_now()),
-            fresh_if_read_only=cause == "read_only")
+                                                        error_type=kind, now=self.db_now()))
         return (None, over[0]) if over and outcome != "lost" else (outcome, "")
 
     def _pause_s(self, cause: Interruption) -> tuple[float, float]:

@@ -42,13 +42,12 @@ class FencedWrites:
 
     def _fenced_write(self, ctx: JobContext, log: Any, write: Callable[[Any], T | None],
                       settle: Callable[[T], Outcome], confirm: Callable[[Any], T | None], *,
-                      failing: bool = False, confirmed: str = "outcome_confirmed",
-                      fresh_if_read_only: bool = False) -> Outcome:
+                      failing: bool = False, confirmed: str = "outcome_confirmed") -> Outcome:
         """One outcome's fenced write (see :meth:`_write`): ``write`` on a connection returns
         what it wrote (None: no row matched, the lease is lost), ``settle`` counts it and names
         the outcome.  Its reply lost, it is written again on a new connection and, matching no
         row there, ``confirm`` finds out whether the first one committed (logged ``confirmed``);
-        with ``fresh_if_read_only``, too, when the attempt's session answered read-only."""
+        so too when the attempt's session answered read-only (nothing was written there)."""
         def first() -> Outcome:
             done = write(ctx.conn)
             return "lost" if done is None else settle(done)
@@ -64,17 +63,17 @@ class FencedWrites:
             log.info(confirmed, outcome=outcome, detail="an earlier statement had written it: its reply was lost")
             return outcome
 
-        return self._write(ctx, log, first, failing=failing, again=again, fresh_if_read_only=fresh_if_read_only)
+        return self._write(ctx, log, first, failing=failing, again=again)
 
     def _write(self, ctx: JobContext, log: Any, write: Callable[[], Outcome], *, failing: bool = False,
-               again: Callable[[Any], Outcome] | None = None, fresh_if_read_only: bool = False) -> Outcome:
+               again: Callable[[Any], Outcome] | None = None) -> Outcome:
         """Run one fenced write.  A database failure leaves the job to its lease (with ``again``,
         one whose reply was lost is sent again first: see :meth:`_resend`); a refusal of the row
         fails the job for good (``failing``: this was its failure's write, which cannot be
         written either: left to its lease); a missing grant goes to ``on_fatal``."""
         ctx.ending = True  # from here this write, not the heartbeat, says whether the lease held
         try:
-            outcome = self._send(ctx, log, write, again, fresh_if_read_only)
+            outcome = self._send(ctx, log, write, again)
         except InvalidJob as exc:  # written again, it would be refused again (a CHECK, a trigger...)
             if not failing:
                 return self._fail(ctx, "permanent_error", exc, log)
@@ -97,16 +96,18 @@ class FencedWrites:
         return outcome
 
     def _send(self, ctx: JobContext, log: Any, write: Callable[[], Outcome],
-              again: Callable[[Any], Outcome] | None, fresh_if_read_only: bool = False) -> Outcome:
+              again: Callable[[Any], Outcome] | None) -> Outcome:
         """``write``, or ``again`` on a new connection when the attempt's is dead (a write there sends
-        nothing) or, ``fresh_if_read_only``, when its session answered read-only (nothing written:
-        the session may stay so, and a multi-host DSN finds the new primary only on a new one)."""
+        nothing) or when its session answered read-only (nothing written: the session may stay so,
+        and a multi-host DSN finds the new primary only on a new one).  Until an audit only a
+        give-back went on a new connection then: a retry, a failure or a park met 25006 there
+        and left the job to its lease (``job_write_failed``)."""
         if again is not None and (ctx.conn.closed or ctx.conn.broken):
             return self._resend(ctx, log, again, None)
         try:
             return write()
         except DatabaseUnavailable as exc:
-            if again is not None and fresh_if_read_only and isinstance(exc, DatabaseReadOnly):
+            if again is not None and isinstance(exc, DatabaseReadOnly):
                 log.warning("job_write_read_only", error=str(exc),
                             detail="the attempt's session is read-only: written on a new connection")
                 return self._resend(ctx, log, again, None)

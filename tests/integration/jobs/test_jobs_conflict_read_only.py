@@ -180,3 +180,23 @@ def test_a_read_only_give_back_waits_longer_each_time(conn: Any) -> None:
         conn.execute("UPDATE jobs SET available_at = now()")
     assert due == [10, 20, 30, 10]
     assert found.interruptions == 4 and (found.conflicts, found.read_only) == (1, 3)
+
+
+def test_a_failure_written_on_a_session_that_went_read_only_goes_on_a_new_connection(
+        run_pool: Callable[..., Pool], jobs_db: str) -> None:
+    """The handler's own failure, its session read-only by then (a pooler moved it to a standby):
+    its retry's write met 25006 on that session, and the job was left to its lease
+    (job_write_failed: it waited out the lease, then its attempt was counted by the reaper)."""
+    runs: list[int] = []
+
+    def work(ctx: JobContext) -> str:
+        runs.append(ctx.job.attempts)
+        if len(runs) == 1:
+            ctx.conn.execute("SET default_transaction_read_only = on")
+            raise ValueError("the handler's own failure")
+        return "done"
+
+    pool = run_pool(work, max_attempts=2)
+    assert rows(jobs_db, "SELECT status, attempts FROM jobs") == [("succeeded", 2)]
+    assert runs == [1, 2]
+    assert pool.named("job_write_read_only") and not pool.named("job_write_failed"), pool.events
