@@ -241,7 +241,7 @@ def release(conn: ConnectionT, lease: Lease, *, now: datetime | None = None) -> 
 
 @dataclass(frozen=True, slots=True)
 class GivenBack:
-    """What :func:`give_back_interrupted` found: the job's interruptions (migration 0017) and,
+    """What :func:`give_back` found: the job's interruptions (migration 0017) and,
     among them, its conflicts and read-only ones (0018; the rest: the connection broke),
     whether it was given back, and in how many seconds it is due (0 when not given back)."""
 
@@ -267,15 +267,6 @@ def give_back(conn: ConnectionT, lease: Lease, *, cause: str, error: str, error_
     with translated():
         row = conn.execute(q("give_back_interrupted"), params).fetchone()
     return None if row is None else _given_back(row)
-
-
-def give_back_interrupted(conn: ConnectionT, lease: Lease, *, error: str, error_type: str | None, delay_s: float,
-                          max_interruptions: int, now: datetime | None = None) -> tuple[int, bool] | None:
-    """:func:`give_back` because the database connection broke: the job's interruptions and
-    whether it was given back."""
-    found = give_back(conn, lease, cause="connection_broke", error=error, error_type=error_type, delay_s=delay_s,
-                      max_interruptions=max_interruptions, now=now)
-    return None if found is None else (found.interruptions, found.given)
 
 
 def _given_back(row: Sequence[Any]) -> GivenBack:
@@ -315,13 +306,6 @@ def found_given_back(conn: ConnectionT, lease: Lease, *, attempts: int, error: s
     row = _by_lease(conn, "given_back_by_lease", lease, attempts=attempts, error=error, error_type=error_type,
                     now=now)
     return None if row is None else _given_back(row)
-
-
-def given_back_by_lease(conn: ConnectionT, lease: Lease, *, attempts: int, error: str,
-                        error_type: str | None) -> tuple[int, bool] | None:
-    """:func:`found_given_back`, as :func:`give_back_interrupted` answers."""
-    found = found_given_back(conn, lease, attempts=attempts, error=error, error_type=error_type)
-    return None if found is None else (found.interruptions, True)
 
 
 def _by_lease(conn: ConnectionT, name: str, lease: Lease, **params: Any) -> Sequence[Any] | None:

@@ -188,13 +188,15 @@ def test_a_give_back_whose_reply_was_lost_is_found_by_its_lease(conn, jobs_db) -
     enqueue(conn, [NewJob(owner_id="o", queue="bulk", kind="k", payload={}, max_attempts=3)])
     (job,) = claim_next(conn, "A", now=None, queues=("bulk",), lease_s=30.0)
     said = {"error": "AdminShutdown: terminating connection", "error_type": "AdminShutdown"}
-    assert jobq.given_back_by_lease(conn, job.lease, attempts=job.attempts, **said) is None  # not yet
-    give_back = {**said, "delay_s": 0.0, "max_interruptions": 10}
-    assert jobq.give_back_interrupted(conn, job.lease, **give_back) == (1, True)
-    assert jobq.give_back_interrupted(conn, job.lease, **give_back) is None  # fenced: once
-    assert jobq.given_back_by_lease(conn, job.lease, attempts=job.attempts, **said) == (1, True)
-    assert jobq.given_back_by_lease(conn, job.lease, attempts=job.attempts, error="another",
-                                    error_type="AdminShutdown") is None
+    assert jobq.found_given_back(conn, job.lease, attempts=job.attempts, **said) is None  # not yet
+    give_back = {**said, "cause": "connection_broke", "delay_s": 0.0, "max_interruptions": 10}
+    given = jobq.give_back(conn, job.lease, **give_back)
+    assert given is not None and (given.interruptions, given.given) == (1, True)
+    assert jobq.give_back(conn, job.lease, **give_back) is None  # fenced: once
+    found = jobq.found_given_back(conn, job.lease, attempts=job.attempts, **said)
+    assert found is not None and (found.interruptions, found.given) == (1, True)
+    assert jobq.found_given_back(conn, job.lease, attempts=job.attempts, error="another",
+                                 error_type="AdminShutdown") is None
     assert rows(jobs_db, "SELECT status, attempts, interruptions FROM jobs") == [("queued", 0, 1)]
 
 
