@@ -70,53 +70,54 @@ def lost_prepared_statement(exc: BaseException) -> bool:
         and '"_pg3_' in str(exc)
 
 
-def watch(conn: psycopg.Connection[Any], ended: Callable[[psycopg.Error | None], None]) -> None:
+def _watch(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+           ended: Callable[[psycopg.Error | None], None]) -> None:
     """Tell ``ended`` how each round trip on ``conn`` ended (its error, or None).
 
     A handler that catches a database error and carries on leaves its transaction aborted,
     and psycopg keeps no trace of the error on the connection: only the exception carries
     its SQLSTATE, and COMMIT of an aborted transaction answers ROLLBACK, no error.  The
-    inbox store (``StoreConnection.swallowed_error``) and the jobs' fenced transactions
-    (:func:`failed_trip`) watch to know whether the database aborted the transaction (a
-    deadlock, a read-only database) or the handler's own statement failed.  The seam is
-    ``conn.wait``, which every statement psycopg runs goes through: a cursor's ``execute``,
-    ``executemany``, ``copy`` (its start, writes and end), ``stream``, its fetches in
-    pipeline mode, a pipeline's sync and end, a server-side cursor's declare, fetches and
-    scrolls, whatever cursor class made them.  Watching cursor classes saw only ``execute``
-    and ``executemany``; a pipeline has no factory to set.  The connection's own ``wait`` (a
-    subclass's, e.g. a spinning one) still does the waiting."""
-    if "wait" in vars(conn):  # watched already: a factory that handed the same connection again
-        return
+    inbox store (``StoreConnection.swallowed_error``) and the jobs' fenced transactions read
+    :func:`failed_trip`, the one watcher of a connection, to know whether the database
+    aborted the transaction (a deadlock, a read-only database) or the handler's own
+    statement failed.  The seam is ``conn.wait``, which every statement psycopg runs goes
+    through: a cursor's ``execute``, ``executemany``, ``copy`` (its start, writes and end),
+    ``stream``, its fetches in pipeline mode, a pipeline's sync and end, a server-side
+    cursor's declare, fetches and scrolls, whatever cursor class made them, and the errors
+    the wait itself raises (the socket closed).  Watching cursor classes saw only
+    ``execute`` and ``executemany``; a pipeline has no factory to set.  The connection's own
+    ``wait`` (a subclass's, e.g. a spinning or a timed one) still does the waiting; an
+    asyncio connection's is awaited."""
     wait = conn.wait
+    watched: Callable[..., Any]
+    if isinstance(conn, psycopg.AsyncConnection):
+        async def watched(gen: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                done = await wait(gen, *args, **kwargs)
+            except psycopg.Error as exc:
+                ended(exc)
+                raise
+            ended(None)
+            return done
+    else:
+        def watched(gen: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                done = wait(gen, *args, **kwargs)
+            except psycopg.Error as exc:
+                ended(exc)
+                raise
+            ended(None)
+            return done
+    conn.wait = watched  # type: ignore[method-assign]
 
-    def watched_wait(gen: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            done = wait(gen, *args, **kwargs)
-        except psycopg.Error as exc:
-            ended(exc)
-            raise
-        ended(None)
-        return done
 
-    conn.wait = watched_wait  # type: ignore[method-assign]
-
-
-def watch_async(conn: psycopg.AsyncConnection[Any], ended: Callable[[psycopg.Error | None], None]) -> None:
-    """:func:`watch` for an asyncio connection (its ``wait`` is awaited)."""
-    if "wait" in vars(conn):
-        return
-    wait = conn.wait
-
-    async def watched_wait(gen: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            done = await wait(gen, *args, **kwargs)
-        except psycopg.Error as exc:
-            ended(exc)
-            raise
-        ended(None)
-        return done
-
-    conn.wait = watched_wait  # type: ignore[method-assign]
+def aborted(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """``conn``'s transaction is aborted: a statement in it failed, and its COMMIT would answer
+    ROLLBACK without an error (psycopg's ``commit()`` returns normally).  Read before COMMIT by
+    whoever commits a transaction a handler ran statements in (the inbox's processor, the
+    jobs' fenced transactions and ``accept``'s hook), and by :class:`FailedTrip`.  From
+    ``pgconn``: ``conn.info`` builds an object and an enum at every call."""
+    return conn.pgconn.transaction_status == TransactionStatus.INERROR
 
 
 def consequence(error: psycopg.Error) -> bool:
@@ -128,7 +129,7 @@ def consequence(error: psycopg.Error) -> bool:
 
 class FailedTrip:
     """The error that aborted a connection's open transaction, as its round trips tell it
-    (:func:`watch`): the last one that failed, not counting those that only follow from it
+    (:func:`_watch`): the last one that failed, not counting those that only follow from it
     (:func:`consequence`); forgotten once a round trip finds the transaction sound again (a
     rollback to a savepoint, a new transaction).  None: none failed, or the error was raised
     without a wait that failed (then :meth:`ended` is told by whoever raised it)."""
@@ -141,22 +142,21 @@ class FailedTrip:
         if error is None:
             # The status only when there is an error to forget (read at every round trip, it
             # cost about a microsecond each: psycopg builds the enum).
-            if self.error is not None and self._conn.pgconn.transaction_status != TransactionStatus.INERROR:
+            if self.error is not None and not aborted(self._conn):
                 self.error = None
         elif not consequence(error):
             self.error = error
 
 
 def failed_trip(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> FailedTrip:
-    """``conn``'s :class:`FailedTrip`, watching it from the first call on."""
+    """``conn``'s :class:`FailedTrip`, watching it from the first call on: one per connection
+    object, however many callers read it (the inbox and a worker pool given the same
+    connection share it; each clears ``error`` where its transaction starts)."""
     found: FailedTrip | None = getattr(conn, "_outbox_failed_trip", None)
     if found is None:
         found = FailedTrip(conn)
         conn._outbox_failed_trip = found  # type: ignore[union-attr]
-        if isinstance(conn, psycopg.AsyncConnection):
-            watch_async(conn, found.ended)
-        else:
-            watch(conn, found.ended)
+        _watch(conn, found.ended)
     return found
 
 

@@ -80,7 +80,7 @@ class StoreConnection:
         self._chain_on = True  # off once a chain broke with nothing failing before it (a pooler)
         self._auto_prepare = True  # psycopg's automatic preparing; off once a pooler lost one (lost_prepared)
         self._retired_waits: tuple[int, int, int] | None = None  # the waits of polling connections dropped
-        self._swallowed: psycopg.Error | None = None  # see swallowed_error
+        self._failed: _pg.FailedTrip | None = None  # the open transaction's (see swallowed_error)
         #: The live connection's session as (backend pid, application_name), None without one:
         #: read by the consumer's LockWaitWatch, on its own thread (one attribute, set at once).
         self.session: tuple[int, str] | None = None
@@ -98,8 +98,6 @@ class StoreConnection:
                 conn.autocommit = True  # transactions come from conn.transaction() blocks only
             if not self._auto_prepare:
                 conn.prepare_threshold = None
-            if isinstance(conn, psycopg.Connection):
-                _pg.watch(conn, self._statement_ended)
             self._conn = conn
             self.session = (conn.info.backend_pid, conn.info.parameter_status("application_name") or "")
         return self._conn
@@ -124,28 +122,15 @@ class StoreConnection:
         """The error that aborted the open transaction, for a handler that caught it and
         returned: the error of the last round trip on this connection when it failed, however
         the handler ran its statement (``execute``, ``executemany``, ``copy``, ``stream``, a
-        pipeline's sync or end, a server-side cursor: see :func:`consumer_sdk._pg.watch`).  Not
+        pipeline's sync or end, a server-side cursor: see :func:`consumer_sdk._pg._watch`).  Not
         counting the errors that only follow from an earlier one: a statement refused because the
         transaction was aborted already (25P02), or one skipped because an earlier statement of
         its pipeline failed (``PipelineAborted``).  None when none failed, or the transaction was
-        sound again after it (a rollback to a savepoint): then the handler's failure is all
-        that is known."""
-        return self._swallowed
-
-    def _statement_ended(self, error: psycopg.Error | None) -> None:
-        """A round trip on the connection went through (None) or failed (see swallowed_error).
-        One that went through clears the error only when the transaction is sound again (a
-        rollback to a savepoint): psycopg's own round trips after an error (a stream's
-        cleanup, a server-side cursor's close) go through and leave it aborted."""
-        if self._tx is None:
-            return
-        if error is None:
-            # The status only when there is an error to forget: read at every round trip it cost
-            # about a microsecond each (psycopg builds the enum).
-            if self._swallowed is not None and self._tx.pgconn.transaction_status != TransactionStatus.INERROR:
-                self._swallowed = None
-        elif not _pg.consequence(error):
-            self._swallowed = error
+        sound again after it (a rollback to a savepoint), or outside a transaction: then the
+        handler's failure is all that is known.  The connection's
+        :class:`~consumer_sdk._pg.FailedTrip` tells it, cleared where each transaction starts."""
+        failed = self._failed
+        return None if failed is None else failed.error
 
     def lost_prepared(self, exc: BaseException) -> bool:
         """True when ``exc`` says a transaction pooler lost one of psycopg's own prepared
@@ -183,7 +168,8 @@ class StoreConnection:
                 # 25P02 or PipelineAborted: the handler caught the error that aborted its
                 # transaction (or its pipeline), and its next statement met the abort; that
                 # caught error says whose failure it was.  Unknown: the handler's.
-                return None if self._swallowed is None else self.database_failure(self._swallowed)
+                swallowed = self.swallowed_error()
+                return None if swallowed is None else self.database_failure(swallowed)
             if isinstance(error, psycopg.errors.ReadOnlySqlTransaction):
                 return _read_only(error)
             if _conflict(error):

@@ -14,6 +14,7 @@ import psycopg.abc
 import psycopg.errors
 from psycopg.pq import TransactionStatus
 
+from consumer_sdk import _pg
 from consumer_sdk.errors import DatabaseUnavailable, TransactionConflict
 from consumer_sdk.store_connection import StoreConnection, _first_line
 from outbox_core.queries import query
@@ -44,6 +45,8 @@ class StoreTransactions(StoreConnection):
             self._deferred_connection()
         conn = self.conn
         self._tx = conn
+        self._failed = _pg.failed_trip(conn)
+        self._failed.error = None  # an error of the connection's before this transaction: not its
         self._savepoint = False
         self._begun = False
         try:
@@ -81,7 +84,9 @@ class StoreTransactions(StoreConnection):
             raise
         finally:
             self._tx = None
-            self._swallowed = None  # the transaction's; its traceback holds the handler's frames
+            if self._failed is not None:
+                self._failed.error = None  # the transaction's; its traceback holds the handler's frames
+                self._failed = None
 
     @property
     def commit_pending(self) -> bool:
@@ -197,8 +202,7 @@ class StoreTransactions(StoreConnection):
             raise
 
     def in_failed_transaction(self) -> bool:
-        # pgconn's status: conn.info builds an object and an enum at every call (once a message)
-        return self._begun and self._active.pgconn.transaction_status == TransactionStatus.INERROR
+        return self._begun and _pg.aborted(self._active)
 
 
 def _check_committed(status: str | None) -> None:

@@ -30,7 +30,6 @@ from typing import Any
 
 import psycopg
 import psycopg.errors
-from psycopg.pq import TransactionStatus
 
 from consumer_sdk import _pg
 from consumer_sdk.errors import HandlerTransactionFailed, TransactionConflict
@@ -79,5 +78,5 @@ def check_hook(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], tri
     the error that aborted it and carried on (its COMMIT would answer ROLLBACK, no error, and a
     run never stored be returned as accepted): raise what that error stands for, so that the
     block rolls back."""
-    if conn.info.transaction_status == TransactionStatus.INERROR:
+    if _pg.aborted(conn):
         raise failure(trips.error, what=ON_ACCEPT, own=HandlerTransactionFailed)

@@ -229,7 +229,7 @@ class JobContext:
                 deferred.check()  # refused or failed, and the handler swallowed it: raised here again
                 if deferred.take():  # no statement was sent: nothing to commit
                     return
-            if conn.pgconn.transaction_status == pq.TransactionStatus.INERROR:
+            if _pg.aborted(conn):
                 # The handler caught the error that aborted it and carried on: COMMIT would
                 # answer ROLLBACK, no error, and the attempt pass for a success.
                 caught = trips.error  # before the rollback's round trip forgets it

@@ -13,6 +13,7 @@ import pytest
 
 from consumer_sdk.errors import HandlerTransactionFailed, TransactionConflict
 from consumer_sdk.jobs import accept, aio
+from consumer_sdk.store import PgInboxStore
 from tests.integration.jobs._support import scalar
 
 CAUGHT = pytest.mark.parametrize(("statement", "raised", "said"), [
@@ -64,3 +65,25 @@ def test_an_asyncio_hook_that_caught_an_error_makes_accept_raise_and_store_nothi
     asyncio.run(body())
     assert scalar(jobs_db, "SELECT count(*) FROM runs") == 1  # the second accept's only
     assert scalar(jobs_db, "SELECT count(*) FROM effects") == 0
+
+
+def test_a_connection_the_inbox_store_used_first_still_tells_accept_which_error_its_hook_caught(jobs_db):
+    """One connection object, given to the inbox's store and then to accept: its round trips
+    had one watcher, the first to come (the store's), and accept's never heard of the conflict
+    its hook caught, so the database's doing passed for the hook's own failure
+    (HandlerTransactionFailed, "which error, the connection did not see") instead of a
+    TransactionConflict to retry.  Both read the connection's one watcher now
+    (``consumer_sdk._pg.failed_trip``)."""
+    def hook(conn: psycopg.Connection[Any], accepted: Any) -> None:
+        try:
+            conn.execute("DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$")
+        except psycopg.Error:
+            pass  # the hook carries on
+
+    with psycopg.connect(jobs_db, autocommit=True) as conn:
+        store = PgInboxStore(lambda: conn)
+        with store.transaction() as tx:
+            assert tx.execute("SELECT 1").fetchone() == (1,)
+        with pytest.raises(TransactionConflict, match="^transaction aborted: 40001 conflict"):
+            accept(conn, owner_id="u1", request_key="k1", kind="r", body={}, on_accept=hook)
+    assert scalar(jobs_db, "SELECT count(*) FROM runs") == 0

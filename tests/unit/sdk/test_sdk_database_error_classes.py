@@ -5,10 +5,13 @@ tests/integration/sdk/test_sdk_handler_database_errors.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import psycopg
 import psycopg.errors
 import pytest
 
+from consumer_sdk import _pg
 from consumer_sdk.errors import DatabaseUnavailable, PermanentError, TransactionConflict
 from consumer_sdk.store import PgInboxStore
 
@@ -106,10 +109,11 @@ def test_a_statement_refused_in_an_aborted_transaction_is_judged_by_the_error_th
     refused = psycopg.errors.InFailedSqlTransaction("current transaction is aborted, commands ignored until "
                                                     "end of transaction block")
     assert store.database_failure(refused) is None  # nothing seen: the handler's failure
-    store._swallowed = psycopg.errors.DeadlockDetected("deadlock detected")
+    store._failed = _pg.FailedTrip(SimpleNamespace(pgconn=None))  # its error is all that is read here
+    store._failed.error = psycopg.errors.DeadlockDetected("deadlock detected")
     assert str(store.database_failure(refused)) == "transaction aborted: deadlock detected"
     assert isinstance(store.database_failure(refused), TransactionConflict)
-    store._swallowed = psycopg.errors.ReadOnlySqlTransaction("cannot execute INSERT in a read-only transaction")
+    store._failed.error = psycopg.errors.ReadOnlySqlTransaction("cannot execute INSERT in a read-only transaction")
     assert isinstance(store.database_failure(refused), DatabaseUnavailable)
-    store._swallowed = psycopg.errors.NotNullViolation("null value in column")
+    store._failed.error = psycopg.errors.NotNullViolation("null value in column")
     assert store.database_failure(refused) is None  # the handler's own statement: the policy's
