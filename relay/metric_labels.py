@@ -27,10 +27,9 @@ class TopicLabels:
     def __init__(self, max_topics: int = DEFAULT_METRICS_MAX_TOPICS) -> None:
         self.max_topics = max_topics
         self._labels: dict[str, str] = {}
-        #: The first topic folded into :data:`OTHER_TOPICS`, until :meth:`first_folded`
-        #: hands it out (once, for the log line that says the bound was reached).
-        self._first_folded: str | None = None
-        self._folding = False
+        #: The caller said that the bound was reached (a log line, once: the first topic
+        #: folded into :data:`OTHER_TOPICS` is the one it was labelling).
+        self.folding_said = False
 
     def label(self, topic: str) -> str:
         """``topic`` itself while fewer than ``max_topics`` topics have a label (or it has
@@ -41,16 +40,7 @@ class TopicLabels:
         if len(self._labels) < self.max_topics:
             self._labels[topic] = topic
             return topic
-        if not self._folding:
-            self._folding = True
-            self._first_folded = topic
         return OTHER_TOPICS
-
-    def first_folded(self) -> str | None:
-        """The first topic counted under :data:`OTHER_TOPICS`, once: None before any was,
-        and after it was handed out."""
-        topic, self._first_folded = self._first_folded, None
-        return topic
 
     @property
     def labelled(self) -> int:

@@ -231,13 +231,12 @@ class Settling:
         ``--metrics-max-topics`` topics, ``_other``, said once; log lines keep the topic."""
         topics = self.metrics.topics
         label = topics.label(topic)
-        if label is OTHER_TOPICS:
-            first = topics.first_folded()
-            if first is not None:
-                self.log.warning("metrics_topics_folded", max_topics=topics.max_topics, topic=first,
-                                 label=OTHER_TOPICS,
-                                 detail=f"{topics.max_topics} topics have a series of their own; rows "
-                                        f"of later topics are counted under topic=\"{OTHER_TOPICS}\" "
-                                        "(raise --metrics-max-topics / "
-                                        "OUTBOX_RELAY_METRICS_MAX_TOPICS for more)")
+        if label is OTHER_TOPICS and not topics.folding_said:
+            topics.folding_said = True
+            self.log.warning("metrics_topics_folded", max_topics=topics.max_topics, topic=topic,
+                             label=OTHER_TOPICS,
+                             detail=f"{topics.max_topics} topics have a series of their own; rows "
+                                    f"of later topics are counted under topic=\"{OTHER_TOPICS}\" "
+                                    "(raise --metrics-max-topics / "
+                                    "OUTBOX_RELAY_METRICS_MAX_TOPICS for more)")
         return label

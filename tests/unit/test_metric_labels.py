@@ -27,20 +27,18 @@ def test_the_first_topics_seen_keep_their_label_and_later_ones_share_other() -> 
     assert [labels.label(t) for t in ("b", "a", "b", "c", "a", "d", "c")] == \
         ["b", "a", "b", OTHER_TOPICS, "a", OTHER_TOPICS, OTHER_TOPICS]
     assert labels.labelled == 2  # the folded topics are not remembered: no memory per topic
-    assert labels.first_folded() == "c"
-    assert labels.first_folded() is None  # handed out once
-    assert labels.label("e") == OTHER_TOPICS and labels.first_folded() is None
+    assert labels.label("e") == OTHER_TOPICS
 
 
 def test_a_bound_of_zero_counts_every_topic_under_other() -> None:
     labels = TopicLabels(0)
-    assert labels.label("a") == OTHER_TOPICS and labels.first_folded() == "a"
+    assert labels.label("a") == OTHER_TOPICS and labels.labelled == 0
 
 
 def test_no_topic_is_folded_below_the_bound() -> None:
     labels = TopicLabels(3)
     assert [labels.label(t) for t in ("a", "b", "c", "a")] == ["a", "b", "c", "a"]
-    assert labels.first_folded() is None
+    assert labels.labelled == 3
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("3", 3), ("0", 0), (None, DEFAULT_METRICS_MAX_TOPICS)])
