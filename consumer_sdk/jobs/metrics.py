@@ -21,6 +21,8 @@ INTERRUPTION_CAUSES = ("connection_broke", "conflict", "read_only")
 #: outbox_jobs_given_back_total's causes: the interruptions, a pooler's lost statement, and the
 #: interruptions past the pool's max_interruptions (counted, not given back).
 GIVEN_BACK_CAUSES = (*INTERRUPTION_CAUSES, "prepared_statement_lost", "interruptions_exhausted")
+#: A reconcile pass's steps (consumer_sdk.jobs.reconciler.Step), as outbox_jobs_reconcile_timed_out names them.
+RECONCILE_STEPS = ("resume", "reap", "stats")
 
 
 class JobsMetrics:
@@ -115,6 +117,13 @@ class JobsMetrics:
             "database is unavailable or read-only (a standby, a failover), or a round has gone unanswered "
             "for 10 s (a partition): it claims nothing and is not ready.",
             registry=r)
+        self.reconcile_timed_out = Counter(
+            "outbox_jobs_reconcile_timed_out", "Steps of a worker pool's reconcile passes and reaps that its "
+            "pool_statement_timeout_s cancelled, by step: resume (parked jobs whose activation or timeout came), "
+            "reap (running jobs whose lease expired), stats (the queue gauges). Each is skipped and held off, "
+            "longer while it keeps timing out: meanwhile its work waits.", ["step"], registry=r)
+        for step in RECONCILE_STEPS:  # at 0 from the start: an alert sees the first timeout as an increase
+            self.reconcile_timed_out.labels(step)
         # Children looked up once (labels are bounded: queues and statuses; never removed).
         self._per_queue: dict[str, tuple[Any, Any, Any]] = {}
         self._per_terminal: dict[tuple[str, str], tuple[Any, Any, Any]] = {}

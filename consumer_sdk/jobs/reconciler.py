@@ -168,6 +168,7 @@ class Reconciler:
             hold_s = min(HOLD_OFF_FACTOR * (ended - began) * 2 ** min(streak - 1, 16), MAX_HOLD_OFF_S)
             self._held_off[name] = _HeldOff(until=ended + hold_s, streak=streak)
             result.timed_out.append(name)
+            self.metrics.reconcile_timed_out.labels(name).inc()
             self.log.warning("reconcile_timed_out", step=name, error=str(exc), waited_s=round(ended - began, 3),
                              next_try_in_s=round(hold_s, 1), in_a_row=streak, hint=_TIMED_OUT_HINT)
             return

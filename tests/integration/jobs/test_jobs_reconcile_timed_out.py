@@ -41,6 +41,9 @@ def test_a_reap_past_the_pools_timeout_is_skipped_and_the_round_claims(conn, job
     assert "statement_timeout cancelled the statement" in skipped["error"], skipped
     assert "pool_statement_timeout_s" in skipped["hint"] and "next_try_in_s" in skipped["hint"]
     assert pending == 1.0  # the step after it ran: the gauges were refreshed (the job was still ready)
+    timed_out = {step: pool.metrics.registry.get_sample_value("outbox_jobs_reconcile_timed_out_total", {"step": step})
+                 for step in ("resume", "reap", "stats")}
+    assert timed_out == {"resume": 0.0, "reap": 1.0, "stats": 0.0}, timed_out
 
 
 def test_a_step_that_keeps_timing_out_is_held_off_and_named_when_it_passes_again(conn, jobs_db) -> None:
@@ -78,6 +81,8 @@ def test_a_step_that_keeps_timing_out_is_held_off_and_named_when_it_passes_again
         ahead[0] += 60.0  # the next pass: the reap passes again
         upkeep.run_due(conn_of(), clock())
         assert len(timeouts()) == 2, timeouts()
+        # Counted at each timeout, not at each pass or reap it was held off for.
+        assert pool.metrics.registry.get_sample_value("outbox_jobs_reconcile_timed_out_total", {"step": "reap"}) == 2.0
         [recovered] = [e for e in logged if e["event"] == "reconcile_step_recovered"]
         assert recovered["step"] == "reap" and recovered["timed_out_in_a_row"] == 2, recovered
     finally:

@@ -60,7 +60,7 @@ def test_metrics_share_one_prefix_and_never_label_by_owner():
     families = list(metrics.registry.collect())
     assert families and all(f.name.startswith("outbox_jobs_") for f in families)
     labels = {label for f in families for s in f.samples for label in s.labels}
-    assert labels <= {"queue", "status", "reason", "cause", "le"}
+    assert labels <= {"queue", "status", "reason", "cause", "step", "le"}  # step: a pass's three (RECONCILE_STEPS)
     names = {f.name for f in families}
     assert {"outbox_jobs_oldest_pending_age_seconds", "outbox_jobs_accept_to_terminal_seconds",
             "outbox_jobs_attempts", "outbox_jobs_retries", "outbox_jobs_lease_expirations",
