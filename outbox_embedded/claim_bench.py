@@ -17,7 +17,16 @@ Variants:
 * ``no_budget``: the same with the byte budget's running sum replaced by 0: what the
   budget's window costs (it copies every row, payload included, into a tuple store);
 * ``plain``: the same columns from the pending index in (xid, id) order after the same
-  position, and nothing else (outbox_embedded/sql/bench.sql, claim_bench_plain).
+  position, and nothing else (outbox_embedded/sql/bench.sql, claim_bench_plain); only with
+  every shard held (it takes every shard's rows);
+* ``shard_arms``: the relay's claim with each of its two branches split into one arm per
+  shard held, each arm a range of an index on the shard expression (claim_bench_shard_index),
+  merged in (xid, id) order, and no shard filter: what a replica would spend if it read only
+  its own shards' rows.  The pending index is dropped inside a transaction rolled back after
+  the statement (claim_bench_hide_pending): in reach, the planner picks it for every arm.
+
+``--held K`` claims as a replica holding K of the 16 shards (spread: 0, 16/K, ...): the
+relay's claim then reads its peers' rows and keeps its own.
 
 The durable embedded PostgreSQL of ``outbox-relay bench`` by default (``--dsn`` for
 another).  Benchmarks are not tests: nothing here is asserted.
@@ -42,9 +51,18 @@ from relay.model import Cursor, ShardId
 from relay.queries import compose
 from relay.store import Store, claim_params
 
-VARIANTS = ("relay", "no_budget", "plain")
+#: The shard count claim_bench_shard_index is built for: the migrations' default.
+NSHARDS = 16
 #: The budget's running sum in claim_batch (its window function), which no_budget replaces by 0.
 RUNNING_SUM = re.compile(r"sum\(least\(s\.size, %\(max_bytes\)s\)\)\s+OVER \([^)]*\)")
+#: claim_batch's two branches (the window's in-flight transactions, then its range), each
+#: "(SELECT * FROM ... ORDER BY i.xid, i.id)", and its shard filter, which shard_arms replace.
+BRANCH = re.compile(r"\(SELECT \* FROM .*?ORDER BY i\.xid, i\.id\)", re.DOTALL)
+SHARD_FILTER = re.compile(r"\n      AND \(%\(all_shards\)s OR [^\n]*\n")
+#: An arm's shard condition: the index's expression equal to the k-th shard held (1-based;
+#: the shards come as the claim's own parameter).
+ARM = ("WHERE i.published_at IS NULL AND ((hashtext(coalesce(i.key, i.event_id::text)) & 2147483647) %% 16)"
+       " = (%(shards)s::int[])[{k}]")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,32 +72,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--payload-bytes", type=int, default=512)
     p.add_argument("--keys", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=1000)
+    p.add_argument("--held", type=int, default=NSHARDS, choices=(1, 2, 4, 8, 16),
+                   help="shards of 16 the claiming replica holds (default: all)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", dest="json_path", default=None)
 
 
-def statements(conn: psycopg.Connection[Any]) -> dict[str, str]:
-    """Each variant's statement text."""
+def statements(conn: psycopg.Connection[Any], held: int) -> dict[str, str]:
+    """Each variant's statement text (plain only with every shard held)."""
     composed = compose("relay", "claim_batch", table="outbox")
     relay = composed if isinstance(composed, str) else composed.as_string(conn)
     no_budget, found = RUNNING_SUM.subn("0::bigint", relay)
     if found != 1:
         raise SystemExit("claim_bench: claim_batch's running sum changed shape; update RUNNING_SUM")
-    return {"relay": relay, "no_budget": no_budget,
-            "plain": query("bench", "claim_bench_plain")}
+    texts = {"relay": relay, "no_budget": no_budget, "shard_arms": shard_arms(relay, held)}
+    if held == NSHARDS:
+        texts["plain"] = query("bench", "claim_bench_plain")
+    return texts
 
 
-def positions(dsn: str, batch: int) -> list[dict[str, Any]]:
-    """claim_batch's parameters at each batch of the backlog, as the relay claims it."""
+def shard_arms(relay: str, held: int) -> str:
+    """claim_batch with each branch split into ``held`` arms, one per shard, and no shard filter."""
+    branches = BRANCH.findall(relay)
+    without_filter, filters = SHARD_FILTER.subn("\n", relay)
+    union = "\n        UNION ALL\n        "
+    if len(branches) != 2 or filters != 1 or without_filter.count(branches[0] + union + branches[1]) != 1:
+        raise SystemExit("claim_bench: claim_batch's branches or shard filter changed shape; update BRANCH")
+    arms = [branch.replace("WHERE i.published_at IS NULL", ARM.format(k=k), 1)
+            for branch in branches for k in range(1, held + 1)]
+    return without_filter.replace(branches[0] + union + branches[1], union.join(arms))
+
+
+def held_shards(held: int) -> list[ShardId]:
+    """``held`` of the 16 shards, spread over them."""
+    return [ShardId(s) for s in range(0, NSHARDS, NSHARDS // held)]
+
+
+def positions(dsn: str, batch: int, held: int) -> list[dict[str, Any]]:
+    """claim_batch's parameters at each batch of the backlog, as a replica holding ``held``
+    shards claims it."""
     store = Store(dsn)
     try:
-        shards = sorted(ShardId(s) for s in store.claim_shards(owner="claim_bench", limit=1 << 16, lease_s=3600))
+        every = store.claim_shards(owner="claim_bench", limit=1 << 16, lease_s=3600)
+        if len(every) != NSHARDS:
+            raise SystemExit(f"claim_bench: the database has {len(every)} shards, not {NSHARDS}")
+        shards = held_shards(held)
         found: list[dict[str, Any]] = []
         cursor = Cursor()
         while True:
-            params = claim_params(shards=shards, nshards=len(shards), after=cursor, limit=batch,
+            params = claim_params(shards=shards, nshards=NSHARDS, after=cursor, limit=batch,
                                   max_bytes=1_000_000, budget_bytes=4 << 20, now=None)
-            rows, snapshot, _cut = store.claim(shards=shards, nshards=len(shards), after=cursor, limit=batch)
+            rows, snapshot, _cut = store.claim(shards=shards, nshards=NSHARDS, after=cursor, limit=batch)
             if not rows:
                 return found
             params["cur"] = params["cur"] or snapshot
@@ -96,21 +139,26 @@ def measure(admin_dsn: str, args: argparse.Namespace, round_: int) -> dict[str, 
             conn.execute(query("bench", "bench_load_pending"),
                          {"topic": "claim_bench", "keys": args.keys, "payload_bytes": args.payload_bytes,
                           "count": args.rows})
+            conn.execute(query("bench", "claim_bench_shard_index"))
             conn.execute("VACUUM ANALYZE outbox")
-        batches = positions(dsn, args.batch_size)
-        spent = dict.fromkeys(VARIANTS, 0.0)
-        rows = dict.fromkeys(VARIANTS, 0)
+        batches = positions(dsn, args.batch_size, args.held)
         with psycopg.connect(dsn, autocommit=True) as conn:
-            texts = statements(conn)
+            texts = statements(conn, args.held)
+            spent = dict.fromkeys(texts, 0.0)
+            rows = dict.fromkeys(texts, 0)
             for i, params in enumerate(batches):
-                for variant in rotated(list(VARIANTS), round_ + i):
-                    ((plan,),) = conn.execute("EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) " + texts[variant],
-                                              params).fetchall()
+                for variant in rotated(list(texts), round_ + i):
+                    with conn.transaction(force_rollback=True):
+                        if variant == "shard_arms":
+                            conn.execute(query("bench", "claim_bench_hide_pending"))
+                        ((plan,),) = conn.execute("EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) " + texts[variant],
+                                                  params).fetchall()
                     spent[variant] += plan[0]["Execution Time"]
                     rows[variant] += plan[0]["Plan"]["Actual Rows"]
-    if len(set(rows.values())) != 1 or rows["relay"] != args.rows:
-        raise SystemExit(f"claim_bench: the variants did not each return the {args.rows} rows: {rows}")
-    return {v: spent[v] * 1000 / rows[v] for v in VARIANTS}
+    if len(set(rows.values())) != 1 or (args.held == NSHARDS and rows["relay"] != args.rows):
+        raise SystemExit(f"claim_bench: the variants did not each return the same rows (all {args.rows} "
+                         f"with every shard held): {rows}")
+    return {v: spent[v] * 1000 / rows[v] for v in texts}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,9 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs.append(measure(admin_dsn, args, r))
             print(f"round {r + 1}: " + ", ".join(f"{v} {us:.2f}" for v, us in runs[-1].items())
                   + " µs of execution a row", flush=True)
-    medians = {v: round(statistics.median([m[v] for m in runs]), 3) for v in VARIANTS}
+    medians = {v: round(statistics.median([m[v] for m in runs]), 3) for v in runs[0]}
     print(f"\nmedians of {len(runs)} rounds, {args.rows} rows of {args.payload_bytes} B, batches of "
-          f"{args.batch_size}: " + ", ".join(f"{v} {us:.2f}" for v, us in medians.items())
+          f"{args.batch_size}, {args.held} of {NSHARDS} shards held: " + ", ".join(f"{v} {us:.2f}" for v, us in medians.items())
           + " µs of execution a row")
     write_json(args.json_path, medians)
     return 0

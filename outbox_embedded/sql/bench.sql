@@ -175,3 +175,16 @@ WHERE o.published_at IS NULL
   AND (o.xid, o.id) > (%(from_xid)s::xid8, %(from_id)s::bigint)
 ORDER BY o.xid, o.id
 LIMIT %(limit)s
+
+-- name: claim_bench_shard_index
+-- shard_arms' index: the pending rows by the claim's shard expression over the migrations'
+-- 16 shards, then (xid, id), so that one index range holds one shard's rows in claim order.
+CREATE INDEX claim_bench_shard_idx
+    ON outbox (((hashtext(coalesce(key, event_id::text)) & 2147483647) % 16), xid, id)
+    WHERE published_at IS NULL
+
+-- name: claim_bench_hide_pending
+-- Inside a transaction rolled back after shard_arms' statement: with the pending index in
+-- reach, the planner takes it for every arm (the window's rows estimated at one) and filters
+-- the shard instead of reading the shard index's range.
+DROP INDEX outbox_pending_idx

@@ -184,9 +184,19 @@ def test_claim_bench_times_each_claim_variant_over_the_same_rows(pg_server, tmp_
     exits otherwise), and each is timed."""
     result, figures = _bench_module("claim_bench", tmp_path / "claims.json", "--dsn", pg_server.admin_dsn,
                                     "--rows", "3000", "--rounds", "1")
-    assert set(figures) == {"relay", "no_budget", "plain"}
+    assert set(figures) == {"relay", "no_budget", "plain", "shard_arms"}
     assert all(us > 0 for us in figures.values())
     assert "medians of 1 rounds" in result.stdout
+
+
+def test_claim_bench_prices_a_replica_of_a_quarter_of_the_shards(pg_server, tmp_path):
+    """With 4 of 16 shards held, the relay's claim and the per-shard arms return the same rows
+    (the bench exits otherwise); the plain scan, which takes every shard's rows, is left out."""
+    result, figures = _bench_module("claim_bench", tmp_path / "claims.json", "--dsn", pg_server.admin_dsn,
+                                    "--rows", "3000", "--rounds", "1", "--held", "4")
+    assert set(figures) == {"relay", "no_budget", "shard_arms"}
+    assert all(us > 0 for us in figures.values())
+    assert "4 of 16 shards held" in result.stdout
 
 
 def test_mark_bench_refuses_an_unknown_variant(tmp_path):
