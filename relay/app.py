@@ -31,6 +31,8 @@ loop on the caller's thread have ``run_once()``.  Threads, and the connections e
   its statements wait on in the database (a lock on the outbox); closed once it moves.
 * the health server (``relay.http``): no connection; it calls ``health``/``ready``, which
   read a few numbers the loop writes.
+* the partition watch (``relay.topic_partitions``): no connection; every 60 s, a metadata
+  request of the loop's Producer per topic published to (its one call made off that thread).
 * librdkafka's own threads, behind the producers.
 """
 
@@ -43,7 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outbox_core.backoff import backoff_s
-from relay import __version__, connections, probes, reopening
+from relay import __version__, connections, probes, reopening, topic_partitions
 from relay.app_deps import Dependencies
 from relay.app_run import Running
 from relay.config import (
@@ -77,7 +79,9 @@ class Relay(Running, Dependencies):
     """One relay replica.  ``start()`` validates and connects; ``run()`` loops until ``stop()``."""
 
     def __init__(self, settings: Settings, *, metrics: RelayMetrics | None = None,
-                 log: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 log: Any = None, clock: Callable[[], float] = time.monotonic,
+                 partitions_check_s: float = topic_partitions.CHECK_EVERY_S) -> None:
+        """``partitions_check_s``: how often the partition watch looks (tests shorten it)."""
         from relay import logs
 
         self.settings = settings
@@ -111,6 +115,8 @@ class Relay(Running, Dependencies):
         self.http: HealthServer | None = None
         self.janitor: Janitor | None = None
         self.gauges: BacklogGauges | None = None  # relay/gauges.py, on the loop's thread
+        self.partition_watch: topic_partitions.PartitionWatch | None = None  # relay/topic_partitions.py, started by start()
+        self._partitions_check_s = partitions_check_s
         self.connections: connections.Checks | None = None  # checked at start and re-opened
         # What the relay's statements wait on in the database when it is held up (relay/waits.py).
         watched = connections.watched_names(lambda role: application_name(settings.owner, role),
@@ -140,12 +146,22 @@ class Relay(Running, Dependencies):
         """Ask the loop to drain and exit.  Idempotent; safe from signal handlers (without
         ``timeout_s``); with it, also wait up to ``timeout_s`` for ``run`` to finish."""
         self._stop.set()
+        if self.partition_watch is not None:
+            self.partition_watch.stop(0.0)  # only asked: run() waits for it
         if timeout_s is not None:
             self.stopped.wait(timeout_s)
 
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
+
+    def run(self) -> int:
+        """relay/app_run.py's run; the partition watch's thread ended with it."""
+        try:
+            return super().run()
+        finally:
+            if self.partition_watch is not None:
+                self.partition_watch.stop(2 * topic_partitions.LOOKUP_TIMEOUT_S)
 
     def start(self) -> None:
         """Validate configuration, wait for the database, check the schema, build the producer."""
@@ -255,6 +271,12 @@ class Relay(Running, Dependencies):
         self._check_reopens()
         if self.stopping:
             return
+        publisher = self.publisher
+        self.partition_watch = topic_partitions.PartitionWatch(
+            partitions=lambda topic: publisher.partitions_now(topic, timeout_s=topic_partitions.LOOKUP_TIMEOUT_S),
+            published=lambda: topic_partitions.published_by_topic(self.metrics), metrics=self.metrics, log=self.log,
+            every_s=self._partitions_check_s)
+        self.partition_watch.start()
         ignored = ignored_options(s)
         if ignored:
             self.log.warning("options_ignored", options=ignored, detail="they apply with --exactly-once true")

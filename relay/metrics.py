@@ -100,6 +100,7 @@ class RelayMetrics:
         self.transactions = Counter("outbox_relay_transactions", "Kafka transactions in exactly-once mode, by result (committed, aborted, fenced).", ["result"], registry=r)
         self.queue_full = Counter("outbox_relay_producer_queue_full", "Claims cut short because the producer's local queue was full.", registry=r)
         self.stalled_rows = Gauge("outbox_relay_stalled_rows", "Rows waiting on a partition that acknowledges nothing (its keys' later rows wait too), by topic (as outbox_relay_events_published_total labels it) and partition.", ["topic", "partition"], registry=r)
+        self.topic_partition_changes = Counter("outbox_relay_topic_partition_changes", "Partition count changes seen on a topic this relay publishes to, by topic (as outbox_relay_events_published_total labels it; looked at every 60 s): keys moved between partitions, so per-key order holds only within each partition from then on (log: topic_partitions_changed).", ["topic"], registry=r)
         self.last_publish = Gauge("outbox_relay_last_publish_timestamp_seconds", "Unix time of the last marked batch.", registry=r)
         self.db_statements = Counter("outbox_relay_db_statements", "SQL statements the relay sent (idle cost).", registry=r)
         # Asleep, writers NOTIFY the relay (sql/migrations/0003_notify.sql); woken by a poll,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -97,7 +98,8 @@ ErrorCallback = Callable[[BrokerState, str, bool], None]  # (state, message, fat
 
 
 class Publisher:
-    """Owns one confluent-kafka Producer.  Not thread-safe: the pump's thread calls it."""
+    """Owns one confluent-kafka Producer.  Not thread-safe: the pump's thread calls it, but
+    :meth:`partitions_now` (the partition watch's thread, relay/topic_partitions.py)."""
 
     _answered = False  # a broker answered this client (warm_up): transport errors may be passing
     _tls_probe: TlsListenerProbe | None = None  # a plaintext client facing a TLS listener
@@ -114,6 +116,10 @@ class Publisher:
         self._murmur2 = self._config.get("partitioner", "consistent_random") in (
             "murmur2", "murmur2_random")
         self._partitions: dict[str, tuple[int | None, float]] = {}  # topic -> (count, until)
+        # Held by partitions_now's metadata request on another thread, and by recreate and
+        # close while they destroy the client: librdkafka's handle must not be destroyed
+        # under a call in progress on it.  send, poll and partition_of never take it.
+        self._client_lock = threading.Lock()
 
     def _new_producer(self) -> Producer:
         return new_producer(self._config, self._error_cb)
@@ -186,10 +192,27 @@ class Publisher:
             self._partitions[row.topic] = (count, now + (PARTITIONS_TTL_S if count else 5.0))
         return default_partition(row.key.encode(), count) if count else None
 
-    def _partition_count(self, topic: str) -> int | None:
+    def partitions_now(self, topic: str, *, timeout_s: float = PARTITIONS_TIMEOUT_S) -> int | None:
+        """``topic``'s partition count as the cluster gives it now (one metadata request of
+        at most ``timeout_s``); None when it cannot be known (the cluster unreachable, the
+        topic gone or not authorized, the client closed).  A count found replaces
+        :meth:`partition_of`'s at once.
+
+        For a thread other than the pump's (the partition watch, relay/topic_partitions.py),
+        which must never wait on a metadata request: :meth:`recreate` and :meth:`close`
+        wait for a request under way (``timeout_s`` at most) before they destroy the client."""
+        with self._client_lock:
+            if self._closed:
+                return None
+            count = self._partition_count(topic, timeout_s)
+        if count is not None:
+            self._partitions[topic] = (count, self._clock() + PARTITIONS_TTL_S)  # one store: atomic
+        return count
+
+    def _partition_count(self, topic: str, timeout_s: float = PARTITIONS_TIMEOUT_S) -> int | None:
         """From the client's metadata (answered from its cache when it has the topic)."""
         try:
-            metadata = self._producer.list_topics(topic=topic, timeout=PARTITIONS_TIMEOUT_S)
+            metadata = self._producer.list_topics(topic=topic, timeout=timeout_s)
         except KafkaException:
             return None
         found = metadata.topics.get(topic)
@@ -298,8 +321,9 @@ class Publisher:
         serves only the reports queued at that instant, the purged in-flight messages' came
         a moment later to a client destroyed by then, and their batch never settled (50 of
         50 rows in flight, tests/integration/test_publisher_recreate.py)."""
-        destroy_producer(self._producer)
-        self._producer = self._new_producer()
+        with self._client_lock:  # a partition watch's request on the old client ends first
+            destroy_producer(self._producer)
+            self._producer = self._new_producer()
 
     def close(self, timeout_s: float = 0.0) -> int:
         """Wait up to ``timeout_s`` for the outstanding reports, give up on the rest (purged:
@@ -314,6 +338,7 @@ class Publisher:
         if self._closed:
             return 0
         self._closed = True
-        left = destroy_producer(self._producer, timeout_s)  # the purged messages' reports served
-        self._producer = _CLOSED
+        with self._client_lock:  # a partition watch's request ends first; none starts after
+            left = destroy_producer(self._producer, timeout_s)  # the purged messages' reports served
+            self._producer = _CLOSED
         return left
