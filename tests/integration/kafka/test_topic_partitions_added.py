@@ -68,6 +68,9 @@ def test_partitions_added_to_a_topic_are_said_and_counted_and_nothing_is_lost(
         assert log.named("topic_partitions_changed") == []
         admin = admin_client(bootstrap)
         admin.create_partitions([NewPartitions(topic, 4)])[topic].result(timeout=30)
+        # The broker's metadata says so before the rows below are published and looked up.
+        wait_until(lambda: len(admin.list_topics(topic, timeout=5).topics[topic].partitions) == 4,
+                   timeout_s=30, message="the broker's metadata does not show 4 partitions")
         insert_rows(dsn, topic, ROWS, keys=30, start=ROWS)
         wait_until(lambda: log.named("topic_partitions_changed"), timeout_s=30,
                    message=lambda: f"not said; counts seen: {relay.partition_watch and relay.partition_watch.counts.seen}")
