@@ -16,7 +16,9 @@ adds none).  Each is one metadata request of the relay's producer
 producer's too: librdkafka partitions by the new count from then on (else from its own
 refresh, ``topic.metadata.refresh.interval.ms``, 5 minutes), and so does the pump's
 ``partition_of``: this relay's keys moved at the line, or at most a round before it
-(tests/integration/kafka/test_topic_partitions_added.py); each replica says it.  A round stops asking after
+(tests/integration/kafka/test_topic_partitions_added.py); each replica says it.  In
+exactly-once mode the shard producers are clients of their own: they move keys at their
+own refresh, up to 5 minutes after the line.  A round stops asking after
 ``budget_s`` (an unreachable cluster costs 5 requests a round; the topics left go first
 next round).  A lookup that fails is no change, and the first count seen of a topic is
 none either.
