@@ -210,7 +210,7 @@ class Publisher:
         return count
 
     def _partition_count(self, topic: str, timeout_s: float = PARTITIONS_TIMEOUT_S) -> int | None:
-        """From the client's metadata (answered from its cache when it has the topic)."""
+        """One metadata request for ``topic`` (at most ``timeout_s``); None when it fails."""
         try:
             metadata = self._producer.list_topics(topic=topic, timeout=timeout_s)
         except KafkaException:
