@@ -91,8 +91,19 @@ def _bench_module(module: str, out: Path, *args: str) -> tuple[subprocess.Comple
     (which must have exited 0) and the figures it wrote."""
     result = subprocess.run([sys.executable, "-m", f"outbox_embedded.{module}", *args, "--json", str(out)],
                             capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, _failure(result)
     return result, json.loads(out.read_text())
+
+
+def _failure(result: subprocess.CompletedProcess[str]) -> str:
+    """What a failed bench said: its output, the lines of its error stream that are not the
+    relays' JSON log lines (a traceback, the bench's own error), then the last log lines.  The
+    tail alone was the relays' logs: a rolling bench that failed in CI showed no reason."""
+    lines = result.stderr.splitlines()
+    said = [line for line in lines if not line.startswith("{")]
+    logs = [line for line in lines if line.startswith("{")]
+    return "\n".join([f"exit {result.returncode}", "stdout:", result.stdout[-2000:], "stderr, not log lines:",
+                      *said[-60:], "the last log lines:", *logs[-15:]])
 
 
 def _topics(bootstrap: str) -> set[str]:
