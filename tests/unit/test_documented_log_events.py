@@ -32,6 +32,7 @@ not found by these rules; the rules are kept narrow so that a mention found is a
 from __future__ import annotations
 
 import ast
+import difflib
 import functools
 import re
 from collections import defaultdict
@@ -117,15 +118,19 @@ def _levels(node: ast.AST) -> set[str]:
     return set()
 
 
+@functools.cache
+def code_trees() -> dict[str, ast.Module]:
+    """The packages' modules (and the extra sources), parsed once."""
+    paths = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
+    return {str(p.relative_to(ROOT)): ast.parse(p.read_text()) for p in paths + [ROOT / x for x in EXTRA_SOURCES]}
+
+
 def emitted_events(trees: dict[str, ast.Module] | None = None) -> dict[str, Emitted]:
     """Event -> the calls logging it, over the packages' modules (or ``trees``, for tests).  A
     name as the event: the literals assigned to it in that module or passed to a keyword of
     that name (a parameter); ``self.<attribute>``: the literals assigned to the attribute in
     any module (a subclass's class attribute)."""
-    if trees is None:
-        paths = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
-        trees = {str(p.relative_to(ROOT)): ast.parse(p.read_text())
-                 for p in paths + [ROOT / extra for extra in EXTRA_SOURCES]}
+    trees = code_trees() if trees is None else trees
     assigned: dict[tuple[str, str], set[str]] = defaultdict(set)  # (module or "*", name) -> literals
     aliases: dict[tuple[str, str], set[str]] = defaultdict(set)  # (module, name) -> levels
     keyword_literals: dict[str, set[str]] = defaultdict(set)  # keyword -> literals passed
@@ -280,6 +285,26 @@ def problems(documented: list[Mention], emitted: dict[str, Emitted]) -> dict[str
     return {key: "; ".join(dict.fromkeys(said)) for key, said in out.items()}
 
 
+def near_misses(texts: dict[str, str], emitted: dict[str, Emitted], literals: set[str]) -> dict[str, str]:
+    """The net under the narrow rules: a backticked word anywhere in the markdown that is
+    almost an event the code logs (``difflib`` ratio >= 0.85: `listen_failed` for a code's
+    ``listen_failures``) but is neither logged nor any string literal of the code (a reason
+    or cause label such as `lease_expired`, a column) nor a metric or setting: most likely an
+    event renamed on one side only."""
+    known = set(emitted) | literals | not_event_words()
+    out: dict[str, str] = {}
+    for where, text in texts.items():
+        for word in sorted(set(re.findall(r"`([a-z][a-z0-9]*(?:_[a-z0-9]+)+)`", text)) - known):
+            if close := difflib.get_close_matches(word, list(emitted), n=1, cutoff=0.85):
+                out[word] = f"{where}: not in the code; the code logs {close[0]!r}"
+    return out
+
+
+def code_literals(trees: dict[str, ast.Module]) -> set[str]:
+    return {n.value for tree in trees.values() for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
 # -- the tests ---------------------------------------------------------------------------------
 
 @functools.cache
@@ -296,6 +321,7 @@ def test_every_documented_log_event_is_logged_with_its_level_and_fields() -> Non
     documented = list(_the_docs())
     print("\n".join(sorted({f"{m.event} {m.level or ''} {m.fields or ''} ({m.where})" for m in documented})))
     found = problems(documented, _the_code())
+    found |= near_misses(doc_texts(), _the_code(), code_literals(code_trees()))
     unexpected = {k: v for k, v in found.items() if k not in EXPECTED_DRIFT}
     assert not unexpected, "documented log events the code does not log as said:\n" + "\n".join(
         f"  {k}: {v}" for k, v in sorted(unexpected.items()))
@@ -348,5 +374,8 @@ def test_the_checker_catches_an_invented_event_level_and_field() -> None:
     assert set(found) == {"invented_event", "invented_bare", "known_event", "known_event.invented_field",
                           "known_alias.invented_alias_field"}, found
     assert "logged at ['warning']" in found["known_event"]
+    prose = {"doc": "The watch says so once (`known_evnt`), with `known_reason` and `known_alias`."}
+    assert near_misses(prose, emitted, {"known_reason"}) == {
+        "known_evnt": "doc: not in the code; the code logs 'known_event'"}
     assert field_list("once, then every 30 s") == (None, ())
     assert field_list("warning: `a`, the b name; `c_d`, masked") == ("warning", ("a", "c_d"))
