@@ -12,38 +12,17 @@ from __future__ import annotations
 
 import threading
 import urllib.request
-from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from relay import logs
 from relay.app import Relay
 from relay.metric_labels import OTHER_TOPICS
 from tests.fixtures.broker import create_topic
-from tests.fixtures.outbox import insert_rows, settings, wait_drained
+from tests.fixtures.outbox import RecordingLog, insert_rows, settings, wait_drained
 from tests.fixtures.procs import free_port, wait_until
 
 BOUND = 3
 ROWS = [5, 6, 7, 8, 9, 10]  # rows of each topic: six topics, twice the bound
-
-
-class RecordingLog:
-    """The relay's own logger, its events also kept for the test to read."""
-
-    def __init__(self) -> None:
-        self.inner = logs.get(owner="topic-bound")
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str) -> Any:
-        method = getattr(self.inner, level)
-
-        def log(event: str, *args: Any, **kw: Any) -> Any:
-            self.events.append((event, kw))
-            return method(event, *args, **kw)
-        return log
-
-    def named(self, name: str) -> list[dict[str, Any]]:
-        return [kw for event, kw in list(self.events) if event == name]
 
 
 def published_by_topic(port: int) -> dict[str, float]:
@@ -59,7 +38,7 @@ def test_topics_past_the_bound_are_counted_under_other_every_row_counted(outbox_
     for name, count in zip(topics, ROWS, strict=True):
         create_topic(broker.bootstrap, name, partitions=1)
         insert_rows(outbox_db, name, count, keys=3)
-    port, log = free_port(), RecordingLog()
+    port, log = free_port(), RecordingLog("topic-bound")
     relay = Relay(settings(outbox_db, broker.bootstrap, metrics_port=port, metrics_max_topics=BOUND,
                            owner="topic-bound"), log=log)
     thread = threading.Thread(target=relay.run, daemon=True, name="relay-topic-bound")

@@ -15,11 +15,11 @@ from typing import Any
 
 from confluent_kafka.admin import NewPartitions  # type: ignore[attr-defined]
 
-from relay import logs
 from relay.app import Relay
 from tests.fixtures.apache_kafka import ApacheKafkaBroker, admin_client
 from tests.fixtures.broker import create_topic, read_all
 from tests.fixtures.outbox import (
+    RecordingLog,
     all_event_ids,
     check_delivery,
     insert_rows,
@@ -32,31 +32,12 @@ from tests.fixtures.procs import wait_until
 ROWS = 300  # each time: before the partitions are added, after, and after it was said
 
 
-class RecordingLog:
-    """The relay's own logger, its events also kept for the test to read."""
-
-    def __init__(self) -> None:
-        self.inner = logs.get(owner="partitions-added")
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str) -> Any:
-        method = getattr(self.inner, level)
-
-        def log(event: str, *args: Any, **kw: Any) -> Any:
-            self.events.append((event, kw))
-            return method(event, *args, **kw)
-        return log
-
-    def named(self, name: str) -> list[dict[str, Any]]:
-        return [kw for event, kw in list(self.events) if event == name]
-
-
 def test_partitions_added_to_a_topic_are_said_and_counted_and_nothing_is_lost(
         db_dsn: str, kafka_broker: ApacheKafkaBroker, topic_name: Any) -> None:
     dsn, bootstrap = migrated(db_dsn), kafka_broker.bootstrap
     topic = topic_name("orders")
     create_topic(bootstrap, topic, partitions=2)
-    log = RecordingLog()
+    log = RecordingLog("partitions-added")
     relay = Relay(settings(dsn, bootstrap, owner="partitions-added"), log=log, partitions_check_s=0.2)
     thread = threading.Thread(target=relay.run, daemon=True, name="relay-partitions-added")
     thread.start()
