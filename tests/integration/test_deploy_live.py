@@ -44,9 +44,10 @@ LABELLED = {
     "outbox_relay_dead_lettered_total",
 }
 #: Series that exist only while their state lasts (a partition stalled, a replay active: by
-#: replay id): a live scrape declares them (HELP and TYPE) without a sample.
+#: replay id), or once it happened to a topic (its partition count changed): a live scrape
+#: declares them (HELP and TYPE) without a sample.
 DECLARED_ONLY = {"outbox_relay_stalled_rows", "outbox_relay_replay_rows_left",
-                 "outbox_relay_replayed_events_total"}
+                 "outbox_relay_replayed_events_total", "outbox_relay_topic_partition_changes_total"}
 
 
 def dashboard_queries(node: Any) -> Iterator[str]:
