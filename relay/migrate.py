@@ -72,6 +72,11 @@ def render(shards: int = DEFAULT_SHARDS, *, partitioned: bool = False,
         parts.append(f"\n-- ==== {m.path.name} ====\n{m.sql}")
     shard_rows = sql.SQL(query("admin", "print_shards")).format(shards=sql.Literal(int(shards)))
     parts.append(f"\n-- ==== shards ====\n{shard_rows.as_string(None)}\n")
+    # The claim's index for the count, as migrate builds it (for a database whose count is
+    # `shards`), and 0001's index it replaces.
+    drop = sql.SQL(query("admin", "drop_index")).format(index=sql.Identifier("outbox_pending_idx"))
+    index = _pending_index_statements(shards).as_string(None).replace("%%", "%")  # a psycopg block's %
+    parts.append(f"\n-- ==== the claim's index for {int(shards)} shards ====\n{index}\n{drop.as_string(None)}\n")
     return "".join(parts)
 
 
@@ -120,6 +125,7 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
             with conn.transaction():
                 _locked(conn)
                 _ensure_shards(conn, shards, log)
+            _ensure_pending_index(conn, lock_timeout_s=lock_timeout_s, tries=tries, log=log)
     except psycopg.errors.InsufficientPrivilege as exc:
         raise FatalError(f"migrate needs a role that may create tables: {exc.diag.message_primary}") from None
     finally:
@@ -157,6 +163,51 @@ def _ensure_shards(conn: psycopg.Connection[Any], shards: int | None, log: Any) 
         conn.execute(query("leases", "create_shards"), {"shards": current[0]})
 
 
+def pending_index(shards: int) -> str:
+    """The claim's index for ``shards`` shards (admin.sql, pending_index_create)."""
+    return f"outbox_pending_by_{int(shards)}_shards_idx"
+
+
+def _pending_index_statements(shards: int) -> sql.Composed:
+    return sql.SQL(query("admin", "pending_index_create")).format(
+        index=sql.Identifier(pending_index(shards)), shards=sql.Literal(int(shards)))
+
+
+def _ensure_pending_index(conn: psycopg.Connection[Any], *, lock_timeout_s: float, tries: int,
+                          log: Any) -> None:
+    """The claim's index for the database's shard count, and no other: built when missing
+    (a new database, an upgrade from before it, ``--shards`` changed), then 0001's and other
+    counts' dropped, in one transaction under migrate's lock_timeout (see :func:`apply`)."""
+    what = "the claim's index for the shard count"
+    for attempt in range(1, tries + 1):
+        try:
+            with conn.transaction():
+                _locked(conn)
+                (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (DEFAULT_SHARDS,)
+                keep = pending_index(shards)
+                found = [r[0] for r in conn.execute(query("admin", "pending_indexes"))]
+                others = [name for name in found if name != keep]
+                if keep in found and not others:
+                    return
+                conn.execute(query("admin", "migration_lock_timeout"),
+                             {"lock_timeout": f"{max(1, round(lock_timeout_s * 1000))}ms"})
+                conn.execute(_pending_index_statements(shards), {})  # {}: its %% is read as %
+                for name in others:
+                    conn.execute(sql.SQL(query("admin", "drop_index")).format(index=sql.Identifier(name)))
+            if log is not None:
+                log.info("pending_index_built", index=keep, dropped=others)
+            return
+        except psycopg.errors.QueryCanceled as exc:
+            raise MigrationCancelled(_cancelled(what, exc.diag.message_primary or str(exc))) from None
+        except psycopg.errors.LockNotAvailable:
+            if log is not None:
+                log.warning("migration_lock_wait", version=None, name="pending_index", attempt=attempt,
+                            lock_timeout_s=lock_timeout_s)
+            if attempt < tries:
+                time.sleep(min(attempt, 5))
+    raise _blocked(conn, what, lock_timeout_s=lock_timeout_s, tries=tries)
+
+
 class MigrationBlocked(FatalError):
     """A migration could not take its locks: sessions in long transactions hold them.  Its
     own exit code, so that a deploy script can tell "try again later" from a broken setup."""
@@ -176,16 +227,16 @@ def _locked(conn: psycopg.Connection[Any]) -> None:
     conn.execute(query("admin", "migration_lock"))
 
 
-def _cancelled(m: Migration, cause: str) -> str:
-    """One line: which migration, what cancelled it, what to do."""
+def _cancelled(what: str, cause: str) -> str:
+    """One line: which migration (``what``), what cancelled it, what to do."""
     if "statement timeout" in cause:
-        what = ("a statement_timeout cancelled it: run migrate with a role, or a DSN option, that "
+        advice = ("a statement_timeout cancelled it: run migrate with a role, or a DSN option, that "
                 "lifts it (options=-c statement_timeout=0)")
     else:
-        what = ("an operator (pg_cancel_backend) or a tool that cancels long statements (a pooler's "
+        advice = ("an operator (pg_cancel_backend) or a tool that cancels long statements (a pooler's "
                 "query_timeout) cancelled it: let it run")
-    return (f"migration {m.path.name} (level {m.version}) was cancelled ({cause}) and rolled back; "
-            f"the levels before it stay applied. {what}, then run migrate again")
+    return (f"{what} was cancelled ({cause}) and rolled back; "
+            f"the levels before it stay applied. {advice}, then run migrate again")
 
 
 def _apply_one(conn: psycopg.Connection[Any], plain: Migration, variant: Migration, *, partitioned: bool,
@@ -211,19 +262,26 @@ def _apply_one(conn: psycopg.Connection[Any], plain: Migration, variant: Migrati
                              {"version": m.version, "name": m.name, "checksum": m.checksum})
             return m
         except psycopg.errors.QueryCanceled as exc:
-            raise MigrationCancelled(_cancelled(m, exc.diag.message_primary or str(exc))) from None
+            raise MigrationCancelled(_cancelled(f"migration {m.path.name} (level {m.version})",
+                                                exc.diag.message_primary or str(exc))) from None
         except psycopg.errors.LockNotAvailable:
             if log is not None:
                 log.warning("migration_lock_wait", version=m.version, name=m.name, attempt=attempt,
                             lock_timeout_s=lock_timeout_s)
             if attempt < tries:
                 time.sleep(min(attempt, 5))  # a short transaction elsewhere ends meanwhile
+    raise _blocked(conn, f"migration {m.path.name}", lock_timeout_s=lock_timeout_s, tries=tries)
+
+
+def _blocked(conn: psycopg.Connection[Any], what: str, *, lock_timeout_s: float, tries: int) -> MigrationBlocked:
+    """``what`` could not take its table locks ``tries`` times: the error naming the sessions
+    in older transactions that hold them."""
     with conn.transaction():
         blockers = conn.execute(query("admin", "migration_blockers"), {"older_than_s": lock_timeout_s}).fetchall()
     held = "; ".join(f"pid {pid} ({app}, {state}, transaction open {age:.0f} s)"
                      for pid, app, state, age in blockers) or "none left now: run migrate again"
-    raise MigrationBlocked(
-        f"migration {m.path.name} could not take its table locks within {lock_timeout_s:g} s, "
+    return MigrationBlocked(
+        f"{what} could not take its table locks within {lock_timeout_s:g} s, "
         f"{tries} times (writers waited at most that long each time). Sessions in older "
         f"transactions holding table locks: {held}. End them or let them finish, then run "
         f"migrate again (--lock-timeout-s waits longer)")

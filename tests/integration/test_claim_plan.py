@@ -1,4 +1,5 @@
-"""The claim is served by the partial index on pending rows (issue 14: show the plan).
+"""The claim is served by the partial index on pending rows (issue 14: show the plan), a
+replica's shards by its third column (issue 18).
 
 A window's claim reads the transactions in flight at the previous snapshot by index
 lookups and the later ones by one index range, never the whole pending index (whose
@@ -12,11 +13,15 @@ import os
 import psycopg
 from psycopg import sql
 
+from relay.migrate import pending_index
 from relay.model import Cursor, ShardId
 from relay.queries import compose
 from relay.store import Store, claim_params
+from relay.wire import text_value
 
 SHARDS = 16
+#: The claim's index migrate builds for the shard count (the outbox_db fixture's 16).
+PENDING = pending_index(SHARDS)
 
 
 def explain(dsn: str, cursor: Cursor, *, options: str = "", nshards: int = SHARDS,
@@ -56,7 +61,7 @@ def test_claims_use_the_pending_index(outbox_db):
         assert window.prev_xip, snapshot  # the held transaction was in flight below xmax
         for cursor in (Cursor(), window, window.advanced(rows[-1], snapshot)):
             text = plan(outbox_db, cursor)
-            assert "outbox_pending_idx" in text, text
+            assert PENDING in text, text
             assert "Seq Scan on outbox" not in text, text
         text = plan(outbox_db, window)
         assert "xid = ANY" in text and "xid >= " in text, text  # the two branches
@@ -119,7 +124,7 @@ def _pending_index_pages(dsn: str, cursor: Cursor) -> int:
 
     def walk(node: dict) -> int:
         own = (node.get("Shared Hit Blocks", 0) + node.get("Shared Read Blocks", 0)
-               if node.get("Index Name") == "outbox_pending_idx" else 0)
+               if node.get("Index Name") == PENDING else 0)
         return own + sum(walk(child) for child in node.get("Plans", []))
 
     return walk(doc[0]["Plan"])  # type: ignore[index]
@@ -204,3 +209,43 @@ def test_the_claim_never_scans_the_table_after_a_back_off_episode(outbox_db):
         scans = _scans(doc[0]["Plan"])  # type: ignore[index]
         assert ("Seq Scan", "outbox") not in scans, (mode, scans)
         assert any(index == "outbox_retrying_idx" for _, index in scans), (mode, scans)
+
+
+def _pending_scans(node: dict) -> list[dict]:
+    """The plan's scans of the claim's index (EXPLAIN ANALYZE, FORMAT JSON)."""
+    own = [node] if node.get("Index Name") == PENDING else []
+    return own + [scan for child in node.get("Plans", []) for scan in _pending_scans(child)]
+
+
+def test_a_replica_steps_over_its_peers_rows_inside_the_index(outbox_db):
+    """A replica holding some of the shards reads its own rows from the table and steps over
+    its peers' in the index, whose third column is each row's shard (issue 18).  Before it,
+    the index held (xid, id) only: the claim read every shard's pending rows from the table
+    and dropped its peers' by a filter (here 15 of 16), and a replica of four spent 2.8
+    times a lone relay's execution per claimed row.  Checked on the statement the store
+    prepares and runs, as PostgreSQL plans it for the claim's values."""
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("INSERT INTO outbox (topic, key, payload) SELECT 't', 'k' || g % 1600, '{}' "
+                     "FROM generate_series(1, 16000) AS g")
+        conn.execute("ANALYZE outbox")
+        mine = conn.execute("SELECT count(*) FROM outbox WHERE (hashtext(key) & 2147483647) % 16 = 3").fetchone()[0]
+    assert 0 < mine < 16000
+    store = Store(outbox_db)
+    try:
+        claimed = store.claim(shards=[ShardId(3)], nshards=SHARDS, after=Cursor(), limit=20000)
+        assert len(claimed.rows) == mine and {row.shard for row in claimed.rows} == {3}
+        params = claim_params(shards=[ShardId(3)], nshards=SHARDS, after=Cursor(), limit=20000,
+                              max_bytes=1_000_000, budget_bytes=1 << 40, now=None)
+        statement = store._claim_statement  # prepared on the store's connection by the claim
+        values = sql.SQL(", ").join(sql.Literal(None if v is None else v.decode())
+                                    for v in (text_value(params[name]) for name in statement._names))
+        explained = sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE {}({})").format(
+            sql.Identifier(statement.name.decode()), values)
+        [(doc,)] = store.conn.execute(explained).fetchall()
+    finally:
+        store.close()
+    scans = _pending_scans(doc[0]["Plan"])  # type: ignore[index]
+    assert scans, doc
+    assert sum(scan["Actual Rows"] for scan in scans) == mine, scans
+    assert sum(scan.get("Rows Removed by Filter", 0) for scan in scans) == 0, scans
+    assert all("% 16) = ANY" in scan["Index Cond"] for scan in scans), scans

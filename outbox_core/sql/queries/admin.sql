@@ -177,3 +177,31 @@ INSERT INTO outbox_relay_settings (singleton, shards) VALUES (true, {shards})
 INSERT INTO outbox_relay_shards (shard)
     SELECT g FROM generate_series(0, (SELECT shards FROM outbox_relay_settings) - 1) AS g
     ON CONFLICT (shard) DO NOTHING;
+
+-- name: pending_index_create
+-- The claim's index: the pending rows in (xid, id) order, with each row's shard for the
+-- database's shard count as a third key column (the count filled in with
+-- psycopg.sql.Literal, the name carrying it; run with empty parameters, so that its %% is
+-- PostgreSQL's %).  A replica holding some of the shards has the claim's shard test in the index condition (the claim's own expression: PostgreSQL plans
+-- each claim for its values and matches it), so the rows of its peers' shards are stepped
+-- over in the index instead of being read from the table (issue 18: a replica of four
+-- spent 2.8 times a lone relay's execution per claimed row reading them).  It serves
+-- every other reader of the pending rows by its first two columns, as the (xid, id)
+-- index it replaces did.  Built in migrate's transaction, under its lock_timeout: the
+-- build holds writers for as long as it reads the pending rows (few, unless a backlog).
+CREATE INDEX IF NOT EXISTS {index}
+    ON outbox (xid, id, ((hashtext(coalesce(key, event_id::text)) & 2147483647) %% {shards}))
+    WHERE published_at IS NULL;
+
+-- name: pending_indexes
+-- The claim's indexes on the outbox: migration 0001's (xid, id) index and those built by
+-- pending_index_create; migrate keeps the one for the shard count and drops the others.
+SELECT c.relname::text AS name
+FROM pg_index AS x
+JOIN pg_class AS c ON c.oid = x.indexrelid
+WHERE x.indrelid = to_regclass('outbox')
+  AND (c.relname = 'outbox_pending_idx' OR c.relname ~ '^outbox_pending_by_[0-9]+_shards_idx$')
+ORDER BY 1
+
+-- name: drop_index
+DROP INDEX IF EXISTS {index};
