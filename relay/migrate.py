@@ -73,10 +73,9 @@ def render(shards: int = DEFAULT_SHARDS, *, partitioned: bool = False,
     shard_rows = sql.SQL(query("admin", "print_shards")).format(shards=sql.Literal(int(shards)))
     parts.append(f"\n-- ==== shards ====\n{shard_rows.as_string(None)}\n")
     # The claim's index for the count, as migrate builds it (for a database whose count is
-    # `shards`), and 0001's index it replaces.
-    drop = sql.SQL(query("admin", "drop_index")).format(index=sql.Identifier("outbox_pending_idx"))
-    index = _pending_index_statements(shards).as_string(None).replace("%%", "%")  # a psycopg block's %
-    parts.append(f"\n-- ==== the claim's index for {int(shards)} shards ====\n{index}\n{drop.as_string(None)}\n")
+    # `shards`; on PostgreSQL 17 and later), and 0001's index it replaces.
+    index = _pending_index_statements(shards, "print_pending_index").as_string(None).replace("%%", "%")
+    parts.append(f"\n-- ==== the claim's index for {int(shards)} shards ====\n{index}\n")
     return "".join(parts)
 
 
@@ -163,13 +162,25 @@ def _ensure_shards(conn: psycopg.Connection[Any], shards: int | None, log: Any) 
         conn.execute(query("leases", "create_shards"), {"shards": current[0]})
 
 
+#: The first PostgreSQL whose btree scans keep their order with an "= ANY" test on a later
+#: column: the claim's index carries the shard from there on (admin.sql, pending_index_xid_id).
+SHARD_COLUMN_SINCE = 170000
+#: Migration 0001's index of the pending rows by (xid, id): the claim's before PostgreSQL 17.
+XID_ID_INDEX = "outbox_pending_idx"
+
+
 def pending_index(shards: int) -> str:
     """The claim's index for ``shards`` shards (admin.sql, pending_index_create)."""
     return f"outbox_pending_by_{int(shards)}_shards_idx"
 
 
-def _pending_index_statements(shards: int) -> sql.Composed:
-    return sql.SQL(query("admin", "pending_index_create")).format(
+def claim_index(server_version: int, shards: int) -> str:
+    """The claim's index migrate keeps on a server of ``server_version`` (server_version_num)."""
+    return pending_index(shards) if server_version >= SHARD_COLUMN_SINCE else XID_ID_INDEX
+
+
+def _pending_index_statements(shards: int, block: str = "pending_index_create") -> sql.Composed:
+    return sql.SQL(query("admin", block)).format(
         index=sql.Identifier(pending_index(shards)), shards=sql.Literal(int(shards)))
 
 
@@ -177,21 +188,25 @@ def _ensure_pending_index(conn: psycopg.Connection[Any], *, lock_timeout_s: floa
                           log: Any) -> None:
     """The claim's index for the database's shard count, and no other: built when missing
     (a new database, an upgrade from before it, ``--shards`` changed), then 0001's and other
-    counts' dropped, in one transaction under migrate's lock_timeout (see :func:`apply`)."""
+    counts' dropped, in one transaction under migrate's lock_timeout (see :func:`apply`).
+    Before PostgreSQL 17 it is 0001's (xid, id) index (see :data:`SHARD_COLUMN_SINCE`)."""
     what = "the claim's index for the shard count"
     for attempt in range(1, tries + 1):
         try:
             with conn.transaction():
                 _locked(conn)
                 (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (DEFAULT_SHARDS,)
-                keep = pending_index(shards)
+                keep = claim_index(conn.info.server_version, shards)
                 found = [r[0] for r in conn.execute(query("admin", "pending_indexes"))]
                 others = [name for name in found if name != keep]
                 if keep in found and not others:
                     return
                 conn.execute(query("admin", "migration_lock_timeout"),
                              {"lock_timeout": f"{max(1, round(lock_timeout_s * 1000))}ms"})
-                conn.execute(_pending_index_statements(shards), {})  # {}: its %% is read as %
+                if keep == XID_ID_INDEX:
+                    conn.execute(query("admin", "pending_index_xid_id"))
+                else:
+                    conn.execute(_pending_index_statements(shards), {})  # {}: its %% is read as %
                 for name in others:
                     conn.execute(sql.SQL(query("admin", "drop_index")).format(index=sql.Identifier(name)))
             if log is not None:

@@ -4,7 +4,9 @@ peers' rows inside the index (tests/integration/test_claim_plan.py shows the pla
 index carries the count in its name; migrate builds it on a new database, on an outbox
 from before it, and again when --shards changes the count, and drops 0001's (xid, id)
 index and any other count's; the build waits for its lock at most --lock-timeout-s, as a
-migration does."""
+migration does.  Before PostgreSQL 17 the claim's index stays 0001's, and migrate puts it
+back where another one stands (relay/migrate.py, SHARD_COLUMN_SINCE; the CI's second tier
+runs these tests on PostgreSQL 15)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from relay import migrate
 
@@ -24,11 +27,15 @@ ORDER BY 1
 """
 #: A child index of the claim's index on each partition of a partitioned outbox.
 PARTITION_INDEXES = """
-SELECT count(*) FILTER (WHERE i.inhparent = to_regclass(%(parent)s)),
-       count(*) FILTER (WHERE i.inhparent = to_regclass('outbox_pending_idx'))
+SELECT count(*) FILTER (WHERE i.inhparent = to_regclass(%(kept)s)),
+       count(*) FILTER (WHERE i.inhparent <> to_regclass(%(kept)s))
 FROM pg_inherits AS i JOIN pg_index AS x ON x.indexrelid = i.inhrelid
+JOIN pg_class AS c ON c.oid = i.inhparent
+WHERE c.relname LIKE 'outbox_pending%%'
 """
 OLD_INDEX = "CREATE INDEX outbox_pending_idx ON outbox (xid, id) WHERE published_at IS NULL"
+SHARD_INDEX_16 = ("CREATE INDEX outbox_pending_by_16_shards_idx ON outbox (xid, id, "
+                  "((hashtext(coalesce(key, event_id::text)) & 2147483647) % 16)) WHERE published_at IS NULL")
 
 
 class Events:
@@ -48,17 +55,33 @@ def indexes(dsn: str) -> dict[str, str]:
         return dict(conn.execute(INDEXES).fetchall())
 
 
-def _from_before(dsn: str) -> None:
-    """The outbox as migrate left it before the claim's index: 0001's index only."""
+def shard_column(dsn: str) -> bool:
+    """The server is PostgreSQL 17 or later: the claim's index carries the shard."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"DROP INDEX {migrate.pending_index(16)}")
-        conn.execute(OLD_INDEX)
+        return conn.info.server_version >= migrate.SHARD_COLUMN_SINCE
+
+
+def _the_other_index(dsn: str) -> str:
+    """The outbox with the other kind of claim index than migrate keeps on this server (on
+    17 and later, as migrate left it before the shard column: 0001's index only); returns
+    the name migrate keeps."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        kept = migrate.claim_index(conn.info.server_version, 16)
+        conn.execute(sql.SQL("DROP INDEX {}").format(sql.Identifier(kept)))
+        conn.execute(OLD_INDEX if kept != migrate.XID_ID_INDEX else SHARD_INDEX_16)
+    return kept
 
 
 def test_migrate_builds_the_index_for_the_count_and_again_when_the_count_changes(db_dsn):
     log = Events()
     migrate.apply(db_dsn, log=log)
     found = indexes(db_dsn)
+    if not shard_column(db_dsn):  # before 17: 0001's index, nothing built, whatever the count
+        assert list(found) == ["outbox_pending_idx"], found
+        migrate.apply(db_dsn, shards=32)
+        assert indexes(db_dsn) == found
+        assert [e for e, _ in log.said if e == "pending_index_built"] == []
+        return
     assert list(found) == ["outbox_pending_by_16_shards_idx"], found
     assert "% 16))) WHERE (published_at IS NULL)" in found["outbox_pending_by_16_shards_idx"], found
     assert ("pending_index_built", {"index": "outbox_pending_by_16_shards_idx",
@@ -83,24 +106,26 @@ def test_migrate_builds_the_index_for_the_count_and_again_when_the_count_changes
 
 
 @pytest.mark.parametrize("partitioned", [False, True])
-def test_an_outbox_from_before_gets_the_index_on_upgrade(db_dsn, partitioned):
+def test_the_other_index_gives_way_to_the_one_for_the_server_on_upgrade(db_dsn, partitioned):
+    """On 17 and later: an outbox from before the shard column gets it; before 17, a shard
+    index (a database moved back, one built by hand) gives way to 0001's."""
     migrate.apply(db_dsn, partitioned=partitioned)
-    _from_before(db_dsn)
-    assert list(indexes(db_dsn)) == ["outbox_pending_idx"]
+    kept = _the_other_index(db_dsn)
+    assert kept not in indexes(db_dsn)
     migrate.apply(db_dsn)
-    assert list(indexes(db_dsn)) == ["outbox_pending_by_16_shards_idx"]
-    if partitioned:  # each partition has its part of the new index, none of the old one
+    assert list(indexes(db_dsn)) == [kept]
+    if partitioned:  # each partition has its part of the kept index, none of the other
         with psycopg.connect(db_dsn, autocommit=True) as conn:
-            ((new, old),) = conn.execute(PARTITION_INDEXES,
-                                         {"parent": "outbox_pending_by_16_shards_idx"}).fetchall()
+            ((mine, other),) = conn.execute(PARTITION_INDEXES, {"kept": kept}).fetchall()
             (partitions,) = conn.execute("SELECT count(*) FROM pg_inherits "
                                          "WHERE inhparent = 'outbox'::regclass").fetchone() or (0,)
-        assert partitions > 0 and (new, old) == (partitions, 0)
+        assert partitions > 0 and (mine, other) == (partitions, 0)
 
 
 def test_a_blocked_build_names_the_session_and_a_later_run_builds_it(db_dsn):
     migrate.apply(db_dsn)
-    _from_before(db_dsn)
+    kept = _the_other_index(db_dsn)
+    before = list(indexes(db_dsn))
     writer = psycopg.connect(db_dsn)
     try:
         writer.execute("SET application_name = 'slow-writer'")
@@ -120,9 +145,9 @@ def test_a_blocked_build_names_the_session_and_a_later_run_builds_it(db_dsn):
         message = str(outcome.get("error"))
         assert message.startswith("the claim's index for the shard count could not take its table locks"), message
         assert "slow-writer" in message, message
-        assert list(indexes(db_dsn)) == ["outbox_pending_idx"]  # rolled back: the old one serves
+        assert list(indexes(db_dsn)) == before  # rolled back: the other one still serves
     finally:
         writer.rollback()
         writer.close()
     migrate.apply(db_dsn)
-    assert list(indexes(db_dsn)) == ["outbox_pending_by_16_shards_idx"]
+    assert list(indexes(db_dsn)) == [kept]
