@@ -47,7 +47,7 @@ from psycopg import sql
 from outbox_embedded.calibration import rotated, write_json
 from outbox_embedded.mark_bench import migrated_database
 from outbox_embedded.queries import query
-from relay.migrate import pending_index
+from relay.migrate import SHARD_COLUMN_SINCE, pending_index
 from relay.model import Cursor, ShardId
 from relay.queries import compose
 from relay.store import Store, claim_params
@@ -120,6 +120,10 @@ def measure(admin_dsn: str, args: argparse.Namespace, round_: int) -> dict[str, 
     """One round: µs of executor time per claimed row, by variant."""
     with migrated_database(admin_dsn) as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
+            if conn.info.server_version < SHARD_COLUMN_SINCE:
+                raise SystemExit("claim_bench compares the claim's index with the shard column against "
+                                 "0001's (xid, id) one: migrate builds the former on PostgreSQL 17 and "
+                                 f"later only, and this server is {conn.info.server_version}")
             conn.execute(query("bench", "bench_load_pending"),
                          {"topic": "claim_bench", "keys": args.keys, "payload_bytes": args.payload_bytes,
                           "count": args.rows})

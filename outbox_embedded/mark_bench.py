@@ -34,6 +34,10 @@ Variants:
 * ``event_id_pending``: ``event_id`` unique among pending rows only (a partial unique
   index): a mark then writes no entry into that index, but a reused ``event_id`` is
   refused only while the first row is pending, not while it is kept;
+* ``xid_id_index``: migration 0001's index of the pending rows by ``(xid, id)`` in place of
+  migrate's ``(xid, id, shard)`` one (issue 18's forty-second pass): with ``--drain
+  --replicas 4``, what the shard column is worth to four replicas (the same as
+  ``migrated`` before PostgreSQL 17, where migrate keeps 0001's index);
 * ``pk_only``: that, and cleanup by a BRIN index instead of the B-tree of published rows:
   the primary key is the one index a mark writes, as on the physical floor's table.
 
@@ -54,6 +58,7 @@ import argparse
 import contextlib
 import sys
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -86,6 +91,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
                 "mark_bench_drop_published_index", "mark_bench_published_brin"),
     "unique_ff90": ("mark_bench_pkey_ff_default", "mark_bench_event_id_ff_default"),
     "heap_ff50": ("mark_bench_fillfactor_50",),
+    "xid_id_index": ("mark_bench_drop_shard_index", "claim_bench_xid_id_index"),
 }
 #: Variants whose rows are loaded otherwise: bytea_payload's payload is bytes, not jsonb.
 LOADS: dict[str, str] = {"bytea_payload": "bench_load_pending_bytes"}
@@ -108,6 +114,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--drain", action="store_true",
                    help="also the relay's drain on each variant's schema, next to the physical floor")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="relay processes of --drain (more than 1: outbox-relay bench's settled "
+                        "scale-out drain, the replicas holding their shares before the backlog)")
+    p.add_argument("--exactly-once", action="store_true",
+                   help="--drain in exactly-once mode (it claims one shard at a time), on a broker "
+                        "with transactions")
     p.add_argument("--bootstrap-servers", default=None, help="Kafka for --drain (default: a local tansu)")
     p.add_argument("--json", dest="json_path", default=None)
 
@@ -190,8 +202,21 @@ def drain(bench: Any, variant: str, floor: float) -> dict[str, float]:
     bench.schema_hook = apply
     loads_before, bench.pending_load = bench.pending_load, _load_query(variant)
     try:
-        extra = {"keep_published": "false"} if variant == "delete" else {}
-        figures = bench.relay_drain(**extra)
+        if bench.args.replicas > 1:
+            if variant == "delete":
+                raise SystemExit("mark_bench: --replicas drains keep published rows; drop the delete variant")
+            if bench.args.exactly_once:
+                raise SystemExit("mark_bench: --exactly-once drains with one relay (no --replicas)")
+            rate = bench.scale_out(bench.args.replicas, settled=True)
+            figures = {"events_per_s": rate,
+                       "cpu_split_us_per_row": bench.scale_out_splits[bench.args.replicas][-1]}
+        else:
+            extra = {"keep_published": "false"} if variant == "delete" else {}
+            if bench.args.exactly_once:
+                tag = uuid.uuid4().hex[:8]
+                extra.update(exactly_once="true", exactly_once_position_topic=f"bench-pos-{tag}",
+                             exactly_once_transactional_id_prefix=f"bench-{tag}.")
+            figures = bench.relay_drain(**extra)
     finally:
         bench.schema_hook = None
         bench.pending_load = loads_before

@@ -110,9 +110,12 @@ FROM held
 DROP INDEX outbox_published_idx
 
 -- name: mark_bench_drop_pending_index
--- A HOT mark needs no index to name published_at, in a column or a predicate (migrate's
--- claim index for the default 16 shards).
-DROP INDEX outbox_pending_by_16_shards_idx
+-- A HOT mark needs no index to name published_at, in a column or a predicate (the claim's
+-- index migrate keeps: for the default 16 shards on PostgreSQL 17 and later, 0001's before).
+DROP INDEX IF EXISTS outbox_pending_by_16_shards_idx, outbox_pending_idx
+
+-- name: mark_bench_drop_shard_index
+DROP INDEX IF EXISTS outbox_pending_by_16_shards_idx
 
 -- name: mark_bench_claim_index_all_rows
 CREATE INDEX outbox_claim_all_idx ON outbox (xid, id)
@@ -180,7 +183,7 @@ LIMIT %(limit)s
 -- name: claim_bench_xid_id_index
 -- xid_id_index's index: migration 0001's, which migrate's index for the shard count
 -- replaced (issue 18's forty-second pass).
-CREATE INDEX outbox_pending_idx ON outbox (xid, id) WHERE published_at IS NULL
+CREATE INDEX IF NOT EXISTS outbox_pending_idx ON outbox (xid, id) WHERE published_at IS NULL
 
 -- name: claim_bench_hide_index
 -- Inside a transaction rolled back after a variant's statement: the other variant's index.
