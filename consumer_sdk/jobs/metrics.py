@@ -9,7 +9,7 @@ a worker really saw (a lost lease).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -21,8 +21,12 @@ INTERRUPTION_CAUSES = ("connection_broke", "conflict", "read_only")
 #: outbox_jobs_given_back_total's causes: the interruptions, a pooler's lost statement, and the
 #: interruptions past the pool's max_interruptions (counted, not given back).
 GIVEN_BACK_CAUSES = (*INTERRUPTION_CAUSES, "prepared_statement_lost", "interruptions_exhausted")
-#: A reconcile pass's steps (consumer_sdk.jobs.reconciler.Step), as outbox_jobs_reconcile_timed_out names them.
-RECONCILE_STEPS = ("resume", "reap", "stats")
+#: A reconcile pass's steps (consumer_sdk.jobs.reconciler's Step), as a timed-out one is named:
+#: resuming parked jobs, reaping expired leases, refreshing the queue gauges.  Declared here,
+#: where the reconciler (which imports this module) takes it from, so that its steps and
+#: outbox_jobs_reconcile_timed_out's label values (RECONCILE_STEPS, each at 0) are one list.
+ReconcileStep = Literal["resume", "reap", "stats"]
+RECONCILE_STEPS: tuple[ReconcileStep, ...] = get_args(ReconcileStep)
 
 
 class JobsMetrics:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 
@@ -42,12 +42,10 @@ from consumer_sdk.jobs._conn import ConnectionFactory, ConnSlot
 from consumer_sdk.jobs._db import ConnectionT, q, translated
 from consumer_sdk.jobs.errors import StatementTimedOut
 from consumer_sdk.jobs.metrics import JobsMetrics
+from consumer_sdk.jobs.metrics import ReconcileStep as Step  # a pass's steps, with their metric
 from consumer_sdk.jobs.model import QueueStats
 from consumer_sdk.jobs.refusals import Refusals, Refused
 
-#: A pass's steps, as a timed-out one is named: resuming parked jobs, reaping expired leases,
-#: refreshing the queue gauges.
-Step = Literal["resume", "reap", "stats"]
 #: A step the pool's timeout cancelled is not tried again for this many times the wait it cost
 #: the dispatcher, doubled at each timeout in a row, at most MAX_HOLD_OFF_S: the claims wait on
 #: it at most a fifth of the time (retried at every pass, a step that always timed out held
