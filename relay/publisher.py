@@ -91,6 +91,7 @@ def encode_headers(row: OutboxRow) -> list[tuple[str, str | bytes | None]]:
 
 
 PARTITIONS_TTL_S = 60.0  # how long a topic's partition count is trusted
+PARTITIONS_UNKNOWN_S = 5.0  # how long partition_of trusts a failed lookup (no partition known)
 PARTITIONS_TIMEOUT_S = 1.0  # a metadata request for it; only when a partition looks stalled
 
 DeliveryCallback = Callable[[OutboxRow, Outcome], None]
@@ -186,10 +187,8 @@ class Publisher:
         if row.key is None or not self._murmur2:
             return None
         count, until = self._partitions.get(row.topic, (None, 0.0))
-        now = self._clock()
-        if now >= until:
-            count = self._partition_count(row.topic)
-            self._partitions[row.topic] = (count, now + (PARTITIONS_TTL_S if count else 5.0))
+        if self._clock() >= until:
+            count = self._look_up(row.topic, PARTITIONS_TIMEOUT_S, failure_trusted_s=PARTITIONS_UNKNOWN_S)
         return default_partition(row.key.encode(), count) if count else None
 
     def partitions_now(self, topic: str, *, timeout_s: float = PARTITIONS_TIMEOUT_S) -> int | None:
@@ -204,9 +203,19 @@ class Publisher:
         with self._client_lock:
             if self._closed:
                 return None
-            count = self._partition_count(topic, timeout_s)
+            return self._look_up(topic, timeout_s, failure_trusted_s=None)
+
+    def _look_up(self, topic: str, timeout_s: float, *, failure_trusted_s: float | None) -> int | None:
+        """``topic``'s partition count from one metadata request (at most ``timeout_s``; None
+        when it fails), remembered for :meth:`partition_of`: a count for PARTITIONS_TTL_S, a
+        failure for ``failure_trusted_s`` (None: not remembered; the count remembered stays).
+        Either from its answer.  On the pump's thread, or holding the client lock (__init__)."""
+        count = self._partition_count(topic, timeout_s)
+        # One store of a tuple each: partition_of, on the pump's thread, reads it without a lock.
         if count is not None:
-            self._partitions[topic] = (count, self._clock() + PARTITIONS_TTL_S)  # one store: atomic
+            self._partitions[topic] = (count, self._clock() + PARTITIONS_TTL_S)
+        elif failure_trusted_s is not None:
+            self._partitions[topic] = (None, self._clock() + failure_trusted_s)
         return count
 
     def _partition_count(self, topic: str, timeout_s: float = PARTITIONS_TIMEOUT_S) -> int | None:

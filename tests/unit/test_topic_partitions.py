@@ -9,15 +9,16 @@ time budget; and the producer's side (relay/publisher.py ``partitions_now``)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from outbox_core.kafka_clients import destroy_producer
 from relay.config import build_settings, producer_config
 from relay.metrics import RelayMetrics
 from relay.model import OutboxRow
-from relay.publisher import Publisher
+from relay.publisher import PARTITIONS_TTL_S, PARTITIONS_UNKNOWN_S, Publisher
 from relay.stalls import default_partition
 from relay.topic_partitions import (
     FEWER_HINT,
@@ -194,37 +195,66 @@ def test_the_thread_runs_rounds_survives_a_failing_one_and_stops() -> None:
 
 
 class Metadata:
-    def __init__(self, topic: str, partitions: int) -> None:
-        self.topics = {topic: type("T", (), {"error": None, "partitions": dict.fromkeys(range(partitions))})()}
+    def __init__(self, topic: str, partitions: int | None) -> None:
+        self.topics = {} if partitions is None else {
+            topic: type("T", (), {"error": None, "partitions": dict.fromkeys(range(partitions))})()}
+
+
+class MetadataClient:
+    """The producer's metadata requests, answered from ``cluster`` (None: the topic not found)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def list_topics(self, *, topic: str, timeout: float) -> Metadata:
+        return Metadata(topic, self.cluster(topic))
+
+
+@contextlib.contextmanager
+def publisher_asking(cluster: Cluster, clock: Callable[[], float]) -> Iterator[Publisher]:
+    """A Publisher whose metadata requests ``cluster`` answers; closed when the block ends."""
+    settings = build_settings({"dsn": "postgresql://u@127.0.0.1:1/x", "bootstrap_servers": "127.0.0.1:1"})
+    publisher = Publisher(producer_config(settings), on_client_error=lambda *a: None, clock=clock)
+    real, publisher._producer = publisher._producer, MetadataClient(cluster)
+    try:
+        yield publisher
+    finally:
+        publisher._producer = real
+        publisher.close()
+
+
+ROW = OutboxRow(id=1, event_id="00000000-0000-7000-8000-000000000001", topic="orders", key="k8",
+                value=b"v", headers_json="{}", xid=1, shard=0, attempts=0, created_epoch=0.0, size=1)
 
 
 def test_partitions_now_gives_partition_of_the_new_count_at_once_and_none_once_closed() -> None:
-    settings = build_settings({"dsn": "postgresql://u@127.0.0.1:1/x", "bootstrap_servers": "127.0.0.1:1"})
-    publisher = Publisher(producer_config(settings), on_client_error=lambda *a: None, clock=lambda: 100.0)
-    real = publisher._producer
-    counts = {"orders": 2}
-    asked: list[str] = []
-
-    class FakeClient:
-        def list_topics(self, *, topic: str, timeout: float) -> Metadata:
-            asked.append(topic)
-            return Metadata(topic, counts[topic])
-
-    row = OutboxRow(id=1, event_id="00000000-0000-7000-8000-000000000001", topic="orders", key="k8",
-                    value=b"v", headers_json="{}", xid=1, shard=0, attempts=0, created_epoch=0.0, size=1)
-    publisher._producer = FakeClient()
-    try:
-        assert publisher.partition_of(row) == default_partition(b"k8", 2)
-        counts["orders"] = 4
+    cluster = Cluster(orders=2)
+    with publisher_asking(cluster, lambda: 100.0) as publisher:
+        assert publisher.partition_of(ROW) == default_partition(b"k8", 2)
+        cluster.counts["orders"] = 4
         assert publisher.partitions_now("orders") == 4
-        asked.clear()
+        cluster.asked.clear()
         # The cached count (trusted 60 s) is the new one, without another request.
         assert default_partition(b"k8", 4) != default_partition(b"k8", 2)  # a key that moves
-        assert publisher.partition_of(row) == default_partition(b"k8", 4) and asked == []
-    finally:
-        publisher._producer = real
-    publisher.close()
+        assert publisher.partition_of(ROW) == default_partition(b"k8", 4) and cluster.asked == []
     assert publisher.partitions_now("orders") is None  # not a RuntimeError from the closed client
+
+
+def test_a_failed_lookup_of_the_watch_keeps_the_count_and_one_of_partition_of_is_trusted_5_s() -> None:
+    now = [100.0]
+    cluster = Cluster(orders=2)
+    with publisher_asking(cluster, lambda: now[0]) as publisher:
+        assert publisher.partition_of(ROW) == default_partition(b"k8", 2)
+        cluster.counts["orders"] = None  # the cluster unreachable, the topic gone ...
+        assert publisher.partitions_now("orders") is None
+        assert publisher.partition_of(ROW) == default_partition(b"k8", 2)  # the watch's failure forgot nothing
+        now[0] += PARTITIONS_TTL_S  # the count expires: partition_of asks, and fails
+        assert publisher.partition_of(ROW) is None and cluster.asked == ["orders"] * 3
+        cluster.counts["orders"] = 4
+        now[0] += PARTITIONS_UNKNOWN_S - 0.5
+        assert publisher.partition_of(ROW) is None and cluster.asked == ["orders"] * 3  # not asked again yet
+        now[0] += 0.5
+        assert publisher.partition_of(ROW) == default_partition(b"k8", 4) and cluster.asked == ["orders"] * 4
 
 
 def test_close_waits_for_a_lookup_under_way_before_it_destroys_the_client() -> None:
