@@ -88,6 +88,14 @@ def published_by_topic(metrics: RelayMetrics) -> dict[str, float]:
             if sample.name.endswith("_total") and sample.labels.get("topic") != OTHER_TOPICS}
 
 
+@dataclass(slots=True)
+class _Looks:
+    """What the watch remembers of one topic published to."""
+
+    rows: float = 0.0  # rows published when its count was last found (more since: it is due)
+    asked_at: float = float("-inf")  # when it was last asked (the clock's; the oldest go first)
+
+
 class PartitionWatch:
     """The watch; see the module's docstring.  ``start()``, idempotent ``stop()``,
     ``run_once()`` (one round; tests call it)."""
@@ -106,8 +114,7 @@ class PartitionWatch:
         self.budget_s = budget_s
         self._clock = clock
         self.counts = PartitionCounts()
-        self._looked_at: dict[str, float] = {}  # topic -> rows published when last looked up
-        self._asked_at: dict[str, float] = {}  # topic -> when last asked (the oldest go first)
+        self._looks: dict[str, _Looks] = {}  # by topic, once asked
         self.rounds = 0  # rounds done: tests wait on it
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -115,18 +122,20 @@ class PartitionWatch:
     def run_once(self) -> list[PartitionChange]:
         """Look up the topics published to since they were last looked up; say each change."""
         published = self._published()
-        due = sorted((topic for topic, rows in published.items() if rows > self._looked_at.get(topic, 0.0)),
-                     key=lambda topic: self._asked_at.get(topic, float("-inf")))
+        never = _Looks()  # a topic not asked yet (not stored)
+        due = sorted((topic for topic, rows in published.items() if rows > self._looks.get(topic, never).rows),
+                     key=lambda topic: self._looks.get(topic, never).asked_at)
         started = self._clock()
         changes: list[PartitionChange] = []
         for topic in due:
             if self._stopping.is_set() or self._clock() - started >= self.budget_s:
                 break  # the topics left are still due: asked first next round
-            self._asked_at[topic] = self._clock()
+            looks = self._looks.setdefault(topic, _Looks())
+            looks.asked_at = self._clock()
             count = self._partitions(topic)
             if count is None:
                 continue  # unknown is no change; looked up again next round
-            self._looked_at[topic] = published[topic]
+            looks.rows = published[topic]
             change = self.counts.saw(topic, count)
             if change is not None:
                 self._say(change)

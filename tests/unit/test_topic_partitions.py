@@ -78,14 +78,21 @@ def test_the_first_count_seen_is_no_change_and_the_same_count_again_is_none() ->
     assert log.named("topic_partitions_changed") == [] and changes_counted(metrics, "orders") is None
 
 
-def test_a_change_is_logged_with_both_counts_and_a_hint_and_counted() -> None:
-    metrics, log, cluster = RelayMetrics(), Log(), Cluster(orders=2)
+def count_changed(before: int, after: int) -> tuple[PartitionWatch, RelayMetrics, Log, list[PartitionChange]]:
+    """A watch that saw "orders" at ``before`` partitions, then at ``after``: the watch, its
+    metrics and log, and the changes its second round said."""
+    metrics, log, cluster = RelayMetrics(), Log(), Cluster(orders=before)
     w = watch(cluster, metrics, log)
     publish(metrics, "orders")
     w.run_once()
-    cluster.counts["orders"] = 4
+    cluster.counts["orders"] = after
     publish(metrics, "orders")
-    assert w.run_once() == [PartitionChange("orders", 2, 4)]
+    return w, metrics, log, w.run_once()
+
+
+def test_a_change_is_logged_with_both_counts_and_a_hint_and_counted() -> None:
+    w, metrics, log, changes = count_changed(2, 4)
+    assert changes == [PartitionChange("orders", 2, 4)]
     (said,) = log.named("topic_partitions_changed")
     assert said == {"topic": "orders", "partitions_before": 2, "partitions_after": 4, "hint": MOVED_HINT}
     assert [level for level, event, _ in log.lines if event == "topic_partitions_changed"] == ["warning"]
@@ -97,13 +104,8 @@ def test_a_change_is_logged_with_both_counts_and_a_hint_and_counted() -> None:
 
 
 def test_fewer_partitions_cannot_happen_in_kafka_but_are_said_the_same_way() -> None:
-    metrics, log, cluster = RelayMetrics(), Log(), Cluster(orders=6)
-    w = watch(cluster, metrics, log)
-    publish(metrics, "orders")
-    w.run_once()
-    cluster.counts["orders"] = 3
-    publish(metrics, "orders")
-    assert w.run_once() == [PartitionChange("orders", 6, 3)]
+    _, metrics, log, changes = count_changed(6, 3)
+    assert changes == [PartitionChange("orders", 6, 3)]
     (said,) = log.named("topic_partitions_changed")
     assert said["partitions_before"] == 6 and said["partitions_after"] == 3 and said["hint"] == FEWER_HINT
     assert changes_counted(metrics, "orders") == 1
