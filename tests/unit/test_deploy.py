@@ -10,7 +10,6 @@ promtool is missing.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shlex
@@ -23,12 +22,15 @@ from typing import Any
 import pytest
 import yaml
 
-from consumer_sdk.jobs import cli as jobs_cli
-from consumer_sdk.jobs.metrics import JobsMetrics
-from consumer_sdk.metrics import ConsumerMetrics
-from relay import cli as relay_cli
 from relay import config
-from relay.metrics import RelayMetrics
+from tests.fixtures.deploy_names import (
+    CLIS,
+    METRICS_CLASSES,
+    command_problems,
+    exported_metric_names,
+    is_relay_env,
+    quoted_commands,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -48,32 +50,12 @@ ENV_NAME = re.compile(r"\bOUTBOX_RELAY_[A-Z0-9_]*")
 RELAY_IMAGE = "outbox-relay"
 PROMTOOL_MISSING = "promtool not installed: apt-get install prometheus"
 
-#: Sample names each metric type exposes (prometheus_client's text format).
-_SUFFIXES = {
-    "counter": ("_total", "_created"),
-    "histogram": ("_bucket", "_sum", "_count", "_created"),
-    "summary": ("", "_sum", "_count", "_created"),
-    "gauge": ("",),
-    "info": ("_info",),
-    "stateset": ("",),
-    "enum": ("",),
-}
-
-#: The classes whose registries hold every metric deploy/ may use: the relay and the SDK.
-METRICS_CLASSES = (RelayMetrics, ConsumerMetrics, JobsMetrics)
-
 #: Alert name prefix -> the metric prefix its expression uses and how its runbook says to check.
 #: The relay has a status command; the SDK's runbooks name the metrics their alert is built on.
 ALERT_FAMILIES = {
     "OutboxRelay": ("outbox_relay_", "outbox-relay status"),
     "OutboxConsumer": ("outbox_consumer_", None),
     "OutboxJobs": ("outbox_jobs_", None),
-}
-
-#: Commands runbooks and alert texts may quote, with the parser that knows them.
-CLIS = {
-    "outbox-relay": relay_cli.build_parser,
-    "python -m consumer_sdk.jobs": jobs_cli.build_parser,
 }
 
 #: What the dashboard must show (the panels the SRE asked for).
@@ -140,17 +122,6 @@ DASHBOARD_SPECS = {
 # --- helpers -------------------------------------------------------------------------
 
 
-def exported_metric_names() -> set[str]:
-    """Every sample name the relay and the SDK can expose, labelled metrics included (no
-    samples yet)."""
-    names: set[str] = set()
-    for metrics in METRICS_CLASSES:
-        for family in metrics().registry.collect():
-            names.update(sample.name for sample in family.samples)
-            names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",)))
-    return names
-
-
 def family_of(alert: str) -> tuple[str, str | None]:
     """(metric prefix, status command) of the alert's family, by its name's prefix."""
     for prefix, family in ALERT_FAMILIES.items():
@@ -166,23 +137,6 @@ def base_metric(name: str) -> str:
 
 def metric_names_in(text: str) -> set[str]:
     return set(METRIC_NAME.findall(text))
-
-
-def known_env_names() -> set[str]:
-    names = {option.env for option in config.OPTIONS}
-    names |= {option.env + "_FILE" for option in config.OPTIONS if option.secret}
-    return names
-
-
-def is_relay_env(name: str) -> bool:
-    """An option, a secret option's _FILE, or a librdkafka pass-through property."""
-    if name in known_env_names():
-        return True
-    if name.startswith(config.KAFKA_ENV_PREFIX) and len(name) > len(config.KAFKA_ENV_PREFIX):
-        prop = name[len(config.KAFKA_ENV_PREFIX):].lower()
-        prop = prop.removesuffix("_file")
-        return bool(re.fullmatch(r"[a-z0-9]+(_[a-z0-9]+)*", prop))
-    return False
 
 
 def deploy_files() -> list[Path]:
@@ -284,42 +238,6 @@ def dashboard_queries(node: Any) -> Iterator[str]:
 def alert_rules() -> list[dict[str, Any]]:
     (doc,) = load_yaml(ALERTS)
     return [rule for group in doc["groups"] for rule in group["rules"] if "alert" in rule]
-
-
-def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    found: dict[str, argparse.ArgumentParser] = {}
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            found.update(action.choices)
-    return found
-
-
-def quoted_commands(text: str) -> Iterator[tuple[str, list[str]]]:
-    """(CLI, its arguments) of every invocation of a known CLI inside a `code span`."""
-    for span in re.findall(r"`([^`]+)`", text):
-        words = span.split()
-        for cli in CLIS:
-            n = len(cli.split())
-            for i in range(len(words) - n + 1):
-                rest = words[i + n:]
-                if words[i:i + n] == cli.split() and rest and re.match(r"[a-z]", rest[0]):
-                    yield cli, rest
-
-
-def command_problems(cli: str, args: list[str]) -> list[str]:
-    """What of ``cli args`` its parser does not know: commands, actions or --options."""
-    parsers = [CLIS[cli]()]
-    words = list(args)
-    while words and all(subcommands(p) for p in parsers):
-        names = words.pop(0).split("|")  # "list|show" in prose: both must exist
-        known = {name: sub for p in parsers for name, sub in subcommands(p).items()}
-        unknown = [name for name in names if name not in known]
-        if unknown:
-            return [f"{cli} {' '.join(args)}: no command {unknown}"]
-        parsers = [known[name] for name in names]
-    options = {option for p in parsers for option in p._option_string_actions}
-    return [f"{cli} {' '.join(args)}: unknown option {word}" for word in words
-            if word.startswith("--") and word.split("=")[0] not in options]
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:

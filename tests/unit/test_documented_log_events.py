@@ -44,7 +44,7 @@ import yaml
 from consumer_sdk.config import InboxConfig
 from consumer_sdk.jobs.config import WorkerConfig
 from relay.options import OPTIONS
-from tests.unit.test_deploy import exported_metric_names
+from tests.fixtures.deploy_names import exported_metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("relay", "consumer_sdk", "outbox_core", "outbox_embedded")

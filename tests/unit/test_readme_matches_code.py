@@ -1,7 +1,8 @@
 """README.md is the contract operators and service teams read: its options table, metric
 names, variables, `make` targets, ``python -m`` modules, commands and SDK defaults are held
 to the parsers, settings, registries and Makefile, without a server (test_deploy.py does
-this for deploy/; its helpers are reused).  README drift waits in EXPECTED_DRIFT."""
+this for deploy/; the names both hold to are in tests/fixtures/deploy_names.py).  README
+drift waits in EXPECTED_DRIFT."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from relay.config import Settings, build_settings, default_owner, mark_connectio
 from relay.config_env import env_values, unknown_env_variables
 from relay.errors import ConfigError
 from relay.options import DEFAULT_LEASE_DURATION_S, DEFAULT_MARK_CONNECTIONS, OPTIONS
-from tests.unit.test_deploy import (
+from tests.fixtures.deploy_names import (
     METRICS_CLASSES,
     command_problems,
     exported_metric_names,
