@@ -218,7 +218,7 @@ class Publisher:
             self._partitions[topic] = (None, self._clock() + failure_trusted_s)
         return count
 
-    def _partition_count(self, topic: str, timeout_s: float = PARTITIONS_TIMEOUT_S) -> int | None:
+    def _partition_count(self, topic: str, timeout_s: float) -> int | None:
         """One metadata request for ``topic`` (at most ``timeout_s``); None when it fails."""
         try:
             metadata = self._producer.list_topics(topic=topic, timeout=timeout_s)

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 from consumer_sdk.jobs import queue
 from consumer_sdk.jobs.context import JobContext
-from consumer_sdk.jobs.metrics import JobsMetrics
+from consumer_sdk.jobs.metrics import Interruption, JobsMetrics
 from consumer_sdk.jobs.model import Outcome
 from consumer_sdk.jobs.outcome_writes import FencedWrites
 from consumer_sdk.jobs.queue import GivenBack
-from consumer_sdk.jobs.retry import Backoff, Interruption, describe, error_type, interruptions_note
+from consumer_sdk.jobs.retry import Backoff, describe, error_type, interruptions_note
 from outbox_core.secrets import mask_text
 
 #: The longest pause before a job given back after a conflict is due again.

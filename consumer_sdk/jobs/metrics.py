@@ -16,8 +16,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 AGE_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600)
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 ATTEMPT_BUCKETS = (1, 2, 3, 4, 5, 7, 10, 15, 25)
-#: Why an attempt failed through no fault of its job (consumer_sdk.jobs.retry.Interruption).
-INTERRUPTION_CAUSES = ("connection_broke", "conflict", "read_only")
+#: Why an attempt failed through no fault of its job (consumer_sdk.jobs.retry's Interruption, as
+#: outbox_jobs_interrupted_total's causes).  Declared here, as ReconcileStep below, so that the
+#: retry module's type and the metric's label values are one list (retry imports psycopg,
+#: which this module does not).
+Interruption = Literal["connection_broke", "conflict", "read_only"]
+INTERRUPTION_CAUSES: tuple[Interruption, ...] = get_args(Interruption)
 #: outbox_jobs_given_back_total's causes: the interruptions, a pooler's lost statement, and the
 #: interruptions past the pool's max_interruptions (counted, not given back).
 GIVEN_BACK_CAUSES = (*INTERRUPTION_CAUSES, "prepared_statement_lost", "interruptions_exhausted")

@@ -24,13 +24,12 @@ from consumer_sdk import _pg
 from consumer_sdk.errors import PermanentError, TransactionConflict
 from consumer_sdk.jobs import _check
 from consumer_sdk.jobs.errors import DatabaseReadOnly, InvalidJob, LeaseLost
+from consumer_sdk.jobs.metrics import Interruption
 from consumer_sdk.rejections import message_of
 from outbox_core.backoff import backoff_s, ceiling_s
 
 Verdict = Literal["retry", "fail_permanent", "fail_exhausted", "lost"]
 
-#: Why an attempt failed through no fault of its job (see :func:`interruption`).
-Interruption = Literal["connection_broke", "conflict", "read_only"]
 
 
 MAX_MULTIPLIER = 1000.0
