@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -66,7 +67,7 @@ def render(shards: int = DEFAULT_SHARDS, *, partitioned: bool = False,
     ``statement_timeout`` and idle-in-transaction timeout, as ``migrate`` does."""
     chosen = migrations(partitioned=partitioned)
     timeout = sql.SQL(query("admin", "print_lock_timeout")).format(
-        timeout=sql.Literal(f"{max(1, round(lock_timeout_s * 1000))}ms"))
+        timeout=sql.Literal(_lock_timeout(lock_timeout_s)))
     parts = [f"-- outbox-relay schema, {len(chosen)} migrations\n", f"{timeout.as_string(None)}\n"]
     for m in chosen:
         parts.append(f"\n-- ==== {m.path.name} ====\n{m.sql}")
@@ -77,6 +78,11 @@ def render(shards: int = DEFAULT_SHARDS, *, partitioned: bool = False,
     index = _pending_index_statements(shards, "print_pending_index").as_string(None).replace("%%", "%")
     parts.append(f"\n-- ==== the claim's index for {int(shards)} shards ====\n{index}\n")
     return "".join(parts)
+
+
+def _lock_timeout(lock_timeout_s: float) -> str:
+    """``lock_timeout_s`` as PostgreSQL's lock_timeout setting: whole milliseconds, at least 1."""
+    return f"{max(1, round(lock_timeout_s * 1000))}ms"
 
 
 def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
@@ -167,6 +173,23 @@ def _ensure_shards(conn: psycopg.Connection[Any], shards: int | None, log: Any) 
 SHARD_COLUMN_SINCE = 170000
 #: Migration 0001's index of the pending rows by (xid, id): the claim's before PostgreSQL 17.
 XID_ID_INDEX = "outbox_pending_idx"
+R = TypeVar("R")
+
+
+class _Step(NamedTuple):
+    """What a transaction of :func:`_bounded` runs, as migrate's errors and its
+    ``migration_lock_wait`` log line name it."""
+
+    what: str  # "migration 0010_cheaper_checks.sql", "the claim's index for the shard count"
+    version: int | None  # a migration's level
+    name: str
+
+    def cancelled(self) -> str:
+        return self.what if self.version is None else f"{self.what} (level {self.version})"
+
+
+#: The claim's index (:func:`_ensure_pending_index`), as a step of migrate's.
+PENDING_INDEX_STEP = _Step("the claim's index for the shard count", None, "pending_index")
 
 
 def pending_index(shards: int) -> str:
@@ -190,37 +213,50 @@ def _ensure_pending_index(conn: psycopg.Connection[Any], *, lock_timeout_s: floa
     (a new database, an upgrade from before it, ``--shards`` changed), then 0001's and other
     counts' dropped, in one transaction under migrate's lock_timeout (see :func:`apply`).
     Before PostgreSQL 17 it is 0001's (xid, id) index (see :data:`SHARD_COLUMN_SINCE`)."""
-    what = "the claim's index for the shard count"
+    def build() -> tuple[str, list[str]] | None:
+        (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (DEFAULT_SHARDS,)
+        keep = claim_index(conn.info.server_version, shards)
+        found = [r[0] for r in conn.execute(query("admin", "pending_indexes"))]
+        others = [name for name in found if name != keep]
+        if keep in found and not others:
+            return None
+        conn.execute(query("admin", "migration_lock_timeout"), {"lock_timeout": _lock_timeout(lock_timeout_s)})
+        if keep == XID_ID_INDEX:
+            conn.execute(query("admin", "pending_index_xid_id"))
+        else:
+            conn.execute(_pending_index_statements(shards), {})  # {}: its %% is read as %
+        for name in others:
+            conn.execute(sql.SQL(query("admin", "drop_index")).format(index=sql.Identifier(name)))
+        return keep, others
+
+    built = _bounded(conn, build, step=lambda: PENDING_INDEX_STEP, lock_timeout_s=lock_timeout_s,
+                     tries=tries, log=log)
+    if built is not None and log is not None:
+        log.info("pending_index_built", index=built[0], dropped=built[1])
+
+
+def _bounded(conn: psycopg.Connection[Any], body: Callable[[], R], *, step: Callable[[], _Step],
+             lock_timeout_s: float, tries: int, log: Any) -> R:
+    """``body``'s result, run in a transaction of migrate's (:func:`_locked`) whose lock waits
+    are bounded (see :func:`apply`): rolled back and run again ``tries`` times while a table
+    lock is not available, then :class:`MigrationBlocked` naming the sessions that hold them;
+    a statement the server cancels is :class:`MigrationCancelled`.  ``step()`` names what
+    runs, as it stands now (a migration's file follows the outbox's layout)."""
     for attempt in range(1, tries + 1):
         try:
             with conn.transaction():
-                _locked(conn)
-                (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (DEFAULT_SHARDS,)
-                keep = claim_index(conn.info.server_version, shards)
-                found = [r[0] for r in conn.execute(query("admin", "pending_indexes"))]
-                others = [name for name in found if name != keep]
-                if keep in found and not others:
-                    return
-                conn.execute(query("admin", "migration_lock_timeout"),
-                             {"lock_timeout": f"{max(1, round(lock_timeout_s * 1000))}ms"})
-                if keep == XID_ID_INDEX:
-                    conn.execute(query("admin", "pending_index_xid_id"))
-                else:
-                    conn.execute(_pending_index_statements(shards), {})  # {}: its %% is read as %
-                for name in others:
-                    conn.execute(sql.SQL(query("admin", "drop_index")).format(index=sql.Identifier(name)))
-            if log is not None:
-                log.info("pending_index_built", index=keep, dropped=others)
-            return
+                _locked(conn)  # another migrate (an older relay's): wait for it
+                return body()
         except psycopg.errors.QueryCanceled as exc:
-            raise MigrationCancelled(_cancelled(what, exc.diag.message_primary or str(exc))) from None
+            raise MigrationCancelled(_cancelled(step().cancelled(), exc.diag.message_primary or str(exc))) from None
         except psycopg.errors.LockNotAvailable:
             if log is not None:
-                log.warning("migration_lock_wait", version=None, name="pending_index", attempt=attempt,
+                now = step()
+                log.warning("migration_lock_wait", version=now.version, name=now.name, attempt=attempt,
                             lock_timeout_s=lock_timeout_s)
             if attempt < tries:
-                time.sleep(min(attempt, 5))
-    raise _blocked(conn, what, lock_timeout_s=lock_timeout_s, tries=tries)
+                time.sleep(min(attempt, 5))  # a short transaction elsewhere ends meanwhile
+    raise _blocked(conn, step().what, lock_timeout_s=lock_timeout_s, tries=tries)
 
 
 class MigrationBlocked(FatalError):
@@ -259,33 +295,24 @@ def _apply_one(conn: psycopg.Connection[Any], plain: Migration, variant: Migrati
     """One migration in its own transaction, its lock waits bounded (see :func:`apply`);
     None when it was applied already.  Decided under the per-migration lock: the file
     (``plain`` or its partitioned ``variant``) follows the outbox's layout as it is now."""
-    timeout = {"lock_timeout": f"{max(1, round(lock_timeout_s * 1000))}ms"}
     m = plain
-    for attempt in range(1, tries + 1):
-        try:
-            with conn.transaction():
-                _locked(conn)  # another migrate (an older relay's): wait for it
-                m = _chosen(conn, plain, variant, partitioned=partitioned)
-                recorded = conn.execute(query("admin", "migration_checksum"), {"version": m.version}).fetchone()
-                if recorded is not None:
-                    if recorded[0] != m.checksum and log is not None:
-                        log.warning("migration_changed", version=m.version, name=m.name)
-                    return None
-                conn.execute(query("admin", "migration_lock_timeout"), timeout)
-                conn.execute(m.sql.encode())  # a whole file: no parameters
-                conn.execute(query("admin", "record_migration"),
-                             {"version": m.version, "name": m.name, "checksum": m.checksum})
-            return m
-        except psycopg.errors.QueryCanceled as exc:
-            raise MigrationCancelled(_cancelled(f"migration {m.path.name} (level {m.version})",
-                                                exc.diag.message_primary or str(exc))) from None
-        except psycopg.errors.LockNotAvailable:
-            if log is not None:
-                log.warning("migration_lock_wait", version=m.version, name=m.name, attempt=attempt,
-                            lock_timeout_s=lock_timeout_s)
-            if attempt < tries:
-                time.sleep(min(attempt, 5))  # a short transaction elsewhere ends meanwhile
-    raise _blocked(conn, f"migration {m.path.name}", lock_timeout_s=lock_timeout_s, tries=tries)
+
+    def migrate_one() -> Migration | None:
+        nonlocal m
+        m = _chosen(conn, plain, variant, partitioned=partitioned)
+        recorded = conn.execute(query("admin", "migration_checksum"), {"version": m.version}).fetchone()
+        if recorded is not None:
+            if recorded[0] != m.checksum and log is not None:
+                log.warning("migration_changed", version=m.version, name=m.name)
+            return None
+        conn.execute(query("admin", "migration_lock_timeout"), {"lock_timeout": _lock_timeout(lock_timeout_s)})
+        conn.execute(m.sql.encode())  # a whole file: no parameters
+        conn.execute(query("admin", "record_migration"),
+                     {"version": m.version, "name": m.name, "checksum": m.checksum})
+        return m
+
+    return _bounded(conn, migrate_one, step=lambda: _Step(f"migration {m.path.name}", m.version, m.name),
+                    lock_timeout_s=lock_timeout_s, tries=tries, log=log)
 
 
 def _blocked(conn: psycopg.Connection[Any], what: str, *, lock_timeout_s: float, tries: int) -> MigrationBlocked:
