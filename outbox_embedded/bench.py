@@ -37,7 +37,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypedDict
 
 import psycopg
 
@@ -952,18 +952,28 @@ def _slashed(values: list[float]) -> str:
     return " / ".join(f"{v:.2f}" for v in values)
 
 
+class ExactlyOnceSettings(TypedDict):
+    exactly_once: str
+    exactly_once_position_topic: str
+    exactly_once_transactional_id_prefix: str
+
+
+def exactly_once_settings() -> ExactlyOnceSettings:
+    """A relay's settings for one drain in exactly-once mode: its own position topic and
+    transactional ids, so that no drain meets an earlier one's (mark_bench uses them too)."""
+    tag = uuid.uuid4().hex[:8]
+    return ExactlyOnceSettings(exactly_once="true", exactly_once_position_topic=f"bench-pos-{tag}",
+                               exactly_once_transactional_id_prefix=f"bench-{tag}.")
+
+
 def _exactly_once_ratio(bench: Bench, runs: int, default_rate: float,
                         say: Callable[[str], None]) -> float:
     """Drain in exactly-once mode over the default mode's (same run; NaN when the broker
     has no transactions).  Each drain has its own position topic and transactional ids."""
     rates = []
     for _ in range(runs):
-        tag = uuid.uuid4().hex[:8]
         try:
-            rates.append(bench.relay_drain(exactly_once="true",
-                                           exactly_once_position_topic=f"bench-pos-{tag}",
-                                           exactly_once_transactional_id_prefix=f"bench-{tag}.")
-                         ["events_per_s"])
+            rates.append(bench.relay_drain(**exactly_once_settings())["events_per_s"])
         except Exception as exc:  # noqa: BLE001 - reported, the rest of the bench goes on
             say(f"  exactly-once drain  failed: {exc}")
             return float("nan")

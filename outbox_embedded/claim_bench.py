@@ -47,7 +47,7 @@ from psycopg import sql
 from outbox_embedded.calibration import rotated, write_json
 from outbox_embedded.mark_bench import migrated_database
 from outbox_embedded.queries import query
-from relay.migrate import SHARD_COLUMN_SINCE, pending_index
+from relay.migrate import SHARD_COLUMN_SINCE, XID_ID_INDEX, pending_index
 from relay.model import Cursor, ShardId
 from relay.queries import compose
 from relay.store import Store, claim_params
@@ -59,7 +59,6 @@ RUNNING_SUM = re.compile(r"sum\(least\(s\.size, %\(max_bytes\)s\)\)\s+OVER \([^)
 #: The index each variant hides (drops inside its rolled-back transaction): the relay's
 #: variants claim through migrate's index for 16 shards, xid_id_index through 0001's.
 HIDDEN = {"xid_id_index": pending_index(NSHARDS)}
-XID_ID_INDEX = "outbox_pending_idx"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dsn", default=None, help="PostgreSQL server (a database is created per "

@@ -58,7 +58,6 @@ import argparse
 import contextlib
 import sys
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -213,9 +212,9 @@ def drain(bench: Any, variant: str, floor: float) -> dict[str, float]:
         else:
             extra = {"keep_published": "false"} if variant == "delete" else {}
             if bench.args.exactly_once:
-                tag = uuid.uuid4().hex[:8]
-                extra.update(exactly_once="true", exactly_once_position_topic=f"bench-pos-{tag}",
-                             exactly_once_transactional_id_prefix=f"bench-{tag}.")
+                from outbox_embedded.bench import exactly_once_settings
+
+                extra.update(**exactly_once_settings())
             figures = bench.relay_drain(**extra)
     finally:
         bench.schema_hook = None

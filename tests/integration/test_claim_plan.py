@@ -13,7 +13,8 @@ import os
 import psycopg
 from psycopg import sql
 
-from relay.migrate import SHARD_COLUMN_SINCE, XID_ID_INDEX, pending_index
+from relay import migrate
+from relay.migrate import pending_index
 from relay.model import Cursor, ShardId
 from relay.queries import compose
 from relay.store import Store, claim_params
@@ -27,7 +28,7 @@ SHARD_INDEX = pending_index(SHARDS)
 
 def claim_index(dsn: str) -> str:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        return SHARD_INDEX if conn.info.server_version >= SHARD_COLUMN_SINCE else XID_ID_INDEX
+        return migrate.claim_index(conn.info.server_version, SHARDS)
 
 
 def explain(dsn: str, cursor: Cursor, *, options: str = "", nshards: int = SHARDS,
