@@ -10,16 +10,24 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 import psycopg
 from psycopg import sql
 
 from relay import db
 from relay.errors import ConfigError, FatalError
+from relay.migrate_index import SHARD_COLUMN_SINCE as SHARD_COLUMN_SINCE
+from relay.migrate_index import XID_ID_INDEX as XID_ID_INDEX
+from relay.migrate_index import claim_index as claim_index
+from relay.migrate_index import ensure as ensure_pending_index
+from relay.migrate_index import pending_index as pending_index
+from relay.migrate_index import statements as pending_index_statements
+from relay.migrate_steps import MigrationBlocked as MigrationBlocked
+from relay.migrate_steps import MigrationCancelled as MigrationCancelled
+from relay.migrate_steps import Step, bounded, lock_timeout_setting, locked
 from relay.options import DEFAULT_LOCK_TIMEOUT_S
 from relay.partitions import is_partitioned, maintain
 from relay.queries import query, sql_files
@@ -27,6 +35,7 @@ from relay.queries import query, sql_files
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 DEFAULT_SHARDS = 16
 LOCK_TRIES = 3  # a migration's tries at its table locks (see apply)
+RUN_LOCK_POLL_S = 0.25  # a second migrate tries the run lock this often (see _hold_run_lock)
 
 
 @dataclass(frozen=True)
@@ -67,7 +76,7 @@ def render(shards: int = DEFAULT_SHARDS, *, partitioned: bool = False,
     ``statement_timeout`` and idle-in-transaction timeout, as ``migrate`` does."""
     chosen = migrations(partitioned=partitioned)
     timeout = sql.SQL(query("admin", "print_lock_timeout")).format(
-        timeout=sql.Literal(_lock_timeout(lock_timeout_s)))
+        timeout=sql.Literal(lock_timeout_setting(lock_timeout_s)))
     parts = [f"-- outbox-relay schema, {len(chosen)} migrations\n", f"{timeout.as_string(None)}\n"]
     for m in chosen:
         parts.append(f"\n-- ==== {m.path.name} ====\n{m.sql}")
@@ -75,14 +84,16 @@ def render(shards: int = DEFAULT_SHARDS, *, partitioned: bool = False,
     parts.append(f"\n-- ==== shards ====\n{shard_rows.as_string(None)}\n")
     # The claim's index for the count, as migrate builds it (for a database whose count is
     # `shards`; on PostgreSQL 17 and later), and 0001's index it replaces.
-    index = _pending_index_statements(shards, "print_pending_index").as_string(None).replace("%%", "%")
-    parts.append(f"\n-- ==== the claim's index for {int(shards)} shards ====\n{index}\n")
+    index = pending_index_statements(shards, "print_pending_index").as_string(None).replace("%%", "%")
+    concurrently = pending_index_statements(shards, concurrently=True).as_string(None).replace("%%", "%")
+    parts.append(f"\n-- ==== the claim's index for {int(shards)} shards ====\n"
+                 "-- Built here as in a transaction: it holds the outbox's writers while it reads the whole\n"
+                 "-- table.  On an outbox of more than a few MB (on PostgreSQL 17 and later), build it first,\n"
+                 "-- outside a transaction, as migrate does (relay/migrate_index.py; a partitioned outbox: ON ONLY\n"
+                 "-- the outbox, then each partition's part CONCURRENTLY, attached):\n"
+                 + "".join(f"--   {line}\n" for line in concurrently.strip().splitlines())
+                 + f"{index}\n")
     return "".join(parts)
-
-
-def _lock_timeout(lock_timeout_s: float) -> str:
-    """``lock_timeout_s`` as PostgreSQL's lock_timeout setting: whole milliseconds, at least 1."""
-    return f"{max(1, round(lock_timeout_s * 1000))}ms"
 
 
 def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
@@ -112,7 +123,7 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
         with db.translated():
             _hold_run_lock(holder, log)
             with conn.transaction():
-                _locked(conn)
+                locked(conn)
                 conn.execute(query("admin", "migrations_table"))
             for plain, variant in zip(migrations(), migrations(partitioned=True), strict=True):
                 m = _apply_one(conn, plain, variant, partitioned=partitioned, lock_timeout_s=lock_timeout_s,
@@ -128,9 +139,9 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
                 maintain(conn, retention_s=None)  # today and the coming days exist at once
                 conn.autocommit = False
             with conn.transaction():
-                _locked(conn)
+                locked(conn)
                 _ensure_shards(conn, shards, log)
-            _ensure_pending_index(conn, lock_timeout_s=lock_timeout_s, tries=tries, log=log)
+            ensure_pending_index(conn, dsn, lock_timeout_s=lock_timeout_s, tries=tries, log=log)
     except psycopg.errors.InsufficientPrivilege as exc:
         raise FatalError(f"migrate needs a role that may create tables: {exc.diag.message_primary}") from None
     finally:
@@ -145,14 +156,25 @@ def _hold_run_lock(holder: psycopg.Connection[Any], log: Any) -> None:
     A transaction's lock, not a session's: through a transaction pooler (which `migrate`
     supports) a session lock stays on the server connection the pooler hands the next
     client, and every later `migrate` would wait for ever.  Its own key, not the
-    per-migration lock's, which ``conn`` takes in each of its transactions."""
+    per-migration lock's, which ``conn`` takes in each of its transactions.
+
+    Waited for by trying every :data:`RUN_LOCK_POLL_S`, not by a blocking wait: a session
+    in a statement holds a snapshot, and the first migrate's CREATE INDEX CONCURRENTLY
+    (relay/migrate_index.py) waits for every older snapshot to go, so it waited for the
+    second migrate, which waited for it, until its watch gave up.  Between tries the
+    holder's transaction holds no snapshot, and no lock wait a role's lock_timeout ends."""
     holder.execute(query("admin", "migration_lifts_timeouts"))
-    locked = holder.execute(query("admin", "migration_run_lock_try")).fetchone()
-    if not (locked and locked[0]):
-        if log is not None:
-            log.info("migration_waiting", reason="another migrate is running; waiting for it to finish")
-        holder.execute(query("admin", "migration_run_lock_wait"))
-        holder.execute(query("admin", "migration_run_lock"))
+    if _run_lock_taken(holder):
+        return
+    if log is not None:
+        log.info("migration_waiting", reason="another migrate is running; waiting for it to finish")
+    while not _run_lock_taken(holder):
+        time.sleep(RUN_LOCK_POLL_S)
+
+
+def _run_lock_taken(holder: psycopg.Connection[Any]) -> bool:
+    row = holder.execute(query("admin", "migration_run_lock_try")).fetchone()
+    return bool(row and row[0])
 
 
 def _ensure_shards(conn: psycopg.Connection[Any], shards: int | None, log: Any) -> None:
@@ -166,128 +188,6 @@ def _ensure_shards(conn: psycopg.Connection[Any], shards: int | None, log: Any) 
             log.info("shards_changed", old=current[0], new=shards)
     else:
         conn.execute(query("leases", "create_shards"), {"shards": current[0]})
-
-
-#: The first PostgreSQL whose btree scans keep their order with an "= ANY" test on a later
-#: column: the claim's index carries the shard from there on (admin.sql, pending_index_xid_id).
-SHARD_COLUMN_SINCE = 170000
-#: Migration 0001's index of the pending rows by (xid, id): the claim's before PostgreSQL 17.
-XID_ID_INDEX = "outbox_pending_idx"
-R = TypeVar("R")
-
-
-class _Step(NamedTuple):
-    """What a transaction of :func:`_bounded` runs, as migrate's errors and its
-    ``migration_lock_wait`` log line name it."""
-
-    what: str  # "migration 0010_cheaper_checks.sql", "the claim's index for the shard count"
-    version: int | None  # a migration's level
-    name: str
-
-    def cancelled(self) -> str:
-        return self.what if self.version is None else f"{self.what} (level {self.version})"
-
-
-#: The claim's index (:func:`_ensure_pending_index`), as a step of migrate's.
-PENDING_INDEX_STEP = _Step("the claim's index for the shard count", None, "pending_index")
-
-
-def pending_index(shards: int) -> str:
-    """The claim's index for ``shards`` shards (admin.sql, pending_index_create)."""
-    return f"outbox_pending_by_{int(shards)}_shards_idx"
-
-
-def claim_index(server_version: int, shards: int) -> str:
-    """The claim's index migrate keeps on a server of ``server_version`` (server_version_num)."""
-    return pending_index(shards) if server_version >= SHARD_COLUMN_SINCE else XID_ID_INDEX
-
-
-def _pending_index_statements(shards: int, block: str = "pending_index_create") -> sql.Composed:
-    return sql.SQL(query("admin", block)).format(
-        index=sql.Identifier(pending_index(shards)), shards=sql.Literal(int(shards)))
-
-
-def _ensure_pending_index(conn: psycopg.Connection[Any], *, lock_timeout_s: float, tries: int,
-                          log: Any) -> None:
-    """The claim's index for the database's shard count, and no other: built when missing
-    (a new database, an upgrade from before it, ``--shards`` changed), then 0001's and other
-    counts' dropped, in one transaction under migrate's lock_timeout (see :func:`apply`).
-    Before PostgreSQL 17 it is 0001's (xid, id) index (see :data:`SHARD_COLUMN_SINCE`)."""
-    def build() -> tuple[str, list[str]] | None:
-        (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (DEFAULT_SHARDS,)
-        keep = claim_index(conn.info.server_version, shards)
-        found = [r[0] for r in conn.execute(query("admin", "pending_indexes"))]
-        others = [name for name in found if name != keep]
-        if keep in found and not others:
-            return None
-        conn.execute(query("admin", "migration_lock_timeout"), {"lock_timeout": _lock_timeout(lock_timeout_s)})
-        if keep == XID_ID_INDEX:
-            conn.execute(query("admin", "pending_index_xid_id"))
-        else:
-            conn.execute(_pending_index_statements(shards), {})  # {}: its %% is read as %
-        for name in others:
-            conn.execute(sql.SQL(query("admin", "drop_index")).format(index=sql.Identifier(name)))
-        return keep, others
-
-    built = _bounded(conn, build, step=lambda: PENDING_INDEX_STEP, lock_timeout_s=lock_timeout_s,
-                     tries=tries, log=log)
-    if built is not None and log is not None:
-        log.info("pending_index_built", index=built[0], dropped=built[1])
-
-
-def _bounded(conn: psycopg.Connection[Any], body: Callable[[], R], *, step: Callable[[], _Step],
-             lock_timeout_s: float, tries: int, log: Any) -> R:
-    """``body``'s result, run in a transaction of migrate's (:func:`_locked`) whose lock waits
-    are bounded (see :func:`apply`): rolled back and run again ``tries`` times while a table
-    lock is not available, then :class:`MigrationBlocked` naming the sessions that hold them;
-    a statement the server cancels is :class:`MigrationCancelled`.  ``step()`` names what
-    runs, as it stands now (a migration's file follows the outbox's layout)."""
-    for attempt in range(1, tries + 1):
-        try:
-            with conn.transaction():
-                _locked(conn)  # another migrate (an older relay's): wait for it
-                return body()
-        except psycopg.errors.QueryCanceled as exc:
-            raise MigrationCancelled(_cancelled(step().cancelled(), exc.diag.message_primary or str(exc))) from None
-        except psycopg.errors.LockNotAvailable:
-            if log is not None:
-                now = step()
-                log.warning("migration_lock_wait", version=now.version, name=now.name, attempt=attempt,
-                            lock_timeout_s=lock_timeout_s)
-            if attempt < tries:
-                time.sleep(min(attempt, 5))  # a short transaction elsewhere ends meanwhile
-    raise _blocked(conn, step().what, lock_timeout_s=lock_timeout_s, tries=tries)
-
-
-class MigrationBlocked(FatalError):
-    """A migration could not take its locks: sessions in long transactions hold them.  Its
-    own exit code, so that a deploy script can tell "try again later" from a broken setup."""
-
-    exit_code = 6
-
-
-class MigrationCancelled(MigrationBlocked):
-    """The server cancelled a migration's statement (it was rolled back): run migrate again
-    once whatever cancelled it lets it be.  Exit 6 too: "try again later"."""
-
-
-def _locked(conn: psycopg.Connection[Any]) -> None:
-    """Begin a transaction of migrate's: the application's timeouts lifted, the
-    per-migration lock taken (waited for: another migrate runs one)."""
-    conn.execute(query("admin", "migration_lifts_timeouts"))
-    conn.execute(query("admin", "migration_lock"))
-
-
-def _cancelled(what: str, cause: str) -> str:
-    """One line: which migration (``what``), what cancelled it, what to do."""
-    if "statement timeout" in cause:
-        advice = ("a statement_timeout cancelled it: run migrate with a role, or a DSN option, that "
-                "lifts it (options=-c statement_timeout=0)")
-    else:
-        advice = ("an operator (pg_cancel_backend) or a tool that cancels long statements (a pooler's "
-                "query_timeout) cancelled it: let it run")
-    return (f"{what} was cancelled ({cause}) and rolled back; "
-            f"the levels before it stay applied. {advice}, then run migrate again")
 
 
 def _apply_one(conn: psycopg.Connection[Any], plain: Migration, variant: Migration, *, partitioned: bool,
@@ -305,28 +205,14 @@ def _apply_one(conn: psycopg.Connection[Any], plain: Migration, variant: Migrati
             if recorded[0] != m.checksum and log is not None:
                 log.warning("migration_changed", version=m.version, name=m.name)
             return None
-        conn.execute(query("admin", "migration_lock_timeout"), {"lock_timeout": _lock_timeout(lock_timeout_s)})
+        conn.execute(query("admin", "migration_lock_timeout"), {"lock_timeout": lock_timeout_setting(lock_timeout_s)})
         conn.execute(m.sql.encode())  # a whole file: no parameters
         conn.execute(query("admin", "record_migration"),
                      {"version": m.version, "name": m.name, "checksum": m.checksum})
         return m
 
-    return _bounded(conn, migrate_one, step=lambda: _Step(f"migration {m.path.name}", m.version, m.name),
+    return bounded(conn, migrate_one, step=lambda: Step(f"migration {m.path.name}", m.version, m.name),
                     lock_timeout_s=lock_timeout_s, tries=tries, log=log)
-
-
-def _blocked(conn: psycopg.Connection[Any], what: str, *, lock_timeout_s: float, tries: int) -> MigrationBlocked:
-    """``what`` could not take its table locks ``tries`` times: the error naming the sessions
-    in older transactions that hold them."""
-    with conn.transaction():
-        blockers = conn.execute(query("admin", "migration_blockers"), {"older_than_s": lock_timeout_s}).fetchall()
-    held = "; ".join(f"pid {pid} ({app}, {state}, transaction open {age:.0f} s)"
-                     for pid, app, state, age in blockers) or "none left now: run migrate again"
-    return MigrationBlocked(
-        f"{what} could not take its table locks within {lock_timeout_s:g} s, "
-        f"{tries} times (writers waited at most that long each time). Sessions in older "
-        f"transactions holding table locks: {held}. End them or let them finish, then run "
-        f"migrate again (--lock-timeout-s waits longer)")
 
 
 def _layout(conn: psycopg.Connection[Any]) -> str:

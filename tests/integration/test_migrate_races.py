@@ -57,11 +57,21 @@ class _Run(threading.Thread):
             self.error = exc
 
 
-def _waiting_for_the_run_lock(dsn: str) -> bool:
+#: Two migrates' run-lock holders: the first's, which took it, and the second's, which tries it
+#: again every quarter second (relay/migrate.py, _hold_run_lock), each in its transaction.
+RUN_LOCK_HOLDERS = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = 'outbox-relay-migrate'
+  AND query LIKE '%%outbox-relay-migrate-run%%'
+  AND now() - xact_start > make_interval(secs => %(waited_s)s)
+"""
+
+
+def _waiting_for_the_run_lock(dsn: str, waited_s: float = 0.0) -> bool:
+    """A second migrate has been waiting for the first's run lock for ``waited_s``."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                           "AND application_name = 'outbox-relay-migrate' AND wait_event = 'advisory'").fetchone()
-    return bool(row and row[0])
+        row = conn.execute(RUN_LOCK_HOLDERS, {"waited_s": waited_s}).fetchone()
+    return bool(row and row[0] >= 2)
 
 
 def _first_paused(dsn: str, *, partitioned: bool) -> tuple[_Run, _PausingLog]:

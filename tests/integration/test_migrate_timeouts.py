@@ -106,7 +106,7 @@ def test_a_cancelled_migration_is_one_line_naming_it(db_dsn):
 def test_a_migrate_waiting_for_another_outlasts_a_role_lock_timeout(db_dsn):
     """The second of two migrates waits for the first's run lock: a role's lock_timeout
     ended that wait (lock_not_available, a traceback) while the first ran longer."""
-    from tests.integration.test_migrate_races import ALL, _first_paused
+    from tests.integration.test_migrate_races import ALL, _first_paused, _waiting_for_the_run_lock
 
     first, log = _first_paused(db_dsn, partitioned=False)  # its sessions began before the setting
     with psycopg.connect(db_dsn, autocommit=True) as conn:
@@ -114,15 +114,8 @@ def test_a_migrate_waiting_for_another_outlasts_a_role_lock_timeout(db_dsn):
             sql.Identifier(conn.info.dbname)))
     second = subprocess.Popen(relay_cmd("migrate"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "OUTBOX_RELAY_DSN": db_dsn, "OUTBOX_RELAY_LOG_FORMAT": "json"})
-    waited = ("SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event = 'advisory' "
-              "AND application_name = 'outbox-relay-migrate' AND now() - query_start > interval '300 ms'")
-
-    def waiting_long() -> bool:
-        with psycopg.connect(db_dsn, autocommit=True) as conn:
-            return conn.execute(waited).fetchone() is not None
-
-    try:
-        wait_until(lambda: second.poll() is not None or waiting_long(), 30,
+    try:  # waiting past the role's 100 ms
+        wait_until(lambda: second.poll() is not None or _waiting_for_the_run_lock(db_dsn, 0.3), 30,
                    message="the second migrate neither waited nor ended")
     finally:
         log.go_on.set()

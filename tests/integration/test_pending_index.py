@@ -85,7 +85,7 @@ def test_migrate_builds_the_index_for_the_count_and_again_when_the_count_changes
     assert list(found) == ["outbox_pending_by_16_shards_idx"], found
     assert "% 16))) WHERE (published_at IS NULL)" in found["outbox_pending_by_16_shards_idx"], found
     assert ("pending_index_built", {"index": "outbox_pending_by_16_shards_idx",
-                                    "dropped": ["outbox_pending_idx"]}) in log.said
+                                    "dropped": ["outbox_pending_idx"], "concurrently": False}) in log.said
     with psycopg.connect(db_dsn, autocommit=True) as conn:
         conn.execute("INSERT INTO outbox (topic, key, payload) SELECT 't', 'k' || g, '{}' "
                      "FROM generate_series(1, 500) AS g")

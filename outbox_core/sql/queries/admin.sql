@@ -25,17 +25,12 @@ SELECT set_config('statement_timeout', '0', true),
 
 -- name: migration_run_lock_try
 -- Held for a whole `migrate` run by a transaction kept open beside the migrations' own
--- (relay/migrate.py _hold_run_lock): a second `migrate` waits, then finds the work done.
+-- (relay/migrate.py _hold_run_lock): a second `migrate` tries again until it has it, then
+-- finds the work done.  Tried, not waited for: a statement waiting holds a snapshot, which
+-- the first one's CREATE INDEX CONCURRENTLY would wait for; and a role's or database's
+-- lock_timeout, meant for the application's statements, ended that wait (lock_not_available)
+-- while another migrate ran longer than it.
 SELECT pg_try_advisory_xact_lock(hashtext('outbox-relay-migrate-run')) AS locked
-
--- name: migration_run_lock
-SELECT pg_advisory_xact_lock(hashtext('outbox-relay-migrate-run'))
-
--- name: migration_run_lock_wait
--- Before waiting for the run lock: a role's or database's lock_timeout, meant for the
--- application's statements, ended that wait (lock_not_available) while another migrate ran
--- longer than it.  The other migrate's own waits are bounded; this one waits for it.
-SELECT set_config('lock_timeout', '0', true)
 
 -- name: migration_checksum
 -- Read under migration_lock: a migration another `migrate` applied meanwhile is skipped.
@@ -188,10 +183,14 @@ INSERT INTO outbox_relay_shards (shard)
 -- index instead of being read from the table (issue 18: a replica holding a quarter of the
 -- shards spent 2.1 times a lone relay's execution per claimed row).  It serves every other
 -- reader of the pending rows by its first two columns, as the (xid, id) index it replaces
--- did.  Built in migrate's transaction, under its lock_timeout: the build holds writers
--- for as long as it reads the pending rows (few, unless a backlog waits).
-CREATE INDEX IF NOT EXISTS {index}
-    ON outbox (xid, id, ((hashtext(coalesce(key, event_id::text)) & 2147483647) %% {shards}))
+-- did.  On an outbox of CONCURRENTLY_FROM_BYTES or more (relay/migrate_index.py) migrate
+-- builds it CONCURRENTLY ({concurrently}: that word and a space), outside a transaction, on the table or on each
+-- partition ({target}): a plain CREATE INDEX holds every writer of the table for as long as
+-- it reads the whole table, published rows included (a partial index's build reads them all
+-- to test its predicate).  On a smaller outbox, in migrate's transaction, under its
+-- lock_timeout.
+CREATE INDEX {concurrently}IF NOT EXISTS {index}
+    ON {target} (xid, id, ((hashtext(coalesce(key, event_id::text)) & 2147483647) %% {shards}))
     WHERE published_at IS NULL;
 
 -- name: pending_index_xid_id
@@ -199,8 +198,9 @@ CREATE INDEX IF NOT EXISTS {index}
 -- an "= ANY" condition on its third column does not return (xid, id) order, so the planner
 -- weighs the shard test in the index condition followed by a sort of every matching row
 -- against the test as a filter on the ordered scan, by estimates: PostgreSQL 15 sorted a
--- replica's 52,500 pending rows (65 ms, on disk) for a claim of 1,000.
-CREATE INDEX IF NOT EXISTS outbox_pending_idx ON outbox (xid, id) WHERE published_at IS NULL;
+-- replica's 52,500 pending rows (65 ms, on disk) for a claim of 1,000.  Filled in as
+-- pending_index_create is ({index} outbox_pending_idx on the outbox).
+CREATE INDEX {concurrently}IF NOT EXISTS {index} ON {target} (xid, id) WHERE published_at IS NULL;
 
 -- name: print_pending_index
 -- For `migrate --print`, last: what migrate does with the claim's index, for the count it
@@ -217,7 +217,10 @@ $$;
 -- name: pending_indexes
 -- The claim's indexes on the outbox: migration 0001's (xid, id) index and those built by
 -- pending_index_create; migrate keeps the one for the shard count and drops the others.
-SELECT c.relname::text AS name
+-- ``valid`` is false for a concurrent build that did not finish (an invalid index, which
+-- migrate drops and builds again) and for a partitioned outbox's index whose partitions are
+-- not all attached yet.
+SELECT c.relname::text AS name, x.indisvalid AS valid
 FROM pg_index AS x
 JOIN pg_class AS c ON c.oid = x.indexrelid
 WHERE x.indrelid = to_regclass('outbox')
@@ -226,3 +229,54 @@ ORDER BY 1
 
 -- name: drop_index
 DROP INDEX IF EXISTS {index};
+
+-- name: outbox_heap_bytes
+-- The outbox's table data, every partition of a partitioned one: what a build of an index
+-- reads (migrate builds the claim's index CONCURRENTLY from CONCURRENTLY_FROM_BYTES on).
+-- (pg_partition_tree lists no row for a table that is not partitioned).
+SELECT greatest(pg_relation_size('outbox'::regclass),
+                (SELECT coalesce(sum(pg_relation_size(t.relid)), 0)
+                 FROM pg_partition_tree('outbox'::regclass) AS t WHERE t.isleaf))::bigint AS heap_bytes
+
+-- name: pending_index_partitions
+-- A partitioned outbox's partitions without their part of the claim's index %(index)s (built
+-- ON ONLY the outbox, invalid until every partition's part is attached), each with the name
+-- migrate gives that part and whether an index of that name exists already (true: valid,
+-- false: a concurrent build that did not finish; NULL: none).
+SELECT c.relname::text AS part, left(c.relname, 40) || %(suffix)s AS child,
+       (SELECT x.indisvalid FROM pg_class AS ic JOIN pg_index AS x ON x.indexrelid = ic.oid
+        WHERE ic.relname = left(c.relname, 40) || %(suffix)s AND x.indrelid = c.oid) AS child_valid
+FROM pg_partition_tree('outbox'::regclass) AS t
+JOIN pg_class AS c ON c.oid = t.relid
+WHERE t.isleaf AND NOT EXISTS (
+    SELECT 1 FROM pg_inherits AS i JOIN pg_index AS x ON x.indexrelid = i.inhrelid
+    WHERE i.inhparent = to_regclass(%(index)s) AND x.indrelid = t.relid)
+ORDER BY 1
+
+-- name: attach_index
+-- A partition's part of a partitioned index, built CONCURRENTLY on its own: attached, and
+-- the partitioned index valid once every partition's part is.
+ALTER INDEX {index} ATTACH PARTITION {child}
+
+-- name: index_build_progress
+-- A CREATE INDEX CONCURRENTLY of migrate's on %(table)s, as its watch reads it: the phase
+-- ("waiting for writers before build", "waiting for old snapshots", ...: it holds no writer
+-- then, it waits for their transactions to end) and the session it waits for.
+SELECT p.pid, p.phase, p.current_locker_pid
+FROM pg_stat_progress_create_index AS p
+WHERE p.datname = current_database() AND p.relid = to_regclass(%(table)s)
+  AND p.command = 'CREATE INDEX CONCURRENTLY'
+
+-- name: index_build_blockers
+-- A concurrent build waited too long: the session it waits for now, and this database's
+-- other transactions older than the build that hold a transaction id or a snapshot (what it
+-- waits for next), oldest first.
+SELECT a.pid, coalesce(nullif(a.application_name, ''), 'no application_name') AS app,
+       coalesce(a.state, 'another role''s session') AS state,
+       coalesce(extract(epoch FROM now() - a.xact_start), 0)::float8 AS age_s
+FROM pg_stat_activity AS a
+WHERE a.datname = current_database() AND a.pid <> pg_backend_pid() AND a.pid <> %(builder)s
+  AND (a.pid = %(locker)s
+       OR (a.xact_start < (SELECT b.xact_start FROM pg_stat_activity AS b WHERE b.pid = %(builder)s)
+           AND (a.backend_xid IS NOT NULL OR a.backend_xmin IS NOT NULL)))
+ORDER BY a.xact_start NULLS LAST

@@ -1,0 +1,285 @@
+"""The claim's index (issue 18): which one migrate keeps for the server and the shard count,
+and how it builds it on a live outbox without holding the application's writers.
+
+A plain ``CREATE INDEX`` takes a SHARE lock on the table: every INSERT of every writer
+waits until the build ends, and the build of a partial index reads the whole table, the
+published rows a long retention keeps included (minutes on a large outbox).  Until this
+module, migrate built the claim's index that way, in its transaction, whatever the table's
+size: the migration job of an upgrade to a release with the shard column, or of a
+``--shards`` change, stopped the application's writes for as long as the build read.
+
+So from :data:`CONCURRENTLY_FROM_BYTES` of table data on, the index is built
+``CONCURRENTLY`` (on each partition, then attached, for a partitioned outbox): writers go
+on, and the build waits instead for the transactions older than it to end.  A watch on its
+own connection (:class:`_Watch`) reads the build's progress: past ``--lock-timeout-s`` of
+waiting it logs ``migration_lock_wait`` naming the session waited for, and after ``tries``
+such periods it cancels the build, and migrate exits 6 naming the sessions, as it does for a
+migration that cannot take its locks.  A build that did not finish leaves an invalid index
+(PostgreSQL's way), which the next run drops and builds again.  A smaller outbox keeps the
+transaction's build: it holds writers for a few milliseconds, and a concurrent build would
+wait for every transaction in the database older than it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
+
+import psycopg
+from psycopg import sql
+
+from relay import db
+from relay.migrate_steps import (
+    MigrationBlocked,
+    MigrationCancelled,
+    Step,
+    bounded,
+    lock_timeout_setting,
+    sessions,
+)
+from relay.partitions import is_partitioned
+from relay.queries import query
+
+#: The first PostgreSQL whose btree scans keep their order with an "= ANY" test on a later
+#: column: the claim's index carries the shard from there on (admin.sql, pending_index_xid_id).
+SHARD_COLUMN_SINCE = 170000
+#: Migration 0001's index of the pending rows by (xid, id): the claim's before PostgreSQL 17.
+XID_ID_INDEX = "outbox_pending_idx"
+#: From this much table data on (a plain build reads it all, 10-100 ms on these machines),
+#: the claim's index is built CONCURRENTLY (see the module).
+CONCURRENTLY_FROM_BYTES = 8 << 20
+#: The claim's index, as a step of migrate's.
+STEP = Step("the claim's index for the shard count", None, "pending_index")
+_OUTBOX = sql.Identifier("outbox")
+R = TypeVar("R")
+
+
+def pending_index(shards: int) -> str:
+    """The claim's index for ``shards`` shards (admin.sql, pending_index_create)."""
+    return f"outbox_pending_by_{int(shards)}_shards_idx"
+
+
+def claim_index(server_version: int, shards: int) -> str:
+    """The claim's index migrate keeps on a server of ``server_version`` (server_version_num)."""
+    return pending_index(shards) if server_version >= SHARD_COLUMN_SINCE else XID_ID_INDEX
+
+
+def statements(shards: int, block: str = "pending_index_create", *, concurrently: bool = False,
+               target: sql.Composable = _OUTBOX, index: str | None = None) -> sql.Composed:
+    """``block`` for ``shards`` (run with empty parameters, so that its %% is PostgreSQL's %):
+    the index named ``index`` (the count's by default) on ``target``."""
+    return sql.SQL(query("admin", block)).format(
+        index=sql.Identifier(index or pending_index(shards)), shards=sql.Literal(int(shards)),
+        concurrently=sql.SQL("CONCURRENTLY " if concurrently else ""), target=target)
+
+
+def _create(shards: int, keep: str, *, concurrently: bool = False, target: sql.Composable = _OUTBOX,
+            index: str | None = None) -> sql.Composed:
+    """The build of ``keep`` (the count's index or 0001's), named ``index`` (``keep``) on ``target``."""
+    block = "pending_index_xid_id" if keep == XID_ID_INDEX else "pending_index_create"
+    return statements(shards, block, concurrently=concurrently, target=target, index=index or keep)
+
+
+class _Found(NamedTuple):
+    """The claim's index as migrate finds it."""
+
+    shards: int
+    keep: str  # the one for the server and the count
+    valid: bool | None  # None: not there; False: a build that did not finish
+    others: list[str]  # 0001's or another count's: dropped
+    partitioned: bool
+    heap_bytes: int
+
+
+def _found(conn: psycopg.Connection[Any]) -> _Found:
+    (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (16,)  # migrate made the row just before
+    keep = claim_index(conn.info.server_version, shards)
+    found = dict(conn.execute(query("admin", "pending_indexes")).fetchall())
+    partitioned = is_partitioned(conn)
+    (heap_bytes,) = conn.execute(query("admin", "outbox_heap_bytes")).fetchone() or (0,)
+    return _Found(shards, keep, found.get(keep), [n for n in found if n != keep], bool(partitioned),
+                  int(heap_bytes))
+
+
+def ensure(conn: psycopg.Connection[Any], dsn: str, *, lock_timeout_s: float, tries: int, log: Any) -> None:
+    """The claim's index for the database's shard count, and no other: built when missing
+    (a new database, an upgrade from before it, ``--shards`` changed, a build that did not
+    finish), then 0001's and other counts' dropped in a transaction under migrate's
+    lock_timeout.  Before PostgreSQL 17 it is 0001's (xid, id) index (see
+    :data:`SHARD_COLUMN_SINCE`); on a large outbox it is built CONCURRENTLY (see the module)."""
+    def step() -> Step:
+        return STEP
+
+    now = bounded(conn, lambda: _found(conn), step=step, lock_timeout_s=lock_timeout_s, tries=tries, log=log)
+    concurrently = now.valid is not True and now.heap_bytes >= CONCURRENTLY_FROM_BYTES
+    if concurrently:
+        build = _Build(conn, dsn, now, lock_timeout_s=lock_timeout_s, tries=tries, log=log)
+        if now.partitioned:
+            build.partitioned()
+        else:
+            build.plain()
+
+    def settle() -> list[str] | None:
+        """In migrate's transaction: the index built if still missing (a small outbox), the
+        others dropped; what was dropped (None: nothing to do)."""
+        found = _found(conn)
+        if found.valid and not found.others:
+            return None
+        if concurrently and not found.valid:  # a partition made while its parts were built
+            raise MigrationBlocked(f"{STEP.what}: partitions of the outbox were made while it was built "
+                                   "CONCURRENTLY, and some have no part of it yet; run migrate again (the "
+                                   "index it replaces serves the claim meanwhile)")
+        conn.execute(query("admin", "migration_lock_timeout"), {"lock_timeout": lock_timeout_setting(lock_timeout_s)})
+        if not found.valid:
+            if found.valid is False:  # a concurrent build that did not finish
+                _drop(conn, found.keep)
+            conn.execute(_create(found.shards, found.keep), {})
+        for name in found.others:
+            _drop(conn, name)
+        return found.others
+
+    dropped = bounded(conn, settle, step=step, lock_timeout_s=lock_timeout_s, tries=tries, log=log)
+    if log is not None and (dropped is not None or concurrently):
+        log.info("pending_index_built", index=now.keep, dropped=dropped or [], concurrently=concurrently)
+
+
+def _drop(conn: psycopg.Connection[Any], name: str) -> None:
+    conn.execute(sql.SQL(query("admin", "drop_index")).format(index=sql.Identifier(name)))
+
+
+class _Build:
+    """The claim's index built CONCURRENTLY on a large outbox (see the module)."""
+
+    def __init__(self, conn: psycopg.Connection[Any], dsn: str, found: _Found, *, lock_timeout_s: float,
+                 tries: int, log: Any) -> None:
+        self.conn, self.dsn, self.found, self.log = conn, dsn, found, log
+        self.lock_timeout_s, self.tries = lock_timeout_s, tries
+
+    def _in_transaction(self, body: Callable[[], R]) -> R:
+        return bounded(self.conn, body, step=lambda: STEP, lock_timeout_s=self.lock_timeout_s, tries=self.tries,
+                       log=self.log)
+
+    def _timed_drop(self, name: str) -> None:
+        def drop() -> None:
+            self.conn.execute(query("admin", "migration_lock_timeout"),
+                              {"lock_timeout": lock_timeout_setting(self.lock_timeout_s)})
+            _drop(self.conn, name)
+        self._in_transaction(drop)
+
+    def plain(self) -> None:
+        keep = self.found.keep
+        if self.found.valid is False:  # the last run's build did not finish
+            self._timed_drop(keep)
+        self._concurrently(_create(self.found.shards, keep, concurrently=True), table="outbox", index=keep)
+
+    def partitioned(self) -> None:
+        """The index ON ONLY the outbox (invalid), then each partition's part built
+        CONCURRENTLY and attached: the index is valid once every partition's part is."""
+        keep, shards = self.found.keep, self.found.shards
+
+        def parent() -> None:
+            self.conn.execute(query("admin", "migration_lock_timeout"),
+                              {"lock_timeout": lock_timeout_setting(self.lock_timeout_s)})
+            self.conn.execute(_create(shards, keep, target=sql.SQL("ONLY {}").format(_OUTBOX)), {})
+        self._in_transaction(parent)
+        suffix = f"_pending_{shards}_idx" if keep != XID_ID_INDEX else "_pending_idx"
+        for _ in range(3):  # a partition made meanwhile (the relay's maintenance) is seen next time
+            missing = self._in_transaction(lambda: self.conn.execute(
+                query("admin", "pending_index_partitions"), {"index": keep, "suffix": suffix}).fetchall())
+            if not missing:
+                return
+            for part, child, child_valid in missing:
+                if child_valid is False:
+                    self._timed_drop(child)
+                self._concurrently(_create(shards, keep, concurrently=True, target=sql.Identifier(part), index=child),
+                                   table=part, index=child)
+
+                def attach(child: str = child) -> None:
+                    self.conn.execute(query("admin", "migration_lock_timeout"),
+                                      {"lock_timeout": lock_timeout_setting(self.lock_timeout_s)})
+                    self.conn.execute(sql.SQL(query("admin", "attach_index")).format(
+                        index=sql.Identifier(keep), child=sql.Identifier(child)))
+                self._in_transaction(attach)
+
+    def _concurrently(self, statement: sql.Composed, *, table: str, index: str) -> None:
+        """``statement``, a CREATE INDEX CONCURRENTLY on ``table``, outside a transaction, its
+        waits watched (:class:`_Watch`)."""
+        if self.log is not None:
+            self.log.info("pending_index_building", index=index, table=table, concurrently=True)
+        watch = _Watch(self.dsn, self.conn, table=table, lock_timeout_s=self.lock_timeout_s, tries=self.tries,
+                       log=self.log)
+        self.conn.autocommit = True
+        try:
+            with watch:
+                self.conn.execute(statement, {})
+        except psycopg.errors.QueryCanceled as exc:
+            if watch.waited_for is not None:
+                raise MigrationBlocked(
+                    f"{STEP.what} (CREATE INDEX CONCURRENTLY {index}, which never holds writers) waited "
+                    f"{self.lock_timeout_s * self.tries:g} s for older transactions to end: "
+                    f"{sessions(watch.waited_for)}. End them or let them finish, then run migrate again (it "
+                    f"drops the build left unfinished and builds it again; --lock-timeout-s waits longer)") from None
+            raise MigrationCancelled(
+                f"{STEP.what} (CREATE INDEX CONCURRENTLY {index}) was cancelled "
+                f"({exc.diag.message_primary or exc}); the unfinished index is dropped and built again by the "
+                f"next run. Let it run (a statement_timeout: run migrate with a role, or a DSN option, that "
+                f"lifts it: options=-c statement_timeout=0), then run migrate again") from None
+        except psycopg.errors.LockNotAvailable as exc:
+            raise MigrationBlocked(
+                f"{STEP.what} (CREATE INDEX CONCURRENTLY {index}) gave up waiting for older transactions "
+                f"({exc.diag.message_primary or exc}: a lock_timeout of the role or the database); the "
+                f"unfinished index is dropped and built again by the next run. Run migrate again once they "
+                f"ended, or with a role, or a DSN option, without that lock_timeout") from None
+        finally:
+            self.conn.autocommit = False
+
+
+class _Watch:
+    """A concurrent build's waits, read on a connection of its own every quarter of
+    ``lock_timeout_s`` (at most every 0.5 s): each ``lock_timeout_s`` of waiting logs
+    ``migration_lock_wait``; after ``tries`` of them the build is cancelled, the sessions it
+    waited for in :attr:`waited_for`.  A watch that cannot read leaves the build alone."""
+
+    def __init__(self, dsn: str, builder: psycopg.Connection[Any], *, table: str, lock_timeout_s: float,
+                 tries: int, log: Any) -> None:
+        self.dsn, self.builder, self.table, self.log = dsn, builder, table, log
+        self.lock_timeout_s, self.tries = lock_timeout_s, tries
+        self.waited_for: list[tuple[Any, ...]] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="migrate-index-watch", daemon=True)
+
+    def __enter__(self) -> _Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        every = max(0.02, min(0.5, self.lock_timeout_s / 4))
+        try:
+            with db.connect(self.dsn, application_name="outbox-relay-migrate") as conn:
+                waited, warned, last = 0.0, 0, time.monotonic()
+                while not self._stop.wait(every):
+                    now = time.monotonic()
+                    row = conn.execute(query("admin", "index_build_progress"), {"table": self.table}).fetchone()
+                    if row is None or not str(row[1]).startswith("waiting"):
+                        last = now
+                        continue
+                    waited, last = waited + (now - last), now
+                    if waited >= (warned + 1) * self.lock_timeout_s and warned < self.tries:
+                        warned += 1
+                        if self.log is not None:
+                            self.log.warning("migration_lock_wait", version=None, name=STEP.name, attempt=warned,
+                                             lock_timeout_s=self.lock_timeout_s, phase=row[1],
+                                             waiting_for_pid=row[2] or None)
+                    if waited >= self.tries * self.lock_timeout_s:
+                        self.waited_for = conn.execute(query("admin", "index_build_blockers"),
+                                                       {"builder": row[0], "locker": row[2] or 0}).fetchall()
+                        self.builder.cancel_safe()
+                        return
+        except psycopg.Error:
+            return
