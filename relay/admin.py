@@ -13,7 +13,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from outbox_core.text import uuid_from_text
-from relay import db, migrate, partitions, store
+from relay import db, migrate, migrate_index, partitions, store
 from relay.config import Settings
 from relay.errors import ConfigError, NotFound, PermissionDenied
 from relay.queries import compose
@@ -134,6 +134,7 @@ def status(settings: Settings, *, as_json: bool) -> int:
         shards = _rows(conn, "leases", "shard_table", {"now": None})
         stalled = _rows(conn, "admin", "status_stalled", {})
         detached = _detached(conn) if settings.table == "outbox" else []
+        claim_index = _claim_index(conn) if settings.table == "outbox" else None
     finally:
         conn.close()
     from relay.replay_admin import format_replays, status_section
@@ -157,6 +158,9 @@ def status(settings: Settings, *, as_json: bool) -> int:
             {"topic": r["topic"], "partition": r["partition"], "rows_waiting": int(r["rows_waiting"]),
              "replica": r["owner"]} for r in stalled
         ],
+        # The claim's index migrate keeps for this server and shard count, and the claim's
+        # indexes there are (None: an adopted table, whose indexes adopt made).
+        "claim_index": claim_index,
     }
     if as_json:
         json.dump(report, sys.stdout, indent=2)
@@ -170,6 +174,8 @@ def status(settings: Settings, *, as_json: bool) -> int:
     for d in report["detached_pending"]:
         print(f"detached rows:       {_detached_count(d)} in {d['table']} (detached from the outbox: "
               "never published; attach it again or copy them into the outbox)")
+    if claim_index is not None:
+        print(f"claim index:         {_claim_index_line(claim_index)}")
     print()
     print(f"{'shard':>5}  {'owner':<32}  {'lease until':<32}  {'token':>6}  state")
     for r in report["shards"]:
@@ -198,6 +204,27 @@ def _detached(conn: Any) -> list[dict[str, Any]]:
         counts, unreadable = partitions.detached(conn, bounded=False)  # no transaction block
     return [{"table": name, "pending": n, "readable": name not in unreadable}
             for name, n in counts.items() if n != 0]
+
+
+def _claim_index(conn: Any) -> dict[str, Any]:
+    """The claim's index migrate keeps for the server and the shard count (``expected``) and
+    the claim's indexes there are (``found``: name, valid); ``ok``: the expected one, valid,
+    and no other.  Not so after a major upgrade to PostgreSQL 17 or a ``--shards`` change
+    until migrate runs, or after a concurrent build that did not finish (relay/migrate_index.py)."""
+    (settings,) = _rows(conn, "relay", "read_settings", {})
+    expected = migrate_index.claim_index(conn.info.server_version, int(settings["shards"]))
+    found = [{"name": r["name"], "valid": bool(r["valid"])} for r in _rows(conn, "admin", "pending_indexes", {})]
+    return {"expected": expected, "found": found,
+            "ok": found == [{"name": expected, "valid": True}]}
+
+
+def _claim_index_line(index: dict[str, Any]) -> str:
+    if index["ok"]:
+        return str(index["expected"])
+    found = ", ".join(f["name"] + ("" if f["valid"] else " (invalid: a concurrent build that did not finish)")
+                      for f in index["found"]) or "none"
+    return (f"{found}; this server and shard count take {index['expected']}: run `outbox-relay migrate` "
+            "(it builds it without holding writers on a large outbox); the claim is correct meanwhile")
 
 
 def _detached_count(d: dict[str, Any]) -> str:

@@ -1,0 +1,60 @@
+"""`outbox-relay status` names the claim's index, and says when it is not the one migrate keeps.
+
+Before: nothing told an SRE which index served the claim.  After a major upgrade to
+PostgreSQL 17 (the shard column's index is built at migrate's next run), a --shards change,
+or a concurrent build migrate gave up on (an invalid index, relay/migrate_index.py), the
+claim went on, correct and dearer, and status showed the same as when all was well."""
+
+from __future__ import annotations
+
+import json
+
+import psycopg
+
+from relay import migrate
+from tests.integration.test_least_privilege import login_role
+from tests.integration.test_pending_index import _the_other_index
+from tests.integration.test_pending_index_concurrently import _fill, _open_writer
+from tests.integration.test_status_detached import _status
+
+
+def test_status_names_the_claim_index_and_says_when_migrate_has_one_to_build(db_dsn):
+    migrate.apply(db_dsn)
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        kept = migrate.claim_index(conn.info.server_version, migrate.DEFAULT_SHARDS)
+    report = json.loads(_status(db_dsn, "--json").stdout)
+    assert report["claim_index"] == {"expected": kept, "found": [{"name": kept, "valid": True}], "ok": True}
+    assert f"claim index:         {kept}" in _status(db_dsn).stdout.splitlines()
+
+    _the_other_index(db_dsn)  # as an outbox from before the shard column stands on 17
+    other = migrate.XID_ID_INDEX if kept != migrate.XID_ID_INDEX else migrate.pending_index(16)
+    with login_role(db_dsn) as login:  # the relay's least-privilege role reads it too
+        report = json.loads(_status(login.dsn, "--json").stdout)
+    assert report["claim_index"] == {"expected": kept, "found": [{"name": other, "valid": True}], "ok": False}
+    [line] = [x for x in _status(db_dsn).stdout.splitlines() if x.startswith("claim index:")]
+    assert line == (f"claim index:         {other}; this server and shard count take {kept}: run "
+                    "`outbox-relay migrate` (it builds it without holding writers on a large outbox); the "
+                    "claim is correct meanwhile")
+
+
+def test_status_says_a_concurrent_build_did_not_finish(db_dsn):
+    migrate.apply(db_dsn)
+    kept = _the_other_index(db_dsn)
+    _fill(db_dsn)
+    writer = _open_writer(db_dsn)
+    try:
+        try:
+            migrate.apply(db_dsn, lock_timeout_s=0.2, tries=1)
+        except migrate.MigrationBlocked:
+            pass
+        else:
+            raise AssertionError("the build did not wait for the open writer")
+    finally:
+        writer.rollback()
+        writer.close()
+    report = json.loads(_status(db_dsn, "--json").stdout)["claim_index"]
+    assert report["ok"] is False and {"name": kept, "valid": False} in report["found"], report
+    [line] = [x for x in _status(db_dsn).stdout.splitlines() if x.startswith("claim index:")]
+    assert f"{kept} (invalid: a concurrent build that did not finish)" in line, line
+    migrate.apply(db_dsn)
+    assert json.loads(_status(db_dsn, "--json").stdout)["claim_index"]["ok"] is True
