@@ -71,7 +71,7 @@ def _adoption(args: argparse.Namespace) -> tuple[str, str, str]:
 def _adopt(settings: Settings, args: argparse.Namespace, source: str, view: str, template: str) -> int:
     from relay.adopt import adopt
 
-    conn = db.connect(settings.dsn, application_name="outbox-relay-migrate", autocommit=True)
+    conn = db.connect(settings.dsn, application_name="outbox-relay-migrate", autocommit=True, prepare=False)
     try:
         with db.translated():
             report = adopt(conn, source=source, view=view, topic_template=template,
@@ -125,7 +125,7 @@ def _finite(seconds: Any) -> float | None:
 
 
 def status(settings: Settings, *, as_json: bool) -> int:
-    conn = db.connect(settings.dsn, application_name="outbox-relay-status")
+    conn = db.connect(settings.dsn, application_name="outbox-relay-status", prepare=False)
     try:
         (schema,) = _rows(conn, "relay", "schema_check", {"table": settings.table})
         db.require_schema(schema, settings.table)
@@ -239,7 +239,7 @@ def _detached_count(d: dict[str, Any]) -> str:
 def cleanup(settings: Settings, *, retention_s: float, batch: int) -> int:
     from relay.janitor import Janitor
 
-    st = store.Store(settings.dsn, table=settings.table)
+    st = store.Store(settings.dsn, table=settings.table, one_shot=True)
     try:
         st.check_schema()  # --table naming another table: its rows must not be deleted
         if st.is_partitioned():
@@ -294,7 +294,7 @@ def _check_dead_letter_args(args: argparse.Namespace) -> None:
 
 def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
     _check_dead_letter_args(args)
-    conn = db.connect(settings.dsn, application_name="outbox-relay-dead-letters")
+    conn = db.connect(settings.dsn, application_name="outbox-relay-dead-letters", prepare=False)
     try:
         # As status and cleanup do: a --table that is not there said "the outbox schema is
         # missing: run migrate" on requeue (which would not help) and listed on regardless.

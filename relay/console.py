@@ -72,7 +72,8 @@ class Console:
         self.actions = settings.console_actions
         self.log = log
         self.clock = clock
-        self.store = ConsoleStore(settings.dsn, application_name="outbox-relay-console", table=settings.table)
+        self.store = ConsoleStore(settings.dsn, application_name="outbox-relay-console", table=settings.table,
+                                  one_shot=True)
         self.sessions: dict[str, Session] = {}
         self.login_csrf: dict[str, float] = {}
         self.refused_sign_ins: list[float] = []

@@ -58,14 +58,19 @@ def translate_connect_error(exc: psycopg.Error, dsn: str = "", *, option: str = 
 
 
 def connect(dsn: str, *, application_name: str = "outbox-relay", autocommit: bool = True,
-            connect_timeout_s: int = 5, option: str = DSN_OPTION) -> psycopg.Connection[Any]:
-    """A new connection, errors translated (``option``: what gave the DSN)."""
+            connect_timeout_s: int = 5, option: str = DSN_OPTION, prepare: bool = True) -> psycopg.Connection[Any]:
+    """A new connection, errors translated (``option``: what gave the DSN).  ``prepare=False``:
+    psycopg never prepares a statement on it (its default prepares one executed 5 times), for
+    a command that works through a transaction pooler, where a prepared statement stays on
+    the server connection it was made on while the next transaction may get another."""
     try:
         conn = psycopg.connect(dsn, autocommit=autocommit, application_name=application_name,
                                **connect_timeout(dsn, connect_timeout_s))
     except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
         raise translate_connect_error(exc, dsn, option=option) from None
     conn.adapters.register_loader("timestamptz", _TimestamptzOrInfinity)
+    if not prepare:
+        conn.prepare_threshold = None
     return conn
 
 

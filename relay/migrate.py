@@ -117,8 +117,9 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
     the sessions in old transactions that hold table locks.
     """
     applied_now: list[str] = []
-    holder = db.connect(dsn, application_name="outbox-relay-migrate", autocommit=False)
-    conn = db.connect(dsn, application_name="outbox-relay-migrate", autocommit=False)
+    # Never prepared: migrate works through a transaction pooler (see db.connect).
+    holder = db.connect(dsn, application_name="outbox-relay-migrate", autocommit=False, prepare=False)
+    conn = db.connect(dsn, application_name="outbox-relay-migrate", autocommit=False, prepare=False)
     try:
         with db.translated():
             _hold_run_lock(holder, log)

@@ -261,7 +261,7 @@ class _Watch:
     def _run(self) -> None:
         every = max(0.02, min(0.5, self.lock_timeout_s / 4))
         try:
-            with db.connect(self.dsn, application_name="outbox-relay-migrate") as conn:
+            with db.connect(self.dsn, application_name="outbox-relay-migrate", prepare=False) as conn:
                 waited, warned, last = 0.0, 0, time.monotonic()
                 while not self._stop.wait(every):
                     now = time.monotonic()

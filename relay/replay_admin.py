@@ -113,7 +113,7 @@ def _request_values(args: argparse.Namespace) -> tuple[datetime, datetime | None
 
 def command(settings: Settings, args: argparse.Namespace) -> int:
     request = check_arguments(args)
-    store = ReplayStore(settings.dsn, application_name="outbox-relay-replay", table=settings.table)
+    store = ReplayStore(settings.dsn, application_name="outbox-relay-replay", table=settings.table, one_shot=True)
     try:
         store.check_schema()
         if args.action == "list":
@@ -185,7 +185,7 @@ def format_replays(rows: list[dict[str, Any]]) -> list[str]:
 
 def status_section(settings: Settings) -> list[dict[str, Any]]:
     """The active and recent replays, for ``status``."""
-    store = ReplayStore(settings.dsn, application_name="outbox-relay-status", table=settings.table)
+    store = ReplayStore(settings.dsn, application_name="outbox-relay-status", table=settings.table, one_shot=True)
     try:
         return [_plain(r) for r in store.list_replays(limit=10)]
     finally:

@@ -92,10 +92,13 @@ class Store(LeaseStatements):
     def __init__(self, dsn: str, *, now: datetime | None = None,
                  application_name: str = "outbox-relay",
                  on_statement: Callable[[], None] = lambda: None,
-                 table: str = "outbox", keep_published: bool = True) -> None:
+                 table: str = "outbox", keep_published: bool = True, one_shot: bool = False) -> None:
         """``keep_published`` False: a mark deletes the acknowledged rows instead of
-        setting their ``published_at``."""
+        setting their ``published_at``.  ``one_shot``: a one-shot command's store (cleanup,
+        replay, status, the console), which must work through a transaction pooler: its
+        connection sets nothing for the session and prepares no statement (see :attr:`conn`)."""
         self._dsn = dsn
+        self._one_shot = one_shot
         self.table = table
         self._mark_query = "mark_published" if keep_published else "delete_published"
         self._by_event = False  # mark_by_event_id
@@ -127,11 +130,16 @@ class Store(LeaseStatements):
     @property
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
-            self._conn = connect(self._dsn, application_name=self._application_name)
-            # A mark lost to a database crash only means a redelivery, which consumers
-            # absorb anyway; every relay write is fenced, so a lost lease write is safe
-            # too.  Not waiting for the WAL flush roughly halves a batch's mark time.
-            self._conn.execute(query("relay", "async_commit"))
+            self._conn = connect(self._dsn, application_name=self._application_name, prepare=not self._one_shot)
+            if not self._one_shot:
+                # A mark lost to a database crash only means a redelivery, which consumers
+                # absorb anyway; every relay write is fenced, so a lost lease write is safe
+                # too.  Not waiting for the WAL flush roughly halves a batch's mark time.
+                # Never on a one-shot command's connection: through a transaction pooler the
+                # setting stayed on the server connection, and the application's transactions
+                # there committed without waiting for the flush either (a crash could lose
+                # them, outbox rows included).
+                self._conn.execute(query("relay", "async_commit"))
         return self._conn
 
     def close(self) -> None:

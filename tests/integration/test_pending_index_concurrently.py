@@ -27,6 +27,7 @@ from relay.queries import query
 from tests.fixtures.procs import wait_until
 from tests.integration.test_migrate_races import _PausingLog, _Run, _waiting_for_the_run_lock
 from tests.integration.test_pending_index import PARTITION_INDEXES, Events, _the_other_index
+from tests.integration.test_pgbouncer import pgbouncer  # noqa: F401 - the fixture
 
 #: Published rows of about 1 kB: a table past CONCURRENTLY_FROM_BYTES.
 FILL = """
@@ -186,3 +187,36 @@ def test_two_migrates_at_once_on_a_large_outbox_both_finish(db_dsn):
     with psycopg.connect(db_dsn, autocommit=True) as conn:
         keep = migrate.claim_index(conn.info.server_version, migrate.DEFAULT_SHARDS)
     assert _claim_indexes(db_dsn) == {keep: True}
+
+
+def test_through_a_transaction_pooler_the_build_gives_up_cleanly_and_a_later_run_builds_it(db_dsn, pgbouncer):  # noqa: F811
+    """migrate works through a transaction pooler (README): the concurrent build runs outside
+    a transaction, its watch cancels it through the pooler, and nothing of migrate's stays
+    on the server connections the pooler hands the application next."""
+    migrate.apply(db_dsn)
+    kept = _the_other_index(db_dsn)
+    _fill(db_dsn)
+    pooled = pgbouncer("transaction")
+    writer = _open_writer(db_dsn)
+    try:
+        run = _Migrate(pooled, lock_timeout_s=0.3, tries=2)
+        run.start()
+        run.join(60)
+        assert isinstance(run.error, migrate.MigrationBlocked), run.error
+        assert "slow-writer" in str(run.error), run.error
+    finally:
+        writer.rollback()
+        writer.close()
+    run = _Migrate(pooled)
+    run.start()
+    run.join(60)
+    assert not run.is_alive() and run.error is None, run.error
+    assert _claim_indexes(db_dsn) == {kept: True}
+    conns = [psycopg.connect(pooled, autocommit=True) for _ in range(4)]
+    try:
+        for conn in conns:
+            assert conn.execute("SELECT current_setting('lock_timeout'), "
+                                "current_setting('statement_timeout')").fetchone() == ("0", "0")
+    finally:
+        for conn in conns:
+            conn.close()
