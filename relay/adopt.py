@@ -149,7 +149,12 @@ def adopt(conn: psycopg.Connection[Any], *, source: str, view: str, topic_templa
     numbering_s = time.monotonic() - started
 
     started = time.monotonic()
+    schema = source.split(".")[:-1]
     for name in ("pending_index", "retrying_index", "published_index"):
+        index = f"{bare}_relay_{name.removesuffix('_index')}_idx"
+        (invalid,) = conn.execute(blocks["invalid_index"], {"source": source, "index": index}).fetchone() or (False,)
+        if invalid:  # an earlier run's build that did not finish: built again
+            conn.execute(sql.SQL(blocks["drop_invalid_index"]).format(index=sql.Identifier(*schema, index)))
         run(name)  # CONCURRENTLY: outside a transaction
     return AdoptReport(already_adopted=adopted, existing=existing, lock_s=lock_s,
                        numbered=numbered, numbering_s=numbering_s,

@@ -80,6 +80,18 @@ WITH todo AS MATERIALIZED (
 )
 SELECT (SELECT count(*) FROM updated) AS numbered, (SELECT max(row_ctid)::text FROM todo) AS last
 
+-- name: invalid_index
+-- A concurrent build an earlier run did not finish (interrupted, cancelled by a timeout):
+-- PostgreSQL leaves its index invalid (no query uses it, every write still updates it), and
+-- CREATE INDEX CONCURRENTLY IF NOT EXISTS then kept it so at every run after.
+SELECT EXISTS (SELECT 1 FROM pg_index AS x JOIN pg_class AS c ON c.oid = x.indexrelid
+               WHERE x.indrelid = to_regclass(%(source)s) AND c.relname = %(index)s
+                 AND NOT x.indisvalid) AS invalid
+
+-- name: drop_invalid_index
+-- Outside a transaction, as its build: writers go on.
+DROP INDEX CONCURRENTLY IF EXISTS {index}
+
 -- name: pending_index
 CREATE INDEX CONCURRENTLY IF NOT EXISTS {pending_index} ON {source} (relay_xid, relay_seq)
     WHERE relay_published_at IS NULL

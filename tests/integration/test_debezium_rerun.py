@@ -1,0 +1,69 @@
+"""`migrate --debezium-table` run again repairs an index an interrupted run left unfinished.
+
+Its indexes are built CONCURRENTLY, outside a transaction.  A build that does not finish (the
+command interrupted, a lock_timeout or statement_timeout of the role cancelling its wait for
+a long transaction) leaves PostgreSQL's invalid index: no query uses it, every write still
+updates it.  README says to run the command again; before, its CREATE INDEX CONCURRENTLY IF
+NOT EXISTS found the name taken and kept the invalid index, at every run: the claim through
+the view had no index of the pending rows and read the whole table each time."""
+
+from __future__ import annotations
+
+import subprocess
+
+import psycopg
+import pytest
+
+from tests.fixtures.outbox import relay_cmd
+from tests.integration.test_debezium import DEBEZIUM_TABLE
+
+VALID = """
+SELECT c.relname::text, x.indisvalid FROM pg_index AS x JOIN pg_class AS c ON c.oid = x.indexrelid
+WHERE x.indrelid = 'app.outbox_events'::regclass AND c.relname LIKE 'outbox_events_relay_%%'
+ORDER BY 1
+"""
+PENDING = ("CREATE INDEX CONCURRENTLY outbox_events_relay_pending_idx ON app.outbox_events "
+           "(relay_xid, relay_seq) WHERE relay_published_at IS NULL")
+
+
+def _adopt(dsn: str) -> None:
+    done = subprocess.run(relay_cmd("migrate", "--dsn", dsn, "--debezium-table", "app.outbox_events"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def _indexes(dsn: str) -> dict[str, bool]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return dict(conn.execute(VALID).fetchall())
+
+
+def test_adopting_again_builds_the_index_an_interrupted_run_left_invalid(outbox_db):
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA app")
+        conn.execute(DEBEZIUM_TABLE)
+        conn.execute("INSERT INTO app.outbox_events (id, aggregatetype, aggregateid, type, payload) "
+                     "SELECT gen_random_uuid(), 'Order', 'k-' || (g % 50), 'Changed', '{}' "
+                     "FROM generate_series(1, 1000) AS g")
+    _adopt(outbox_db)
+    assert set(_indexes(outbox_db).values()) == {True}
+    # The pending rows' index as a run interrupted in its build leaves it: a writer's
+    # transaction open, the build's wait for it cut by a lock_timeout.
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("DROP INDEX app.outbox_events_relay_pending_idx")
+    writer = psycopg.connect(outbox_db)
+    try:
+        writer.execute("INSERT INTO app.outbox_events (id, aggregatetype, aggregateid, type, payload) "
+                       "VALUES (gen_random_uuid(), 'Order', 'k-1', 'Changed', '{}')")
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute("SET lock_timeout = '200ms'")
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                conn.execute(PENDING)
+    finally:
+        writer.rollback()
+        writer.close()
+    assert _indexes(outbox_db)["outbox_events_relay_pending_idx"] is False
+    _adopt(outbox_db)
+    assert _indexes(outbox_db) == {"outbox_events_relay_pending_idx": True,
+                                   "outbox_events_relay_published_idx": True,
+                                   "outbox_events_relay_retrying_idx": True}
