@@ -138,25 +138,34 @@ def test_writers_go_on_while_the_index_is_built_on_a_large_outbox(db_dsn, partit
     assert pending == 2
 
 
-def test_a_build_waiting_too_long_names_the_session_and_the_next_run_finishes_it(db_dsn):
-    migrate.apply(db_dsn)
-    kept = _the_other_index(db_dsn)
-    _fill(db_dsn)
-    writer = _open_writer(db_dsn)
+def given_up_build(dsn: str, migrate_dsn: str | None = None) -> tuple[str, _Migrate]:
+    """A large outbox with the other claim index than migrate keeps, and a migrate (through
+    ``migrate_dsn``, ``dsn`` by default) whose concurrent build waited 2 x 0.3 s for a
+    writer's open transaction, then gave up; the writer's transaction rolled back after.
+    Returns the index migrate keeps and the run."""
+    migrate.apply(dsn)
+    kept = _the_other_index(dsn)
+    _fill(dsn)
+    writer = _open_writer(dsn)
     try:
-        run = _Migrate(db_dsn, lock_timeout_s=0.3, tries=2)
+        run = _Migrate(migrate_dsn or dsn, lock_timeout_s=0.3, tries=2)
         run.start()
         run.join(60)
-        assert isinstance(run.error, migrate.MigrationBlocked), run.error
-        message = str(run.error)
-        assert "CREATE INDEX CONCURRENTLY" in message and "never holds writers" in message, message
-        assert "slow-writer" in message, message
-        waits = [f for e, f in run.log.said if e == "migration_lock_wait" and f["name"] == "pending_index"]
-        assert [w["attempt"] for w in waits] == [1, 2], run.log.said
-        assert _claim_indexes(db_dsn).get(kept) is False  # PostgreSQL's unfinished build: invalid
     finally:
         writer.rollback()
         writer.close()
+    assert isinstance(run.error, migrate.MigrationBlocked), run.error
+    assert "slow-writer" in str(run.error), run.error
+    return kept, run
+
+
+def test_a_build_waiting_too_long_names_the_session_and_the_next_run_finishes_it(db_dsn):
+    kept, run = given_up_build(db_dsn)
+    message = str(run.error)
+    assert "CREATE INDEX CONCURRENTLY" in message and "never holds writers" in message, message
+    waits = [f for e, f in run.log.said if e == "migration_lock_wait" and f["name"] == "pending_index"]
+    assert [w["attempt"] for w in waits] == [1, 2], run.log.said
+    assert _claim_indexes(db_dsn).get(kept) is False  # PostgreSQL's unfinished build: invalid
     migrate.apply(db_dsn)  # drops the unfinished build and builds it again
     assert _claim_indexes(db_dsn) == {kept: True}
 
@@ -193,20 +202,8 @@ def test_through_a_transaction_pooler_the_build_gives_up_cleanly_and_a_later_run
     """migrate works through a transaction pooler (README): the concurrent build runs outside
     a transaction, its watch cancels it through the pooler, and nothing of migrate's stays
     on the server connections the pooler hands the application next."""
-    migrate.apply(db_dsn)
-    kept = _the_other_index(db_dsn)
-    _fill(db_dsn)
     pooled = pgbouncer("transaction")
-    writer = _open_writer(db_dsn)
-    try:
-        run = _Migrate(pooled, lock_timeout_s=0.3, tries=2)
-        run.start()
-        run.join(60)
-        assert isinstance(run.error, migrate.MigrationBlocked), run.error
-        assert "slow-writer" in str(run.error), run.error
-    finally:
-        writer.rollback()
-        writer.close()
+    kept, _ = given_up_build(db_dsn, pooled)
     run = _Migrate(pooled)
     run.start()
     run.join(60)

@@ -14,7 +14,7 @@ import psycopg
 from relay import migrate
 from tests.integration.test_least_privilege import login_role
 from tests.integration.test_pending_index import _the_other_index
-from tests.integration.test_pending_index_concurrently import _fill, _open_writer
+from tests.integration.test_pending_index_concurrently import given_up_build
 from tests.integration.test_status_detached import _status
 
 
@@ -38,20 +38,7 @@ def test_status_names_the_claim_index_and_says_when_migrate_has_one_to_build(db_
 
 
 def test_status_says_a_concurrent_build_did_not_finish(db_dsn):
-    migrate.apply(db_dsn)
-    kept = _the_other_index(db_dsn)
-    _fill(db_dsn)
-    writer = _open_writer(db_dsn)
-    try:
-        try:
-            migrate.apply(db_dsn, lock_timeout_s=0.2, tries=1)
-        except migrate.MigrationBlocked:
-            pass
-        else:
-            raise AssertionError("the build did not wait for the open writer")
-    finally:
-        writer.rollback()
-        writer.close()
+    kept, _ = given_up_build(db_dsn)
     report = json.loads(_status(db_dsn, "--json").stdout)["claim_index"]
     assert report["ok"] is False and {"name": kept, "valid": False} in report["found"], report
     [line] = [x for x in _status(db_dsn).stdout.splitlines() if x.startswith("claim index:")]
