@@ -28,7 +28,8 @@ def dispatch(command: str, args: argparse.Namespace, settings: Settings) -> int:
         # refused only after the migrations had changed the database (an audit's finding).
         adoption = _adoption(args) if args.debezium_table else None
         applied = migrate.apply(settings.dsn, shards=settings.shards, partitioned=args.partitioned,
-                                log=log, lock_timeout_s=settings.lock_timeout_s)
+                                log=log, lock_timeout_s=settings.lock_timeout_s,
+                                index_wait_s=settings.index_wait_s)
         level = migrate.migrations()[-1].version  # every one of them is recorded now
         print(f"migrations applied: {', '.join(applied) if applied else f'none (schema up to date: level {level})'}")
         if adoption is not None:

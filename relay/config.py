@@ -54,6 +54,7 @@ from relay.options import (
     DEFAULT_EXACTLY_ONCE_PIPELINE_DEPTH,
     DEFAULT_EXACTLY_ONCE_POSITION_TOPIC,
     DEFAULT_EXACTLY_ONCE_TRANSACTIONAL_ID_PREFIX,
+    DEFAULT_INDEX_WAIT_S,
     DEFAULT_LEASE_DURATION_S,
     DEFAULT_LOCK_TIMEOUT_S,
     DEFAULT_MAX_ATTEMPTS,
@@ -97,6 +98,7 @@ class Settings:
     table: str = "outbox"
     shards: int | None = None
     lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
+    index_wait_s: float = DEFAULT_INDEX_WAIT_S
     lease_duration_s: float = DEFAULT_LEASE_DURATION_S
     heartbeat_interval_s: float = DEFAULT_LEASE_DURATION_S / 3
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S

@@ -28,7 +28,7 @@ from relay.migrate_index import statements as pending_index_statements
 from relay.migrate_steps import MigrationBlocked as MigrationBlocked
 from relay.migrate_steps import MigrationCancelled as MigrationCancelled
 from relay.migrate_steps import Step, bounded, lock_timeout_setting, locked
-from relay.options import DEFAULT_LOCK_TIMEOUT_S
+from relay.options import DEFAULT_INDEX_WAIT_S, DEFAULT_LOCK_TIMEOUT_S
 from relay.partitions import is_partitioned, maintain
 from relay.queries import query, sql_files
 
@@ -98,7 +98,7 @@ def render(shards: int = DEFAULT_SHARDS, *, partitioned: bool = False,
 
 def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
           log: Any = None, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
-          tries: int = LOCK_TRIES) -> list[str]:
+          tries: int = LOCK_TRIES, index_wait_s: float = DEFAULT_INDEX_WAIT_S) -> list[str]:
     """Apply pending migrations and make sure the shard rows exist; returns what was applied.
 
     ``partitioned`` creates a day-partitioned outbox; it only applies to a database
@@ -114,7 +114,9 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
     A migration that alters a live table waits for its lock at most ``lock_timeout_s``
     (every writer of the table queues behind that wait), then is rolled back and tried
     again, ``tries`` times; after the last it raises :class:`MigrationBlocked` naming
-    the sessions in old transactions that hold table locks.
+    the sessions in old transactions that hold table locks.  The claim's index, built
+    CONCURRENTLY on a large outbox (writers go on), waits for older transactions at most
+    ``index_wait_s`` in all (relay/migrate_index.py).
     """
     applied_now: list[str] = []
     # Never prepared: migrate works through a transaction pooler (see db.connect).
@@ -142,7 +144,8 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
             with conn.transaction():
                 locked(conn)
                 _ensure_shards(conn, shards, log)
-            ensure_pending_index(conn, dsn, lock_timeout_s=lock_timeout_s, tries=tries, log=log)
+            ensure_pending_index(conn, dsn, lock_timeout_s=lock_timeout_s, tries=tries, log=log,
+                                 wait_s=index_wait_s)
     except psycopg.errors.InsufficientPrivilege as exc:
         raise FatalError(f"migrate needs a role that may create tables: {exc.diag.message_primary}") from None
     finally:

@@ -11,10 +11,12 @@ size: the migration job of an upgrade to a release with the shard column, or of 
 So from :data:`CONCURRENTLY_FROM_BYTES` of table data on, the index is built
 ``CONCURRENTLY`` (on each partition, then attached, for a partitioned outbox): writers go
 on, and the build waits instead for the transactions older than it to end.  A watch on its
-own connection (:class:`_Watch`) reads the build's progress: past ``--lock-timeout-s`` of
-waiting it logs ``migration_lock_wait`` naming the session waited for, and after ``tries``
-such periods it cancels the build, and migrate exits 6 naming the sessions, as it does for a
-migration that cannot take its locks.  A build that did not finish leaves an invalid index
+own connection (:class:`_Watch`) reads the build's progress: every 30 s of waiting it logs
+``migration_lock_wait`` naming the session waited for, and past ``--index-wait-s`` (300 s)
+it cancels the build, and migrate exits 6 naming the sessions, as it does for a migration
+that cannot take its locks.  Not ``--lock-timeout-s``, which bounds what a migration's lock
+request holds writers up and is kept short: a job's transaction of a few minutes (a worker
+pool's fenced transaction) would have failed every build.  A build that did not finish leaves an invalid index
 (PostgreSQL's way), which the next run drops and builds again.  A smaller outbox keeps the
 transaction's build: it holds writers for a few milliseconds, and a concurrent build would
 wait for every transaction in the database older than it.
@@ -50,6 +52,8 @@ XID_ID_INDEX = "outbox_pending_idx"
 #: From this much table data on (a plain build reads it all, 10-100 ms on these machines),
 #: the claim's index is built CONCURRENTLY (see the module).
 CONCURRENTLY_FROM_BYTES = 8 << 20
+#: A concurrent build waiting for older transactions logs migration_lock_wait this often.
+WAIT_LOG_S = 30.0
 #: The claim's index, as a step of migrate's.
 STEP = Step("the claim's index for the shard count", None, "pending_index")
 _OUTBOX = sql.Identifier("outbox")
@@ -103,7 +107,8 @@ def _found(conn: psycopg.Connection[Any]) -> _Found:
                   int(heap_bytes))
 
 
-def ensure(conn: psycopg.Connection[Any], dsn: str, *, lock_timeout_s: float, tries: int, log: Any) -> None:
+def ensure(conn: psycopg.Connection[Any], dsn: str, *, lock_timeout_s: float, tries: int, log: Any,
+           wait_s: float) -> None:
     """The claim's index for the database's shard count, and no other: built when missing
     (a new database, an upgrade from before it, ``--shards`` changed, a build that did not
     finish), then 0001's and other counts' dropped in a transaction under migrate's
@@ -115,7 +120,7 @@ def ensure(conn: psycopg.Connection[Any], dsn: str, *, lock_timeout_s: float, tr
     now = bounded(conn, lambda: _found(conn), step=step, lock_timeout_s=lock_timeout_s, tries=tries, log=log)
     concurrently = now.valid is not True and now.heap_bytes >= CONCURRENTLY_FROM_BYTES
     if concurrently:
-        build = _Build(conn, dsn, now, lock_timeout_s=lock_timeout_s, tries=tries, log=log)
+        build = _Build(conn, dsn, now, lock_timeout_s=lock_timeout_s, tries=tries, log=log, wait_s=wait_s)
         if now.partitioned:
             build.partitioned()
         else:
@@ -153,9 +158,9 @@ class _Build:
     """The claim's index built CONCURRENTLY on a large outbox (see the module)."""
 
     def __init__(self, conn: psycopg.Connection[Any], dsn: str, found: _Found, *, lock_timeout_s: float,
-                 tries: int, log: Any) -> None:
+                 tries: int, log: Any, wait_s: float) -> None:
         self.conn, self.dsn, self.found, self.log = conn, dsn, found, log
-        self.lock_timeout_s, self.tries = lock_timeout_s, tries
+        self.lock_timeout_s, self.tries, self.wait_s = lock_timeout_s, tries, wait_s
 
     def _in_transaction(self, body: Callable[[], R]) -> R:
         return bounded(self.conn, body, step=lambda: STEP, lock_timeout_s=self.lock_timeout_s, tries=self.tries,
@@ -208,8 +213,7 @@ class _Build:
         waits watched (:class:`_Watch`)."""
         if self.log is not None:
             self.log.info("pending_index_building", index=index, table=table, concurrently=True)
-        watch = _Watch(self.dsn, self.conn, table=table, lock_timeout_s=self.lock_timeout_s, tries=self.tries,
-                       log=self.log)
+        watch = _Watch(self.dsn, self.conn, table=table, wait_s=self.wait_s, log=self.log)
         self.conn.autocommit = True
         try:
             with watch:
@@ -218,9 +222,9 @@ class _Build:
             if watch.waited_for is not None:
                 raise MigrationBlocked(
                     f"{STEP.what} (CREATE INDEX CONCURRENTLY {index}, which never holds writers) waited "
-                    f"{self.lock_timeout_s * self.tries:g} s for older transactions to end: "
+                    f"{self.wait_s:g} s for older transactions to end: "
                     f"{sessions(watch.waited_for)}. End them or let them finish, then run migrate again (it "
-                    f"drops the build left unfinished and builds it again; --lock-timeout-s waits longer)") from None
+                    f"drops the build left unfinished and builds it again; --index-wait-s waits longer)") from None
             raise MigrationCancelled(
                 f"{STEP.what} (CREATE INDEX CONCURRENTLY {index}) was cancelled "
                 f"({exc.diag.message_primary or exc}); the unfinished index is dropped and built again by the "
@@ -237,15 +241,16 @@ class _Build:
 
 
 class _Watch:
-    """A concurrent build's waits, read on a connection of its own every quarter of
-    ``lock_timeout_s`` (at most every 0.5 s): each ``lock_timeout_s`` of waiting logs
-    ``migration_lock_wait``; after ``tries`` of them the build is cancelled, the sessions it
-    waited for in :attr:`waited_for`.  A watch that cannot read leaves the build alone."""
+    """A concurrent build's waits, read on a connection of its own (every 0.5 s, or a tenth of
+    ``wait_s`` if less): every :data:`WAIT_LOG_S` of waiting (a third of ``wait_s`` if less)
+    logs ``migration_lock_wait``; past ``wait_s`` of waiting in all the build is cancelled,
+    the sessions it waited for in :attr:`waited_for`.  A watch that cannot read leaves the
+    build alone."""
 
-    def __init__(self, dsn: str, builder: psycopg.Connection[Any], *, table: str, lock_timeout_s: float,
-                 tries: int, log: Any) -> None:
+    def __init__(self, dsn: str, builder: psycopg.Connection[Any], *, table: str, wait_s: float,
+                 log: Any) -> None:
         self.dsn, self.builder, self.table, self.log = dsn, builder, table, log
-        self.lock_timeout_s, self.tries = lock_timeout_s, tries
+        self.wait_s = wait_s
         self.waited_for: list[tuple[Any, ...]] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="migrate-index-watch", daemon=True)
@@ -259,7 +264,7 @@ class _Watch:
         self._thread.join()
 
     def _run(self) -> None:
-        every = max(0.02, min(0.5, self.lock_timeout_s / 4))
+        every, warn_every = max(0.02, min(0.5, self.wait_s / 10)), min(WAIT_LOG_S, self.wait_s / 3)
         try:
             with db.connect(self.dsn, application_name="outbox-relay-migrate", prepare=False) as conn:
                 waited, warned, last = 0.0, 0, time.monotonic()
@@ -270,13 +275,13 @@ class _Watch:
                         last = now
                         continue
                     waited, last = waited + (now - last), now
-                    if waited >= (warned + 1) * self.lock_timeout_s and warned < self.tries:
+                    if waited >= (warned + 1) * warn_every and waited < self.wait_s:
                         warned += 1
                         if self.log is not None:
                             self.log.warning("migration_lock_wait", version=None, name=STEP.name, attempt=warned,
-                                             lock_timeout_s=self.lock_timeout_s, phase=row[1],
+                                             waited_s=round(waited, 1), wait_s=self.wait_s, phase=row[1],
                                              waiting_for_pid=row[2] or None)
-                    if waited >= self.tries * self.lock_timeout_s:
+                    if waited >= self.wait_s:
                         self.waited_for = conn.execute(query("admin", "index_build_blockers"),
                                                        {"builder": row[0], "locker": row[2] or 0}).fetchall()
                         self.builder.cancel_safe()

@@ -47,6 +47,9 @@ DEFAULT_EXACTLY_ONCE_MARK_CONNECTIONS = 1
 MAX_MARK_CONNECTIONS = 8
 DEFAULT_DRAIN_TIMEOUT_S = 15.0
 DEFAULT_LOCK_TIMEOUT_S = 5.0  # migrate: the longest a migration's lock request holds writers up
+#: migrate: the longest the claim's index, built CONCURRENTLY on a large outbox (writers go on),
+#: waits in all for older transactions (under the migration Job's 600 s deadline, deploy/k8s).
+DEFAULT_INDEX_WAIT_S = 300.0
 DEFAULT_BACKOFF_INITIAL_S = 0.2
 DEFAULT_BACKOFF_MAX_S = 30.0
 DEFAULT_MAX_ATTEMPTS = 5
@@ -273,6 +276,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(name="lock_timeout_s", parse=_positive_float, default=DEFAULT_LOCK_TIMEOUT_S,
            help="migrate: how long a migration waits for a table lock before it gives up and "
                 "tries again (3 tries); writers queue behind that wait, so keep it short",
+           commands=("migrate",)),
+    Option(name="index_wait_s", parse=_positive_float, default=DEFAULT_INDEX_WAIT_S,
+           help="migrate: how long the claim's index, built CONCURRENTLY on a large outbox while "
+                "writers go on, waits in all for older transactions to end before it gives up",
            commands=("migrate",)),
     Option(name="lease_duration_s", parse=_lease_seconds, default=DEFAULT_LEASE_DURATION_S,
            help="how long a shard lease lasts without renewal, seconds"),

@@ -8,8 +8,7 @@ waited behind a writer's open transaction, every writer queued behind it for up 
 shard column's on PostgreSQL 17 and later) or a --shards change stopped the application's
 writes.  Now an outbox of CONCURRENTLY_FROM_BYTES or more gets CREATE INDEX CONCURRENTLY
 (per partition, then attached, when partitioned): writers go on, the build waits for older
-transactions, and gives up naming them after --lock-timeout-s times the tries
-(relay/migrate_index.py).  On PostgreSQL 15 the index built is 0001's, the same way."""
+transactions, and gives up naming them after --index-wait-s (relay/migrate_index.py).  On PostgreSQL 15 the index built is 0001's, the same way."""
 
 from __future__ import annotations
 
@@ -140,15 +139,15 @@ def test_writers_go_on_while_the_index_is_built_on_a_large_outbox(db_dsn, partit
 
 def given_up_build(dsn: str, migrate_dsn: str | None = None) -> tuple[str, _Migrate]:
     """A large outbox with the other claim index than migrate keeps, and a migrate (through
-    ``migrate_dsn``, ``dsn`` by default) whose concurrent build waited 2 x 0.3 s for a
-    writer's open transaction, then gave up; the writer's transaction rolled back after.
+    ``migrate_dsn``, ``dsn`` by default) whose concurrent build waited 0.9 s for a writer's
+    open transaction (a warning every 0.3 s), then gave up; the writer's transaction rolled back after.
     Returns the index migrate keeps and the run."""
     migrate.apply(dsn)
     kept = _the_other_index(dsn)
     _fill(dsn)
     writer = _open_writer(dsn)
     try:
-        run = _Migrate(migrate_dsn or dsn, lock_timeout_s=0.3, tries=2)
+        run = _Migrate(migrate_dsn or dsn, index_wait_s=0.9)
         run.start()
         run.join(60)
     finally:
