@@ -176,7 +176,7 @@ def status(settings: Settings, *, as_json: bool) -> int:
         print(f"detached rows:       {_detached_count(d)} in {d['table']} (detached from the outbox: "
               "never published; attach it again or copy them into the outbox)")
     if claim_index is not None:
-        print(f"claim index:         {_claim_index_line(claim_index)}")
+        print(f"claim index:         {migrate_index.describe(claim_index)}")
     print()
     print(f"{'shard':>5}  {'owner':<32}  {'lease until':<32}  {'token':>6}  state")
     for r in report["shards"]:
@@ -208,24 +208,8 @@ def _detached(conn: Any) -> list[dict[str, Any]]:
 
 
 def _claim_index(conn: Any) -> dict[str, Any]:
-    """The claim's index migrate keeps for the server and the shard count (``expected``) and
-    the claim's indexes there are (``found``: name, valid); ``ok``: the expected one, valid,
-    and no other.  Not so after a major upgrade to PostgreSQL 17 or a ``--shards`` change
-    until migrate runs, or after a concurrent build that did not finish (relay/migrate_index.py)."""
-    (settings,) = _rows(conn, "relay", "read_settings", {})
-    expected = migrate_index.claim_index(conn.info.server_version, int(settings["shards"]))
-    found = [{"name": r["name"], "valid": bool(r["valid"])} for r in _rows(conn, "admin", "pending_indexes", {})]
-    return {"expected": expected, "found": found,
-            "ok": found == [{"name": expected, "valid": True}]}
-
-
-def _claim_index_line(index: dict[str, Any]) -> str:
-    if index["ok"]:
-        return str(index["expected"])
-    found = ", ".join(f["name"] + ("" if f["valid"] else " (invalid: a concurrent build that did not finish)")
-                      for f in index["found"]) or "none"
-    return (f"{found}; this server and shard count take {index['expected']}: run `outbox-relay migrate` "
-            "(it builds it without holding writers on a large outbox); the claim is correct meanwhile")
+    with db.translated(schema_behind=True):
+        return migrate_index.state(conn)
 
 
 def _detached_count(d: dict[str, Any]) -> str:

@@ -201,6 +201,8 @@ class Relay(Running, Dependencies):
                 f"stop every relay and run `outbox-relay migrate --shards {s.shards}` to change it"
             )
         self.schema_ok = True
+        if problem := self._retry_db(self.store.claim_index_problem):  # the claim works, dearer
+            self.log.warning("claim_index_not_built", detail=problem)
         if not self._retry_db(lambda: self.store.take_owner_lock(s.owner)) and not self.stopping:
             # Two replicas given one --owner: the second idled without a word, holding no
             # shard (the replicas table counts the name once, so the first takes them all).

@@ -70,6 +70,28 @@ def claim_index(server_version: int, shards: int) -> str:
     return pending_index(shards) if server_version >= SHARD_COLUMN_SINCE else XID_ID_INDEX
 
 
+def state(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    """The claim's index migrate keeps for the server and the shard count (``expected``) and
+    the claim's indexes there are (``found``: name, valid); ``ok``: the expected one, valid,
+    and no other.  Not so after a major upgrade to PostgreSQL 17 or a ``--shards`` change
+    until migrate runs, or after a concurrent build that did not finish (`status`, and the
+    relay's ``claim_index_not_built`` at start)."""
+    (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (16,)
+    expected = claim_index(conn.info.server_version, int(shards))
+    found = [{"name": name, "valid": bool(valid)} for name, valid in conn.execute(query("admin", "pending_indexes"))]
+    return {"expected": expected, "found": found, "ok": found == [{"name": expected, "valid": True}]}
+
+
+def describe(found: dict[str, Any]) -> str:
+    """:func:`state` as `status` prints it."""
+    if found["ok"]:
+        return str(found["expected"])
+    there = ", ".join(f["name"] + ("" if f["valid"] else " (invalid: a concurrent build that did not finish)")
+                      for f in found["found"]) or "none"
+    return (f"{there}; this server and shard count take {found['expected']}: run `outbox-relay migrate` "
+            "(it builds it without holding writers on a large outbox); the claim is correct meanwhile")
+
+
 def statements(shards: int, block: str = "pending_index_create", *, concurrently: bool = False,
                target: sql.Composable = _OUTBOX, index: str | None = None) -> sql.Composed:
     """``block`` for ``shards`` (run with empty parameters, so that its %% is PostgreSQL's %):

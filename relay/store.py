@@ -18,6 +18,8 @@ import psycopg.errors
 from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import dict_row, tuple_row
 
+from relay import migrate_index
+
 # Connections and error translation live in relay/db.py; the names other modules and the
 # tests import from here are re-exported.
 from relay.db import check_not_transaction_pooled as check_not_transaction_pooled
@@ -229,6 +231,16 @@ class Store(LeaseStatements):
         if not settings:
             raise SchemaMissing("the relay settings row is missing: run `outbox-relay migrate`")
         return int(settings[0]["shards"])
+
+    def claim_index_problem(self) -> str:
+        """'' when the claim's index is the one migrate keeps for the server and the shard
+        count (or the outbox is an adopted table's view); else what is there and what to do
+        (relay/migrate_index.py, state)."""
+        if self.table != "outbox":
+            return ""
+        with translated(schema_behind=True):
+            found = migrate_index.state(self._counted())
+        return "" if found["ok"] else migrate_index.describe(found)
 
     def outbox_identity(self) -> str:
         """Who writes exactly-once mode's position records: migration 0013's id of this

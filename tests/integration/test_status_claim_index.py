@@ -1,4 +1,5 @@
-"""`outbox-relay status` names the claim's index, and says when it is not the one migrate keeps.
+"""`outbox-relay status` names the claim's index, and says (as the relay at start does) when
+it is not the one migrate keeps.
 
 Before: nothing told an SRE which index served the claim.  After a major upgrade to
 PostgreSQL 17 (the shard column's index is built at migrate's next run), a --shards change,
@@ -12,6 +13,7 @@ import json
 import psycopg
 
 from relay import migrate
+from tests.fixtures.outbox import relay_cmd, relay_env
 from tests.integration.test_least_privilege import login_role
 from tests.integration.test_pending_index import _the_other_index
 from tests.integration.test_pending_index_concurrently import given_up_build
@@ -45,3 +47,21 @@ def test_status_says_a_concurrent_build_did_not_finish(db_dsn):
     assert f"{kept} (invalid: a concurrent build that did not finish)" in line, line
     migrate.apply(db_dsn)
     assert json.loads(_status(db_dsn, "--json").stdout)["claim_index"]["ok"] is True
+
+
+def test_the_relay_says_at_start_when_migrate_has_a_claim_index_to_build(outbox_db, broker, spawn):
+    """A major upgrade to PostgreSQL 17 leaves 0001's index until migrate runs again, and a
+    relay restarted on the new server said nothing of it: a warning at each start now."""
+    kept = _the_other_index(outbox_db)
+    relay = spawn(relay_cmd("run"), env=relay_env(outbox_db, broker.bootstrap, owner="pod-a"), name="pod-a")
+    relay.wait_for_log("relay_started", timeout_s=60)
+    [line] = [json.loads(x) for x in relay.log_text().splitlines() if '"claim_index_not_built"' in x]
+    assert f"this server and shard count take {kept}: run `outbox-relay migrate`" in line["detail"], line
+    relay.sigterm()
+    assert relay.wait(30) == 0
+    migrate.apply(outbox_db)
+    again = spawn(relay_cmd("run"), env=relay_env(outbox_db, broker.bootstrap, owner="pod-b"), name="pod-b")
+    again.wait_for_log("relay_started", timeout_s=60)
+    assert "claim_index_not_built" not in again.log_text()
+    again.sigterm()
+    assert again.wait(30) == 0
