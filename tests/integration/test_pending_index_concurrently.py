@@ -139,15 +139,15 @@ def test_writers_go_on_while_the_index_is_built_on_a_large_outbox(db_dsn, partit
 
 def given_up_build(dsn: str, migrate_dsn: str | None = None) -> tuple[str, _Migrate]:
     """A large outbox with the other claim index than migrate keeps, and a migrate (through
-    ``migrate_dsn``, ``dsn`` by default) whose concurrent build waited 0.9 s for a writer's
-    open transaction (a warning every 0.3 s), then gave up; the writer's transaction rolled back after.
+    ``migrate_dsn``, ``dsn`` by default) whose concurrent build waited 2 s for a writer's
+    open transaction (a warning every two thirds of a second), then gave up; the writer's transaction rolled back after.
     Returns the index migrate keeps and the run."""
     migrate.apply(dsn)
     kept = _the_other_index(dsn)
     _fill(dsn)
     writer = _open_writer(dsn)
     try:
-        run = _Migrate(migrate_dsn or dsn, index_wait_s=0.9)
+        run = _Migrate(migrate_dsn or dsn, index_wait_s=2.0)
         run.start()
         run.join(60)
     finally:
@@ -163,7 +163,9 @@ def test_a_build_waiting_too_long_names_the_session_and_the_next_run_finishes_it
     message = str(run.error)
     assert "CREATE INDEX CONCURRENTLY" in message and "never holds writers" in message, message
     waits = [f for e, f in run.log.said if e == "migration_lock_wait" and f["name"] == "pending_index"]
-    assert [w["attempt"] for w in waits] == [1, 2], run.log.said
+    # One a third of the wait (a watch held up longer than that by a busy machine logs fewer).
+    assert waits and [w["attempt"] for w in waits] == list(range(1, len(waits) + 1)) and len(waits) <= 2, waits
+    assert all(w["phase"].startswith("waiting") and w["waiting_for_pid"] for w in waits), waits
     assert _claim_indexes(db_dsn).get(kept) is False  # PostgreSQL's unfinished build: invalid
     migrate.apply(db_dsn)  # drops the unfinished build and builds it again
     assert _claim_indexes(db_dsn) == {kept: True}
