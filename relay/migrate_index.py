@@ -16,10 +16,10 @@ own connection (:class:`_Watch`) reads the build's progress: every 30 s of waiti
 it cancels the build, and migrate exits 6 naming the sessions, as it does for a migration
 that cannot take its locks.  Not ``--lock-timeout-s``, which bounds what a migration's lock
 request holds writers up and is kept short: a job's transaction of a few minutes (a worker
-pool's fenced transaction) would have failed every build.  A build that did not finish leaves an invalid index
-(PostgreSQL's way), which the next run drops and builds again.  A smaller outbox keeps the
-transaction's build: it holds writers for a few milliseconds, and a concurrent build would
-wait for every transaction in the database older than it.
+pool's fenced transaction) would have failed every build.  A build that did not finish
+leaves an invalid index (PostgreSQL's way), which the next run drops and builds again.  A
+smaller outbox keeps the transaction's build: it holds writers for tens of milliseconds at
+most, and a concurrent build would wait for every transaction in the database older than it.
 """
 
 from __future__ import annotations
