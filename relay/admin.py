@@ -135,7 +135,7 @@ def status(settings: Settings, *, as_json: bool) -> int:
         shards = _rows(conn, "leases", "shard_table", {"now": None})
         stalled = _rows(conn, "admin", "status_stalled", {})
         detached = _detached(conn) if settings.table == "outbox" else []
-        claim_index = _claim_index(conn) if settings.table == "outbox" else None
+        claim_index = _claim_index(conn, settings.table)
     finally:
         conn.close()
     from relay.replay_admin import format_replays, status_section
@@ -160,7 +160,8 @@ def status(settings: Settings, *, as_json: bool) -> int:
              "replica": r["owner"]} for r in stalled
         ],
         # The claim's index migrate keeps for this server and shard count, and the claim's
-        # indexes there are (None: an adopted table, whose indexes adopt made).
+        # indexes there are; for a view migrate --debezium-table made, the adopted table's
+        # (None: another --table).
         "claim_index": claim_index,
     }
     if as_json:
@@ -207,9 +208,9 @@ def _detached(conn: Any) -> list[dict[str, Any]]:
             for name, n in counts.items() if n != 0]
 
 
-def _claim_index(conn: Any) -> dict[str, Any]:
+def _claim_index(conn: Any, table: str) -> dict[str, Any] | None:
     with db.translated(schema_behind=True):
-        return migrate_index.state(conn)
+        return migrate_index.state(conn) if table == "outbox" else migrate_index.adopted_state(conn, table)
 
 
 def _detached_count(d: dict[str, Any]) -> str:

@@ -82,12 +82,30 @@ def state(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     return {"expected": expected, "found": found, "ok": found == [{"name": expected, "valid": True}]}
 
 
+def adopted_state(conn: psycopg.Connection[Any], view: str) -> dict[str, Any] | None:
+    """:func:`state` for a view ``migrate --debezium-table`` made (None: ``view`` is not one),
+    with ``adopted``, the table under it: its claim index is ``<table>_relay_pending_idx``,
+    which an interrupted adopt leaves invalid (relay/adopt.py; the claim then reads the
+    whole table)."""
+    row = conn.execute(query("admin", "adopted_pending_index"), {"view": view}).fetchone()
+    if row is None:
+        return None
+    adopted, expected, name, valid = row
+    found = [{"name": name, "valid": bool(valid)}] if name else []
+    return {"expected": expected, "found": found, "ok": found == [{"name": expected, "valid": True}],
+            "adopted": adopted}
+
+
 def describe(found: dict[str, Any]) -> str:
-    """:func:`state` as `status` prints it."""
+    """:func:`state` (or :func:`adopted_state`) as `status` prints it."""
     if found["ok"]:
         return str(found["expected"])
     there = ", ".join(f["name"] + ("" if f["valid"] else " (invalid: a concurrent build that did not finish)")
                       for f in found["found"]) or "none"
+    if "adopted" in found:
+        return (f"{there}; {found['adopted']} takes {found['expected']}: run `outbox-relay migrate "
+                f"--debezium-table {found['adopted']}` again (it builds it again while writers go on); "
+                "the claim reads the whole table meanwhile")
     return (f"{there}; this server and shard count take {found['expected']}: run `outbox-relay migrate` "
             "(it builds it without holding writers on a large outbox); the claim is correct meanwhile")
 

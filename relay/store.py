@@ -234,13 +234,12 @@ class Store(LeaseStatements):
 
     def claim_index_problem(self) -> str:
         """'' when the claim's index is the one migrate keeps for the server and the shard
-        count (or the outbox is an adopted table's view); else what is there and what to do
-        (relay/migrate_index.py, state)."""
-        if self.table != "outbox":
-            return ""
+        count (for a view migrate --debezium-table made: the adopted table's, valid); else
+        what is there and what to do (relay/migrate_index.py, state)."""
         with translated(schema_behind=True):
-            found = migrate_index.state(self._counted())
-        return "" if found["ok"] else migrate_index.describe(found)
+            found = (migrate_index.state(self._counted()) if self.table == "outbox"
+                     else migrate_index.adopted_state(self._counted(), self.table))
+        return "" if found is None or found["ok"] else migrate_index.describe(found)
 
     def outbox_identity(self) -> str:
         """Who writes exactly-once mode's position records: migration 0013's id of this

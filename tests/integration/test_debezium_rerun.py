@@ -9,6 +9,7 @@ the view had no index of the pending rows and read the whole table each time."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import psycopg
@@ -16,6 +17,9 @@ import pytest
 
 from tests.fixtures.outbox import relay_cmd
 from tests.integration.test_debezium import DEBEZIUM_TABLE
+from tests.integration.test_status_detached import _status
+
+VIEW = "app.outbox_events_relay"
 
 VALID = """
 SELECT c.relname::text, x.indisvalid FROM pg_index AS x JOIN pg_class AS c ON c.oid = x.indexrelid
@@ -38,32 +42,52 @@ def _indexes(dsn: str) -> dict[str, bool]:
         return dict(conn.execute(VALID).fetchall())
 
 
-def test_adopting_again_builds_the_index_an_interrupted_run_left_invalid(outbox_db):
-    with psycopg.connect(outbox_db, autocommit=True) as conn:
+def _interrupted_adoption(dsn: str) -> None:
+    """An adopted table whose pending rows' index is as a run interrupted in its build
+    leaves it: a writer's transaction open, the build's wait for it cut by a lock_timeout."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE SCHEMA app")
         conn.execute(DEBEZIUM_TABLE)
         conn.execute("INSERT INTO app.outbox_events (id, aggregatetype, aggregateid, type, payload) "
                      "SELECT gen_random_uuid(), 'Order', 'k-' || (g % 50), 'Changed', '{}' "
                      "FROM generate_series(1, 1000) AS g")
-    _adopt(outbox_db)
-    assert set(_indexes(outbox_db).values()) == {True}
-    # The pending rows' index as a run interrupted in its build leaves it: a writer's
-    # transaction open, the build's wait for it cut by a lock_timeout.
-    with psycopg.connect(outbox_db, autocommit=True) as conn:
+    _adopt(dsn)
+    assert set(_indexes(dsn).values()) == {True}
+    with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP INDEX app.outbox_events_relay_pending_idx")
-    writer = psycopg.connect(outbox_db)
+    writer = psycopg.connect(dsn)
     try:
         writer.execute("INSERT INTO app.outbox_events (id, aggregatetype, aggregateid, type, payload) "
                        "VALUES (gen_random_uuid(), 'Order', 'k-1', 'Changed', '{}')")
-        with psycopg.connect(outbox_db, autocommit=True) as conn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("SET lock_timeout = '200ms'")
             with pytest.raises(psycopg.errors.LockNotAvailable):
                 conn.execute(PENDING)
     finally:
         writer.rollback()
         writer.close()
-    assert _indexes(outbox_db)["outbox_events_relay_pending_idx"] is False
+    assert _indexes(dsn)["outbox_events_relay_pending_idx"] is False
+
+
+def test_adopting_again_builds_the_index_an_interrupted_run_left_invalid(outbox_db):
+    _interrupted_adoption(outbox_db)
     _adopt(outbox_db)
     assert _indexes(outbox_db) == {"outbox_events_relay_pending_idx": True,
                                    "outbox_events_relay_published_idx": True,
                                    "outbox_events_relay_retrying_idx": True}
+
+
+def test_status_through_the_view_says_the_adopted_tables_index_is_unfinished(outbox_db):
+    """Before: status said nothing of an adopted table's indexes (its claim index line, and
+    the relay's claim_index_not_built at start, covered only the native outbox)."""
+    _interrupted_adoption(outbox_db)
+    report = json.loads(_status(outbox_db, "--table", VIEW, "--json").stdout)["claim_index"]
+    assert report == {"expected": "outbox_events_relay_pending_idx", "adopted": "app.outbox_events",
+                      "found": [{"name": "outbox_events_relay_pending_idx", "valid": False}], "ok": False}
+    [line] = [x for x in _status(outbox_db, "--table", VIEW).stdout.splitlines() if x.startswith("claim index:")]
+    assert line == ("claim index:         outbox_events_relay_pending_idx (invalid: a concurrent build that did "
+                    "not finish); app.outbox_events takes outbox_events_relay_pending_idx: run `outbox-relay "
+                    "migrate --debezium-table app.outbox_events` again (it builds it again while writers go on); "
+                    "the claim reads the whole table meanwhile")
+    _adopt(outbox_db)
+    assert json.loads(_status(outbox_db, "--table", VIEW, "--json").stdout)["claim_index"]["ok"] is True
