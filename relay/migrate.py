@@ -209,7 +209,6 @@ def _apply_one(conn: psycopg.Connection[Any], plain: Migration, variant: Migrati
             if recorded[0] != m.checksum and log is not None:
                 log.warning("migration_changed", version=m.version, name=m.name)
             return None
-        conn.execute(query("admin", "migration_lock_timeout"), {"lock_timeout": lock_timeout_setting(lock_timeout_s)})
         conn.execute(m.sql.encode())  # a whole file: no parameters
         conn.execute(query("admin", "record_migration"),
                      {"version": m.version, "name": m.name, "checksum": m.checksum})

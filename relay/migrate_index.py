@@ -38,7 +38,6 @@ from relay.migrate_steps import (
     MigrationCancelled,
     Step,
     bounded,
-    lock_timeout_setting,
     sessions,
 )
 from relay.partitions import is_partitioned
@@ -176,7 +175,6 @@ def ensure(conn: psycopg.Connection[Any], dsn: str, *, lock_timeout_s: float, tr
             raise MigrationBlocked(f"{STEP.what}: partitions of the outbox were made while it was built "
                                    "CONCURRENTLY, and some have no part of it yet; run migrate again (the "
                                    "index it replaces serves the claim meanwhile)")
-        conn.execute(query("admin", "migration_lock_timeout"), {"lock_timeout": lock_timeout_setting(lock_timeout_s)})
         if not found.valid:
             if found.valid is False:  # a concurrent build that did not finish
                 _drop(conn, found.keep)
@@ -207,11 +205,7 @@ class _Build:
                        log=self.log)
 
     def _timed_drop(self, name: str) -> None:
-        def drop() -> None:
-            self.conn.execute(query("admin", "migration_lock_timeout"),
-                              {"lock_timeout": lock_timeout_setting(self.lock_timeout_s)})
-            _drop(self.conn, name)
-        self._in_transaction(drop)
+        self._in_transaction(lambda: _drop(self.conn, name))
 
     def plain(self) -> None:
         keep = self.found.keep
@@ -224,11 +218,8 @@ class _Build:
         CONCURRENTLY and attached: the index is valid once every partition's part is."""
         keep, shards = self.found.keep, self.found.shards
 
-        def parent() -> None:
-            self.conn.execute(query("admin", "migration_lock_timeout"),
-                              {"lock_timeout": lock_timeout_setting(self.lock_timeout_s)})
-            self.conn.execute(_create(shards, keep, target=sql.SQL("ONLY {}").format(_OUTBOX)), {})
-        self._in_transaction(parent)
+        self._in_transaction(lambda: self.conn.execute(
+            _create(shards, keep, target=sql.SQL("ONLY {}").format(_OUTBOX)), {}))
         suffix = f"_pending_{shards}_idx" if keep != XID_ID_INDEX else "_pending_idx"
         for _ in range(3):  # a partition made meanwhile (the relay's maintenance) is seen next time
             missing = self._in_transaction(lambda: self.conn.execute(
@@ -241,12 +232,9 @@ class _Build:
                 self._concurrently(_create(shards, keep, concurrently=True, target=sql.Identifier(part), index=child),
                                    table=part, index=child)
 
-                def attach(child: str = child) -> None:
-                    self.conn.execute(query("admin", "migration_lock_timeout"),
-                                      {"lock_timeout": lock_timeout_setting(self.lock_timeout_s)})
-                    self.conn.execute(sql.SQL(query("admin", "attach_index")).format(
-                        index=sql.Identifier(keep), child=sql.Identifier(child)))
-                self._in_transaction(attach)
+                attach = sql.SQL(query("admin", "attach_index")).format(
+                    index=sql.Identifier(keep), child=sql.Identifier(child))
+                self._in_transaction(lambda: self.conn.execute(attach))  # noqa: B023 - run at once
 
     def _concurrently(self, statement: sql.Composed, *, table: str, index: str) -> None:
         """``statement``, a CREATE INDEX CONCURRENTLY on ``table``, outside a transaction, its

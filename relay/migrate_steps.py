@@ -36,7 +36,8 @@ class Step(NamedTuple):
 def bounded(conn: psycopg.Connection[Any], body: Callable[[], R], *, step: Callable[[], Step],
              lock_timeout_s: float, tries: int, log: Any) -> R:
     """``body``'s result, run in a transaction of migrate's (:func:`locked`) whose lock waits
-    are bounded (see :func:`relay.migrate.apply`): rolled back and run again ``tries`` times while a table
+    are bounded by ``lock_timeout_s`` (migration_lock_timeout, set once the per-migration lock
+    is held; see :func:`relay.migrate.apply`): rolled back and run again ``tries`` times while a table
     lock is not available, then :class:`MigrationBlocked` naming the sessions that hold them;
     a statement the server cancels is :class:`MigrationCancelled`.  ``step()`` names what
     runs, as it stands now (a migration's file follows the outbox's layout)."""
@@ -44,6 +45,8 @@ def bounded(conn: psycopg.Connection[Any], body: Callable[[], R], *, step: Calla
         try:
             with conn.transaction():
                 locked(conn)  # another migrate (an older relay's): wait for it
+                conn.execute(query("admin", "migration_lock_timeout"),
+                             {"lock_timeout": lock_timeout_setting(lock_timeout_s)})
                 return body()
         except psycopg.errors.QueryCanceled as exc:
             cause = exc.diag.message_primary or str(exc)
