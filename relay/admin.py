@@ -210,7 +210,7 @@ def _detached(conn: Any) -> list[dict[str, Any]]:
 
 def _claim_index(conn: Any, table: str) -> dict[str, Any] | None:
     with db.translated(schema_behind=True):
-        return migrate_index.state(conn) if table == "outbox" else migrate_index.adopted_state(conn, table)
+        return migrate_index.table_state(conn, table)
 
 
 def _detached_count(d: dict[str, Any]) -> str:

@@ -69,15 +69,22 @@ def claim_index(server_version: int, shards: int) -> str:
     return pending_index(shards) if server_version >= SHARD_COLUMN_SINCE else XID_ID_INDEX
 
 
+def _indexes(conn: psycopg.Connection[Any]) -> tuple[int, str, dict[str, bool]]:
+    """The database's shard count, the claim's index migrate keeps for it on this server, and
+    the claim's indexes there are (name: valid)."""
+    (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (16,)  # migrate makes the row
+    keep = claim_index(conn.info.server_version, int(shards))
+    return int(shards), keep, {name: bool(valid) for name, valid in conn.execute(query("admin", "pending_indexes"))}
+
+
 def state(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     """The claim's index migrate keeps for the server and the shard count (``expected``) and
     the claim's indexes there are (``found``: name, valid); ``ok``: the expected one, valid,
     and no other.  Not so after a major upgrade to PostgreSQL 17 or a ``--shards`` change
     until migrate runs, or after a concurrent build that did not finish (`status`, and the
     relay's ``claim_index_not_built`` at start)."""
-    (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (16,)
-    expected = claim_index(conn.info.server_version, int(shards))
-    found = [{"name": name, "valid": bool(valid)} for name, valid in conn.execute(query("admin", "pending_indexes"))]
+    _, expected, indexes = _indexes(conn)
+    found = [{"name": name, "valid": valid} for name, valid in indexes.items()]
     return {"expected": expected, "found": found, "ok": found == [{"name": expected, "valid": True}]}
 
 
@@ -93,6 +100,12 @@ def adopted_state(conn: psycopg.Connection[Any], view: str) -> dict[str, Any] | 
     found = [{"name": name, "valid": bool(valid)}] if name else []
     return {"expected": expected, "found": found, "ok": found == [{"name": expected, "valid": True}],
             "adopted": adopted}
+
+
+def table_state(conn: psycopg.Connection[Any], table: str) -> dict[str, Any] | None:
+    """:func:`state` for the outbox, :func:`adopted_state` for another ``--table`` (None: not
+    a view ``migrate --debezium-table`` made)."""
+    return state(conn) if table == "outbox" else adopted_state(conn, table)
 
 
 def describe(found: dict[str, Any]) -> str:
@@ -137,12 +150,9 @@ class _Found(NamedTuple):
 
 
 def _found(conn: psycopg.Connection[Any]) -> _Found:
-    (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (16,)  # migrate made the row just before
-    keep = claim_index(conn.info.server_version, shards)
-    found = dict(conn.execute(query("admin", "pending_indexes")).fetchall())
-    partitioned = is_partitioned(conn)
+    shards, keep, indexes = _indexes(conn)
     (heap_bytes,) = conn.execute(query("admin", "outbox_heap_bytes")).fetchone() or (0,)
-    return _Found(shards, keep, found.get(keep), [n for n in found if n != keep], bool(partitioned),
+    return _Found(shards, keep, indexes.get(keep), [n for n in indexes if n != keep], is_partitioned(conn),
                   int(heap_bytes))
 
 

@@ -237,8 +237,7 @@ class Store(LeaseStatements):
         count (for a view migrate --debezium-table made: the adopted table's, valid); else
         what is there and what to do (relay/migrate_index.py, state)."""
         with translated(schema_behind=True):
-            found = (migrate_index.state(self._counted()) if self.table == "outbox"
-                     else migrate_index.adopted_state(self._counted(), self.table))
+            found = migrate_index.table_state(self._counted(), self.table)
         return "" if found is None or found["ok"] else migrate_index.describe(found)
 
     def outbox_identity(self) -> str:
