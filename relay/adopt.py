@@ -90,6 +90,9 @@ def adopt(conn: psycopg.Connection[Any], *, source: str, view: str, topic_templa
     blocks = _blocks()
     bare = source.split(".")[-1]
     sequence = source.rsplit(".", 1)[0] + f".{bare}_relay_seq" if "." in source else f"{bare}_relay_seq"
+    #: Each index's block and its name, in the table's schema.
+    indexes = {block: f"{bare}_relay_{block.removesuffix('_index')}_idx"
+               for block in ("pending_index", "retrying_index", "published_index")}
     names: dict[str, Any] = {
         "source": table_identifier(source),
         "view": table_identifier(view),
@@ -97,9 +100,7 @@ def adopt(conn: psycopg.Connection[Any], *, source: str, view: str, topic_templa
         "sequence_name": sql.Literal(sequence),
         "seq_column": sql.Identifier(*source.split("."), "relay_seq"),
         "existing_published_at": sql.SQL("now()" if existing == "published" else "NULL"),
-        "pending_index": sql.Identifier(f"{bare}_relay_pending_idx"),
-        "retrying_index": sql.Identifier(f"{bare}_relay_retrying_idx"),
-        "published_index": sql.Identifier(f"{bare}_relay_published_idx"),
+        **{block: sql.Identifier(index) for block, index in indexes.items()},
         "topic": topic_expression(topic_template),
         "ce_source": sql.Literal(ce_source),
     }
@@ -150,8 +151,7 @@ def adopt(conn: psycopg.Connection[Any], *, source: str, view: str, topic_templa
 
     started = time.monotonic()
     schema = source.split(".")[:-1]
-    for name in ("pending_index", "retrying_index", "published_index"):
-        index = f"{bare}_relay_{name.removesuffix('_index')}_idx"
+    for name, index in indexes.items():
         (invalid,) = conn.execute(blocks["invalid_index"], {"source": source, "index": index}).fetchone() or (False,)
         if invalid:  # an earlier run's build that did not finish: built again
             conn.execute(sql.SQL(blocks["drop_invalid_index"]).format(index=sql.Identifier(*schema, index)))
