@@ -14,7 +14,8 @@ on, and the build waits instead for the transactions older than it to end.  A wa
 own connection (:class:`_Watch`) reads the build's progress: every 30 s of waiting it logs
 ``migration_lock_wait`` naming the session waited for, and past ``--index-wait-s`` (300 s)
 it cancels the build, and migrate exits 6 naming the sessions, as it does for a migration
-that cannot take its locks.  Not ``--lock-timeout-s``, which bounds what a migration's lock
+that cannot take its locks.  The build runs on a connection of its own, the role's
+``statement_timeout`` and ``lock_timeout`` lifted at its start (:func:`build_dsn`).  Not ``--lock-timeout-s``, which bounds what a migration's lock
 request holds writers up and is kept short: a job's transaction of a few minutes (a worker
 pool's fenced transaction) would have failed every build.  A build that did not finish
 leaves an invalid index (PostgreSQL's way), which the next run drops and builds again.  A
@@ -24,6 +25,7 @@ most, and a concurrent build would wait for every transaction in the database ol
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -31,8 +33,10 @@ from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from relay import db
+from relay.errors import RelayError
 from relay.migrate_steps import (
     MigrationBlocked,
     MigrationCancelled,
@@ -53,6 +57,10 @@ XID_ID_INDEX = "outbox_pending_idx"
 CONCURRENTLY_FROM_BYTES = 8 << 20
 #: A concurrent build waiting for older transactions logs migration_lock_wait this often.
 WAIT_LOG_S = 30.0
+#: Start-up options of a concurrent build's own connection: a role's or database's timeouts,
+#: meant for the application's statements, lifted as migrate's transactions lift them
+#: (admin.sql, migration_lifts_timeouts); the watch bounds the build's waits instead.
+BUILD_OPTIONS = "-c statement_timeout=0 -c lock_timeout=0"
 #: The claim's index, as a step of migrate's.
 STEP = Step("the claim's index for the shard count", None, "pending_index")
 _OUTBOX = sql.Identifier("outbox")
@@ -251,11 +259,13 @@ class _Build:
         waits watched (:class:`_Watch`)."""
         if self.log is not None:
             self.log.info("pending_index_building", index=index, table=table, concurrently=True)
-        watch = _Watch(self.dsn, self.conn, table=table, wait_s=self.wait_s, log=self.log)
+        builder = _build_connection(self.dsn)
+        conn = builder or self.conn
+        watch = _Watch(self.dsn, conn, table=table, wait_s=self.wait_s, log=self.log)
         self.conn.autocommit = True
         try:
             with watch:
-                self.conn.execute(statement, {})
+                conn.execute(statement, {})
         except psycopg.errors.QueryCanceled as exc:
             if watch.waited_for is not None:
                 raise MigrationBlocked(
@@ -266,16 +276,39 @@ class _Build:
             raise MigrationCancelled(
                 f"{STEP.what} (CREATE INDEX CONCURRENTLY {index}) was cancelled "
                 f"({exc.diag.message_primary or exc}); the unfinished index is dropped and built again by the "
-                f"next run. Let it run (a statement_timeout: run migrate with a role, or a DSN option, that "
-                f"lifts it: options=-c statement_timeout=0), then run migrate again") from None
+                f"next run. Let it run (a statement_timeout: migrate lifts the role's on the build's own "
+                f"connection with the start-up option -c statement_timeout=0, which a pooler in the way may "
+                f"drop or refuse; run it without the pooler), then run migrate again") from None
         except psycopg.errors.LockNotAvailable as exc:
             raise MigrationBlocked(
                 f"{STEP.what} (CREATE INDEX CONCURRENTLY {index}) gave up waiting for older transactions "
-                f"({exc.diag.message_primary or exc}: a lock_timeout of the role or the database); the "
-                f"unfinished index is dropped and built again by the next run. Run migrate again once they "
-                f"ended, or with a role, or a DSN option, without that lock_timeout") from None
+                f"({exc.diag.message_primary or exc}: a lock_timeout of the role or the database, which migrate "
+                f"lifts on the build's own connection with a start-up option a pooler in the way may drop or "
+                f"refuse); the unfinished index is dropped and built again by the next run. Run migrate again "
+                f"once they ended, or without the pooler") from None
         finally:
             self.conn.autocommit = False
+            if builder is not None:
+                builder.close()
+
+
+def build_dsn(dsn: str) -> str:
+    """``dsn`` with :data:`BUILD_OPTIONS` after its own ``options`` (or PGOPTIONS, which an
+    ``options`` in the DSN would otherwise replace)."""
+    own = conninfo_to_dict(dsn).get("options") or os.environ.get("PGOPTIONS")
+    return make_conninfo(dsn, options=f"{own} {BUILD_OPTIONS}" if own else BUILD_OPTIONS)
+
+
+def _build_connection(dsn: str) -> psycopg.Connection[Any] | None:
+    """A concurrent build's own connection, its timeouts lifted at start-up (:data:`BUILD_OPTIONS`,
+    after the DSN's own options or PGOPTIONS).  Not a ``SET`` on migrate's connection: outside a
+    transaction, through a transaction pooler, that would stay on a server connection the
+    application gets next.  None when it cannot be opened (a pooler refusing start-up
+    options): the build runs on migrate's connection, under the role's timeouts, as before."""
+    try:
+        return db.connect(build_dsn(dsn), application_name="outbox-relay-migrate", prepare=False)
+    except RelayError:
+        return None
 
 
 class _Watch:

@@ -171,6 +171,52 @@ def test_a_build_waiting_too_long_names_the_session_and_the_next_run_finishes_it
     assert _claim_indexes(db_dsn) == {kept: True}
 
 
+#: migrate's concurrent build waiting for a lock (a writer's open transaction) this long.
+BUILD_WAITED = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = 'outbox-relay-migrate'
+  AND wait_event_type = 'Lock' AND wait_event <> 'advisory' AND query LIKE 'CREATE INDEX CONCURRENTLY%%'
+  AND now() - query_start > make_interval(secs => %(waited_s)s)
+"""
+
+
+def _build_waited(dsn: str, waited_s: float) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(BUILD_WAITED, {"waited_s": waited_s}).fetchone()
+    return bool(row and row[0])
+
+
+@pytest.mark.parametrize("setting", ["statement_timeout", "lock_timeout"])
+def test_a_role_timeout_does_not_cancel_the_concurrent_build(db_dsn, setting):
+    """A DBA's `ALTER ROLE ... SET statement_timeout = '50ms'` (or lock_timeout) is meant for
+    the application's queries; migrate lifts both in its transactions.  Before, the concurrent
+    build, outside them, ran under the role's: waiting 50 ms for a writer's open transaction
+    (or a large outbox's build taking that long) cancelled it, exit 6, and it did so at every
+    run.  Now the build runs on a connection of its own with both lifted at start-up, its
+    waits bounded by --index-wait-s."""
+    migrate.apply(db_dsn)
+    kept = _the_other_index(db_dsn)
+    _fill(db_dsn)
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("ALTER ROLE current_user IN DATABASE {} SET {} = '50ms'").format(
+            sql.Identifier(conn.info.dbname), sql.Identifier(setting)))
+    writer = _open_writer(db_dsn)
+    run = _Migrate(db_dsn, lock_timeout_s=30)
+    try:
+        run.start()
+        wait_until(lambda: not run.is_alive() or _build_waited(db_dsn, 0.5), 30,
+                   message="migrate's build neither waited past the role's 50 ms nor ended")
+        assert run.is_alive() and run.error is None, run.error  # before: cancelled at 50 ms
+    finally:
+        writer.commit()
+        writer.close()
+    run.join(60)
+    assert not run.is_alive() and run.error is None, run.error
+    assert _claim_indexes(db_dsn) == {kept: True}
+    with psycopg.connect(db_dsn, autocommit=True) as conn:  # the role's sessions keep its setting
+        assert conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(setting))).fetchone() == ("50ms",)
+
+
 def test_two_migrates_at_once_on_a_large_outbox_both_finish(db_dsn):
     """The second migrate waits for the first's run lock.  Had it waited in a statement (as
     before the concurrent build), which holds a snapshot, the first's concurrent build would
