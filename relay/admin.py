@@ -70,13 +70,16 @@ def _adoption(args: argparse.Namespace) -> tuple[str, str, str]:
 
 
 def _adopt(settings: Settings, args: argparse.Namespace, source: str, view: str, template: str) -> int:
+    from relay import logs
     from relay.adopt import adopt
 
     conn = db.connect(settings.dsn, application_name="outbox-relay-migrate", autocommit=True, prepare=False)
     try:
         with db.translated():
             report = adopt(conn, source=source, view=view, topic_template=template,
-                           ce_source=args.cloudevents_source, existing=args.existing or "published")
+                           ce_source=args.cloudevents_source, existing=args.existing or "published",
+                           dsn=settings.dsn, lock_timeout_s=settings.lock_timeout_s, tries=migrate.LOCK_TRIES,
+                           index_wait_s=settings.index_wait_s, log=logs.get())
     except psycopg.errors.ProgrammingError as exc:  # SQLSTATE class 42
         # A table without Debezium's columns (aggregatetype ...), a --view naming a table or
         # a schema that is not there were tracebacks (each in adopt's first transaction,

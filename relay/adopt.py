@@ -16,8 +16,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from relay import adopt_index
 from relay.errors import ConfigError, FatalError
-from relay.queries import parse_blocks, sql_files, table_identifier
+from relay.queries import table_identifier
 
 DEFAULT_TOPIC_TEMPLATE = "outbox.event.{aggregatetype}"
 #: What ``--existing`` may say about the rows already in the table.
@@ -59,10 +60,6 @@ def topic_expression(template: str) -> sql.Composable:
     return sql.SQL(" || ").join(parts)
 
 
-def _blocks() -> dict[str, str]:
-    return parse_blocks((sql_files() / "adopt" / "debezium.sql").read_text(encoding="utf-8"))
-
-
 @dataclass(frozen=True)
 class AdoptReport:
     """What ``adopt`` did, and how long each step held which lock (seconds)."""
@@ -76,23 +73,25 @@ class AdoptReport:
 
 
 def adopt(conn: psycopg.Connection[Any], *, source: str, view: str, topic_template: str,
-          ce_source: str | None, existing: str = "published",
-          batch: int = BACKFILL_BATCH) -> AdoptReport:
+          ce_source: str | None, existing: str = "published", batch: int = BACKFILL_BATCH,
+          dsn: str, lock_timeout_s: float, tries: int, index_wait_s: float, log: Any = None) -> AdoptReport:
     """Add the relay's columns, view and trigger (one short transaction under ACCESS
     EXCLUSIVE, no table rewrite), number the existing rows in batches, then build the
-    indexes concurrently.  Idempotent; ``conn`` must be in autocommit mode.
+    indexes concurrently (the claim's for the server and the shard count, on a connection of
+    its own to ``dsn``, its waits bounded by ``index_wait_s``: relay/adopt_index.py).
+    Idempotent; ``conn`` must be in autocommit mode.
 
     ``existing``: ``published`` (Debezium delivered the rows already) or ``pending``
     (relay them, before every new row of their keys, in physical order).
     """
     if existing not in EXISTING:
         raise ConfigError(f"--existing {existing!r}: one of {', '.join(EXISTING)}")
-    blocks = _blocks()
+    blocks = adopt_index.blocks()
     bare = source.split(".")[-1]
     sequence = source.rsplit(".", 1)[0] + f".{bare}_relay_seq" if "." in source else f"{bare}_relay_seq"
     #: Each index's block and its name, in the table's schema.
     indexes = {block: f"{bare}_relay_{block.removesuffix('_index')}_idx"
-               for block in ("pending_index", "retrying_index", "published_index")}
+               for block in ("retrying_index", "published_index")}
     names: dict[str, Any] = {
         "source": table_identifier(source),
         "view": table_identifier(view),
@@ -156,6 +155,9 @@ def adopt(conn: psycopg.Connection[Any], *, source: str, view: str, topic_templa
         if invalid:  # an earlier run's build that did not finish: built again
             conn.execute(sql.SQL(blocks["drop_invalid_index"]).format(index=sql.Identifier(*schema, index)))
         run(name)  # CONCURRENTLY: outside a transaction
+    ((schema, table),) = conn.execute(blocks["adopted_table"], {"source": source}).fetchall()
+    adopt_index.ensure(conn, dsn, schema, table, lock_timeout_s=lock_timeout_s, tries=tries,
+                       wait_s=index_wait_s, log=log)
     return AdoptReport(already_adopted=adopted, existing=existing, lock_s=lock_s,
                        numbered=numbered, numbering_s=numbering_s,
                        index_s=time.monotonic() - started)

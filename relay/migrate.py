@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from relay import db
+from relay import adopt_index, db
 from relay.errors import ConfigError, FatalError
 from relay.migrate_index import SHARD_COLUMN_SINCE as SHARD_COLUMN_SINCE
 from relay.migrate_index import XID_ID_INDEX as XID_ID_INDEX
@@ -116,7 +116,8 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
     again, ``tries`` times; after the last it raises :class:`MigrationBlocked` naming
     the sessions in old transactions that hold table locks.  The claim's index, built
     CONCURRENTLY on a large outbox (writers go on), waits for older transactions at most
-    ``index_wait_s`` in all (relay/migrate_index.py).
+    ``index_wait_s`` in all (relay/migrate_index.py); so are the claim indexes of the tables
+    ``migrate --debezium-table`` adopted (relay/adopt_index.py).
     """
     applied_now: list[str] = []
     # Never prepared: migrate works through a transaction pooler (see db.connect).
@@ -146,6 +147,8 @@ def apply(dsn: str, *, shards: int | None = None, partitioned: bool = False,
                 _ensure_shards(conn, shards, log)
             ensure_pending_index(conn, dsn, lock_timeout_s=lock_timeout_s, tries=tries, log=log,
                                  wait_s=index_wait_s)
+            adopt_index.ensure_all(conn, dsn, lock_timeout_s=lock_timeout_s, tries=tries, wait_s=index_wait_s,
+                                   log=log)
     except psycopg.errors.InsufficientPrivilege as exc:
         raise FatalError(f"migrate needs a role that may create tables: {exc.diag.message_primary}") from None
     finally:

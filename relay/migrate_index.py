@@ -10,14 +10,12 @@ size: the migration job of an upgrade to a release with the shard column, or of 
 
 So from :data:`CONCURRENTLY_FROM_BYTES` of table data on, the index is built
 ``CONCURRENTLY`` (on each partition, then attached, for a partitioned outbox): writers go
-on, and the build waits instead for the transactions older than it to end.  A watch on its
-own connection (:class:`_Watch`) reads the build's progress: every 30 s of waiting it logs
-``migration_lock_wait`` naming the session waited for, and past ``--index-wait-s`` (300 s)
-it cancels the build, and migrate exits 6 naming the sessions, as it does for a migration
-that cannot take its locks.  The build runs on a connection of its own, the role's
-``statement_timeout`` and ``lock_timeout`` lifted at its start (:func:`build_dsn`).  Not ``--lock-timeout-s``, which bounds what a migration's lock
-request holds writers up and is kept short: a job's transaction of a few minutes (a worker
-pool's fenced transaction) would have failed every build.  A build that did not finish
+on, and the build waits instead for the transactions older than it to end, on a connection
+of its own, its waits watched and bounded by ``--index-wait-s`` (300 s; relay/index_build.py),
+migrate exiting 6 naming the sessions past it, as it does for a migration that cannot take
+its locks.  Not ``--lock-timeout-s``, which bounds what a migration's lock request holds
+writers up and is kept short: a job's transaction of a few minutes (a worker pool's fenced
+transaction) would have failed every build.  A build that did not finish
 leaves an invalid index (PostgreSQL's way), which the next run drops and builds again.  A
 smaller outbox keeps the transaction's build: it holds writers for tens of milliseconds at
 most, and a concurrent build would wait for every transaction in the database older than it.
@@ -25,25 +23,14 @@ most, and a concurrent build would wait for every transaction in the database ol
 
 from __future__ import annotations
 
-import os
-import threading
-import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from relay import db
-from relay.errors import RelayError
-from relay.migrate_steps import (
-    MigrationBlocked,
-    MigrationCancelled,
-    Step,
-    bounded,
-    sessions,
-)
+from relay.index_build import build_concurrently
+from relay.migrate_steps import MigrationBlocked, Step, bounded
 from relay.partitions import is_partitioned
 from relay.queries import query
 
@@ -55,12 +42,6 @@ XID_ID_INDEX = "outbox_pending_idx"
 #: From this much table data on (a plain build reads it all, 10-100 ms on these machines),
 #: the claim's index is built CONCURRENTLY (see the module).
 CONCURRENTLY_FROM_BYTES = 8 << 20
-#: A concurrent build waiting for older transactions logs migration_lock_wait this often.
-WAIT_LOG_S = 30.0
-#: Start-up options of a concurrent build's own connection: a role's or database's timeouts,
-#: meant for the application's statements, lifted as migrate's transactions lift them
-#: (admin.sql, migration_lifts_timeouts); the watch bounds the build's waits instead.
-BUILD_OPTIONS = "-c statement_timeout=0 -c lock_timeout=0"
 #: The claim's index, as a step of migrate's.
 STEP = Step("the claim's index for the shard count", None, "pending_index")
 _OUTBOX = sql.Identifier("outbox")
@@ -96,36 +77,27 @@ def state(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     return {"expected": expected, "found": found, "ok": found == [{"name": expected, "valid": True}]}
 
 
-def adopted_state(conn: psycopg.Connection[Any], view: str) -> dict[str, Any] | None:
-    """:func:`state` for a view ``migrate --debezium-table`` made (None: ``view`` is not one),
-    with ``adopted``, the table under it: its claim index is ``<table>_relay_pending_idx``,
-    which an interrupted adopt leaves invalid (relay/adopt.py; the claim then reads the
-    whole table)."""
-    row = conn.execute(query("admin", "adopted_pending_index"), {"view": view}).fetchone()
-    if row is None:
-        return None
-    adopted, expected, name, valid = row
-    found = [{"name": name, "valid": bool(valid)}] if name else []
-    return {"expected": expected, "found": found, "ok": found == [{"name": expected, "valid": True}],
-            "adopted": adopted}
-
-
 def table_state(conn: psycopg.Connection[Any], table: str) -> dict[str, Any] | None:
-    """:func:`state` for the outbox, :func:`adopted_state` for another ``--table`` (None: not
-    a view ``migrate --debezium-table`` made)."""
-    return state(conn) if table == "outbox" else adopted_state(conn, table)
+    """:func:`state` for the outbox, relay/adopt_index.state for another ``--table`` (None:
+    not a view ``migrate --debezium-table`` made)."""
+    if table == "outbox":
+        return state(conn)
+    from relay import adopt_index  # it imports this module
+
+    return adopt_index.state(conn, table)
 
 
 def describe(found: dict[str, Any]) -> str:
-    """:func:`state` (or :func:`adopted_state`) as `status` prints it."""
+    """:func:`table_state` as `status` prints it."""
     if found["ok"]:
         return str(found["expected"])
     there = ", ".join(f["name"] + ("" if f["valid"] else " (invalid: a concurrent build that did not finish)")
                       for f in found["found"]) or "none"
     if "adopted" in found:
-        return (f"{there}; {found['adopted']} takes {found['expected']}: run `outbox-relay migrate "
-                f"--debezium-table {found['adopted']}` again (it builds it again while writers go on); "
-                "the claim reads the whole table meanwhile")
+        meanwhile = ("the claim is correct meanwhile" if any(f["valid"] for f in found["found"])
+                     else "the claim reads the whole table meanwhile")
+        return (f"{there}; {found['adopted']} takes {found['expected']} on this server for this shard count: "
+                f"run `outbox-relay migrate` (it builds it without holding writers); {meanwhile}")
     return (f"{there}; this server and shard count take {found['expected']}: run `outbox-relay migrate` "
             "(it builds it without holding writers on a large outbox); the claim is correct meanwhile")
 
@@ -255,107 +227,7 @@ class _Build:
                 self._in_transaction(lambda: self.conn.execute(attach))  # noqa: B023 - run at once
 
     def _concurrently(self, statement: sql.Composed, *, table: str, index: str) -> None:
-        """``statement``, a CREATE INDEX CONCURRENTLY on ``table``, outside a transaction, its
-        waits watched (:class:`_Watch`)."""
         if self.log is not None:
             self.log.info("pending_index_building", index=index, table=table, concurrently=True)
-        builder = _build_connection(self.dsn)
-        conn = builder or self.conn
-        watch = _Watch(self.dsn, conn, table=table, wait_s=self.wait_s, log=self.log)
-        self.conn.autocommit = True
-        try:
-            with watch:
-                conn.execute(statement, {})
-        except psycopg.errors.QueryCanceled as exc:
-            if watch.waited_for is not None:
-                raise MigrationBlocked(
-                    f"{STEP.what} (CREATE INDEX CONCURRENTLY {index}, which never holds writers) waited "
-                    f"{self.wait_s:g} s for older transactions to end: "
-                    f"{sessions(watch.waited_for)}. End them or let them finish, then run migrate again (it "
-                    f"drops the build left unfinished and builds it again; --index-wait-s waits longer)") from None
-            raise MigrationCancelled(
-                f"{STEP.what} (CREATE INDEX CONCURRENTLY {index}) was cancelled "
-                f"({exc.diag.message_primary or exc}); the unfinished index is dropped and built again by the "
-                f"next run. Let it run (a statement_timeout: migrate lifts the role's on the build's own "
-                f"connection with the start-up option -c statement_timeout=0, which a pooler in the way may "
-                f"drop or refuse; run it without the pooler), then run migrate again") from None
-        except psycopg.errors.LockNotAvailable as exc:
-            raise MigrationBlocked(
-                f"{STEP.what} (CREATE INDEX CONCURRENTLY {index}) gave up waiting for older transactions "
-                f"({exc.diag.message_primary or exc}: a lock_timeout of the role or the database, which migrate "
-                f"lifts on the build's own connection with a start-up option a pooler in the way may drop or "
-                f"refuse); the unfinished index is dropped and built again by the next run. Run migrate again "
-                f"once they ended, or without the pooler") from None
-        finally:
-            self.conn.autocommit = False
-            if builder is not None:
-                builder.close()
-
-
-def build_dsn(dsn: str) -> str:
-    """``dsn`` with :data:`BUILD_OPTIONS` after its own ``options`` (or PGOPTIONS, which an
-    ``options`` in the DSN would otherwise replace)."""
-    own = conninfo_to_dict(dsn).get("options") or os.environ.get("PGOPTIONS")
-    return make_conninfo(dsn, options=f"{own} {BUILD_OPTIONS}" if own else BUILD_OPTIONS)
-
-
-def _build_connection(dsn: str) -> psycopg.Connection[Any] | None:
-    """A concurrent build's own connection, its timeouts lifted at start-up (:data:`BUILD_OPTIONS`,
-    after the DSN's own options or PGOPTIONS).  Not a ``SET`` on migrate's connection: outside a
-    transaction, through a transaction pooler, that would stay on a server connection the
-    application gets next.  None when it cannot be opened (a pooler refusing start-up
-    options): the build runs on migrate's connection, under the role's timeouts, as before."""
-    try:
-        return db.connect(build_dsn(dsn), application_name="outbox-relay-migrate", prepare=False)
-    except RelayError:
-        return None
-
-
-class _Watch:
-    """A concurrent build's waits, read on a connection of its own (every 0.5 s, or a tenth of
-    ``wait_s`` if less): every :data:`WAIT_LOG_S` of waiting (a third of ``wait_s`` if less)
-    logs ``migration_lock_wait``; past ``wait_s`` of waiting in all the build is cancelled,
-    the sessions it waited for in :attr:`waited_for`.  A watch that cannot read leaves the
-    build alone."""
-
-    def __init__(self, dsn: str, builder: psycopg.Connection[Any], *, table: str, wait_s: float,
-                 log: Any) -> None:
-        self.dsn, self.builder, self.table, self.log = dsn, builder, table, log
-        self.wait_s = wait_s
-        self.waited_for: list[tuple[Any, ...]] | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="migrate-index-watch", daemon=True)
-
-    def __enter__(self) -> _Watch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        every, warn_every = max(0.02, min(0.5, self.wait_s / 10)), min(WAIT_LOG_S, self.wait_s / 3)
-        try:
-            with db.connect(self.dsn, application_name="outbox-relay-migrate", prepare=False) as conn:
-                waited, warned, last = 0.0, 0, time.monotonic()
-                while not self._stop.wait(every):
-                    now = time.monotonic()
-                    row = conn.execute(query("admin", "index_build_progress"), {"table": self.table}).fetchone()
-                    if row is None or not str(row[1]).startswith("waiting"):
-                        last = now
-                        continue
-                    waited, last = waited + (now - last), now
-                    if waited >= (warned + 1) * warn_every and waited < self.wait_s:
-                        warned += 1
-                        if self.log is not None:
-                            self.log.warning("migration_lock_wait", version=None, name=STEP.name, attempt=warned,
-                                             waited_s=round(waited, 1), wait_s=self.wait_s, phase=row[1],
-                                             waiting_for_pid=row[2] or None)
-                    if waited >= self.wait_s:
-                        self.waited_for = conn.execute(query("admin", "index_build_blockers"),
-                                                       {"builder": row[0], "locker": row[2] or 0}).fetchall()
-                        self.builder.cancel_safe()
-                        return
-        except psycopg.Error:
-            return
+        build_concurrently(self.conn, self.dsn, statement, table=table, index=index, step=STEP,
+                           wait_s=self.wait_s, log=self.log)

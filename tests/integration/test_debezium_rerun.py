@@ -14,7 +14,10 @@ import subprocess
 
 import psycopg
 import pytest
+from psycopg import sql
 
+from relay import adopt_index
+from relay.migrate_index import SHARD_COLUMN_SINCE
 from tests.fixtures.outbox import relay_cmd
 from tests.integration.test_debezium import DEBEZIUM_TABLE
 from tests.integration.test_status_detached import _status
@@ -26,8 +29,6 @@ SELECT c.relname::text, x.indisvalid FROM pg_index AS x JOIN pg_class AS c ON c.
 WHERE x.indrelid = 'app.outbox_events'::regclass AND c.relname LIKE 'outbox_events_relay_%%'
 ORDER BY 1
 """
-PENDING = ("CREATE INDEX CONCURRENTLY outbox_events_relay_pending_idx ON app.outbox_events "
-           "(relay_xid, relay_seq) WHERE relay_published_at IS NULL")
 
 
 def _adopt(dsn: str) -> None:
@@ -35,6 +36,16 @@ def _adopt(dsn: str) -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def claim_index(dsn: str) -> tuple[str, sql.Composed]:
+    """The adopted table's claim index on this server for 16 shards, and its build."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        version = conn.info.server_version
+    name = adopt_index.claim_index("outbox_events", version, 16)
+    block = "pending_index_shards" if version >= SHARD_COLUMN_SINCE else "pending_index"
+    return name, sql.SQL(adopt_index.blocks()[block]).format(
+        index=sql.Identifier(name), source=sql.Identifier("app", "outbox_events"), shards=sql.Literal(16))
 
 
 def _indexes(dsn: str) -> dict[str, bool]:
@@ -53,8 +64,9 @@ def _interrupted_adoption(dsn: str) -> None:
                      "FROM generate_series(1, 1000) AS g")
     _adopt(dsn)
     assert set(_indexes(dsn).values()) == {True}
+    pending, build = claim_index(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("DROP INDEX app.outbox_events_relay_pending_idx")
+        conn.execute(sql.SQL("DROP INDEX {}").format(sql.Identifier("app", pending)))
     writer = psycopg.connect(dsn)
     try:
         writer.execute("INSERT INTO app.outbox_events (id, aggregatetype, aggregateid, type, payload) "
@@ -62,17 +74,17 @@ def _interrupted_adoption(dsn: str) -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("SET lock_timeout = '200ms'")
             with pytest.raises(psycopg.errors.LockNotAvailable):
-                conn.execute(PENDING)
+                conn.execute(build, {})
     finally:
         writer.rollback()
         writer.close()
-    assert _indexes(dsn)["outbox_events_relay_pending_idx"] is False
+    assert _indexes(dsn)[pending] is False
 
 
 def test_adopting_again_builds_the_index_an_interrupted_run_left_invalid(outbox_db):
     _interrupted_adoption(outbox_db)
     _adopt(outbox_db)
-    assert _indexes(outbox_db) == {"outbox_events_relay_pending_idx": True,
+    assert _indexes(outbox_db) == {claim_index(outbox_db)[0]: True,
                                    "outbox_events_relay_published_idx": True,
                                    "outbox_events_relay_retrying_idx": True}
 
@@ -81,13 +93,13 @@ def test_status_through_the_view_says_the_adopted_tables_index_is_unfinished(out
     """Before: status said nothing of an adopted table's indexes (its claim index line, and
     the relay's claim_index_not_built at start, covered only the native outbox)."""
     _interrupted_adoption(outbox_db)
+    pending, _ = claim_index(outbox_db)
     report = json.loads(_status(outbox_db, "--table", VIEW, "--json").stdout)["claim_index"]
-    assert report == {"expected": "outbox_events_relay_pending_idx", "adopted": "app.outbox_events",
-                      "found": [{"name": "outbox_events_relay_pending_idx", "valid": False}], "ok": False}
+    assert report == {"expected": pending, "adopted": "app.outbox_events",
+                      "found": [{"name": pending, "valid": False}], "ok": False}
     [line] = [x for x in _status(outbox_db, "--table", VIEW).stdout.splitlines() if x.startswith("claim index:")]
-    assert line == ("claim index:         outbox_events_relay_pending_idx (invalid: a concurrent build that did "
-                    "not finish); app.outbox_events takes outbox_events_relay_pending_idx: run `outbox-relay "
-                    "migrate --debezium-table app.outbox_events` again (it builds it again while writers go on); "
-                    "the claim reads the whole table meanwhile")
+    assert line == (f"claim index:         {pending} (invalid: a concurrent build that did not finish); "
+                    f"app.outbox_events takes {pending} on this server for this shard count: run `outbox-relay "
+                    "migrate` (it builds it without holding writers); the claim reads the whole table meanwhile")
     _adopt(outbox_db)
     assert json.loads(_status(outbox_db, "--table", VIEW, "--json").stdout)["claim_index"]["ok"] is True

@@ -93,8 +93,58 @@ SELECT EXISTS (SELECT 1 FROM pg_index AS x JOIN pg_class AS c ON c.oid = x.index
 DROP INDEX CONCURRENTLY IF EXISTS {index}
 
 -- name: pending_index
-CREATE INDEX CONCURRENTLY IF NOT EXISTS {pending_index} ON {source} (relay_xid, relay_seq)
+-- The claim's index of the adopted table before PostgreSQL 17 (relay/adopt_index.py), as
+-- migration 0001's is the outbox's (admin.sql, pending_index_xid_id).
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {index} ON {source} (relay_xid, relay_seq)
     WHERE relay_published_at IS NULL
+
+-- name: pending_index_shards
+-- The claim's index of the adopted table on PostgreSQL 17 and later, as the outbox's
+-- (admin.sql, pending_index_create): the pending rows in (relay_xid, relay_seq) order with
+-- each row's shard for the database's shard count as a third key column (the count a
+-- literal; run with empty parameters, so that the double percent sign is PostgreSQL's
+-- modulo).  The expression is the
+-- claim's shard test as it reads through the view (key <- aggregateid::text, event_id <-
+-- id::text::uuid), which PostgreSQL matches: a replica holding some of the shards steps
+-- over its peers' rows in the index instead of reading them from the table.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {index} ON {source}
+    (relay_xid, relay_seq, ((hashtext(coalesce(aggregateid::text, id::text::uuid::text)) & 2147483647) %% {shards}))
+    WHERE relay_published_at IS NULL
+
+-- name: adopted_tables
+-- The tables migrate --debezium-table adopted (the relay's relay_seq and relay_xid columns):
+-- each one's schema and name, for migrate to keep their claim index for the shard count.
+SELECT n.nspname::text AS schema, c.relname::text AS name
+FROM pg_class AS c
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+WHERE c.relkind = 'r'
+  AND EXISTS (SELECT 1 FROM pg_attribute AS a
+              WHERE a.attrelid = c.oid AND a.attname = 'relay_seq' AND NOT a.attisdropped)
+  AND EXISTS (SELECT 1 FROM pg_attribute AS a
+              WHERE a.attrelid = c.oid AND a.attname = 'relay_xid' AND NOT a.attisdropped)
+ORDER BY 1, 2
+
+-- name: adopted_table
+-- The schema and name of the table %(source)s (as adopt is given it: search_path applies).
+SELECT n.nspname::text AS schema, c.relname::text AS name
+FROM pg_class AS c
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+WHERE c.oid = to_regclass(%(source)s)
+
+-- name: adopted_claim_indexes
+-- The claim's indexes of the adopted table %(schema)s.%(name)s (relay/adopt_index.py): those
+-- adopt or migrate made (named <table>_relay_pending...), of the pending rows in relay_xid
+-- order, whatever their third column; valid is false for a concurrent build that did not
+-- finish.  The retrying and published rows' indexes begin with other columns.
+SELECT c.relname::text AS name, x.indisvalid AS valid
+FROM pg_index AS x
+JOIN pg_class AS c ON c.oid = x.indexrelid
+JOIN pg_attribute AS a ON a.attrelid = x.indrelid AND a.attnum = x.indkey[0]
+WHERE x.indrelid = to_regclass(format('%%I.%%I', %(schema)s::text, %(name)s::text))
+  AND a.attname = 'relay_xid'
+  AND pg_get_expr(x.indpred, x.indrelid) = '(relay_published_at IS NULL)'
+  AND c.relname LIKE '%%\_relay\_pending%%'
+ORDER BY 1
 
 -- name: retrying_index
 CREATE INDEX CONCURRENTLY IF NOT EXISTS {retrying_index} ON {source} ((aggregateid::text), relay_xid, relay_seq)

@@ -281,11 +281,11 @@ WHERE a.datname = current_database() AND a.pid <> pg_backend_pid() AND a.pid <> 
            AND (a.backend_xid IS NOT NULL OR a.backend_xmin IS NOT NULL)))
 ORDER BY a.xact_start NULLS LAST
 
--- name: adopted_pending_index
+-- name: adopted_table_of_view
 -- The table under the view %(view)s the relay reads (made by migrate --debezium-table; each
--- part of the name quoted, as schema_check looks it up) and its claim index,
--- <table>_relay_pending_idx (relay/adopt.py): the table's schema-qualified name, the
--- index's name and whether it is valid (NULLs: no such index).  No row: not such a view.
+-- part of the name quoted, as schema_check looks it up): its schema-qualified name, its
+-- schema and its name, whose claim index relay/adopt_index.py reads.  No row: not such a
+-- view.
 WITH target AS (
     SELECT to_regclass(string_agg(quote_ident(p.part), '.' ORDER BY p.n)) AS oid
     FROM unnest(string_to_array(%(view)s, '.')) WITH ORDINALITY AS p(part, n)
@@ -296,11 +296,9 @@ WITH target AS (
     JOIN pg_depend AS d ON d.classid = 'pg_rewrite'::regclass AND d.objid = r.oid
                        AND d.refclassid = 'pg_class'::regclass AND d.refobjid <> r.ev_class
 )
-SELECT b.oid::regclass::text AS adopted, b.relname || '_relay_pending_idx' AS expected,
-       c.relname::text AS name, x.indisvalid AS valid
+SELECT b.oid::regclass::text AS adopted, n.nspname::text AS schema, b.relname::text AS name
 FROM base
 JOIN pg_class AS b ON b.oid = base.oid AND b.relkind IN ('r', 'p')
-LEFT JOIN pg_class AS c ON c.relname = b.relname || '_relay_pending_idx' AND c.relnamespace = b.relnamespace
-LEFT JOIN pg_index AS x ON x.indexrelid = c.oid AND x.indrelid = b.oid
+JOIN pg_namespace AS n ON n.oid = b.relnamespace
 WHERE EXISTS (SELECT 1 FROM pg_attribute AS a
               WHERE a.attrelid = b.oid AND a.attname = 'relay_seq' AND NOT a.attisdropped)

@@ -1,12 +1,12 @@
 """The concurrent build's own connection lifts the role's timeouts after the DSN's own
-start-up options (relay/migrate_index.build_dsn), without dropping them."""
+start-up options (relay/index_build.build_dsn), without dropping them."""
 
 from __future__ import annotations
 
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from relay.migrate_index import BUILD_OPTIONS, build_dsn
+from relay.index_build import BUILD_OPTIONS, build_dsn
 
 
 def test_a_dsn_without_options_gets_the_build_options(monkeypatch):

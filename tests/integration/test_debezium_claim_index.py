@@ -1,0 +1,155 @@
+"""An adopted Debezium table's claim index carries the shard, as the outbox's does, and
+every `migrate` keeps it for the shard count (relay/adopt_index.py).
+
+Before: `migrate --debezium-table` built `<table>_relay_pending_idx` on (relay_xid, relay_seq)
+whatever the server, and nothing built it again.  On PostgreSQL 17 and later a replica
+holding some of the shards read its peers' pending rows from the table and dropped them
+(the claim's shard test a filter), where the outbox's claim index has carried the shard as
+a third key column since issue 18's forty-second pass; `migrate --shards` left the adopted
+table's index as it was, and `status` called the old index right.  Now adopt builds
+`<table>_relay_pending_by_<N>_shards_idx` from 17 on, written as the claim reads through
+the view so that PostgreSQL matches it, and every `migrate` builds it for the count (and
+drops the one it replaces), concurrently: the table is the application's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from relay import adopt_index
+from relay.migrate_index import SHARD_COLUMN_SINCE
+from relay.model import Cursor, ShardId
+from relay.queries import compose
+from relay.store import Store, claim_params
+from tests.fixtures.outbox import relay_cmd
+from tests.integration.test_debezium import DEBEZIUM_TABLE
+from tests.integration.test_debezium_rerun import VALID, claim_index
+from tests.integration.test_status_detached import _status
+
+VIEW = "app.outbox_events_relay"
+#: A replica's shards: 4 of the 16.
+HELD = [ShardId(s) for s in (0, 4, 8, 12)]
+
+
+def _run(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(relay_cmd("migrate", "--dsn", dsn, *args), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    return done
+
+
+def _adopted(dsn: str, rows: int = 5000) -> int:
+    """The Debezium table with ``rows`` rows of 200 keys, adopted with them pending; returns
+    the server's version."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA app")
+        conn.execute(DEBEZIUM_TABLE)
+        conn.execute("INSERT INTO app.outbox_events (id, aggregatetype, aggregateid, type, payload) "
+                     "SELECT gen_random_uuid(), 'Order', 'k-' || (g %% 200), 'Changed', '{}' "
+                     "FROM generate_series(1, %s) AS g", (rows,))
+        version = conn.info.server_version
+    _run(dsn, "--debezium-table", "app.outbox_events", "--existing", "pending")
+    return version
+
+
+def _claim_indexes(dsn: str) -> dict[str, bool]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return dict(conn.execute(adopt_index.blocks()["adopted_claim_indexes"],
+                                 {"schema": "app", "name": "outbox_events"}).fetchall())
+
+
+def _status_of_the_view(dsn: str) -> dict[str, Any]:
+    report: dict[str, Any] = json.loads(_status(dsn, "--table", VIEW, "--json").stdout)["claim_index"]
+    return report
+
+
+def _index_scans(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    found = [plan] if plan.get("Node Type") == "Index Scan" else []
+    for child in plan.get("Plans", []):
+        found += _index_scans(child)
+    return found
+
+
+def _explain_second_claim(dsn: str) -> list[dict[str, Any]]:
+    """The index scans of the relay's claim through the view, at its second batch, as a
+    replica holding :data:`HELD` claims."""
+    store = Store(dsn, table=VIEW)
+    try:
+        store.claim_shards(owner="test", limit=1 << 16, lease_s=3600)
+        cursor = Cursor()
+        rows, snapshot, _ = store.claim(shards=HELD, nshards=16, after=cursor, limit=500)
+        assert rows
+        cursor = cursor.advanced(rows[-1], snapshot or cursor.cur)
+        params = claim_params(shards=HELD, nshards=16, after=cursor, limit=500, max_bytes=1_000_000,
+                              budget_bytes=4 << 20, now=None)
+    finally:
+        store.close()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ANALYZE app.outbox_events")
+        claim = compose("relay", "claim_batch", table=VIEW)
+        explain = sql.SQL("EXPLAIN (FORMAT JSON) ") + (sql.SQL(claim) if isinstance(claim, str) else claim)
+        ((plan,),) = conn.execute(explain, params).fetchall()
+    return _index_scans(plan[0]["Plan"])
+
+
+def test_the_adopted_table_s_claim_index_carries_the_shard_and_a_replica_s_claim_steps_over_its_peers(outbox_db):
+    version = _adopted(outbox_db)
+    expected, _ = claim_index(outbox_db)
+    assert _claim_indexes(outbox_db) == {expected: True}
+    scans = [s for s in _explain_second_claim(outbox_db) if s.get("Index Name") == expected]
+    assert scans, "the claim through the view does not use the adopted table's claim index"
+    shard_test = "& 2147483647) % 16) = ANY"
+    if version >= SHARD_COLUMN_SINCE:
+        assert expected == "outbox_events_relay_pending_by_16_shards_idx"
+        # Before: a Filter on every pending row the scan read, the replica's peers' included.
+        assert all(shard_test in s["Index Cond"] for s in scans), scans
+    else:  # before 17 an "= ANY" on a later column breaks the scan's order: 0001's shape
+        assert expected == "outbox_events_relay_pending_idx"
+        assert any(shard_test in s.get("Filter", "") for s in scans), scans
+    assert _status_of_the_view(outbox_db) == {"expected": expected, "adopted": "app.outbox_events",
+                                              "found": [{"name": expected, "valid": True}], "ok": True}
+
+
+def test_migrate_shards_builds_the_adopted_table_s_claim_index_for_the_new_count(outbox_db):
+    version = _adopted(outbox_db)
+    done = _run(outbox_db, "--shards", "32")
+    with_32 = adopt_index.claim_index("outbox_events", version, 32)
+    assert _claim_indexes(outbox_db) == {with_32: True}
+    report = _status_of_the_view(outbox_db)
+    assert report["ok"] is True and report["expected"] == with_32, report
+    if version >= SHARD_COLUMN_SINCE:
+        assert with_32 == "outbox_events_relay_pending_by_32_shards_idx"
+        [built] = [e for e in (json.loads(x) for x in done.stdout.splitlines() if x.startswith("{"))
+                   if e["event"] == "pending_index_built" and e.get("table") == "app.outbox_events"]
+        assert built["dropped"] == ["outbox_events_relay_pending_by_16_shards_idx"], built
+    with psycopg.connect(outbox_db, autocommit=True) as conn:  # every other index of the table kept
+        assert {name for name, _ in conn.execute(VALID)} == {with_32, "outbox_events_relay_published_idx",
+                                                            "outbox_events_relay_retrying_idx"}
+
+
+def test_migrate_replaces_the_claim_index_a_table_was_adopted_with_before(outbox_db):
+    """A table adopted before: on 17 and later, the (relay_xid, relay_seq) index adopt built
+    then (on 15, where that one is kept, a shard index stands in for "the other kind")."""
+    version = _adopted(outbox_db)
+    kept, _ = claim_index(outbox_db)
+    other = "outbox_events_relay_pending_idx" if version >= SHARD_COLUMN_SINCE else \
+        "outbox_events_relay_pending_by_16_shards_idx"
+    block = "pending_index" if version >= SHARD_COLUMN_SINCE else "pending_index_shards"
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP INDEX {}").format(sql.Identifier("app", kept)))
+        conn.execute(sql.SQL(adopt_index.blocks()[block]).format(
+            index=sql.Identifier(other), source=sql.Identifier("app", "outbox_events"), shards=sql.Literal(16)), {})
+    report = _status_of_the_view(outbox_db)
+    assert report == {"expected": kept, "adopted": "app.outbox_events",
+                      "found": [{"name": other, "valid": True}], "ok": False}, report
+    [line] = [x for x in _status(outbox_db, "--table", VIEW).stdout.splitlines() if x.startswith("claim index:")]
+    assert line == (f"claim index:         {other}; app.outbox_events takes {kept} on this server for this shard "
+                    "count: run `outbox-relay migrate` (it builds it without holding writers); the claim is "
+                    "correct meanwhile")
+    _run(outbox_db)
+    assert _claim_indexes(outbox_db) == {kept: True}
+    assert _status_of_the_view(outbox_db)["ok"] is True
