@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+import uuid
 from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from relay import adopt_index
 from relay.migrate_index import SHARD_COLUMN_SINCE
@@ -153,3 +155,34 @@ def test_migrate_replaces_the_claim_index_a_table_was_adopted_with_before(outbox
     _run(outbox_db)
     assert _claim_indexes(outbox_db) == {kept: True}
     assert _status_of_the_view(outbox_db)["ok"] is True
+
+
+def test_migrate_leaves_an_adopted_table_another_role_owns_and_says_so(outbox_db):
+    """migrate's role may not build an index on a table it does not own (PostgreSQL's rule):
+    the adopted table is left as it is, with a warning naming its owner, and the rest of
+    migrate's work is done (before this warning, an InsufficientPrivilege failed the run)."""
+    version = _adopted(outbox_db)
+    kept, _ = claim_index(outbox_db)
+    suffix = uuid.uuid4().hex[:8]
+    migrator, owner = f"migrator_{suffix}", f"app_owner_{suffix}"
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(migrator)))
+        conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(owner)))
+        conn.execute(sql.SQL("GRANT CREATE ON SCHEMA public TO {}").format(sql.Identifier(migrator)))
+        for (table,) in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'").fetchall():
+            conn.execute(sql.SQL("ALTER TABLE {} OWNER TO {}").format(sql.Identifier(table), sql.Identifier(migrator)))
+        conn.execute(sql.SQL("ALTER TABLE app.outbox_events OWNER TO {}").format(sql.Identifier(owner)))
+    try:
+        done = _run(make_conninfo(outbox_db, user=migrator), "--shards", "32")
+        [skipped] = [e for e in (json.loads(x) for x in done.stdout.splitlines() if x.startswith("{"))
+                     if e["event"] == "adopted_claim_index_skipped"]
+        assert skipped["table"] == "app.outbox_events" and skipped["owner"] == owner, skipped
+        assert _claim_indexes(outbox_db) == {kept: True}  # as it was
+        report = _status_of_the_view(outbox_db)
+        assert report["ok"] is (version < SHARD_COLUMN_SINCE), report  # 17 on: the count's index stands
+    finally:
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            for role in (migrator, owner):
+                conn.execute(sql.SQL("REASSIGN OWNED BY {} TO current_user").format(sql.Identifier(role)))
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
