@@ -27,6 +27,13 @@ Variants:
 
 ``--held K`` claims as a replica holding K of the 16 shards (spread: 0, 16/K, ...).
 
+``--adopted`` loads the backlog into a Debezium outbox table that ``migrate
+--debezium-table`` adopted (relay/adopt.py; the rows pending) and claims it through the view
+it made, as a relay run with ``--table`` claims it.  Its variants: ``relay`` (the adopted
+table's claim index for the shard count, relay/adopt_index.py), ``no_budget``, and
+``xid_seq_index``, the relay's claim with the (relay_xid, relay_seq) index adopt built
+before the adopted table's index carried the shard.
+
 The durable embedded PostgreSQL of ``outbox-relay bench`` by default (``--dsn`` for
 another).  Benchmarks are not tests: nothing here is asserted.
 """
@@ -47,6 +54,8 @@ from psycopg import sql
 from outbox_embedded.calibration import rotated, write_json
 from outbox_embedded.mark_bench import migrated_database
 from outbox_embedded.queries import query
+from relay import adopt_index
+from relay.adopt import DEFAULT_TOPIC_TEMPLATE, adopt
 from relay.migrate import SHARD_COLUMN_SINCE, XID_ID_INDEX, pending_index
 from relay.model import Cursor, ShardId
 from relay.queries import compose
@@ -59,6 +68,11 @@ RUNNING_SUM = re.compile(r"sum\(least\(s\.size, %\(max_bytes\)s\)\)\s+OVER \([^)
 #: The index each variant hides (drops inside its rolled-back transaction): the relay's
 #: variants claim through migrate's index for 16 shards, xid_id_index through 0001's.
 HIDDEN = {"xid_id_index": pending_index(NSHARDS)}
+#: --adopted: the Debezium table, in a schema of its own, and the view the relay claims through.
+ADOPTED = ("claim_bench", "outbox_events")
+ADOPTED_VIEW = "claim_bench.outbox_events_relay"
+#: --adopted's xid_seq_index variant's index: adopt's before relay/adopt_index.py.
+ADOPTED_XID_SEQ = "outbox_events_relay_pending_idx"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dsn", default=None, help="PostgreSQL server (a database is created per "
@@ -69,21 +83,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1000)
     p.add_argument("--held", type=int, default=NSHARDS, choices=(1, 2, 4, 8, 16),
                    help="shards of 16 the claiming replica holds (default: all)")
+    p.add_argument("--adopted", action="store_true",
+                   help="claim an adopted Debezium table through its view (see the module)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", dest="json_path", default=None)
 
 
-def statements(conn: psycopg.Connection[Any], held: int) -> dict[str, str]:
-    """Each variant's statement text (plain only with every shard held)."""
-    composed = compose("relay", "claim_batch", table="outbox")
+def statements(conn: psycopg.Connection[Any], held: int, *, adopted: bool = False) -> dict[str, str]:
+    """Each variant's statement text (plain only with every shard held, on the outbox)."""
+    composed = compose("relay", "claim_batch", table=ADOPTED_VIEW if adopted else "outbox")
     relay = composed if isinstance(composed, str) else composed.as_string(conn)
     no_budget, found = RUNNING_SUM.subn("0::bigint", relay)
     if found != 1:
         raise SystemExit("claim_bench: claim_batch's running sum changed shape; update RUNNING_SUM")
+    if adopted:
+        return {"relay": relay, "no_budget": no_budget, "xid_seq_index": relay}
     texts = {"relay": relay, "no_budget": no_budget, "xid_id_index": relay}
     if held == NSHARDS:
         texts["plain"] = query("bench", "claim_bench_plain")
     return texts
+
+
+def load_adopted(conn: psycopg.Connection[Any], dsn: str, args: argparse.Namespace) -> dict[str, sql.Composable]:
+    """--adopted's backlog: the Debezium table loaded, adopted with its rows pending, and adopt's
+    former (relay_xid, relay_seq) index built beside its claim index; returns the index each
+    variant hides."""
+    schema, table = ADOPTED
+    conn.execute(query("bench", "claim_bench_debezium_table"))
+    conn.execute(query("bench", "claim_bench_load_debezium"),
+                 {"keys": args.keys, "payload_bytes": args.payload_bytes, "count": args.rows})
+    adopt(conn, source=f"{schema}.{table}", view=ADOPTED_VIEW, topic_template=DEFAULT_TOPIC_TEMPLATE,
+          ce_source=None, existing="pending", dsn=dsn, lock_timeout_s=5.0, tries=3, index_wait_s=300.0)
+    source = sql.Identifier(schema, table)
+    conn.execute(sql.SQL(adopt_index.blocks()["pending_index"]).format(
+        index=sql.Identifier(ADOPTED_XID_SEQ), source=source), {})
+    conn.execute(sql.SQL("VACUUM ANALYZE {}").format(source))
+    claim_index = adopt_index.claim_index(table, conn.info.server_version, NSHARDS)
+    hide = {"xid_seq_index": claim_index}
+    return {v: sql.Identifier(schema, hide.get(v, ADOPTED_XID_SEQ)) for v in ("relay", "no_budget", "xid_seq_index")}
 
 
 def held_shards(held: int) -> list[ShardId]:
@@ -91,10 +128,10 @@ def held_shards(held: int) -> list[ShardId]:
     return [ShardId(s) for s in range(0, NSHARDS, NSHARDS // held)]
 
 
-def positions(dsn: str, batch: int, held: int) -> list[dict[str, Any]]:
+def positions(dsn: str, batch: int, held: int, table: str = "outbox") -> list[dict[str, Any]]:
     """claim_batch's parameters at each batch of the backlog, as a replica holding ``held``
     shards claims it."""
-    store = Store(dsn)
+    store = Store(dsn, table=table)
     try:
         every = store.claim_shards(owner="claim_bench", limit=1 << 16, lease_s=3600)
         if len(every) != NSHARDS:
@@ -123,22 +160,26 @@ def measure(admin_dsn: str, args: argparse.Namespace, round_: int) -> dict[str, 
                 raise SystemExit("claim_bench compares the claim's index with the shard column against "
                                  "0001's (xid, id) one: migrate builds the former on PostgreSQL 17 and "
                                  f"later only, and this server is {conn.info.server_version}")
-            conn.execute(query("bench", "bench_load_pending"),
-                         {"topic": "claim_bench", "keys": args.keys, "payload_bytes": args.payload_bytes,
-                          "count": args.rows})
-            conn.execute(query("bench", "claim_bench_xid_id_index"))
-            conn.execute("VACUUM ANALYZE outbox")
-        batches = positions(dsn, args.batch_size, args.held)
+            if args.adopted:
+                hidden = load_adopted(conn, dsn, args)
+            else:
+                conn.execute(query("bench", "bench_load_pending"),
+                             {"topic": "claim_bench", "keys": args.keys, "payload_bytes": args.payload_bytes,
+                              "count": args.rows})
+                conn.execute(query("bench", "claim_bench_xid_id_index"))
+                conn.execute("VACUUM ANALYZE outbox")
+                hidden = {v: sql.Identifier(HIDDEN.get(v, XID_ID_INDEX))
+                          for v in ("relay", "no_budget", "plain", "xid_id_index")}
+        batches = positions(dsn, args.batch_size, args.held, ADOPTED_VIEW if args.adopted else "outbox")
         with psycopg.connect(dsn, autocommit=True) as conn:
-            texts = statements(conn, args.held)
+            texts = statements(conn, args.held, adopted=args.adopted)
             spent = dict.fromkeys(texts, 0.0)
             rows = dict.fromkeys(texts, 0)
             for i, params in enumerate(batches):
                 for variant in rotated(list(texts), round_ + i):
                     with conn.transaction(force_rollback=True):
-                        hidden = HIDDEN.get(variant, XID_ID_INDEX)
                         conn.execute(sql.SQL(query("bench", "claim_bench_hide_index")).format(
-                            index=sql.Identifier(hidden)))
+                            index=hidden[variant]))
                         ((plan,),) = conn.execute("EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) " + texts[variant],
                                                   params).fetchall()
                     spent[variant] += plan[0]["Execution Time"]

@@ -188,3 +188,21 @@ CREATE INDEX IF NOT EXISTS outbox_pending_idx ON outbox (xid, id) WHERE publishe
 -- name: claim_bench_hide_index
 -- Inside a transaction rolled back after a variant's statement: the other variant's index.
 DROP INDEX {index}
+
+-- name: claim_bench_debezium_table
+-- claim_bench --adopted's Debezium outbox table (Debezium's own columns), before adoption.
+CREATE SCHEMA claim_bench;
+CREATE TABLE claim_bench.outbox_events (
+    id uuid PRIMARY KEY,
+    aggregatetype varchar(255) NOT NULL,
+    aggregateid varchar(255) NOT NULL,
+    type varchar(255) NOT NULL,
+    payload jsonb
+)
+
+-- name: claim_bench_load_debezium
+-- Its backlog: bench_load_pending's rows in Debezium's layout (the key the aggregate id).
+INSERT INTO claim_bench.outbox_events (id, aggregatetype, aggregateid, type, payload)
+SELECT gen_random_uuid(), 'Order', 'k' || (g %% %(keys)s), 'Changed',
+       jsonb_build_object('n', g, 'pad', repeat('x', greatest(0, %(payload_bytes)s - 24)))
+FROM generate_series(1, %(count)s) AS g

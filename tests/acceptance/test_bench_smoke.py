@@ -226,6 +226,20 @@ def test_claim_bench_prices_a_replica_of_a_quarter_of_the_shards(pg_server, tmp_
     assert "4 of 16 shards held" in result.stdout
 
 
+def test_claim_bench_prices_an_adopted_table_s_claim_through_its_view(pg_server, tmp_path):
+    """--adopted: the backlog in an adopted Debezium table, claimed through its view on either
+    claim index (the one with the shard, adopt's former one) returns the same rows (the bench
+    exits otherwise)."""
+    ran = _claim_bench(pg_server, tmp_path / "claims.json", "--rows", "3000", "--rounds", "1", "--held", "4",
+                       "--adopted")
+    if ran is None:
+        return
+    result, figures = ran
+    assert set(figures) == {"relay", "no_budget", "xid_seq_index"}
+    assert all(us > 0 for us in figures.values())
+    assert "4 of 16 shards held" in result.stdout
+
+
 def test_mark_bench_refuses_an_unknown_variant(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "outbox_embedded.mark_bench", "--dsn", "postgresql://nobody@127.0.0.1:1/x",
