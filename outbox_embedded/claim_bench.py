@@ -109,7 +109,8 @@ def load_adopted(conn: psycopg.Connection[Any], dsn: str, args: argparse.Namespa
     former (relay_xid, relay_seq) index built beside its claim index; returns the index each
     variant hides."""
     schema, table = ADOPTED
-    conn.execute(query("bench", "claim_bench_debezium_table"))
+    conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    conn.execute(sql.SQL(query("bench", "debezium_table")).format(table=sql.Identifier(schema, table)))
     conn.execute(query("bench", "claim_bench_load_debezium"),
                  {"keys": args.keys, "payload_bytes": args.payload_bytes, "count": args.rows})
     adopt(conn, source=f"{schema}.{table}", view=ADOPTED_VIEW, topic_template=DEFAULT_TOPIC_TEMPLATE,

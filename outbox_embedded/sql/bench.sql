@@ -189,10 +189,10 @@ CREATE INDEX IF NOT EXISTS outbox_pending_idx ON outbox (xid, id) WHERE publishe
 -- Inside a transaction rolled back after a variant's statement: the other variant's index.
 DROP INDEX {index}
 
--- name: claim_bench_debezium_table
--- claim_bench --adopted's Debezium outbox table (Debezium's own columns), before adoption.
-CREATE SCHEMA claim_bench;
-CREATE TABLE claim_bench.outbox_events (
+-- name: debezium_table
+-- A Debezium outbox table (Debezium's own columns), before adoption, named {table}:
+-- claim_bench --adopted's, and the tests' of migrate --debezium-table.
+CREATE TABLE {table} (
     id uuid PRIMARY KEY,
     aggregatetype varchar(255) NOT NULL,
     aggregateid varchar(255) NOT NULL,

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.fixtures.outbox import relay_cmd
 
 KEYS = ["relay_events_per_s", "db_floor_events_per_s", "producer_floor_events_per_s",
@@ -214,28 +216,21 @@ def test_claim_bench_times_each_claim_variant_over_the_same_rows(pg_server, tmp_
     assert "medians of 1 rounds" in result.stdout
 
 
-def test_claim_bench_prices_a_replica_of_a_quarter_of_the_shards(pg_server, tmp_path):
+@pytest.mark.parametrize(("extra", "variants"), [
+    ((), {"relay", "no_budget", "xid_id_index"}),
+    (("--adopted",), {"relay", "no_budget", "xid_seq_index"}),
+], ids=["outbox", "adopted"])
+def test_claim_bench_prices_a_replica_of_a_quarter_of_the_shards(pg_server, tmp_path, extra, variants):
     """With 4 of 16 shards held, the relay's claim on either index returns the same rows (the
-    bench exits otherwise); the plain scan, which takes every shard's rows, is left out."""
-    ran = _claim_bench(pg_server, tmp_path / "claims.json", "--rows", "3000", "--rounds", "1", "--held", "4")
-    if ran is None:
-        return
-    result, figures = ran
-    assert set(figures) == {"relay", "no_budget", "xid_id_index"}
-    assert all(us > 0 for us in figures.values())
-    assert "4 of 16 shards held" in result.stdout
-
-
-def test_claim_bench_prices_an_adopted_table_s_claim_through_its_view(pg_server, tmp_path):
-    """--adopted: the backlog in an adopted Debezium table, claimed through its view on either
-    claim index (the one with the shard, adopt's former one) returns the same rows (the bench
-    exits otherwise)."""
+    bench exits otherwise); the plain scan, which takes every shard's rows, is left out.
+    --adopted: the backlog in an adopted Debezium table, claimed through its view on its
+    claim index with the shard and on the one adopt built before."""
     ran = _claim_bench(pg_server, tmp_path / "claims.json", "--rows", "3000", "--rounds", "1", "--held", "4",
-                       "--adopted")
+                       *extra)
     if ran is None:
         return
     result, figures = ran
-    assert set(figures) == {"relay", "no_budget", "xid_seq_index"}
+    assert set(figures) == variants
     assert all(us > 0 for us in figures.values())
     assert "4 of 16 shards held" in result.stdout
 

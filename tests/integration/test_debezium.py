@@ -9,20 +9,20 @@ import subprocess
 import uuid
 
 import psycopg
+from psycopg import sql
 
+from outbox_embedded.queries import query
 from tests.fixtures.broker import create_topic, read_all
 from tests.fixtures.outbox import RelayThread, relay_cmd, scalar
 from tests.fixtures.procs import wait_until
 
-DEBEZIUM_TABLE = """
-CREATE TABLE app.outbox_events (
-    id uuid PRIMARY KEY,
-    aggregatetype varchar(255) NOT NULL,
-    aggregateid varchar(255) NOT NULL,
-    type varchar(255) NOT NULL,
-    payload jsonb
-)"""
 
+def debezium_table(schema: str = "app", name: str = "outbox_events") -> sql.Composed:
+    """The CREATE TABLE of a Debezium outbox table (Debezium's own columns) named schema.name."""
+    return sql.SQL(query("bench", "debezium_table")).format(table=sql.Identifier(schema, name))
+
+
+DEBEZIUM_TABLE = debezium_table()
 
 def write(conn: psycopg.Connection, aggregate: str, aggregate_id: str, kind: str, seq: int) -> str:
     """Exactly what a service writing for Debezium's outbox router does."""

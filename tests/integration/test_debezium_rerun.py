@@ -19,7 +19,7 @@ from psycopg import sql
 from relay import adopt_index
 from relay.migrate_index import SHARD_COLUMN_SINCE
 from tests.fixtures.outbox import relay_cmd
-from tests.integration.test_debezium import DEBEZIUM_TABLE
+from tests.integration.test_debezium import DEBEZIUM_TABLE, debezium_table
 from tests.integration.test_status_detached import _status
 
 VIEW = "app.outbox_events_relay"
@@ -117,7 +117,7 @@ def test_adopting_again_builds_a_long_named_table_s_index_an_interrupted_run_lef
     table = sql.Identifier("app", LONG)
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         conn.execute("CREATE SCHEMA app")
-        conn.execute(sql.SQL(DEBEZIUM_TABLE.replace("app.outbox_events", "{}")).format(table))
+        conn.execute(debezium_table("app", LONG))
     done = subprocess.run(relay_cmd("migrate", "--dsn", outbox_db, "--debezium-table", f"app.{LONG}"),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -13,6 +13,7 @@ transactions, and gives up naming them after --index-wait-s (relay/migrate_index
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -102,26 +103,36 @@ class _Migrate(threading.Thread):
             self.error = exc
 
 
-@pytest.mark.parametrize("partitioned", [False, True])
-def test_writers_go_on_while_the_index_is_built_on_a_large_outbox(db_dsn, partitioned):
-    migrate.apply(db_dsn, partitioned=partitioned)
-    kept = _the_other_index(db_dsn)
-    _fill(db_dsn)
-    writer = _open_writer(db_dsn, partitioned=partitioned)
-    run = _Migrate(db_dsn, lock_timeout_s=30)
+def _migrate_behind_a_writer(dsn: str, waiting: Callable[[], bool], what: str,
+                             meanwhile: Callable[[], None] = lambda: None, *,
+                             partitioned: bool = False) -> _Migrate:
+    """A migrate started while a writer's transaction is open: once ``waiting()`` (it ``what``),
+    ``meanwhile()`` runs and migrate must still be at it; then the writer commits, and migrate
+    must end without an error."""
+    writer = _open_writer(dsn, partitioned=partitioned)
+    run = _Migrate(dsn, lock_timeout_s=30)
     try:
         run.start()
-        wait_until(lambda: not run.is_alive() or _migrate_waiting(db_dsn), 30,
-                   message="migrate neither waited for the open writer nor ended")
-        # Before: this INSERT queued behind the build's SHARE lock request for the whole of
-        # migrate's lock_timeout (30 s here) and was refused at its own 3 s.
-        _insert_within(db_dsn, "3s")
+        wait_until(lambda: not run.is_alive() or waiting(), 30, message=f"migrate neither {what} nor ended")
+        meanwhile()
         assert run.is_alive() and run.error is None, run.error  # still waiting for the open writer
     finally:
         writer.commit()
         writer.close()
     run.join(60)
     assert not run.is_alive() and run.error is None, run.error
+    return run
+
+
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_writers_go_on_while_the_index_is_built_on_a_large_outbox(db_dsn, partitioned):
+    migrate.apply(db_dsn, partitioned=partitioned)
+    kept = _the_other_index(db_dsn)
+    _fill(db_dsn)
+    # Before: the INSERT queued behind the build's SHARE lock request for the whole of
+    # migrate's lock_timeout (30 s here) and was refused at its own 3 s.
+    run = _migrate_behind_a_writer(db_dsn, lambda: _migrate_waiting(db_dsn), "waited for the open writer",
+                                   lambda: _insert_within(db_dsn, "3s"), partitioned=partitioned)
     assert _claim_indexes(db_dsn) == {kept: True}
     built = [f for e, f in run.log.said if e == "pending_index_built"]
     assert built and built[0]["concurrently"] is True, run.log.said
@@ -200,18 +211,8 @@ def test_a_role_timeout_does_not_cancel_the_concurrent_build(db_dsn, setting):
     with psycopg.connect(db_dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("ALTER ROLE current_user IN DATABASE {} SET {} = '50ms'").format(
             sql.Identifier(conn.info.dbname), sql.Identifier(setting)))
-    writer = _open_writer(db_dsn)
-    run = _Migrate(db_dsn, lock_timeout_s=30)
-    try:
-        run.start()
-        wait_until(lambda: not run.is_alive() or _build_waited(db_dsn, 0.5), 30,
-                   message="migrate's build neither waited past the role's 50 ms nor ended")
-        assert run.is_alive() and run.error is None, run.error  # before: cancelled at 50 ms
-    finally:
-        writer.commit()
-        writer.close()
-    run.join(60)
-    assert not run.is_alive() and run.error is None, run.error
+    # Before: cancelled at 50 ms, while it waited for the open writer.
+    _migrate_behind_a_writer(db_dsn, lambda: _build_waited(db_dsn, 0.5), "waited past the role's 50 ms")
     assert _claim_indexes(db_dsn) == {kept: True}
     with psycopg.connect(db_dsn, autocommit=True) as conn:  # the role's sessions keep its setting
         assert conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(setting))).fetchone() == ("50ms",)
