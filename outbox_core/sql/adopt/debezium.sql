@@ -114,13 +114,14 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS {index} ON {source}
 -- name: adopted_tables
 -- The tables migrate --debezium-table adopted (the relay's relay_seq and relay_xid columns):
 -- each one's schema and name, for migrate to keep their claim index for the shard count, and
--- its owner when migrate's role may not build an index on it (NULL: it may).
+-- its owner when migrate's role may not build an index on it (NULL: it may).  Not a
+-- partition: adopt builds its indexes concurrently, which a partitioned table refuses.
 SELECT n.nspname::text AS schema, c.relname::text AS name,
        CASE WHEN NOT pg_has_role(current_user, c.relowner, 'USAGE')
             THEN pg_get_userbyid(c.relowner)::text END AS owner
 FROM pg_class AS c
 JOIN pg_namespace AS n ON n.oid = c.relnamespace
-WHERE c.relkind = 'r'
+WHERE c.relkind = 'r' AND NOT c.relispartition
   AND EXISTS (SELECT 1 FROM pg_attribute AS a
               WHERE a.attrelid = c.oid AND a.attname = 'relay_seq' AND NOT a.attisdropped)
   AND EXISTS (SELECT 1 FROM pg_attribute AS a
