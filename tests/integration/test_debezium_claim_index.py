@@ -186,3 +186,19 @@ def test_migrate_leaves_an_adopted_table_another_role_owns_and_says_so(outbox_db
                 conn.execute(sql.SQL("REASSIGN OWNED BY {} TO current_user").format(sql.Identifier(role)))
                 conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
                 conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_migrate_leaves_the_partitions_of_a_table_adopt_refused_alone(outbox_db):
+    """adopt refuses a partitioned table at its concurrent builds, after its columns went in,
+    so the partitions carry relay_seq and relay_xid.  Before: migrate took each partition
+    for an adopted table and built a claim index on it."""
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA app")
+        conn.execute("CREATE TABLE app.parted (id uuid, aggregatetype text, aggregateid text NOT NULL, "
+                     "type text, payload jsonb, relay_seq bigint, relay_xid xid8, relay_published_at timestamptz) "
+                     "PARTITION BY HASH (aggregateid)")
+        conn.execute("CREATE TABLE app.parted_0 PARTITION OF app.parted FOR VALUES WITH (MODULUS 1, REMAINDER 0)")
+    _run(outbox_db)
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        assert conn.execute("SELECT indexrelid::regclass::text FROM pg_index "
+                            "WHERE indrelid IN ('app.parted'::regclass, 'app.parted_0'::regclass)").fetchall() == []
