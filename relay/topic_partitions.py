@@ -21,7 +21,10 @@ exactly-once mode the shard producers are clients of their own: they move keys a
 own refresh, up to 5 minutes after the line.  A round stops asking after
 ``budget_s`` (an unreachable cluster costs 5 requests a round; the topics left go first
 next round).  A lookup that fails is no change, and the first count seen of a topic is
-none either.
+none either: so a topic first published to is looked up within :data:`FIRST_LOOK_S` (a
+second), not at the next round.  Until then the first look came up to a minute after the
+relay first sent to the topic, and partitions added in that minute were taken for the
+first count, unsaid (a relay restarted beside a topic's change).
 
 On a thread of its own (``outbox-relay-partitions``), never the pump's: a metadata request
 waits on the network, and the pump never does (relay/publisher.py ``send``).  The relay's
@@ -45,6 +48,7 @@ from relay.metrics import RelayMetrics
 CHECK_EVERY_S = 60.0  # how often the topics published to are looked at
 LOOKUP_TIMEOUT_S = 1.0  # one topic's metadata request
 ROUND_BUDGET_S = 5.0  # a round asks no more once it has taken this long
+FIRST_LOOK_S = 1.0  # a topic first published to is looked up within this long
 
 #: What a person can do about it, in the log line.
 MOVED_HINT = ("keys moved between partitions: per-key order holds only within each partition from now "
@@ -119,11 +123,13 @@ class PartitionWatch:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def run_once(self) -> list[PartitionChange]:
-        """Look up the topics published to since they were last looked up; say each change."""
+    def run_once(self, *, first_looks: bool = False) -> list[PartitionChange]:
+        """Look up the topics published to since they were last looked up; say each change.
+        ``first_looks``: only those never looked up yet (between rounds; see the module)."""
         published = self._published()
         never = _Looks()  # a topic not asked yet (not stored)
-        due = sorted((topic for topic, rows in published.items() if rows > self._looks.get(topic, never).rows),
+        due = sorted((topic for topic, rows in published.items()
+                      if rows > self._looks.get(topic, never).rows and not (first_looks and topic in self._looks)),
                      key=lambda topic: self._looks.get(topic, never).asked_at)
         started = self._clock()
         changes: list[PartitionChange] = []
@@ -140,7 +146,8 @@ class PartitionWatch:
             if change is not None:
                 self._say(change)
                 changes.append(change)
-        self.rounds += 1
+        if not first_looks:
+            self.rounds += 1
         return changes
 
     def _say(self, change: PartitionChange) -> None:
@@ -166,8 +173,15 @@ class PartitionWatch:
             thread.join(timeout_s)
 
     def _run(self) -> None:
-        while not self._stopping.wait(self.every_s):
+        """A round every ``every_s``; between them, every :data:`FIRST_LOOK_S`, the first look
+        at the topics published to since."""
+        next_round = self._clock() + self.every_s
+        while not self._stopping.wait(max(0.0, min(FIRST_LOOK_S, next_round - self._clock()))):
+            full = self._clock() >= next_round
+            if full:
+                next_round = self._clock() + self.every_s
             try:
-                self.run_once()
+                self.run_once(first_looks=not full)
             except Exception as exc:  # noqa: BLE001 - a round's failure must not end the watch
-                self.log.error("partition_check_failed", error=f"{type(exc).__name__}: {exc}"[:500])
+                if full:  # a failure of every look is said once a round, not every second
+                    self.log.error("partition_check_failed", error=f"{type(exc).__name__}: {exc}"[:500])

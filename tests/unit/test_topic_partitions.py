@@ -295,3 +295,37 @@ def test_close_waits_for_a_lookup_under_way_before_it_destroys_the_client() -> N
     closing.join(5)
     assert order == ["lookup begins", "lookup ends", "destroyed"]
     destroy_producer(real)
+
+
+def test_between_rounds_only_topics_never_looked_up_are_asked_and_no_round_is_counted() -> None:
+    metrics, log, cluster = RelayMetrics(), Log(), Cluster(a=1, b=1)
+    w = watch(cluster, metrics, log)
+    publish(metrics, "a")
+    w.run_once(first_looks=True)
+    assert cluster.asked == ["a"] and w.counts.seen == {"a": 1} and w.rounds == 0
+    publish(metrics, "a", 5)  # more rows: due at the next round, not in a first look
+    publish(metrics, "b")
+    cluster.asked.clear()
+    w.run_once(first_looks=True)
+    assert cluster.asked == ["b"]
+    cluster.asked.clear()
+    w.run_once()
+    assert cluster.asked == ["a"] and w.rounds == 1
+
+
+def test_partitions_added_soon_after_the_first_send_are_said() -> None:
+    """Before: the first look came at the first round, up to every_s (60 s) after the relay
+    first sent to the topic, and took a change in that minute for the first count, unsaid.
+    Now the thread looks at a topic first published to within FIRST_LOOK_S."""
+    metrics, log, cluster = RelayMetrics(), Log(), Cluster(orders=3)
+    w = watch(cluster, metrics, log, every_s=3600.0)  # no round during the test
+    w.start()
+    try:
+        publish(metrics, "orders")
+        wait_until(lambda: "orders" in w.counts.seen, timeout_s=5, message="no first look at orders")
+        cluster.counts["orders"] = 6
+        publish(metrics, "orders")
+        w.run_once()  # the round
+    finally:
+        w.stop()
+    assert [c["partitions_before"] for c in log.named("topic_partitions_changed")] == [3]
