@@ -22,7 +22,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from relay import adopt_index
+from relay import adopt_index, migrate_index
 from relay.migrate_index import SHARD_COLUMN_SINCE
 from relay.model import Cursor, ShardId
 from relay.queries import compose
@@ -202,3 +202,30 @@ def test_migrate_leaves_the_partitions_of_a_table_adopt_refused_alone(outbox_db)
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         assert conn.execute("SELECT indexrelid::regclass::text FROM pg_index "
                             "WHERE indrelid IN ('app.parted'::regclass, 'app.parted_0'::regclass)").fetchall() == []
+
+
+def test_a_role_with_no_right_on_the_adopted_table_s_schema_reads_its_claim_index(outbox_db):
+    """The relay reads the claim index at start (claim_index_not_built) as its own role, which
+    needs rights on the view's schema only, when the view is in another (--view).  With a
+    to_regclass of the table's name, that read failed, permission denied for schema app,
+    and the relay would not start."""
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA app")
+        conn.execute("CREATE SCHEMA relayv")
+        conn.execute(DEBEZIUM_TABLE)
+        version = conn.info.server_version
+    _run(outbox_db, "--debezium-table", "app.outbox_events", "--view", "relayv.events")
+    reader = f"reader_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(reader)))
+        conn.execute(sql.SQL("GRANT USAGE ON SCHEMA relayv TO {0}; GRANT SELECT ON relayv.events, "
+                             "outbox_relay_settings TO {0}").format(sql.Identifier(reader)))
+    try:
+        with psycopg.connect(make_conninfo(outbox_db, user=reader), autocommit=True) as conn:
+            found = migrate_index.table_state(conn, "relayv.events")
+        assert found == {"expected": adopt_index.claim_index("outbox_events", version, 16), "adopted": "app.outbox_events",
+                         "found": [{"name": adopt_index.claim_index("outbox_events", version, 16), "valid": True}],
+                         "ok": True}, found
+    finally:
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {0}; DROP ROLE {0}").format(sql.Identifier(reader)))

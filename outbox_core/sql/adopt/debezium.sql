@@ -139,12 +139,16 @@ WHERE c.oid = to_regclass(%(source)s)
 -- The claim's indexes of the adopted table %(schema)s.%(name)s (relay/adopt_index.py): those
 -- adopt or migrate made (named <table>_relay_pending...), of the pending rows in relay_xid
 -- order, whatever their third column; valid is false for a concurrent build that did not
--- finish.  The retrying and published rows' indexes begin with other columns.
+-- finish.  The retrying and published rows' indexes begin with other columns.  By the
+-- catalog's names, not to_regclass: the relay's role reads it at start (claim_index_not_built)
+-- and needs no right on the table's schema when its view is in another.
 SELECT c.relname::text AS name, x.indisvalid AS valid
 FROM pg_index AS x
 JOIN pg_class AS c ON c.oid = x.indexrelid
 JOIN pg_attribute AS a ON a.attrelid = x.indrelid AND a.attnum = x.indkey[0]
-WHERE x.indrelid = to_regclass(format('%%I.%%I', %(schema)s::text, %(name)s::text))
+JOIN pg_class AS t ON t.oid = x.indrelid
+JOIN pg_namespace AS n ON n.oid = t.relnamespace
+WHERE n.nspname = %(schema)s AND t.relname = %(name)s
   AND a.attname = 'relay_xid'
   AND pg_get_expr(x.indpred, x.indrelid) = '(relay_published_at IS NULL)'
   AND c.relname LIKE '%%\_relay\_pending%%'
