@@ -222,6 +222,11 @@ def test_a_handler_chosen_as_a_deadlocks_victim_is_retried_not_judged(sdk_db, br
 
     def other_session(handler_pid: int) -> None:
         with psycopg.connect(sdk_db) as other:
+            # PostgreSQL's victim is the session whose deadlock check runs first, each after its
+            # own deadlock_timeout (1 s) of waiting: the handler, which waits first, unless a
+            # loaded machine runs its check late (CI once: the other session was the victim,
+            # the handler went on, nothing was retried).  This one checks after a minute.
+            other.execute("SET deadlock_timeout = '60s'")
             other.execute("UPDATE hot SET n = n + 1 WHERE id = 2")
             other_holds_2.set()
             with psycopg.connect(sdk_db, autocommit=True) as watch:  # the handler waits on row 2 first
