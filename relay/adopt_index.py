@@ -24,7 +24,7 @@ import psycopg
 from psycopg import sql
 
 from relay.index_build import build_concurrently
-from relay.migrate_index import SHARD_COLUMN_SINCE
+from relay.migrate_index import SHARD_COLUMN_SINCE, report, shard_count
 from relay.migrate_steps import Step, bounded
 from relay.queries import parse_blocks, query, sql_files
 
@@ -50,38 +50,23 @@ def claim_index(table: str, server_version: int, shards: int) -> str:
     return table + suffix
 
 
-def _rows(conn: psycopg.Connection[Any], block: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-    """A catalog read in a transaction of its own, ended at once: migrate's connection is not
-    in autocommit mode, and a transaction left open would be waited for by the build."""
-    with conn.transaction():
-        return conn.execute(blocks()[block], params).fetchall()
-
-
-def _shards(conn: psycopg.Connection[Any]) -> int:
-    with conn.transaction():
-        (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (16,)  # migrate makes the row
-    return int(shards)
-
-
-def found(conn: psycopg.Connection[Any], schema: str, table: str) -> dict[str, bool]:
-    """The adopted table's claim indexes there are (name: valid)."""
-    return {name: bool(valid) for name, valid in _rows(conn, "adopted_claim_indexes",
-                                                       {"schema": schema, "name": table})}
+def _claim(conn: psycopg.Connection[Any], schema: str, table: str) -> tuple[int, str, dict[str, bool]]:
+    """The database's shard count, the adopted table's claim index for it on this server, and
+    the table's claim indexes there are (name: valid)."""
+    shards = shard_count(conn)
+    indexes = conn.execute(blocks()["adopted_claim_indexes"], {"schema": schema, "name": table})
+    return shards, claim_index(table, conn.info.server_version, shards), {n: bool(v) for n, v in indexes}
 
 
 def state(conn: psycopg.Connection[Any], view: str) -> dict[str, Any] | None:
-    """relay/migrate_index.state for a view ``migrate --debezium-table`` made (None: ``view``
+    """relay/migrate_index.report for a view ``migrate --debezium-table`` made (None: ``view``
     is not one), with ``adopted``, the table under it."""
     row = conn.execute(query("admin", "adopted_table_of_view"), {"view": view}).fetchone()
     if row is None:
         return None
     adopted, schema, table = row
-    (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (16,)
-    expected = claim_index(table, conn.info.server_version, int(shards))
-    there = [{"name": name, "valid": bool(valid)} for name, valid in conn.execute(
-        blocks()["adopted_claim_indexes"], {"schema": schema, "name": table})]
-    return {"expected": expected, "found": there, "ok": there == [{"name": expected, "valid": True}],
-            "adopted": adopted}
+    _, expected, indexes = _claim(conn, schema, table)
+    return {**report(expected, indexes), "adopted": adopted}
 
 
 def ensure_all(conn: psycopg.Connection[Any], dsn: str, *, lock_timeout_s: float, tries: int, wait_s: float,
@@ -89,7 +74,9 @@ def ensure_all(conn: psycopg.Connection[Any], dsn: str, *, lock_timeout_s: float
     """:func:`ensure` for every adopted table of the database (migrate's last step); a table
     another role owns, on which migrate's may not build an index, is left as it is, with a
     warning (``adopted_claim_index_skipped``): the claim is correct meanwhile."""
-    for schema, table, owner in _rows(conn, "adopted_tables", {}):
+    with conn.transaction():  # ended at once: the builds would wait for a transaction left open
+        tables = conn.execute(blocks()["adopted_tables"]).fetchall()
+    for schema, table, owner in tables:
         if owner is not None:
             if log is not None:
                 log.warning("adopted_claim_index_skipped", table=f"{schema}.{table}", owner=owner,
@@ -105,9 +92,8 @@ def ensure(conn: psycopg.Connection[Any], dsn: str, schema: str, table: str, *, 
     """The adopted table's claim index for the server and the shard count, and no other:
     built CONCURRENTLY when missing (an unfinished build's invalid index dropped first), then
     the others dropped.  ``conn`` idle, in either autocommit mode."""
-    version, shards = conn.info.server_version, _shards(conn)
-    keep = claim_index(table, version, shards)
-    there = found(conn, schema, table)
+    with conn.transaction():  # ended at once, as in ensure_all
+        shards, keep, there = _claim(conn, schema, table)
     if there == {keep: True}:
         return
     step = Step(f"the claim's index of the adopted table {schema}.{table}", None, "adopted_pending_index")
@@ -121,7 +107,7 @@ def ensure(conn: psycopg.Connection[Any], dsn: str, schema: str, table: str, *, 
         if there.get(keep) is False:  # a concurrent build that did not finish
             drop(keep)
         source = sql.Identifier(schema, table)
-        block = "pending_index_shards" if version >= SHARD_COLUMN_SINCE else "pending_index"
+        block = "pending_index_shards" if conn.info.server_version >= SHARD_COLUMN_SINCE else "pending_index"
         statement = sql.SQL(blocks()[block]).format(index=sql.Identifier(keep), source=source,
                                                     shards=sql.Literal(shards))
         if log is not None:

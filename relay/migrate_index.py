@@ -58,23 +58,34 @@ def claim_index(server_version: int, shards: int) -> str:
     return pending_index(shards) if server_version >= SHARD_COLUMN_SINCE else XID_ID_INDEX
 
 
+def shard_count(conn: psycopg.Connection[Any]) -> int:
+    """The database's shard count (the claim's indexes are built for it)."""
+    (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (16,)  # migrate makes the row
+    return int(shards)
+
+
 def _indexes(conn: psycopg.Connection[Any]) -> tuple[int, str, dict[str, bool]]:
     """The database's shard count, the claim's index migrate keeps for it on this server, and
     the claim's indexes there are (name: valid)."""
-    (shards,) = conn.execute(query("relay", "read_settings")).fetchone() or (16,)  # migrate makes the row
-    keep = claim_index(conn.info.server_version, int(shards))
-    return int(shards), keep, {name: bool(valid) for name, valid in conn.execute(query("admin", "pending_indexes"))}
+    shards = shard_count(conn)
+    keep = claim_index(conn.info.server_version, shards)
+    return shards, keep, {name: bool(valid) for name, valid in conn.execute(query("admin", "pending_indexes"))}
+
+
+def report(expected: str, indexes: dict[str, bool]) -> dict[str, Any]:
+    """The claim's index to keep (``expected``) and the claim's indexes there are (``found``:
+    name, valid); ``ok``: the expected one, valid, and no other."""
+    found = [{"name": name, "valid": valid} for name, valid in indexes.items()]
+    return {"expected": expected, "found": found, "ok": found == [{"name": expected, "valid": True}]}
 
 
 def state(conn: psycopg.Connection[Any]) -> dict[str, Any]:
-    """The claim's index migrate keeps for the server and the shard count (``expected``) and
-    the claim's indexes there are (``found``: name, valid); ``ok``: the expected one, valid,
-    and no other.  Not so after a major upgrade to PostgreSQL 17 or a ``--shards`` change
-    until migrate runs, or after a concurrent build that did not finish (`status`, and the
-    relay's ``claim_index_not_built`` at start)."""
+    """:func:`report` of the claim's index migrate keeps for the server and the shard count.
+    Not ok after a major upgrade to PostgreSQL 17 or a ``--shards`` change until migrate
+    runs, or after a concurrent build that did not finish (`status`, and the relay's
+    ``claim_index_not_built`` at start)."""
     _, expected, indexes = _indexes(conn)
-    found = [{"name": name, "valid": valid} for name, valid in indexes.items()]
-    return {"expected": expected, "found": found, "ok": found == [{"name": expected, "valid": True}]}
+    return report(expected, indexes)
 
 
 def table_state(conn: psycopg.Connection[Any], table: str) -> dict[str, Any] | None:
