@@ -14,7 +14,6 @@ drops the one it replaces), concurrently: the table is the application's."""
 from __future__ import annotations
 
 import json
-import subprocess
 import uuid
 from typing import Any
 
@@ -27,21 +26,13 @@ from relay.migrate_index import SHARD_COLUMN_SINCE
 from relay.model import Cursor, ShardId
 from relay.queries import compose
 from relay.store import Store, claim_params
-from tests.fixtures.outbox import relay_cmd
 from tests.integration.test_debezium import DEBEZIUM_TABLE
-from tests.integration.test_debezium_rerun import VALID, claim_index
+from tests.integration.test_debezium_rerun import VALID, claim_index, migrate_cli
 from tests.integration.test_status_detached import _status
 
 VIEW = "app.outbox_events_relay"
 #: A replica's shards: 4 of the 16.
 HELD = [ShardId(s) for s in (0, 4, 8, 12)]
-
-
-def _run(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(relay_cmd("migrate", "--dsn", dsn, *args), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "Traceback" not in done.stderr
-    return done
 
 
 def _adopted(dsn: str, rows: int = 5000) -> int:
@@ -54,7 +45,7 @@ def _adopted(dsn: str, rows: int = 5000) -> int:
                      "SELECT gen_random_uuid(), 'Order', 'k-' || (g %% 200), 'Changed', '{}' "
                      "FROM generate_series(1, %s) AS g", (rows,))
         version = conn.info.server_version
-    _run(dsn, "--debezium-table", "app.outbox_events", "--existing", "pending")
+    migrate_cli(dsn, "--debezium-table", "app.outbox_events", "--existing", "pending")
     return version
 
 
@@ -118,7 +109,7 @@ def test_the_adopted_table_s_claim_index_carries_the_shard_and_a_replica_s_claim
 
 def test_migrate_shards_builds_the_adopted_table_s_claim_index_for_the_new_count(outbox_db):
     version = _adopted(outbox_db)
-    done = _run(outbox_db, "--shards", "32")
+    done = migrate_cli(outbox_db, "--shards", "32")
     with_32 = adopt_index.claim_index("outbox_events", version, 32)
     assert _claim_indexes(outbox_db) == {with_32: True}
     report = _status_of_the_view(outbox_db)
@@ -152,7 +143,7 @@ def test_migrate_replaces_the_claim_index_a_table_was_adopted_with_before(outbox
     assert line == (f"claim index:         {other}; app.outbox_events takes {kept} on this server for this shard "
                     "count: run `outbox-relay migrate` (it builds it without holding writers); the claim is "
                     "correct meanwhile")
-    _run(outbox_db)
+    migrate_cli(outbox_db)
     assert _claim_indexes(outbox_db) == {kept: True}
     assert _status_of_the_view(outbox_db)["ok"] is True
 
@@ -173,7 +164,7 @@ def test_migrate_leaves_an_adopted_table_another_role_owns_and_says_so(outbox_db
             conn.execute(sql.SQL("ALTER TABLE {} OWNER TO {}").format(sql.Identifier(table), sql.Identifier(migrator)))
         conn.execute(sql.SQL("ALTER TABLE app.outbox_events OWNER TO {}").format(sql.Identifier(owner)))
     try:
-        done = _run(make_conninfo(outbox_db, user=migrator), "--shards", "32")
+        done = migrate_cli(make_conninfo(outbox_db, user=migrator), "--shards", "32")
         [skipped] = [e for e in (json.loads(x) for x in done.stdout.splitlines() if x.startswith("{"))
                      if e["event"] == "adopted_claim_index_skipped"]
         assert skipped["table"] == "app.outbox_events" and skipped["owner"] == owner, skipped
@@ -198,7 +189,7 @@ def test_migrate_leaves_the_partitions_of_a_table_adopt_refused_alone(outbox_db)
                      "type text, payload jsonb, relay_seq bigint, relay_xid xid8, relay_published_at timestamptz) "
                      "PARTITION BY HASH (aggregateid)")
         conn.execute("CREATE TABLE app.parted_0 PARTITION OF app.parted FOR VALUES WITH (MODULUS 1, REMAINDER 0)")
-    _run(outbox_db)
+    migrate_cli(outbox_db)
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         assert conn.execute("SELECT indexrelid::regclass::text FROM pg_index "
                             "WHERE indrelid IN ('app.parted'::regclass, 'app.parted_0'::regclass)").fetchall() == []
@@ -214,7 +205,7 @@ def test_a_role_with_no_right_on_the_adopted_table_s_schema_reads_its_claim_inde
         conn.execute("CREATE SCHEMA relayv")
         conn.execute(DEBEZIUM_TABLE)
         version = conn.info.server_version
-    _run(outbox_db, "--debezium-table", "app.outbox_events", "--view", "relayv.events")
+    migrate_cli(outbox_db, "--debezium-table", "app.outbox_events", "--view", "relayv.events")
     reader = f"reader_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(reader)))

@@ -31,11 +31,16 @@ ORDER BY 1
 """
 
 
-def _adopt(dsn: str) -> None:
-    done = subprocess.run(relay_cmd("migrate", "--dsn", dsn, "--debezium-table", "app.outbox_events"),
-                          capture_output=True, text=True, timeout=120)
+def migrate_cli(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`outbox-relay migrate --dsn DSN ARGS`, which must succeed without a traceback."""
+    done = subprocess.run(relay_cmd("migrate", "--dsn", dsn, *args), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
+    return done
+
+
+def _adopt(dsn: str) -> None:
+    migrate_cli(dsn, "--debezium-table", "app.outbox_events")
 
 
 def claim_index(dsn: str) -> tuple[str, sql.Composed]:
@@ -65,12 +70,20 @@ def _interrupted_adoption(dsn: str) -> None:
     _adopt(dsn)
     assert set(_indexes(dsn).values()) == {True}
     pending, build = claim_index(dsn)
+    _unfinished_build(dsn, sql.Identifier("app", "outbox_events"), pending, build)
+    assert _indexes(dsn)[pending] is False
+
+
+def _unfinished_build(dsn: str, table: sql.Identifier, index: str, build: sql.Composed) -> None:
+    """``index`` of ``table`` dropped and built again by ``build`` (a CREATE INDEX
+    CONCURRENTLY), whose wait for a writer's open transaction a lock_timeout cuts: left
+    invalid, as an interrupted run leaves it."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP INDEX {}").format(sql.Identifier("app", pending)))
+        conn.execute(sql.SQL("DROP INDEX {}").format(sql.Identifier("app", index)))
     writer = psycopg.connect(dsn)
     try:
-        writer.execute("INSERT INTO app.outbox_events (id, aggregatetype, aggregateid, type, payload) "
-                       "VALUES (gen_random_uuid(), 'Order', 'k-1', 'Changed', '{}')")
+        writer.execute(sql.SQL("INSERT INTO {} (id, aggregatetype, aggregateid, type, payload) "
+                               "VALUES (gen_random_uuid(), 'Order', 'k-1', 'Changed', '{{}}')").format(table))
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("SET lock_timeout = '200ms'")
             with pytest.raises(psycopg.errors.LockNotAvailable):
@@ -78,7 +91,6 @@ def _interrupted_adoption(dsn: str) -> None:
     finally:
         writer.rollback()
         writer.close()
-    assert _indexes(dsn)[pending] is False
 
 
 def test_adopting_again_builds_the_index_an_interrupted_run_left_invalid(outbox_db):
@@ -118,9 +130,7 @@ def test_adopting_again_builds_a_long_named_table_s_index_an_interrupted_run_lef
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         conn.execute("CREATE SCHEMA app")
         conn.execute(debezium_table("app", LONG))
-    done = subprocess.run(relay_cmd("migrate", "--dsn", outbox_db, "--debezium-table", f"app.{LONG}"),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    migrate_cli(outbox_db, "--debezium-table", f"app.{LONG}")
     retrying = f"{LONG}_relay_retrying_idx".encode()[:63].decode()
     assert len(retrying.encode()) == 63 and not retrying.endswith("_idx"), retrying
     valid = "SELECT x.indisvalid FROM pg_index AS x JOIN pg_class AS c ON c.oid = x.indexrelid WHERE c.relname = %s"
@@ -128,23 +138,10 @@ def test_adopting_again_builds_a_long_named_table_s_index_an_interrupted_run_lef
                                                                    source=table)
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         assert conn.execute(valid, (retrying,)).fetchall() == [(True,)]
-        conn.execute(sql.SQL("DROP INDEX {}").format(sql.Identifier("app", retrying)))
-    writer = psycopg.connect(outbox_db)
-    try:
-        writer.execute(sql.SQL("INSERT INTO {} (id, aggregatetype, aggregateid, type, payload) "
-                               "VALUES (gen_random_uuid(), 'Order', 'k-1', 'Changed', '{{}}')").format(table))
-        with psycopg.connect(outbox_db, autocommit=True) as conn:
-            conn.execute("SET lock_timeout = '200ms'")
-            with pytest.raises(psycopg.errors.LockNotAvailable):
-                conn.execute(build)
-    finally:
-        writer.rollback()
-        writer.close()
+    _unfinished_build(outbox_db, table, retrying, build)
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         assert conn.execute(valid, (retrying,)).fetchall() == [(False,)]
-    done = subprocess.run(relay_cmd("migrate", "--dsn", outbox_db, "--debezium-table", f"app.{LONG}"),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    migrate_cli(outbox_db, "--debezium-table", f"app.{LONG}")
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         assert conn.execute(valid, (retrying,)).fetchall() == [(True,)]
     # The claim's index: the table's name cut, not the count's suffix (relay/adopt_index.py).
